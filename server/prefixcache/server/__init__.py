@@ -1,0 +1,1 @@
+"""The service around the cache library: configuration, gRPC, metrics and the CLI."""

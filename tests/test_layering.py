@@ -1,0 +1,159 @@
+"""Layers import downward only (DESIGN.md §1); checked by parsing every module's imports."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The cache domain knows nothing of transport, metrics, config files or the layers above it.
+CACHE_FORBIDDEN = (
+    "grpc",
+    "grpc_health",
+    "grpc_reflection",
+    "grpc_status",
+    "prometheus_client",
+    "yaml",
+    "google.protobuf",
+    "prefixcache.server",
+    "prefixcache.client",
+    "prefixcache.v1",
+)
+# What a worker imports must load fast and without torch; it may reach the
+# cache's plain types only lazily, inside functions.
+CLIENT_FORBIDDEN_AT_IMPORT = ("torch", "prefixcache.server", "prefixcache.cache")
+SERVER_FORBIDDEN = ("prefixcache.client",)
+
+
+def imported_modules(source: str, package: str, *, import_time_only: bool = False) -> set[str]:
+    """Every module that `source`, a module of `package`, may import.
+
+    `from a import b` yields both `a` and `a.b`, since `b` may be a submodule.
+    Relative imports are resolved against `package`. With `import_time_only`,
+    imports inside function bodies and `if TYPE_CHECKING:` blocks are ignored.
+    """
+    found: set[str] = set()
+    for node in _walk(ast.parse(source), import_time_only):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # one dot is `package` itself; each further dot goes up a level
+                parent = package.rsplit(".", node.level - 1)[0]
+                base = f"{parent}.{base}" if base else parent
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+    return found
+
+
+def violations(modules: set[str], forbidden: tuple[str, ...]) -> list[str]:
+    """The modules in `modules` that are, or live under, one of `forbidden`."""
+    return sorted(m for m in modules if any(m == f or m.startswith(f"{f}.") for f in forbidden))
+
+
+def _walk(tree: ast.AST, import_time_only: bool) -> Iterator[ast.AST]:
+    for child in ast.iter_child_nodes(tree):
+        if import_time_only:
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                continue
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                # Only the `else:` branch runs at import time.
+                yield from _walk(ast.Module(body=child.orelse, type_ignores=[]), import_time_only)
+                continue
+        yield child
+        yield from _walk(child, import_time_only)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _modules_under(root: Path, package_dir: str) -> list[tuple[Path, str]]:
+    """(path, package the module lives in) for every .py file under root/package_dir."""
+    return [
+        (path, ".".join(path.relative_to(root).parts[:-1]))
+        for path in sorted((root / package_dir).rglob("*.py"))
+    ]
+
+
+def _check(
+    root: Path, package_dir: str, forbidden: tuple[str, ...], *, import_time_only: bool = False
+) -> list[str]:
+    modules = _modules_under(root, package_dir)
+    assert modules, f"no modules under {root / package_dir}: the check would pass vacuously"
+    problems = []
+    for path, package in modules:
+        imported = imported_modules(path.read_text(), package, import_time_only=import_time_only)
+        bad = violations(imported, forbidden)
+        problems += [f"{path.relative_to(REPO)} imports {module}" for module in bad]
+    return problems
+
+
+def test_cache_imports_nothing_above_it() -> None:
+    """prefixcache.cache imports the standard library and torch, never the service stack."""
+    assert _check(REPO / "server", "prefixcache/cache", CACHE_FORBIDDEN) == []
+
+
+def test_client_imports_no_torch_or_server_at_import_time() -> None:
+    """prefixcache.client loads without torch, the cache or the server."""
+    problems = _check(
+        REPO / "client", "prefixcache/client", CLIENT_FORBIDDEN_AT_IMPORT, import_time_only=True
+    )
+    assert problems == []
+
+
+def test_server_does_not_import_client() -> None:
+    """The service sits beside the client, not on top of it."""
+    assert _check(REPO / "server", "prefixcache/server", SERVER_FORBIDDEN) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("import grpc.aio", ["grpc.aio"]),
+        ("from google import protobuf", ["google.protobuf"]),
+        ("from ..server import app", ["prefixcache.server", "prefixcache.server.app"]),
+        ("from .. import v1", ["prefixcache.v1"]),
+        ("def f():\n    import yaml", ["yaml"]),
+        ("import grpc_tools", []),
+        ("from . import key\nimport torch", []),
+    ],
+)
+def test_checker_flags_bad_cache_sources(source: str, expected: list[str]) -> None:
+    """The checker itself can fail: synthetic bad sources are caught, good ones pass."""
+    imported = imported_modules(source, "prefixcache.cache")
+    assert violations(imported, CACHE_FORBIDDEN) == expected
+
+
+def test_checker_import_time_rules() -> None:
+    """Lazy and TYPE_CHECKING imports are allowed in the client; module-level ones are not."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import torch\n"
+        "if TYPE_CHECKING:\n    from prefixcache.cache import RadixKey\n"
+        "else:\n    from prefixcache.server import cli\n"
+        "def lazy():\n    from prefixcache.cache import RadixKey\n"
+    )
+    imported = imported_modules(source, "prefixcache.client", import_time_only=True)
+    assert violations(imported, CLIENT_FORBIDDEN_AT_IMPORT) == [
+        "prefixcache.server",
+        "prefixcache.server.cli",
+        "torch",
+    ]
+
+
+def test_importing_client_does_not_load_torch(tmp_path: Path) -> None:
+    """The real import, not just the parsed one: torch stays out of sys.modules."""
+    code = "import prefixcache.client, sys; assert 'torch' not in sys.modules, 'torch loaded'"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
