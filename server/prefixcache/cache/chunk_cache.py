@@ -1,0 +1,43 @@
+"""ChunkCache: the no-op prefix cache used when radix caching is off."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import BasePrefixCache, EvictResult, InsertResult, MatchResult
+from .key import RadixKey
+
+
+class ChunkCache(BasePrefixCache):
+    """Caches nothing: every match misses, insert and evict do nothing, sizes are 0.
+
+    The caller keeps ownership of every slot and frees request KV itself.
+    """
+
+    def __init__(self, token_to_kv_pool_allocator: Any = None, device: Any = None) -> None:
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.device = torch.device(
+            device or getattr(token_to_kv_pool_allocator, "device", None) or "cpu"
+        )
+
+    def reset(self) -> None:
+        pass
+
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        return MatchResult(torch.empty((0,), dtype=torch.int64, device=self.device), None, 0)
+
+    def insert(
+        self, key: RadixKey, value: torch.Tensor | None = None, **kwargs: Any
+    ) -> InsertResult:
+        return InsertResult()
+
+    def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
+        return EvictResult()
+
+    def inc_lock_ref(self, node: Any) -> Any:
+        return None
+
+    def dec_lock_ref(self, node: Any, *args: Any, **kwargs: Any) -> None:
+        return None

@@ -1,0 +1,120 @@
+"""Eviction policies (chosen by name) and the lazily-invalidated queue that orders candidates."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from itertools import count
+from typing import Any
+
+from .errors import InvalidInputError
+from .node import TreeNode
+
+Priority = Callable[[TreeNode], Any]
+
+
+def lru(node: TreeNode) -> Any:
+    """Least recently used first."""
+    return node.last_access_time
+
+
+def lfu(node: TreeNode) -> Any:
+    """Least frequently matched first; recency breaks ties."""
+    return (node.hit_count, node.last_access_time)
+
+
+def fifo(node: TreeNode) -> Any:
+    """Oldest node first (ids grow with creation)."""
+    return node.id
+
+
+def mru(node: TreeNode) -> Any:
+    """Most recently used first."""
+    return -node.last_access_time
+
+
+def filo(node: TreeNode) -> Any:
+    """Newest node first."""
+    return -node.id
+
+
+EVICTION_POLICIES: dict[str, Priority] = {
+    "lru": lru,
+    "lfu": lfu,
+    "fifo": fifo,
+    "mru": mru,
+    "filo": filo,
+}
+
+
+def get_eviction_policy(name: str) -> Priority:
+    """The priority function registered under ``name`` (lower evicts first)."""
+    try:
+        return EVICTION_POLICIES[name]
+    except KeyError:
+        known = ", ".join(sorted(EVICTION_POLICIES))
+        raise InvalidInputError(f"unknown eviction policy {name!r} (known: {known})") from None
+
+
+class EvictionQueue:
+    """Candidates for eviction in priority order, O(log n) per change.
+
+    A node's priority moves whenever it is touched, so instead of re-sorting, ``push``
+    adds a fresh entry and remembers it as the node's live one; older entries of the
+    same node are skipped when popped. The heap is rebuilt from the live entries when
+    stale ones outnumber them, so memory stays proportional to the candidates.
+    """
+
+    __slots__ = ("_heap", "_live", "_priority", "_seq")
+
+    def __init__(self, priority: Priority) -> None:
+        self._priority = priority
+        self._heap: list[list[Any]] = []
+        self._live: dict[int, list[Any]] = {}
+        self._seq = count()
+
+    def push(self, node: TreeNode) -> None:
+        """Make ``node`` a candidate at its current priority (replacing an older entry)."""
+        entry = [self._priority(node), next(self._seq), node]
+        self._live[node.id] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 2 * len(self._live) + 1024:
+            self._compact()
+
+    def discard(self, node: TreeNode) -> None:
+        """Stop considering ``node`` (no-op if it is not a candidate)."""
+        self._live.pop(node.id, None)
+
+    def refresh(self, node: TreeNode) -> None:
+        """Re-rank ``node`` after a touch, if it is a candidate."""
+        if node.id in self._live:
+            self.push(node)
+
+    def pop(self) -> TreeNode | None:
+        """Remove and return the candidate to evict first, or None if there is none."""
+        heap, live = self._heap, self._live
+        while heap:
+            entry = heapq.heappop(heap)
+            node = entry[2]
+            if live.get(node.id) is entry:
+                del live[node.id]
+                return node
+        return None
+
+    def clear(self) -> None:
+        self._heap.clear()
+        self._live.clear()
+
+    def __contains__(self, node: TreeNode) -> bool:
+        return node.id in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def node_ids(self) -> set[int]:
+        return set(self._live)
+
+    def _compact(self) -> None:
+        live = self._live
+        self._heap = [e for e in self._heap if live.get(e[2].id) is e]
+        heapq.heapify(self._heap)

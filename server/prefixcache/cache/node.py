@@ -1,0 +1,109 @@
+"""TreeNode: one edge of the radix tree, holding a run of tokens and their KV slots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import count
+from typing import TYPE_CHECKING
+
+from .key import TOKEN_BYTES, RadixKey
+
+if TYPE_CHECKING:
+    import torch
+
+# Ids are process-wide (as in the reference) so a node id names one node across caches.
+_node_ids = count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """One isolated subtree: an ``extra_key`` and a token width, with its byte sizes."""
+
+    extra_key: str | None
+    token_width: int
+    page_size: int
+
+    @property
+    def token_bytes(self) -> int:
+        return TOKEN_BYTES * self.token_width
+
+    @property
+    def page_bytes(self) -> int:
+        return TOKEN_BYTES * self.token_width * self.page_size
+
+
+class TreeNode:
+    """A node of the radix tree.
+
+    ``key_bytes`` holds this node's own tokens (packed) and ``value`` their slots. The
+    root and the namespace roots under it have empty keys (``key_len == 0``) and are
+    never locked, evicted or counted. A node is *evicted* once it leaves the tree; any
+    later lock or unlock on it is an error.
+
+    ``lock_ref`` counts locks on this node and its descendants (a lock walks to the
+    root); ``own_lock_ref`` counts the locks taken on this node itself, so that
+    ``lock_ref == own_lock_ref + sum(child.lock_ref)`` always holds and an unlock that
+    was never locked can be refused.
+    """
+
+    __slots__ = (
+        "children",
+        "evicted",
+        "hash_values",
+        "hit_count",
+        "id",
+        "key_bytes",
+        "key_len",
+        "last_access_time",
+        "lock_ref",
+        "namespace",
+        "own_lock_ref",
+        "parent",
+        "swa_boundary_id",
+        "swa_lock_ref",
+        "swa_tombstone",
+        "value",
+    )
+
+    def __init__(
+        self,
+        namespace: Namespace | None = None,
+        key_bytes: bytes = b"",
+        value: torch.Tensor | None = None,
+        parent: TreeNode | None = None,
+        last_access_time: int = 0,
+    ) -> None:
+        self.children: dict[object, TreeNode] = {}
+        self.parent = parent
+        self.namespace = namespace
+        self.key_bytes = key_bytes
+        self.key_len = len(key_bytes) // namespace.token_bytes if namespace else 0
+        self.value = value
+        self.lock_ref = 0
+        self.own_lock_ref = 0
+        self.swa_lock_ref = 0
+        self.swa_tombstone = False
+        self.swa_boundary_id: int | None = None
+        self.last_access_time = last_access_time
+        self.hit_count = 0
+        self.hash_values: list[str] | None = None
+        self.evicted = False
+        self.id = next(_node_ids)
+
+    @property
+    def key(self) -> RadixKey:
+        """This node's own tokens as a RadixKey (decoded on demand)."""
+        ns = self.namespace
+        if ns is None:
+            return RadixKey()
+        return RadixKey.from_bytes(self.key_bytes, ns.token_width, ns.extra_key)
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, len={self.key_len}, lock_ref={self.lock_ref}, "
+            f"children={len(self.children)}{', tombstone' if self.swa_tombstone else ''}"
+            f"{', evicted' if self.evicted else ''})"
+        )

@@ -1,0 +1,428 @@
+"""RadixCache: an SGLang-style radix tree from namespaced token prefixes to KV-pool slots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .base import BasePrefixCache, EvictResult, InsertResult, MatchResult
+from .errors import InvalidInputError, LockError
+from .eviction import EvictionQueue, get_eviction_policy
+from .hashing import hash_pages
+from .inspection import check_radix_cache, format_tree
+from .key import RadixKey
+from .node import Namespace, TreeNode
+
+
+def common_prefix(key: bytes, query: bytes, pos: int, end: int, page_bytes: int) -> int:
+    """Bytes of ``key`` equal to ``query[pos:end]``, in whole pages.
+
+    The caller has already matched the first page (it found ``key``'s node by it), so the
+    answer is at least one page. Pages are compared with memcmp, halving the range.
+    """
+    limit = min(len(key), end - pos)
+    if query.startswith(key[:limit], pos):
+        return limit
+    lo, hi = page_bytes, limit  # key[:lo] matches, key[:hi] does not
+    while hi - lo > page_bytes:
+        mid = lo + (hi - lo) // page_bytes // 2 * page_bytes
+        if query.startswith(key[lo:mid], pos + lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class RadixCache(BasePrefixCache):
+    """Prefix cache over a token-slot allocator, drop-in for ``pymllm.mem_cache.RadixCache``.
+
+    Keys are page-aligned on both match and insert: the unaligned tail of an inserted
+    key is not cached and its slots stay the caller's. Each ``(extra_key, token width)``
+    pair is its own subtree under the root, so namespaces never alias.
+
+    Insert does not free the slots it did not need (the part of ``value`` already in the
+    tree, ``value[cache_protected_len:prefix_len]``); the caller frees them, as with
+    SGLang's RadixCache. SWA mode frees them itself (see ``SWARadixCache``).
+
+    Eviction takes whole unlocked leaves in policy order (``"lru"`` by default) from a
+    queue kept up to date on every change, so ``evict`` never scans the tree; a parent
+    left childless and unlocked is a candidate in the same call. ``last_access_time`` is
+    a logical clock: every touch gets the next tick, parents before children.
+
+    With ``sliding_window_size`` set, constructing a ``RadixCache`` gives an
+    ``SWARadixCache``, which keeps this signature.
+
+    Args:
+        page_size: tokens per page; matches, inserts and splits are page-aligned.
+        sliding_window_size: SWA window in tokens, or None for full attention.
+        token_to_kv_pool_allocator: receives ``free`` (and ``free_swa``) for evicted
+            slots; may be None for a tree without a pool.
+        on_node_evict: called with the id of each node removed from the tree.
+        eviction_policy: name from ``EVICTION_POLICIES``.
+        eager_page_hashes: compute each new node's chained SHA-256 page hashes at insert
+            (needed for KV events). Off by default because it costs about a microsecond
+            a page; ``compute_node_hash`` still hashes on demand, root-down, either way.
+    """
+
+    def __new__(cls, page_size: int = 1, sliding_window_size: int | None = None,
+                *args: Any, **kwargs: Any) -> RadixCache:
+        if cls is RadixCache and sliding_window_size is not None:
+            from .swa_radix_cache import SWARadixCache
+
+            return super().__new__(SWARadixCache)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        page_size: int = 1,
+        sliding_window_size: int | None = None,
+        token_to_kv_pool_allocator: Any = None,
+        on_node_evict: Callable[[int], None] | None = None,
+        *,
+        eviction_policy: str = "lru",
+        eager_page_hashes: bool = False,
+    ) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise InvalidInputError(f"page_size must be an int >= 1, got {page_size!r}")
+        self.page_size = page_size
+        self.sliding_window_size = sliding_window_size
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.on_node_evict = on_node_evict
+        self.device = torch.device(getattr(token_to_kv_pool_allocator, "device", None) or "cpu")
+        self.eager_page_hashes = eager_page_hashes
+        self.eviction_policy = eviction_policy
+        self._leaves = EvictionQueue(get_eviction_policy(eviction_policy))
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget every node. Slots are not freed: clear the allocator alongside."""
+        self.root_node = TreeNode(value=self._empty())
+        self.root_node.lock_ref = self.root_node.swa_lock_ref = 1
+        self._clock = 0
+        self._evictable = 0
+        self._protected = 0
+        self._leaves.clear()
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def total_size(self) -> int:
+        return self._evictable + self._protected
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Longest cached page-aligned prefix of ``key`` in its namespace.
+
+        Splits the last node if the match ends inside it (the split stays). Touches the
+        matched path for eviction order and counts a hit on each node.
+        """
+        packed, width = key.packed()
+        ns_root = self.root_node.children.get((key.extra_key, width))
+        token_bytes = 4 * width
+        page_bytes = token_bytes * self.page_size
+        end = len(packed) - len(packed) % page_bytes
+        if ns_root is None or end == 0:
+            return MatchResult(self._empty(), self.root_node, 0)
+
+        self._clock += 1
+        self.root_node.last_access_time = ns_root.last_access_time = self._clock
+        node, pos, values = ns_root, 0, []
+        while pos < end:
+            child = node.children.get(packed[pos : pos + page_bytes])
+            if child is None:
+                break
+            self._clock += 1
+            child.last_access_time = self._clock
+            child.hit_count += 1
+            if packed.startswith(child.key_bytes, pos):
+                values.append(child.value)
+                pos += len(child.key_bytes)
+                node = child
+            else:
+                matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
+                node = self._split(child, matched // token_bytes)
+                values.append(node.value)
+                pos += matched
+                break
+        self._leaves.refresh(node)
+        indices = torch.cat(values) if values else self._empty()
+        return MatchResult(indices, node, pos // token_bytes)
+
+    # ----------------------------------------------------------------- insert
+    def insert(
+        self,
+        key: RadixKey,
+        value: torch.Tensor | None = None,
+        *,
+        prev_prefix_len: int = 0,
+        swa_evicted_seqlen: int = 0,
+    ) -> InsertResult:
+        """Cache ``key``'s page-aligned part with slots ``value``.
+
+        Nodes already in the tree keep their slots; ``prefix_len`` says how many tokens
+        were there, and the caller still owns (and frees) ``value`` for those and for
+        the unaligned tail. ``prev_prefix_len`` and ``swa_evicted_seqlen`` only matter
+        in SWA mode. ``last_node`` is the node where the key ends.
+        """
+        packed, width = key.packed()
+        token_bytes = 4 * width
+        page_bytes = token_bytes * self.page_size
+        end = len(packed) - len(packed) % page_bytes
+        value = self._checked_value(key, value, end // token_bytes)
+        if end == 0:
+            return InsertResult(0, self.root_node)
+
+        ns_root = self._namespace_root(key.extra_key, width)
+        self._clock += 1
+        self.root_node.last_access_time = ns_root.last_access_time = self._clock
+        node, pos = ns_root, 0
+        while pos < end:
+            child = node.children.get(packed[pos : pos + page_bytes])
+            if child is None:
+                break
+            self._clock += 1
+            child.last_access_time = self._clock
+            if packed.startswith(child.key_bytes, pos):
+                pos += len(child.key_bytes)
+                node = child
+            else:
+                matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
+                node = self._split(child, matched // token_bytes)
+                pos += matched
+                break
+        prefix_len = pos // token_bytes
+        if pos < end:
+            self._leaves.discard(node)
+            node = self._add_leaf(node, packed[pos:end], value[prefix_len : end // token_bytes])
+        else:
+            self._leaves.refresh(node)
+        return InsertResult(prefix_len, node)
+
+    # ------------------------------------------------------------------ evict
+    def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
+        """Free at least ``num_tokens`` tokens (whole leaves, so possibly more) if possible.
+
+        ``swa_evicted`` mirrors ``full_evicted`` here, as in the reference.
+        """
+        _check_count(num_tokens, "num_tokens")
+        _check_count(swa_num_tokens, "swa_num_tokens")
+        evicted, freed, gone = 0, [], []
+        while evicted < num_tokens:
+            node = self._leaves.pop()
+            if node is None:
+                break
+            freed.append(node.value)
+            gone.append(node.id)
+            evicted += node.key_len
+            parent = node.parent
+            self._delete_leaf(node)
+            if parent.key_len and not parent.children and not parent.lock_ref:
+                self._leaves.push(parent)
+        self._free(freed)
+        self._notify_evicted(gone)
+        return EvictResult(full_evicted=evicted, swa_evicted=evicted)
+
+    # ------------------------------------------------------------------ locks
+    def inc_lock_ref(self, node: TreeNode | None) -> Any:
+        """Protect ``node`` and its ancestors from eviction until ``dec_lock_ref(node)``."""
+        if node is not None:
+            path = self._path_to_root(node)
+            if path:
+                self._lock_path(path)
+        return None
+
+    def dec_lock_ref(self, node: TreeNode | None, swa_boundary_id: int | None = None) -> None:
+        """Release one ``inc_lock_ref(node)``.
+
+        Raises:
+            LockError: ``node`` holds no lock of its own, was evicted, or is not in this
+                cache. Nothing changes in that case.
+        """
+        if node is not None:
+            path = self._path_to_root(node)
+            if path:
+                self._check_unlock(path)
+                self._unlock_path(path)
+
+    def _lock_path(self, path: list[TreeNode]) -> None:
+        path[0].own_lock_ref += 1
+        for n in path:
+            if n.lock_ref == 0:
+                self._evictable -= n.key_len
+                self._protected += n.key_len
+                self._leaves.discard(n)
+            n.lock_ref += 1
+
+    def _check_unlock(self, path: list[TreeNode]) -> None:
+        if path[0].own_lock_ref <= 0:
+            raise LockError(f"unlock of node {path[0].id}, which holds no lock of its own")
+
+    def _unlock_path(self, path: list[TreeNode]) -> None:
+        path[0].own_lock_ref -= 1
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._evictable += n.key_len
+                self._protected -= n.key_len
+                if not n.children:
+                    self._leaves.push(n)
+
+    # ----------------------------------------------------------------- hashes
+    def compute_node_hash(self, node: TreeNode) -> list[str]:
+        """The node's chained page hashes, computing any missing ones root-down first."""
+        if node.key_len == 0:
+            return []
+        pending = []
+        top = node
+        while top.key_len and top.hash_values is None:
+            pending.append(top)
+            top = top.parent
+        prior = bytes.fromhex(top.hash_values[-1]) if top.key_len and top.hash_values else None
+        for n in reversed(pending):
+            n.hash_values = hash_pages(n.key_bytes, n.namespace.page_bytes, prior)
+            prior = bytes.fromhex(n.hash_values[-1])
+        return node.hash_values or []
+
+    # ------------------------------------------------------------- inspection
+    def pretty_print(self) -> None:
+        """Print the tree, one node a line, with lengths, locks and the first tokens."""
+        print(format_tree(self))
+
+    def check_integrity(self) -> None:
+        """Recompute sizes, locks, eviction candidates and slot ownership from the tree.
+
+        Raises:
+            IntegrityError: naming every disagreement found.
+        """
+        check_radix_cache(self)
+
+    # --------------------------------------------------------------- internal
+    def _empty(self) -> torch.Tensor:
+        return torch.empty((0,), dtype=torch.int64, device=self.device)
+
+    def _namespace_root(self, extra_key: str | None, width: int) -> TreeNode:
+        ns_root = self.root_node.children.get((extra_key, width))
+        if ns_root is None:
+            ns = Namespace(extra_key, width, self.page_size)
+            ns_root = TreeNode(ns, b"", self._empty(), self.root_node, self._clock)
+            ns_root.lock_ref = ns_root.swa_lock_ref = 1
+            self.root_node.children[(extra_key, width)] = ns_root
+        return ns_root
+
+    def _checked_value(self, key: RadixKey, value: Any, num_tokens: int) -> torch.Tensor:
+        if value is None:
+            if key.token_width != 1:
+                raise InvalidInputError("value=None needs int tokens; pass slots for tuple keys")
+            return torch.tensor(list(key.token_ids[:num_tokens]), dtype=torch.int64)
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value, dtype=torch.int64)
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex() \
+                or value.dtype == torch.bool:
+            raise InvalidInputError(f"value must be a 1-D integer tensor, got {value.dtype} "
+                                    f"of shape {tuple(value.shape)}")
+        if len(value) < num_tokens:
+            raise InvalidInputError(f"value has {len(value)} slots for {num_tokens} tokens")
+        return value
+
+    def _add_leaf(self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor) -> TreeNode:
+        ns = parent.namespace
+        assert ns is not None
+        self._clock += 1
+        leaf = TreeNode(ns, key_bytes, value.clone(), parent, self._clock)
+        parent.children[key_bytes[: ns.page_bytes]] = leaf
+        self._evictable += leaf.key_len
+        self._leaves.push(leaf)
+        if self.eager_page_hashes:
+            self.compute_node_hash(leaf)
+        return leaf
+
+    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Cut ``child`` after ``split_len`` tokens; the new upper node is returned.
+
+        The lower part keeps the node object and id (so a handle to the sequence end
+        stays valid); the upper part copies the lock counts, since every lock through
+        the child also covers it, and takes the SWA boundary so an unlock walking up
+        still passes it. The hit count is copied too: the upper part was hit as often.
+        """
+        ns = child.namespace
+        assert ns is not None
+        cut = split_len * ns.token_bytes
+        parent = child.parent
+        upper = TreeNode(ns, child.key_bytes[:cut], child.value[:split_len].clone(), parent,
+                         child.last_access_time)
+        upper.lock_ref = child.lock_ref
+        upper.swa_lock_ref = child.swa_lock_ref
+        upper.swa_tombstone = child.swa_tombstone
+        upper.hit_count = child.hit_count
+        upper.swa_boundary_id, child.swa_boundary_id = child.swa_boundary_id, None
+        if child.hash_values is not None:
+            pages = split_len // self.page_size
+            upper.hash_values, child.hash_values = (child.hash_values[:pages],
+                                                    child.hash_values[pages:])
+        child.key_bytes = child.key_bytes[cut:]
+        child.key_len -= split_len
+        child.value = child.value[split_len:].clone()
+        parent.children[upper.key_bytes[: ns.page_bytes]] = upper
+        upper.children[child.key_bytes[: ns.page_bytes]] = child
+        child.parent = upper
+        # The lower part ranks as more recent than the upper part, so a policy that may
+        # take inner nodes (SWA tombstoning) frees the older end of a sequence first.
+        self._clock += 1
+        child.last_access_time = self._clock
+        self._leaves.refresh(child)
+        self._after_split(upper, child)
+        return upper
+
+    def _after_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """Hook for subclasses that rank internal nodes too."""
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        """Detach an unlocked leaf (its slots are the caller's to free)."""
+        ns = node.namespace
+        assert ns is not None and not node.children and not node.lock_ref
+        parent = node.parent
+        del parent.children[node.key_bytes[: ns.page_bytes]]
+        self._evictable -= node.key_len
+        node.evicted = True
+        node.value = None
+        if parent.key_len == 0 and not parent.children:
+            self._drop_namespace(parent)
+
+    def _drop_namespace(self, ns_root: TreeNode) -> None:
+        """Forget an empty namespace, so a flood of one-off extra keys costs nothing."""
+        ns = ns_root.namespace
+        if ns is not None:
+            del self.root_node.children[(ns.extra_key, ns.token_width)]
+            ns_root.evicted = True
+
+    def _free(self, values: list[torch.Tensor]) -> None:
+        allocator = self.token_to_kv_pool_allocator
+        if allocator is not None and values:
+            allocator.free(torch.cat(values))
+
+    def _notify_evicted(self, node_ids: list[int]) -> None:
+        if self.on_node_evict is not None:
+            for node_id in node_ids:
+                self.on_node_evict(node_id)
+
+    def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        """``node`` and its ancestors below the root, after checking it belongs here."""
+        if node.evicted:
+            raise LockError(f"node {node.id} has been evicted")
+        path = []
+        while node.key_len:
+            path.append(node)
+            node = node.parent
+        if node is not self.root_node and (node.evicted or node.parent is not self.root_node):
+            raise LockError("node does not belong to this cache (or predates a reset)")
+        return path
+
+def _check_count(value: int, name: str) -> None:
+    if not isinstance(value, int) or value < 0:
+        raise InvalidInputError(f"{name} must be a non-negative int, got {value!r}")
