@@ -589,9 +589,7 @@ def _make_allocator_machine(
         def __init__(self) -> None:
             super().__init__()
             self.alloc = TokenToKVPoolAllocator(size, page_size=page_size, need_sort=not alternate)
-            # Small pools always take the window release path; the alternate run
-            # covers the general one (and an unsorted free list).
-            self.alloc._use_window = not alternate
+            # The alternate run covers an unsorted free list.
             self.model = _PoolModel(size, page_size)
 
         @rule(n=st.integers(0, size // 2))

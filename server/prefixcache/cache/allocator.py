@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .errors import DoubleFreeError, InvalidInputError, SlotIndexError
 
-IndexLike = torch.Tensor | Sequence[int]
+IndexLike = torch.Tensor | np.ndarray | Sequence[int]
 
 # Shown in error messages; enough to identify the problem without flooding logs.
 _MAX_SHOWN = 8
 
 
 def _as_count(value: object, name: str, minimum: int) -> int:
-    """Returns ``value`` as an int >= ``minimum``, or raises InvalidInputError."""
+    """``value`` as an int >= ``minimum``, or InvalidInputError."""
     if isinstance(value, bool):
         raise InvalidInputError(f"{name} must be an int, got bool")
     try:
@@ -29,37 +31,67 @@ def _as_count(value: object, name: str, minimum: int) -> int:
     return number
 
 
-def _to_index_tensor(indices: IndexLike, device: torch.device) -> torch.Tensor:
-    """Converts an integer tensor or list to a flat int64 tensor on ``device``."""
+def host_indices(indices: IndexLike) -> np.ndarray:
+    """Slot indices as a flat int64 host array (shared with a CPU int64 tensor's memory)."""
     if isinstance(indices, torch.Tensor):
-        tensor = indices
-    else:
-        try:
-            tensor = torch.as_tensor(list(indices))
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise InvalidInputError(f"indices must be integers: {exc}") from exc
-        if tensor.numel() == 0:
-            tensor = tensor.to(torch.int64)
-    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-        raise InvalidInputError(f"indices must be an integer tensor, got dtype {tensor.dtype}")
-    return tensor.reshape(-1).to(device=device, dtype=torch.int64)
+        if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
+            raise InvalidInputError(f"indices must be integers, got dtype {indices.dtype}")
+        return indices.detach().reshape(-1).to("cpu", torch.int64).numpy()
+    array = np.asarray(indices)
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+        raise InvalidInputError(f"indices must be integers, got {array.dtype}")
+    return array.reshape(-1).astype(np.int64, copy=False)
+
+
+class _Checked(NamedTuple):
+    """Slots validated for freeing and not yet freed.
+
+    ``given`` is in the caller's order; ``runs`` lists the ``(first, last)`` slots of
+    each contiguous run, ascending, when there are few of them; otherwise ``runs`` is
+    None and ``idx`` holds the slots sorted.
+    """
+
+    idx: np.ndarray
+    given: np.ndarray
+    runs: list[tuple[int, int]] | None
+
+
+# Below this many contiguous runs a free works on slices, one run at a time; above it,
+# one vector pass over every slot is cheaper than the Python loop.
+_MAX_RUNS = 32
+
+
+def _check_range(idx: np.ndarray, low: int, high: int) -> None:
+    """Raise SlotIndexError unless every index lies in ``[low, high)``."""
+    if idx.size and (int(idx.min()) < low or int(idx.max()) >= high):
+        bad = idx[(idx < low) | (idx >= high)][:_MAX_SHOWN].tolist()
+        raise SlotIndexError(f"slot indices outside [{low}, {high}): {bad}")
 
 
 class TokenToKVPoolAllocator:
     """Hands out KV-pool slots in whole pages and takes them back with full validation.
 
     Slot 0 (and, when paged, all of page 0) is padding and never handed out. Usable
-    pages are ``1..size // page_size``; slot ``s`` lies in page ``s // page_size``.
-    Allocation state is tracked per slot, so freeing part of a page never releases
-    slots that are still live: a page goes back to the free list only once every slot
-    of it that was handed out has been freed. Freed pages wait in a release list and
-    are merged into the free list (sorted when ``need_sort``) only when an allocation
-    needs them, so recently freed slots are not reused at once.
+    pages are ``1..size // page_size``; slot ``s`` lies in page ``s // page_size``, so
+    the KV pool needs ``size + page_size`` rows. Allocation is tracked per slot, so
+    freeing part of a page never releases slots that are still live: a page goes back
+    once every slot of it that was handed out has been freed. Freed pages wait in a
+    release list and are merged into the free list (sorted when ``need_sort``) only
+    when an allocation needs them, so recently freed slots are not reused at once.
+
+    The bookkeeping lives in host (numpy) arrays whatever the device: a free is a
+    handful of vector operations over the freed slots, mostly over whole pages, and
+    numpy's per-call cost is a fraction of torch's. Returned indices are int64 tensors
+    on ``device``.
 
     Attributes:
-        size: Requested pool size in tokens.
+        size: Pool size in tokens.
         page_size: Tokens per page.
-        device: Device of every tensor the allocator keeps or returns.
+        device: Device of the returned index tensors.
+        num_pages: Usable pages.
+        num_rows: Rows the matching KV pool needs (``size + page_size``).
     """
 
     def __init__(
@@ -69,13 +101,7 @@ class TokenToKVPoolAllocator:
         page_size: int = 1,
         need_sort: bool = True,
     ) -> None:
-        """Creates an allocator with every usable page free.
-
-        Args:
-            size: Pool size in tokens; the KV pool must have ``size + page_size`` rows.
-            device: Device for the bookkeeping tensors and the returned indices.
-            page_size: Tokens per page (>= 1).
-            need_sort: Sort the free list when merging released pages into it.
+        """Create an allocator with every usable page free.
 
         Raises:
             InvalidInputError: ``page_size < 1`` or ``size`` smaller than one page.
@@ -86,142 +112,107 @@ class TokenToKVPoolAllocator:
         self.need_sort = bool(need_sort)
         ps = self.page_size
         self.num_pages = self.size // ps
-        # Rows of the matching KV pool; every index below this is a valid buffer row.
         self.num_rows = self.size + ps
-        # First slot past the last usable page (<= num_rows).
-        self._slot_end = (self.num_pages + 1) * ps
-        # One byte per slot (uint8: its reductions are much faster than bool's on
-        # CPU). Two spare pages keep it reshapeable to [pages, page_size] while still
-        # covering every buffer row.
-        self._table_len = (self.num_pages + 2) * ps
-        self._allocated = torch.zeros(self._table_len, dtype=torch.uint8, device=self.device)
-        # Whole pages read as one wide integer each, to test "any slot live" cheaply.
-        width = next(w for w in (8, 4, 2, 1) if ps % w == 0)
-        wide = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
-        self._page_rows = self._allocated.view(wide).view(-1, ps // width)
-        self._page_offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
-        # Test hook: False forces the general page-release path.
-        self._use_window = True
+        self._slot_end = (self.num_pages + 1) * ps  # first slot past the last page
+        # One byte per slot, over whole pages so it reshapes to [pages, page_size].
+        self._live = np.zeros((self.num_pages + 1) * ps, dtype=np.uint8)
+        # The same bytes read as the widest words that tile a page, so marking or
+        # testing a whole page touches one or two words rather than page_size bytes.
+        word = next(w for w in (8, 4, 2, 1) if ps % w == 0)
+        self._page_words = self._live.view(f"<u{word}").reshape(-1, ps // word)
+        self._word_ones = np.frombuffer(b"\x01" * word, dtype=f"<u{word}")[0]
         self._page_shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else None
-        # Created on first use: constant scatter sources and dedupe scratch tables.
-        self._ones = torch.ones(0, dtype=torch.uint8, device=self.device)
-        self._zeros = torch.zeros(0, dtype=torch.uint8, device=self.device)
-        self._slot_stamp: torch.Tensor | None = None
-        self._page_stamp: torch.Tensor | None = None
+        self._offsets = np.arange(ps, dtype=np.int64)
         self.clear()
 
     # ------------------------------------------------------------------ state
-
     def clear(self) -> None:
-        """Frees every slot, drops any open free group and resets the free list."""
-        self._free_pages = torch.arange(
-            1, self.num_pages + 1, dtype=torch.int64, device=self.device
-        )
-        self._release_pages: list[torch.Tensor] = []
-        self._release_count = 0
-        self._allocated.zero_()
+        """Free every slot, drop any open free group and reset the free list."""
+        self._free = np.arange(1, self.num_pages + 1, dtype=np.int64)
+        self._head = 0  # self._free[self._head:] are the free pages, next first
+        self._released: list[np.ndarray] = []
+        self._num_released = 0
+        self._live[:] = 0
         self._num_allocated = 0
         self._group_depth = 0
-        self._group_pending: list[torch.Tensor] = []
+        self._group_pending: list[np.ndarray] = []
 
     def available_size(self) -> int:
-        """Returns how many slots ``alloc`` could hand out now (free pages * page_size)."""
-        return (self._free_pages.numel() + self._release_count) * self.page_size
+        """How many slots ``alloc`` could hand out now (free pages * page_size)."""
+        return (self._free.size - self._head + self._num_released) * self.page_size
 
     def num_allocated(self) -> int:
-        """Returns the number of slots currently handed out."""
+        """Slots currently handed out."""
         return self._num_allocated
 
     def is_allocated(self, indices: IndexLike) -> torch.Tensor:
-        """Returns a bool tensor: whether each index is currently handed out.
+        """Whether each index is currently handed out (bool tensor on the CPU).
 
         Raises:
             SlotIndexError: An index lies outside ``[0, size + page_size)``.
         """
-        idx = _to_index_tensor(indices, self.device)
-        if idx.numel() == 0:
-            return torch.zeros(0, dtype=torch.bool, device=self.device)
+        idx = host_indices(indices)
         _check_range(idx, 0, self.num_rows)
-        return self._allocated.index_select(0, idx).bool()
+        live = np.zeros(idx.size, dtype=np.bool_)
+        inside = idx < self._slot_end
+        live[inside] = self._live[idx[inside]] != 0
+        return torch.from_numpy(live)
 
     # ------------------------------------------------------------- allocation
-
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        """Allocates ``need_size`` distinct slots in whole pages.
+        """Allocate ``need_size`` distinct slots in whole pages.
 
         Takes ``ceil(need_size / page_size)`` free pages and returns their first
-        ``need_size`` slots; the unused tail of the last page stays reserved until
-        the page comes back.
-
-        Args:
-            need_size: Number of slots wanted (>= 0).
+        ``need_size`` slots; the unused tail of the last page stays reserved until the
+        page comes back.
 
         Returns:
-            An int64 1-D tensor on ``device``, or None (state unchanged) when there
-            are not enough free pages.
+            An int64 1-D tensor on ``device``, or None (state unchanged) when there are
+            not enough free pages.
 
         Raises:
             InvalidInputError: ``need_size`` is negative or not an int.
         """
         n = _as_count(need_size, "need_size", 0)
-        if n == 0:
-            return torch.zeros(0, dtype=torch.int64, device=self.device)
         ps = self.page_size
         num = -(-n // ps)
-        if num > self._free_pages.numel():
-            if num > self._free_pages.numel() + self._release_count:
+        if num > self._free.size - self._head:
+            if num > self._free.size - self._head + self._num_released:
                 return None
-            self._merge_release()
-        pages = self._free_pages[:num]
-        self._free_pages = self._free_pages[num:]
-        first = int(pages[0])
-        if num == 1 or (self.need_sort and int(pages[-1]) - first == num - 1):
-            # A sorted free list holds distinct ascending pages, so this span means
-            # consecutive pages: build the run instead of per-slot arithmetic.
-            start = first * ps
-            slots = self._arange(start, start + n)
-            self._allocated[start : start + n].fill_(1)
+            self._merge_released()
+        pages = self._free[self._head : self._head + num]
+        self._head += num
+        if num and self.need_sort and int(pages[-1]) - int(pages[0]) == num - 1:
+            # A sorted free list holds distinct ascending pages, so this span is one
+            # run of consecutive pages: build it and mark it as a slice.
+            start = int(pages[0]) * ps
+            slots = np.arange(start, start + n, dtype=np.int64)
+            self._live[start : start + n] = 1
+        elif ps == 1:
+            slots = pages.copy()
+            self._live[slots] = 1
         else:
-            if ps == 1:
-                # Clone so callers never keep the whole free-list storage alive.
-                slots = pages.clone()
-            else:
-                slots = (pages.unsqueeze(1) * ps + self._page_offsets).reshape(-1)[:n]
-            self._allocated.scatter_(0, slots, self._const(1, n))
+            slots = (pages[:, None] * ps + self._offsets).reshape(-1)[:n]
+            self._page_words[pages] = self._word_ones
+            if n % ps:  # the last page's tail is reserved, not handed out
+                self._live[int(slots[-1]) + 1 : (int(pages[-1]) + 1) * ps] = 0
         self._num_allocated += n
-        return slots
+        return self._to_device(slots)
 
-    def _merge_release(self) -> None:
-        """Moves released pages into the free list (sorted when ``need_sort``)."""
-        if not self._release_pages:
-            return
-        merged = torch.cat([self._free_pages, *self._release_pages])
+    def _merge_released(self) -> None:
+        """Move released pages into the free list (sorted when ``need_sort``)."""
+        merged = np.concatenate([self._free[self._head :], *self._released])
         if self.need_sort:
-            merged = self._sorted_pages(merged)
-        self._free_pages = merged
-        self._release_pages = []
-        self._release_count = 0
-
-    def _sorted_pages(self, pages: torch.Tensor) -> torch.Tensor:
-        """Returns the distinct page numbers ``pages`` in ascending order."""
-        # torch.sort is slow on CPU; once the list is a sizeable share of the pool a
-        # linear bucket pass over all pages is cheaper.
-        if pages.numel() * 16 < self.num_pages:
-            return torch.sort(pages).values
-        bucket = torch.zeros(self.num_pages + 1, dtype=torch.uint8, device=self.device)
-        bucket.scatter_(0, pages, self._const(1, pages.numel()))
-        return bucket.nonzero().squeeze(1)
+            merged.sort()
+        self._free, self._head = merged, 0
+        self._released, self._num_released = [], 0
 
     # ------------------------------------------------------------------- free
-
     def free(self, indices: IndexLike) -> None:
-        """Frees previously allocated slots; all-or-nothing.
+        """Free previously allocated slots, all or nothing.
 
-        Every index is validated before any state changes. A page goes back (via
-        the release list) once none of its handed-out slots is live any more.
-
-        Args:
-            indices: Integer tensor (any device) or list of slot indices.
+        Every index is validated before anything changes. A page goes back (via the
+        release list) once none of its handed-out slots is live any more.
 
         Raises:
             InvalidInputError: ``indices`` is not integer-valued.
@@ -229,19 +220,19 @@ class TokenToKVPoolAllocator:
             DoubleFreeError: An index is not currently allocated, or repeats.
         """
         checked = self._validate_free(indices)
-        if checked.idx.numel():
+        if checked.idx.size:
             self._apply_free(checked)
 
     def free_group_begin(self) -> None:
-        """Starts batching frees; their pages come back only at the matching end.
+        """Start batching frees; their pages come back only at the matching end.
 
-        Frees inside the group are validated and mark their slots free at once, so
-        a double free across the group is still caught. Groups may nest.
+        Frees inside the group are validated and mark their slots free at once, so a
+        double free across the group is still caught. Groups may nest.
         """
         self._group_depth += 1
 
     def free_group_end(self) -> None:
-        """Ends a free group, releasing every page the group emptied.
+        """End a free group, releasing every page the group emptied.
 
         Raises:
             InvalidInputError: No free group is open.
@@ -255,168 +246,114 @@ class TokenToKVPoolAllocator:
                 self._release(pages)
 
     def _validate_free(self, indices: IndexLike) -> _Checked:
-        """Normalises ``indices`` and raises if any of them may not be freed."""
-        idx = _to_index_tensor(indices, self.device)
-        n = idx.numel()
-        if n == 0:
-            return _Checked(idx, 0, 0, True, True)
-        lo, hi = int(idx[0]), int(idx[-1])
-        if (
-            hi - lo == n - 1
-            and self.page_size <= lo
-            and hi < self._slot_end
-            and torch.equal(idx, self._arange(lo, hi + 1))
-        ):
-            # A contiguous run (what one allocation usually is): check by slicing.
-            if int(self._allocated[lo : hi + 1].min()) == 0:
-                live = self._allocated[lo : hi + 1]
-                bad = idx[live == 0][:_MAX_SHOWN].tolist()
-                raise DoubleFreeError(f"slots not currently allocated: {bad}")
-            return _Checked(idx, lo, hi, True, True)
-        lo, hi = _check_range(idx, self.page_size, self._slot_end)
-        # Ascending order rules out repeats far more cheaply than a general check.
-        ascending = n == 1 or int(torch.diff(idx).min()) > 0
-        live = self._allocated.index_select(0, idx)
-        if int(live.min()) == 0:
-            bad = idx[live == 0][:_MAX_SHOWN].tolist()
-            raise DoubleFreeError(f"slots not currently allocated: {bad}")
-        if not ascending:
-            if self._slot_stamp is None:
-                self._slot_stamp = torch.zeros(
-                    self._table_len, dtype=torch.int32, device=self.device
-                )
-            dups = _find_duplicates(idx, self._slot_stamp)
-            if dups is not None:
-                raise DoubleFreeError(f"slots freed twice in one call: {dups}")
-        return _Checked(idx, lo, hi, ascending, False)
+        """Normalise ``indices`` and raise if any of them may not be freed."""
+        given = host_indices(indices)
+        if given.size == 0:
+            return _Checked(given, given, [])
+        # Slots come back as a few contiguous runs (one or more per node). With few
+        # runs, every check works on the runs' bounds and slices: no sort, no gather.
+        ends = np.flatnonzero(given[1:] - given[:-1] != 1)
+        if ends.size < _MAX_RUNS:
+            firsts, lasts = [0, *(ends + 1).tolist()], [*ends.tolist(), given.size - 1]
+            bounds = zip(firsts, lasts, strict=True)
+            runs = sorted((int(given[a]), int(given[b])) for a, b in bounds)
+            if runs[0][0] < self.page_size or max(hi for _, hi in runs) >= self._slot_end:
+                _check_range(given, self.page_size, self._slot_end)
+            for (_, hi), (lo, last) in pairwise(runs):
+                if lo <= hi:
+                    bad = list(range(lo, min(hi, last) + 1))[:_MAX_SHOWN]
+                    raise DoubleFreeError(f"slots freed twice in one call: {bad}")
+            if not all(self._live[lo : hi + 1].all() for lo, hi in runs):
+                self._refuse_not_live(given)
+            return _Checked(given, given, runs)
+        idx = np.sort(given, kind="stable")
+        _check_range(idx, self.page_size, self._slot_end)
+        repeated = idx[1:] == idx[:-1]
+        if repeated.any():
+            bad = np.unique(idx[1:][repeated])[:_MAX_SHOWN].tolist()
+            raise DoubleFreeError(f"slots freed twice in one call: {bad}")
+        if not self._live[idx].all():
+            self._refuse_not_live(idx)
+        return _Checked(idx, given, None)
+
+    def _refuse_not_live(self, idx: np.ndarray) -> None:
+        bad = idx[self._live[idx] == 0][:_MAX_SHOWN].tolist()
+        raise DoubleFreeError(f"slots not currently allocated: {bad}")
 
     def _apply_free(self, checked: _Checked) -> None:
-        """Marks validated, non-empty slots free and releases the pages that emptied."""
+        """Mark validated, non-empty slots free and release the pages that emptied."""
         idx = checked.idx
-        n = idx.numel()
-        ps = self.page_size
-        lo, hi = checked.lo, checked.hi
-        first, last = lo // ps, hi // ps
-        if checked.contiguous:
-            self._allocated[lo : hi + 1].zero_()
-            # Pages strictly inside the run are now empty; an edge page only if the
-            # run covered all its live slots.
-            if lo % ps and int(self._page_rows[first].amax()):
-                first += 1
-            if first <= last and (hi + 1) % ps and int(self._page_rows[last].amax()):
-                last -= 1
-            emptied = self._arange(first, last + 1)
-        elif ps == 1:
-            self._clear_slots(checked)
-            # Distinct slots are their own pages; copy so the caller's tensor is free
-            # to change.
-            emptied = idx.clone()
+        self._num_allocated -= idx.size
+        if checked.runs is not None:
+            for lo, hi in checked.runs:
+                self._live[lo : hi + 1] = 0
         else:
-            if self._use_window and last - first < 4 * (n // ps) + 8:
-                # Pages that held live slots before and none after are exactly the
-                # pages this free emptied: two slice reductions, no gather or dedupe.
-                window = self._page_rows[first : last + 1]
-                before = window.amax(dim=1) != 0
-                self._clear_slots(checked)
-                after = window.amax(dim=1) != 0
-                emptied = (before & ~after).nonzero().squeeze(1) + first
-            else:
-                self._clear_slots(checked)
-                emptied = self._emptied_pages(idx, checked.ascending)
-        self._num_allocated -= n
-        if emptied.numel() == 0:
+            self._live[idx] = 0
+        if self.page_size == 1:
+            emptied = checked.given.copy()  # in free order, for need_sort=False
+        elif checked.runs is not None:
+            emptied = self._emptied_in_runs(checked.runs)
+        else:
+            emptied = self._emptied_among(idx)
+        if not self.need_sort and emptied.size > 1:
+            emptied = self._in_given_order(emptied, checked.given)
+        if emptied.size == 0:
             return
         if self._group_depth:
             self._group_pending.append(emptied)
         else:
             self._release(emptied)
 
-    def _clear_slots(self, checked: _Checked) -> None:
-        """Marks the validated, non-contiguous slots not allocated."""
-        self._allocated.scatter_(0, checked.idx, self._const(0, checked.idx.numel()))
+    def _page_of(self, slots: np.ndarray) -> np.ndarray:
+        shift = self._page_shift
+        return slots >> shift if shift is not None else slots // self.page_size
 
-    def _arange(self, start: int, end: int) -> torch.Tensor:
-        """Returns int64 ``[start, end)`` on the allocator's device."""
-        return torch.arange(start, end, dtype=torch.int64, device=self.device)
+    def _no_live_slot(self, words: np.ndarray) -> np.ndarray:
+        return words[:, 0] == 0 if words.shape[1] == 1 else ~words.any(axis=1)
 
-    def _emptied_pages(self, idx: torch.Tensor, ascending: bool) -> torch.Tensor:
-        """Returns the distinct pages of just-freed ``idx`` that have no live slot left."""
-        if self._page_shift is not None:
-            pages = idx >> self._page_shift
-        else:
-            pages = torch.div(idx, self.page_size, rounding_mode="floor")
-        if ascending:
-            pages = torch.unique_consecutive(pages)
-        else:
-            if self._page_stamp is None:
-                self._page_stamp = torch.zeros(
-                    self.num_pages + 2, dtype=torch.int32, device=self.device
-                )
-            pages = _unique_unsorted(pages, self._page_stamp)
-        still_live = self._page_rows.index_select(0, pages).amax(dim=1) != 0
-        return pages[~still_live]
+    def _emptied_in_runs(self, runs: list[tuple[int, int]]) -> np.ndarray:
+        """Pages spanned by freshly freed runs (ascending) that hold no live slot now.
 
-    def _release(self, pages: torch.Tensor) -> None:
-        """Puts emptied pages on the release list."""
-        self._release_pages.append(pages)
-        self._release_count += pages.numel()
+        A page the run covers whole was all live and is now all free; only a page
+        the run covers in part needs its other slots looked at.
+        """
+        ps, words, spans, done = self.page_size, self._page_words, [], -1
+        for lo, hi in runs:
+            first, last = max(lo // ps, done + 1), hi // ps
+            if first > last:
+                continue
+            done = last
+            whole_from = first if first * ps >= lo else first + 1
+            whole_to = last if (last + 1) * ps - 1 <= hi else last - 1
+            if whole_from <= whole_to:
+                spans.append(np.arange(whole_from, whole_to + 1, dtype=np.int64))
+            edges = {page for page in (first, last) if not whole_from <= page <= whole_to}
+            spans.extend(np.array([page], dtype=np.int64) for page in edges
+                         if not words[page].any())
+        return np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
 
-    def _const(self, value: int, n: int) -> torch.Tensor:
-        """Returns ``n`` uint8 copies of ``value`` (0 or 1) as a scatter source."""
-        # scatter_ with a tensor source is several times faster than index_fill_ or
-        # index_put_ on CPU; the sources are cached and grown geometrically.
-        src = self._ones if value else self._zeros
-        if src.numel() < n:
-            length = min(max(n, 2 * src.numel(), 1024), max(n, self._table_len))
-            src = torch.full((length,), value, dtype=torch.uint8, device=self.device)
-            if value:
-                self._ones = src
-            else:
-                self._zeros = src
-        return src[:n]
+    def _emptied_among(self, idx: np.ndarray) -> np.ndarray:
+        """Pages of freshly freed ascending slots that hold no live slot now."""
+        pages = self._page_of(idx)
+        first = np.empty(pages.size, dtype=np.bool_)
+        first[0] = True
+        np.not_equal(pages[1:], pages[:-1], out=first[1:])
+        pages = pages[first]
+        return pages[self._no_live_slot(self._page_words[pages])]
 
+    def _in_given_order(self, pages: np.ndarray, given: np.ndarray) -> np.ndarray:
+        """``pages`` ordered by where their first slot appears in ``given``.
 
-class _Checked(NamedTuple):
-    """Indices that passed free validation, with facts the free path reuses."""
+        Only for ``need_sort=False``, where the free list keeps free order.
+        """
+        unique, first = np.unique(given // self.page_size, return_index=True)
+        first = first[np.isin(unique, pages)]
+        return given[np.sort(first)] // self.page_size
 
-    idx: torch.Tensor
-    lo: int
-    hi: int
-    ascending: bool
-    contiguous: bool
+    def _release(self, pages: np.ndarray) -> None:
+        self._released.append(pages)
+        self._num_released += pages.size
 
-
-def _check_range(idx: torch.Tensor, low: int, high: int) -> tuple[int, int]:
-    """Returns ``(min, max)`` of non-empty ``idx``; SlotIndexError unless in ``[low, high)``."""
-    lo_t, hi_t = torch.aminmax(idx)
-    lo, hi = int(lo_t), int(hi_t)
-    if lo < low or hi >= high:
-        bad = idx[(idx < low) | (idx >= high)][:_MAX_SHOWN].tolist()
-        raise SlotIndexError(f"slot indices outside [{low}, {high}): {bad}")
-    return lo, hi
-
-
-def _find_duplicates(idx: torch.Tensor, stamp: torch.Tensor) -> list[int] | None:
-    """Returns some repeated values of in-range ``idx``, or None if all are distinct.
-
-    ``stamp`` is a scratch table indexed by value; it needs no reset because every
-    entry read is written first.
-    """
-    if idx.numel() > stamp.numel():
-        return idx[:_MAX_SHOWN].tolist()  # pigeonhole: something repeats
-    pos = torch.arange(idx.numel(), dtype=torch.int32, device=idx.device)
-    # With a repeat only one position's write survives, so another reads back a
-    # different position.
-    stamp.scatter_(0, idx, pos)
-    lost = stamp.index_select(0, idx) != pos
-    if not bool(lost.any()):
-        return None
-    return idx[lost][:_MAX_SHOWN].tolist()
-
-
-def _unique_unsorted(values: torch.Tensor, stamp: torch.Tensor) -> torch.Tensor:
-    """Returns one occurrence of each value, in O(n) (torch.unique sorts)."""
-    pos = torch.arange(values.numel(), dtype=torch.int32, device=values.device)
-    # Exactly one writer wins per value; keeping the winners dedupes.
-    stamp.scatter_(0, values, pos)
-    return values[stamp.index_select(0, values) == pos]
+    def _to_device(self, slots: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(slots)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .allocator import (
@@ -10,29 +11,27 @@ from .allocator import (
     TokenToKVPoolAllocator,
     _as_count,
     _check_range,
-    _Checked,
-    _to_index_tensor,
+    host_indices,
 )
-from .errors import DoubleFreeError, InvalidInputError
+from .errors import DoubleFreeError
 
 
 class SWATokenToKVPoolAllocator:
     """Pairs a full-attention allocator with a sliding-window one, slot for slot.
 
     Every allocation takes the same number of slots from both pools and records the
-    full→SWA mapping; callers only ever see full slot indices. ``free_swa`` lets a
-    caller drop the window slots of tokens that slid out of the window while keeping
-    their full slots.
+    full→SWA mapping; callers only ever see full slot indices. ``free_swa`` drops the
+    window slots of tokens that slid out of the window while keeping their full
+    slots; ``free`` releases both (the window side only where it is still mapped).
+    Every operation validates both sides before changing either.
 
     Attributes:
         size: Full-attention pool size in tokens.
         size_swa: Sliding-window pool size in tokens.
         page_size: Tokens per page (shared by both pools).
-        device: Device of every tensor kept or returned.
+        device: Device of the returned index tensors.
         full_attn_allocator: The full-attention allocator.
         swa_attn_allocator: The sliding-window allocator.
-        full_to_swa_index_mapping: int64 tensor, one entry per full buffer row;
-            0 means the full slot has no SWA slot.
     """
 
     def __init__(
@@ -43,7 +42,7 @@ class SWATokenToKVPoolAllocator:
         page_size: int = 1,
         need_sort: bool = True,
     ) -> None:
-        """Creates both allocators with everything free.
+        """Create both allocators with everything free.
 
         Raises:
             InvalidInputError: A size is smaller than one page, or ``page_size < 1``.
@@ -54,38 +53,39 @@ class SWATokenToKVPoolAllocator:
         self.size_swa = self.swa_attn_allocator.size
         self.page_size = self.full_attn_allocator.page_size
         self.device = self.full_attn_allocator.device
-        self.full_to_swa_index_mapping = torch.zeros(
-            self.full_attn_allocator.num_rows, dtype=torch.int64, device=self.device
-        )
+        self._full_to_swa = np.zeros(self.full_attn_allocator.num_rows, dtype=np.int64)
+
+    @property
+    def full_to_swa_index_mapping(self) -> torch.Tensor:
+        """The SWA slot of every full buffer row (0 = none), as a CPU tensor view."""
+        return torch.from_numpy(self._full_to_swa)
 
     def clear(self) -> None:
-        """Frees everything in both pools and drops every mapping."""
+        """Free everything in both pools and drop every mapping."""
         self.full_attn_allocator.clear()
         self.swa_attn_allocator.clear()
-        self.full_to_swa_index_mapping.zero_()
+        self._full_to_swa[:] = 0
 
     def available_size(self) -> int:
-        """Returns how many tokens can be allocated now: min of both pools."""
+        """How many tokens can be allocated now: the smaller pool's free slots."""
         return min(self.full_available_size(), self.swa_available_size())
 
     def full_available_size(self) -> int:
-        """Returns the full-attention pool's available slots."""
         return self.full_attn_allocator.available_size()
 
     def swa_available_size(self) -> int:
-        """Returns the sliding-window pool's available slots."""
         return self.swa_attn_allocator.available_size()
 
     def num_allocated(self) -> int:
-        """Returns the number of full slots currently handed out."""
+        """Full slots currently handed out."""
         return self.full_attn_allocator.num_allocated()
 
     def is_allocated(self, indices: IndexLike) -> torch.Tensor:
-        """Returns whether each full slot is handed out (see TokenToKVPoolAllocator)."""
+        """Whether each full slot is handed out (see TokenToKVPoolAllocator)."""
         return self.full_attn_allocator.is_allocated(indices)
 
     def is_swa_mapped(self, full_indices: IndexLike) -> torch.Tensor:
-        """Returns whether each full slot currently owns an SWA slot.
+        """Whether each full slot still owns an SWA slot.
 
         Raises:
             SlotIndexError: An index lies outside the full pool's buffer rows.
@@ -93,19 +93,17 @@ class SWATokenToKVPoolAllocator:
         return self.translate_loc_from_full_to_swa(full_indices) != 0
 
     def translate_loc_from_full_to_swa(self, full_indices: IndexLike) -> torch.Tensor:
-        """Returns the SWA slot of each full slot (0 where unmapped).
+        """The SWA slot of each full slot (0 where unmapped), on ``device``.
 
         Raises:
             SlotIndexError: An index lies outside the full pool's buffer rows.
         """
-        idx = _to_index_tensor(full_indices, self.device)
-        if idx.numel() == 0:
-            return idx
-        _check_range(idx, 0, self.full_to_swa_index_mapping.numel())
-        return self.full_to_swa_index_mapping.index_select(0, idx)
+        idx = host_indices(full_indices)
+        _check_range(idx, 0, self._full_to_swa.size)
+        return self.full_attn_allocator._to_device(self._full_to_swa[idx])
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        """Allocates ``need_size`` full slots and as many SWA slots, all or nothing.
+        """Allocate ``need_size`` full slots and as many SWA slots, all or nothing.
 
         Returns:
             The full slot indices, or None (nothing changed) if either pool is short.
@@ -114,26 +112,18 @@ class SWATokenToKVPoolAllocator:
             InvalidInputError: ``need_size`` is negative or not an int.
         """
         n = _as_count(need_size, "need_size", 0)
-        if n == 0:
-            return torch.zeros(0, dtype=torch.int64, device=self.device)
         # Check both sides first: allocating one and undoing it would still have
         # merged its release list and so changed its reuse order.
-        needed = -(-n // self.page_size) * self.page_size
-        if needed > self.available_size():
+        if -(-n // self.page_size) * self.page_size > self.available_size():
             return None
         full = self.full_attn_allocator.alloc(n)
         swa = self.swa_attn_allocator.alloc(n)
         assert full is not None and swa is not None  # guaranteed by the check above
-        start = int(full[0])
-        if self.full_attn_allocator.need_sort and int(full[-1]) - start == n - 1:
-            # Sorted-mode allocations ascend, so this span means one contiguous run.
-            self.full_to_swa_index_mapping[start : start + n].copy_(swa)
-        else:
-            self.full_to_swa_index_mapping.scatter_(0, full, swa)
+        self._full_to_swa[host_indices(full)] = host_indices(swa)
         return full
 
     def free(self, full_indices: IndexLike) -> None:
-        """Frees full slots and the SWA slots they still map to; all-or-nothing.
+        """Free full slots and the SWA slots they still map to, all or nothing.
 
         Raises:
             InvalidInputError: ``full_indices`` is not integer-valued.
@@ -141,19 +131,17 @@ class SWATokenToKVPoolAllocator:
             DoubleFreeError: A full slot is not allocated, or repeats.
         """
         full = self.full_attn_allocator._validate_free(full_indices)
-        if full.idx.numel() == 0:
+        if full.idx.size == 0:
             return
-        swa = self.full_to_swa_index_mapping.index_select(0, full.idx)
-        if int(swa.min()) == 0:  # some window slots already went with free_swa
-            swa = swa[swa != 0]
-        swa = self.swa_attn_allocator._validate_free(swa)
-        self._unmap(full)
+        swa = self._full_to_swa[full.idx]
+        swa = self.swa_attn_allocator._validate_free(swa[swa != 0])
+        self._full_to_swa[full.idx] = 0
         self.full_attn_allocator._apply_free(full)
-        if swa.idx.numel():
+        if swa.idx.size:
             self.swa_attn_allocator._apply_free(swa)
 
     def free_swa(self, full_indices: IndexLike) -> None:
-        """Frees only the SWA slots of these full slots; all-or-nothing.
+        """Free only the SWA slots of these full slots, all or nothing.
 
         Raises:
             InvalidInputError: ``full_indices`` is not integer-valued.
@@ -162,37 +150,26 @@ class SWATokenToKVPoolAllocator:
                 or repeats.
         """
         full = self.full_attn_allocator._validate_free(full_indices)
-        idx = full.idx
-        if idx.numel() == 0:
+        if full.idx.size == 0:
             return
-        swa = self.full_to_swa_index_mapping.index_select(0, idx)
-        if int(swa.min()) == 0:
-            bad = idx[swa == 0][:_MAX_SHOWN].tolist()
+        swa = self._full_to_swa[full.idx]
+        if not swa.all():
+            bad = full.idx[swa == 0][:_MAX_SHOWN].tolist()
             raise DoubleFreeError(f"full slots have no SWA slot (already freed): {bad}")
         checked = self.swa_attn_allocator._validate_free(swa)
-        self._unmap(full)
+        self._full_to_swa[full.idx] = 0
         self.swa_attn_allocator._apply_free(checked)
 
-    def _unmap(self, full: _Checked) -> None:
-        """Clears the mapping of validated full slots."""
-        if full.contiguous:
-            self.full_to_swa_index_mapping[full.lo : full.hi + 1].zero_()
-        else:
-            zeros = torch.zeros(full.idx.numel(), dtype=torch.int64, device=self.device)
-            self.full_to_swa_index_mapping.scatter_(0, full.idx, zeros)
-
     def free_group_begin(self) -> None:
-        """Starts batching frees in both pools (see TokenToKVPoolAllocator)."""
+        """Start batching frees in both pools (see TokenToKVPoolAllocator)."""
         self.full_attn_allocator.free_group_begin()
         self.swa_attn_allocator.free_group_begin()
 
     def free_group_end(self) -> None:
-        """Ends the free group in both pools.
+        """End the free group in both pools.
 
         Raises:
             InvalidInputError: No free group is open.
         """
-        if self.full_attn_allocator._group_depth == 0:
-            raise InvalidInputError("free_group_end() without free_group_begin()")
         self.full_attn_allocator.free_group_end()
         self.swa_attn_allocator.free_group_end()
