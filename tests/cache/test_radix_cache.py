@@ -349,3 +349,16 @@ def test_chunk_cache_is_a_no_op() -> None:
     assert cache.inc_lock_ref(None) is None
     assert (cache.evictable_size(), cache.protected_size(), cache.total_size()) == (0, 0, 0)
     assert allocator.available_size() == 16
+
+
+def test_miss_in_a_known_namespace_ends_at_the_root() -> None:
+    """A miss returns the real root, so an evict emptying the namespace can't strand a lock."""
+    slots = Slots(size=64, page_size=16)
+    cache = RadixCache(page_size=16, token_to_kv_pool_allocator=slots.allocator)
+    cache.insert(RadixKey(list(range(32))), slots.all[:32])
+    miss = cache.match_prefix(RadixKey(list(range(100, 164))))
+    assert miss.last_node is cache.root_node
+    cache.inc_lock_ref(miss.last_node)
+    cache.evict(32)
+    cache.dec_lock_ref(miss.last_node)
+    cache.check_integrity()

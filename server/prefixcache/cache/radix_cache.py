@@ -151,8 +151,9 @@ class RadixCache(BasePrefixCache):
                 pos += matched
                 break
         self._leaves.refresh(node)
-        indices = torch.cat(values) if values else self._empty()
-        return MatchResult(indices, node, pos // token_bytes)
+        if not pos:  # a namespace root is internal; a miss ends at the real root
+            return MatchResult(self._empty(), self.root_node, 0)
+        return MatchResult(torch.cat(values), node, pos // token_bytes)
 
     # ----------------------------------------------------------------- insert
     def insert(

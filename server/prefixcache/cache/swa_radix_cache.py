@@ -33,7 +33,8 @@ class SWARadixCache(RadixCache):
     Insert owns ``value[prev_prefix_len:aligned_len]``: every slot there is either
     stored in the tree or freed. Unlike SGLang, a tombstone that is full-locked is not
     revived (the incoming slots are freed instead), so an unlock always finds the SWA
-    locks its lock took. Locking skips tombstones inside the window rather than failing.
+    locks its lock took. Locking skips tombstones inside the window rather than failing,
+    and unlocking a tombstone left without children frees it at once.
     """
 
     def __init__(
@@ -135,7 +136,8 @@ class SWARadixCache(RadixCache):
             prev_prefix_len: tokens of ``value`` that came from the tree (the caller's
                 earlier match); they are neither stored again nor freed.
             swa_evicted_seqlen: the request's SWA KV before this position was already
-                freed (rounded up to a page); those tokens enter as tombstones.
+                freed; those tokens enter as tombstones. Page-aligned (or past the
+                key's last page), else InvalidInputError.
         """
         _check_count(prev_prefix_len, "prev_prefix_len")
         _check_count(swa_evicted_seqlen, "swa_evicted_seqlen")
@@ -145,10 +147,13 @@ class SWARadixCache(RadixCache):
         end = len(packed) - len(packed) % page_bytes
         num_tokens = end // token_bytes
         value = self._checked_value(key, value, num_tokens)
+        if swa_evicted_seqlen % self.page_size and swa_evicted_seqlen < num_tokens:
+            # Rounding either way would tombstone live SWA KV or keep freed KV live.
+            raise InvalidInputError(f"swa_evicted_seqlen {swa_evicted_seqlen} is not a "
+                                    f"multiple of the page size {self.page_size}")
         if end == 0:
             return InsertResult(0, self.root_node)
-        page = self.page_size
-        swa_evicted = -(-swa_evicted_seqlen // page) * page
+        swa_evicted = min(swa_evicted_seqlen, num_tokens)
 
         ns_root = self._namespace_root(key.extra_key, width)
         self._clock += 1
@@ -340,6 +345,15 @@ class SWARadixCache(RadixCache):
                 self._swa_evictable += n.key_len
                 self._swa_protected -= n.key_len
                 self._windows.push(n)
+        if node.swa_tombstone and not node.children and not node.lock_ref:
+            # A tombstone that lost its children while locked is now a leaf whose full
+            # KV no match can reach (no window after it): free it rather than keep it.
+            freed: list[torch.Tensor] = []
+            gone: list[int] = []
+            self._leaves.discard(node)
+            self._delete_subtree_end(node, freed, gone)
+            self._free(freed)
+            self._notify_evicted(gone)
 
     # --------------------------------------------------------------- internal
     def _touch(self, node: TreeNode) -> None:
