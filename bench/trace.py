@@ -1,0 +1,99 @@
+"""Load Mooncake-format traces and expand their block hash ids into token-id arrays."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import time
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+BLOCK_TOKENS = 512  # Mooncake hash ids each stand for one 512-token block
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"
+DEFAULT_TRACE = TRACES_DIR / "mooncake_conversation_trace.jsonl"
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One trace line: prompt length and its chain of 512-token block ids."""
+
+    input_length: int
+    hash_ids: tuple[int, ...]
+
+
+@dataclass
+class ExpandedTrace:
+    """Token-id arrays for every request, plus what it cost to build them."""
+
+    path: Path
+    page_size: int
+    keys: list[array]
+    build_s: float
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(k) for k in self.keys)
+
+
+def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
+    """Read up to `limit` requests from a JSON-lines trace, in arrival order."""
+    out: list[TraceRequest] = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if limit is not None and len(out) >= limit:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            rec = json.loads(line)
+            ids = tuple(int(h) for h in rec["hash_ids"])
+            length = int(rec["input_length"])
+            if length > len(ids) * BLOCK_TOKENS:
+                raise ValueError(f"{path}: input_length {length} exceeds {len(ids)} blocks")
+            out.append(TraceRequest(length, ids))
+    return out
+
+
+def expand(requests: list[TraceRequest], page_size: int) -> list[array]:
+    """Map id h to tokens h*512..h*512+511, cut to input_length, align down to the page."""
+    if page_size < 1:
+        raise ValueError("page_size must be >= 1")
+    # Blocks recur across requests (every conversation request starts with id 0),
+    # so each block's bytes are made once and joined with memcpy speed.
+    block_bytes: dict[int, bytes] = {}
+    keys: list[array] = []
+    for req in requests:
+        parts = []
+        for h in req.hash_ids:
+            b = block_bytes.get(h)
+            if b is None:
+                first = h * BLOCK_TOKENS
+                if first + BLOCK_TOKENS > 2**32:
+                    raise ValueError(f"hash id {h} does not fit uint32 token ids")
+                b = array("I", range(first, first + BLOCK_TOKENS)).tobytes()
+                block_bytes[h] = b
+            parts.append(b)
+        n = req.input_length - req.input_length % page_size
+        key = array("I")
+        key.frombytes(b"".join(parts)[: n * key.itemsize])
+        keys.append(key)
+    return keys
+
+
+def load_expanded(path: Path, page_size: int, limit: int | None = None) -> ExpandedTrace:
+    """Load and expand a trace, timing the expansion (it stays outside req/s)."""
+    t0 = time.perf_counter()
+    keys = expand(load_trace(path, limit), page_size)
+    build_s = time.perf_counter() - t0
+    _return_free_heap()
+    return ExpandedTrace(path, page_size, keys, build_s)
+
+
+def _return_free_heap() -> None:
+    # expand() frees its block cache (~370 MB for the conversation trace); glibc keeps
+    # that heap, and replays would reuse it without growing RSS, hiding their memory.
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: deltas may read low
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
