@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import NamedTuple
@@ -10,25 +9,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .errors import DoubleFreeError, InvalidInputError, SlotIndexError
+from .errors import DoubleFreeError, InvalidInputError, SlotIndexError, check_count
 
 IndexLike = torch.Tensor | np.ndarray | Sequence[int]
 
 # Shown in error messages; enough to identify the problem without flooding logs.
 _MAX_SHOWN = 8
-
-
-def _as_count(value: object, name: str, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``, or InvalidInputError."""
-    if isinstance(value, bool):
-        raise InvalidInputError(f"{name} must be an int, got bool")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError as exc:
-        raise InvalidInputError(f"{name} must be an int, got {type(value).__name__}") from exc
-    if number < minimum:
-        raise InvalidInputError(f"{name} must be >= {minimum}, got {number}")
-    return number
 
 
 def host_indices(indices: IndexLike) -> np.ndarray:
@@ -106,8 +92,8 @@ class TokenToKVPoolAllocator:
         Raises:
             InvalidInputError: ``page_size < 1`` or ``size`` smaller than one page.
         """
-        self.page_size = _as_count(page_size, "page_size", 1)
-        self.size = _as_count(size, "size", self.page_size)
+        self.page_size = check_count(page_size, "page_size", 1)
+        self.size = check_count(size, "size", self.page_size)
         self.device = torch.device(device)
         self.need_sort = bool(need_sort)
         ps = self.page_size
@@ -173,7 +159,7 @@ class TokenToKVPoolAllocator:
         Raises:
             InvalidInputError: ``need_size`` is negative or not an int.
         """
-        n = _as_count(need_size, "need_size", 0)
+        n = check_count(need_size, "need_size", 0)
         ps = self.page_size
         num = -(-n // ps)
         if num > self._free.size - self._head:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 
 class CacheError(Exception):
     """Base class of every error the cache library raises on purpose."""
@@ -35,3 +37,19 @@ class TokenRangeError(InvalidInputError, OverflowError):
 
 class IntegrityError(CacheError, AssertionError):
     """``check_integrity()`` found the cache's bookkeeping out of step with its tree."""
+
+
+def check_count(value: object, name: str, minimum: int = 0) -> int:
+    """``value`` as an int of at least ``minimum``; anything else is InvalidInputError.
+
+    Accepts any integer type (``operator.index``) but not ``bool``.
+    """
+    if isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be an int, got bool")
+    try:
+        number = operator.index(value)  # type: ignore[call-overload]
+    except TypeError as exc:
+        raise InvalidInputError(f"{name} must be an int, got {type(value).__name__}") from exc
+    if number < minimum:
+        raise InvalidInputError(f"{name} must be >= {minimum}, got {number}")
+    return number

@@ -7,20 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from prefixcache.cache.errors import InvalidInputError, SlotIndexError
-
-
-def _positive(value: object, name: str) -> int:
-    """Returns ``value`` as an int >= 1, or raises InvalidInputError."""
-    if isinstance(value, bool):
-        raise InvalidInputError(f"{name} must be an int, got bool")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError as exc:
-        raise InvalidInputError(f"{name} must be an int, got {type(value).__name__}") from exc
-    if number < 1:
-        raise InvalidInputError(f"{name} must be >= 1, got {number}")
-    return number
+from .errors import InvalidInputError, SlotIndexError, check_count
 
 
 class KVPool:
@@ -76,21 +63,19 @@ class KVPool:
             InvalidInputError: A size, count or dimension is not a positive int, or
                 ``dtype`` is not a torch dtype.
         """
-        self.size = _positive(size, "size")
-        self.page_size = _positive(page_size, "page_size")
+        self.size = check_count(size, "size", 1)
+        self.page_size = check_count(page_size, "page_size", 1)
         if not isinstance(dtype, torch.dtype):
             raise InvalidInputError(f"dtype must be a torch.dtype, got {dtype!r}")
         self.dtype = dtype
         self.device = torch.device(device)
-        self.layer_num = _positive(layer_num, "layer_num")
-        self.k_head_num = _positive(k_head_num, "k_head_num")
-        self.k_head_dim = _positive(k_head_dim, "k_head_dim")
-        self.v_head_num = _positive(
-            self.k_head_num if v_head_num is None else v_head_num, "v_head_num"
-        )
-        self.v_head_dim = _positive(
-            self.k_head_dim if v_head_dim is None else v_head_dim, "v_head_dim"
-        )
+        self.layer_num = check_count(layer_num, "layer_num", 1)
+        self.k_head_num = check_count(k_head_num, "k_head_num", 1)
+        self.k_head_dim = check_count(k_head_dim, "k_head_dim", 1)
+        v_heads = self.k_head_num if v_head_num is None else v_head_num
+        v_dim = self.k_head_dim if v_head_dim is None else v_head_dim
+        self.v_head_num = check_count(v_heads, "v_head_num", 1)
+        self.v_head_dim = check_count(v_dim, "v_head_dim", 1)
         self.num_rows = self.size + self.page_size
         # Pinning speeds host<->device copies but needs a CUDA runtime to exist.
         pin = self.device.type == "cpu" and torch.cuda.is_available()

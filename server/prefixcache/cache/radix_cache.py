@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .base import BasePrefixCache, EvictResult, InsertResult, MatchResult
-from .errors import InvalidInputError, LockError
+from .errors import InvalidInputError, LockError, check_count
 from .eviction import EvictionQueue, get_eviction_policy
 from .hashing import hash_pages
 from .inspection import check_radix_cache, format_tree
@@ -122,11 +122,8 @@ class RadixCache(BasePrefixCache):
         Splits the last node if the match ends inside it (the split stays). Touches the
         matched path for eviction order and counts a hit on each node.
         """
-        packed, width = key.packed()
+        packed, width, token_bytes, page_bytes, end = self._aligned(key)
         ns_root = self.root_node.children.get((key.extra_key, width))
-        token_bytes = 4 * width
-        page_bytes = token_bytes * self.page_size
-        end = len(packed) - len(packed) % page_bytes
         if ns_root is None or end == 0:
             return MatchResult(self._empty(), self.root_node, 0)
 
@@ -171,10 +168,7 @@ class RadixCache(BasePrefixCache):
         the unaligned tail. ``prev_prefix_len`` and ``swa_evicted_seqlen`` only matter
         in SWA mode. ``last_node`` is the node where the key ends.
         """
-        packed, width = key.packed()
-        token_bytes = 4 * width
-        page_bytes = token_bytes * self.page_size
-        end = len(packed) - len(packed) % page_bytes
+        packed, width, token_bytes, page_bytes, end = self._aligned(key)
         value = self._checked_value(key, value, end // token_bytes)
         if end == 0:
             return InsertResult(0, self.root_node)
@@ -211,8 +205,8 @@ class RadixCache(BasePrefixCache):
 
         ``swa_evicted`` mirrors ``full_evicted`` here, as in the reference.
         """
-        _check_count(num_tokens, "num_tokens")
-        _check_count(swa_num_tokens, "swa_num_tokens")
+        check_count(num_tokens, "num_tokens")
+        check_count(swa_num_tokens, "swa_num_tokens")
         evicted, freed, gone = 0, [], []
         while evicted < num_tokens:
             node = self._leaves.pop()
@@ -304,6 +298,14 @@ class RadixCache(BasePrefixCache):
         check_radix_cache(self)
 
     # --------------------------------------------------------------- internal
+    def _aligned(self, key: RadixKey) -> tuple[bytes, int, int, int, int]:
+        """``key`` packed: its bytes, token width, bytes per token and per page, and the
+        end of its last whole page (in bytes)."""
+        packed, width = key.packed()
+        token_bytes = 4 * width
+        page_bytes = token_bytes * self.page_size
+        return packed, width, token_bytes, page_bytes, len(packed) - len(packed) % page_bytes
+
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
 
@@ -423,7 +425,3 @@ class RadixCache(BasePrefixCache):
         if node is not self.root_node and (node.evicted or node.parent is not self.root_node):
             raise LockError("node does not belong to this cache (or predates a reset)")
         return path
-
-def _check_count(value: int, name: str) -> None:
-    if not isinstance(value, int) or value < 0:
-        raise InvalidInputError(f"{name} must be a non-negative int, got {value!r}")

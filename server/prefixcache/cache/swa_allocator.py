@@ -9,11 +9,10 @@ from .allocator import (
     _MAX_SHOWN,
     IndexLike,
     TokenToKVPoolAllocator,
-    _as_count,
     _check_range,
     host_indices,
 )
-from .errors import DoubleFreeError
+from .errors import DoubleFreeError, check_count
 
 
 class SWATokenToKVPoolAllocator:
@@ -111,7 +110,7 @@ class SWATokenToKVPoolAllocator:
         Raises:
             InvalidInputError: ``need_size`` is negative or not an int.
         """
-        n = _as_count(need_size, "need_size", 0)
+        n = check_count(need_size, "need_size", 0)
         # Check both sides first: allocating one and undoing it would still have
         # merged its release list and so changed its reuse order.
         if -(-n // self.page_size) * self.page_size > self.available_size():

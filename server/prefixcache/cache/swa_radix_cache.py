@@ -8,11 +8,11 @@ from typing import Any
 import torch
 
 from .base import EvictResult, InsertResult, MatchResult
-from .errors import InvalidInputError, LockError
+from .errors import InvalidInputError, LockError, check_count
 from .eviction import EvictionQueue, get_eviction_policy
 from .key import RadixKey
 from .node import TreeNode
-from .radix_cache import RadixCache, _check_count, common_prefix
+from .radix_cache import RadixCache, common_prefix
 
 
 class SWARadixCache(RadixCache):
@@ -80,11 +80,8 @@ class SWARadixCache(RadixCache):
         ends either with no tombstone on the path or at least a window of live tokens
         after the last one. Only the answered path is touched.
         """
-        packed, width = key.packed()
+        packed, width, token_bytes, page_bytes, end = self._aligned(key)
         ns_root = self.root_node.children.get((key.extra_key, width))
-        token_bytes = 4 * width
-        page_bytes = token_bytes * self.page_size
-        end = len(packed) - len(packed) % page_bytes
         if ns_root is None or end == 0:
             return MatchResult(self._empty(), self.root_node, 0)
 
@@ -139,12 +136,9 @@ class SWARadixCache(RadixCache):
                 freed; those tokens enter as tombstones. Page-aligned (or past the
                 key's last page), else InvalidInputError.
         """
-        _check_count(prev_prefix_len, "prev_prefix_len")
-        _check_count(swa_evicted_seqlen, "swa_evicted_seqlen")
-        packed, width = key.packed()
-        token_bytes = 4 * width
-        page_bytes = token_bytes * self.page_size
-        end = len(packed) - len(packed) % page_bytes
+        check_count(prev_prefix_len, "prev_prefix_len")
+        check_count(swa_evicted_seqlen, "swa_evicted_seqlen")
+        packed, width, token_bytes, page_bytes, end = self._aligned(key)
         num_tokens = end // token_bytes
         value = self._checked_value(key, value, num_tokens)
         if swa_evicted_seqlen % self.page_size and swa_evicted_seqlen < num_tokens:
@@ -229,8 +223,8 @@ class SWARadixCache(RadixCache):
         Phase 1 runs while fewer than ``num_tokens`` full tokens are freed; phase 2 while
         fewer than ``swa_num_tokens`` SWA tokens are (phase 1's leaves count toward it).
         """
-        _check_count(num_tokens, "num_tokens")
-        _check_count(swa_num_tokens, "swa_num_tokens")
+        check_count(num_tokens, "num_tokens")
+        check_count(swa_num_tokens, "swa_num_tokens")
         full = swa = 0
         freed_full: list[torch.Tensor] = []
         freed_swa: list[torch.Tensor] = []
