@@ -160,6 +160,8 @@ class TokenToKVPoolAllocator:
             InvalidInputError: ``need_size`` is negative or not an int.
         """
         n = check_count(need_size, "need_size", 0)
+        if n == 0:
+            return self._to_device(np.zeros(0, dtype=np.int64))
         ps = self.page_size
         num = -(-n // ps)
         if num > self._free.size - self._head:
@@ -168,12 +170,18 @@ class TokenToKVPoolAllocator:
             self._merge_released()
         pages = self._free[self._head : self._head + num]
         self._head += num
-        if num and self.need_sort and int(pages[-1]) - int(pages[0]) == num - 1:
-            # A sorted free list holds distinct ascending pages, so this span is one
-            # run of consecutive pages: build it and mark it as a slice.
-            start = int(pages[0]) * ps
-            slots = np.arange(start, start + n, dtype=np.int64)
-            self._live[start : start + n] = 1
+        # Pages taken from the front of the free list are mostly runs of consecutive
+        # pages: build and mark each run as a slice; many runs take one vector pass.
+        ends = np.flatnonzero(pages[1:] - pages[:-1] != 1)
+        if ends.size < _MAX_RUNS:
+            pieces, left = [], n
+            for a, b in zip([0, *(ends + 1).tolist()], [*ends.tolist(), num - 1], strict=True):
+                start = int(pages[a]) * ps
+                length = min((b - a + 1) * ps, left)  # the last page's tail stays unmarked
+                pieces.append(np.arange(start, start + length, dtype=np.int64))
+                self._live[start : start + length] = 1
+                left -= length
+            slots = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         elif ps == 1:
             slots = pages.copy()
             self._live[slots] = 1
@@ -189,7 +197,7 @@ class TokenToKVPoolAllocator:
         """Move released pages into the free list (sorted when ``need_sort``)."""
         merged = np.concatenate([self._free[self._head :], *self._released])
         if self.need_sort:
-            merged.sort()
+            merged.sort(kind="stable")  # sorted pieces: timsort merges them in linear time
         self._free, self._head = merged, 0
         self._released, self._num_released = [], 0
 
