@@ -23,7 +23,6 @@ def snapshot(alloc: TokenToKVPoolAllocator) -> tuple[int, int, list[bool]]:
     return alloc.available_size(), alloc.num_allocated(), alloc.is_allocated(rows).tolist()
 
 
-# --------------------------------------------------------------- page_size 1
 
 
 def test_alloc_returns_lowest_slots_from_one() -> None:
@@ -233,7 +232,6 @@ def test_returned_tensor_is_private_copy() -> None:
     assert merged is not None and sorted(merged.tolist()) == list(range(1, 9))
 
 
-# --------------------------------------------------------------- free groups
 
 
 def test_free_group_defers_pages_until_end() -> None:
@@ -277,7 +275,6 @@ def test_free_group_nests_and_end_without_begin_raises() -> None:
         a.free_group_end()
 
 
-# ------------------------------------------------------------------- paged
 
 
 def test_paged_alloc_takes_whole_pages() -> None:
@@ -381,7 +378,6 @@ def test_large_pool_merge_paths() -> None:
     assert every is not None and every.tolist() == list(range(16, 16 * 401))
 
 
-# -------------------------------------------------------------------- SWA
 
 
 def test_swa_alloc_maps_full_to_swa() -> None:
@@ -508,7 +504,6 @@ def test_swa_translate_out_of_range_raises() -> None:
     assert a.translate_loc_from_full_to_swa([]).numel() == 0
 
 
-# --------------------------------------------------------- stateful models
 
 PAGE_CONFIGS = [(1, 40), (4, 70), (16, 100)]
 STATEFUL = settings(

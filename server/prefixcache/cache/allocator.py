@@ -111,7 +111,6 @@ class TokenToKVPoolAllocator:
         self._offsets = np.arange(ps, dtype=np.int64)
         self.clear()
 
-    # ------------------------------------------------------------------ state
     def clear(self) -> None:
         """Free every slot, drop any open free group and reset the free list."""
         self._free = np.arange(1, self.num_pages + 1, dtype=np.int64)
@@ -144,7 +143,6 @@ class TokenToKVPoolAllocator:
         live[inside] = self._live[idx[inside]] != 0
         return torch.from_numpy(live)
 
-    # ------------------------------------------------------------- allocation
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Allocate ``need_size`` distinct slots in whole pages.
 
@@ -201,7 +199,6 @@ class TokenToKVPoolAllocator:
         self._free, self._head = merged, 0
         self._released, self._num_released = [], 0
 
-    # ------------------------------------------------------------------- free
     def free(self, indices: IndexLike) -> None:
         """Free previously allocated slots, all or nothing.
 

@@ -92,7 +92,6 @@ class KVPool:
         """Returns a zeroed buffer of ``shape`` on the pool's device."""
         return torch.zeros(shape, dtype=self.dtype, device=self.device, pin_memory=pin)
 
-    # ---------------------------------------------------------------- access
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """Returns layer ``layer_id``'s K buffer (the live tensor, not a copy).
@@ -169,7 +168,6 @@ class KVPool:
         """Returns the total size of all K and V buffers in bytes."""
         return sum(t.numel() * t.element_size() for t in (*self.k_buffer, *self.v_buffer))
 
-    # --------------------------------------------------------------- helpers
 
     def _layer(self, layer_id: int) -> int:
         """Returns ``layer_id`` as an int in range, or raises InvalidInputError."""

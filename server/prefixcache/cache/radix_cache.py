@@ -96,7 +96,6 @@ class RadixCache(BasePrefixCache):
         self._leaves = EvictionQueue(get_eviction_policy(eviction_policy))
         self.reset()
 
-    # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Forget every node. Slots are not freed: clear the allocator alongside."""
         self.root_node = TreeNode(value=self._empty())
@@ -115,7 +114,6 @@ class RadixCache(BasePrefixCache):
     def total_size(self) -> int:
         return self._evictable + self._protected
 
-    # ------------------------------------------------------------------ match
     def match_prefix(self, key: RadixKey) -> MatchResult:
         """Longest cached page-aligned prefix of ``key`` in its namespace.
 
@@ -152,7 +150,6 @@ class RadixCache(BasePrefixCache):
             return MatchResult(self._empty(), self.root_node, 0)
         return MatchResult(torch.cat(values), node, pos // token_bytes)
 
-    # ----------------------------------------------------------------- insert
     def insert(
         self,
         key: RadixKey,
@@ -199,7 +196,6 @@ class RadixCache(BasePrefixCache):
             self._leaves.refresh(node)
         return InsertResult(prefix_len, node)
 
-    # ------------------------------------------------------------------ evict
     def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
         """Free at least ``num_tokens`` tokens (whole leaves, so possibly more) if possible.
 
@@ -223,7 +219,6 @@ class RadixCache(BasePrefixCache):
         self._notify_evicted(gone)
         return EvictResult(full_evicted=evicted, swa_evicted=evicted)
 
-    # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode | None) -> Any:
         """Protect ``node`` and its ancestors from eviction until ``dec_lock_ref(node)``."""
         if node is not None:
@@ -268,7 +263,6 @@ class RadixCache(BasePrefixCache):
                 if not n.children:
                     self._leaves.push(n)
 
-    # ----------------------------------------------------------------- hashes
     def compute_node_hash(self, node: TreeNode) -> list[str]:
         """The node's chained page hashes, computing any missing ones root-down first."""
         if node.key_len == 0:
@@ -284,7 +278,6 @@ class RadixCache(BasePrefixCache):
             prior = bytes.fromhex(n.hash_values[-1])
         return node.hash_values or []
 
-    # ------------------------------------------------------------- inspection
     def pretty_print(self) -> None:
         """Print the tree, one node a line, with lengths, locks and the first tokens."""
         print(format_tree(self))
@@ -297,7 +290,6 @@ class RadixCache(BasePrefixCache):
         """
         check_radix_cache(self)
 
-    # --------------------------------------------------------------- internal
     def _aligned(self, key: RadixKey) -> tuple[bytes, int, int, int, int]:
         """``key`` packed: its bytes, token width, bytes per token and per page, and the
         end of its last whole page (in bytes)."""

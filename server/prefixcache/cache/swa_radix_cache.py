@@ -72,7 +72,6 @@ class SWARadixCache(RadixCache):
     def swa_protected_size(self) -> int:
         return self._swa_protected
 
-    # ------------------------------------------------------------------ match
     def match_prefix(self, key: RadixKey) -> MatchResult:
         """Longest cached prefix whose last ``sliding_window_size`` tokens have SWA KV.
 
@@ -118,7 +117,6 @@ class SWARadixCache(RadixCache):
             return MatchResult(self._empty(), self.root_node, 0)
         return MatchResult(torch.cat(values[:kept]), node, pos // token_bytes)
 
-    # ----------------------------------------------------------------- insert
     def insert(
         self,
         key: RadixKey,
@@ -216,7 +214,6 @@ class SWARadixCache(RadixCache):
         self._windows.push(node)
         return node
 
-    # ------------------------------------------------------------------ evict
     def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
         """Free full KV (whole unlocked leaves) and then SWA KV (tombstoning inner nodes).
 
@@ -279,7 +276,6 @@ class SWARadixCache(RadixCache):
             node = parent
         return full, swa
 
-    # ------------------------------------------------------------------ locks
     def inc_lock_ref(self, node: TreeNode | None) -> int | None:
         """Lock full KV up to the root and SWA KV over the last window of tokens.
 
@@ -349,7 +345,6 @@ class SWARadixCache(RadixCache):
             self._free(freed)
             self._notify_evicted(gone)
 
-    # --------------------------------------------------------------- internal
     def _touch(self, node: TreeNode) -> None:
         self._clock += 1
         node.last_access_time = self._clock
