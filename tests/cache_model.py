@@ -13,20 +13,8 @@ from hypothesis import strategies as st
 from prefixcache.cache import (
     EVICTION_POLICIES,
     RadixKey,
+    inspection,
 )
-
-
-def _int_pages(ps: int) -> list[tuple[int, ...]]:
-    if ps == 1:
-        return [(0,), (1,), (2,), (3,), (1,)]
-    half = ps // 2
-    return [
-        (0,) * ps,
-        (1,) * ps,
-        (0,) * half + (1,) * (ps - half),  # differs from page 0 mid-page
-        (0,) * (ps - 1) + (2,),  # differs from page 0 in its last token only
-        (0, 1) * half,  # packs like a page of tuple tokens (0, 1)
-    ]
 
 
 def _int_pages(ps: int) -> list[tuple[int, ...]]:
@@ -109,12 +97,8 @@ def tensor(slots: list[int]) -> torch.Tensor:
 
 
 def walk(root: Any) -> list[Any]:
-    out, stack = [], list(root.children.values())
-    while stack:
-        n = stack.pop()
-        out.append(n)
-        stack.extend(n.children.values())
-    return out
+    """Every node below ``root`` (namespace roots included)."""
+    return [node for node, _ in inspection.walk(root)]
 
 
 def node_path(node: Any) -> tuple[str | None, int, tuple[Any, ...], list[int]]:
