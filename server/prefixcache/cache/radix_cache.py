@@ -125,27 +125,18 @@ class RadixCache(BasePrefixCache):
         if ns_root is None or end == 0:
             return MatchResult(self._empty(), self.root_node, 0)
 
-        self._clock += 1
-        self.root_node.last_access_time = ns_root.last_access_time = self._clock
+        self._touch_roots(ns_root)
         node, pos, values = ns_root, 0, []
         while pos < end:
-            child = node.children.get(packed[pos : pos + page_bytes])
+            child, covered = self._descend(node, packed, pos, end, page_bytes)
             if child is None:
                 break
-            self._clock += 1
-            child.last_access_time = self._clock
-            child.hit_count += 1
-            if packed.startswith(child.key_bytes, pos):
-                values.append(child.value)
-                pos += len(child.key_bytes)
-                node = child
-            else:
-                matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
-                node = self._split(child, matched // token_bytes)
-                values.append(node.value)
-                pos += matched
+            covered.hit_count += 1
+            values.append(covered.value)
+            pos += len(covered.key_bytes)
+            node = covered
+            if covered is not child:
                 break
-        self._leaves.refresh(node)
         if not pos:  # a namespace root is internal; a miss ends at the real root
             return MatchResult(self._empty(), self.root_node, 0)
         return MatchResult(torch.cat(values), node, pos // token_bytes)
@@ -171,29 +162,20 @@ class RadixCache(BasePrefixCache):
             return InsertResult(0, self.root_node)
 
         ns_root = self._namespace_root(key.extra_key, width)
-        self._clock += 1
-        self.root_node.last_access_time = ns_root.last_access_time = self._clock
+        self._touch_roots(ns_root)
         node, pos = ns_root, 0
         while pos < end:
-            child = node.children.get(packed[pos : pos + page_bytes])
+            child, covered = self._descend(node, packed, pos, end, page_bytes)
             if child is None:
                 break
-            self._clock += 1
-            child.last_access_time = self._clock
-            if packed.startswith(child.key_bytes, pos):
-                pos += len(child.key_bytes)
-                node = child
-            else:
-                matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
-                node = self._split(child, matched // token_bytes)
-                pos += matched
+            pos += len(covered.key_bytes)
+            node = covered
+            if covered is not child:
                 break
         prefix_len = pos // token_bytes
         if pos < end:
             self._leaves.discard(node)
             node = self._add_leaf(node, packed[pos:end], value[prefix_len : end // token_bytes])
-        else:
-            self._leaves.refresh(node)
         return InsertResult(prefix_len, node)
 
     def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
@@ -297,6 +279,36 @@ class RadixCache(BasePrefixCache):
         token_bytes = 4 * width
         page_bytes = token_bytes * self.page_size
         return packed, width, token_bytes, page_bytes, len(packed) - len(packed) % page_bytes
+
+    def _descend(self, node: TreeNode, packed: bytes, pos: int, end: int, page_bytes: int,
+                 touch: bool = True) -> tuple[TreeNode | None, TreeNode | None]:
+        """Follow ``packed[pos:end]`` one edge down from ``node``.
+
+        Returns ``(child, covered)``: the child the key enters (None if there is none)
+        and the node covering the part that matched, which is the child itself, or its
+        new upper part when the key parts from it inside (split at a page boundary).
+        """
+        child = node.children.get(packed[pos : pos + page_bytes])
+        if child is None:
+            return None, None
+        if touch:
+            self._touch(child)
+        if packed.startswith(child.key_bytes, pos):
+            return child, child
+        matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
+        ns = child.namespace
+        assert ns is not None
+        return child, self._split(child, matched // ns.token_bytes)
+
+    def _touch(self, node: TreeNode) -> None:
+        """Make ``node`` the most recently used (the next clock tick)."""
+        self._clock += 1
+        node.last_access_time = self._clock
+        self._leaves.refresh(node)
+
+    def _touch_roots(self, ns_root: TreeNode) -> None:
+        self._clock += 1
+        self.root_node.last_access_time = ns_root.last_access_time = self._clock
 
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)

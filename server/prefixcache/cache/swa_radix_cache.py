@@ -12,7 +12,7 @@ from .errors import InvalidInputError, LockError, check_count
 from .eviction import EvictionQueue, get_eviction_policy
 from .key import RadixKey
 from .node import TreeNode
-from .radix_cache import RadixCache, common_prefix
+from .radix_cache import RadixCache
 
 
 class SWARadixCache(RadixCache):
@@ -89,24 +89,19 @@ class SWARadixCache(RadixCache):
         since_tombstone = float("inf")
         best = (0, 0, ns_root)  # values kept, bytes matched, last node
         while pos < end:
-            child = node.children.get(packed[pos : pos + page_bytes])
+            child, covered = self._descend(node, packed, pos, end, page_bytes, touch=False)
             if child is None:
                 break
             if child.swa_tombstone:
                 if since_tombstone >= window:
                     best = (len(values), pos, node)
                 since_tombstone = 0
-            if packed.startswith(child.key_bytes, pos):
-                node = child
-                pos += len(child.key_bytes)
-            else:
-                matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
-                node = self._split(child, matched // token_bytes)
-                pos += matched
-            values.append(node.value)
-            if not node.swa_tombstone:
-                since_tombstone += node.key_len
-            if node is not child:
+            node = covered
+            pos += len(covered.key_bytes)
+            values.append(covered.value)
+            if not covered.swa_tombstone:
+                since_tombstone += covered.key_len
+            if covered is not child:
                 break
         if since_tombstone >= window:
             best = (len(values), pos, node)
@@ -148,26 +143,18 @@ class SWARadixCache(RadixCache):
         swa_evicted = min(swa_evicted_seqlen, num_tokens)
 
         ns_root = self._namespace_root(key.extra_key, width)
-        self._clock += 1
-        self.root_node.last_access_time = ns_root.last_access_time = self._clock
+        self._touch_roots(ns_root)
         node, pos, off, freed = ns_root, 0, 0, []
         while pos < end:
-            child = node.children.get(packed[pos : pos + page_bytes])
+            child, covered = self._descend(node, packed, pos, end, page_bytes)
             if child is None:
                 break
-            self._touch(child)
-            whole = packed.startswith(child.key_bytes, pos)
-            if whole:
-                node = child
-            else:
-                matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
-                node = self._split(child, matched // token_bytes)
-            size = node.key_len
+            node, size = covered, covered.key_len
             if prev_prefix_len < off + size:
                 node = self._take_incoming(node, value, off, prev_prefix_len, swa_evicted, freed)
             pos += size * token_bytes
             off += size
-            if not whole:
+            if covered is not child:
                 break
 
         prefix_len = off
@@ -183,8 +170,6 @@ class SWARadixCache(RadixCache):
                     self._leaves.discard(node)
                     pos, off = pos + cut * token_bytes, swa_evicted
                 node = self._add_leaf(node, packed[pos:end], value[off:num_tokens])
-        else:
-            self._leaves.refresh(node)
         if not ns_root.children:  # nothing was stored in a new namespace
             self._drop_namespace(ns_root)
         self._free(freed)
@@ -346,9 +331,7 @@ class SWARadixCache(RadixCache):
             self._notify_evicted(gone)
 
     def _touch(self, node: TreeNode) -> None:
-        self._clock += 1
-        node.last_access_time = self._clock
-        self._leaves.refresh(node)
+        super()._touch(node)
         self._windows.refresh(node)
 
     def _touch_path(self, node: TreeNode) -> None:
