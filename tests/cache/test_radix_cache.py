@@ -351,14 +351,29 @@ def test_chunk_cache_is_a_no_op() -> None:
     assert allocator.available_size() == 16
 
 
-def test_miss_in_a_known_namespace_ends_at_the_root() -> None:
-    """A miss returns the real root, so an evict emptying the namespace can't strand a lock."""
-    slots = Slots(size=64, page_size=16)
-    cache = RadixCache(page_size=16, token_to_kv_pool_allocator=slots.allocator)
-    cache.insert(RadixKey(list(range(32))), slots.all[:32])
-    miss = cache.match_prefix(RadixKey(list(range(100, 164))))
-    assert miss.last_node is cache.root_node
+@pytest.mark.parametrize("extra_key", [None, "a"])
+def test_lock_of_a_miss_survives_its_namespace_emptying(extra_key: str | None) -> None:
+    """WorkerMachine, page 1 (shrunk): a worker locks the last_node of a miss, the
+    namespace's last node is evicted, and the balancing unlock must not fail.
+
+    A miss inside an existing namespace returns that namespace's (empty-key) root as
+    ``last_node``. Locking it is a no-op, so nothing keeps the namespace root alive;
+    when its last leaf is evicted the root is detached and marked evicted, and the
+    worker's ``dec_lock_ref(last_node)`` raised ``LockError("node ... has been
+    evicted")`` for a perfectly balanced lock/unlock pair. (A miss in SWA mode returns
+    the cache root, which never goes away.)
+    """
+    alloc = TokenToKVPoolAllocator(8)
+    cache = RadixCache(token_to_kv_pool_allocator=alloc)
+    cache.insert(RadixKey([0], extra_key), alloc.alloc(1))
+    miss = cache.match_prefix(RadixKey([1], extra_key))
+    assert miss.prefix_len == 0
     cache.inc_lock_ref(miss.last_node)
-    cache.evict(32)
+    assert cache.evict(1).full_evicted == 1  # the namespace is empty now
+    cache.dec_lock_ref(miss.last_node)  # balances the lock above: must not raise
+    cache.check_integrity()
+    # and the same handle stays usable once the namespace exists again
+    cache.insert(RadixKey([2], extra_key), alloc.alloc(1))
+    cache.inc_lock_ref(miss.last_node)
     cache.dec_lock_ref(miss.last_node)
     cache.check_integrity()

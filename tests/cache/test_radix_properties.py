@@ -68,7 +68,6 @@ from hypothesis.stateful import (
 from prefixcache.cache import (
     LockError,
     RadixCache,
-    RadixKey,
     TokenToKVPoolAllocator,
 )
 
@@ -541,34 +540,3 @@ def test_plain_machine(kind: str, page: int) -> None:
 @pytest.mark.parametrize("kind", ["worker", "direct"])
 def test_plain_machine_long(kind: str, page: int) -> None:
     run_state_machine_as_test(_machine(kind, page), settings=_settings(500, 100))
-
-
-# Minimal reproductions of the defects found with the machines, kept as unit tests.
-
-
-@pytest.mark.parametrize("extra_key", [None, "a"])
-def test_lock_of_a_miss_survives_its_namespace_emptying(extra_key: str | None) -> None:
-    """WorkerMachine, page 1 (shrunk): a worker locks the last_node of a miss, the
-    namespace's last node is evicted, and the balancing unlock must not fail.
-
-    A miss inside an existing namespace returns that namespace's (empty-key) root as
-    ``last_node``. Locking it is a no-op, so nothing keeps the namespace root alive;
-    when its last leaf is evicted the root is detached and marked evicted, and the
-    worker's ``dec_lock_ref(last_node)`` raised ``LockError("node ... has been
-    evicted")`` for a perfectly balanced lock/unlock pair. (A miss in SWA mode returns
-    the cache root, which never goes away.)
-    """
-    alloc = TokenToKVPoolAllocator(8)
-    cache = RadixCache(token_to_kv_pool_allocator=alloc)
-    cache.insert(RadixKey([0], extra_key), alloc.alloc(1))
-    miss = cache.match_prefix(RadixKey([1], extra_key))
-    assert miss.prefix_len == 0
-    cache.inc_lock_ref(miss.last_node)
-    assert cache.evict(1).full_evicted == 1  # the namespace is empty now
-    cache.dec_lock_ref(miss.last_node)  # balances the lock above: must not raise
-    cache.check_integrity()
-    # and the same handle stays usable once the namespace exists again
-    cache.insert(RadixKey([2], extra_key), alloc.alloc(1))
-    cache.inc_lock_ref(miss.last_node)
-    cache.dec_lock_ref(miss.last_node)
-    cache.check_integrity()

@@ -13,6 +13,7 @@ from prefixcache.cache import (
     SWATokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
+from prefixcache.cache.inspection import walk
 from prefixcache.cache.swa_radix_cache import SWARadixCache
 
 
@@ -244,3 +245,80 @@ def test_sliding_window_must_be_positive() -> None:
     """A zero window is a configuration error."""
     with pytest.raises(InvalidInputError):
         RadixCache(sliding_window_size=0)
+
+
+def _tree_swa_tokens(cache: SWARadixCache) -> int:
+    return sum(n.key_len for n, _ in walk(cache.root_node) if n.key_len and not n.swa_tombstone)
+
+
+def test_unlocking_a_tombstone_never_leaves_an_unlocked_tombstone_leaf() -> None:
+    """DirectMachine, page 1, shrunk to five steps.
+
+    ``insert([0])`` returns node A; ``insert([0, 0])`` hangs B under it; an SWA-only
+    eviction tombstones A (the older inner node); the caller locks A (an insert's
+    ``last_node``, now a tombstone); the next SWA eviction deletes the leaf B and stops
+    at the locked A. Unlocking A then leaves an unlocked tombstone *leaf*, which
+    ``check_integrity`` rejects ("tombstone ... is an unlocked leaf"; SGLang's invariant
+    is that a leaf is never a tombstone): it holds full KV no match can ever return.
+    """
+    alloc = SWATokenToKVPoolAllocator(16, 16)
+    cache = RadixCache(sliding_window_size=3, token_to_kv_pool_allocator=alloc)
+    a = cache.insert(RadixKey([0]), alloc.alloc(1)).last_node
+    cache.insert(RadixKey([0, 0]), alloc.alloc(2))  # [0] | [0]; the duplicate is freed
+    assert cache.evict(0, 1).swa_evicted == 1
+    assert a.swa_tombstone
+    cache.inc_lock_ref(a)
+    assert cache.evict(0, 1).full_evicted == 1  # B goes; A is locked
+    cache.check_integrity()
+    cache.dec_lock_ref(a)
+    cache.check_integrity()  # raised: "tombstone ... is an unlocked leaf"
+    assert cache.swa_evictable_size() + cache.swa_protected_size() == _tree_swa_tokens(cache)
+    assert alloc.num_allocated() == cache.total_size()
+
+
+def test_unlocking_a_stale_tombstoned_match_handle() -> None:
+    """The same defect reached through a match handle that was tombstoned after the
+    match, and a full (phase-1) eviction of its child while it is locked."""
+    alloc = SWATokenToKVPoolAllocator(16, 16)
+    cache = RadixCache(sliding_window_size=1, token_to_kv_pool_allocator=alloc)
+    cache.insert(RadixKey([1, 2, 3, 4]), alloc.alloc(4))
+    handle = cache.match_prefix(RadixKey([1, 2])).last_node  # splits [1,2] | [3,4]
+    cache.match_prefix(RadixKey([1, 2, 3, 4]))  # touch: the parent ranks older
+    assert cache.evict(0, 1).swa_evicted == 2
+    assert handle.swa_tombstone  # the inner node [1,2] was tombstoned
+    cache.inc_lock_ref(handle)
+    assert cache.evict(100).full_evicted == 2  # [3,4] goes; [1,2] is locked
+    cache.check_integrity()
+    cache.dec_lock_ref(handle)
+    cache.check_integrity()
+    assert alloc.num_allocated() == cache.total_size()
+
+
+def test_unaligned_swa_evicted_seqlen_is_refused_without_change() -> None:
+    """Found while building the machine's ``swa_evicted_seqlen`` choices.
+
+    With ``s`` inside a page the cache used to round ``s`` up and store ``[0, page)`` as a
+    tombstone although the caller had freed the SWA KV before ``s`` only: the tombstone
+    kept live SWA slots (``check_integrity``: "a tombstone's slot still holds SWA KV")
+    and the SWA pool held a slot neither the tree nor the caller accounted for. Insert
+    now refuses such a value before changing anything (the docstring's choice), which
+    the machines also check.
+    """
+    alloc = SWATokenToKVPoolAllocator(16, 16, page_size=2)
+    cache = RadixCache(page_size=2, sliding_window_size=2, token_to_kv_pool_allocator=alloc)
+    kv = alloc.alloc(6)
+    alloc.free_swa(kv[:1])  # the request's SWA KV before position 1 is gone
+    with pytest.raises(InvalidInputError):
+        cache.insert(RadixKey([1, 2, 3, 4, 5, 6]), kv, swa_evicted_seqlen=1)
+    assert cache.total_size() == 0
+    assert alloc.num_allocated() == 6
+    assert alloc.is_swa_mapped(kv).tolist() == [False] + [True] * 5
+    cache.check_integrity()
+    # the caller frees the rest of that page's SWA KV and retries with the page end
+    alloc.free_swa(kv[1:2])
+    assert cache.insert(RadixKey([1, 2, 3, 4, 5, 6]), kv, swa_evicted_seqlen=2).prefix_len == 0
+    cache.check_integrity()
+    live = _tree_swa_tokens(cache)
+    assert (live, cache.total_size()) == (4, 6)
+    assert cache.swa_evictable_size() + cache.swa_protected_size() == live
+    assert alloc.swa_attn_allocator.num_allocated() == live
