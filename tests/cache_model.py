@@ -1,4 +1,4 @@
-"""The shared harness of the radix-cache property tests: key strategies, the position model."""
+"""The shared harness of the radix-cache property tests: keys, the position model, rules."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import event
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from prefixcache.cache import (
     EVICTION_POLICIES,
+    LockError,
     RadixKey,
     inspection,
 )
@@ -198,3 +201,70 @@ POLICIES = ["lru", *sorted(set(EVICTION_POLICIES) - {"lru"})]
 #   PREFIXCACHE_SLOW=1 python -m pytest -m slow tests/cache/test_radix_properties.py
 LONG = pytest.mark.skipif(not os.environ.get("PREFIXCACHE_SLOW"),
                           reason="set PREFIXCACHE_SLOW=1 for the long property runs")
+
+
+class CacheHarness(RuleBasedStateMachine):
+    """What both cache machines share: setup, handles, lock bookkeeping, and the match,
+    reset and unlock rules. Subclasses provide the cache, the model and the checks."""
+
+    @initialize(policy=st.sampled_from(POLICIES), eager_hashes=st.booleans())
+    def configure(self, policy: str, eager_hashes: bool) -> None:
+        """Any eviction policy must keep every invariant; eager hashes must chain."""
+        self.cache = self._new_cache(policy, eager_hashes)
+
+    def seq(self, spec: Any) -> Seq:
+        seq = make_seq(spec, self.PAGE, self.MAX_PAGES, self.history)
+        self.history.append(seq)
+        del self.history[:-16]
+        return seq
+
+    def _on_evict(self, node_id: int) -> None:
+        assert node_id not in self.evicted_ids, f"on_node_evict({node_id}) called twice"
+        self.evicted_ids.add(node_id)
+        self.fresh_notified.add(node_id)
+
+    def _free_own(self, slots: list[int]) -> None:
+        if slots:
+            assert set(slots) <= self.held
+            self.alloc.free_own(slots)
+            self.held -= set(slots)
+
+    def _remember(self, handle: Handle) -> None:
+        handle.epoch = self.epoch
+        self.handles.append(handle)
+        del self.handles[:-12]
+
+    def own_locks(self, node: Any) -> int:
+        return sum(1 for lk in self.locks if lk.handle.node is node)
+
+    def _expect_lock_error(self, fn: Any, *args: Any) -> None:
+        before = self.snapshot()
+        with pytest.raises(LockError):
+            fn(*args)
+        assert self.snapshot() == before, "a refused lock call changed the cache"
+        self.cache.check_integrity()
+
+    @rule(spec=SEQS)
+    def match(self, spec: Any) -> None:
+        self._match(self.seq(spec))
+
+    @rule(go=st.integers(0, 19))
+    def reset(self, go: int) -> None:
+        """Admin reset (rarely): forget the tree and clear the pool; old handles go stale."""
+        if go != 13:
+            return
+        self.cache.reset()
+        self.alloc.clear()
+        self.model = Model(self.PAGE)
+        self.held.clear()
+        self.locks.clear()
+        self.requests.clear()
+        self.seen_ids = set()
+        self.epoch += 1
+        event("reset")
+
+    @precondition(lambda self: any(lk.owner == "explicit" for lk in self.locks))
+    @rule(i=INDEX)
+    def unlock(self, i: int) -> None:
+        mine = [lk for lk in self.locks if lk.owner == "explicit"]
+        self._unlock(mine[i % len(mine)])

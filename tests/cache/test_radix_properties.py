@@ -43,13 +43,12 @@ from cache_model import (
     INDEX,
     LONG,
     MAX_TOKENS,
-    POLICIES,
     SEQS,
+    CacheHarness,
     Handle,
     Model,
     Seq,
     ints,
-    make_seq,
     node_path,
     tensor,
     walk,
@@ -58,7 +57,6 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
-    initialize,
     invariant,
     precondition,
     rule,
@@ -66,7 +64,6 @@ from hypothesis.stateful import (
 )
 
 from prefixcache.cache import (
-    LockError,
     RadixCache,
     TokenToKVPoolAllocator,
 )
@@ -107,7 +104,7 @@ class Request:
 
 
 
-class PlainHarness(RuleBasedStateMachine):
+class PlainHarness(CacheHarness):
     """Shared state, checks and rules; subclasses add the insert protocol."""
 
     PAGE = 1
@@ -137,23 +134,7 @@ class PlainHarness(RuleBasedStateMachine):
                           on_node_evict=self._on_evict, eviction_policy=policy,
                           eager_page_hashes=eager_hashes)
 
-    @initialize(policy=st.sampled_from(POLICIES), eager_hashes=st.booleans())
-    def configure(self, policy: str, eager_hashes: bool) -> None:
-        """Any eviction policy must keep every invariant; eager hashes must chain."""
-        self.cache = self._new_cache(policy, eager_hashes)
-
     # -- plumbing -----------------------------------------------------------------
-    def seq(self, spec: Any) -> Seq:
-        seq = make_seq(spec, self.PAGE, self.MAX_PAGES, self.history)
-        self.history.append(seq)
-        del self.history[:-16]
-        return seq
-
-    def _on_evict(self, node_id: int) -> None:
-        assert node_id not in self.evicted_ids, f"on_node_evict({node_id}) called twice"
-        self.evicted_ids.add(node_id)
-        self.fresh_notified.add(node_id)
-
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[int]]:
         """Run a cache call and return its result and the slots it freed."""
         self.alloc.log.clear()
@@ -161,20 +142,6 @@ class PlainHarness(RuleBasedStateMachine):
         freed = list(self.alloc.log)
         self.alloc.log.clear()
         return result, freed
-
-    def _free_own(self, slots: list[int]) -> None:
-        if slots:
-            assert set(slots) <= self.held
-            self.alloc.free_own(slots)
-            self.held -= set(slots)
-
-    def _remember(self, handle: Handle) -> None:
-        handle.epoch = self.epoch
-        self.handles.append(handle)
-        del self.handles[:-12]
-
-    def own_locks(self, node: Any) -> int:
-        return sum(1 for lk in self.locks if lk.handle.node is node)
 
     def snapshot(self) -> Any:
         c = self.cache
@@ -291,13 +258,6 @@ class PlainHarness(RuleBasedStateMachine):
         assert freed == []
         self.locks.remove(lock)
 
-    def _expect_lock_error(self, fn: Any, *args: Any) -> None:
-        before = self.snapshot()
-        with pytest.raises(LockError):
-            fn(*args)
-        assert self.snapshot() == before, "a refused lock call changed the cache"
-        self.cache.check_integrity()
-
     def _insert_plain(self, seq: Seq, kv: list[int], matched: int) -> Any:
         """insert(seq, kv); the caller frees kv[matched:prefix_len] and the tail."""
         a = self.model.aligned(seq)
@@ -368,28 +328,9 @@ class PlainHarness(RuleBasedStateMachine):
                 assert h.node.id in self.evicted_ids, "a node left without on_node_evict"
 
     # -- shared rules ------------------------------------------------------------------
-    @rule(spec=SEQS)
-    def match(self, spec: Any) -> None:
-        self._match(self.seq(spec))
-
     @rule(num=st.integers(0, 16))
     def evict(self, num: int) -> None:
         self._evict(num * self.PAGE // 2 if self.PAGE > 1 else num)
-
-    @rule(go=st.integers(0, 19))
-    def reset(self, go: int) -> None:
-        """Admin reset (rarely): forget the tree and clear the pool; old handles go stale."""
-        if go != 13:
-            return
-        self.cache.reset()
-        self.alloc.clear()
-        self.model = Model(self.PAGE)
-        self.held.clear()
-        self.locks.clear()
-        self.requests.clear()
-        self.seen_ids = set()
-        self.epoch += 1
-        event("reset")
 
     @precondition(lambda self: self.handles and len(self.locks) < 8)
     @rule(i=INDEX)
@@ -407,12 +348,6 @@ class PlainHarness(RuleBasedStateMachine):
             )
             assert slots == self.model.slots(h.seq, h.length)
         self._lock(h, "explicit")
-
-    @precondition(lambda self: any(lk.owner == "explicit" for lk in self.locks))
-    @rule(i=INDEX)
-    def unlock(self, i: int) -> None:
-        mine = [lk for lk in self.locks if lk.owner == "explicit"]
-        self._unlock(mine[i % len(mine)])
 
     @precondition(lambda self: self.handles or self.locks)
     @rule(i=INDEX, kind=st.integers(0, 1))

@@ -45,13 +45,12 @@ from cache_model import (
     INDEX,
     LONG,
     MAX_TOKENS,
-    POLICIES,
     SEQS,
+    CacheHarness,
     Handle,
     Model,
     Seq,
     ints,
-    make_seq,
     node_path,
     tensor,
     walk,
@@ -60,7 +59,6 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
-    initialize,
     invariant,
     precondition,
     rule,
@@ -69,7 +67,6 @@ from hypothesis.stateful import (
 
 from prefixcache.cache import (
     InvalidInputError,
-    LockError,
     RadixCache,
     SWATokenToKVPoolAllocator,
 )
@@ -134,7 +131,7 @@ SWA_CHOICE = st.sampled_from([0, 0, 0, 1, 2, 3, 4, 8, 9, 10])
 
 
 
-class SWAHarness(RuleBasedStateMachine):
+class SWAHarness(CacheHarness):
     """Shared state, checks and rules; subclasses add the insert protocol."""
 
     PAGE = 1
@@ -166,23 +163,7 @@ class SWAHarness(RuleBasedStateMachine):
         assert type(cache).__name__ == "SWARadixCache"
         return cache
 
-    @initialize(policy=st.sampled_from(POLICIES), eager_hashes=st.booleans())
-    def configure(self, policy: str, eager_hashes: bool) -> None:
-        """Any eviction policy must keep every invariant; eager hashes must chain."""
-        self.cache = self._new_cache(policy, eager_hashes)
-
     # -- plumbing -----------------------------------------------------------------
-    def seq(self, spec: Any) -> Seq:
-        seq = make_seq(spec, self.PAGE, self.MAX_PAGES, self.history)
-        self.history.append(seq)
-        del self.history[:-16]
-        return seq
-
-    def _on_evict(self, node_id: int) -> None:
-        assert node_id not in self.evicted_ids, f"on_node_evict({node_id}) called twice"
-        self.evicted_ids.add(node_id)
-        self.fresh_notified.add(node_id)
-
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[int], list[int]]:
         """Run a cache call; return its result and the slots it freed (full, SWA-only)."""
         self.alloc.log.clear()
@@ -192,20 +173,6 @@ class SWAHarness(RuleBasedStateMachine):
         self.alloc.log.clear()
         self.alloc.log_swa.clear()
         return result, freed, freed_swa
-
-    def _free_own(self, slots: list[int]) -> None:
-        if slots:
-            assert set(slots) <= self.held
-            self.alloc.free_own(slots)
-            self.held -= set(slots)
-
-    def _remember(self, handle: Handle) -> None:
-        handle.epoch = self.epoch
-        self.handles.append(handle)
-        del self.handles[:-12]
-
-    def own_locks(self, node: Any) -> int:
-        return sum(1 for lk in self.locks if lk.handle.node is node)
 
     def live(self, slots: list[int]) -> list[bool]:
         return self.alloc.mapped(slots)
@@ -371,13 +338,6 @@ class SWAHarness(RuleBasedStateMachine):
             model.drop_slot(s)
         model.check_prefix_closed()
 
-    def _expect_lock_error(self, fn: Any, *args: Any) -> None:
-        before = self.snapshot()
-        with pytest.raises(LockError):
-            fn(*args)
-        assert self.snapshot() == before, "a refused lock call changed the cache"
-        self.cache.check_integrity()
-
     def _swa_seqlen(self, choice: int, matched: int, seq: Seq) -> int:
         """The point before which the request's own SWA KV (from ``matched`` on) is gone.
 
@@ -511,10 +471,6 @@ class SWAHarness(RuleBasedStateMachine):
                 assert h.node.id in self.evicted_ids, "a node left without on_node_evict"
 
     # -- shared rules ------------------------------------------------------------------
-    @rule(spec=SEQS)
-    def match(self, spec: Any) -> None:
-        self._match(self.seq(spec))
-
     @rule(num=st.integers(0, 16), swa_num=st.integers(0, 16))
     def evict(self, num: int, swa_num: int) -> None:
         scale = self.PAGE // 2 if self.PAGE > 1 else 1
@@ -524,21 +480,6 @@ class SWAHarness(RuleBasedStateMachine):
     def evict_swa(self, swa_num: int) -> None:
         """SWA-only eviction: tombstones inner nodes."""
         self._evict(0, swa_num * (self.PAGE // 2 if self.PAGE > 1 else 1))
-
-    @rule(go=st.integers(0, 19))
-    def reset(self, go: int) -> None:
-        """Admin reset (rarely): forget the tree and clear the pool; old handles go stale."""
-        if go != 13:
-            return
-        self.cache.reset()
-        self.alloc.clear()
-        self.model = Model(self.PAGE)
-        self.held.clear()
-        self.locks.clear()
-        self.requests.clear()
-        self.seen_ids = set()
-        self.epoch += 1
-        event("reset")
 
     @precondition(lambda self: self.handles and len(self.locks) < 8)
     @rule(i=INDEX)
@@ -557,12 +498,6 @@ class SWAHarness(RuleBasedStateMachine):
             if h.node.swa_tombstone:
                 event("lock of a tombstone")
         self._lock(h, "explicit")
-
-    @precondition(lambda self: any(lk.owner == "explicit" for lk in self.locks))
-    @rule(i=INDEX)
-    def unlock(self, i: int) -> None:
-        mine = [lk for lk in self.locks if lk.owner == "explicit"]
-        self._unlock(mine[i % len(mine)])
 
     @precondition(lambda self: self.handles or self.locks)
     @rule(i=INDEX, kind=st.integers(0, 2))
