@@ -141,6 +141,30 @@ class RadixCache(BasePrefixCache):
             return MatchResult(self._empty(), self.root_node, 0)
         return MatchResult(torch.cat(values), node, pos // token_bytes)
 
+    def peek_prefix(self, key: RadixKey) -> torch.Tensor:
+        """Full-KV slots of the longest cached page-aligned prefix of ``key``, read-only.
+
+        Unlike ``match_prefix`` it neither splits, touches nor counts a hit, and it
+        ignores the SWA window: it answers "which slots would ``insert`` find already in
+        the tree", so a caller can validate an insert before making it.
+        """
+        packed, width, token_bytes, page_bytes, end = self._aligned(key)
+        node = self.root_node.children.get((key.extra_key, width))
+        pos, values = 0, []
+        while node is not None and pos < end:
+            child = node.children.get(packed[pos : pos + page_bytes])
+            if child is None:
+                break
+            if packed.startswith(child.key_bytes, pos):
+                values.append(child.value)
+                pos += len(child.key_bytes)
+            else:
+                matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
+                values.append(child.value[: matched // token_bytes])
+                break
+            node = child
+        return torch.cat(values) if values else self._empty()
+
     def insert(
         self,
         key: RadixKey,

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 # A system prompt that both demo requests start with, then each one's own tail.
 _SHARED_PREFIX = [101, 2023, 2003, 1037, 2291, 25732, 1012, 102]
@@ -30,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    _add_serve(commands)
+    _add_stats(commands)
 
     demo = commands.add_parser(
         "demo",
@@ -41,6 +47,131 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(run=_demo)
     return parser
+
+
+def _add_serve(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="run the prefix-cache server",
+        description="Run the prefix-cache server. Without --config it hosts one small CPU "
+        "model named 'default'. Settings come from the command line, then PREFIXCACHE_* "
+        "environment variables (e.g. PREFIXCACHE_LISTEN), then the config file's "
+        "'server:' section.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument("--config", metavar="FILE",
+                       help="YAML file with 'server:' settings and a 'models:' list")
+    net = serve.add_argument_group("listening")
+    net.add_argument("--listen", metavar="ADDR",
+                     help="unix:PATH (default unix:/tmp/prefixcache.sock) or HOST:PORT")
+    net.add_argument("--metrics-port", type=int, metavar="N",
+                     help="Prometheus /metrics port (default 9470; 0 = any free, -1 = off)")
+    net.add_argument("--metrics-host", metavar="HOST", help="address for /metrics")
+    sec = serve.add_argument_group("security")
+    sec.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM) for TCP")
+    sec.add_argument("--tls-key", metavar="FILE", help="server private key (PEM)")
+    sec.add_argument("--tls-client-ca", metavar="FILE",
+                     help="CA bundle; clients must present a certificate it signed (mTLS)")
+    sec.add_argument("--token-file", metavar="FILE",
+                     help="file holding the bearer token every call must carry "
+                     "(or set PREFIXCACHE_TOKEN)")
+    sec.add_argument("--admin-token-file", metavar="FILE",
+                     help="file holding the token admin calls (Reset) must carry "
+                     "(or set PREFIXCACHE_ADMIN_TOKEN)")
+    sec.add_argument("--insecure", action="store_const", const=True,
+                     help="allow TCP without TLS (clear text)")
+    ops = serve.add_argument_group("operation")
+    ops.add_argument("--log-format", choices=("text", "json"), help="log line format")
+    ops.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    ops.add_argument("--grace-period", type=float, metavar="SECONDS",
+                     help="how long SIGTERM waits for in-flight calls (default 10)")
+    serve.set_defaults(run=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import torch
+
+        from .app import serve
+        from .config import ConfigError, load_config
+        from .logs import setup_logging
+    except ImportError as exc:
+        raise SystemExit(f"prefixcache serve needs the server extra "
+                         f"(pip install 'prefixcache[server]'): {exc}") from exc
+    overrides = {name: getattr(args, name) for name in (
+        "listen", "metrics_port", "metrics_host", "tls_cert", "tls_key", "tls_client_ca",
+        "token_file", "admin_token_file", "insecure", "log_format", "log_level",
+        "grace_period")}
+    try:
+        config = load_config(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"prefixcache: config error: {exc}", file=sys.stderr)
+        return 2
+    # Intra-op threads only fight each other on a small host; the cache's tensor ops
+    # are tiny and one thread is several times faster here.
+    torch.set_num_threads(1)
+    setup_logging(config.server.log_format, config.server.log_level)
+    try:
+        return serve(config)
+    except ConfigError as exc:  # found while binding: a stale socket, an unreadable cert
+        print(f"prefixcache: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _add_stats(commands: Any) -> None:
+    stats = commands.add_parser(
+        "stats",
+        help="print the counters of a running server",
+        description="Ask a running server for its per-model cache and pool counters.",
+    )
+    stats.add_argument("--target", metavar="ADDR",
+                       default=os.environ.get("PREFIXCACHE_LISTEN", "unix:/tmp/prefixcache.sock"),
+                       help="server address, unix:PATH or HOST:PORT (default: %(default)s)")
+    stats.add_argument("--model", default="", help="only this model")
+    stats.add_argument("--json", action="store_true", help="print JSON")
+    stats.add_argument("--tls-ca", metavar="FILE", help="CA that signed the server certificate")
+    stats.add_argument("--timeout", type=float, default=5.0, help="seconds (default: 5)")
+    stats.set_defaults(run=_stats)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from prefixcache.v1 import prefix_cache_pb2 as pb
+    from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
+
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            channel = grpc.secure_channel(args.target, grpc.ssl_channel_credentials(f.read()))
+    else:
+        channel = grpc.insecure_channel(args.target)
+    token = os.environ.get("PREFIXCACHE_TOKEN")
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with channel:
+        try:
+            reply = pb_grpc.PrefixCacheStub(channel).Stats(
+                pb.StatsRequest(model=args.model), timeout=args.timeout, metadata=metadata)
+        except grpc.RpcError as exc:
+            print(f"prefixcache: {args.target}: {exc.code().name}: {exc.details()}",
+                  file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True),
+                         indent=2))
+        return 0
+    print(f"sessions: {reply.sessions}")
+    header = ("model", "hit ratio", "cached", "protected", "free slots", "pool", "locks")
+    rows = [header]
+    for m in reply.models:
+        ratio = m.hit_tokens_total / m.match_tokens_total if m.match_tokens_total else 0.0
+        rows.append((m.model, f"{ratio:.3f}", str(m.evictable_tokens + m.protected_tokens),
+                     str(m.protected_tokens), str(m.free_slots), str(m.pool_size),
+                     str(m.locks)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

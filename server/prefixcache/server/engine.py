@@ -1,0 +1,405 @@
+"""ModelEngine: one hosted model's pools and cache, driven on behalf of sessions.
+
+The engine adds to the cache library what a shared service needs and an in-process
+cache does not: node handles that can go stale, locks and slots owned by sessions,
+and validation of every slot a client names before anything changes, so that a
+client's mistake is refused instead of corrupting the pool.
+
+Slot ownership is one int64 array over the pool rows (slot -> session tag, 0 = not
+held by any session), so checking thousands of slots is a vector compare. A slot is
+held by at most one of: the allocator's free list, a session, the tree.
+
+Not thread-safe: the service calls every engine from one event loop (see app.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixcache.cache import (
+    ChunkCache,
+    EvictResult,
+    IntegrityError,
+    InvalidInputError,
+    KVPool,
+    RadixCache,
+    RadixKey,
+    SWARadixCache,
+    SWATokenToKVPoolAllocator,
+    TokenToKVPoolAllocator,
+    TreeNode,
+)
+from prefixcache.cache.allocator import host_indices
+
+from .config import ModelConfig
+from .errors import NotFoundError, PoolExhaustedError, PreconditionError
+from .sessions import HeldLock, Session
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+OPERATIONS = ("match", "insert", "evict", "lock", "unlock", "alloc")
+# Why tokens left the cache: an Evict call, room for an allocation, or an admin Reset.
+EVICTION_REASONS = ("requested", "pressure", "reset")
+
+
+@dataclass(slots=True)
+class MatchOutcome:
+    """A match as the service answers it (slots as host int64 arrays)."""
+
+    prefix_len: int
+    indices: np.ndarray
+    node_id: int
+    lock_id: int
+    allocated: np.ndarray
+
+
+@dataclass(slots=True)
+class InsertOutcome:
+    """An insert as the service answers it; ``freed`` are session slots it freed."""
+
+    prefix_len: int
+    cached_len: int
+    node_id: int
+    lock_id: int
+    freed: np.ndarray
+
+
+class ModelEngine:
+    """The pools and cache of one model.
+
+    Args:
+        config: The model's configuration.
+        next_lock_id: Hands out service-wide lock ids.
+    """
+
+    def __init__(self, config: ModelConfig, next_lock_id: Any) -> None:
+        self.config = config
+        self.name = config.name
+        self.kind = config.kind
+        self.page_size = config.page_size
+        pool = config.pool
+        kv = {
+            "page_size": config.page_size,
+            "dtype": getattr(torch, pool.dtype),
+            "layer_num": pool.layers,
+            "k_head_num": pool.k_heads,
+            "k_head_dim": pool.k_head_dim,
+            "v_head_num": pool.v_heads,
+            "v_head_dim": pool.v_head_dim,
+            "device": pool.device,
+        }
+        self.kv_pool = KVPool(pool.size, **kv)
+        self.swa_kv_pool: KVPool | None = None
+        # Slot indices are host data (they cross the wire), whatever the KV device.
+        if config.kind == "swa":
+            swa_size = pool.swa_size or pool.size
+            self.swa_kv_pool = KVPool(swa_size, **kv)
+            self.allocator: Any = SWATokenToKVPoolAllocator(
+                pool.size, swa_size, "cpu", config.page_size)
+            self.cache: Any = SWARadixCache(
+                config.page_size, config.sliding_window_size, self.allocator,
+                eviction_policy=config.eviction_policy)
+        else:
+            self.allocator = TokenToKVPoolAllocator(pool.size, "cpu", config.page_size)
+            if config.kind == "chunk":
+                self.cache = ChunkCache(self.allocator)
+            else:
+                self.cache = RadixCache(config.page_size, None, self.allocator,
+                                        eviction_policy=config.eviction_policy)
+        self.pool_size = pool.size
+        self.num_rows = self.kv_pool.num_rows
+        self._owner = np.zeros(self.num_rows, dtype=np.int64)
+        self._nodes: weakref.WeakValueDictionary[int, TreeNode] = weakref.WeakValueDictionary()
+        self._next_lock_id = next_lock_id
+        self.num_locks = 0
+        self.session_slots = 0
+        self.match_tokens = 0
+        self.hit_tokens = 0
+        # Fixed keys: the metrics thread iterates these while the loop updates them.
+        self.ops: dict[str, int] = dict.fromkeys(OPERATIONS, 0)
+        self.evicted_tokens: dict[str, int] = dict.fromkeys(EVICTION_REASONS, 0)
+
+    # ----------------------------------------------------------------- reads
+
+    def sizes(self) -> dict[str, int]:
+        """Gauges for Stats and metrics."""
+        c = self.cache
+        return {
+            "evictable": c.evictable_size(),
+            "protected": c.protected_size(),
+            "swa_evictable": c.swa_evictable_size(),
+            "swa_protected": c.swa_protected_size(),
+            "free_slots": self.allocator.available_size(),
+            "used_slots": self.allocator.num_allocated(),
+        }
+
+    # ------------------------------------------------------------ operations
+
+    def match(self, key: RadixKey, session: Session | None, lock: bool = False,
+              allocate: bool = False) -> MatchOutcome:
+        """Longest cached prefix; optionally lock it and allocate slots for the rest."""
+        if (lock or allocate) and session is None:
+            raise PreconditionError("lock and allocate need a session_id")
+        result = self.cache.match_prefix(key)
+        self.ops["match"] += 1
+        self.match_tokens += len(key)
+        self.hit_tokens += result.prefix_len
+        node = result.last_node if result.prefix_len else None
+        node_id = self._handle(node)
+        lock_id, allocated, boundary = 0, _EMPTY, None
+        if node is not None and (lock or allocate):
+            # Held while allocating too, so eviction cannot free what we just matched.
+            boundary = self.cache.inc_lock_ref(node)
+        try:
+            if allocate:
+                assert session is not None
+                allocated = self._allocate(len(key) - result.prefix_len, session)
+        except BaseException:
+            if node is not None:
+                self.cache.dec_lock_ref(node, boundary)
+            raise
+        if node is not None and lock:
+            assert session is not None
+            lock_id = self._hold(session, node, boundary)
+        elif node is not None and allocate:
+            self.cache.dec_lock_ref(node, boundary)
+        return MatchOutcome(result.prefix_len, host_indices(result.indices), node_id,
+                            lock_id, allocated)
+
+    def insert(self, key: RadixKey, slots: np.ndarray, session: Session | None,
+               lock: bool = False, release_lock_id: int = 0) -> InsertOutcome:
+        """Cache ``key`` with ``slots``; the tree takes the session's new slots.
+
+        Each of the first ``aligned`` slots must be the tree's own slot for its token
+        (a prefix from an earlier match) or a slot the session holds; the session's
+        slots for tokens the tree already has are freed. All checks run first.
+        """
+        n = len(key)
+        if len(slots) != n:
+            raise InvalidInputError(f"slot_indices has {len(slots)} slots for {n} tokens")
+        if lock and session is None:
+            raise PreconditionError("lock needs a session_id")
+        if release_lock_id:
+            if session is None:
+                raise PreconditionError("release_lock_id needs the session_id that holds it")
+            held_lock = session.locks.get(release_lock_id)
+            if held_lock is None:
+                raise PreconditionError(f"lock {release_lock_id} is not held by this session")
+            if held_lock.engine is not self:
+                raise PreconditionError(f"lock {release_lock_id} is on another model")
+        self._check_range(slots)
+        aligned = n - n % self.page_size
+        tag = session.tag if session is not None else -1
+        if self.kind == "chunk":
+            aligned = 0  # nothing is cached: every slot stays the session's
+        head = slots[:aligned]
+        tree = host_indices(self.cache.peek_prefix(key)) if aligned else _EMPTY
+        held = self._owner[head] == tag
+        first_held = int(np.argmax(held)) if held.any() else aligned
+        self._check_tree_prefix(head, tree, first_held)
+        new = head[first_held:]
+        if not held[first_held:].all():
+            bad = first_held + int(np.argmin(held[first_held:]))
+            raise PreconditionError(f"slot_indices[{bad}] = {int(head[bad])} is not held by "
+                                    "this session (allocate it, or pass the matched slot)")
+        _check_distinct(new)
+
+        self.ops["insert"] += 1
+        value = torch.from_numpy(slots)
+        if self.kind == "swa":
+            result = self.cache.insert(key, value, prev_prefix_len=first_held)
+            after = host_indices(self.cache.peek_prefix(key))[first_held:aligned]
+            freed = new[new != after] if len(after) == len(new) else new
+        else:
+            result = self.cache.insert(key, value)
+            freed = new[: max(0, result.prefix_len - first_held)]
+            if len(freed):
+                self.allocator.free(freed)
+        self._owner[new] = 0
+        self._disown(session, len(new))
+        node = result.last_node if aligned else None
+        if node is self.cache.root_node:
+            node = None
+        lock_id = 0
+        if lock and node is not None:
+            assert session is not None
+            lock_id = self._hold(session, node, self.cache.inc_lock_ref(node))
+        if release_lock_id:
+            assert session is not None
+            self.unlock(session, release_lock_id)
+        return InsertOutcome(result.prefix_len, aligned, self._handle(node), lock_id, freed)
+
+    def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
+        result = self.cache.evict(num_tokens, swa_num_tokens)
+        self.ops["evict"] += 1
+        self.evicted_tokens["requested"] += result.full_evicted
+        return result
+
+    def lock(self, session: Session, node_id: int) -> int:
+        if node_id == 0:
+            return 0
+        node = self._nodes.get(node_id)
+        if node is None or node.evicted:
+            raise NotFoundError(f"node {node_id} is not in model {self.name!r}'s cache "
+                                "(evicted, reset or never handed out)")
+        return self._hold(session, node, self.cache.inc_lock_ref(node))
+
+    def unlock(self, session: Session, lock_id: int) -> None:
+        """Release one of ``session``'s locks on this model (the caller found it there)."""
+        held = session.locks[lock_id]
+        self.cache.dec_lock_ref(held.node, held.boundary)
+        del session.locks[lock_id]
+        self.num_locks -= 1
+        self.ops["unlock"] += 1
+
+    def alloc(self, session: Session, num_slots: int) -> np.ndarray:
+        return self._allocate(num_slots, session)
+
+    def free(self, session: Session, slots: np.ndarray) -> None:
+        self._check_range(slots)
+        held = self._owner[slots] == session.tag
+        if not held.all():
+            bad = int(np.argmin(held))
+            raise PreconditionError(f"slot {int(slots[bad])} is not held by this session "
+                                    "(already freed, inserted, or never allocated to it)")
+        _check_distinct(slots)
+        self.allocator.free(slots)
+        self._owner[slots] = 0
+        self._disown(session, len(slots))
+
+    def release_session(self, session: Session) -> tuple[int, int]:
+        """Unlock every lock and free every slot ``session`` holds in this model."""
+        locks = [lid for lid, h in session.locks.items() if h.engine is self]
+        for lock_id in locks:
+            self.unlock(session, lock_id)
+        slots = 0
+        if session.slots.get(self.name):
+            mine = np.flatnonzero(self._owner == session.tag)
+            if len(mine):
+                self.allocator.free(mine)
+                self._owner[mine] = 0
+            slots = len(mine)
+            self._disown(session, slots)
+        return len(locks), slots
+
+    def reset(self, sessions: list[Session]) -> tuple[int, int]:
+        """Forget every entry, lock and allocation; returns (tokens, locks) dropped."""
+        dropped = self.cache.total_size()
+        locks = 0
+        for session in sessions:
+            mine = [lid for lid, h in session.locks.items() if h.engine is self]
+            for lock_id in mine:
+                del session.locks[lock_id]
+            locks += len(mine)
+            session.slots.pop(self.name, None)
+        self.cache.reset()
+        self.allocator.clear()
+        self._owner[:] = 0
+        self._nodes.clear()
+        self.num_locks = self.session_slots = 0
+        self.evicted_tokens["reset"] += dropped
+        return dropped, locks
+
+    def check_integrity(self) -> None:
+        """The cache's own check, plus: session slots are exactly the owned rows."""
+        self.cache.check_integrity()
+        owned = int(np.count_nonzero(self._owner))
+        if owned != self.session_slots:
+            raise IntegrityError(f"{owned} slots owned by sessions, {self.session_slots} counted")
+
+    # --------------------------------------------------------------- helpers
+
+    def _handle(self, node: TreeNode | None) -> int:
+        if node is None:
+            return 0
+        self._nodes[node.id] = node
+        return node.id
+
+    def _hold(self, session: Session, node: TreeNode, boundary: Any) -> int:
+        lock_id = self._next_lock_id()
+        session.locks[lock_id] = HeldLock(self, node, boundary)
+        self.num_locks += 1
+        self.ops["lock"] += 1
+        return lock_id
+
+    def _allocate(self, n: int, session: Session) -> np.ndarray:
+        if n < 0:
+            raise InvalidInputError(f"cannot allocate {n} slots")
+        want = -(-n // self.page_size) * self.page_size  # whole pages come off the pool
+        if self.kind == "swa":
+            full_short = want - self.allocator.full_available_size()
+            swa_short = want - self.allocator.swa_available_size()
+            if full_short > self.cache.evictable_size() \
+                    or swa_short > self.cache.swa_evictable_size():
+                raise self._exhausted(n)
+            if full_short > 0 or swa_short > 0:
+                result = self.cache.evict(max(full_short, 0), max(swa_short, 0))
+                self.evicted_tokens["pressure"] += result.full_evicted
+        else:
+            short = want - self.allocator.available_size()
+            if short > self.cache.evictable_size():
+                raise self._exhausted(n)
+            if short > 0:
+                self.evicted_tokens["pressure"] += self.cache.evict(short).full_evicted
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            raise self._exhausted(n)
+        out = host_indices(slots)
+        self._owner[out] = session.tag
+        session.slots[self.name] = session.slots.get(self.name, 0) + n
+        self.session_slots += n
+        self.ops["alloc"] += 1
+        return out
+
+    def _exhausted(self, n: int) -> PoolExhaustedError:
+        return PoolExhaustedError(
+            f"model {self.name!r} cannot supply {n} slots: {self.allocator.available_size()} "
+            f"free and {self.cache.evictable_size()} evictable of {self.pool_size}")
+
+    def _disown(self, session: Session | None, n: int) -> None:
+        if session is None or not n:
+            return
+        left = session.slots.get(self.name, 0) - n
+        if left:
+            session.slots[self.name] = left
+        else:
+            session.slots.pop(self.name, None)
+        self.session_slots -= n
+
+    def _check_range(self, slots: np.ndarray) -> None:
+        if len(slots) and (int(slots.min()) < 1 or int(slots.max()) >= self.num_rows):
+            bad = slots[(slots < 1) | (slots >= self.num_rows)][0]
+            raise InvalidInputError(f"slot {int(bad)} is outside model {self.name!r}'s pool "
+                                    f"[1, {self.num_rows})")
+
+    @staticmethod
+    def _check_tree_prefix(head: np.ndarray, tree: np.ndarray, first_held: int) -> None:
+        """Slots before the session's first one must be the tree's slots, token by token."""
+        if first_held > len(tree):
+            raise PreconditionError(
+                f"slot_indices[{len(tree)}] = {int(head[len(tree)])} is not held by this "
+                "session, and the cache holds only the first "
+                f"{len(tree)} tokens (allocate slots for the rest)")
+        same = head[:first_held] == tree[:first_held]
+        if not same.all():
+            bad = int(np.argmin(same))
+            raise PreconditionError(
+                f"slot_indices[{bad}] = {int(head[bad])}, but the cache holds that token in "
+                f"slot {int(tree[bad])} and the session does not hold slot {int(head[bad])}")
+
+
+def _check_distinct(slots: np.ndarray) -> None:
+    """Refuse a slot named twice (it would enter the tree, or be freed, twice)."""
+    if len(slots) < 2:
+        return
+    steps = slots[1:] - slots[:-1]
+    if (steps > 0).all():  # the allocator hands out ascending runs: the common case
+        return
+    ordered = np.sort(slots)
+    dup = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(dup):
+        raise InvalidInputError(f"slot {int(dup[0])} is named twice")

@@ -1,0 +1,28 @@
+"""Errors the service raises for requests it refuses (the cache library has its own).
+
+Each class stands for one answer a client can act on; ``status.py`` maps them, and the
+cache library's errors, to gRPC status codes in a single table.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """A request the service refuses without changing any state."""
+
+
+class NotFoundError(ServiceError):
+    """An unknown model, node, lock or session (or one that no longer exists)."""
+
+
+class PreconditionError(ServiceError):
+    """The request is well formed but the state does not allow it (a slot not held by
+    the session, an operation the model's cache kind lacks, a lock without a session)."""
+
+
+class PoolExhaustedError(ServiceError):
+    """The pool cannot supply the slots even after evicting every unlocked entry."""
+
+
+class DrainingError(ServiceError):
+    """The service is shutting down and takes no new work."""

@@ -1,0 +1,127 @@
+"""Prometheus metrics: RPC counters and latency, plus cache gauges read at scrape time.
+
+Names follow DESIGN §3: base units, ``_total`` counters for rates, label ``model`` and
+no per-request or per-namespace labels. Cache numbers are read from the engines when
+Prometheus scrapes (a custom collector), so the request path pays nothing for them.
+Each server has its own registry, so several can run in one process (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from http.server import HTTPServer
+
+    from .service import CacheService
+
+# Unix-socket RPCs take ~0.3-3 ms here; the low buckets resolve the cache's own cost.
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                    0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    """The metrics of one server and, once started, the HTTP endpoint serving them."""
+
+    def __init__(self, service: CacheService) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.rpc_requests = Counter(
+            "prefixcache_rpc_requests", "RPCs handled, by method and status code.",
+            ["method", "code"], registry=self.registry)
+        self.rpc_duration = Histogram(
+            "prefixcache_rpc_duration_seconds",
+            "Time spent handling an RPC in the server, by method and status code.",
+            ["method", "code"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_CacheCollector(service))
+        self._children: dict[tuple[str, grpc.StatusCode], tuple[Counter, Histogram]] = {}
+        self._httpd: HTTPServer | None = None
+        self.port = 0
+
+    def observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        children = self._children.get((method, code))
+        if children is None:  # labels() costs a few µs; resolve each pair once
+            name = code.name
+            children = (self.rpc_requests.labels(method, name),
+                        self.rpc_duration.labels(method, name))
+            self._children[(method, code)] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP endpoint (a daemon thread); returns the bound port."""
+        self._httpd, _ = start_http_server(port, host, registry=self.registry)
+        self.port = self._httpd.server_port
+        return self.port
+
+    def close(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+
+class _CacheCollector(Collector):
+    """Reads every engine's counters and sizes at scrape time."""
+
+    def __init__(self, service: CacheService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        svc = self.service
+        query = CounterMetricFamily("prefixcache_query_tokens",
+                                    "Tokens looked up by Match.", labels=["model"])
+        hit = CounterMetricFamily("prefixcache_hit_tokens",
+                                  "Tokens Match found in the cache; hit ratio = hit / query.",
+                                  labels=["model"])
+        ops = CounterMetricFamily("prefixcache_cache_operations",
+                                  "Cache operations performed, by operation.",
+                                  labels=["model", "operation"])
+        evicted = CounterMetricFamily(
+            "prefixcache_evicted_tokens",
+            "Tokens removed from the cache, by reason (requested, pressure, reset).",
+            labels=["model", "reason"])
+        cached = GaugeMetricFamily(
+            "prefixcache_cached_tokens",
+            "Tokens in the cache by state (evictable, protected; swa_* for SWA models).",
+            labels=["model", "state"])
+        slots = GaugeMetricFamily(
+            "prefixcache_pool_slots",
+            "KV pool slots by state: free, used (tree and sessions), session (held by "
+            "sessions, not yet cached).", labels=["model", "state"])
+        capacity = GaugeMetricFamily("prefixcache_pool_capacity_slots",
+                                     "Usable KV pool slots.", labels=["model"])
+        locks = GaugeMetricFamily("prefixcache_locks", "Locks held by sessions.",
+                                  labels=["model"])
+        for engine in list(svc.engines.values()):
+            m = engine.name
+            query.add_metric([m], engine.match_tokens)
+            hit.add_metric([m], engine.hit_tokens)
+            for op, n in engine.ops.items():
+                ops.add_metric([m, op], n)
+            for reason, n in engine.evicted_tokens.items():
+                evicted.add_metric([m, reason], n)
+            sizes = engine.sizes()
+            for state in ("evictable", "protected"):
+                cached.add_metric([m, state], sizes[state])
+            if engine.kind == "swa":
+                for state in ("swa_evictable", "swa_protected"):
+                    cached.add_metric([m, state], sizes[state])
+            slots.add_metric([m, "free"], sizes["free_slots"])
+            slots.add_metric([m, "used"], sizes["used_slots"])
+            slots.add_metric([m, "session"], engine.session_slots)
+            capacity.add_metric([m], engine.pool_size)
+            locks.add_metric([m], engine.num_locks)
+        yield from (query, hit, ops, evicted, cached, slots, capacity, locks)
+        yield GaugeMetricFamily("prefixcache_sessions", "Open sessions (leased and streams).",
+                                value=len(svc.sessions))
+        yield CounterMetricFamily("prefixcache_leases_expired",
+                                  "Sessions closed because their lease lapsed.",
+                                  value=svc.sessions.expired_total)
+        yield GaugeMetricFamily("prefixcache_draining", "1 while the server drains for shutdown.",
+                                value=int(svc.draining))

@@ -1,0 +1,102 @@
+"""CacheService: the hosted models and the sessions that hold their locks and slots.
+
+Everything the RPC layer calls lives here or in the engines; nothing here knows gRPC,
+so the unary calls and the Session stream share one implementation.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+from .config import ModelConfig
+from .engine import ModelEngine
+from .errors import NotFoundError, PreconditionError
+from .sessions import Session, SessionRegistry
+
+log = logging.getLogger("prefixcache.server")
+
+
+class CacheService:
+    """The models a service hosts, by name, and its session registry.
+
+    Args:
+        models: One engine is built per model, in order.
+        session_ttl: Default lease; requests are clamped to ``[ttl_min, ttl_max]``.
+        clock: Monotonic seconds, for leases.
+    """
+
+    def __init__(self, models: tuple[ModelConfig, ...] | list[ModelConfig],
+                 session_ttl: float = 30.0, ttl_min: float = 1.0, ttl_max: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sessions = SessionRegistry(self._release, clock)
+        self.engines: dict[str, ModelEngine] = {}
+        for model in models:
+            self.engines[model.name] = ModelEngine(model, self.sessions.next_lock_id)
+        self.session_ttl, self.ttl_min, self.ttl_max = session_ttl, ttl_min, ttl_max
+        # A client that sees this change knows every handle it holds is gone.
+        self.epoch = secrets.randbits(63) or 1
+        self.draining = False
+
+    def engine(self, name: str) -> ModelEngine:
+        try:
+            return self.engines[name]
+        except KeyError:
+            raise NotFoundError(f"model {name!r} is not hosted here "
+                                f"(hosted: {', '.join(self.engines)})") from None
+
+    def session(self, session_id: str) -> Session:
+        return self.sessions.get(session_id)
+
+    def open_session(self, ttl: float, name: str = "") -> Session:
+        granted = min(max(ttl or self.session_ttl, self.ttl_min), self.ttl_max)
+        session = self.sessions.open(granted, name)
+        log.info("session opened", extra={"session": session.id[:8], "client": name,
+                                          "ttl": granted})
+        return session
+
+    def open_stream_session(self, name: str = "") -> Session:
+        return self.sessions.open(None, name)
+
+    def close_session(self, session: Session) -> tuple[int, int]:
+        return self.sessions.close(session)
+
+    def expire_sessions(self) -> int:
+        expired = self.sessions.expire()
+        for session, locks, slots in expired:
+            log.warning("session lease expired", extra={
+                "session": session.id[:8], "client": session.name,
+                "locks_released": locks, "slots_freed": slots})
+        return len(expired)
+
+    def unlock(self, session: Session, lock_id: int) -> None:
+        """Release ``lock_id`` whichever model it is on."""
+        if not lock_id:
+            return
+        held = session.locks.get(lock_id)
+        if held is None and lock_id > self.sessions.last_lock_id:
+            raise NotFoundError(f"lock {lock_id} was never issued by this server")
+        if held is None:
+            raise PreconditionError(f"lock {lock_id} is not held by this session "
+                                    "(already released, or never taken by it)")
+        held.engine.unlock(session, lock_id)
+
+    def reset(self, name: str) -> tuple[int, int]:
+        engine = self.engine(name)
+        dropped = engine.reset(list(self.sessions))
+        log.warning("model reset", extra={"model": name, "dropped_tokens": dropped[0],
+                                          "dropped_locks": dropped[1]})
+        return dropped
+
+    def check_integrity(self) -> None:
+        for engine in self.engines.values():
+            engine.check_integrity()
+
+    def _release(self, session: Session) -> tuple[int, int]:
+        locks = slots = 0
+        for engine in self.engines.values():
+            lk, sl = engine.release_session(session)
+            locks, slots = locks + lk, slots + sl
+        return locks, slots

@@ -1,0 +1,301 @@
+"""The gRPC adapter: decode a request, make one call into the service, encode the reply.
+
+Every operation has one handler ``(request, session) -> response`` that both the unary
+RPC and the Session stream call, so the two cannot drift apart. Errors become status
+codes through ``status.status_for`` only.
+
+Concurrency: this servicer runs on a ``grpc.aio`` server, so every handler runs on the
+one event loop thread and no handler awaits in the middle of a cache operation. That
+makes each model single-writer without locks (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from prefixcache.cache import InvalidInputError
+from prefixcache.v1 import prefix_cache_pb2 as pb
+from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
+
+from .codec import decode_key, decode_slots, encode_slots
+from .errors import DrainingError, PreconditionError
+from .metrics import Metrics
+from .service import CacheService
+from .sessions import Session
+from .status import status_for
+
+log = logging.getLogger("prefixcache.server")
+
+_KINDS = {
+    "radix": pb.CACHE_KIND_RADIX,
+    "swa": pb.CACHE_KIND_SWA,
+    "mamba": pb.CACHE_KIND_MAMBA,
+    "slot": pb.CACHE_KIND_SLOT,
+    "chunk": pb.CACHE_KIND_CHUNK,
+}
+_OK = grpc.StatusCode.OK
+
+
+def _extra_key(request: Any) -> str | None:
+    return request.extra_key if request.HasField("extra_key") else None
+
+
+def _needs(session: Session | None, what: str) -> Session:
+    if session is None:
+        raise PreconditionError(f"{what} needs a session_id (OpenSession or the Session stream)")
+    return session
+
+
+class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
+    """Serves ``prefixcache.v1.PrefixCache`` over a ``CacheService``."""
+
+    def __init__(self, service: CacheService, metrics: Metrics | None = None,
+                 check_integrity: bool = False) -> None:
+        self.service = service
+        self.metrics = metrics
+        self.check_integrity = check_integrity
+        self._stream_ops: dict[str, Callable[[Any, Session | None], Any]] = {
+            "match": self._match, "insert": self._insert, "evict": self._evict,
+            "lock": self._lock, "unlock": self._unlock, "alloc": self._alloc,
+            "free": self._free, "stats": self._stats,
+        }
+
+    # --------------------------------------------------------- shared handlers
+
+    def _match(self, req: pb.MatchRequest, session: Session | None) -> pb.MatchResponse:
+        if session is not None and (reply := session.replay("match", req.request_id)):
+            return reply
+        engine = self.service.engine(req.model)
+        key = decode_key(req.token_ids, req.token_width, _extra_key(req),
+                         engine.config.vocab_size)
+        out = engine.match(key, session, req.lock, req.allocate)
+        reply = pb.MatchResponse(
+            prefix_len=out.prefix_len, slot_indices=encode_slots(out.indices),
+            node_id=out.node_id, lock_id=out.lock_id,
+            allocated_slots=encode_slots(out.allocated))
+        if session is not None and (req.lock or req.allocate):
+            session.remember("match", req.request_id, reply)
+        return reply
+
+    def _insert(self, req: pb.InsertRequest, session: Session | None) -> pb.InsertResponse:
+        if session is not None and (reply := session.replay("insert", req.request_id)):
+            return reply
+        engine = self.service.engine(req.model)
+        key = decode_key(req.token_ids, req.token_width, _extra_key(req),
+                         engine.config.vocab_size)
+        slots = decode_slots(req.slot_indices)
+        out = engine.insert(key, slots, session, req.lock, req.release_lock_id)
+        reply = pb.InsertResponse(
+            prefix_len=out.prefix_len, cached_len=out.cached_len, node_id=out.node_id,
+            lock_id=out.lock_id, freed_slots=encode_slots(out.freed))
+        if session is not None:
+            session.remember("insert", req.request_id, reply)
+        return reply
+
+    def _evict(self, req: pb.EvictRequest, session: Session | None) -> pb.EvictResponse:
+        result = self.service.engine(req.model).evict(req.num_tokens, req.swa_num_tokens)
+        return pb.EvictResponse(evicted_tokens=result.full_evicted,
+                                swa_evicted_tokens=result.swa_evicted)
+
+    def _lock(self, req: pb.LockRequest, session: Session | None) -> pb.LockResponse:
+        session = _needs(session, "Lock")
+        if reply := session.replay("lock", req.request_id):
+            return reply
+        reply = pb.LockResponse(lock_id=self.service.engine(req.model).lock(session, req.node_id))
+        session.remember("lock", req.request_id, reply)
+        return reply
+
+    def _unlock(self, req: pb.UnlockRequest, session: Session | None) -> pb.UnlockResponse:
+        session = _needs(session, "Unlock")
+        if reply := session.replay("unlock", req.request_id):
+            return reply
+        self.service.unlock(session, req.lock_id)
+        reply = pb.UnlockResponse()
+        session.remember("unlock", req.request_id, reply)
+        return reply
+
+    def _alloc(self, req: pb.AllocRequest, session: Session | None) -> pb.AllocResponse:
+        session = _needs(session, "Alloc")
+        slots = self.service.engine(req.model).alloc(session, req.num_slots)
+        return pb.AllocResponse(slot_indices=encode_slots(slots))
+
+    def _free(self, req: pb.FreeRequest, session: Session | None) -> pb.FreeResponse:
+        session = _needs(session, "Free")
+        engine = self.service.engine(req.model)
+        engine.free(session, decode_slots(req.slot_indices))
+        return pb.FreeResponse()
+
+    def _stats(self, req: pb.StatsRequest, session: Session | None = None) -> pb.StatsResponse:
+        engines = ([self.service.engine(req.model)] if req.model
+                   else list(self.service.engines.values()))
+        models = []
+        for e in engines:
+            sizes = e.sizes()
+            models.append(pb.ModelStats(
+                model=e.name, evictable_tokens=sizes["evictable"],
+                protected_tokens=sizes["protected"], free_slots=sizes["free_slots"],
+                match_tokens_total=e.match_tokens, hit_tokens_total=e.hit_tokens,
+                pool_size=e.pool_size, session_slots=e.session_slots, locks=e.num_locks,
+                evicted_tokens_total=sum(e.evicted_tokens.values()),
+                swa_evictable_tokens=sizes["swa_evictable"],
+                swa_protected_tokens=sizes["swa_protected"]))
+        return pb.StatsResponse(models=models, sessions=len(self.service.sessions),
+                                server_epoch=self.service.epoch)
+
+    # ------------------------------------------------------------- unary RPCs
+
+    async def _unary(self, method: str, context: grpc.aio.ServicerContext,
+                     handler: Callable[..., Any], *args: Any) -> Any:
+        start = time.perf_counter()
+        code = _OK
+        try:
+            if self.service.draining:
+                raise DrainingError("the service is shutting down")
+            reply = handler(*args)
+            if self.check_integrity:
+                self.service.check_integrity()
+            return reply
+        except Exception as exc:
+            code = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("internal error in %s", method)
+            await context.abort(code, str(exc))
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_rpc(method, code, time.perf_counter() - start)
+
+    def _session_of(self, session_id: str) -> Session | None:
+        return self.service.session(session_id) if session_id else None
+
+    def _with_session(self, handler: Callable[[Any, Session | None], Any]
+                      ) -> Callable[[Any], Any]:
+        return lambda req: handler(req, self._session_of(req.session_id))
+
+    async def Match(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
+        return await self._unary("Match", context, self._with_session(self._match), request)
+
+    async def Insert(self, request: pb.InsertRequest, context: Any) -> pb.InsertResponse:
+        return await self._unary("Insert", context, self._with_session(self._insert), request)
+
+    async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
+        return await self._unary("Evict", context, self._evict, request, None)
+
+    async def Lock(self, request: pb.LockRequest, context: Any) -> pb.LockResponse:
+        return await self._unary("Lock", context, self._with_session(self._lock), request)
+
+    async def Unlock(self, request: pb.UnlockRequest, context: Any) -> pb.UnlockResponse:
+        return await self._unary("Unlock", context, self._with_session(self._unlock), request)
+
+    async def Alloc(self, request: pb.AllocRequest, context: Any) -> pb.AllocResponse:
+        return await self._unary("Alloc", context, self._with_session(self._alloc), request)
+
+    async def Free(self, request: pb.FreeRequest, context: Any) -> pb.FreeResponse:
+        return await self._unary("Free", context, self._with_session(self._free), request)
+
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        return await self._unary("Stats", context, self._stats, request, None)
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: Any) -> pb.ListModelsResponse:
+        return await self._unary("ListModels", context, self._list_models)
+
+    async def DescribePool(self, request: pb.DescribePoolRequest,
+                           context: Any) -> pb.DescribePoolResponse:
+        return await self._unary("DescribePool", context, self._describe_pool, request)
+
+    async def OpenSession(self, request: pb.OpenSessionRequest,
+                          context: Any) -> pb.OpenSessionResponse:
+        return await self._unary("OpenSession", context, self._open_session, request)
+
+    async def KeepAlive(self, request: pb.KeepAliveRequest,
+                        context: Any) -> pb.KeepAliveResponse:
+        return await self._unary("KeepAlive", context, self._keep_alive, request)
+
+    async def CloseSession(self, request: pb.CloseSessionRequest,
+                           context: Any) -> pb.CloseSessionResponse:
+        return await self._unary("CloseSession", context, self._close_session, request)
+
+    async def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
+        return await self._unary("Reset", context, self._reset, request)
+
+    def _list_models(self) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(server_epoch=self.service.epoch, models=[
+            pb.ModelInfo(name=e.name, cache_kind=_KINDS[e.kind], page_size=e.page_size,
+                         pool_size=e.pool_size,
+                         sliding_window_size=e.config.sliding_window_size or 0,
+                         vocab_size=e.config.vocab_size)
+            for e in self.service.engines.values()])
+
+    def _describe_pool(self, req: pb.DescribePoolRequest) -> pb.DescribePoolResponse:
+        engine = self.service.engine(req.model)
+        kv = engine.kv_pool
+        return pb.DescribePoolResponse(
+            model=engine.name, layer_num=kv.layer_num, k_head_num=kv.k_head_num,
+            k_head_dim=kv.k_head_dim, v_head_num=kv.v_head_num, v_head_dim=kv.v_head_dim,
+            dtype=str(kv.dtype).removeprefix("torch."), device=str(kv.device),
+            page_size=kv.page_size, pool_size=engine.pool_size, num_rows=kv.num_rows,
+            swa_pool_size=engine.swa_kv_pool.size if engine.swa_kv_pool else 0)
+
+    def _open_session(self, req: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
+        if req.ttl_seconds < 0 or req.ttl_seconds != req.ttl_seconds:
+            raise InvalidInputError(f"ttl_seconds must be >= 0, got {req.ttl_seconds}")
+        session = self.service.open_session(req.ttl_seconds, req.client_name)
+        return pb.OpenSessionResponse(session_id=session.id, ttl_seconds=session.ttl or 0.0,
+                                      server_epoch=self.service.epoch)
+
+    def _keep_alive(self, req: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
+        session = self.service.session(req.session_id)
+        return pb.KeepAliveResponse(ttl_seconds=session.ttl or 0.0)
+
+    def _close_session(self, req: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
+        locks, slots = self.service.close_session(self.service.session(req.session_id))
+        return pb.CloseSessionResponse(locks_released=locks, slots_freed=slots)
+
+    def _reset(self, req: pb.ResetRequest) -> pb.ResetResponse:
+        tokens, locks = self.service.reset(req.model)
+        return pb.ResetResponse(dropped_tokens=tokens, dropped_locks=locks)
+
+    # ---------------------------------------------------------- Session stream
+
+    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
+                      context: Any) -> AsyncIterator[pb.SessionResponse]:
+        if self.service.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
+        session = self.service.open_stream_session(context.peer())
+        try:
+            async for request in request_iterator:
+                yield self._stream_op(request, session)
+        finally:
+            locks, slots = self.service.close_session(session)
+            if locks or slots:
+                log.info("session stream closed", extra={
+                    "session": session.id[:8], "locks_released": locks, "slots_freed": slots})
+
+    def _stream_op(self, request: pb.SessionRequest, session: Session) -> pb.SessionResponse:
+        start = time.perf_counter()
+        op = request.WhichOneof("op")
+        code = _OK
+        try:
+            if op is None:
+                raise InvalidInputError("SessionRequest carries no operation")
+            if self.service.draining:
+                raise DrainingError("the service is shutting down")
+            reply = self._stream_ops[op](getattr(request, op), session)
+            if self.check_integrity:
+                self.service.check_integrity()
+            return pb.SessionResponse(seq=request.seq, **{op: reply})
+        except Exception as exc:
+            code = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("internal error in Session/%s", op)
+            return pb.SessionResponse(seq=request.seq, error=pb.Error(
+                code=code.value[0], message=str(exc)))
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_rpc(f"Session/{op}", code, time.perf_counter() - start)
+

@@ -1,0 +1,32 @@
+"""The one table from exceptions to gRPC status codes.
+
+A client mistake maps to a specific code; only a bug (anything not listed, including a
+failed integrity check) is INTERNAL.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from prefixcache.cache import DoubleFreeError, InvalidInputError, LockError
+
+from .errors import DrainingError, NotFoundError, PoolExhaustedError, PreconditionError
+
+# First match wins, so subclasses come before their bases.
+STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidInputError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (DoubleFreeError, grpc.StatusCode.FAILED_PRECONDITION),
+    (LockError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PoolExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DrainingError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code a refused request gets; INTERNAL for anything unexpected."""
+    for kind, code in STATUS_TABLE:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL

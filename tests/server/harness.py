@@ -1,0 +1,96 @@
+"""A real server for tests: PrefixCacheServer on its own event loop in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from prefixcache.server.app import PrefixCacheServer
+from prefixcache.server.config import Config, ModelConfig, PoolConfig, ServerConfig
+from prefixcache.v1 import prefix_cache_pb2 as pb
+from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
+
+SMALL_POOL = PoolConfig(size=256, layers=1, k_heads=1, k_head_dim=4)
+
+
+class ServerThread:
+    """Runs a server until ``stop``; ``call`` runs a coroutine on its loop."""
+
+    def __init__(self, config: Config, check_integrity: bool = True) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.server = PrefixCacheServer(config, check_integrity=check_integrity)
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.call(self.server.start())
+
+    def call(self, coro: Any, timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        """Run a plain function on the server's loop (so it sees a quiet cache)."""
+        async def wrapper() -> Any:
+            return fn(*args)
+        return self.call(wrapper())
+
+    @property
+    def service(self) -> Any:
+        return self.server.service
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def check_integrity(self) -> None:
+        self.run(self.service.check_integrity)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.call(self.server.stop(grace))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+def make_config(tmp: Path, models: Sequence[ModelConfig] | None = None,
+                **server: Any) -> Config:
+    server.setdefault("listen", f"unix:{tmp / 'pc.sock'}")
+    server.setdefault("metrics_port", -1)
+    models = models or (ModelConfig(name="m", page_size=1, pool=SMALL_POOL),)
+    return Config(ServerConfig(**server), tuple(models))
+
+
+@contextmanager
+def running(tmp: Path, models: Sequence[ModelConfig] | None = None,
+            **server: Any) -> Iterator[ServerThread]:
+    thread = ServerThread(make_config(tmp, models, **server))
+    try:
+        yield thread
+    finally:
+        thread.stop()
+
+
+def toks(ids: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(ids, dtype="<u4").tobytes()
+
+
+def slots(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype="<i8").tolist()
+
+
+def pack_slots(ids: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(ids, dtype="<i8").tobytes()
+
+
+def stub_for(address: str, **kwargs: Any) -> tuple[grpc.Channel, pb_grpc.PrefixCacheStub]:
+    channel = grpc.insecure_channel(address, **kwargs)
+    return channel, pb_grpc.PrefixCacheStub(channel)
+
+
+__all__ = ["SMALL_POOL", "ServerThread", "make_config", "pack_slots", "pb", "pb_grpc",
+           "running", "slots", "stub_for", "toks"]
