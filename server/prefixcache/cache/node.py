@@ -47,6 +47,9 @@ class TreeNode:
     """
 
     __slots__ = (
+        # The service hands nodes out as opaque ids and looks them up weakly, so a
+        # node that leaves the tree is forgotten without a callback from every path.
+        "__weakref__",
         "children",
         "evicted",
         "hash_values",
@@ -63,9 +66,6 @@ class TreeNode:
         "swa_lock_ref",
         "swa_tombstone",
         "value",
-        # The service hands nodes out as opaque ids and looks them up weakly, so a
-        # node that leaves the tree is forgotten without a callback from every path.
-        "__weakref__",
     )
 
     def __init__(

@@ -125,8 +125,11 @@ class PrefixCacheServer:
         self.address = f"{host}:{port}"
 
     async def _expire_leases(self) -> None:
+        # Poll at least every half of the shortest lease, so a session opened while we
+        # sleep still lapses on time (give or take that half).
+        cap = min(1.0, max(0.05, self.config.server.session_ttl_min / 2))
         while True:
-            await asyncio.sleep(min(max(self.service.sessions.next_expiry(), 0.05), 1.0))
+            await asyncio.sleep(min(max(self.service.sessions.next_expiry(), 0.05), cap))
             self.service.expire_sessions()
 
     async def stop(self, grace: float | None = None) -> None:

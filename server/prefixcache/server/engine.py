@@ -222,7 +222,7 @@ class ModelEngine:
         self._owner[new] = 0
         self._disown(session, len(new))
         node = result.last_node if aligned else None
-        if node is self.cache.root_node:
+        if node is not None and node is self.cache.root_node:
             node = None
         lock_id = 0
         if lock and node is not None:

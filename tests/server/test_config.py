@@ -1,0 +1,80 @@
+"""Configuration: the embedded default, YAML, env and CLI precedence, errors by field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prefixcache.server.config import ConfigError, load_config
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_embedded_default_is_one_small_cpu_model() -> None:
+    cfg = load_config(env={})
+    assert [(m.name, m.kind, m.pool.device) for m in cfg.models] == [("default", "radix", "cpu")]
+    assert cfg.server.listen.startswith("unix:") and cfg.server.socket_mode == 0o600
+    assert cfg.server.token is None and not cfg.server.insecure
+
+
+def test_cli_beats_env_beats_yaml(tmp_path: Path) -> None:
+    path = write(tmp_path, "server: {listen: 'unix:/y.sock', metrics_port: 1, log_level: error}\n"
+                           "models: [{name: a, kind: swa, sliding_window_size: 8,"
+                           " pool: {size: 64, dtype: bfloat16, v_head_dim: null}}]\n")
+    env = {"PREFIXCACHE_LISTEN": "unix:/e.sock", "PREFIXCACHE_METRICS_PORT": "2"}
+    cfg = load_config(path, env=env, overrides={"listen": "unix:/c.sock", "metrics_port": None})
+    assert (cfg.server.listen, cfg.server.metrics_port, cfg.server.log_level) == (
+        "unix:/c.sock", 2, "error")
+    (model,) = cfg.models
+    assert (model.kind, model.sliding_window_size, model.pool.size, model.pool.dtype) == (
+        "swa", 8, 64, "bfloat16")
+    assert load_config(env={"PREFIXCACHE_CONFIG": str(path)}).models[0].name == "a"
+
+
+def test_tokens_come_from_env_or_files(tmp_path: Path) -> None:
+    (tmp_path / "tok").write_text("s3cret\n")
+    cfg = load_config(env={"PREFIXCACHE_ADMIN_TOKEN": "adm"},
+                      overrides={"token_file": str(tmp_path / "tok")})
+    assert (cfg.server.token, cfg.server.admin_token) == ("s3cret", "adm")
+
+
+@pytest.mark.parametrize(("yaml_text", "field"), [
+    ("models: [{name: a, page_size: 0}]", "models[0].page_size"),
+    ("models: [{name: a, kind: tree}]", "models[0].kind"),
+    ("models: [{name: a, kind: swa}]", "models[0].sliding_window_size"),
+    ("models: [{name: a, sliding_window_size: 4}]", "models[0].sliding_window_size"),
+    ("models: [{name: a, pool: {dtype: float64}}]", "models[0].pool.dtype"),
+    ("models: [{name: a, pool: {size: 0}}]", "models[0].pool.size"),
+    ("models: [{name: a, pool: {device: tpu}}]", "models[0].pool.device"),
+    ("models: [{name: a, pool: {heads: 2}}]", "models[0].pool.heads"),
+    ("models: [{name: a, eviction_policy: random}]", "models[0].eviction_policy"),
+    ("models: [{name: a}, {name: a}]", "models[1].name"),
+    ("models: [{page_size: 1}]", "models[0].name"),
+    ("models: []", "models"),
+    ("models: [{name: a, page_size: two}]", "models[0].page_size"),
+    ("server: {listen: nowhere}", "server.listen"),
+    ("server: {metrics_port: 70000}", "server.metrics_port"),
+    ("server: {tls_cert: a.pem}", "server.tls_cert"),
+    ("server: {session_ttl: 0}", "server.session_ttl"),
+    ("server: {log_format: xml}", "server.log_format"),
+    ("server: {colour: blue}", "server.colour"),
+    ("extra: 1", "extra"),
+])
+def test_errors_name_the_field(tmp_path: Path, yaml_text: str, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, yaml_text + "\n"), env={})
+    assert str(err.value).startswith(field), str(err.value)
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file"):
+        load_config(tmp_path / "missing.yaml", env={})
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "models: [\n"), env={})
+    with pytest.raises(ConfigError, match=r"server\.metrics_port"):
+        load_config(env={"PREFIXCACHE_METRICS_PORT": "many"})
