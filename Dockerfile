@@ -27,5 +27,4 @@ RUN wheel="$(ls /tmp/dist/prefixcache-*.whl)" \
 RUN useradd --create-home --uid 10001 prefixcache
 USER prefixcache
 WORKDIR /home/prefixcache
-# Becomes `prefixcache serve` once the gRPC server lands.
-CMD ["prefixcache", "demo"]
+CMD ["prefixcache", "serve"]
