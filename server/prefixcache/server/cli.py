@@ -216,3 +216,7 @@ def _version() -> str:
         return version("prefixcache")
     except PackageNotFoundError:
         return "0+unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

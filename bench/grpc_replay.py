@@ -1,0 +1,607 @@
+"""Mooncake trace replay over gRPC against the real service, next to a bare gRPC echo.
+
+For each (mode, workers) configuration, in one invocation:
+
+1. ``echo``: the workers replay the trace's request shapes against a bare ``grpc.aio``
+   echo server (``echo_server.py``), two calls per request with the request and
+   response sizes of the service's Match and Insert.
+2. ``service``: a fresh ``prefixcache serve`` process; each worker opens a session,
+   then per request sends Match(lock, allocate) and Insert(matched + allocated
+   slots, release the match's lock): exactly the two RPCs of a prefill.
+
+Mode ``unary`` uses the unary RPCs; ``stream`` one Session stream (echo: one bidi
+stream) per worker, one operation in flight. Workers are separate client processes
+(spawn, ``grpc.aio`` channel, closed loop). A latency is the client-side time of one
+call, from handing over the built message to having the reply; building the messages
+(and the Insert's slot list) counts in requests/s only. It prints a markdown table with
+requests/s, p50/p99 per RPC, the echo's for the same shape, the ratios, and the hit ratio
+from the Stats RPC, then where the CPU went.
+
+    python bench/grpc_replay.py --limit 3000 --workers 1 --workers 8 --json bench/out/grpc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import multiprocessing as mp
+import os
+import platform
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.request
+from array import array
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Run as `python bench/grpc_replay.py`, sys.path[0] is bench/, where trace.py would
+# shadow the stdlib `trace` module; import our modules as `bench.*` instead.
+_REPO = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0] or ".").resolve() == _REPO / "bench":
+    sys.path[0] = str(_REPO)
+sys.path += [p for p in map(str, (_REPO, _REPO / "server", _REPO / "client")) if p not in sys.path]
+
+import grpc  # noqa: E402
+
+from bench import echo_server  # noqa: E402
+from bench.trace import DEFAULT_TRACE, load_expanded  # noqa: E402
+
+MODEL = "bench"
+MODES = ("unary", "stream")
+MAX_MESSAGE = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE),
+                   ("grpc.max_send_message_length", MAX_MESSAGE)]
+WARMUP_CALLS = 20
+BARRIER_TIMEOUT_S = 600.0
+# `python -m prefixcache.server.cli` does not run main(): the module has no __main__ guard.
+_SERVE = "import sys; from prefixcache.server.cli import main; sys.exit(main())"
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+_SERVER_PATHS = [str(_REPO / "server"), str(_REPO / "client")]
+
+
+# ---------------------------------------------------------------- worker side
+
+
+@dataclass
+class WorkerSpec:
+    kind: str  # "service" or "echo"
+    mode: str  # "unary" or "stream"
+    target: str
+    tokens_path: str
+    spans: list[tuple[int, int]]  # byte ranges of this worker's requests in tokens_path
+    index: int
+
+
+@dataclass
+class WorkerResult:
+    index: int
+    requests: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    match_ns: array = field(default_factory=lambda: array("q"))
+    insert_ns: array = field(default_factory=lambda: array("q"))
+    t_start: float = 0.0
+    t_end: float = 0.0
+    cpu_s: float = 0.0
+    failure: str = ""
+
+
+def _worker(spec: WorkerSpec, barriers: tuple[Any, Any], out: Any) -> None:
+    """Process entry: replay this worker's requests, put a WorkerResult on ``out``."""
+    result = WorkerResult(spec.index)
+    try:
+        with open(spec.tokens_path, "rb") as fh, \
+                mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            keys = [bytes(mm[a:b]) for a, b in spec.spans]
+        replay = _replay_service if spec.kind == "service" else _replay_echo
+        asyncio.run(replay(spec, keys, barriers, result))
+    except BaseException:  # reported to the parent, which fails the run
+        result.failure = traceback.format_exc()
+        for b in barriers:
+            b.abort()
+    out.put(result)
+
+
+def _count(result: WorkerResult, what: str) -> None:
+    result.errors[what] = result.errors.get(what, 0) + 1
+
+
+async def _replay_service(spec: WorkerSpec, keys: list[bytes], barriers: tuple[Any, Any],
+                          result: WorkerResult) -> None:
+    from prefixcache.v1 import prefix_cache_pb2 as pb
+    from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
+
+    perf = time.perf_counter_ns
+    async with grpc.aio.insecure_channel(spec.target, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.PrefixCacheStub(channel)
+        if spec.mode == "unary":
+            sid = (await stub.OpenSession(pb.OpenSessionRequest(
+                ttl_seconds=600, client_name=f"bench-{spec.index}"))).session_id
+            for _ in range(WARMUP_CALLS):
+                await stub.Stats(pb.StatsRequest(model=MODEL))
+            _start(result, barriers[0])
+            for key in keys:
+                match = pb.MatchRequest(model=MODEL, token_ids=key, session_id=sid, lock=True,
+                                        allocate=True)
+                t0 = perf()
+                try:
+                    m = await stub.Match(match)
+                except grpc.aio.AioRpcError as exc:
+                    _count(result, f"Match {exc.code().name}")
+                    continue
+                t1 = perf()
+                insert = pb.InsertRequest(
+                    model=MODEL, token_ids=key, slot_indices=m.slot_indices + m.allocated_slots,
+                    session_id=sid, release_lock_id=m.lock_id)
+                t1b = perf()
+                try:
+                    await stub.Insert(insert)
+                except grpc.aio.AioRpcError as exc:
+                    _count(result, f"Insert {exc.code().name}")
+                    await _undo_unary(stub, pb, sid, m)
+                    continue
+                t2 = perf()
+                result.match_ns.append(t1 - t0)
+                result.insert_ns.append(t2 - t1b)
+                result.requests += 1
+            _stop(result, barriers[1])
+            await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+            return
+
+        call = stub.Session()
+        seq = 0
+
+        def request(**kw: Any) -> Any:
+            nonlocal seq
+            seq += 1
+            return pb.SessionRequest(seq=seq, **kw)
+
+        async def op(req: Any) -> Any:
+            await call.write(req)
+            reply = await call.read()
+            if reply is grpc.aio.EOF or reply.seq != req.seq:
+                raise RuntimeError(f"Session stream: expected the reply to {req.seq}, "
+                                   f"got {reply}")
+            return reply
+
+        for _ in range(WARMUP_CALLS):
+            await op(request(stats=pb.StatsRequest(model=MODEL)))
+        _start(result, barriers[0])
+        for key in keys:
+            match = request(match=pb.MatchRequest(model=MODEL, token_ids=key, lock=True,
+                                                  allocate=True))
+            t0 = perf()
+            r = await op(match)
+            t1 = perf()
+            if r.HasField("error"):
+                _count(result, f"Match {_code_name(r.error.code)}")
+                continue
+            m = r.match
+            insert = request(insert=pb.InsertRequest(
+                model=MODEL, token_ids=key, slot_indices=m.slot_indices + m.allocated_slots,
+                release_lock_id=m.lock_id))
+            t1b = perf()
+            r = await op(insert)
+            t2 = perf()
+            if r.HasField("error"):
+                _count(result, f"Insert {_code_name(r.error.code)}")
+                await op(request(free=pb.FreeRequest(model=MODEL, slot_indices=m.allocated_slots)))
+                await op(request(unlock=pb.UnlockRequest(lock_id=m.lock_id)))
+                continue
+            result.match_ns.append(t1 - t0)
+            result.insert_ns.append(t2 - t1b)
+            result.requests += 1
+        _stop(result, barriers[1])
+        await call.done_writing()
+        while await call.read() is not grpc.aio.EOF:
+            pass
+
+
+def _code_name(value: int) -> str:
+    return next((c.name for c in grpc.StatusCode if c.value[0] == value), str(value))
+
+
+async def _undo_unary(stub: Any, pb: Any, sid: str, m: Any) -> None:
+    """After a failed Insert, hand back the match's slots and lock (best effort)."""
+    try:
+        if m.allocated_slots:
+            await stub.Free(pb.FreeRequest(model=MODEL, slot_indices=m.allocated_slots,
+                                           session_id=sid))
+        if m.lock_id:
+            await stub.Unlock(pb.UnlockRequest(lock_id=m.lock_id, session_id=sid))
+    except grpc.aio.AioRpcError:
+        pass
+
+
+async def _replay_echo(spec: WorkerSpec, keys: list[bytes], barriers: tuple[Any, Any],
+                       result: WorkerResult) -> None:
+    perf = time.perf_counter_ns
+    # Same sizes as the service's messages: Match sends 4 B/token and gets 8 B/token of
+    # slots back; Insert sends 4 + 8 B/token and gets a few bytes back.
+    shapes = [(echo_server.request(2 * len(k), len(k)), echo_server.request(8, 3 * len(k)))
+              for k in keys]
+    async with grpc.aio.insecure_channel(spec.target, options=CHANNEL_OPTIONS) as channel:
+        small = echo_server.request(16, 16)
+        if spec.mode == "unary":
+            call = channel.unary_unary(echo_server.UNARY)
+            for _ in range(WARMUP_CALLS):
+                await call(small)
+            _start(result, barriers[0])
+            for match_req, insert_req in shapes:
+                t0 = perf()
+                await call(match_req)
+                t1 = perf()
+                await call(insert_req)
+                t2 = perf()
+                result.match_ns.append(t1 - t0)
+                result.insert_ns.append(t2 - t1)
+                result.requests += 1
+            _stop(result, barriers[1])
+            return
+
+        stream = channel.stream_stream(echo_server.STREAM)()
+        for _ in range(WARMUP_CALLS):
+            await stream.write(small)
+            await stream.read()
+        _start(result, barriers[0])
+        for match_req, insert_req in shapes:
+            t0 = perf()
+            await stream.write(match_req)
+            await stream.read()
+            t1 = perf()
+            await stream.write(insert_req)
+            await stream.read()
+            t2 = perf()
+            result.match_ns.append(t1 - t0)
+            result.insert_ns.append(t2 - t1)
+            result.requests += 1
+        _stop(result, barriers[1])
+        await stream.done_writing()
+        while await stream.read() is not grpc.aio.EOF:
+            pass
+
+
+def _start(result: WorkerResult, barrier: Any) -> None:
+    barrier.wait(BARRIER_TIMEOUT_S)  # every worker and the parent are ready
+    result.cpu_s = time.process_time()
+    result.t_start = time.monotonic()
+
+
+def _stop(result: WorkerResult, barrier: Any) -> None:
+    result.t_end = time.monotonic()
+    result.cpu_s = time.process_time() - result.cpu_s
+    barrier.wait(BARRIER_TIMEOUT_S)  # the parent reads the server's CPU time here
+
+
+# ---------------------------------------------------------------- parent side
+
+
+@dataclass
+class Latency:
+    p50_us: float
+    p99_us: float
+    mean_us: float
+
+    @staticmethod
+    def of(ns: list[int]) -> Latency:
+        s = sorted(ns) or [0]
+        return Latency(s[len(s) // 2] / 1e3, s[min(len(s) - 1, len(s) * 99 // 100)] / 1e3,
+                       sum(s) / len(s) / 1e3)
+
+
+@dataclass
+class Run:
+    """One side (service or echo) of one configuration."""
+
+    kind: str
+    mode: str
+    workers: int
+    requests: int
+    errors: dict[str, int]
+    wall_s: float
+    req_per_s: float
+    match: Latency
+    insert: Latency
+    prefill: Latency  # Match + Insert of one request
+    client_cpu_us_per_req: float
+    server_cpu_us_per_req: float
+    stats: dict[str, Any] = field(default_factory=dict)
+    handler_us: dict[str, float] = field(default_factory=dict)
+
+
+class ServerProcess:
+    """A server subprocess on a unix socket; ``cpu_s`` reads its user+system time."""
+
+    def __init__(self, name: str, argv: list[str], socket_path: Path, log_path: Path) -> None:
+        self.name = name
+        self.target = f"unix:{socket_path}"
+        self.log_path = log_path
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(
+                       [*_SERVER_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, cwd=_REPO)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.target) as channel:
+            ready = grpc.channel_ready_future(channel)
+            while True:
+                try:
+                    ready.result(timeout=0.25)
+                    return
+                except grpc.FutureTimeoutError:
+                    pass
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    ready.cancel()
+                    self.stop()
+                    raise RuntimeError(f"{self.name} did not start (exit {self.proc.returncode})"
+                                       f"; its log:\n{self.log_tail()}")
+
+    def cpu_s(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_service(tmp: Path, budget: int, page_size: int, tag: str) -> tuple[ServerProcess, int]:
+    config = tmp / "bench.yaml"
+    config.write_text(
+        f"models:\n  - name: {MODEL}\n    kind: radix\n    page_size: {page_size}\n"
+        f"    pool: {{size: {budget}, layers: 1, k_heads: 1, k_head_dim: 8, "
+        "dtype: float16}\n")
+    port = _free_port()
+    argv = [sys.executable, "-c", _SERVE, "serve", "--config", str(config),
+            "--listen", f"unix:{tmp / 'pc.sock'}", "--metrics-host", "127.0.0.1",
+            "--metrics-port", str(port), "--grace-period", "1", "--log-level", "warning"]
+    log = tmp / f"server-{tag}.log"
+    return ServerProcess("prefixcache serve", argv, tmp / "pc.sock", log), port
+
+
+def start_echo(tmp: Path) -> ServerProcess:
+    argv = [sys.executable, str(_REPO / "bench" / "echo_server.py"), f"unix:{tmp / 'echo.sock'}"]
+    return ServerProcess("echo server", argv, tmp / "echo.sock", tmp / "echo.log")
+
+
+def run_workers(kind: str, mode: str, n: int, server: ServerProcess, tokens_path: Path,
+                spans: list[tuple[int, int]]) -> Run:
+    ctx = mp.get_context("spawn")
+    barriers = (ctx.Barrier(n + 1), ctx.Barrier(n + 1))
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, daemon=True, args=(
+        WorkerSpec(kind, mode, server.target, str(tokens_path), spans[i::n], i), barriers, out))
+        for i in range(n)]
+    for p in procs:
+        p.start()
+    results: list[WorkerResult] = []
+    cpu0 = cpu1 = 0.0
+    try:
+        barriers[0].wait(BARRIER_TIMEOUT_S)
+        cpu0 = server.cpu_s()
+        barriers[1].wait(BARRIER_TIMEOUT_S)
+        cpu1 = server.cpu_s()
+    except threading.BrokenBarrierError:
+        pass  # a worker failed; its traceback comes through the queue
+    try:
+        for _ in procs:
+            results.append(out.get(timeout=BARRIER_TIMEOUT_S))
+    except queue.Empty:
+        pass
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    failures = [r.failure for r in results if r.failure]
+    if failures or len(results) != n:
+        raise RuntimeError(f"{kind}/{mode}/{n} workers failed:\n" + "\n".join(failures)
+                           + (f"\n{server.name} log:\n{server.log_tail()}" if failures else ""))
+    requests = sum(r.requests for r in results)
+    wall = max(r.t_end for r in results) - min(r.t_start for r in results)
+    errors: dict[str, int] = {}
+    for r in results:
+        for k, v in r.errors.items():
+            errors[k] = errors.get(k, 0) + v
+    match = [x for r in results for x in r.match_ns]
+    insert = [x for r in results for x in r.insert_ns]
+    prefill = [a + b for r in results for a, b in zip(r.match_ns, r.insert_ns, strict=True)]
+    per_req = 1e6 / max(requests, 1)
+    return Run(kind, mode, n, requests, errors, wall, requests / wall if wall > 0 else 0.0,
+               Latency.of(match), Latency.of(insert), Latency.of(prefill),
+               sum(r.cpu_s for r in results) * per_req, (cpu1 - cpu0) * per_req)
+
+
+def service_stats(target: str) -> dict[str, Any]:
+    from prefixcache.v1 import prefix_cache_pb2 as pb
+    from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        reply = pb_grpc.PrefixCacheStub(channel).Stats(pb.StatsRequest(model=MODEL), timeout=30)
+    m = reply.models[0]
+    return {
+        "match_tokens": m.match_tokens_total, "hit_tokens": m.hit_tokens_total,
+        "hit_ratio": m.hit_tokens_total / m.match_tokens_total if m.match_tokens_total else 0.0,
+        "evicted_tokens": m.evicted_tokens_total, "cached_tokens":
+            m.evictable_tokens + m.protected_tokens, "locks": m.locks,
+        "session_slots": m.session_slots, "sessions": reply.sessions,
+    }
+
+
+_METRIC = re.compile(r'^prefixcache_rpc_duration_seconds_(sum|count)\{([^}]*)\} (\S+)$')
+
+
+def handler_times(port: int) -> dict[str, float]:
+    """Mean server-side handler µs per method (OK calls) from the service's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    acc: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not (m := _METRIC.match(line)):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        if labels.get("code") != "OK":
+            continue
+        acc.setdefault(labels["method"], {})[m.group(1)] = float(m.group(3))
+    return {method: v["sum"] / v["count"] * 1e6 for method, v in acc.items()
+            if v.get("count")}
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
+def print_tables(pairs: list[tuple[Run, Run]]) -> None:
+    print("\n| mode | workers | requests (errors) | req/s | echo req/s | Match p50 / p99 µs "
+          "| echo p50 / p99 µs | Match ÷ echo | Insert p50 / p99 µs | echo p50 / p99 µs "
+          "| Insert ÷ echo | prefill p50 µs (echo) | prefill ÷ echo | token hit |")
+    print("|---|---:|---:|---:|---:|---|---|---:|---|---|---:|---|---:|---:|")
+    for svc, echo in pairs:
+        errs = sum(svc.errors.values())
+        print(f"| {svc.mode} | {svc.workers} | {svc.requests:,} ({errs}) | "
+              f"{_fmt(svc.req_per_s)} | {_fmt(echo.req_per_s)} | "
+              f"{_fmt(svc.match.p50_us)} / {_fmt(svc.match.p99_us)} | "
+              f"{_fmt(echo.match.p50_us)} / {_fmt(echo.match.p99_us)} | "
+              f"**{_ratio(svc.match.p50_us, echo.match.p50_us)}** | "
+              f"{_fmt(svc.insert.p50_us)} / {_fmt(svc.insert.p99_us)} | "
+              f"{_fmt(echo.insert.p50_us)} / {_fmt(echo.insert.p99_us)} | "
+              f"**{_ratio(svc.insert.p50_us, echo.insert.p50_us)}** | "
+              f"{_fmt(svc.prefill.p50_us)} ({_fmt(echo.prefill.p50_us)}) | "
+              f"**{_ratio(svc.prefill.p50_us, echo.prefill.p50_us)}** | "
+              f"{svc.stats.get('hit_ratio', 0.0):.4f} |")
+    print("\nCPU per request (µs; user+system; a request is two RPCs) and the service's "
+          "own handler time (server-side mean µs per call, from /metrics):\n")
+    print("| mode | workers | server CPU: service / echo | client CPU: service / echo "
+          "| handler Match / Insert | evicted tokens | leftover locks / slots |")
+    print("|---|---:|---|---|---|---:|---|")
+    for svc, echo in pairs:
+        prefix = "Session/" if svc.mode == "stream" else ""
+        match_key, insert_key = (f"{prefix}match", f"{prefix}insert") if prefix \
+            else ("Match", "Insert")
+        h = svc.handler_us
+        print(f"| {svc.mode} | {svc.workers} | {_fmt(svc.server_cpu_us_per_req)} / "
+              f"{_fmt(echo.server_cpu_us_per_req)} | {_fmt(svc.client_cpu_us_per_req)} / "
+              f"{_fmt(echo.client_cpu_us_per_req)} | "
+              f"{h.get(match_key, 0.0):,.0f} / {h.get(insert_key, 0.0):,.0f} | "
+              f"{svc.stats.get('evicted_tokens', 0):,} | "
+              f"{svc.stats.get('locks', '?')} / {svc.stats.get('session_slots', '?')} |")
+    for svc, _ in pairs:
+        if svc.errors:
+            print(f"\n{svc.mode}/{svc.workers}: errors {svc.errors}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = ap.add_argument
+    add("--trace", type=Path, default=DEFAULT_TRACE)
+    add("--limit", type=int, default=3000, help="replay the first N requests (default 3000)")
+    add("--workers", type=int, action="append",
+        help="concurrent client processes; repeatable (default 1 and 8)")
+    add("--modes", default="unary,stream", help="comma-separated: unary, stream")
+    add("--budget", type=int, default=1_000_000, help="KV pool size in tokens (default 1M)")
+    add("--page-size", type=int, default=16)
+    add("--json", type=Path, metavar="OUT", help="write every run as JSON")
+    args = ap.parse_args(argv)
+    workers = args.workers or [1, 8]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in MODES]:
+        ap.error(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
+    if not args.trace.exists():
+        ap.error(f"trace not found: {args.trace}")
+    if min(workers) < 1:
+        ap.error("--workers must be >= 1")
+    os.environ["OMP_NUM_THREADS"] = "1"  # the spawned workers inherit it
+
+    t_all = time.monotonic()
+    trace = load_expanded(args.trace, args.page_size, args.limit)
+    total = trace.total_tokens
+    print(f"{args.trace.name}: {len(trace.keys):,} requests, {total:,} tokens "
+          f"(mean {total / max(len(trace.keys), 1):,.0f}); pool {args.budget:,} tokens, "
+          f"page {args.page_size}", file=sys.stderr)
+    pairs: list[tuple[Run, Run]] = []
+    with tempfile.TemporaryDirectory(prefix="pc-grpc-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        tokens_path = tmp / "tokens.bin"
+        spans: list[tuple[int, int]] = []
+        with open(tokens_path, "wb") as fh:
+            offset = 0
+            for key in trace.keys:
+                data = key.tobytes()
+                fh.write(data)
+                spans.append((offset, offset + len(data)))
+                offset += len(data)
+        del trace
+        echo = start_echo(tmp)
+        try:
+            for mode in modes:
+                for n in workers:
+                    e = run_workers("echo", mode, n, echo, tokens_path, spans)
+                    service, port = start_service(tmp, args.budget, args.page_size, f"{mode}{n}")
+                    try:
+                        s = run_workers("service", mode, n, service, tokens_path, spans)
+                        s.stats = service_stats(service.target)
+                        s.handler_us = handler_times(port)
+                    finally:
+                        service.stop()
+                    pairs.append((s, e))
+                    print(f"{mode} x{n}: service {s.req_per_s:,.0f} req/s, echo "
+                          f"{e.req_per_s:,.0f} req/s, prefill p50 {s.prefill.p50_us:,.0f} "
+                          f"vs {e.prefill.p50_us:,.0f} µs, hit {s.stats['hit_ratio']:.4f}",
+                          file=sys.stderr)
+        finally:
+            echo.stop()
+    print(f"\n{args.trace.name}, first {len(spans):,} requests, pool {args.budget:,} tokens, "
+          f"page {args.page_size}; grpcio {grpc.__version__}, Python "
+          f"{platform.python_version()}, {os.cpu_count()} CPUs; total "
+          f"{time.monotonic() - t_all:.0f} s")
+    print_tables(pairs)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "trace": str(args.trace), "limit": args.limit, "budget": args.budget,
+            "page_size": args.page_size, "grpcio": grpc.__version__,
+            "runs": [{"service": asdict(s), "echo": asdict(e)} for s, e in pairs]}, indent=2))
+    failed = any(s.requests == 0 or e.requests == 0 for s, e in pairs)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
