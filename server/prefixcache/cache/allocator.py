@@ -20,6 +20,8 @@ _MAX_SHOWN = 8
 def host_indices(indices: IndexLike) -> np.ndarray:
     """Slot indices as a flat int64 host array (shared with a CPU int64 tensor's memory)."""
     if isinstance(indices, torch.Tensor):
+        if indices.dtype == torch.int64 and indices.dim() == 1 and indices.device.type == "cpu":
+            return indices.numpy()  # the common case: one call, no copy
         if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
             raise InvalidInputError(f"indices must be integers, got dtype {indices.dtype}")
         return indices.detach().reshape(-1).to("cpu", torch.int64).numpy()
