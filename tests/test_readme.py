@@ -24,3 +24,11 @@ def test_library_example_runs_and_reuses_prefixes() -> None:
     scope["prefill"](list(range(40)), lora="adapter-1")
     assert cache.total_size() == 96 + 16 + 32
     cache.check_integrity()
+
+
+def test_every_python_example_runs() -> None:
+    """Each python block of the README runs on its own (the later ones assert themselves)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    assert len(blocks) >= 3
+    for block in blocks:
+        exec(block, {})

@@ -20,8 +20,12 @@ from .eviction import EVICTION_POLICIES, get_eviction_policy
 from .hashing import hash_bytes, hash_to_int64, hash_token_ids
 from .key import RadixKey
 from .kv_pool import KVPool
+from .mamba_pool import MambaPool
+from .mamba_radix_cache import MambaRadixCache
 from .node import TreeNode
 from .radix_cache import RadixCache
+from .slot_allocator import SlotAllocator, StaleSlotError
+from .slot_cache import SlotInsertResult, SlotMatch, SlotNode, SlotPrefixCache
 from .swa_allocator import SWATokenToKVPoolAllocator
 from .swa_radix_cache import SWARadixCache
 
@@ -37,12 +41,20 @@ __all__ = [
     "InvalidInputError",
     "KVPool",
     "LockError",
+    "MambaPool",
+    "MambaRadixCache",
     "MatchResult",
     "RadixCache",
     "RadixKey",
     "SWARadixCache",
     "SWATokenToKVPoolAllocator",
+    "SlotAllocator",
     "SlotIndexError",
+    "SlotInsertResult",
+    "SlotMatch",
+    "SlotNode",
+    "SlotPrefixCache",
+    "StaleSlotError",
     "TokenRangeError",
     "TokenToKVPoolAllocator",
     "TreeNode",
