@@ -64,6 +64,15 @@ def test_tokens_come_from_env_or_files(tmp_path: Path) -> None:
     ("server: {log_format: xml}", "server.log_format"),
     ("server: {colour: blue}", "server.colour"),
     ("extra: 1", "extra"),
+    ("models: [{name: a, kind: slot}]", "models[0].max_seq_len"),
+    ("models: [{name: a, kind: slot, max_seq_len: 8, page_size: 4}]", "models[0].page_size"),
+    ("models: [{name: a, max_seq_len: 8}]", "models[0].max_seq_len"),
+    ("models: [{name: a, mamba: {state_slots: 2}}]", "models[0].mamba"),
+    ("models: [{name: a, kind: mamba, mamba: {state_slots: 0}}]", "models[0].mamba.state_slots"),
+    ("models: [{name: a, kind: mamba, mamba: {conv_state_shape: [0]}}]",
+     "models[0].mamba.conv_state_shape"),
+    ("models: [{name: a, kind: mamba, mamba: {dtype: int4}}]", "models[0].mamba.dtype"),
+    ("models: [{name: a, kind: mamba, eviction_policy: lfu}]", "models[0].eviction_policy"),
 ])
 def test_errors_name_the_field(tmp_path: Path, yaml_text: str, field: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -78,3 +87,18 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
         load_config(write(tmp_path, "models: [\n"), env={})
     with pytest.raises(ConfigError, match=r"server\.metrics_port"):
         load_config(env={"PREFIXCACHE_METRICS_PORT": "many"})
+
+
+def test_mamba_and_slot_models(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, """
+models:
+  - {name: h, kind: mamba, page_size: 16,
+     mamba: {state_slots: 64, working_slots: 8, layers: 3, conv_state_shape: [8, 3],
+             temporal_state_shape: [2, 4, 4], chunk_size: 64}}
+  - {name: s, kind: slot, max_seq_len: 4096, pool: {size: 32}}
+  - {name: d, kind: mamba}
+"""), env={})
+    h, s, d = cfg.models
+    assert h.mamba is not None and h.mamba.conv_state_shape == (8, 3) and h.mamba.chunk_size == 64
+    assert (s.max_seq_len, s.pool.size, s.mamba) == (4096, 32, None)
+    assert d.mamba is not None and d.mamba.state_slots == 256  # the defaults

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from prefixcache.cache import CacheError, RadixKey
-from prefixcache.server.config import ModelConfig, PoolConfig
+from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig
 from prefixcache.server.errors import PreconditionError, ServiceError
 from prefixcache.server.service import CacheService
 
@@ -26,6 +26,9 @@ MODELS = (
     ModelConfig(name="r1", page_size=1, pool=POOL),
     ModelConfig(name="r4", page_size=4, pool=POOL),
     ModelConfig(name="w", kind="swa", page_size=1, sliding_window_size=3, pool=POOL),
+    ModelConfig(name="mb", kind="mamba", page_size=1, pool=POOL,
+                mamba=MambaConfig(state_slots=6, conv_state_shape=(2,),
+                                  temporal_state_shape=(2,))),
 )
 NAMES = [m.name for m in MODELS]
 TOKENS = st.lists(st.sampled_from([1, 2, 3]), min_size=0, max_size=14)
@@ -50,6 +53,7 @@ class ServiceMachine(RuleBasedStateMachine):
                                 clock=self.clock)
         # What the test believes each session holds: model -> set of slots.
         self.held: dict[str, dict[str, set[int]]] = {}
+        self.states: dict[str, dict[str, set[int]]] = {}  # Mamba state slots, likewise
         self.pending: list[tuple] = []
 
     def _session(self, sid: str):
@@ -68,6 +72,7 @@ class ServiceMachine(RuleBasedStateMachine):
     def _open(self, ttl: float) -> str:
         session = self.svc.open_session(ttl)
         self.held[session.id] = {n: set() for n in NAMES}
+        self.states[session.id] = {n: set() for n in NAMES}
         return session.id
 
     @rule(i=SID, ttl=st.sampled_from([2.0, 10.0, 50.0]))
@@ -84,6 +89,7 @@ class ServiceMachine(RuleBasedStateMachine):
         _, slots = self.svc.close_session(session)
         assert slots == sum(len(s) for s in self.held[sid].values())
         self.held[sid] = {n: set() for n in NAMES}
+        self.states[sid] = {n: set() for n in NAMES}
 
     @rule(dt=st.sampled_from([0.5, 0.5, 3.0, 20.0]))
     def time_passes(self, dt: float) -> None:
@@ -92,6 +98,7 @@ class ServiceMachine(RuleBasedStateMachine):
         self.svc.expire_sessions()
         for sid in live - {s.id for s in self.svc.sessions}:
             self.held[sid] = {n: set() for n in NAMES}
+            self.states[sid] = {n: set() for n in NAMES}
 
     @rule(i=SID, model=st.sampled_from(NAMES), tokens=TOKENS,
           extra=st.sampled_from([None, "a"]))
@@ -106,8 +113,10 @@ class ServiceMachine(RuleBasedStateMachine):
         except ServiceError:
             return  # pool exhausted: nothing changed
         self.held[sid][model] |= set(m.allocated.tolist())
+        if m.allocated_state is not None:
+            self.states[sid][model].add(m.allocated_state)
         self.pending.append((sid, model, key, np.concatenate([m.indices, m.allocated]),
-                             m.lock_id))
+                             m.lock_id, m.allocated_state))
 
     @rule(data=st.data(), keep=st.booleans())
     def finish_prefill(self, data: st.DataObject, keep: bool) -> None:
@@ -115,7 +124,7 @@ class ServiceMachine(RuleBasedStateMachine):
             self._finish(data.draw(st.integers(0, len(self.pending) - 1)), keep)
 
     def _finish(self, index: int, keep: bool) -> None:
-        sid, model, key, slots, lock_id = self.pending.pop(index)
+        sid, model, key, slots, lock_id, state = self.pending.pop(index)
         session = self._session(sid)
         if session is None:
             return  # the session ended: its slots went back with it
@@ -128,11 +137,15 @@ class ServiceMachine(RuleBasedStateMachine):
         named, held = slots[:aligned].tolist(), self.held[sid][model]
         k = next((j for j, slot in enumerate(named) if slot in held), aligned)
         gone = k > len(tree) or named[:k] != tree[:k] or not set(named[k:]) <= held
+        gone = gone or (state is not None and state not in self.states[sid][model])
         if (lock_id and lock_id not in session.locks) or gone:
             with pytest.raises(PreconditionError):
-                self.svc.engine(model).insert(key, slots, session, release_lock_id=lock_id)
+                self.svc.engine(model).insert(key, slots, session, release_lock_id=lock_id,
+                                              state_slot=state)
             return
-        out = engine.insert(key, slots, session, lock=keep, release_lock_id=lock_id)
+        out = engine.insert(key, slots, session, lock=keep, release_lock_id=lock_id,
+                            state_slot=state)
+        self.states[sid][model].discard(state)  # cached, or freed as surplus
         taken = set(slots[:aligned].tolist())
         self.held[sid][model] -= taken
         assert set(out.freed.tolist()) <= taken
@@ -151,15 +164,18 @@ class ServiceMachine(RuleBasedStateMachine):
             except ServiceError:
                 return
             self.held[sid][model] |= set(m.allocated.tolist())
+            if m.allocated_state is not None:
+                self.states[sid][model].add(m.allocated_state)
             self.pending.append((sid, model, RadixKey(tokens),
-                                 np.concatenate([m.indices, m.allocated]), 0))
+                                 np.concatenate([m.indices, m.allocated]), 0,
+                                 m.allocated_state))
         for _ in range(2):
             self._finish(len(self.pending) - 2, keep=False)
 
     @rule(model=st.sampled_from(NAMES))
     def reset(self, model: str) -> None:
         self.svc.reset(model)
-        for h in self.held.values():
+        for h in (*self.held.values(), *self.states.values()):
             h[model] = set()
         self.pending = [p for p in self.pending if p[1] != model]
 
@@ -170,10 +186,11 @@ class ServiceMachine(RuleBasedStateMachine):
         if session is None:
             return
         try:
-            got = self.svc.engine(model).alloc(session, n)
+            got, states = self.svc.engine(model).alloc(session, n, int(model == "mb"))
         except ServiceError:
             return
         self.held[sid][model] |= set(got.tolist())
+        self.states[sid][model] |= set(states.tolist())
 
     @rule(i=SID, model=st.sampled_from(NAMES), data=st.data())
     def free(self, i: int, model: str, data: st.DataObject) -> None:
@@ -226,6 +243,11 @@ class ServiceMachine(RuleBasedStateMachine):
             held = sum(len(h[name]) for h in self.held.values())
             assert engine.session_slots == held
             assert engine.allocator.num_allocated() == engine.cache.total_size() + held
+            states = sum(len(h[name]) for h in self.states.values())
+            assert engine.session_state_slots == states
+            if engine.mamba_pool is not None:
+                assert engine.mamba_pool.num_allocated_track_slots() == \
+                    engine.cache.mamba_total_size() + states
             for sid, h in self.held.items():
                 session = self._session(sid)
                 tag = session.tag if session else -1

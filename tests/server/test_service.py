@@ -15,13 +15,18 @@ import grpc
 import pytest
 from harness import SMALL_POOL, pack_slots, pb, running, slots, stub_for, toks
 
-from prefixcache.server.config import ModelConfig, PoolConfig
+from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig
 
 MODELS = (
     ModelConfig(name="m", page_size=1, vocab_size=1000, pool=SMALL_POOL),
     ModelConfig(name="p", page_size=4, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4)),
     ModelConfig(name="w", kind="swa", page_size=1, sliding_window_size=4, pool=SMALL_POOL),
     ModelConfig(name="c", kind="chunk", page_size=1, pool=SMALL_POOL),
+    ModelConfig(name="h", kind="mamba", page_size=2, pool=SMALL_POOL,
+                mamba=MambaConfig(state_slots=4, working_slots=2, layers=2,
+                                  conv_state_shape=(3, 2), temporal_state_shape=(2, 2, 2))),
+    ModelConfig(name="s", kind="slot", max_seq_len=16,
+                pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)),
 )
 CODE = grpc.StatusCode
 
@@ -71,9 +76,11 @@ def prefill(stub, sid: str, model: str, tokens: list[int], *, keep_lock: bool = 
 
 def test_list_models_and_describe_pool(stub) -> None:
     reply = stub.ListModels(pb.ListModelsRequest())
-    assert [m.name for m in reply.models] == ["m", "p", "w", "c"]
+    assert [m.name for m in reply.models] == ["m", "p", "w", "c", "h", "s"]
     assert [m.cache_kind for m in reply.models] == [
-        pb.CACHE_KIND_RADIX, pb.CACHE_KIND_RADIX, pb.CACHE_KIND_SWA, pb.CACHE_KIND_CHUNK]
+        pb.CACHE_KIND_RADIX, pb.CACHE_KIND_RADIX, pb.CACHE_KIND_SWA, pb.CACHE_KIND_CHUNK,
+        pb.CACHE_KIND_MAMBA, pb.CACHE_KIND_SLOT]
+    assert reply.models[4].state_pool_size == 4
     assert reply.models[1].page_size == 4 and reply.models[0].vocab_size == 1000
     assert reply.models[2].sliding_window_size == 4 and reply.server_epoch
     pool = stub.DescribePool(pb.DescribePoolRequest(model="m"))
@@ -81,6 +88,12 @@ def test_list_models_and_describe_pool(stub) -> None:
     assert (pool.dtype, pool.device, pool.pool_size, pool.num_rows) == ("float16", "cpu", 256, 257)
     assert stub.DescribePool(pb.DescribePoolRequest(model="w")).swa_pool_size == 256
     refused(stub.DescribePool, pb.DescribePoolRequest(model="nope"), CODE.NOT_FOUND)
+    mamba = stub.DescribePool(pb.DescribePoolRequest(model="h")).mamba
+    assert (mamba.layer_num, list(mamba.conv_state_shape), list(mamba.temporal_state_shape)) \
+        == (2, [3, 2], [2, 2, 2])
+    assert (mamba.conv_dtype, mamba.temporal_dtype, mamba.working_slots, mamba.state_slots,
+            mamba.num_rows) == ("float16", "float32", 2, 4, 7)
+    assert not stub.DescribePool(pb.DescribePoolRequest(model="m")).HasField("mamba")
 
 
 def test_prefill_is_two_rpcs_and_the_next_request_hits(stub, session) -> None:
@@ -140,7 +153,8 @@ def stub_session_pair(stub) -> Iterator[tuple[str, str]]:
     ids = [stub.OpenSession(pb.OpenSessionRequest()).session_id for _ in range(2)]
     yield ids[0], ids[1]
     for sid in ids:
-        stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        with contextlib.suppress(grpc.RpcError):  # unless the test closed it
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 
 
 def test_bad_input_is_refused_and_changes_nothing(server, stub, session) -> None:
@@ -399,3 +413,99 @@ def test_draining_answers_unavailable(server, stub) -> None:
     finally:
         server.run(setattr, server.service, "draining", False)
     stub.Stats(pb.StatsRequest())
+
+
+def test_mamba_model_caches_a_state_per_prefix(stub, session) -> None:
+    tokens = [1, 2, 3, 4]
+    m = stub.Match(pb.MatchRequest(model="h", token_ids=toks(tokens), session_id=session,
+                                   lock=True, allocate=True))
+    assert m.prefix_len == 0 and not m.HasField("state_slot")
+    state = m.allocated_state_slot
+    assert 3 <= state < 7  # after the padding slot and the two working slots
+    ins = stub.Insert(pb.InsertRequest(model="h", token_ids=toks(tokens), session_id=session,
+                                       slot_indices=m.allocated_slots, state_slot=state))
+    assert (ins.cached_len, ins.state_exist) == (4, False)
+    s = stats(stub, "h")
+    assert (s.mamba_evictable_slots, s.free_state_slots, s.session_state_slots) == (1, 3, 0)
+
+    hit = stub.Match(pb.MatchRequest(model="h", token_ids=toks([1, 2, 3, 4, 5, 6]),
+                                     session_id=session, lock=True, allocate=True))
+    assert (hit.prefix_len, hit.state_slot) == (4, state)
+    assert stats(stub, "h").mamba_protected_slots == 1
+    # A second request for the same tokens: the tree already has the state, so the
+    # request's own state slot is freed rather than cached.
+    again = stub.Insert(pb.InsertRequest(
+        model="h", token_ids=toks(tokens), session_id=session, state_slot=hit.allocated_state_slot,
+        slot_indices=hit.slot_indices, release_lock_id=hit.lock_id))
+    assert again.state_exist
+    # Tokens not cached yet need a state; a state slot the session does not hold is refused.
+    refused(stub.Insert, pb.InsertRequest(model="h", token_ids=toks([1, 2, 3, 4, 5, 6]),
+                                          session_id=session,
+                                          slot_indices=hit.slot_indices + hit.allocated_slots),
+            CODE.INVALID_ARGUMENT)
+    refused(stub.Insert, pb.InsertRequest(model="h", token_ids=toks([1, 2, 3, 4, 5, 6]),
+                                          session_id=session, state_slot=state,
+                                          slot_indices=hit.slot_indices + hit.allocated_slots),
+            CODE.FAILED_PRECONDITION)
+    got = stub.Alloc(pb.AllocRequest(model="h", num_slots=0, num_state_slots=2,
+                                     session_id=session))
+    assert len(slots(got.state_slots)) == 2 and stats(stub, "h").session_state_slots == 2
+    stub.Free(pb.FreeRequest(model="h", state_slots=got.state_slots, session_id=session))
+    refused(stub.Free, pb.FreeRequest(model="h", state_slots=got.state_slots,
+                                      session_id=session), CODE.FAILED_PRECONDITION)
+    refused(stub.Alloc, pb.AllocRequest(model="m", num_state_slots=1, session_id=session),
+            CODE.FAILED_PRECONDITION)
+    stub.Free(pb.FreeRequest(model="h", slot_indices=hit.allocated_slots, session_id=session))
+    evicted = stub.Evict(pb.EvictRequest(model="h", mamba_num=1))
+    assert evicted.mamba_evicted == 1
+    assert stats(stub, "h").free_state_slots == 4
+
+
+def test_slot_model_reuses_a_sequence_slot_by_copy_or_in_place(server, stub,
+                                                              stub_session_pair) -> None:
+    a, b = stub_session_pair
+    pool = stub.DescribePool(pb.DescribePoolRequest(model="s"))
+    assert (pool.num_rows, pool.max_seq_len, pool.layer_num, pool.k_head_dim) == (4, 16, 1, 2)
+    tokens = [1, 2, 3, 4, 5, 6]
+    first = stub.Match(pb.MatchRequest(model="s", token_ids=toks(tokens), session_id=a,
+                                       allocate=True))
+    assert first.prefix_len == 0 and first.HasField("allocated_slot_version")
+    (slot_a,) = slots(first.allocated_slots)
+    k_cache = server.service.engine("s").k_cache
+    server.run(lambda: k_cache[slot_a, :6].fill_(7.0))  # "prefill" writes the KV
+    ins = stub.Insert(pb.InsertRequest(model="s", token_ids=toks(tokens), session_id=a,
+                                       slot_indices=first.allocated_slots,
+                                       slot_version=first.allocated_slot_version))
+    assert ins.cached_len == 6
+
+    # Session b: the prefix lives in a's slot, which a still holds: b gets a copy.
+    hit = stub.Match(pb.MatchRequest(model="s", token_ids=toks([*tokens, 7, 8]), session_id=b,
+                                     lock=True, allocate=True))
+    assert (hit.prefix_len, slots(hit.slot_indices)) == (6, [slot_a])
+    assert hit.slot_version == first.allocated_slot_version and hit.lock_id and hit.node_id
+    (slot_b,) = slots(hit.allocated_slots)
+    assert slot_b != slot_a
+    assert bool(server.run(lambda: (k_cache[slot_b, :6] == 7.0).all().item()))
+    stub.Unlock(pb.UnlockRequest(lock_id=hit.lock_id, session_id=b))
+
+    # a is done and frees its slot; the next match reuses it in place at a new version.
+    stub.Free(pb.FreeRequest(model="s", slot_indices=first.allocated_slots, session_id=a))
+    again = stub.Match(pb.MatchRequest(model="s", token_ids=toks(tokens), session_id=a,
+                                       allocate=True))
+    assert slots(again.allocated_slots) == [slot_a]
+    assert again.allocated_slot_version != first.allocated_slot_version
+    refused(stub.Insert, pb.InsertRequest(model="s", token_ids=toks(tokens), session_id=a,
+                                          slot_indices=again.allocated_slots,
+                                          slot_version=first.allocated_slot_version),
+            CODE.INVALID_ARGUMENT)  # a stale version
+    refused(stub.Insert, pb.InsertRequest(model="s", token_ids=toks(tokens), session_id=b,
+                                          slot_indices=again.allocated_slots,
+                                          slot_version=again.allocated_slot_version),
+            CODE.FAILED_PRECONDITION)  # not b's slot
+    got = stub.Alloc(pb.AllocRequest(model="s", num_slots=2, session_id=b))
+    assert len(slots(got.slot_versions)) == 2
+    refused(stub.Alloc, pb.AllocRequest(model="s", num_slots=1, session_id=b),
+            CODE.RESOURCE_EXHAUSTED)
+    closed = stub.CloseSession(pb.CloseSessionRequest(session_id=b))
+    assert closed.slots_freed == 3
+    server.check_integrity()

@@ -19,8 +19,6 @@ import yaml
 from prefixcache.cache import EVICTION_POLICIES
 
 CACHE_KINDS = ("radix", "swa", "mamba", "slot", "chunk")
-# Kinds the service can host today; the others are refused by name at start.
-SERVED_KINDS = ("radix", "swa", "chunk")
 DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -48,6 +46,23 @@ class PoolConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MambaConfig:
+    """The Mamba state pool of a hybrid model (kind ``mamba``)."""
+
+    # Slots that tree nodes and sessions hold (snapshots of the state after a prefix).
+    state_slots: int = 256
+    # Per-request working slots for attached workers; the service does not track them.
+    working_slots: int = 0
+    layers: int = 1
+    conv_state_shape: tuple[int, ...] = (4, 3)
+    temporal_state_shape: tuple[int, ...] = (1, 4, 4)
+    dtype: str = "float16"
+    temporal_dtype: str = "float32"
+    # mamba_branching_seqlen is rounded down to a multiple of this.
+    chunk_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """One hosted model: its cache kind, paging, eviction and pool."""
 
@@ -59,6 +74,10 @@ class ModelConfig:
     # Token ids must be below this; 0 accepts any uint32.
     vocab_size: int = 0
     pool: PoolConfig = field(default_factory=PoolConfig)
+    # Kind mamba only.
+    mamba: MambaConfig | None = None
+    # Kind slot only: positions per sequence slot (``pool.size`` is the slot count).
+    max_seq_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +284,9 @@ def _model_config(entry: Any, where: str) -> ModelConfig:
     if not isinstance(data.get("name"), str) or not data["name"]:
         raise ConfigError(f"{where}.name: required, a non-empty string")
     pool = _pool_config(data.pop("pool", {}) or {}, f"{where}.pool")
-    model = ModelConfig(name=data["name"], pool=pool)
+    mamba = data.pop("mamba", None)
+    mamba = None if mamba is None else _mamba_config(mamba, f"{where}.mamba")
+    model = ModelConfig(name=data["name"], pool=pool, mamba=mamba)
     for name, value in data.items():
         if name == "name":
             continue
@@ -279,20 +300,53 @@ def _model_config(entry: Any, where: str) -> ModelConfig:
     _check_int(model.vocab_size, f"{where}.vocab_size", 0)
     if model.kind not in CACHE_KINDS:
         raise ConfigError(f"{where}.kind: one of {', '.join(CACHE_KINDS)}, got {model.kind!r}")
-    if model.kind not in SERVED_KINDS:
-        raise ConfigError(f"{where}.kind: {model.kind!r} is not served yet "
-                          f"(served: {', '.join(SERVED_KINDS)})")
     if model.kind == "swa":
         if not model.sliding_window_size:
             raise ConfigError(f"{where}.sliding_window_size: required for kind swa")
         _check_int(model.sliding_window_size, f"{where}.sliding_window_size", 1)
     elif model.sliding_window_size:
         raise ConfigError(f"{where}.sliding_window_size: only for kind swa")
+    if model.kind == "slot":
+        _check_int(model.max_seq_len, f"{where}.max_seq_len", 1)
+        if model.page_size != 1:
+            raise ConfigError(f"{where}.page_size: kind slot keeps whole sequences (page 1)")
+    elif model.max_seq_len:
+        raise ConfigError(f"{where}.max_seq_len: only for kind slot")
+    if model.kind == "mamba":
+        if model.mamba is None:
+            model = replace(model, mamba=MambaConfig())
+        if model.eviction_policy != "lru":
+            raise ConfigError(f"{where}.eviction_policy: kind mamba evicts in lru order only")
+    elif model.mamba is not None:
+        raise ConfigError(f"{where}.mamba: only for kind mamba")
     if model.eviction_policy not in EVICTION_POLICIES:
         raise ConfigError(f"{where}.eviction_policy: one of {', '.join(EVICTION_POLICIES)}")
     if pool.size < model.page_size:
         raise ConfigError(f"{where}.pool.size: smaller than one page ({model.page_size})")
     return model
+
+
+def _mamba_config(entry: Any, where: str) -> MambaConfig:
+    data = dict(_mapping(entry, where))
+    _reject_unknown(data, tuple(f.name for f in fields(MambaConfig)), where)
+    mamba = MambaConfig()
+    for name, value in data.items():
+        default = getattr(mamba, name)
+        if isinstance(default, tuple):
+            if not isinstance(value, list | tuple) or not value or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value):
+                raise ConfigError(f"{where}.{name}: a list of positive ints, got {value!r}")
+            value = tuple(value)
+        else:
+            value = _coerce(value, default, f"{where}.{name}")
+        mamba = replace(mamba, **{name: value})
+    for name in ("state_slots", "layers", "chunk_size"):
+        _check_int(getattr(mamba, name), f"{where}.{name}", 1)
+    _check_int(mamba.working_slots, f"{where}.working_slots", 0)
+    for name in ("dtype", "temporal_dtype"):
+        if getattr(mamba, name) not in DTYPES:
+            raise ConfigError(f"{where}.{name}: one of {', '.join(DTYPES)}")
+    return mamba
 
 
 def _pool_config(entry: Any, where: str) -> PoolConfig:

@@ -35,10 +35,13 @@ from prefixcache.cache import (
     TreeNode,
 )
 from prefixcache.cache.allocator import host_indices
+from prefixcache.cache.mamba_radix_cache import MambaRadixCache
 
 from .config import ModelConfig
 from .errors import NotFoundError, PoolExhaustedError, PreconditionError
 from .sessions import HeldLock, Session
+from .slot_checks import check_distinct, check_range, check_tree_prefix
+from .state_slots import StateSlots, mamba_pool
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 OPERATIONS = ("match", "insert", "evict", "lock", "unlock", "alloc")
@@ -55,6 +58,14 @@ class MatchOutcome:
     node_id: int
     lock_id: int
     allocated: np.ndarray
+    # Mamba models: the matched node's state slot, where the KV alone would have
+    # reached, and the state slot allocated for this request.
+    state_slot: int | None = None
+    branching_seqlen: int | None = None
+    allocated_state: int | None = None
+    # Slot models: the versions of the matched and the allocated sequence slot.
+    slot_version: int | None = None
+    allocated_version: int | None = None
 
 
 @dataclass(slots=True)
@@ -66,6 +77,7 @@ class InsertOutcome:
     node_id: int
     lock_id: int
     freed: np.ndarray
+    state_exist: bool = False
 
 
 class ModelEngine:
@@ -94,6 +106,7 @@ class ModelEngine:
         }
         self.kv_pool = KVPool(pool.size, **kv)
         self.swa_kv_pool: KVPool | None = None
+        self.states: StateSlots | None = None
         # Slot indices are host data (they cross the wire), whatever the KV device.
         if config.kind == "swa":
             swa_size = pool.swa_size or pool.size
@@ -105,7 +118,13 @@ class ModelEngine:
                 eviction_policy=config.eviction_policy)
         else:
             self.allocator = TokenToKVPoolAllocator(pool.size, "cpu", config.page_size)
-            if config.kind == "chunk":
+            if config.kind == "mamba":
+                assert config.mamba is not None
+                states = mamba_pool(config.mamba, pool.device)
+                self.cache = MambaRadixCache(config.page_size, self.allocator, states,
+                                             mamba_cache_chunk_size=config.mamba.chunk_size)
+                self.states = StateSlots(config.name, states, self.cache)
+            elif config.kind == "chunk":
                 self.cache = ChunkCache(self.allocator)
             else:
                 self.cache = RadixCache(config.page_size, None, self.allocator,
@@ -135,7 +154,18 @@ class ModelEngine:
             "swa_protected": c.swa_protected_size(),
             "free_slots": self.allocator.available_size(),
             "used_slots": self.allocator.num_allocated(),
+            "mamba_evictable": c.mamba_evictable_size() if self.states else 0,
+            "mamba_protected": c.mamba_protected_size() if self.states else 0,
+            "free_state_slots": self.states.pool.available_track_slots() if self.states else 0,
         }
+
+    @property
+    def mamba_pool(self) -> Any:
+        return self.states.pool if self.states else None
+
+    @property
+    def session_state_slots(self) -> int:
+        return self.states.held if self.states else 0
 
     # ------------------------------------------------------------ operations
 
@@ -150,14 +180,16 @@ class ModelEngine:
         self.hit_tokens += result.prefix_len
         node = result.last_node if result.prefix_len else None
         node_id = self._handle(node)
-        lock_id, allocated, boundary = 0, _EMPTY, None
+        lock_id, allocated, boundary, state = 0, _EMPTY, None, None
         if node is not None and (lock or allocate):
             # Held while allocating too, so eviction cannot free what we just matched.
             boundary = self.cache.inc_lock_ref(node)
         try:
             if allocate:
                 assert session is not None
-                allocated = self._allocate(len(key) - result.prefix_len, session)
+                allocated, states = self.alloc(session, len(key) - result.prefix_len,
+                                               1 if self.states else 0)
+                state = int(states[0]) if len(states) else None
         except BaseException:
             if node is not None:
                 self.cache.dec_lock_ref(node, boundary)
@@ -167,11 +199,16 @@ class ModelEngine:
             lock_id = self._hold(session, node, boundary)
         elif node is not None and allocate:
             self.cache.dec_lock_ref(node, boundary)
+        state_slot = None
+        if node is not None and self.states is not None:
+            state_slot = int(node.mamba_value[0])
         return MatchOutcome(result.prefix_len, host_indices(result.indices), node_id,
-                            lock_id, allocated)
+                            lock_id, allocated, state_slot, result.mamba_branching_seqlen,
+                            state)
 
     def insert(self, key: RadixKey, slots: np.ndarray, session: Session | None,
-               lock: bool = False, release_lock_id: int = 0) -> InsertOutcome:
+               lock: bool = False, release_lock_id: int = 0,
+               state_slot: int | None = None) -> InsertOutcome:
         """Cache ``key`` with ``slots``; the tree takes the session's new slots.
 
         Each of the first ``aligned`` slots must be the tree's own slot for its token
@@ -192,6 +229,9 @@ class ModelEngine:
             if held_lock.engine is not self:
                 raise PreconditionError(f"lock {release_lock_id} is on another model")
         self._check_range(slots)
+        state = np.array([] if state_slot is None else [state_slot], dtype=np.int64)
+        if state_slot is not None:
+            self._states().check(session, state)
         aligned = n - n % self.page_size
         tag = session.tag if session is not None else -1
         if self.kind == "chunk":
@@ -200,13 +240,13 @@ class ModelEngine:
         tree = host_indices(self.cache.peek_prefix(key)) if aligned else _EMPTY
         held = self._owner[head] == tag
         first_held = int(np.argmax(held)) if held.any() else aligned
-        self._check_tree_prefix(head, tree, first_held)
+        check_tree_prefix(head, tree, first_held)
         new = head[first_held:]
         if not held[first_held:].all():
             bad = first_held + int(np.argmin(held[first_held:]))
             raise PreconditionError(f"slot_indices[{bad}] = {int(head[bad])} is not held by "
                                     "this session (allocate it, or pass the matched slot)")
-        _check_distinct(new)
+        check_distinct(new)
 
         self.ops["insert"] += 1
         value = torch.from_numpy(slots)
@@ -215,12 +255,18 @@ class ModelEngine:
             after = host_indices(self.cache.peek_prefix(key))[first_held:aligned]
             freed = new[new != after] if len(after) == len(new) else new
         else:
-            result = self.cache.insert(key, value)
+            if self.states is not None:
+                result = self.cache.insert(key, value, mamba_value=state_slot)
+            else:
+                result = self.cache.insert(key, value)
             freed = new[: max(0, result.prefix_len - first_held)]
             if len(freed):
                 self.allocator.free(freed)
         self._owner[new] = 0
         self._disown(session, len(new))
+        state_exist = bool(getattr(result, "mamba_exist", False))
+        if state_slot is not None:  # the tree took it, or had a state there already
+            (self._states().free if state_exist else self._states().disown)(state)
         node = result.last_node if aligned else None
         if node is not None and node is self.cache.root_node:
             node = None
@@ -231,10 +277,14 @@ class ModelEngine:
         if release_lock_id:
             assert session is not None
             self.unlock(session, release_lock_id)
-        return InsertOutcome(result.prefix_len, aligned, self._handle(node), lock_id, freed)
+        return InsertOutcome(result.prefix_len, aligned, self._handle(node), lock_id, freed,
+                             state_exist)
 
-    def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
-        result = self.cache.evict(num_tokens, swa_num_tokens)
+    def evict(self, num_tokens: int, swa_num_tokens: int = 0, mamba_num: int = 0) -> EvictResult:
+        if self.states is not None:
+            result = self.cache.evict(num_tokens, mamba_num)
+        else:
+            result = self.cache.evict(num_tokens, swa_num_tokens)
         self.ops["evict"] += 1
         self.evicted_tokens["requested"] += result.full_evicted
         return result
@@ -256,20 +306,36 @@ class ModelEngine:
         self.num_locks -= 1
         self.ops["unlock"] += 1
 
-    def alloc(self, session: Session, num_slots: int) -> np.ndarray:
-        return self._allocate(num_slots, session)
+    def alloc(self, session: Session, num_slots: int,
+              num_states: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        states = _EMPTY
+        if num_states:
+            states, freed_tokens = self._states().allocate(num_states, session)
+            self.evicted_tokens["pressure"] += freed_tokens
+        try:
+            return self._allocate(num_slots, session), states
+        except BaseException:
+            if num_states:
+                self._states().free(states)
+            raise
 
-    def free(self, session: Session, slots: np.ndarray) -> None:
+    def free(self, session: Session, slots: np.ndarray,
+             states: np.ndarray = _EMPTY) -> None:
+        if len(states):
+            self._states().check(session, states)
         self._check_range(slots)
         held = self._owner[slots] == session.tag
         if not held.all():
             bad = int(np.argmin(held))
             raise PreconditionError(f"slot {int(slots[bad])} is not held by this session "
                                     "(already freed, inserted, or never allocated to it)")
-        _check_distinct(slots)
-        self.allocator.free(slots)
-        self._owner[slots] = 0
-        self._disown(session, len(slots))
+        check_distinct(slots)
+        if len(slots):
+            self.allocator.free(slots)
+            self._owner[slots] = 0
+            self._disown(session, len(slots))
+        if len(states):
+            self._states().free(states)
 
     def release_session(self, session: Session) -> tuple[int, int]:
         """Unlock every lock and free every slot ``session`` holds in this model."""
@@ -284,6 +350,8 @@ class ModelEngine:
                 self._owner[mine] = 0
             slots = len(mine)
             self._disown(session, slots)
+        if self.states is not None:
+            self.states.release(session)
         return len(locks), slots
 
     def reset(self, sessions: list[Session]) -> tuple[int, int]:
@@ -299,6 +367,8 @@ class ModelEngine:
         self.cache.reset()
         self.allocator.clear()
         self._owner[:] = 0
+        if self.states is not None:
+            self.states.reset()
         self._nodes.clear()
         self.num_locks = self.session_slots = 0
         self.evicted_tokens["reset"] += dropped
@@ -310,6 +380,8 @@ class ModelEngine:
         owned = int(np.count_nonzero(self._owner))
         if owned != self.session_slots:
             raise IntegrityError(f"{owned} slots owned by sessions, {self.session_slots} counted")
+        if self.states is not None:
+            self.states.check_integrity()
 
     # --------------------------------------------------------------- helpers
 
@@ -355,6 +427,11 @@ class ModelEngine:
         self.ops["alloc"] += 1
         return out
 
+    def _states(self) -> StateSlots:
+        if self.states is None:
+            raise PreconditionError(f"model {self.name!r} has no Mamba state pool")
+        return self.states
+
     def _exhausted(self, n: int) -> PoolExhaustedError:
         return PoolExhaustedError(
             f"model {self.name!r} cannot supply {n} slots: {self.allocator.available_size()} "
@@ -371,35 +448,5 @@ class ModelEngine:
         self.session_slots -= n
 
     def _check_range(self, slots: np.ndarray) -> None:
-        if len(slots) and (int(slots.min()) < 1 or int(slots.max()) >= self.num_rows):
-            bad = slots[(slots < 1) | (slots >= self.num_rows)][0]
-            raise InvalidInputError(f"slot {int(bad)} is outside model {self.name!r}'s pool "
-                                    f"[1, {self.num_rows})")
+        check_range(slots, 1, self.num_rows, self.name)
 
-    @staticmethod
-    def _check_tree_prefix(head: np.ndarray, tree: np.ndarray, first_held: int) -> None:
-        """Slots before the session's first one must be the tree's slots, token by token."""
-        if first_held > len(tree):
-            raise PreconditionError(
-                f"slot_indices[{len(tree)}] = {int(head[len(tree)])} is not held by this "
-                "session, and the cache holds only the first "
-                f"{len(tree)} tokens (allocate slots for the rest)")
-        same = head[:first_held] == tree[:first_held]
-        if not same.all():
-            bad = int(np.argmin(same))
-            raise PreconditionError(
-                f"slot_indices[{bad}] = {int(head[bad])}, but the cache holds that token in "
-                f"slot {int(tree[bad])} and the session does not hold slot {int(head[bad])}")
-
-
-def _check_distinct(slots: np.ndarray) -> None:
-    """Refuse a slot named twice (it would enter the tree, or be freed, twice)."""
-    if len(slots) < 2:
-        return
-    steps = slots[1:] - slots[:-1]
-    if (steps > 0).all():  # the allocator hands out ascending runs: the common case
-        return
-    ordered = np.sort(slots)
-    dup = ordered[1:][ordered[1:] == ordered[:-1]]
-    if len(dup):
-        raise InvalidInputError(f"slot {int(dup[0])} is named twice")

@@ -15,6 +15,7 @@ from .config import ModelConfig
 from .engine import ModelEngine
 from .errors import NotFoundError, PreconditionError
 from .sessions import Session, SessionRegistry
+from .slot_engine import SlotEngine
 
 log = logging.getLogger("prefixcache.server")
 
@@ -32,15 +33,16 @@ class CacheService:
                  session_ttl: float = 30.0, ttl_min: float = 1.0, ttl_max: float = 600.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.sessions = SessionRegistry(self._release, clock)
-        self.engines: dict[str, ModelEngine] = {}
+        self.engines: dict[str, ModelEngine | SlotEngine] = {}
         for model in models:
-            self.engines[model.name] = ModelEngine(model, self.sessions.next_lock_id)
+            kind = SlotEngine if model.kind == "slot" else ModelEngine
+            self.engines[model.name] = kind(model, self.sessions.next_lock_id)
         self.session_ttl, self.ttl_min, self.ttl_max = session_ttl, ttl_min, ttl_max
         # A client that sees this change knows every handle it holds is gone.
         self.epoch = secrets.randbits(63) or 1
         self.draining = False
 
-    def engine(self, name: str) -> ModelEngine:
+    def engine(self, name: str) -> ModelEngine | SlotEngine:
         try:
             return self.engines[name]
         except KeyError:

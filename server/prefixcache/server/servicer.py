@@ -45,6 +45,16 @@ def _extra_key(request: Any) -> str | None:
     return request.extra_key if request.HasField("extra_key") else None
 
 
+def _mamba_layout(pool: Any) -> pb.MambaPoolLayout:
+    return pb.MambaPoolLayout(
+        layer_num=pool.num_layers, conv_state_shape=pool.conv_state_shape,
+        conv_dtype=str(pool.dtype).removeprefix("torch."),
+        temporal_state_shape=pool.temporal_state_shape,
+        temporal_dtype=str(pool.temporal_dtype).removeprefix("torch."),
+        working_slots=pool.max_reqs, state_slots=pool.max_track_slots,
+        num_rows=pool.num_slots)
+
+
 def _needs(session: Session | None, what: str) -> Session:
     if session is None:
         raise PreconditionError(f"{what} needs a session_id (OpenSession or the Session stream)")
@@ -77,7 +87,10 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         reply = pb.MatchResponse(
             prefix_len=out.prefix_len, slot_indices=encode_slots(out.indices),
             node_id=out.node_id, lock_id=out.lock_id,
-            allocated_slots=encode_slots(out.allocated))
+            allocated_slots=encode_slots(out.allocated), state_slot=out.state_slot,
+            mamba_branching_seqlen=out.branching_seqlen,
+            allocated_state_slot=out.allocated_state, slot_version=out.slot_version,
+            allocated_slot_version=out.allocated_version)
         if session is not None and (req.lock or req.allocate):
             session.remember("match", req.request_id, reply)
         return reply
@@ -89,18 +102,26 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         key = decode_key(req.token_ids, req.token_width, _extra_key(req),
                          engine.config.vocab_size)
         slots = decode_slots(req.slot_indices)
-        out = engine.insert(key, slots, session, req.lock, req.release_lock_id)
+        state = req.state_slot if req.HasField("state_slot") else None
+        if engine.kind == "slot":
+            out = engine.insert(key, slots, session, req.lock, req.release_lock_id, state,
+                                slot_version=req.slot_version)
+        else:
+            out = engine.insert(key, slots, session, req.lock, req.release_lock_id, state)
         reply = pb.InsertResponse(
             prefix_len=out.prefix_len, cached_len=out.cached_len, node_id=out.node_id,
-            lock_id=out.lock_id, freed_slots=encode_slots(out.freed))
+            lock_id=out.lock_id, freed_slots=encode_slots(out.freed),
+            state_exist=out.state_exist)
         if session is not None:
             session.remember("insert", req.request_id, reply)
         return reply
 
     def _evict(self, req: pb.EvictRequest, session: Session | None) -> pb.EvictResponse:
-        result = self.service.engine(req.model).evict(req.num_tokens, req.swa_num_tokens)
+        result = self.service.engine(req.model).evict(req.num_tokens, req.swa_num_tokens,
+                                                      req.mamba_num)
         return pb.EvictResponse(evicted_tokens=result.full_evicted,
-                                swa_evicted_tokens=result.swa_evicted)
+                                swa_evicted_tokens=result.swa_evicted,
+                                mamba_evicted=result.mamba_evicted)
 
     def _lock(self, req: pb.LockRequest, session: Session | None) -> pb.LockResponse:
         session = _needs(session, "Lock")
@@ -121,13 +142,18 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
 
     def _alloc(self, req: pb.AllocRequest, session: Session | None) -> pb.AllocResponse:
         session = _needs(session, "Alloc")
-        slots = self.service.engine(req.model).alloc(session, req.num_slots)
-        return pb.AllocResponse(slot_indices=encode_slots(slots))
+        engine = self.service.engine(req.model)
+        slots, states = engine.alloc(session, req.num_slots, req.num_state_slots)
+        versions = engine.versions(slots) if engine.kind == "slot" else slots[:0]
+        return pb.AllocResponse(slot_indices=encode_slots(slots),
+                                state_slots=encode_slots(states),
+                                slot_versions=encode_slots(versions))
 
     def _free(self, req: pb.FreeRequest, session: Session | None) -> pb.FreeResponse:
         session = _needs(session, "Free")
         engine = self.service.engine(req.model)
-        engine.free(session, decode_slots(req.slot_indices))
+        engine.free(session, decode_slots(req.slot_indices),
+                    decode_slots(req.state_slots, "state_slots"))
         return pb.FreeResponse()
 
     def _stats(self, req: pb.StatsRequest, session: Session | None = None) -> pb.StatsResponse:
@@ -143,7 +169,11 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
                 pool_size=e.pool_size, session_slots=e.session_slots, locks=e.num_locks,
                 evicted_tokens_total=sum(e.evicted_tokens.values()),
                 swa_evictable_tokens=sizes["swa_evictable"],
-                swa_protected_tokens=sizes["swa_protected"]))
+                swa_protected_tokens=sizes["swa_protected"],
+                mamba_evictable_slots=sizes["mamba_evictable"],
+                mamba_protected_slots=sizes["mamba_protected"],
+                free_state_slots=sizes["free_state_slots"],
+                session_state_slots=e.session_state_slots))
         return pb.StatsResponse(models=models, sessions=len(self.service.sessions),
                                 server_epoch=self.service.epoch)
 
@@ -228,18 +258,28 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
             pb.ModelInfo(name=e.name, cache_kind=_KINDS[e.kind], page_size=e.page_size,
                          pool_size=e.pool_size,
                          sliding_window_size=e.config.sliding_window_size or 0,
-                         vocab_size=e.config.vocab_size)
+                         vocab_size=e.config.vocab_size,
+                         state_pool_size=e.mamba_pool.max_track_slots if e.mamba_pool else 0)
             for e in self.service.engines.values()])
 
     def _describe_pool(self, req: pb.DescribePoolRequest) -> pb.DescribePoolResponse:
         engine = self.service.engine(req.model)
         kv = engine.kv_pool
+        if kv is None:  # a slot model: [slot, position, layer, heads, dim] tensors
+            k, v = engine.k_cache, engine.v_cache
+            return pb.DescribePoolResponse(
+                model=engine.name, layer_num=k.shape[2], k_head_num=k.shape[3],
+                k_head_dim=k.shape[4], v_head_num=v.shape[3], v_head_dim=v.shape[4],
+                dtype=str(k.dtype).removeprefix("torch."), device=str(k.device),
+                page_size=1, pool_size=engine.pool_size, num_rows=engine.pool_size,
+                max_seq_len=engine.max_seq_len)
         return pb.DescribePoolResponse(
             model=engine.name, layer_num=kv.layer_num, k_head_num=kv.k_head_num,
             k_head_dim=kv.k_head_dim, v_head_num=kv.v_head_num, v_head_dim=kv.v_head_dim,
             dtype=str(kv.dtype).removeprefix("torch."), device=str(kv.device),
             page_size=kv.page_size, pool_size=engine.pool_size, num_rows=kv.num_rows,
-            swa_pool_size=engine.swa_kv_pool.size if engine.swa_kv_pool else 0)
+            swa_pool_size=engine.swa_kv_pool.size if engine.swa_kv_pool else 0,
+            mamba=_mamba_layout(engine.mamba_pool) if engine.mamba_pool else None)
 
     def _open_session(self, req: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
         if req.ttl_seconds < 0 or req.ttl_seconds != req.ttl_seconds:

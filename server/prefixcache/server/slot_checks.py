@@ -1,0 +1,45 @@
+"""Checks on the slot indices a client names, shared by the engines."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prefixcache.cache import InvalidInputError
+
+from .errors import PreconditionError
+
+
+def check_distinct(slots: np.ndarray) -> None:
+    """Refuse a slot named twice (it would enter the tree, or be freed, twice)."""
+    if len(slots) < 2:
+        return
+    steps = slots[1:] - slots[:-1]
+    if (steps > 0).all():  # the allocator hands out ascending runs: the common case
+        return
+    ordered = np.sort(slots)
+    dup = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(dup):
+        raise InvalidInputError(f"slot {int(dup[0])} is named twice")
+
+
+def check_range(slots: np.ndarray, low: int, high: int, model: str) -> None:
+    """Refuse a slot outside ``[low, high)``."""
+    if len(slots) and (int(slots.min()) < low or int(slots.max()) >= high):
+        bad = slots[(slots < low) | (slots >= high)][0]
+        raise InvalidInputError(f"slot {int(bad)} is outside model {model!r}'s pool "
+                                f"[{low}, {high})")
+
+
+def check_tree_prefix(head: np.ndarray, tree: np.ndarray, first_held: int) -> None:
+    """Slots before the session's first one must be the tree's slots, token by token."""
+    if first_held > len(tree):
+        raise PreconditionError(
+            f"slot_indices[{len(tree)}] = {int(head[len(tree)])} is not held by this "
+            f"session, and the cache holds only the first {len(tree)} tokens (allocate "
+            "slots for the rest)")
+    same = head[:first_held] == tree[:first_held]
+    if not same.all():
+        bad = int(np.argmin(same))
+        raise PreconditionError(
+            f"slot_indices[{bad}] = {int(head[bad])}, but the cache holds that token in "
+            f"slot {int(tree[bad])} and the session does not hold slot {int(head[bad])}")

@@ -1,0 +1,245 @@
+"""SlotEngine: a hosted model of kind ``slot`` (one contiguous KV slot per sequence).
+
+It answers the same calls as ``ModelEngine`` so the RPC layer need not care, with the
+slot model's meaning (see ``SlotPrefixCache``): a match names one sequence slot and a
+version, and ``allocate`` hands the session a slot that already holds the matched
+prefix's KV, reusing the cached slot in place when its owner has freed it and copying
+the prefix into a fresh slot otherwise. Insert records that a session's slot holds a
+sequence; the slot stays the session's until Free. Locks are pins.
+
+Slot 0 is a real slot here (a row of the KV tensors), so ownership tags use the same
+int64 array as ``ModelEngine`` over ``max_slots`` rows.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixcache.cache import EvictResult, IntegrityError, InvalidInputError, RadixKey
+from prefixcache.cache.slot_allocator import SlotAllocator
+from prefixcache.cache.slot_cache import SlotNode, SlotPrefixCache
+
+from .config import ModelConfig
+from .engine import _EMPTY, EVICTION_REASONS, OPERATIONS, InsertOutcome, MatchOutcome
+from .errors import NotFoundError, PoolExhaustedError, PreconditionError
+from .sessions import HeldLock, Session
+
+
+class SlotEngine:
+    """The slot allocator, KV tensors and slot prefix cache of one model."""
+
+    def __init__(self, config: ModelConfig, next_lock_id: Any) -> None:
+        self.config = config
+        self.name = config.name
+        self.kind = config.kind
+        self.page_size = 1
+        pool = config.pool
+        self.max_seq_len = config.max_seq_len
+        self.pool_size = pool.size
+        self.allocator = SlotAllocator(pool.size)
+        self.cache = SlotPrefixCache(self.allocator, pool.size * config.max_seq_len,
+                                     max_seq_len=config.max_seq_len,
+                                     eviction_policy=config.eviction_policy)
+        dtype = getattr(torch, pool.dtype)
+        shape = (pool.size, config.max_seq_len, pool.layers)
+        self.k_cache = torch.zeros((*shape, pool.k_heads, pool.k_head_dim), dtype=dtype,
+                                   device=pool.device)
+        self.v_cache = torch.zeros((*shape, pool.v_heads or pool.k_heads,
+                                    pool.v_head_dim or pool.k_head_dim), dtype=dtype,
+                                   device=pool.device)
+        self.kv_pool = None
+        self.swa_kv_pool = None
+        self.mamba_pool = None
+        self._owner = np.zeros(pool.size, dtype=np.int64)
+        self._nodes: weakref.WeakValueDictionary[int, SlotNode] = weakref.WeakValueDictionary()
+        self._next_lock_id = next_lock_id
+        self.num_locks = self.session_slots = self.session_state_slots = 0
+        self.match_tokens = self.hit_tokens = 0
+        self.ops: dict[str, int] = dict.fromkeys(OPERATIONS, 0)
+        self.evicted_tokens: dict[str, int] = dict.fromkeys(EVICTION_REASONS, 0)
+
+    def sizes(self) -> dict[str, int]:
+        c = self.cache
+        return {"evictable": c.evictable_size(), "protected": c.protected_size(),
+                "swa_evictable": 0, "swa_protected": 0,
+                "free_slots": self.allocator.free_count(),
+                "used_slots": self.allocator.num_allocated(),
+                "mamba_evictable": 0, "mamba_protected": 0, "free_state_slots": 0}
+
+    def match(self, key: RadixKey, session: Session | None, lock: bool = False,
+              allocate: bool = False) -> MatchOutcome:
+        if (lock or allocate) and session is None:
+            raise PreconditionError("lock and allocate need a session_id")
+        found = self.cache.find(key)
+        self.ops["match"] += 1
+        self.match_tokens += len(key)
+        self.hit_tokens += found.prefix_len
+        allocated, version = _EMPTY, None
+        if allocate:
+            assert session is not None
+            slot, version = self._take(found, key)
+            self._owner[slot] = session.tag
+            self.session_slots += 1
+            session.slots[self.name] = session.slots.get(self.name, 0) + 1
+            allocated = np.array([slot], dtype=np.int64)
+        node_id = lock_id = 0
+        if lock and found.prefix_len:
+            assert session is not None
+            node = self.cache.pin(key)
+            assert node is not None
+            node_id, lock_id = self._handle(node), self._hold(session, node)
+        indices = (np.array([found.slot], dtype=np.int64) if found.prefix_len else _EMPTY)
+        return MatchOutcome(found.prefix_len, indices, node_id, lock_id, allocated,
+                            slot_version=found.version, allocated_version=version)
+
+    def _take(self, found: Any, key: RadixKey) -> tuple[int, int]:
+        """A slot for the session holding the matched prefix: the cached slot itself if
+        its owner freed it (no copy), else a fresh slot with the prefix copied in."""
+        if found.prefix_len and self.allocator.is_free(found.slot):
+            version = self.allocator.occupy(found.slot, found.version)
+            if version is not None:
+                return found.slot, version
+        slot = self.allocator.alloc()
+        if slot is None:
+            raise PoolExhaustedError(f"model {self.name!r}: all {self.pool_size} sequence "
+                                     "slots are held by sessions")
+        if found.prefix_len:
+            self.cache.copy_kv(key, slot, (self.k_cache, self.v_cache))
+        return slot, self.allocator.version(slot)
+
+    def insert(self, key: RadixKey, slots: np.ndarray, session: Session | None,
+               lock: bool = False, release_lock_id: int = 0, state_slot: int | None = None,
+               slot_version: int = 0) -> InsertOutcome:
+        if state_slot is not None:
+            raise PreconditionError(f"model {self.name!r} has no Mamba state pool")
+        if len(slots) != 1:
+            raise InvalidInputError("a slot model's insert names one sequence slot, "
+                                    f"got {len(slots)}")
+        slot = int(slots[0])
+        self._check_held(session, slots)
+        assert session is not None
+        if release_lock_id and release_lock_id not in session.locks:
+            raise PreconditionError(f"lock {release_lock_id} is not held by this session")
+        result = self.cache.insert(key, slot, slot_version)
+        self.ops["insert"] += 1
+        self.evicted_tokens["pressure"] += result.evicted
+        node = result.node
+        lock_id = self._hold(session, self.cache.pin(node)) if lock and node else 0
+        if release_lock_id:
+            self.unlock(session, release_lock_id)
+        cached = node.depth if node is not None else 0
+        return InsertOutcome(result.prefix_len, cached, self._handle(node), lock_id, _EMPTY)
+
+    def evict(self, num_tokens: int, swa_num_tokens: int = 0, mamba_num: int = 0) -> EvictResult:
+        gone = self.cache.evict(num_tokens)
+        self.ops["evict"] += 1
+        self.evicted_tokens["requested"] += gone
+        return EvictResult(full_evicted=gone)
+
+    def lock(self, session: Session, node_id: int) -> int:
+        if node_id == 0:
+            return 0
+        node = self._nodes.get(node_id)
+        if node is None or node.evicted:
+            raise NotFoundError(f"node {node_id} is not in model {self.name!r}'s cache")
+        return self._hold(session, self.cache.pin(node))
+
+    def unlock(self, session: Session, lock_id: int) -> None:
+        self.cache.release(session.locks.pop(lock_id).node)
+        self.num_locks -= 1
+        self.ops["unlock"] += 1
+
+    def alloc(self, session: Session, num_slots: int,
+              num_states: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        if num_states:
+            raise PreconditionError(f"model {self.name!r} has no Mamba state pool")
+        if num_slots > self.allocator.free_count():
+            raise PoolExhaustedError(f"model {self.name!r}: {num_slots} slots asked, "
+                                     f"{self.allocator.free_count()} free")
+        got = np.array([self.allocator.alloc() for _ in range(num_slots)], dtype=np.int64)
+        self._owner[got] = session.tag
+        self.session_slots += num_slots
+        session.slots[self.name] = session.slots.get(self.name, 0) + num_slots
+        self.ops["alloc"] += 1
+        return got, _EMPTY
+
+    def versions(self, slots: np.ndarray) -> np.ndarray:
+        return np.array([self.allocator.version(int(s)) for s in slots], dtype=np.int64)
+
+    def free(self, session: Session, slots: np.ndarray, states: np.ndarray = _EMPTY) -> None:
+        if len(states):
+            raise PreconditionError(f"model {self.name!r} has no Mamba state pool")
+        self._check_held(session, slots)
+        self._release_slots(session, slots)
+
+    def release_session(self, session: Session) -> tuple[int, int]:
+        locks = [lid for lid, h in session.locks.items() if h.engine is self]
+        for lock_id in locks:
+            self.unlock(session, lock_id)
+        mine = np.flatnonzero(self._owner == session.tag)
+        self._release_slots(session, mine)
+        return len(locks), len(mine)
+
+    def reset(self, sessions: list[Session]) -> tuple[int, int]:
+        dropped, locks = self.cache.total_size(), 0
+        for session in sessions:
+            mine = [lid for lid, h in session.locks.items() if h.engine is self]
+            for lock_id in mine:
+                del session.locks[lock_id]
+            locks += len(mine)
+            session.slots.pop(self.name, None)
+        self.cache.reset()
+        self.allocator.clear()
+        self._owner[:] = 0
+        self._nodes.clear()
+        self.num_locks = self.session_slots = 0
+        self.evicted_tokens["reset"] += dropped
+        return dropped, locks
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+        self.allocator.check_integrity()
+        owned = int(np.count_nonzero(self._owner))
+        if owned != self.session_slots or owned != self.allocator.num_allocated():
+            raise IntegrityError(f"{owned} slots owned by sessions, {self.session_slots} "
+                                 f"counted, {self.allocator.num_allocated()} allocated")
+
+    def _check_held(self, session: Session | None, slots: np.ndarray) -> None:
+        if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= self.pool_size):
+            raise InvalidInputError(f"slot outside model {self.name!r}'s [0, {self.pool_size})")
+        tag = session.tag if session is not None else -1
+        held = self._owner[slots] == tag
+        if not held.all():
+            raise PreconditionError(f"slot {int(slots[np.argmin(held)])} is not held by this "
+                                    "session")
+        if len(np.unique(slots)) != len(slots):
+            raise InvalidInputError("a slot is named twice")
+
+    def _release_slots(self, session: Session, slots: np.ndarray) -> None:
+        for slot in slots.tolist():
+            self.allocator.free(slot)
+        self._owner[slots] = 0
+        self.session_slots -= len(slots)
+        left = session.slots.get(self.name, 0) - len(slots)
+        if left > 0:
+            session.slots[self.name] = left
+        else:
+            session.slots.pop(self.name, None)
+
+    def _handle(self, node: SlotNode | None) -> int:
+        if node is None:
+            return 0
+        self._nodes[node.id] = node
+        return node.id
+
+    def _hold(self, session: Session, node: SlotNode | None) -> int:
+        assert node is not None
+        lock_id = self._next_lock_id()
+        session.locks[lock_id] = HeldLock(self, node)  # type: ignore[arg-type]
+        self.num_locks += 1
+        self.ops["lock"] += 1
+        return lock_id
