@@ -14,7 +14,6 @@ Not thread-safe: the service calls every engine from one event loop (see app.py)
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,21 +31,18 @@ from prefixcache.cache import (
     SWARadixCache,
     SWATokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
-    TreeNode,
 )
 from prefixcache.cache.allocator import host_indices
 from prefixcache.cache.mamba_radix_cache import MambaRadixCache
 
 from .config import ModelConfig
-from .errors import NotFoundError, PoolExhaustedError, PreconditionError
-from .sessions import HeldLock, Session
+from .engine_base import EngineBase
+from .errors import PoolExhaustedError, PreconditionError
+from .sessions import Session
 from .slot_checks import check_distinct, check_range, check_tree_prefix
 from .state_slots import StateSlots, mamba_pool
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-OPERATIONS = ("match", "insert", "evict", "lock", "unlock", "alloc")
-# Why tokens left the cache: an Evict call, room for an allocation, or an admin Reset.
-EVICTION_REASONS = ("requested", "pressure", "reset")
 
 
 @dataclass(slots=True)
@@ -80,7 +76,7 @@ class InsertOutcome:
     state_exist: bool = False
 
 
-class ModelEngine:
+class ModelEngine(EngineBase):
     """The pools and cache of one model.
 
     Args:
@@ -89,9 +85,7 @@ class ModelEngine:
     """
 
     def __init__(self, config: ModelConfig, next_lock_id: Any) -> None:
-        self.config = config
-        self.name = config.name
-        self.kind = config.kind
+        super().__init__(config, next_lock_id)
         self.page_size = config.page_size
         pool = config.pool
         kv = {
@@ -132,15 +126,7 @@ class ModelEngine:
         self.pool_size = pool.size
         self.num_rows = self.kv_pool.num_rows
         self._owner = np.zeros(self.num_rows, dtype=np.int64)
-        self._nodes: weakref.WeakValueDictionary[int, TreeNode] = weakref.WeakValueDictionary()
-        self._next_lock_id = next_lock_id
-        self.num_locks = 0
         self.session_slots = 0
-        self.match_tokens = 0
-        self.hit_tokens = 0
-        # Fixed keys: the metrics thread iterates these while the loop updates them.
-        self.ops: dict[str, int] = dict.fromkeys(OPERATIONS, 0)
-        self.evicted_tokens: dict[str, int] = dict.fromkeys(EVICTION_REASONS, 0)
 
     # ----------------------------------------------------------------- reads
 
@@ -175,9 +161,7 @@ class ModelEngine:
         if (lock or allocate) and session is None:
             raise PreconditionError("lock and allocate need a session_id")
         result = self.cache.match_prefix(key)
-        self.ops["match"] += 1
-        self.match_tokens += len(key)
-        self.hit_tokens += result.prefix_len
+        self._count_match(key, result.prefix_len)
         node = result.last_node if result.prefix_len else None
         node_id = self._handle(node)
         lock_id, allocated, boundary, state = 0, _EMPTY, None, None
@@ -292,19 +276,13 @@ class ModelEngine:
     def lock(self, session: Session, node_id: int) -> int:
         if node_id == 0:
             return 0
-        node = self._nodes.get(node_id)
-        if node is None or node.evicted:
-            raise NotFoundError(f"node {node_id} is not in model {self.name!r}'s cache "
-                                "(evicted, reset or never handed out)")
+        node = self._node(node_id)
         return self._hold(session, node, self.cache.inc_lock_ref(node))
 
     def unlock(self, session: Session, lock_id: int) -> None:
         """Release one of ``session``'s locks on this model (the caller found it there)."""
-        held = session.locks[lock_id]
+        held = self._drop(session, lock_id)
         self.cache.dec_lock_ref(held.node, held.boundary)
-        del session.locks[lock_id]
-        self.num_locks -= 1
-        self.ops["unlock"] += 1
 
     def alloc(self, session: Session, num_slots: int,
               num_states: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -339,7 +317,7 @@ class ModelEngine:
 
     def release_session(self, session: Session) -> tuple[int, int]:
         """Unlock every lock and free every slot ``session`` holds in this model."""
-        locks = [lid for lid, h in session.locks.items() if h.engine is self]
+        locks = self._my_locks(session)
         for lock_id in locks:
             self.unlock(session, lock_id)
         slots = 0
@@ -357,21 +335,12 @@ class ModelEngine:
     def reset(self, sessions: list[Session]) -> tuple[int, int]:
         """Forget every entry, lock and allocation; returns (tokens, locks) dropped."""
         dropped = self.cache.total_size()
-        locks = 0
-        for session in sessions:
-            mine = [lid for lid, h in session.locks.items() if h.engine is self]
-            for lock_id in mine:
-                del session.locks[lock_id]
-            locks += len(mine)
-            session.slots.pop(self.name, None)
+        locks = self._forget_sessions(sessions, dropped)
         self.cache.reset()
         self.allocator.clear()
         self._owner[:] = 0
         if self.states is not None:
             self.states.reset()
-        self._nodes.clear()
-        self.num_locks = self.session_slots = 0
-        self.evicted_tokens["reset"] += dropped
         return dropped, locks
 
     def check_integrity(self) -> None:
@@ -384,19 +353,6 @@ class ModelEngine:
             self.states.check_integrity()
 
     # --------------------------------------------------------------- helpers
-
-    def _handle(self, node: TreeNode | None) -> int:
-        if node is None:
-            return 0
-        self._nodes[node.id] = node
-        return node.id
-
-    def _hold(self, session: Session, node: TreeNode, boundary: Any) -> int:
-        lock_id = self._next_lock_id()
-        session.locks[lock_id] = HeldLock(self, node, boundary)
-        self.num_locks += 1
-        self.ops["lock"] += 1
-        return lock_id
 
     def _allocate(self, n: int, session: Session) -> np.ndarray:
         if n < 0:

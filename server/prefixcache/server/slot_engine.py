@@ -13,7 +13,6 @@ int64 array as ``ModelEngine`` over ``max_slots`` rows.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import numpy as np
@@ -21,21 +20,20 @@ import torch
 
 from prefixcache.cache import EvictResult, IntegrityError, InvalidInputError, RadixKey
 from prefixcache.cache.slot_allocator import SlotAllocator
-from prefixcache.cache.slot_cache import SlotNode, SlotPrefixCache
+from prefixcache.cache.slot_cache import SlotPrefixCache
 
 from .config import ModelConfig
-from .engine import _EMPTY, EVICTION_REASONS, OPERATIONS, InsertOutcome, MatchOutcome
-from .errors import NotFoundError, PoolExhaustedError, PreconditionError
-from .sessions import HeldLock, Session
+from .engine import _EMPTY, InsertOutcome, MatchOutcome
+from .engine_base import EngineBase
+from .errors import PoolExhaustedError, PreconditionError
+from .sessions import Session
 
 
-class SlotEngine:
+class SlotEngine(EngineBase):
     """The slot allocator, KV tensors and slot prefix cache of one model."""
 
     def __init__(self, config: ModelConfig, next_lock_id: Any) -> None:
-        self.config = config
-        self.name = config.name
-        self.kind = config.kind
+        super().__init__(config, next_lock_id)
         self.page_size = 1
         pool = config.pool
         self.max_seq_len = config.max_seq_len
@@ -55,12 +53,7 @@ class SlotEngine:
         self.swa_kv_pool = None
         self.mamba_pool = None
         self._owner = np.zeros(pool.size, dtype=np.int64)
-        self._nodes: weakref.WeakValueDictionary[int, SlotNode] = weakref.WeakValueDictionary()
-        self._next_lock_id = next_lock_id
-        self.num_locks = self.session_slots = self.session_state_slots = 0
-        self.match_tokens = self.hit_tokens = 0
-        self.ops: dict[str, int] = dict.fromkeys(OPERATIONS, 0)
-        self.evicted_tokens: dict[str, int] = dict.fromkeys(EVICTION_REASONS, 0)
+        self.session_state_slots = 0
 
     def sizes(self) -> dict[str, int]:
         c = self.cache
@@ -75,9 +68,7 @@ class SlotEngine:
         if (lock or allocate) and session is None:
             raise PreconditionError("lock and allocate need a session_id")
         found = self.cache.find(key)
-        self.ops["match"] += 1
-        self.match_tokens += len(key)
-        self.hit_tokens += found.prefix_len
+        self._count_match(key, found.prefix_len)
         allocated, version = _EMPTY, None
         if allocate:
             assert session is not None
@@ -143,15 +134,10 @@ class SlotEngine:
     def lock(self, session: Session, node_id: int) -> int:
         if node_id == 0:
             return 0
-        node = self._nodes.get(node_id)
-        if node is None or node.evicted:
-            raise NotFoundError(f"node {node_id} is not in model {self.name!r}'s cache")
-        return self._hold(session, self.cache.pin(node))
+        return self._hold(session, self.cache.pin(self._node(node_id)))
 
     def unlock(self, session: Session, lock_id: int) -> None:
-        self.cache.release(session.locks.pop(lock_id).node)
-        self.num_locks -= 1
-        self.ops["unlock"] += 1
+        self.cache.release(self._drop(session, lock_id).node)
 
     def alloc(self, session: Session, num_slots: int,
               num_states: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -177,7 +163,7 @@ class SlotEngine:
         self._release_slots(session, slots)
 
     def release_session(self, session: Session) -> tuple[int, int]:
-        locks = [lid for lid, h in session.locks.items() if h.engine is self]
+        locks = self._my_locks(session)
         for lock_id in locks:
             self.unlock(session, lock_id)
         mine = np.flatnonzero(self._owner == session.tag)
@@ -185,19 +171,11 @@ class SlotEngine:
         return len(locks), len(mine)
 
     def reset(self, sessions: list[Session]) -> tuple[int, int]:
-        dropped, locks = self.cache.total_size(), 0
-        for session in sessions:
-            mine = [lid for lid, h in session.locks.items() if h.engine is self]
-            for lock_id in mine:
-                del session.locks[lock_id]
-            locks += len(mine)
-            session.slots.pop(self.name, None)
+        dropped = self.cache.total_size()
+        locks = self._forget_sessions(sessions, dropped)
         self.cache.reset()
         self.allocator.clear()
         self._owner[:] = 0
-        self._nodes.clear()
-        self.num_locks = self.session_slots = 0
-        self.evicted_tokens["reset"] += dropped
         return dropped, locks
 
     def check_integrity(self) -> None:
@@ -229,17 +207,3 @@ class SlotEngine:
             session.slots[self.name] = left
         else:
             session.slots.pop(self.name, None)
-
-    def _handle(self, node: SlotNode | None) -> int:
-        if node is None:
-            return 0
-        self._nodes[node.id] = node
-        return node.id
-
-    def _hold(self, session: Session, node: SlotNode | None) -> int:
-        assert node is not None
-        lock_id = self._next_lock_id()
-        session.locks[lock_id] = HeldLock(self, node)  # type: ignore[arg-type]
-        self.num_locks += 1
-        self.ops["lock"] += 1
-        return lock_id

@@ -1,0 +1,98 @@
+"""EngineBase: what every hosted model keeps for the service, whatever its cache kind.
+
+Counters for Stats and metrics, opaque node handles, and the locks sessions hold on
+this model's nodes. The engines (``ModelEngine`` for the radix kinds, ``SlotEngine``
+for sequence slots) add their pools and cache on top.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from prefixcache.cache import RadixKey
+
+from .config import ModelConfig
+from .errors import NotFoundError
+from .sessions import HeldLock, Session
+
+OPERATIONS = ("match", "insert", "evict", "lock", "unlock", "alloc")
+# Why tokens left the cache: an Evict call, room for an allocation, or an admin Reset.
+EVICTION_REASONS = ("requested", "pressure", "reset")
+
+
+class EngineBase:
+    """Counters, node handles and session locks of one model.
+
+    Args:
+        config: The model's configuration.
+        next_lock_id: Hands out service-wide lock ids.
+    """
+
+    def __init__(self, config: ModelConfig, next_lock_id: Callable[[], int]) -> None:
+        self.config = config
+        self.name = config.name
+        self.kind = config.kind
+        # Nodes are handed out by id and looked up weakly: one that leaves the tree is
+        # simply gone, and a later call naming it gets NOT_FOUND.
+        self._nodes: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._next_lock_id = next_lock_id
+        self.num_locks = 0
+        self.session_slots = 0
+        self.match_tokens = 0
+        self.hit_tokens = 0
+        # Fixed keys: the metrics thread iterates these while the loop updates them.
+        self.ops: dict[str, int] = dict.fromkeys(OPERATIONS, 0)
+        self.evicted_tokens: dict[str, int] = dict.fromkeys(EVICTION_REASONS, 0)
+
+    def _count_match(self, key: RadixKey, hit: int) -> None:
+        self.ops["match"] += 1
+        self.match_tokens += len(key)
+        self.hit_tokens += hit
+
+    def _handle(self, node: Any) -> int:
+        """The opaque id a client may name ``node`` by (0 for none)."""
+        if node is None:
+            return 0
+        self._nodes[node.id] = node
+        return node.id
+
+    def _node(self, node_id: int) -> Any:
+        node = self._nodes.get(node_id)
+        if node is None or node.evicted:
+            raise NotFoundError(f"node {node_id} is not in model {self.name!r}'s cache "
+                                "(evicted, reset or never handed out)")
+        return node
+
+    def _hold(self, session: Session, node: Any, boundary: Any = None) -> int:
+        """Record a lock the caller just took on ``node`` as ``session``'s."""
+        lock_id = self._next_lock_id()
+        session.locks[lock_id] = HeldLock(self, node, boundary)  # type: ignore[arg-type]
+        self.num_locks += 1
+        self.ops["lock"] += 1
+        return lock_id
+
+    def _drop(self, session: Session, lock_id: int) -> HeldLock:
+        """Forget one of ``session``'s locks (the caller releases it in the cache)."""
+        held = session.locks.pop(lock_id)
+        self.num_locks -= 1
+        self.ops["unlock"] += 1
+        return held
+
+    def _my_locks(self, session: Session) -> list[int]:
+        return [lid for lid, held in session.locks.items() if held.engine is self]
+
+    def _forget_sessions(self, sessions: list[Session], dropped_tokens: int) -> int:
+        """On reset: every session loses its locks and slots here; returns the locks."""
+        locks = 0
+        for session in sessions:
+            mine = self._my_locks(session)
+            for lock_id in mine:
+                del session.locks[lock_id]
+            locks += len(mine)
+            session.slots.pop(self.name, None)
+        self._nodes.clear()
+        self.num_locks = self.session_slots = 0
+        self.evicted_tokens["reset"] += dropped_tokens
+        return locks
