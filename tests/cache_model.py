@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import event
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
@@ -16,6 +16,7 @@ from prefixcache.cache import (
     EVICTION_POLICIES,
     LockError,
     RadixKey,
+    TokenToKVPoolAllocator,
     inspection,
 )
 
@@ -268,3 +269,25 @@ class CacheHarness(RuleBasedStateMachine):
     def unlock(self, i: int) -> None:
         mine = [lk for lk in self.locks if lk.owner == "explicit"]
         self._unlock(mine[i % len(mine)])
+
+
+class RecordingAllocator(TokenToKVPoolAllocator):
+    """The real allocator, logging every slot the cache frees through it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[int] = []
+
+    def free(self, indices: Any) -> None:
+        super().free(indices)
+        self.log.extend(ints(indices))
+
+    def free_own(self, slots: list[int]) -> None:
+        """A free by the harness itself (not logged)."""
+        TokenToKVPoolAllocator.free(self, tensor(slots))
+
+
+def machine_settings(examples: int, steps: int) -> settings:
+    """Settings for a state machine run: no deadline (the host is shared), replayable."""
+    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow], print_blob=True)

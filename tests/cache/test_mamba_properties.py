@@ -43,13 +43,15 @@ from cache_model import (
     CacheHarness,
     Handle,
     Model,
+    RecordingAllocator,
     Seq,
     ints,
+    machine_settings,
     node_path,
     tensor,
     walk,
 )
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -60,24 +62,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from prefixcache.cache import InvalidInputError, TokenToKVPoolAllocator
+from prefixcache.cache import InvalidInputError
 from prefixcache.cache.mamba_pool import MambaPool
 from prefixcache.cache.mamba_radix_cache import MambaRadixCache
-
-
-class RecordingAllocator(TokenToKVPoolAllocator):
-    """The real allocator, logging every slot the cache frees through it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.log: list[int] = []
-
-    def free(self, indices: Any) -> None:
-        super().free(indices)
-        self.log.extend(ints(indices))
-
-    def free_own(self, slots: list[int]) -> None:
-        TokenToKVPoolAllocator.free(self, tensor(slots))
 
 
 class RecordingPool(MambaPool):
@@ -567,15 +554,10 @@ def _machine(kind: str, page: int) -> type[RuleBasedStateMachine]:
     return type(f"Mamba{base.__name__}Page{page}", (base,), dict(PAGES[page]))
 
 
-def _settings(examples: int, steps: int) -> settings:
-    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow], print_blob=True)
-
-
 @pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("kind", ["worker", "direct"])
 def test_mamba_machine(kind: str, page: int) -> None:
-    run_state_machine_as_test(_machine(kind, page), settings=_settings(80, 40))
+    run_state_machine_as_test(_machine(kind, page), settings=machine_settings(80, 40))
 
 
 @pytest.mark.slow
@@ -583,4 +565,4 @@ def test_mamba_machine(kind: str, page: int) -> None:
 @pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("kind", ["worker", "direct"])
 def test_mamba_machine_long(kind: str, page: int) -> None:
-    run_state_machine_as_test(_machine(kind, page), settings=_settings(500, 100))
+    run_state_machine_as_test(_machine(kind, page), settings=machine_settings(500, 100))

@@ -47,13 +47,15 @@ from cache_model import (
     CacheHarness,
     Handle,
     Model,
+    RecordingAllocator,
     Seq,
     ints,
+    machine_settings,
     node_path,
     tensor,
     walk,
 )
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -65,24 +67,7 @@ from hypothesis.stateful import (
 
 from prefixcache.cache import (
     RadixCache,
-    TokenToKVPoolAllocator,
 )
-
-
-class RecordingAllocator(TokenToKVPoolAllocator):
-    """The real allocator, logging every slot the cache frees through it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.log: list[int] = []
-
-    def free(self, indices: Any) -> None:
-        super().free(indices)
-        self.log.extend(ints(indices))
-
-    def free_own(self, slots: list[int]) -> None:
-        """A free by the harness itself (not logged)."""
-        TokenToKVPoolAllocator.free(self, tensor(slots))
 
 
 @dataclass
@@ -453,20 +438,10 @@ def _machine(kind: str, page: int) -> type[RuleBasedStateMachine]:
     return type(f"{base.__name__}Page{page}", (base,), dict(PAGES[page]))
 
 
-def _settings(examples: int, steps: int) -> settings:
-    return settings(
-        max_examples=examples,
-        stateful_step_count=steps,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-        print_blob=True,
-    )
-
-
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("kind", ["worker", "direct"])
 def test_plain_machine(kind: str, page: int) -> None:
-    run_state_machine_as_test(_machine(kind, page), settings=_settings(120, 50))
+    run_state_machine_as_test(_machine(kind, page), settings=machine_settings(120, 50))
 
 
 @pytest.mark.slow
@@ -474,4 +449,4 @@ def test_plain_machine(kind: str, page: int) -> None:
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("kind", ["worker", "direct"])
 def test_plain_machine_long(kind: str, page: int) -> None:
-    run_state_machine_as_test(_machine(kind, page), settings=_settings(500, 100))
+    run_state_machine_as_test(_machine(kind, page), settings=machine_settings(500, 100))

@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 import torch
-from cache_model import INDEX, LONG, SEQS, Seq, make_seq
-from hypothesis import HealthCheck, event, settings
+from cache_model import INDEX, LONG, SEQS, Seq, machine_settings, make_seq
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -566,25 +566,20 @@ class SmallSlotMachine(SlotMachine):
     CAPACITY = 10
 
 
-def _settings(examples: int, steps: int) -> settings:
-    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow], print_blob=True)
-
-
 MACHINES = {"roomy": SlotMachine, "small": SmallSlotMachine}
 
 
 @pytest.mark.parametrize("kind", sorted(MACHINES))
 def test_slot_machine(kind: str) -> None:
-    run_state_machine_as_test(MACHINES[kind], settings=_settings(60, 50))
+    run_state_machine_as_test(MACHINES[kind], settings=machine_settings(60, 50))
 
 
 def test_allocator_machine() -> None:
-    run_state_machine_as_test(AllocatorMachine, settings=_settings(30, 30))
+    run_state_machine_as_test(AllocatorMachine, settings=machine_settings(30, 30))
 
 
 @pytest.mark.slow
 @LONG
 @pytest.mark.parametrize("kind", sorted(MACHINES))
 def test_slot_machine_long(kind: str) -> None:
-    run_state_machine_as_test(MACHINES[kind], settings=_settings(500, 100))
+    run_state_machine_as_test(MACHINES[kind], settings=machine_settings(500, 100))

@@ -51,11 +51,12 @@ from cache_model import (
     Model,
     Seq,
     ints,
+    machine_settings,
     node_path,
     tensor,
     walk,
 )
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -614,15 +615,10 @@ def _machine(kind: str, page: int) -> type[RuleBasedStateMachine]:
     return type(f"SWA{base.__name__}Page{page}", (base,), dict(PAGES[page]))
 
 
-def _settings(examples: int, steps: int) -> settings:
-    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow], print_blob=True)
-
-
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("kind", ["worker", "direct"])
 def test_swa_machine(kind: str, page: int) -> None:
-    run_state_machine_as_test(_machine(kind, page), settings=_settings(120, 50))
+    run_state_machine_as_test(_machine(kind, page), settings=machine_settings(120, 50))
 
 
 @pytest.mark.slow
@@ -630,4 +626,4 @@ def test_swa_machine(kind: str, page: int) -> None:
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("kind", ["worker", "direct"])
 def test_swa_machine_long(kind: str, page: int) -> None:
-    run_state_machine_as_test(_machine(kind, page), settings=_settings(500, 100))
+    run_state_machine_as_test(_machine(kind, page), settings=machine_settings(500, 100))
