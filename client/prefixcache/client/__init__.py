@@ -1,12 +1,108 @@
-"""What an inference worker imports to talk to prefixcache. Never imports torch."""
+"""What an inference worker imports to talk to prefixcache. Never imports torch.
+
+``PrefixCacheClient`` (blocking) and ``AsyncPrefixCacheClient`` (asyncio) cover every
+RPC, with deadlines, retries of idempotent calls, leased sessions renewed in the
+background, and an optional fail-open mode. ``RemoteRadixCache`` (with its
+``RemoteAllocator``) is the in-process ``BasePrefixCache`` API over the service; it is
+loaded on first access, and imports torch then.
+"""
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.v1 import prefix_cache_pb2, prefix_cache_pb2_grpc
+
+from ._core import DEFAULT_TARGET, DEFAULT_TIMEOUT
+from .aio import AsyncClientSession, AsyncPrefixCacheClient, AsyncStreamSession
+from .errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    PrefixCacheError,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from .results import (
+    AllocReply,
+    CloseReply,
+    EvictReply,
+    InsertReply,
+    LockReply,
+    MambaLayout,
+    MatchReply,
+    ModelInfo,
+    ModelList,
+    ModelStats,
+    PoolInfo,
+    ResetReply,
+    SessionInfo,
+    StatsReply,
+    UnlockReply,
+)
+from .sync import ClientSession, PrefixCacheClient
+
+if TYPE_CHECKING:
+    from .remote_cache import RemoteAllocator, RemoteNode, RemoteRadixCache
 
 try:
     __version__ = version("prefixcache")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "prefix_cache_pb2", "prefix_cache_pb2_grpc"]
+_LAZY = ("RemoteAllocator", "RemoteNode", "RemoteRadixCache")
+
+
+def __getattr__(name: str) -> Any:
+    """RemoteRadixCache and friends, loaded on first use (they need torch)."""
+    if name in _LAZY:
+        from . import remote_cache
+
+        remote_cache.register_base()
+        return getattr(remote_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "DEFAULT_TIMEOUT",
+    "AllocReply",
+    "AsyncClientSession",
+    "AsyncPrefixCacheClient",
+    "AsyncStreamSession",
+    "ClientSession",
+    "CloseReply",
+    "DeadlineExceeded",
+    "EvictReply",
+    "FailedPrecondition",
+    "InsertReply",
+    "Internal",
+    "InvalidArgument",
+    "LockReply",
+    "MambaLayout",
+    "MatchReply",
+    "ModelInfo",
+    "ModelList",
+    "ModelStats",
+    "NotFound",
+    "PermissionDenied",
+    "PoolInfo",
+    "PrefixCacheClient",
+    "PrefixCacheError",
+    "RemoteAllocator",
+    "RemoteNode",
+    "RemoteRadixCache",
+    "ResetReply",
+    "ResourceExhausted",
+    "SessionInfo",
+    "StatsReply",
+    "Unauthenticated",
+    "Unavailable",
+    "UnlockReply",
+    "__version__",
+    "prefix_cache_pb2",
+    "prefix_cache_pb2_grpc",
+]

@@ -1,0 +1,307 @@
+"""What the sync and the asyncio client share: settings, channel setup and, for every
+operation, the request it sends, how its reply is read, whether it may be retried and
+what it answers when it fails open.
+
+An operation is an :class:`Op`; each client only knows how to run one (blocking or
+awaiting), so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from prefixcache.v1 import prefix_cache_pb2 as pb
+
+from ._wire import pack_slots, pack_tokens
+from .errors import DeadlineExceeded, InvalidArgument, PrefixCacheError, Unavailable
+from .results import (
+    AllocReply,
+    CloseReply,
+    EvictReply,
+    InsertReply,
+    LockReply,
+    MatchReply,
+    ModelList,
+    PoolInfo,
+    ResetReply,
+    SessionInfo,
+    StatsReply,
+    UnlockReply,
+)
+
+log = logging.getLogger("prefixcache.client")
+
+DEFAULT_TARGET = "unix:/tmp/prefixcache.sock"
+DEFAULT_TIMEOUT = 5.0
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Statuses that fail open: the service is down, draining, or too slow.
+FAIL_OPEN_ERRORS = (Unavailable, DeadlineExceeded)
+
+SessionLike = Any  # a session object (with .session_id), a SessionInfo, or an id string
+
+
+@dataclass(slots=True)
+class Op:
+    """One call: ``method`` of the stub with ``request``; ``parse`` reads the reply.
+
+    ``retry``: the call may be repeated after UNAVAILABLE (it is a read, or carries a
+    request id). ``fallback``: the fail-open answer, or None when the call cannot fail
+    open (it would have to hand out something real, like slots).
+    """
+
+    method: str
+    request: Any
+    parse: Callable[[Any], Any]
+    retry: bool
+    fallback: Callable[[], Any] | None = None
+
+
+def normalize_target(target: str | Path) -> str:
+    """``/path`` and ``unix:/path`` are unix sockets; anything else goes to gRPC as is."""
+    target = str(target)
+    if target.startswith("/"):
+        return f"unix:{target}"
+    return target
+
+
+def session_id_of(session: SessionLike) -> str:
+    if session is None:
+        return ""
+    if isinstance(session, str):
+        return session
+    sid = getattr(session, "session_id", None)
+    if not isinstance(sid, str):
+        raise InvalidArgument(f"session must be a session, SessionInfo or id string, "
+                              f"not {type(session).__name__}")
+    return sid
+
+
+def _read(value: bytes | str | Path | None) -> bytes | None:
+    """PEM material given as bytes, or as a path to a file."""
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+class ClientBase:
+    """Settings and request building for :class:`PrefixCacheClient` and
+    :class:`AsyncPrefixCacheClient` (see their docstring for the arguments)."""
+
+    def __init__(
+        self,
+        target: str | Path = DEFAULT_TARGET,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        token: str | None = None,
+        tls: bool | None = None,
+        root_certificates: bytes | str | Path | None = None,
+        private_key: bytes | str | Path | None = None,
+        certificate_chain: bytes | str | Path | None = None,
+        server_name: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retries: int = 2,
+        backoff: float = 0.05,
+        fail_open: bool = False,
+        client_name: str = "",
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        if timeout <= 0:
+            raise InvalidArgument(f"timeout must be > 0, got {timeout}")
+        if retries < 0 or backoff < 0:
+            raise InvalidArgument("retries and backoff must be >= 0")
+        self.target = normalize_target(target)
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self.backoff = float(backoff)
+        self.fail_open = bool(fail_open)
+        self.client_name = client_name
+        self.server_epoch = 0
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        if tls is None:
+            tls = any(x is not None for x in (root_certificates, private_key,
+                                               certificate_chain))
+        if (private_key is None) != (certificate_chain is None):
+            raise InvalidArgument("a client certificate needs both private_key and "
+                                  "certificate_chain")
+        self._credentials = grpc.ssl_channel_credentials(
+            root_certificates=_read(root_certificates), private_key=_read(private_key),
+            certificate_chain=_read(certificate_chain)) if tls else None
+        opts: list[tuple[str, Any]] = [
+            ("grpc.max_send_message_length", int(max_message_bytes)),
+            ("grpc.max_receive_message_length", int(max_message_bytes)),
+        ]
+        if server_name:
+            opts.append(("grpc.ssl_target_name_override", server_name))
+        self._options = [*opts, *options]
+        # Request ids only need to be unique within a session; a random start keeps two
+        # clients sharing a session id apart too.
+        self._request_ids = count(secrets.randbits(48) + 1)
+        self._fail_open_lock = threading.Lock()
+        self._fail_open_count = 0
+
+    @property
+    def fail_open_count(self) -> int:
+        """How many calls failed open (answered a stand-in instead of raising)."""
+        return self._fail_open_count
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.target!r}, fail_open={self.fail_open})"
+
+    # ------------------------------------------------------------- machinery
+
+    def _failed_open(self, op: Op, err: PrefixCacheError, fail_open: bool | None) -> Any:
+        """The fail-open answer for ``err``, or None when ``err`` must be raised."""
+        allowed = self.fail_open if fail_open is None else fail_open
+        if not allowed or op.fallback is None or not isinstance(err, FAIL_OPEN_ERRORS):
+            return None
+        with self._fail_open_lock:
+            self._fail_open_count += 1
+        log.debug("%s failed open: %s", op.method, err)
+        return op.fallback()
+
+    def _delay(self, attempt: int) -> float:
+        return self.backoff * (2 ** attempt)
+
+    def _next_request_id(self, request_id: int | None, needed: bool) -> int:
+        if request_id is not None:
+            return int(request_id)
+        return next(self._request_ids) if needed else 0
+
+    def _seen_epoch(self, epoch: int) -> None:
+        if epoch and self.server_epoch and epoch != self.server_epoch:
+            log.warning("the prefix-cache service restarted: node handles, locks and "
+                        "sessions from before are gone")
+        if epoch:
+            self.server_epoch = epoch
+
+    # ------------------------------------------------------ operations (requests)
+
+    def _op_list_models(self) -> Op:
+        def parse(m: pb.ListModelsResponse) -> ModelList:
+            self._seen_epoch(m.server_epoch)
+            return ModelList.from_pb(m)
+        return Op("ListModels", pb.ListModelsRequest(), parse, True)
+
+    def _op_describe_pool(self, model: str) -> Op:
+        return Op("DescribePool", pb.DescribePoolRequest(model=model), PoolInfo.from_pb, True)
+
+    def _op_stats(self, model: str) -> Op:
+        def parse(m: pb.StatsResponse) -> StatsReply:
+            self._seen_epoch(m.server_epoch)
+            return StatsReply.from_pb(m)
+        return Op("Stats", pb.StatsRequest(model=model), parse, True)
+
+    def _op_open_session(self, ttl: float | None, name: str | None) -> Op:
+        def parse(m: pb.OpenSessionResponse) -> SessionInfo:
+            self._seen_epoch(m.server_epoch)
+            return SessionInfo.from_pb(m)
+        request = pb.OpenSessionRequest(ttl_seconds=float(ttl or 0.0),
+                                        client_name=self.client_name if name is None else name)
+        # Not retried: a lost reply would leave a session behind (until its lease lapses).
+        return Op("OpenSession", request, parse, False)
+
+    def _op_keep_alive(self, session: SessionLike) -> Op:
+        return Op("KeepAlive", pb.KeepAliveRequest(session_id=session_id_of(session)),
+                  lambda m: m.ttl_seconds, True)
+
+    def _op_close_session(self, session: SessionLike) -> Op:
+        return Op("CloseSession", pb.CloseSessionRequest(session_id=session_id_of(session)),
+                  CloseReply.from_pb, False)
+
+    def _op_match(self, model: str, tokens: Any, extra_key: str | None,
+                  token_width: int | None, session: SessionLike, lock: bool, allocate: bool,
+                  request_id: int | None) -> Op:
+        data, width = pack_tokens(tokens, token_width)
+        sid = session_id_of(session)
+        rid = self._next_request_id(request_id, bool(sid) and (lock or allocate))
+        request = pb.MatchRequest(model=model, token_ids=data, token_width=width,
+                                  session_id=sid, lock=lock, allocate=allocate,
+                                  request_id=rid)
+        key = _extra_key(tokens, extra_key)
+        if key is not None:
+            request.extra_key = key
+        # An allocation cannot fail open: the worker needs real slots.
+        fallback = None if allocate else (lambda: MatchReply(skipped=True))
+        return Op("Match", request, MatchReply.from_pb, not (lock or allocate) or bool(rid),
+                  fallback)
+
+    def _op_insert(self, model: str, tokens: Any, slots: Any, extra_key: str | None,
+                   token_width: int | None, session: SessionLike, lock: bool,
+                   release_lock_id: int, state_slot: int | None, slot_version: int,
+                   request_id: int | None) -> Op:
+        data, width = pack_tokens(tokens, token_width)
+        sid = session_id_of(session)
+        rid = self._next_request_id(request_id, bool(sid))
+        request = pb.InsertRequest(model=model, token_ids=data, token_width=width,
+                                   slot_indices=pack_slots(slots), session_id=sid, lock=lock,
+                                   release_lock_id=int(release_lock_id), request_id=rid,
+                                   slot_version=int(slot_version))
+        key = _extra_key(tokens, extra_key)
+        if key is not None:
+            request.extra_key = key
+        if state_slot is not None:
+            request.state_slot = int(state_slot)
+        # Without a session an insert can only re-insert the tree's own slots: a no-op
+        # when repeated. With one, the request id makes the retry replay the answer.
+        return Op("Insert", request, InsertReply.from_pb, bool(rid) or not sid,
+                  lambda: InsertReply(skipped=True))
+
+    def _op_evict(self, model: str, num_tokens: int, swa_num_tokens: int,
+                  mamba_num: int) -> Op:
+        request = pb.EvictRequest(model=model, num_tokens=int(num_tokens),
+                                  swa_num_tokens=int(swa_num_tokens), mamba_num=int(mamba_num))
+        return Op("Evict", request, EvictReply.from_pb, False)
+
+    def _op_lock(self, model: str, node_id: int, session: SessionLike,
+                 request_id: int | None) -> Op:
+        sid = session_id_of(session)
+        rid = self._next_request_id(request_id, bool(sid))
+        request = pb.LockRequest(model=model, node_id=int(node_id), session_id=sid,
+                                 request_id=rid)
+        return Op("Lock", request, lambda m: LockReply(m.lock_id), bool(rid),
+                  lambda: LockReply(skipped=True))
+
+    def _op_unlock(self, lock_id: int, session: SessionLike, request_id: int | None) -> Op:
+        sid = session_id_of(session)
+        rid = self._next_request_id(request_id, bool(sid))
+        request = pb.UnlockRequest(lock_id=int(lock_id), session_id=sid, request_id=rid)
+        return Op("Unlock", request, lambda m: UnlockReply(), bool(rid),
+                  lambda: UnlockReply(skipped=True))
+
+    def _op_alloc(self, model: str, num_slots: int, num_state_slots: int,
+                  session: SessionLike) -> Op:
+        request = pb.AllocRequest(model=model, num_slots=int(num_slots),
+                                  num_state_slots=int(num_state_slots),
+                                  session_id=session_id_of(session))
+        return Op("Alloc", request, AllocReply.from_pb, False)
+
+    def _op_free(self, model: str, slots: Any, state_slots: Any, session: SessionLike) -> Op:
+        request = pb.FreeRequest(model=model, slot_indices=pack_slots(slots),
+                                 state_slots=pack_slots(state_slots),
+                                 session_id=session_id_of(session))
+        return Op("Free", request, lambda m: None, False)
+
+    def _op_reset(self, model: str) -> Op:
+        return Op("Reset", pb.ResetRequest(model=model), ResetReply.from_pb, False)
+
+
+def _extra_key(tokens: Any, extra_key: str | None) -> str | None:
+    """The namespace: ``extra_key``, or the one a RadixKey-like ``tokens`` carries."""
+    own = getattr(tokens, "extra_key", None) if hasattr(tokens, "packed") else None
+    if extra_key is None:
+        return own
+    if own is not None and own != extra_key:
+        raise InvalidArgument(f"extra_key {extra_key!r} disagrees with the key's own "
+                              f"{own!r}")
+    if not isinstance(extra_key, str):
+        raise InvalidArgument(f"extra_key must be a str or None, not {type(extra_key)!r}")
+    return extra_key

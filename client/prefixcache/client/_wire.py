@@ -1,0 +1,222 @@
+"""Token ids and slot indices to the packed wire bytes and back, without torch or numpy.
+
+Inputs may be lists or tuples of ints (or of equal-width tuples, for bigram / EAGLE
+tokens), ``array.array``, numpy arrays, torch tensors, or ``bytes`` that are already in
+the wire format. numpy and torch are recognised by the type's module and are never
+imported here unless the caller handed us one of their objects (so they are loaded
+already). Outputs are ``array('q')`` of native int64, which numpy and torch can view
+without a copy.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from itertools import chain
+from typing import Any
+
+from .errors import InvalidArgument
+
+_LITTLE = sys.byteorder == "little"
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
+_I64 = "q"
+_U32_LIMIT = 1 << 32
+_I64_LOW, _I64_HIGH = -(1 << 63), 1 << 63
+
+
+def _module(obj: Any) -> str:
+    return type(obj).__module__ or ""
+
+
+def _le(words: array) -> bytes:
+    if not _LITTLE:
+        words = array(words.typecode, words)
+        words.byteswap()
+    return words.tobytes()
+
+
+def pack_tokens(tokens: Any, token_width: int | None = None) -> tuple[bytes, int]:
+    """``tokens`` as little-endian uint32 bytes and the token width.
+
+    ``bytes`` / ``bytearray`` / ``memoryview`` pass through unchanged (the caller
+    packed them; ``token_width`` says how many uint32 make a token, default 1). An
+    object with a ``packed()`` method (``prefixcache.cache.RadixKey``) gives its own
+    bytes and width. A 2-D array or tensor, or a sequence of tuples, is a sequence of
+    tuple tokens whose width is the row length.
+
+    Raises:
+        InvalidArgument: negative or too-large ids, non-integer values, ragged tuples,
+            or a ``token_width`` that disagrees with the tokens.
+    """
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        return bytes(tokens), token_width or 1
+    packed = getattr(tokens, "packed", None)
+    if callable(packed) and not isinstance(tokens, array):
+        data, width = packed()
+    else:
+        data, width = _pack_tokens(tokens)
+    if token_width not in (None, 0, width):
+        if width != 1 or len(data) % (4 * token_width):
+            raise InvalidArgument(f"token_width {token_width} does not fit tokens of width "
+                                  f"{width}")
+        width = token_width  # flat ids regrouped into tuple tokens by the caller's word
+    return data, width
+
+
+def _pack_tokens(tokens: Any) -> tuple[bytes, int]:
+    if isinstance(tokens, array):
+        if tokens.typecode == _U32:
+            return _le(tokens), 1
+        tokens = tokens.tolist()
+    elif isinstance(tokens, str):
+        raise InvalidArgument("token ids must be integers, not a str")
+    else:
+        mod = _module(tokens)
+        if mod.startswith("torch"):
+            return _pack_tensor(tokens, "<u4", 0, _U32_LIMIT, "token ids")
+        if mod.startswith("numpy"):
+            return _pack_numpy(tokens, "<u4", 0, _U32_LIMIT, "token ids")
+    if not isinstance(tokens, (list, tuple)):
+        try:
+            tokens = list(tokens)
+        except TypeError as exc:
+            raise InvalidArgument(f"token ids must be a sequence of ints, not "
+                                  f"{type(tokens).__name__}") from exc
+    if not tokens:
+        return b"", 1
+    first = tokens[0]
+    if isinstance(first, (tuple, list)) or (
+            _module(first).startswith(("numpy", "torch")) and getattr(first, "ndim", 0) == 1):
+        width = len(first)
+        rows = [tuple(t) for t in tokens]
+        if width == 0 or any(len(t) != width for t in rows):
+            raise InvalidArgument("tuple tokens in one key must all have the same width >= 1")
+        flat: Any = list(chain.from_iterable(rows))
+    else:
+        width, flat = 1, tokens
+    return _le(_to_array(_U32, flat, "token ids must lie in [0, 2**32)")), width
+
+
+def pack_slots(slots: Any) -> bytes:
+    """Slot indices (or state slots, or versions) as little-endian int64 bytes.
+
+    ``bytes`` pass through unchanged; everything else as in :func:`pack_tokens`, flat.
+    """
+    if isinstance(slots, (bytes, bytearray, memoryview)):
+        return bytes(slots)
+    if slots is None:
+        return b""
+    if isinstance(slots, array):
+        if slots.typecode == _I64:
+            return _le(slots)
+        slots = slots.tolist()
+    else:
+        mod = _module(slots)
+        if mod.startswith("torch"):
+            return _pack_tensor(slots, "<i8", _I64_LOW, _I64_HIGH, "slots", flat=True)[0]
+        if mod.startswith("numpy"):
+            return _pack_numpy(slots, "<i8", _I64_LOW, _I64_HIGH, "slots", flat=True)[0]
+    if isinstance(slots, int):
+        slots = [slots]
+    if not isinstance(slots, (list, tuple)):
+        try:
+            slots = list(slots)
+        except TypeError as exc:
+            raise InvalidArgument(f"slots must be a sequence of ints, not "
+                                  f"{type(slots).__name__}") from exc
+    return _le(_to_array(_I64, slots, "slots must fit in a signed 64-bit integer"))
+
+
+def _to_array(code: str, values: Any, range_message: str) -> array:
+    try:
+        return array(code, values)
+    except OverflowError as exc:
+        raise InvalidArgument(range_message) from exc
+    except TypeError as exc:
+        # numpy / torch scalars and other integer-likes: go through int().
+        try:
+            return array(code, [_as_int(v) for v in values])
+        except OverflowError as exc2:
+            raise InvalidArgument(range_message) from exc2
+        except TypeError:
+            raise InvalidArgument(f"expected integers: {exc}") from exc
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, (bool, float)) or not hasattr(value, "__index__"):
+        raise TypeError(f"{type(value).__name__} is not an integer")
+    return value.__index__()
+
+
+def _pack_numpy(values: Any, dtype: str, low: int, high: int, what: str,
+                flat: bool = False) -> tuple[bytes, int]:
+    import numpy as np  # only reached with a numpy object in hand, so numpy is loaded
+
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must be integers, got dtype {arr.dtype}")
+    if flat:
+        arr, width = arr.reshape(-1), 1
+    elif arr.ndim == 1:
+        width = 1
+    elif arr.ndim == 2 and arr.shape[1] >= 1:
+        width = int(arr.shape[1])
+    else:
+        raise InvalidArgument(f"{what} must be 1-D (or 2-D for tuple tokens), "
+                              f"got shape {arr.shape}")
+    if arr.size and (int(arr.min()) < low or int(arr.max()) >= high):
+        raise InvalidArgument(f"{what} out of range [{low}, {high})")
+    return np.ascontiguousarray(arr, dtype=dtype).tobytes(), width
+
+
+def _pack_tensor(tensor: Any, dtype: str, low: int, high: int, what: str,
+                 flat: bool = False) -> tuple[bytes, int]:
+    dt = tensor.dtype
+    if dt.is_floating_point or dt.is_complex or str(dt) == "torch.bool":
+        raise InvalidArgument(f"{what} must be integers, got dtype {dt}")
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    try:
+        host = tensor.numpy()
+    except (RuntimeError, TypeError):  # torch without numpy, or a dtype numpy lacks
+        if flat:
+            return pack_slots(tensor.reshape(-1).tolist()), 1
+        return _pack_tokens(tensor.tolist())
+    return _pack_numpy(host, dtype, low, high, what, flat)
+
+
+def unpack_slots(data: bytes) -> array:
+    """Packed little-endian int64 bytes as a native ``array('q')``."""
+    out = array(_I64)
+    if len(data) % 8:
+        raise InvalidArgument(f"slot bytes of length {len(data)} are not a multiple of 8")
+    out.frombytes(data)
+    if not _LITTLE:
+        out.byteswap()
+    return out
+
+
+def as_tensor(values: array, device: Any = None) -> Any:
+    """An int64 torch tensor of ``values`` (imports torch; shares memory on the CPU)."""
+    import torch
+
+    if len(values) == 0:
+        out = torch.empty((0,), dtype=torch.int64)
+    else:
+        out = torch.frombuffer(values, dtype=torch.int64)
+    return out if device is None or str(device) == "cpu" else out.to(device)
+
+
+def as_numpy(values: array) -> Any:
+    """An int64 numpy view of ``values`` (imports numpy; no copy)."""
+    import numpy as np
+
+    return np.frombuffer(values, dtype=np.int64) if len(values) else np.zeros(0, np.int64)
+
+
+def concat(*parts: array) -> array:
+    out = array(_I64)
+    for part in parts:
+        out.extend(part)
+    return out

@@ -1,0 +1,147 @@
+"""Sessions the client manages (context manager, lease renewal) and fail-open mode."""
+
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+
+import pytest
+from harness import ServerThread, running
+
+from prefixcache.client import (
+    ClientSession,
+    DeadlineExceeded,
+    NotFound,
+    PrefixCacheClient,
+    Unavailable,
+)
+
+
+def prefill(s: ClientSession, model: str, tokens: list[int], *, keep_lock: bool = False) -> int:
+    m = s.match(model, tokens, lock=True, allocate=True)
+    return s.insert(model, tokens, m.all_slots(), lock=keep_lock,
+                    release_lock_id=m.lock_id).lock_id
+
+
+def test_leaving_the_block_releases_locks_and_slots(client: PrefixCacheClient) -> None:
+    with client.session() as s:
+        assert prefill(s, "m", [1, 2, 3], keep_lock=True)
+        s.alloc("m", 4)
+        st = client.stats("m")["m"]
+        assert (st.locks, st.session_slots, st.protected_tokens) == (1, 4, 3)
+    assert s.closed and s.close() is None  # closing twice is a no-op
+    st = client.stats("m")["m"]
+    assert (st.locks, st.session_slots, st.protected_tokens) == (0, 0, 0)
+    with pytest.raises(NotFound):
+        client.keep_alive(s)
+
+
+def test_an_error_leaving_the_block_is_not_hidden(client: PrefixCacheClient) -> None:
+    with pytest.raises(KeyError), client.session() as s:
+        prefill(s, "m", [4, 5], keep_lock=True)
+        client.close_session(s)  # closing again on the way out finds nothing
+        raise KeyError("the worker's own error")
+    assert client.stats("m")["m"].locks == 0
+
+
+def test_renewal_keeps_locks_past_the_lease(client: PrefixCacheClient) -> None:
+    """Lease 0.5 s, 2 s of idleness: the renewed session keeps its lock, the other
+    one (not renewed) has lapsed and lost its lock."""
+    kept = client.session(ttl=0.5)
+    lapsing = client.session(ttl=0.5, renew=False)
+    assert kept.ttl == pytest.approx(0.5)
+    prefill(kept, "m", [10, 11, 12], keep_lock=True)
+    prefill(lapsing, "m", [20, 21], keep_lock=True)
+    assert client.stats("m")["m"].locks == 2
+    time.sleep(2.0)
+    st = client.stats("m")["m"]
+    assert (st.locks, st.protected_tokens) == (1, 3)
+    assert kept.renewals >= 3 and kept.lost is None
+    assert lapsing.close() is not None  # the service no longer knows it: empty reply
+    kept.close()
+    assert client.stats("m")["m"].locks == 0
+
+
+def test_a_session_dropped_without_close_stops_renewing_and_lapses(
+        client: PrefixCacheClient) -> None:
+    s = client.session(ttl=0.3)
+    prefill(s, "m", [30, 31], keep_lock=True)
+    thread = s._thread
+    del s
+    gc.collect()
+    assert thread is not None
+    thread.join(2)
+    assert not thread.is_alive()
+    deadline = time.monotonic() + 2
+    while client.stats("m")["m"].locks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.stats("m")["m"].locks == 0
+
+
+def test_a_session_the_service_forgot_is_reported_lost(client: PrefixCacheClient) -> None:
+    s = client.session(ttl=0.3)
+    client.close_session(s.session_id)  # as if the lease had lapsed or the server restarted
+    deadline = time.monotonic() + 2
+    while s.lost is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert isinstance(s.lost, NotFound)
+    assert s.close() is not None
+
+
+def test_fail_open_when_the_server_stops_mid_run(tmp_path: Path) -> None:
+    with running(tmp_path, session_ttl_min=0.2) as srv:
+        client = PrefixCacheClient(srv.address, fail_open=True, retries=1, backoff=0.01)
+        s = client.session(ttl=5)
+        prefill(s, "m", [1, 2, 3])
+        node = client.match("m", [1, 2, 3]).node_id
+        assert client.match("m", [1, 2, 3, 4]).prefix_len == 3
+        assert client.fail_open_count == 0
+    # The server is gone.
+    miss = s.match("m", [1, 2, 3, 4], lock=True)
+    assert (miss.skipped, miss.prefix_len, len(miss.slots), miss.lock_id) == (True, 0, 0, 0)
+    assert client.fail_open_count == 1
+    assert client.match("m", [1, 2, 3]).skipped
+    assert s.insert("m", [1, 2, 3], [1, 2, 3]).skipped
+    assert s.lock("m", node).skipped
+    assert s.unlock(5).skipped
+    assert client.fail_open_count == 5
+    with pytest.raises(Unavailable):  # slots cannot be made up
+        s.alloc("m", 1)
+    with pytest.raises(Unavailable):
+        s.match("m", [1, 2, 3], allocate=True)
+    with pytest.raises(Unavailable):  # nor can reads other than match
+        client.stats()
+    assert client.fail_open_count == 5
+    assert s.close() is None  # fails open too: the dead server released everything
+    client.close()
+
+
+def test_fail_open_on_a_slow_or_draining_server(server: ServerThread,
+                                                client: PrefixCacheClient) -> None:
+    open_client = PrefixCacheClient(server.address, fail_open=True, timeout=0.1, retries=0)
+    server.loop.call_soon_threadsafe(time.sleep, 0.4)
+    start = time.monotonic()
+    assert open_client.match("m", [1, 2]).skipped
+    assert time.monotonic() - start < 0.35
+    time.sleep(0.4)
+    server.run(setattr, server.service, "draining", True)
+    try:
+        assert open_client.match("m", [1, 2]).skipped
+        with pytest.raises(Unavailable):
+            client.match("m", [1, 2], timeout=0.5)  # fail_open is off for this client
+        assert client.match("m", [1, 2], fail_open=True).skipped  # per call
+    finally:
+        server.run(setattr, server.service, "draining", False)
+    assert open_client.fail_open_count == 2 and client.fail_open_count == 1
+    assert not open_client.match("m", [1, 2]).skipped
+    open_client.close()
+
+
+def test_fail_open_per_session(server: ServerThread, client: PrefixCacheClient) -> None:
+    with client.session(fail_open=True) as s:
+        server.loop.call_soon_threadsafe(time.sleep, 0.3)
+        assert s.match("m", [3, 4], timeout=0.05).skipped
+        with pytest.raises(DeadlineExceeded):
+            client.match("m", [3, 4], session=s, timeout=0.05)
+        time.sleep(0.3)
