@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import pairwise
 from typing import Any, NamedTuple
 
 import torch
 
-from .errors import IntegrityError, InvalidInputError, LockError, check_count
+from .errors import InvalidInputError, LockError, check_count
 from .eviction import EvictionQueue, get_eviction_policy
-from .inspection import walk
+from .inspection import check_slot_cache
 from .key import TOKEN_BYTES, RadixKey
 from .node import Namespace, TreeNode
 from .radix_cache import common_prefix
@@ -310,64 +309,7 @@ class SlotPrefixCache:
         Raises:
             IntegrityError: naming every disagreement found.
         """
-        problems: list[str] = []
-        evictable = protected = nodes = pins = 0
-        leaves: set[int] = set()
-        chains: dict[tuple[int, int], list[SlotNode]] = {}
-        for (extra_key, width), ns_root in self.root_node.children.items():
-            ns = ns_root.namespace
-            if ns is None or (ns.extra_key, ns.token_width) != (extra_key, width) \
-                    or ns_root.parent is not self.root_node or ns_root.key_len \
-                    or not ns_root.children or ns_root.evicted:
-                problems.append(f"namespace root {extra_key!r}/{width} is malformed or empty")
-                continue
-            for node, _ in walk(ns_root):
-                nodes += 1
-                pins += node.own_lock_ref
-                if node.lock_ref:
-                    protected += node.key_len
-                else:
-                    evictable += node.key_len
-                    if not node.children:
-                        leaves.add(node.id)
-                chains.setdefault((node.slot, node.version), []).append(node)
-                self._check_node(node, ns, problems)
-        counted = (self._evictable, self._protected, self._nodes, self._pins)
-        if counted != (evictable, protected, nodes, pins):
-            problems.append(f"evictable/protected/nodes/pins counted {counted}, tree has "
-                            f"{(evictable, protected, nodes, pins)}")
-        if leaves != self._leaves.node_ids():
-            problems.append("the eviction queue does not hold exactly the unpinned leaves")
-        if set(chains) != set(self._tips):
-            problems.append("the tip index does not list exactly the entries in the tree")
-        for pair, members in chains.items():
-            members.sort(key=lambda n: n.depth)
-            if self._tips.get(pair) is not members[-1] or any(
-                    b.parent is not a for a, b in pairwise(members)):
-                problems.append(f"the nodes holding slot/version {pair} are not one chain")
-        if evictable + protected > self.capacity:
-            problems.append(f"{evictable + protected} tokens exceed capacity {self.capacity}")
-        if problems:
-            raise IntegrityError("; ".join(problems[:12]))
-
-    def _check_node(self, node: SlotNode, ns: Namespace, problems: list[str]) -> None:
-        parent = node.parent
-        if node.evicted or node.namespace is not ns or parent is None \
-                or parent.children.get(node.key_bytes[: ns.token_bytes]) is not node:
-            problems.append(f"node {node.id} is detached or evicted yet in the tree")
-            return
-        if node.key_len < 1 or len(node.key_bytes) != node.key_len * ns.token_bytes \
-                or node.depth != parent.depth + node.key_len \
-                or (self.max_seq_len is not None and node.depth > self.max_seq_len):
-            problems.append(f"node {node.id}: key length or depth is wrong")
-        child_locks = sum(c.lock_ref for c in node.children.values())
-        if node.own_lock_ref < 0 or node.lock_ref != node.own_lock_ref + child_locks:
-            problems.append(f"node {node.id}: lock_ref {node.lock_ref} != own "
-                            f"{node.own_lock_ref} + children {child_locks}")
-        if not 0 <= node.slot < self.allocator.max_slots \
-                or not 1 <= node.version <= self.allocator.version(node.slot):
-            problems.append(f"node {node.id}: slot/version {node.slot}/{node.version} "
-                            "was never handed out")
+        check_slot_cache(self)
 
     def _key(self, tokens: Any, extra_key: str | None) -> RadixKey:
         if isinstance(tokens, RadixKey):
