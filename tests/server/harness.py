@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,6 +80,43 @@ def running(tmp: Path, models: Sequence[ModelConfig] | None = None,
         thread.stop()
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def serve_process(tmp: Path, config_yaml: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`prefixcache serve` in a child process on a unix socket under ``tmp``; yields the
+    process and its address once it answers, and stops it with SIGTERM (exit code 0)."""
+    (tmp / "pc.yaml").write_text(config_yaml)
+    sock = tmp / "pc.sock"
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'server'}:{REPO / 'client'}",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
+         str(tmp / "pc.yaml"), "--listen", f"unix:{sock}", "--metrics-port", "-1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        channel, stub = stub_for(f"unix:{sock}")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                stub.ListModels(pb.ListModelsRequest(), timeout=1)
+                break
+            except grpc.RpcError:
+                if proc.poll() is not None:
+                    raise RuntimeError(proc.stderr.read().decode() if proc.stderr else "") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError("prefixcache serve did not start") from None
+                time.sleep(0.1)
+        channel.close()
+        yield proc, f"unix:{sock}"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        if proc.wait(30) != 0:
+            raise RuntimeError(f"prefixcache serve exited with {proc.returncode}")
+
+
 def toks(ids: Sequence[int] | np.ndarray) -> bytes:
     return np.asarray(ids, dtype="<u4").tobytes()
 
@@ -93,4 +135,4 @@ def stub_for(address: str, **kwargs: Any) -> tuple[grpc.Channel, pb_grpc.PrefixC
 
 
 __all__ = ["SMALL_POOL", "ServerThread", "make_config", "pack_slots", "pb", "pb_grpc",
-           "running", "slots", "stub_for", "toks"]
+           "running", "serve_process", "slots", "stub_for", "toks"]

@@ -14,6 +14,7 @@ from prefixcache.v1 import prefix_cache_pb2, prefix_cache_pb2_grpc
 
 from ._core import DEFAULT_TARGET, DEFAULT_TIMEOUT
 from .aio import AsyncClientSession, AsyncPrefixCacheClient, AsyncStreamSession
+from .attach import AttachedPool
 from .errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -26,8 +27,10 @@ from .errors import (
     Unauthenticated,
     Unavailable,
 )
+from .kv import KVData, WriteKVReply
 from .results import (
     AllocReply,
+    BufferInfo,
     CloseReply,
     EvictReply,
     InsertReply,
@@ -73,6 +76,8 @@ __all__ = [
     "AsyncClientSession",
     "AsyncPrefixCacheClient",
     "AsyncStreamSession",
+    "AttachedPool",
+    "BufferInfo",
     "ClientSession",
     "CloseReply",
     "DeadlineExceeded",
@@ -81,6 +86,7 @@ __all__ = [
     "InsertReply",
     "Internal",
     "InvalidArgument",
+    "KVData",
     "LockReply",
     "MambaLayout",
     "MatchReply",
@@ -102,6 +108,7 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "UnlockReply",
+    "WriteKVReply",
     "__version__",
     "prefix_cache_pb2",
     "prefix_cache_pb2_grpc",

@@ -142,6 +142,9 @@ class ClientBase:
         if server_name:
             opts.append(("grpc.ssl_target_name_override", server_name))
         self._options = [*opts, *options]
+        self.max_message_bytes = int(max_message_bytes)
+        # Pool layouts by model, for read_kv / write_kv (fixed while the service runs).
+        self._pools: dict[str, PoolInfo] = {}
         # Request ids only need to be unique within a session; a random start keeps two
         # clients sharing a session id apart too.
         self._request_ids = count(secrets.randbits(48) + 1)
@@ -180,6 +183,7 @@ class ClientBase:
         if epoch and self.server_epoch and epoch != self.server_epoch:
             log.warning("the prefix-cache service restarted: node handles, locks and "
                         "sessions from before are gone")
+            self._pools.clear()  # a restarted service may have other pool shapes
         if epoch:
             self.server_epoch = epoch
 
@@ -192,7 +196,11 @@ class ClientBase:
         return Op("ListModels", pb.ListModelsRequest(), parse, True)
 
     def _op_describe_pool(self, model: str) -> Op:
-        return Op("DescribePool", pb.DescribePoolRequest(model=model), PoolInfo.from_pb, True)
+        def parse(m: pb.DescribePoolResponse) -> PoolInfo:
+            info = PoolInfo.from_pb(m)
+            self._pools[model] = info
+            return info
+        return Op("DescribePool", pb.DescribePoolRequest(model=model), parse, True)
 
     def _op_stats(self, model: str) -> Op:
         def parse(m: pb.StatsResponse) -> StatsReply:

@@ -17,7 +17,9 @@ import grpc
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
-from ._core import DEFAULT_TARGET, FAIL_OPEN_ERRORS, ClientBase, Op, SessionLike, log
+from . import kv
+from ._core import DEFAULT_TARGET, FAIL_OPEN_ERRORS, ClientBase, Op, SessionLike, log, session_id_of
+from .attach import AttachedPool, attach
 from .errors import (
     DeadlineExceeded,
     NotFound,
@@ -131,6 +133,48 @@ class AsyncPrefixCacheClient(ClientBase):
 
     async def stats(self, model: str = "", *, timeout: float | None = None) -> StatsReply:
         return await self._run(self._op_stats(model), timeout)
+
+    # ------------------------------------------------------------- KV data
+
+    async def attach_pool(self, model: str, *,
+                          timeout: float | None = None) -> AttachedPool:
+        """See ``PrefixCacheClient.attach_pool``."""
+        return attach(await self.describe_pool(model, timeout=timeout))
+
+    async def _pool_info(self, model: str, timeout: float | None) -> PoolInfo:
+        return self._pools.get(model) or await self.describe_pool(model, timeout=timeout)
+
+    async def read_kv(self, model: str, slots: Any = (), *, layers: Any = None,
+                      state_slots: Any = (), chunk_bytes: int | None = None,
+                      timeout: float | None = None) -> kv.KVData:
+        """See ``PrefixCacheClient.read_kv``."""
+        reader = kv.Reader(await self._pool_info(model, timeout), slots, layers,
+                           state_slots, kv.chunk_limit(chunk_bytes, self.max_message_bytes))
+        try:
+            call = self._stub.ReadKV(reader.request, timeout=timeout or self.timeout,
+                                     metadata=self._metadata)
+            async for chunk in call:
+                reader.add(chunk)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return reader.result()
+
+    async def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None, *,
+                       session: SessionLike, layers: Any = None, state_slots: Any = (),
+                       conv: Any = None, temporal: Any = None,
+                       chunk_bytes: int | None = None,
+                       timeout: float | None = None) -> kv.WriteKVReply:
+        """See ``PrefixCacheClient.write_kv``."""
+        chunks = kv.write_chunks(await self._pool_info(model, timeout),
+                                 session_id_of(session), slots, k, v, layers, state_slots,
+                                 conv, temporal,
+                                 kv.chunk_limit(chunk_bytes, self.max_message_bytes))
+        try:
+            reply = await self._stub.WriteKV(chunks, timeout=timeout or self.timeout,
+                                             metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)
 
     # --------------------------------------------------------------- sessions
 
@@ -321,6 +365,11 @@ class AsyncClientSession(_SessionCalls):
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return await getattr(self.client, name)(*args, session=self, **kwargs)
+
+    async def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
+                       **kwargs: Any) -> kv.WriteKVReply:
+        """``AsyncPrefixCacheClient.write_kv`` in this session."""
+        return await self.client.write_kv(model, slots, k, v, session=self, **kwargs)
 
 
 async def _renew(ref: weakref.ref[AsyncClientSession], client: AsyncPrefixCacheClient,

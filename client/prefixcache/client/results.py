@@ -212,6 +212,45 @@ class MambaLayout:
     num_rows: int
 
 
+BUFFER_ROLES = {
+    pb.BUFFER_ROLE_K: "k",
+    pb.BUFFER_ROLE_V: "v",
+    pb.BUFFER_ROLE_CONV: "conv",
+    pb.BUFFER_ROLE_TEMPORAL: "temporal",
+    pb.BUFFER_ROLE_SWA_K: "swa_k",
+    pb.BUFFER_ROLE_SWA_V: "swa_v",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BufferInfo:
+    """How to map one buffer of a pool (see ``BufferHandle`` in the proto).
+
+    ``cuda`` holds the fields of ``UntypedStorage._share_cuda_()`` in order, or None
+    for a shared-memory buffer at ``shm_path``.
+    """
+
+    role: str
+    layer: int
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    offset_bytes: int = 0
+    shm_path: str = ""
+    cuda: tuple[Any, ...] | None = None
+
+    @classmethod
+    def from_pb(cls, m: pb.BufferHandle) -> BufferInfo:
+        cuda = None
+        if m.HasField("cuda"):
+            c = m.cuda
+            cuda = (c.device, c.handle, c.storage_size_bytes, c.storage_offset_bytes,
+                    c.ref_counter_handle, c.ref_counter_offset, c.event_handle,
+                    c.event_sync_required)
+        return cls(BUFFER_ROLES.get(m.role, str(m.role)), m.layer, tuple(m.shape), m.dtype,
+                   m.nbytes, m.offset_bytes, m.shm_path, cuda)
+
+
 @dataclass(frozen=True, slots=True)
 class PoolInfo:
     """The memory layout of a model's KV pool (see ``DescribePoolResponse``)."""
@@ -230,6 +269,8 @@ class PoolInfo:
     swa_pool_size: int = 0
     mamba: MambaLayout | None = None
     max_seq_len: int = 0
+    # How to map the pool from the same host (empty: it cannot be mapped).
+    buffers: tuple[BufferInfo, ...] = ()
 
     @classmethod
     def from_pb(cls, m: pb.DescribePoolResponse) -> PoolInfo:
@@ -241,7 +282,8 @@ class PoolInfo:
                                 x.working_slots, x.state_slots, x.num_rows)
         return cls(m.model, m.layer_num, m.k_head_num, m.k_head_dim, m.v_head_num,
                    m.v_head_dim, m.dtype, m.device, m.page_size, m.pool_size, m.num_rows,
-                   m.swa_pool_size, mamba, m.max_seq_len)
+                   m.swa_pool_size, mamba, m.max_seq_len,
+                   tuple(BufferInfo.from_pb(b) for b in m.buffers))
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,9 @@ import grpc
 
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
-from ._core import DEFAULT_TARGET, FAIL_OPEN_ERRORS, ClientBase, Op, SessionLike, log
+from . import kv
+from ._core import DEFAULT_TARGET, FAIL_OPEN_ERRORS, ClientBase, Op, SessionLike, log, session_id_of
+from .attach import AttachedPool, attach
 from .errors import NotFound, PrefixCacheError, Unavailable, from_rpc_error
 from .results import (
     AllocReply,
@@ -133,6 +135,49 @@ class PrefixCacheClient(ClientBase):
     def stats(self, model: str = "", *, timeout: float | None = None) -> StatsReply:
         """Counters of ``model``, or of every model when it is empty."""
         return self._run(self._op_stats(model), timeout)
+
+    # ------------------------------------------------------------- KV data
+
+    def attach_pool(self, model: str, *, timeout: float | None = None) -> AttachedPool:
+        """Map ``model``'s pool into this process (same host only): K/V tensors per
+        layer, and Mamba state, that alias the service's buffers. Imports torch."""
+        return attach(self.describe_pool(model, timeout=timeout))
+
+    def _pool_info(self, model: str, timeout: float | None) -> PoolInfo:
+        return self._pools.get(model) or self.describe_pool(model, timeout=timeout)
+
+    def read_kv(self, model: str, slots: Any = (), *, layers: Any = None,
+                state_slots: Any = (), chunk_bytes: int | None = None,
+                timeout: float | None = None) -> kv.KVData:
+        """Copies of the K/V rows of ``slots`` (every layer, or ``layers``) and the
+        Mamba state of ``state_slots``, streamed in chunks. Imports torch."""
+        reader = kv.Reader(self._pool_info(model, timeout), slots, layers, state_slots,
+                           kv.chunk_limit(chunk_bytes, self.max_message_bytes))
+        try:
+            for chunk in self._stub.ReadKV(reader.request, timeout=timeout or self.timeout,
+                                           metadata=self._metadata):
+                reader.add(chunk)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return reader.result()
+
+    def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None, *,
+                 session: SessionLike, layers: Any = None, state_slots: Any = (),
+                 conv: Any = None, temporal: Any = None, chunk_bytes: int | None = None,
+                 timeout: float | None = None) -> kv.WriteKVReply:
+        """Write K/V rows into slots ``session`` holds: ``k[i]``/``v[i]`` is
+        ``[len(slots), heads, dim]`` for the i-th layer (all, or ``layers``); one
+        stacked ``[layers, n, heads, dim]`` tensor works too. ``conv``/``temporal``
+        likewise per Mamba layer for ``state_slots``. Imports torch."""
+        chunks = kv.write_chunks(self._pool_info(model, timeout), session_id_of(session),
+                                 slots, k, v, layers, state_slots, conv, temporal,
+                                 kv.chunk_limit(chunk_bytes, self.max_message_bytes))
+        try:
+            reply = self._stub.WriteKV(chunks, timeout=timeout or self.timeout,
+                                       metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)
 
     # --------------------------------------------------------------- sessions
 
@@ -334,6 +379,11 @@ class ClientSession:
     def free(self, model: str, slots: Any = (), **kwargs: Any) -> None:
         """``PrefixCacheClient.free`` in this session."""
         self.client.free(model, slots, session=self, **kwargs)
+
+    def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
+                 **kwargs: Any) -> kv.WriteKVReply:
+        """``PrefixCacheClient.write_kv`` in this session."""
+        return self.client.write_kv(model, slots, k, v, session=self, **kwargs)
 
 
 def _renew(ref: weakref.ref[ClientSession], client: PrefixCacheClient, session_id: str,

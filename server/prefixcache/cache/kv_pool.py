@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .errors import InvalidInputError, SlotIndexError, check_count
+
+# Makes a zeroed buffer of (shape, dtype) on the pool's device; lets the host put the
+# buffers somewhere other processes can map (shared memory), without this layer knowing.
+BufferFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 class KVPool:
@@ -45,6 +49,7 @@ class KVPool:
         v_head_num: int | None = None,
         v_head_dim: int | None = None,
         device: str | torch.device = "cpu",
+        buffer_factory: BufferFactory | None = None,
     ) -> None:
         """Allocates the buffers.
 
@@ -58,11 +63,15 @@ class KVPool:
             v_head_num: V heads per token; defaults to ``k_head_num``.
             v_head_dim: V head dimension; defaults to ``k_head_dim``.
             device: Any torch device.
+            buffer_factory: Allocates each zeroed buffer instead of ``torch.zeros``
+                (it must return a contiguous tensor of the asked shape and dtype on
+                ``device``); such buffers are not pinned.
 
         Raises:
             InvalidInputError: A size, count or dimension is not a positive int, or
                 ``dtype`` is not a torch dtype.
         """
+        self._factory = buffer_factory
         self.size = check_count(size, "size", 1)
         self.page_size = check_count(page_size, "page_size", 1)
         if not isinstance(dtype, torch.dtype):
@@ -90,6 +99,8 @@ class KVPool:
 
     def _zeros(self, shape: tuple[int, int, int], pin: bool) -> torch.Tensor:
         """Returns a zeroed buffer of ``shape`` on the pool's device."""
+        if self._factory is not None:
+            return checked_buffer(self._factory, shape, self.dtype, self.device)
         return torch.zeros(shape, dtype=self.dtype, device=self.device, pin_memory=pin)
 
 
@@ -209,3 +220,15 @@ class KVPool:
             raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tuple(tensor.shape) != expected:
             raise InvalidInputError(f"{name} has shape {tuple(tensor.shape)}, expected {expected}")
+
+
+def checked_buffer(factory: BufferFactory, shape: tuple[int, ...], dtype: torch.dtype,
+          device: torch.device) -> torch.Tensor:
+    """``factory``'s buffer, checked: a wrong one would corrupt KV silently later."""
+    out = factory(shape, dtype)
+    if (tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device
+            or not out.is_contiguous()):
+        raise InvalidInputError(f"buffer_factory returned {tuple(out.shape)} {out.dtype} on "
+                                f"{out.device}, expected contiguous {tuple(shape)} {dtype} "
+                                f"on {device}")
+    return out

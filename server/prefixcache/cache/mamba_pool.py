@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .errors import DoubleFreeError, InvalidInputError, SlotIndexError, check_count
+from .kv_pool import BufferFactory, checked_buffer
 
 
 class MambaPool:
@@ -52,6 +53,7 @@ class MambaPool:
         dtype: torch.dtype = torch.float16,
         temporal_dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        buffer_factory: BufferFactory | None = None,
     ) -> None:
         """Allocate zeroed state for every slot, with every track slot free.
 
@@ -64,6 +66,8 @@ class MambaPool:
             dtype: Conv state element type (the model dtype).
             temporal_dtype: Temporal state element type.
             device: Any torch device.
+            buffer_factory: Allocates each zeroed state tensor instead of
+                ``torch.zeros`` (see ``KVPool``); such tensors are not pinned.
 
         Raises:
             InvalidInputError: A count or dimension is not a positive int (``max_reqs``
@@ -85,11 +89,17 @@ class MambaPool:
         # Pinning speeds host<->device copies but needs a CUDA runtime to exist.
         pin = self.device.type == "cpu" and torch.cuda.is_available()
         rows = (self.num_layers, self.num_slots)
-        self.conv_state = torch.zeros(rows + self.conv_state_shape, dtype=dtype,
-                                      device=self.device, pin_memory=pin)
-        self.temporal_state = torch.zeros(rows + self.temporal_state_shape,
-                                          dtype=temporal_dtype, device=self.device,
-                                          pin_memory=pin)
+        if buffer_factory is not None:
+            self.conv_state = checked_buffer(buffer_factory, rows + self.conv_state_shape, dtype,
+                                    self.device)
+            self.temporal_state = checked_buffer(buffer_factory, rows + self.temporal_state_shape,
+                                        temporal_dtype, self.device)
+        else:
+            self.conv_state = torch.zeros(rows + self.conv_state_shape, dtype=dtype,
+                                          device=self.device, pin_memory=pin)
+            self.temporal_state = torch.zeros(rows + self.temporal_state_shape,
+                                              dtype=temporal_dtype, device=self.device,
+                                              pin_memory=pin)
         self._track_in_use = bytearray(self.num_slots)
         self.clear()
 

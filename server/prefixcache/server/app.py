@@ -54,9 +54,11 @@ class PrefixCacheServer:
         self.config = config
         cfg = config.server
         self.service = CacheService(config.models, cfg.session_ttl, cfg.session_ttl_min,
-                                    cfg.session_ttl_max)
+                                    cfg.session_ttl_max, shm_dir=cfg.shm_dir or None,
+                                    shm_mode=cfg.socket_mode)
         self.metrics = Metrics(self.service)
-        self.servicer = PrefixCacheServicer(self.service, self.metrics, check_integrity)
+        self.servicer = PrefixCacheServicer(self.service, self.metrics, check_integrity,
+                                            cfg.max_message_bytes)
         self.address = cfg.listen
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -81,8 +83,12 @@ class PrefixCacheServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
-        self._bind(server)
-        await server.start()
+        try:
+            self._bind(server)
+            await server.start()
+        except BaseException:
+            self.service.close()  # no shared-memory files left behind by a failed start
+            raise
         self._server = server
         for name in ("", SERVICE_NAME, *map(model_health_name, self.service.engines)):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -147,6 +153,7 @@ class PrefixCacheServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         self.metrics.close()
+        self.service.close()
         if self._socket_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._socket_path)

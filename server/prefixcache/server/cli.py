@@ -83,6 +83,9 @@ def _add_serve(commands: Any) -> None:
     ops = serve.add_argument_group("operation")
     ops.add_argument("--log-format", choices=("text", "json"), help="log line format")
     ops.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    ops.add_argument("--shm-dir", metavar="DIR",
+                     help="where CPU pools live as shared memory for workers to attach "
+                     "(default /dev/shm; 'off' keeps them private)")
     ops.add_argument("--grace-period", type=float, metavar="SECONDS",
                      help="how long SIGTERM waits for in-flight calls (default 10)")
     serve.set_defaults(run=_serve)
@@ -101,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in (
         "listen", "metrics_port", "metrics_host", "tls_cert", "tls_key", "tls_client_ca",
         "token_file", "admin_token_file", "insecure", "log_format", "log_level",
-        "grace_period")}
+        "grace_period", "shm_dir")}
     try:
         config = load_config(args.config, overrides=overrides)
     except ConfigError as exc:

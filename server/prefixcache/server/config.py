@@ -104,6 +104,9 @@ class ServerConfig:
     session_ttl_max: float = 600.0
     grace_period: float = 10.0
     max_message_bytes: int = 64 * 1024 * 1024
+    # CPU pools live in shared-memory files here, so workers on this host can map them
+    # (DescribePool); "" or "off" keeps them private (ReadKV / WriteKV still work).
+    shm_dir: str = "/dev/shm"
     log_format: str = "text"
     log_level: str = "info"
 
@@ -221,6 +224,8 @@ def _server_config(settings: Mapping[str, Any]) -> ServerConfig:
         raise ConfigError(f"{where}.log_level: one of {', '.join(LOG_LEVELS)}")
     if not 0 <= cfg.socket_mode <= 0o777:
         raise ConfigError(f"{where}.socket_mode: must be a file mode such as 0o600")
+    if cfg.shm_dir.lower() == "off":
+        cfg = replace(cfg, shm_dir="")
     token = _secret(cfg.token, cfg.token_file, f"{where}.token_file")
     admin = _secret(cfg.admin_token, cfg.admin_token_file, f"{where}.admin_token_file")
     return replace(cfg, token=token, admin_token=admin)

@@ -33,6 +33,7 @@ from prefixcache.cache import (
     TokenToKVPoolAllocator,
 )
 from prefixcache.cache.allocator import host_indices
+from prefixcache.cache.kv_pool import BufferFactory
 from prefixcache.cache.mamba_radix_cache import MambaRadixCache
 
 from .config import ModelConfig
@@ -84,7 +85,8 @@ class ModelEngine(EngineBase):
         next_lock_id: Hands out service-wide lock ids.
     """
 
-    def __init__(self, config: ModelConfig, next_lock_id: Any) -> None:
+    def __init__(self, config: ModelConfig, next_lock_id: Any,
+                 buffer_factory: BufferFactory | None = None) -> None:
         super().__init__(config, next_lock_id)
         self.page_size = config.page_size
         pool = config.pool
@@ -97,6 +99,7 @@ class ModelEngine(EngineBase):
             "v_head_num": pool.v_heads,
             "v_head_dim": pool.v_head_dim,
             "device": pool.device,
+            "buffer_factory": buffer_factory,
         }
         self.kv_pool = KVPool(pool.size, **kv)
         self.swa_kv_pool: KVPool | None = None
@@ -114,7 +117,7 @@ class ModelEngine(EngineBase):
             self.allocator = TokenToKVPoolAllocator(pool.size, "cpu", config.page_size)
             if config.kind == "mamba":
                 assert config.mamba is not None
-                states = mamba_pool(config.mamba, pool.device)
+                states = mamba_pool(config.mamba, pool.device, buffer_factory)
                 self.cache = MambaRadixCache(config.page_size, self.allocator, states,
                                              mamba_cache_chunk_size=config.mamba.chunk_size)
                 self.states = StateSlots(config.name, states, self.cache)

@@ -15,6 +15,7 @@ from .config import ModelConfig
 from .engine import ModelEngine
 from .errors import NotFoundError, PreconditionError
 from .sessions import Session, SessionRegistry
+from .shared_pool import SharedPools
 from .slot_engine import SlotEngine
 
 log = logging.getLogger("prefixcache.server")
@@ -31,16 +32,29 @@ class CacheService:
 
     def __init__(self, models: tuple[ModelConfig, ...] | list[ModelConfig],
                  session_ttl: float = 30.0, ttl_min: float = 1.0, ttl_max: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 shm_dir: str | None = None, shm_mode: int = 0o600) -> None:
         self.sessions = SessionRegistry(self._release, clock)
-        self.engines: dict[str, ModelEngine | SlotEngine] = {}
-        for model in models:
-            kind = SlotEngine if model.kind == "slot" else ModelEngine
-            self.engines[model.name] = kind(model, self.sessions.next_lock_id)
-        self.session_ttl, self.ttl_min, self.ttl_max = session_ttl, ttl_min, ttl_max
         # A client that sees this change knows every handle it holds is gone.
         self.epoch = secrets.randbits(63) or 1
+        # CPU pools in shared memory under shm_dir (None: private), for attach.
+        self.shared = SharedPools(shm_dir, self.epoch, shm_mode)
+        self.engines: dict[str, ModelEngine | SlotEngine] = {}
+        try:
+            for model in models:
+                kind = SlotEngine if model.kind == "slot" else ModelEngine
+                self.engines[model.name] = kind(
+                    model, self.sessions.next_lock_id,
+                    self.shared.factory(model.name, model.pool.device))
+        except BaseException:
+            self.shared.close()
+            raise
+        self.session_ttl, self.ttl_min, self.ttl_max = session_ttl, ttl_min, ttl_max
         self.draining = False
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise: the shared-memory files."""
+        self.shared.close()
 
     def engine(self, name: str) -> ModelEngine | SlotEngine:
         try:

@@ -22,11 +22,13 @@ from prefixcache.cache import InvalidInputError
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
+from . import kv_transfer
 from .codec import decode_key, decode_slots, encode_slots
 from .errors import DrainingError, PreconditionError
 from .metrics import Metrics
 from .service import CacheService
 from .sessions import Session
+from .shared_pool import describe_buffers
 from .status import status_for
 
 log = logging.getLogger("prefixcache.server")
@@ -39,6 +41,8 @@ _KINDS = {
     "chunk": pb.CACHE_KIND_CHUNK,
 }
 _OK = grpc.StatusCode.OK
+# Room for a KVChunk's other fields within a message of max_message_bytes.
+CHUNK_OVERHEAD = 1024
 
 
 def _extra_key(request: Any) -> str | None:
@@ -65,10 +69,13 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
     """Serves ``prefixcache.v1.PrefixCache`` over a ``CacheService``."""
 
     def __init__(self, service: CacheService, metrics: Metrics | None = None,
-                 check_integrity: bool = False) -> None:
+                 check_integrity: bool = False,
+                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
         self.service = service
         self.metrics = metrics
         self.check_integrity = check_integrity
+        # ReadKV chunks never exceed this, whatever the client asks for.
+        self.max_chunk_bytes = max(max_message_bytes - CHUNK_OVERHEAD, 1)
         self._stream_ops: dict[str, Callable[[Any, Session | None], Any]] = {
             "match": self._match, "insert": self._insert, "evict": self._evict,
             "lock": self._lock, "unlock": self._unlock, "alloc": self._alloc,
@@ -272,14 +279,16 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
                 k_head_dim=k.shape[4], v_head_num=v.shape[3], v_head_dim=v.shape[4],
                 dtype=str(k.dtype).removeprefix("torch."), device=str(k.device),
                 page_size=1, pool_size=engine.pool_size, num_rows=engine.pool_size,
-                max_seq_len=engine.max_seq_len)
+                max_seq_len=engine.max_seq_len,
+                buffers=describe_buffers(engine, self.service.shared))
         return pb.DescribePoolResponse(
             model=engine.name, layer_num=kv.layer_num, k_head_num=kv.k_head_num,
             k_head_dim=kv.k_head_dim, v_head_num=kv.v_head_num, v_head_dim=kv.v_head_dim,
             dtype=str(kv.dtype).removeprefix("torch."), device=str(kv.device),
             page_size=kv.page_size, pool_size=engine.pool_size, num_rows=kv.num_rows,
             swa_pool_size=engine.swa_kv_pool.size if engine.swa_kv_pool else 0,
-            mamba=_mamba_layout(engine.mamba_pool) if engine.mamba_pool else None)
+            mamba=_mamba_layout(engine.mamba_pool) if engine.mamba_pool else None,
+            buffers=describe_buffers(engine, self.service.shared))
 
     def _open_session(self, req: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
         if req.ttl_seconds < 0 or req.ttl_seconds != req.ttl_seconds:
@@ -299,6 +308,60 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
     def _reset(self, req: pb.ResetRequest) -> pb.ResetResponse:
         tokens, locks = self.service.reset(req.model)
         return pb.ResetResponse(dropped_tokens=tokens, dropped_locks=locks)
+
+    # ------------------------------------------------------------ KV transfer
+
+    async def ReadKV(self, request: pb.ReadKVRequest,
+                     context: Any) -> AsyncIterator[pb.KVChunk]:
+        start = time.perf_counter()
+        code = _OK
+        try:
+            if self.service.draining:
+                raise DrainingError("the service is shutting down")
+            engine = self.service.engine(request.model)
+            parts = kv_transfer.plan(engine, decode_slots(request.slot_indices),
+                                     list(request.layers),
+                                     decode_slots(request.state_slots, "state_slots"))
+            chunk = min(request.max_chunk_bytes or self.max_chunk_bytes,
+                        self.max_chunk_bytes)
+            # Each yield lets the loop serve other calls between chunks.
+            for reply in kv_transfer.read_chunks(parts, chunk):
+                yield reply
+        except Exception as exc:
+            code = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("internal error in ReadKV")
+            await context.abort(code, str(exc))
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_rpc("ReadKV", code, time.perf_counter() - start)
+
+    async def WriteKV(self, request_iterator: AsyncIterator[pb.KVChunk],
+                      context: Any) -> pb.WriteKVResponse:
+        start = time.perf_counter()
+        code = _OK
+        try:
+            writer = None
+            async for chunk in request_iterator:
+                if writer is None:
+                    writer = kv_transfer.open_writer(self.service, chunk)
+                else:
+                    writer.add(chunk)
+            if writer is None:
+                raise InvalidInputError("WriteKV stream carried no header")
+            buffers = writer.finish()
+            if self.check_integrity:
+                self.service.check_integrity()
+            return pb.WriteKVResponse(bytes_written=writer.bytes_written,
+                                      buffers_written=buffers)
+        except Exception as exc:
+            code = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("internal error in WriteKV")
+            await context.abort(code, str(exc))
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_rpc("WriteKV", code, time.perf_counter() - start)
 
     # ---------------------------------------------------------- Session stream
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from prefixcache.cache import EvictResult, IntegrityError, InvalidInputError, RadixKey
+from prefixcache.cache.kv_pool import BufferFactory, checked_buffer
 from prefixcache.cache.slot_allocator import SlotAllocator
 from prefixcache.cache.slot_cache import SlotPrefixCache
 
@@ -32,7 +33,8 @@ from .sessions import Session
 class SlotEngine(EngineBase):
     """The slot allocator, KV tensors and slot prefix cache of one model."""
 
-    def __init__(self, config: ModelConfig, next_lock_id: Any) -> None:
+    def __init__(self, config: ModelConfig, next_lock_id: Any,
+                 buffer_factory: BufferFactory | None = None) -> None:
         super().__init__(config, next_lock_id)
         self.page_size = 1
         pool = config.pool
@@ -44,11 +46,15 @@ class SlotEngine(EngineBase):
                                      eviction_policy=config.eviction_policy)
         dtype = getattr(torch, pool.dtype)
         shape = (pool.size, config.max_seq_len, pool.layers)
-        self.k_cache = torch.zeros((*shape, pool.k_heads, pool.k_head_dim), dtype=dtype,
-                                   device=pool.device)
-        self.v_cache = torch.zeros((*shape, pool.v_heads or pool.k_heads,
-                                    pool.v_head_dim or pool.k_head_dim), dtype=dtype,
-                                   device=pool.device)
+        k_shape = (*shape, pool.k_heads, pool.k_head_dim)
+        v_shape = (*shape, pool.v_heads or pool.k_heads, pool.v_head_dim or pool.k_head_dim)
+        device = torch.device(pool.device)
+        if buffer_factory is not None:  # shared memory, for workers that attach
+            self.k_cache = checked_buffer(buffer_factory, k_shape, dtype, device)
+            self.v_cache = checked_buffer(buffer_factory, v_shape, dtype, device)
+        else:
+            self.k_cache = torch.zeros(k_shape, dtype=dtype, device=device)
+            self.v_cache = torch.zeros(v_shape, dtype=dtype, device=device)
         self.kv_pool = None
         self.swa_kv_pool = None
         self.mamba_pool = None

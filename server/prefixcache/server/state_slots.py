@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from prefixcache.cache import IntegrityError, InvalidInputError
+from prefixcache.cache.kv_pool import BufferFactory
 from prefixcache.cache.mamba_pool import MambaPool
 from prefixcache.cache.mamba_radix_cache import MambaRadixCache
 
@@ -21,11 +22,12 @@ from .sessions import Session
 from .slot_checks import check_distinct
 
 
-def mamba_pool(config: MambaConfig, device: str) -> MambaPool:
+def mamba_pool(config: MambaConfig, device: str,
+               buffer_factory: BufferFactory | None = None) -> MambaPool:
     return MambaPool(config.working_slots, config.state_slots, config.layers,
                      config.conv_state_shape, config.temporal_state_shape,
                      getattr(torch, config.dtype), getattr(torch, config.temporal_dtype),
-                     device)
+                     device, buffer_factory)
 
 
 class StateSlots:

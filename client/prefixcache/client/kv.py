@@ -1,0 +1,225 @@
+"""KV transfer on the client: ReadKV chunks into tensors, tensors into WriteKV chunks.
+
+The layout of a transfer (see ``KVChunk`` in the proto): for each layer the K rows then
+the V rows of the named slots, then for each Mamba layer the conv then the temporal
+state of the named state slots, each as raw little-endian bytes of the pool's element
+type. torch is imported inside the functions only (the client must load without it).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixcache.v1 import prefix_cache_pb2 as pb
+
+from ._wire import pack_slots
+from .errors import FailedPrecondition, InvalidArgument
+from .results import PoolInfo
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+# Room for a KVChunk's other fields within a message of max_message_bytes.
+CHUNK_OVERHEAD = 1024
+
+K, V = pb.BUFFER_ROLE_K, pb.BUFFER_ROLE_V
+CONV, TEMPORAL = pb.BUFFER_ROLE_CONV, pb.BUFFER_ROLE_TEMPORAL
+
+
+@dataclass(frozen=True, slots=True)
+class KVData:
+    """Rows read by ``read_kv``: one tensor per layer, ``[n, *row]`` each.
+
+    ``k[i]`` and ``v[i]`` belong to attention layer ``layers[i]``; ``conv[j]`` and
+    ``temporal[j]`` to Mamba layer ``j`` (empty when no state slots were named).
+    """
+
+    layers: tuple[int, ...]
+    k: list[Any] = field(default_factory=list)
+    v: list[Any] = field(default_factory=list)
+    conv: list[Any] = field(default_factory=list)
+    temporal: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteKVReply:
+    """What ``write_kv`` wrote: bytes and buffers (K or V of a layer, a Mamba state)."""
+
+    bytes_written: int
+    buffers_written: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    role: int
+    layer: int
+    rows: int
+    row_shape: tuple[int, ...]
+    dtype: str
+
+    def element_size(self) -> int:
+        import torch
+
+        return int(torch.empty((), dtype=getattr(torch, self.dtype)).element_size())
+
+    @property
+    def nbytes(self) -> int:
+        size = self.rows * self.element_size()
+        for d in self.row_shape:
+            size *= d
+        return size
+
+
+def _check_host() -> None:
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian CI host
+        raise InvalidArgument("KV transfer needs a little-endian host")
+
+
+def plan(info: PoolInfo, num_slots: int, layers: Sequence[int] | None,
+         num_states: int) -> tuple[tuple[int, ...], list[_Part]]:
+    """The layers and the parts of a transfer, in wire order."""
+    _check_host()
+    wanted = tuple(range(info.layer_num)) if not layers else tuple(int(x) for x in layers)
+    seq = (info.max_seq_len,) if info.max_seq_len else ()
+    parts: list[_Part] = []
+    for layer in wanted:
+        parts.append(_Part(K, layer, num_slots, (*seq, info.k_head_num, info.k_head_dim),
+                           info.dtype))
+        parts.append(_Part(V, layer, num_slots, (*seq, info.v_head_num, info.v_head_dim),
+                           info.dtype))
+    if num_states:
+        if info.mamba is None:
+            raise FailedPrecondition(f"model {info.model!r} has no Mamba state pool")
+        m = info.mamba
+        for layer in range(m.layer_num):
+            parts.append(_Part(CONV, layer, num_states, m.conv_state_shape, m.conv_dtype))
+            parts.append(_Part(TEMPORAL, layer, num_states, m.temporal_state_shape,
+                               m.temporal_dtype))
+    return wanted, parts
+
+
+def chunk_limit(requested: int | None, max_message_bytes: int) -> int:
+    """The data bytes per chunk: ``requested`` (default 1 MiB) within the message limit."""
+    cap = max(max_message_bytes - CHUNK_OVERHEAD, 1)
+    return min(int(requested or DEFAULT_CHUNK_BYTES), cap)
+
+
+class Reader:
+    """Builds a ReadKVRequest and assembles the chunks that answer it."""
+
+    def __init__(self, info: PoolInfo, slots: Any, layers: Sequence[int] | None,
+                 state_slots: Any, chunk_bytes: int) -> None:
+        self._slots, self._states = pack_slots(slots), pack_slots(state_slots)
+        self._layers, parts = plan(info, len(self._slots) // 8, layers,
+                                   len(self._states) // 8)
+        self._parts = {(p.role, p.layer): p for p in parts}
+        self._order = parts
+        self._data = {key: bytearray(p.nbytes) for key, p in self._parts.items()}
+        self._got = dict.fromkeys(self._parts, 0)
+        self.request = pb.ReadKVRequest(model=info.model, slot_indices=self._slots,
+                                        layers=list(self._layers) if layers else [],
+                                        state_slots=self._states,
+                                        max_chunk_bytes=chunk_bytes)
+
+    def add(self, chunk: pb.KVChunk) -> None:
+        key = (chunk.role, chunk.layer)
+        buf = self._data.get(key)
+        end = chunk.offset_bytes + len(chunk.data)
+        if buf is None or chunk.offset_bytes != self._got[key] or end > len(buf):
+            raise InvalidArgument(f"unexpected ReadKV chunk for buffer {key} at offset "
+                                  f"{chunk.offset_bytes} (the pool layout changed?)")
+        buf[chunk.offset_bytes:end] = chunk.data
+        self._got[key] = end
+
+    def result(self) -> KVData:
+        import torch
+
+        out: dict[int, list[Any]] = {K: [], V: [], CONV: [], TEMPORAL: []}
+        for part in self._order:
+            key = (part.role, part.layer)
+            if self._got[key] != part.nbytes:
+                raise InvalidArgument(f"ReadKV ended early: buffer {key} has "
+                                      f"{self._got[key]} of {part.nbytes} bytes")
+            dtype = getattr(torch, part.dtype)
+            if part.nbytes:
+                flat = torch.frombuffer(self._data[key], dtype=torch.uint8).view(dtype)
+                tensor = flat.view(part.rows, *part.row_shape)
+            else:
+                tensor = torch.empty((part.rows, *part.row_shape), dtype=dtype)
+            out[part.role].append(tensor)
+        return KVData(self._layers, out[K], out[V], out[CONV], out[TEMPORAL])
+
+
+def _per_layer(values: Any, count: int, row_dims: int, what: str) -> list[Any]:
+    """One tensor per layer, from a sequence of them or one stacked ``[L, n, *row]``."""
+    if values is None:
+        raise InvalidArgument(f"{what} is required for this transfer")
+    if hasattr(values, "unbind") and values.dim() == row_dims + 2:
+        values = values.unbind(0)
+    seq = list(values)
+    if len(seq) != count:
+        raise InvalidArgument(f"{what} has {len(seq)} layers, the transfer {count}")
+    return seq
+
+
+def write_chunks(info: PoolInfo, session_id: str, slots: Any, k: Any, v: Any,
+                 layers: Sequence[int] | None, state_slots: Any, conv: Any, temporal: Any,
+                 chunk_bytes: int) -> Iterator[pb.KVChunk]:
+    """The header chunk, then the tensors as data chunks.
+
+    Every shape is checked here, before the first chunk is sent; each tensor is turned
+    into bytes only when its chunks are due, so a write holds one buffer's copy at most.
+    """
+    import torch
+
+    packed, states = pack_slots(slots), pack_slots(state_slots)
+    wanted, parts = plan(info, len(packed) // 8, layers, len(states) // 8)
+    sources: dict[tuple[int, int], Any] = {}
+    jobs = [((K, k, "k"), (V, v, "v"))] if wanted and packed else []
+    for role, values, name in (x for pair in jobs for x in pair):
+        row_dims = len(parts[0 if role == K else 1].row_shape)
+        for layer, tensor in zip(wanted, _per_layer(values, len(wanted), row_dims, name),
+                                 strict=True):
+            sources[(role, layer)] = tensor
+    if states and info.mamba is not None:
+        m = info.mamba
+        for role, values, name, dims in ((CONV, conv, "conv", len(m.conv_state_shape)),
+                                         (TEMPORAL, temporal, "temporal",
+                                          len(m.temporal_state_shape))):
+            for layer, tensor in enumerate(_per_layer(values, m.layer_num, dims, name)):
+                sources[(role, layer)] = tensor
+    todo = []
+    for part in parts:
+        if not part.nbytes:
+            continue
+        tensor = sources[(part.role, part.layer)]
+        if not isinstance(tensor, torch.Tensor):
+            tensor = torch.as_tensor(tensor)
+        shape = (part.rows, *part.row_shape)
+        if tuple(tensor.shape) != shape:
+            raise InvalidArgument(f"{_label(part)} has shape {tuple(tensor.shape)}, "
+                                  f"expected {shape}")
+        todo.append((part, tensor))
+    header = pb.WriteKVHeader(model=info.model, slot_indices=packed,
+                              layers=list(wanted) if layers else [], state_slots=states,
+                              session_id=session_id)
+    return _chunks(header, todo, chunk_bytes)
+
+
+def _chunks(header: pb.WriteKVHeader, todo: list[tuple[_Part, Any]],
+            chunk_bytes: int) -> Iterator[pb.KVChunk]:
+    import torch
+
+    yield pb.KVChunk(header=header)
+    for part, tensor in todo:
+        host = tensor.detach().to(device="cpu", dtype=getattr(torch, part.dtype))
+        data = memoryview(host.contiguous().view(torch.uint8).reshape(-1).numpy())
+        for i in range(0, len(data), chunk_bytes):
+            yield pb.KVChunk(role=part.role, layer=part.layer, offset_bytes=i,
+                             data=bytes(data[i:i + chunk_bytes]))
+
+
+def _label(part: _Part) -> str:
+    name = {K: "k", V: "v", CONV: "conv", TEMPORAL: "temporal"}[part.role]
+    return f"{name}[{part.layer}]"

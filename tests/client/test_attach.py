@@ -1,0 +1,130 @@
+"""Pool attach across two processes: `prefixcache serve` in a child process, this test
+process maps its pool, and each side sees the other's writes (DESIGN §4)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from harness import running, serve_process
+
+from prefixcache.client import FailedPrecondition, PrefixCacheClient
+from prefixcache.server.shared_pool import SharedPools, remove_stale
+
+CONFIG = """
+models:
+  - name: m
+    pool: {size: 128, layers: 2, k_heads: 2, k_head_dim: 8}
+  - name: h
+    kind: mamba
+    page_size: 2
+    pool: {size: 64, k_heads: 1, k_head_dim: 4}
+    mamba: {state_slots: 4, working_slots: 2, layers: 2, conv_state_shape: [3, 2],
+            temporal_state_shape: [2, 2, 2]}
+  - name: s
+    kind: slot
+    max_seq_len: 8
+    pool: {size: 4, k_heads: 1, k_head_dim: 2}
+"""
+
+
+def _shm_files(pid: int) -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"prefixcache-{pid}-")]
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefixCacheClient]:
+    """A client of a server that runs in another process."""
+    with serve_process(tmp_path_factory.mktemp("attach"), CONFIG) as (proc, address):
+        assert _shm_files(proc.pid)
+        with PrefixCacheClient(address, timeout=5.0) as client:
+            yield client
+    # A clean stop unlinks every shared-memory file it made.
+    assert _shm_files(proc.pid) == []
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    return torch.randn(shape).to(dtype)
+
+
+def test_attached_writes_are_read_through_the_server(remote: PrefixCacheClient) -> None:
+    pool = remote.attach_pool("m")
+    assert len(pool.k_buffer) == 2 and pool.k_buffer[0].shape == (129, 2, 8)
+    assert pool.device == "cpu"
+    with remote.session(10.0) as s:
+        slots = torch.tensor(list(s.alloc("m", 6).slots))
+        k = [_random((6, 2, 8)) for _ in range(2)]
+        v = [_random((6, 2, 8)) for _ in range(2)]
+        for layer in range(2):  # the worker's "forward pass" writes in place, no RPC
+            pool.k_buffer[layer][slots] = k[layer]
+            pool.v_buffer[layer][slots] = v[layer]
+        back = remote.read_kv("m", slots, chunk_bytes=100)
+        assert all(torch.equal(back.k[i], k[i]) and torch.equal(back.v[i], v[i])
+                   for i in range(2))
+
+        # ... and the other way round: written through the server, seen in the mapping.
+        k2 = _random((2, 6, 2, 8))
+        s.write_kv("m", slots, k2, k2 * 2, chunk_bytes=77)
+        assert torch.equal(pool.k_buffer[1][slots], k2[1])
+        assert torch.equal(pool.v_buffer[0][slots], k2[0] * 2)
+        # A second attach maps the same memory.
+        again = remote.attach_pool("m")
+        assert torch.equal(again.k_buffer[1][slots], k2[1])
+        s.free("m", slots)
+    pool.close()
+
+
+def test_attach_mamba_state_and_slot_model(remote: PrefixCacheClient) -> None:
+    pool = remote.attach_pool("h")
+    assert len(pool.conv_state) == 2 and pool.conv_state[1].shape == (7, 3, 2)
+    assert pool.temporal_state[0].dtype == torch.float32
+    with remote.session(10.0) as s:
+        got = s.alloc("h", 2, num_state_slots=2)
+        states = torch.tensor(list(got.state_slots))
+        conv = _random((2, 3, 2))
+        pool.conv_state[1][states] = conv
+        pool.temporal_state[0][states] = torch.ones(2, 2, 2, 2)
+        back = remote.read_kv("h", state_slots=states)
+        assert torch.equal(back.conv[1], conv)
+        assert torch.equal(back.temporal[0], torch.ones(2, 2, 2, 2))
+        s.free("h", got.slots, state_slots=got.state_slots)
+
+        slot_pool = remote.attach_pool("s")
+        assert len(slot_pool.k_buffer) == 1 and slot_pool.k_buffer[0].shape == (4, 8, 1, 2)
+        slot = s.alloc("s", 1).slots
+        rows = _random((1, 8, 1, 2))
+        slot_pool.k_buffer[0][slot[0]] = rows[0]
+        assert torch.equal(remote.read_kv("s", slot).k[0], rows)
+        s.free("s", slot)
+
+
+def test_attach_refused_when_shared_memory_is_off(tmp_path: Path) -> None:
+    with running(tmp_path, shm_dir="") as srv, PrefixCacheClient(srv.address) as c:
+        assert c.describe_pool("m").buffers == ()
+        with pytest.raises(FailedPrecondition, match="shares no buffers"):
+            c.attach_pool("m")
+
+
+def test_stale_files_of_dead_services_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"prefixcache-{dead.pid}-abc-m-0"
+    mine = tmp_path / f"prefixcache-{os.getpid()}-abc-m-0"
+    other = tmp_path / "unrelated"
+    for path in (stale, mine, other):
+        path.write_bytes(b"x")
+    assert remove_stale(tmp_path) == 1
+    assert not stale.exists() and mine.exists() and other.exists()
+    shared = SharedPools(str(tmp_path), epoch=0xBEEF)
+    factory = shared.factory("a/b", "cpu")
+    assert factory is not None and shared.factory("a", "cuda:0") is None
+    t = factory((3, 2), torch.float32)
+    assert torch.equal(t, torch.zeros(3, 2))
+    assert len(list(tmp_path.glob(f"prefixcache-{os.getpid()}-beef-a_b-*"))) == 1
+    shared.close()
+    assert not list(tmp_path.glob("*beef*"))

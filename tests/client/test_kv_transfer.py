@@ -1,0 +1,158 @@
+"""ReadKV / WriteKV: byte-exact round trips in chunks of any size, refusals, the
+message limit."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from harness import ServerThread, pack_slots, pb, running, stub_for
+
+from prefixcache.client import (
+    AsyncPrefixCacheClient,
+    FailedPrecondition,
+    InvalidArgument,
+    PrefixCacheClient,
+    ResourceExhausted,
+)
+from prefixcache.server.config import ModelConfig, PoolConfig
+
+pytestmark = pytest.mark.usefixtures("quiet")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (random floats may hold NaN payloads)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), dtype=torch.uint8,
+                         generator=gen).view(dtype)
+
+
+@pytest.mark.parametrize("chunk", [None, 3, 8, 13, 64])
+def test_round_trip_in_chunks(client: PrefixCacheClient, chunk: int | None) -> None:
+    with client.session(5.0) as s:
+        slots = list(s.alloc("m", 7).slots)
+        k = _random((1, 7, 1, 4), torch.float16, 1)
+        v = _random((1, 7, 1, 4), torch.float16, 2)
+        reply = s.write_kv("m", slots, k, v, chunk_bytes=chunk)
+        assert (reply.bytes_written, reply.buffers_written) == (2 * 7 * 8, 2)
+        back = client.read_kv("m", slots[::-1], chunk_bytes=chunk)
+        assert back.layers == (0,)
+        assert _same(back.k[0], k[0].flip(0)) and _same(back.v[0], v[0].flip(0))
+        s.free("m", slots)
+
+
+def test_mamba_state_and_slot_model(client: PrefixCacheClient) -> None:
+    with client.session(5.0) as s:
+        got = s.alloc("h", 2, num_state_slots=2)
+        conv = _random((2, 2, 3, 2), torch.float16, 3)
+        temporal = _random((2, 2, 2, 2, 2), torch.float32, 4)
+        k = [_random((2, 1, 4), torch.float16, 5)]
+        v = [_random((2, 1, 4), torch.float16, 6)]
+        s.write_kv("h", got.slots, k, v, state_slots=got.state_slots, conv=conv,
+                   temporal=temporal, chunk_bytes=5)
+        back = client.read_kv("h", got.slots, state_slots=got.state_slots, chunk_bytes=7)
+        assert _same(back.k[0], k[0]) and _same(back.v[0], v[0])
+        assert all(_same(back.conv[i], conv[i]) for i in range(2))
+        assert all(_same(back.temporal[i], temporal[i]) for i in range(2))
+        state_only = client.read_kv("h", state_slots=got.state_slots[:1])
+        assert state_only.k[0].shape == (0, 1, 4) and _same(state_only.conv[1], conv[1][:1])
+        s.free("h", got.slots, state_slots=got.state_slots)
+
+        slot = s.alloc("s", 1).slots
+        rows = _random((1, 1, 16, 1, 2), torch.float16, 7)
+        s.write_kv("s", slot, rows, rows + 1, chunk_bytes=10)
+        back = client.read_kv("s", slot)
+        assert _same(back.k[0], rows[0]) and _same(back.v[0], rows[0] + 1)
+        s.free("s", slot)
+
+
+def test_refusals(client: PrefixCacheClient, server: ServerThread) -> None:
+    k = torch.zeros(1, 2, 1, 4, dtype=torch.float16)
+    with client.session(5.0) as s, client.session(5.0) as other:
+        mine = list(s.alloc("m", 2).slots)
+        theirs = list(other.alloc("m", 2).slots)
+        with pytest.raises(FailedPrecondition, match="not held"):
+            s.write_kv("m", theirs, k, k)
+        with pytest.raises(FailedPrecondition, match="session"):
+            client.write_kv("m", mine, k, k, session="")
+        with pytest.raises(InvalidArgument, match="outside"):
+            s.write_kv("m", [0, 1 << 20], k, k)
+        with pytest.raises(InvalidArgument, match="outside"):
+            client.read_kv("m", [1 << 20])
+        with pytest.raises(InvalidArgument, match="layer"):
+            client.read_kv("m", mine, layers=[3])
+        with pytest.raises(InvalidArgument, match="shape"):
+            s.write_kv("m", mine, k[:, :1], k[:, :1])
+        with pytest.raises(InvalidArgument, match="twice"):
+            s.write_kv("m", [mine[0], mine[0]], k, k)
+        with pytest.raises(FailedPrecondition, match="Mamba"):
+            client.read_kv("m", mine, state_slots=[1])
+        # Wrong byte counts on the raw wire: too many, too few, out of order.
+        channel, stub = stub_for(server.address)
+        head = pb.KVChunk(header=pb.WriteKVHeader(model="m", slot_indices=pack_slots(mine),
+                                                   session_id=s.session_id))
+        k_role = pb.BUFFER_ROLE_K
+        for bad, message in (
+            ([pb.KVChunk(role=k_role, data=bytes(17))], "more than"),
+            ([pb.KVChunk(role=k_role, data=bytes(16))], "V\\[0\\]: 0 of 16"),
+            ([pb.KVChunk(role=k_role, offset_bytes=4, data=bytes(4))], "offset"),
+            ([pb.KVChunk(role=pb.BUFFER_ROLE_CONV, data=bytes(4))], "does not cover"),
+            ([], "K\\[0\\]: 0 of 16"),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.WriteKV(iter([head, *bad]), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() and __import__("re").search(message,
+                                                                   err.value.details())
+        channel.close()
+        # Slots freed while nothing was written are refused at the header.
+        s.free("m", mine)
+        with pytest.raises(FailedPrecondition):
+            s.write_kv("m", mine, k, k)
+        other.free("m", theirs)
+
+
+def test_message_limit(tmp_path: Path) -> None:
+    model = ModelConfig(name="big", pool=PoolConfig(size=64, k_heads=4, k_head_dim=128))
+    with running(tmp_path, [model], max_message_bytes=4096) as srv:
+        with PrefixCacheClient(srv.address, max_message_bytes=4096) as c, c.session(5) as s:
+            slots = list(s.alloc("big", 9).slots)
+            k = _random((1, 9, 4, 128), torch.float16, 8)
+            s.write_kv("big", slots, k, k + 1, chunk_bytes=1 << 20)  # clamped to the limit
+            assert _same(c.read_kv("big", slots, chunk_bytes=1 << 20).k[0], k[0])
+            channel, stub = stub_for(srv.address)
+            chunks = list(stub.ReadKV(pb.ReadKVRequest(model="big",
+                                                       slot_indices=pack_slots(slots)),
+                                      timeout=5))
+            # 9 rows of 1 KiB per buffer, at most 3 KiB (4096 less room for the rest) a chunk
+            assert max(x.ByteSize() for x in chunks) <= 4096 and len(chunks) == 2 * 3
+            channel.close()
+        with PrefixCacheClient(srv.address) as c, c.session(5) as s:
+            slots = list(s.alloc("big", 9).slots)
+            with pytest.raises(ResourceExhausted):
+                s.write_kv("big", slots, k, k, chunk_bytes=8192)
+
+
+def test_async_round_trip(server: ServerThread) -> None:
+    async def main() -> None:
+        async with AsyncPrefixCacheClient(server.address, timeout=5) as c, \
+                c.session(5.0) as s:
+            slots = list((await s.alloc("p", 5)).slots)
+            k = _random((1, 5, 1, 4), torch.float16, 9)
+            await s.write_kv("p", slots, k, k, chunk_bytes=6)
+            back = await c.read_kv("p", slots, chunk_bytes=11)
+            assert _same(back.k[0], k[0]) and _same(back.v[0], k[0])
+            with pytest.raises(FailedPrecondition):
+                await c.write_kv("p", [slots[0] + 40], k[:, :1], k[:, :1], session=s)
+            pool = await c.attach_pool("p")
+            assert _same(pool.k_buffer[0][slots], k[0])
+            await s.free("p", slots)
+    asyncio.run(main())
