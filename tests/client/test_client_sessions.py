@@ -145,3 +145,49 @@ def test_fail_open_per_session(server: ServerThread, client: PrefixCacheClient) 
         with pytest.raises(DeadlineExceeded):
             client.match("m", [3, 4], session=s, timeout=0.05)
         time.sleep(0.3)
+
+
+_WORKER = """
+import sys
+from prefixcache.client import PrefixCacheClient
+client = PrefixCacheClient(sys.argv[1])
+s = client.session(ttl=0.5)  # renewed by a thread for as long as the process lives
+for i in range(120):  # 120 locks and 120 allocated-but-not-inserted slots
+    tokens = [500 + i]
+    m = s.match("m", tokens, lock=True, allocate=True)
+    s.insert("m", tokens, m.all_slots(), lock=True, release_lock_id=m.lock_id)
+    s.alloc("m", 1)
+print("ready", flush=True)
+sys.stdin.read()  # hold everything until killed
+"""
+
+
+def test_a_killed_worker_s_locks_and_slots_are_released_after_its_lease(
+        server: ServerThread, client: PrefixCacheClient, tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    worker = subprocess.Popen([sys.executable, "-c", _WORKER, server.address], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None and worker.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # past two leases: only renewal keeps the worker's claims alive
+        st = client.stats("m")["m"]
+        assert (st.locks, st.session_slots) == (120, 120)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(10)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 0.5 + 1.0:
+            st = client.stats("m")["m"]
+            if (st.locks, st.session_slots) == (0, 0):
+                break
+            time.sleep(0.05)
+        assert (st.locks, st.session_slots) == (0, 0)  # within the lease plus one second
+        server.check_integrity()
+    finally:
+        worker.kill()
+        worker.wait(10)
+    client.evict("m", 10**6)
