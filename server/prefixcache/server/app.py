@@ -22,15 +22,16 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
-from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
 from .auth import TokenAuthInterceptor
 from .config import Config, ConfigError
 from .metrics import Metrics
 from .service import CacheService
-from .servicer import PrefixCacheServicer
+from .servicer import PrefixCacheServicer, add_to_server
 
 log = logging.getLogger("prefixcache.server")
+
+_DISPATCH_WINDOW = 0.2  # seconds
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixCache"].full_name
 
@@ -53,11 +54,13 @@ class PrefixCacheServer:
     def __init__(self, config: Config, *, check_integrity: bool = False) -> None:
         self.config = config
         cfg = config.server
+        # Invariant mode: from the config (server.check_integrity), or forced by tests.
+        self.check_integrity = check_integrity or cfg.check_integrity
         self.service = CacheService(config.models, cfg.session_ttl, cfg.session_ttl_min,
                                     cfg.session_ttl_max, shm_dir=cfg.shm_dir or None,
                                     shm_mode=cfg.socket_mode)
         self.metrics = Metrics(self.service)
-        self.servicer = PrefixCacheServicer(self.service, self.metrics, check_integrity,
+        self.servicer = PrefixCacheServicer(self.service, self.metrics, self.check_integrity,
                                             cfg.max_message_bytes)
         self.address = cfg.listen
         self.metrics_port: int | None = None
@@ -78,7 +81,7 @@ class PrefixCacheServer:
             # Two servers on one port would split the traffic silently.
             ("grpc.so_reuseport", 0),
         ])
-        pb_grpc.add_PrefixCacheServicer_to_server(self.servicer, server)
+        add_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -95,6 +98,9 @@ class PrefixCacheServer:
         if cfg.metrics_port >= 0:
             self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
         self._reaper = asyncio.create_task(self._expire_leases())
+        if self.check_integrity:
+            log.warning("invariant mode is on: every call that changes a cache runs the "
+                        "integrity check (slower; meant for staging)")
         log.info("serving", extra={
             "listen": self.address, "metrics_port": self.metrics_port,
             "models": ",".join(self.service.engines), "tls": bool(cfg.tls_cert),
@@ -146,6 +152,10 @@ class PrefixCacheServer:
         self.service.draining = True
         log.info("draining", extra={"grace_seconds": grace})
         await self._health.enter_graceful_shutdown()
+        # Calls already received but not yet dispatched would be cancelled by the
+        # server's stop; a moment on the loop lets them reach a handler, which answers
+        # UNAVAILABLE (retryable, fail-open) instead of CANCELLED.
+        await asyncio.sleep(min(_DISPATCH_WINDOW, grace))
         await self._server.stop(grace)
         self._server = None
         if self._reaper is not None:

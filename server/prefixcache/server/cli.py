@@ -88,6 +88,9 @@ def _add_serve(commands: Any) -> None:
                      "(default /dev/shm; 'off' keeps them private)")
     ops.add_argument("--grace-period", type=float, metavar="SECONDS",
                      help="how long SIGTERM waits for in-flight calls (default 10)")
+    ops.add_argument("--check-integrity", action="store_const", const=True,
+                     help="invariant mode, for staging: check the caches' integrity after "
+                     "every call that changes them (slower; a failure answers INTERNAL)")
     serve.set_defaults(run=_serve)
 
 
@@ -104,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in (
         "listen", "metrics_port", "metrics_host", "tls_cert", "tls_key", "tls_client_ca",
         "token_file", "admin_token_file", "insecure", "log_format", "log_level",
-        "grace_period", "shm_dir")}
+        "grace_period", "shm_dir", "check_integrity")}
     try:
         config = load_config(args.config, overrides=overrides)
     except ConfigError as exc:

@@ -109,6 +109,9 @@ class ServerConfig:
     shm_dir: str = "/dev/shm"
     log_format: str = "text"
     log_level: str = "info"
+    # Invariant mode (staging): check the caches' integrity after every mutating call;
+    # a failure answers INTERNAL and is logged.
+    check_integrity: bool = False
 
 
 @dataclass(frozen=True, slots=True)

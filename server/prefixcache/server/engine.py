@@ -164,7 +164,6 @@ class ModelEngine(EngineBase):
         if (lock or allocate) and session is None:
             raise PreconditionError("lock and allocate need a session_id")
         result = self.cache.match_prefix(key)
-        self._count_match(key, result.prefix_len)
         node = result.last_node if result.prefix_len else None
         node_id = self._handle(node)
         lock_id, allocated, boundary, state = 0, _EMPTY, None, None
@@ -186,6 +185,8 @@ class ModelEngine(EngineBase):
             lock_id = self._hold(session, node, boundary)
         elif node is not None and allocate:
             self.cache.dec_lock_ref(node, boundary)
+        # Counted once answered: a refused match (no room to allocate) changes nothing.
+        self._count_match(key, result.prefix_len)
         state_slot = None
         if node is not None and self.states is not None:
             state_slot = int(node.mamba_value[0])
@@ -291,6 +292,8 @@ class ModelEngine(EngineBase):
               num_states: int = 0) -> tuple[np.ndarray, np.ndarray]:
         states = _EMPTY
         if num_states:
+            # Refuse before the state allocation evicts snapshots (and their KV).
+            self._check_room(num_slots)
             states, freed_tokens = self._states().allocate(num_states, session)
             self.evicted_tokens["pressure"] += freed_tokens
         try:
@@ -356,6 +359,13 @@ class ModelEngine(EngineBase):
             self.states.check_integrity()
 
     # --------------------------------------------------------------- helpers
+
+    def _check_room(self, n: int) -> None:
+        """Refuse ``n`` slots the pool cannot supply even after evicting (not SWA)."""
+        want = -(-n // self.page_size) * self.page_size
+        if self.kind != "swa" and \
+                want - self.allocator.available_size() > self.cache.evictable_size():
+            raise self._exhausted(n)
 
     def _allocate(self, n: int, session: Session) -> np.ndarray:
         if n < 0:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from prefixcache.cache import InvalidInputError
 from prefixcache.v1 import prefix_cache_pb2 as pb
@@ -45,6 +46,63 @@ _OK = grpc.StatusCode.OK
 CHUNK_OVERHEAD = 1024
 
 
+class Malformed:
+    """A request whose bytes do not parse as its message: INVALID_ARGUMENT, not the
+    UNKNOWN (or INTERNAL) that grpc answers when its own deserializer raises."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return Malformed(f"malformed request bytes: {exc}")
+    return parse
+
+
+def _parsed(request: Any) -> Any:
+    if isinstance(request, Malformed):
+        raise InvalidInputError(request.error)
+    return request
+
+
+def add_to_server(servicer: PrefixCacheServicer, server: Any) -> None:
+    """Register ``servicer`` like the generated ``add_PrefixCacheServicer_to_server``,
+    but with request parsers that hand a ``Malformed`` marker to the handler instead of
+    raising, so that bytes that are not a message get INVALID_ARGUMENT."""
+    service = pb.DESCRIPTOR.services_by_name["PrefixCache"]
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {}
+    for method in service.methods:
+        kind = kinds[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+_MUTATING = (pb.InsertRequest, pb.EvictRequest, pb.LockRequest, pb.UnlockRequest,
+             pb.AllocRequest, pb.FreeRequest)
+
+
+def _mutates(request: Any) -> bool:
+    """Whether a cache operation can change a cache or a pool (Match only with lock or
+    allocate). Reset and CloseSession say so themselves."""
+    if isinstance(request, pb.MatchRequest):
+        return request.lock or request.allocate
+    return isinstance(request, _MUTATING)
+
+
 def _extra_key(request: Any) -> str | None:
     return request.extra_key if request.HasField("extra_key") else None
 
@@ -66,7 +124,12 @@ def _needs(session: Session | None, what: str) -> Session:
 
 
 class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
-    """Serves ``prefixcache.v1.PrefixCache`` over a ``CacheService``."""
+    """Serves ``prefixcache.v1.PrefixCache`` over a ``CacheService``.
+
+    Args:
+        check_integrity: Invariant mode: run the service's integrity check after every
+            call that can change a cache or a pool; a failure answers INTERNAL.
+    """
 
     def __init__(self, service: CacheService, metrics: Metrics | None = None,
                  check_integrity: bool = False,
@@ -187,14 +250,16 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
     # ------------------------------------------------------------- unary RPCs
 
     async def _unary(self, method: str, context: grpc.aio.ServicerContext,
-                     handler: Callable[..., Any], *args: Any) -> Any:
+                     handler: Callable[..., Any], *args: Any, mutates: bool = False) -> Any:
         start = time.perf_counter()
         code = _OK
         try:
+            for arg in args:
+                _parsed(arg)
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
             reply = handler(*args)
-            if self.check_integrity:
+            if self.check_integrity and (mutates or (args and _mutates(args[0]))):
                 self.service.check_integrity()
             return reply
         except Exception as exc:
@@ -255,10 +320,11 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
 
     async def CloseSession(self, request: pb.CloseSessionRequest,
                            context: Any) -> pb.CloseSessionResponse:
-        return await self._unary("CloseSession", context, self._close_session, request)
+        return await self._unary("CloseSession", context, self._close_session, request,
+                                 mutates=True)
 
     async def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
-        return await self._unary("Reset", context, self._reset, request)
+        return await self._unary("Reset", context, self._reset, request, mutates=True)
 
     def _list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(server_epoch=self.service.epoch, models=[
@@ -318,7 +384,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         try:
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
-            engine = self.service.engine(request.model)
+            engine = self.service.engine(_parsed(request).model)
             parts = kv_transfer.plan(engine, decode_slots(request.slot_indices),
                                      list(request.layers),
                                      decode_slots(request.state_slots, "state_slots"))
@@ -343,6 +409,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         try:
             writer = None
             async for chunk in request_iterator:
+                _parsed(chunk)
                 if writer is None:
                     writer = kv_transfer.open_writer(self.service, chunk)
                 else:
@@ -375,28 +442,36 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
                 yield self._stream_op(request, session)
         finally:
             locks, slots = self.service.close_session(session)
+            if self.check_integrity and (locks or slots):
+                try:
+                    self.service.check_integrity()
+                except Exception:
+                    log.exception("integrity check failed after closing a session stream")
             if locks or slots:
                 log.info("session stream closed", extra={
                     "session": session.id[:8], "locks_released": locks, "slots_freed": slots})
 
     def _stream_op(self, request: pb.SessionRequest, session: Session) -> pb.SessionResponse:
         start = time.perf_counter()
-        op = request.WhichOneof("op")
+        op = None if isinstance(request, Malformed) else request.WhichOneof("op")
+        seq = 0 if isinstance(request, Malformed) else request.seq
         code = _OK
         try:
+            _parsed(request)
             if op is None:
                 raise InvalidInputError("SessionRequest carries no operation")
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
-            reply = self._stream_ops[op](getattr(request, op), session)
-            if self.check_integrity:
+            body = getattr(request, op)
+            reply = self._stream_ops[op](body, session)
+            if self.check_integrity and _mutates(body):
                 self.service.check_integrity()
-            return pb.SessionResponse(seq=request.seq, **{op: reply})
+            return pb.SessionResponse(seq=seq, **{op: reply})
         except Exception as exc:
             code = status_for(exc)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("internal error in Session/%s", op)
-            return pb.SessionResponse(seq=request.seq, error=pb.Error(
+            return pb.SessionResponse(seq=seq, error=pb.Error(
                 code=code.value[0], message=str(exc)))
         finally:
             if self.metrics is not None:

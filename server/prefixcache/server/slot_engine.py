@@ -74,7 +74,6 @@ class SlotEngine(EngineBase):
         if (lock or allocate) and session is None:
             raise PreconditionError("lock and allocate need a session_id")
         found = self.cache.find(key)
-        self._count_match(key, found.prefix_len)
         allocated, version = _EMPTY, None
         if allocate:
             assert session is not None
@@ -83,6 +82,8 @@ class SlotEngine(EngineBase):
             self.session_slots += 1
             session.slots[self.name] = session.slots.get(self.name, 0) + 1
             allocated = np.array([slot], dtype=np.int64)
+        # Counted once answered: a refused match (no slot free) changes nothing.
+        self._count_match(key, found.prefix_len)
         node_id = lock_id = 0
         if lock and found.prefix_len:
             assert session is not None
