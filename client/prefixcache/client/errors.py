@@ -2,9 +2,11 @@
 
 Every failed call raises a subclass of :class:`PrefixCacheError` carrying the gRPC
 ``code`` and the server's ``details``; the original ``grpc.RpcError`` is chained as
-``__cause__``. Codes without a class of their own (UNIMPLEMENTED, CANCELLED, ...) raise
-the base class. Malformed input caught on the client side, before any call is made,
-raises :class:`InvalidArgument` with ``code`` INVALID_ARGUMENT too.
+``__cause__``. CANCELLED raises :class:`Unavailable`: the client never cancels a call
+it is waiting on, so a cancelled call is one a stopping server dropped before it ran.
+Codes without a class of their own (UNIMPLEMENTED, ...) raise the base class.
+Malformed input caught on the client side, before any call is made, raises
+:class:`InvalidArgument` with ``code`` INVALID_ARGUMENT too.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ _BY_CODE: dict[grpc.StatusCode, type[PrefixCacheError]] = {
                 Unauthenticated, PermissionDenied, Unavailable, DeadlineExceeded, Internal)
     if cls.default_code is not None
 }
+_BY_CODE[grpc.StatusCode.CANCELLED] = Unavailable
 _BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 

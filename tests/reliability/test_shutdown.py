@@ -1,0 +1,321 @@
+"""SIGTERM during load: `prefixcache serve --grace-period 2` in a subprocess, hammered by
+unary callers and Session streams, must exit 0 within the grace period (plus a little
+for teardown), remove its socket, and never leave a call hanging or failing oddly.
+
+What each kind of call may see (anything else fails the test):
+
+- **unary** calls: OK (finished before or during the drain) or UNAVAILABLE (arrived
+  while draining, or after the socket was gone). Every call has a 5 s deadline, far
+  above the grace period, so DEADLINE_EXCEEDED can only mean a hang.
+- **Session stream ops**: in-band OK or in-band UNAVAILABLE (the server answers ops
+  with an `error` while draining; the stream itself stays open).
+- **Session stream ends**: a client that closes its side when it sees UNAVAILABLE gets
+  a clean OK end. A client that keeps its stream open past the grace period (one that
+  keeps sending, and one that sits idle) has it cut by the server when the grace period
+  expires: CANCELLED or UNAVAILABLE. That is what a grace period means, and the client
+  learns at once; what it must never see is its deadline (a hang), INTERNAL or UNKNOWN.
+  A stream opened after the drain began is refused with UNAVAILABLE.
+
+A unary call already received but not yet dispatched when SIGTERM arrives used to be
+cancelled by gRPC core (CANCELLED). The server now keeps the loop running a moment
+(`_DISPATCH_WINDOW` in app.py) after it starts draining and before it stops gRPC, so such
+calls reach a handler and get UNAVAILABLE. A call that only arrives once gRPC itself is
+stopping (after that window) is cancelled by gRPC core: it was never in flight, and the
+client maps CANCELLED to Unavailable (retryable, fail-open). So CANCELLED is allowed for
+unary calls started after the window, and for none started before it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from prefixcache.v1 import prefix_cache_pb2 as pb
+from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-c", "from prefixcache.server.cli import main; raise SystemExit(main())"]
+GRACE = 2.0
+EXIT_SLACK = 3.0  # teardown after the grace period: cancel calls, close pools, unlink
+CALL_DEADLINE = 5.0
+STREAM_DEADLINE = 20.0
+LOAD_BEFORE_SIGTERM = 1.5
+MODEL = "m"
+CONFIG = (f"models:\n  - name: {MODEL}\n    kind: radix\n    page_size: 16\n"
+          "    pool: {size: 8192, layers: 1, k_heads: 1, k_head_dim: 8}\n")
+
+OK = grpc.StatusCode.OK
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+CANCELLED = grpc.StatusCode.CANCELLED
+DISPATCH_WINDOW = 0.2  # app.py's _DISPATCH_WINDOW: draining before gRPC's own stop
+
+
+@dataclass(frozen=True)
+class Outcome:
+    who: str  # "unary", "stream-op", "stream-end:<behaviour>"
+    what: str  # RPC or stream op
+    code: grpc.StatusCode
+    seconds: float
+    at: float  # monotonic start
+
+
+def _code_of(value: int) -> grpc.StatusCode:
+    return next(c for c in grpc.StatusCode if c.value[0] == value)
+
+
+def _tokens(i: int) -> bytes:
+    # 24 conversations of 4..12 pages sharing a 2-page system prompt: hits, splits,
+    # and (8192-slot pool) eviction all happen.
+    conv, turn = i % 24, i // 24 % 5
+    base = list(range(32)) + [1000 + conv * 500 + t for t in range(32 + 32 * turn)]
+    return array("I", base[: len(base) - len(base) % 16]).tobytes()
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "server"), str(ROOT / "client"), *filter(None, [env.get("PYTHONPATH")])])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+class Load:
+    """Client threads against ``address`` recording every call's outcome until stopped."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.outcomes: list[Outcome] = []
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.crashes: list[str] = []
+
+    def record(self, who: str, what: str, code: grpc.StatusCode, t0: float) -> None:
+        self.outcomes.append(Outcome(who, what, code, time.monotonic() - t0, t0))
+
+    def start(self, unary: int = 3) -> None:
+        targets: list[tuple[Any, tuple[Any, ...]]] = [(self._unary, (i,)) for i in range(unary)]
+        targets += [(self._stream, ("polite",)), (self._stream, ("stubborn",)),
+                    (self._stream, ("idle",))]
+        for fn, args in targets:
+            t = threading.Thread(target=self._guard, args=(fn, *args), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _guard(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # a bug in the test's client code, reported by the test
+            self.crashes.append(f"{fn.__name__}{args}: {exc!r}")
+
+    def _call(self, stub_method: Any, request: Any, what: str) -> Any:
+        t0 = time.monotonic()
+        try:
+            reply = stub_method(request, timeout=CALL_DEADLINE)
+        except grpc.RpcError as exc:
+            self.record("unary", what, exc.code(), t0)
+            return None
+        self.record("unary", what, OK, t0)
+        return reply
+
+    def _unary(self, index: int) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.PrefixCacheStub(channel)
+            sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=30),
+                                   timeout=CALL_DEADLINE).session_id
+            i = index * 1000
+            while not self.stop.is_set():
+                i += 1
+                key = _tokens(i)
+                m = self._call(stub.Match, pb.MatchRequest(
+                    model=MODEL, token_ids=key, session_id=sid, lock=True, allocate=True),
+                    "Match")
+                if m is None:
+                    time.sleep(0.01)
+                    continue
+                ins = self._call(stub.Insert, pb.InsertRequest(
+                    model=MODEL, token_ids=key, slot_indices=m.slot_indices + m.allocated_slots,
+                    session_id=sid, release_lock_id=m.lock_id), "Insert")
+                if ins is None:
+                    time.sleep(0.01)
+                    continue
+                if i % 3 == 0:
+                    a = self._call(stub.Alloc, pb.AllocRequest(
+                        model=MODEL, num_slots=16, session_id=sid), "Alloc")
+                    if a is not None:
+                        self._call(stub.Free, pb.FreeRequest(
+                            model=MODEL, slot_indices=a.slot_indices, session_id=sid), "Free")
+                if i % 5 == 0:
+                    self._call(stub.Stats, pb.StatsRequest(model=MODEL), "Stats")
+
+    def _stream(self, behaviour: str) -> None:
+        """``polite`` closes its side on the first UNAVAILABLE; ``stubborn`` keeps sending
+        until the stream is cut; ``idle`` does one op and then waits. After a stream
+        ends, polite and stubborn open another (it is refused once draining)."""
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.PrefixCacheStub(channel)
+            while not self.stop.is_set():
+                self._one_stream(stub, behaviour)
+                if behaviour == "idle":
+                    return
+                time.sleep(0.01)
+
+    def _one_stream(self, stub: Any, behaviour: str) -> None:
+        requests: queue.Queue[Any] = queue.Queue()
+
+        def feed() -> Iterator[Any]:
+            while (r := requests.get()) is not None:
+                yield r
+
+        opened = time.monotonic()
+        call = stub.Session(feed(), timeout=STREAM_DEADLINE)
+        who = f"stream-end:{behaviour}"
+        seq = 0
+        try:
+            while not self.stop.is_set():
+                seq += 1
+                if seq % 2:
+                    req = pb.SessionRequest(seq=seq, match=pb.MatchRequest(
+                        model=MODEL, token_ids=_tokens(seq), lock=True, allocate=True))
+                else:
+                    req = pb.SessionRequest(seq=seq, stats=pb.StatsRequest(model=MODEL))
+                t0 = time.monotonic()
+                requests.put(req)
+                reply = next(call)
+                assert reply.seq == seq, (reply.seq, seq)
+                code = _code_of(reply.error.code) if reply.HasField("error") else OK
+                self.record("stream-op", req.WhichOneof("op"), code, t0)
+                if behaviour == "idle":
+                    break
+                if code is not OK and behaviour == "polite":
+                    break
+                if req.HasField("match") and code is OK and reply.match.lock_id:
+                    seq += 1
+                    requests.put(pb.SessionRequest(seq=seq, unlock=pb.UnlockRequest(
+                        lock_id=reply.match.lock_id)))
+                    t1 = time.monotonic()
+                    r = next(call)
+                    self.record("stream-op", "unlock",
+                                _code_of(r.error.code) if r.HasField("error") else OK, t1)
+                    requests.put(pb.SessionRequest(seq=seq + 1, free=pb.FreeRequest(
+                        model=MODEL, slot_indices=reply.match.allocated_slots)))
+                    seq += 1
+                    t1 = time.monotonic()
+                    r = next(call)
+                    self.record("stream-op", "free",
+                                _code_of(r.error.code) if r.HasField("error") else OK, t1)
+            if behaviour != "stubborn":
+                if behaviour == "polite":
+                    requests.put(None)  # done writing
+                for _ in call:  # idle: blocks until the server ends the stream
+                    pass
+            self.record(who, "end", call.code() or OK, opened)
+        except grpc.RpcError as exc:
+            self.record(who, "end", exc.code(), opened)
+        except StopIteration:
+            self.record(who, "end", call.code() or OK, opened)
+        finally:
+            requests.put(None)
+            call.cancel()
+
+
+def test_sigterm_under_load_drains_cleanly(tmp_path: Path) -> None:
+    (tmp_path / "pc.yaml").write_text(CONFIG)
+    sock = tmp_path / "pc.sock"
+    address = f"unix:{sock}"
+    stderr_path = tmp_path / "serve.stderr"
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(
+            [*CLI, "serve", "--config", str(tmp_path / "pc.yaml"), "--listen", address,
+             "--metrics-port", "-1", "--grace-period", str(GRACE)],
+            cwd=tmp_path, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=stderr)
+    load = Load(address)
+    try:
+        _wait_serving(proc, address, stderr_path)
+        load.start()
+        time.sleep(LOAD_BEFORE_SIGTERM)
+        before = len(load.outcomes)
+        sigterm_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(GRACE + EXIT_SLACK)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"serve still running {GRACE + EXIT_SLACK} s after SIGTERM:\n"
+                        f"{stderr_path.read_text()}")
+        exited_after = time.monotonic() - sigterm_at
+        time.sleep(0.3)  # calls against the gone server: UNAVAILABLE at once
+    finally:
+        load.stop.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for t in load.threads:
+            t.join(STREAM_DEADLINE + 5)
+    log = stderr_path.read_text()
+    assert code == 0, log
+    assert exited_after < GRACE + EXIT_SLACK
+    assert not sock.exists(), "serve left its socket file behind"
+    assert "Traceback" not in log and "internal error" not in log, log
+    assert not [t for t in load.threads if t.is_alive()], "a client thread hung"
+    assert not load.crashes, load.crashes
+
+    outcomes = list(load.outcomes)
+    print(f"serve exited {exited_after:.2f} s after SIGTERM; outcomes:\n{_summary(outcomes)}")
+    assert before > 0, "no call completed before SIGTERM"
+    allowed = {
+        "unary": {OK, UNAVAILABLE},
+        "stream-op": {OK, UNAVAILABLE},
+        "stream-end:polite": {OK, UNAVAILABLE},
+        "stream-end:stubborn": {CANCELLED, UNAVAILABLE},
+        "stream-end:idle": {CANCELLED, UNAVAILABLE},
+    }
+    stopping = sigterm_at + DISPATCH_WINDOW - 0.05  # gRPC stops taking calls after this
+    bad = [o for o in outcomes if o.code not in allowed[o.who]
+           and not (o.who == "unary" and o.code is CANCELLED and o.at >= stopping)]
+    assert not bad, _summary(bad) + "\n" + "\n".join(
+        f"{o}: started {o.at - sigterm_at:+.3f} s after SIGTERM" for o in bad[:10])
+    seen = {(o.who, o.code) for o in outcomes}
+    assert ("unary", OK) in seen and ("unary", UNAVAILABLE) in seen, _summary(outcomes)
+    assert ("stream-op", UNAVAILABLE) in seen, "no stream op was refused while draining"
+    assert {o.who for o in outcomes} >= set(allowed), _summary(outcomes)
+    # a call that started before SIGTERM finished (either way) within the grace period
+    late = [o for o in outcomes if o.who in ("unary", "stream-op") and o.at < sigterm_at
+            and o.at + o.seconds > sigterm_at + GRACE + EXIT_SLACK]
+    assert not late, _summary(late)
+
+
+def _summary(outcomes: list[Outcome]) -> str:
+    counts: dict[tuple[str, str, str], int] = {}
+    for o in outcomes:
+        key = (o.who, o.what, o.code.name)
+        counts[key] = counts.get(key, 0) + 1
+    return "\n".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+
+
+def _wait_serving(proc: subprocess.Popen[Any], address: str, stderr_path: Path) -> None:
+    deadline = time.monotonic() + 30
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.PrefixCacheStub(channel)
+        while True:
+            try:
+                stub.ListModels(pb.ListModelsRequest(), timeout=1)
+                return
+            except grpc.RpcError:
+                if proc.poll() is not None:
+                    pytest.fail(f"serve exited {proc.returncode}:\n{stderr_path.read_text()}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"serve did not start:\n{stderr_path.read_text()}")
+                time.sleep(0.1)
