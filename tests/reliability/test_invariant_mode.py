@@ -10,12 +10,11 @@ import queue
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
-from harness import REPO, ServerThread, make_config, pb, stub_for, toks
+from harness import REPO, ServerThread, make_config, pb, stub_for, toks, wait_serving
 
 from prefixcache.server.cli import build_parser
 from prefixcache.server.config import ModelConfig, PoolConfig, load_config
@@ -102,15 +101,8 @@ def test_cli_flag_starts_the_server_in_invariant_mode(tmp_path: Path) -> None:
          "--metrics-port", "-1", "--shm-dir", "off", "--check-integrity"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
+        wait_serving(proc, f"unix:{sock}")
         channel, stub = stub_for(f"unix:{sock}")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                stub.ListModels(pb.ListModelsRequest(), timeout=1)
-                break
-            except grpc.RpcError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.1)
         sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
         tokens = toks(list(range(32)))
         m = stub.Match(pb.MatchRequest(model="default", token_ids=tokens, session_id=sid,

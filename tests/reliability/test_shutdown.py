@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 import pytest
+from harness import wait_serving
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
@@ -306,16 +307,7 @@ def _summary(outcomes: list[Outcome]) -> str:
 
 
 def _wait_serving(proc: subprocess.Popen[Any], address: str, stderr_path: Path) -> None:
-    deadline = time.monotonic() + 30
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.PrefixCacheStub(channel)
-        while True:
-            try:
-                stub.ListModels(pb.ListModelsRequest(), timeout=1)
-                return
-            except grpc.RpcError:
-                if proc.poll() is not None:
-                    pytest.fail(f"serve exited {proc.returncode}:\n{stderr_path.read_text()}")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"serve did not start:\n{stderr_path.read_text()}")
-                time.sleep(0.1)
+    try:
+        wait_serving(proc, address)
+    except (RuntimeError, TimeoutError) as exc:
+        pytest.fail(f"{exc}\n{stderr_path.read_text()}")

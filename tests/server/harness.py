@@ -18,11 +18,23 @@ import grpc
 import numpy as np
 
 from prefixcache.server.app import PrefixCacheServer
-from prefixcache.server.config import Config, ModelConfig, PoolConfig, ServerConfig
+from prefixcache.server.config import Config, MambaConfig, ModelConfig, PoolConfig, ServerConfig
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
 SMALL_POOL = PoolConfig(size=256, layers=1, k_heads=1, k_head_dim=4)
+# One small model of every kind (two radix page sizes), for tests that cover them all.
+EVERY_KIND = (
+    ModelConfig(name="m", page_size=1, vocab_size=1000, pool=SMALL_POOL),
+    ModelConfig(name="p", page_size=4, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4)),
+    ModelConfig(name="w", kind="swa", page_size=1, sliding_window_size=4, pool=SMALL_POOL),
+    ModelConfig(name="c", kind="chunk", page_size=1, pool=SMALL_POOL),
+    ModelConfig(name="h", kind="mamba", page_size=2, pool=SMALL_POOL,
+                mamba=MambaConfig(state_slots=4, working_slots=2, layers=2,
+                                  conv_state_shape=(3, 2), temporal_state_shape=(2, 2, 2))),
+    ModelConfig(name="s", kind="slot", max_seq_len=16,
+                pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)),
+)
 
 
 class ServerThread:
@@ -96,25 +108,33 @@ def serve_process(tmp: Path, config_yaml: str) -> Iterator[tuple[subprocess.Pope
          str(tmp / "pc.yaml"), "--listen", f"unix:{sock}", "--metrics-port", "-1"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        channel, stub = stub_for(f"unix:{sock}")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                stub.ListModels(pb.ListModelsRequest(), timeout=1)
-                break
-            except grpc.RpcError:
-                if proc.poll() is not None:
-                    raise RuntimeError(proc.stderr.read().decode() if proc.stderr else "") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError("prefixcache serve did not start") from None
-                time.sleep(0.1)
-        channel.close()
+        wait_serving(proc, f"unix:{sock}")
         yield proc, f"unix:{sock}"
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         if proc.wait(30) != 0:
             raise RuntimeError(f"prefixcache serve exited with {proc.returncode}")
+
+
+def wait_serving(proc: subprocess.Popen[Any], address: str, timeout: float = 30.0) -> None:
+    """Return once the server process at ``address`` answers a call; raise if it exits
+    first (with its stderr, when that is a pipe) or does not answer within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    channel, stub = stub_for(address)
+    with channel:
+        while True:
+            try:
+                stub.ListModels(pb.ListModelsRequest(), timeout=1)
+                return
+            except grpc.RpcError:
+                if proc.poll() is not None:
+                    err = proc.stderr.read() if proc.stderr and not proc.stderr.closed else ""
+                    err = err.decode() if isinstance(err, bytes) else err
+                    raise RuntimeError(f"serve exited {proc.returncode}:\n{err}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError("prefixcache serve did not start") from None
+                time.sleep(0.1)
 
 
 def toks(ids: Sequence[int] | np.ndarray) -> bytes:
@@ -134,5 +154,5 @@ def stub_for(address: str, **kwargs: Any) -> tuple[grpc.Channel, pb_grpc.PrefixC
     return channel, pb_grpc.PrefixCacheStub(channel)
 
 
-__all__ = ["SMALL_POOL", "ServerThread", "make_config", "pack_slots", "pb", "pb_grpc",
-           "running", "serve_process", "slots", "stub_for", "toks"]
+__all__ = ["EVERY_KIND", "SMALL_POOL", "ServerThread", "make_config", "pack_slots", "pb",
+           "pb_grpc", "running", "serve_process", "slots", "stub_for", "toks", "wait_serving"]
