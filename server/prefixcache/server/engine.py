@@ -339,15 +339,10 @@ class ModelEngine(EngineBase):
         return len(locks), slots
 
     def reset(self, sessions: list[Session]) -> tuple[int, int]:
-        """Forget every entry, lock and allocation; returns (tokens, locks) dropped."""
-        dropped = self.cache.total_size()
-        locks = self._forget_sessions(sessions, dropped)
-        self.cache.reset()
-        self.allocator.clear()
-        self._owner[:] = 0
+        dropped = super().reset(sessions)
         if self.states is not None:
             self.states.reset()
-        return dropped, locks
+        return dropped
 
     def check_integrity(self) -> None:
         """The cache's own check, plus: session slots are exactly the owned rows."""

@@ -25,6 +25,9 @@ EVICTION_REASONS = ("requested", "pressure", "reset")
 class EngineBase:
     """Counters, node handles and session locks of one model.
 
+    Subclasses set ``cache``, ``allocator`` (with ``clear``) and ``_owner`` (the
+    slot -> session tag array), which ``reset`` clears.
+
     Args:
         config: The model's configuration.
         next_lock_id: Hands out service-wide lock ids.
@@ -82,6 +85,15 @@ class EngineBase:
 
     def _my_locks(self, session: Session) -> list[int]:
         return [lid for lid, held in session.locks.items() if held.engine is self]
+
+    def reset(self, sessions: list[Session]) -> tuple[int, int]:
+        """Forget every entry, lock and allocation; returns (tokens, locks) dropped."""
+        dropped = self.cache.total_size()
+        locks = self._forget_sessions(sessions, dropped)
+        self.cache.reset()
+        self.allocator.clear()
+        self._owner[:] = 0
+        return dropped, locks
 
     def _forget_sessions(self, sessions: list[Session], dropped_tokens: int) -> int:
         """On reset: every session loses its locks and slots here; returns the locks."""

@@ -177,14 +177,6 @@ class SlotEngine(EngineBase):
         self._release_slots(session, mine)
         return len(locks), len(mine)
 
-    def reset(self, sessions: list[Session]) -> tuple[int, int]:
-        dropped = self.cache.total_size()
-        locks = self._forget_sessions(sessions, dropped)
-        self.cache.reset()
-        self.allocator.clear()
-        self._owner[:] = 0
-        return dropped, locks
-
     def check_integrity(self) -> None:
         self.cache.check_integrity()
         self.allocator.check_integrity()
