@@ -26,8 +26,9 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from .auth import TokenAuthInterceptor
 from .config import Config, ConfigError
 from .metrics import Metrics
+from .registration import add_to_server
 from .service import CacheService
-from .servicer import PrefixCacheServicer, add_to_server
+from .servicer import PrefixCacheServicer
 
 log = logging.getLogger("prefixcache.server")
 

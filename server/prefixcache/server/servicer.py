@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from prefixcache.cache import InvalidInputError
 from prefixcache.v1 import prefix_cache_pb2 as pb
@@ -27,6 +26,7 @@ from . import kv_transfer
 from .codec import decode_key, decode_slots, encode_slots
 from .errors import DrainingError, PreconditionError
 from .metrics import Metrics
+from .registration import Malformed, parsed
 from .service import CacheService
 from .sessions import Session
 from .shared_pool import describe_buffers
@@ -44,51 +44,6 @@ _KINDS = {
 _OK = grpc.StatusCode.OK
 # Room for a KVChunk's other fields within a message of max_message_bytes.
 CHUNK_OVERHEAD = 1024
-
-
-class Malformed:
-    """A request whose bytes do not parse as its message: INVALID_ARGUMENT, not the
-    UNKNOWN (or INTERNAL) that grpc answers when its own deserializer raises."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def _lenient(cls: Any) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return cls.FromString(data)
-        except DecodeError as exc:
-            return Malformed(f"malformed request bytes: {exc}")
-    return parse
-
-
-def _parsed(request: Any) -> Any:
-    if isinstance(request, Malformed):
-        raise InvalidInputError(request.error)
-    return request
-
-
-def add_to_server(servicer: PrefixCacheServicer, server: Any) -> None:
-    """Register ``servicer`` like the generated ``add_PrefixCacheServicer_to_server``,
-    but with request parsers that hand a ``Malformed`` marker to the handler instead of
-    raising, so that bytes that are not a message get INVALID_ARGUMENT."""
-    service = pb.DESCRIPTOR.services_by_name["PrefixCache"]
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
-             (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler,
-             (True, True): grpc.stream_stream_rpc_method_handler}
-    handlers = {}
-    for method in service.methods:
-        kind = kinds[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = kind(
-            getattr(servicer, method.name),
-            request_deserializer=_lenient(getattr(pb, method.input_type.name)),
-            response_serializer=getattr(pb, method.output_type.name).SerializeToString)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
 
 
 _MUTATING = (pb.InsertRequest, pb.EvictRequest, pb.LockRequest, pb.UnlockRequest,
@@ -249,13 +204,24 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
 
     # ------------------------------------------------------------- unary RPCs
 
+    def _refusal(self, exc: Exception, method: str) -> grpc.StatusCode:
+        """The status a failed call answers; a bug (INTERNAL) is logged with its trace."""
+        code = status_for(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            log.exception("internal error in %s", method)
+        return code
+
+    def _observe(self, method: str, code: grpc.StatusCode, start: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_rpc(method, code, time.perf_counter() - start)
+
     async def _unary(self, method: str, context: grpc.aio.ServicerContext,
                      handler: Callable[..., Any], *args: Any, mutates: bool = False) -> Any:
         start = time.perf_counter()
         code = _OK
         try:
             for arg in args:
-                _parsed(arg)
+                parsed(arg)
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
             reply = handler(*args)
@@ -263,13 +229,10 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
                 self.service.check_integrity()
             return reply
         except Exception as exc:
-            code = status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("internal error in %s", method)
+            code = self._refusal(exc, method)
             await context.abort(code, str(exc))
         finally:
-            if self.metrics is not None:
-                self.metrics.observe_rpc(method, code, time.perf_counter() - start)
+            self._observe(method, code, start)
 
     def _session_of(self, session_id: str) -> Session | None:
         return self.service.session(session_id) if session_id else None
@@ -384,7 +347,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         try:
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
-            engine = self.service.engine(_parsed(request).model)
+            engine = self.service.engine(parsed(request).model)
             parts = kv_transfer.plan(engine, decode_slots(request.slot_indices),
                                      list(request.layers),
                                      decode_slots(request.state_slots, "state_slots"))
@@ -394,13 +357,10 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
             for reply in kv_transfer.read_chunks(parts, chunk):
                 yield reply
         except Exception as exc:
-            code = status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("internal error in ReadKV")
+            code = self._refusal(exc, "ReadKV")
             await context.abort(code, str(exc))
         finally:
-            if self.metrics is not None:
-                self.metrics.observe_rpc("ReadKV", code, time.perf_counter() - start)
+            self._observe("ReadKV", code, start)
 
     async def WriteKV(self, request_iterator: AsyncIterator[pb.KVChunk],
                       context: Any) -> pb.WriteKVResponse:
@@ -409,7 +369,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         try:
             writer = None
             async for chunk in request_iterator:
-                _parsed(chunk)
+                parsed(chunk)
                 if writer is None:
                     writer = kv_transfer.open_writer(self.service, chunk)
                 else:
@@ -422,13 +382,10 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
             return pb.WriteKVResponse(bytes_written=writer.bytes_written,
                                       buffers_written=buffers)
         except Exception as exc:
-            code = status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("internal error in WriteKV")
+            code = self._refusal(exc, "WriteKV")
             await context.abort(code, str(exc))
         finally:
-            if self.metrics is not None:
-                self.metrics.observe_rpc("WriteKV", code, time.perf_counter() - start)
+            self._observe("WriteKV", code, start)
 
     # ---------------------------------------------------------- Session stream
 
@@ -457,7 +414,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         seq = 0 if isinstance(request, Malformed) else request.seq
         code = _OK
         try:
-            _parsed(request)
+            parsed(request)
             if op is None:
                 raise InvalidInputError("SessionRequest carries no operation")
             if self.service.draining:
@@ -468,12 +425,9 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
                 self.service.check_integrity()
             return pb.SessionResponse(seq=seq, **{op: reply})
         except Exception as exc:
-            code = status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("internal error in Session/%s", op)
+            code = self._refusal(exc, f"Session/{op}")
             return pb.SessionResponse(seq=seq, error=pb.Error(
                 code=code.value[0], message=str(exc)))
         finally:
-            if self.metrics is not None:
-                self.metrics.observe_rpc(f"Session/{op}", code, time.perf_counter() - start)
+            self._observe(f"Session/{op}", code, start)
 
