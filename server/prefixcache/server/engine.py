@@ -86,8 +86,8 @@ class ModelEngine(EngineBase):
     """
 
     def __init__(self, config: ModelConfig, next_lock_id: Any,
-                 buffer_factory: BufferFactory | None = None) -> None:
-        super().__init__(config, next_lock_id)
+                 buffer_factory: BufferFactory | None = None, handle_base: int = 0) -> None:
+        super().__init__(config, next_lock_id, handle_base)
         self.page_size = config.page_size
         pool = config.pool
         kv = {

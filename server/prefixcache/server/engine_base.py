@@ -31,9 +31,12 @@ class EngineBase:
     Args:
         config: The model's configuration.
         next_lock_id: Hands out service-wide lock ids.
+        handle_base: Added to node ids to make their handles; the service draws it
+            per start, so a handle from before a restart names no node now.
     """
 
-    def __init__(self, config: ModelConfig, next_lock_id: Callable[[], int]) -> None:
+    def __init__(self, config: ModelConfig, next_lock_id: Callable[[], int],
+                 handle_base: int = 0) -> None:
         self.config = config
         self.name = config.name
         self.kind = config.kind
@@ -41,6 +44,7 @@ class EngineBase:
         # simply gone, and a later call naming it gets NOT_FOUND.
         self._nodes: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._next_lock_id = next_lock_id
+        self._handle_base = handle_base
         self.num_locks = 0
         self.session_slots = 0
         self.match_tokens = 0
@@ -58,14 +62,16 @@ class EngineBase:
         """The opaque id a client may name ``node`` by (0 for none)."""
         if node is None:
             return 0
-        self._nodes[node.id] = node
-        return node.id
+        handle = self._handle_base + node.id
+        self._nodes[handle] = node
+        return handle
 
     def _node(self, node_id: int) -> Any:
         node = self._nodes.get(node_id)
         if node is None or node.evicted:
             raise NotFoundError(f"node {node_id} is not in model {self.name!r}'s cache "
-                                "(evicted, reset or never handed out)")
+                                "(evicted, reset, never handed out, or from before a "
+                                "restart)")
         return node
 
     def _hold(self, session: Session, node: Any, boundary: Any = None) -> int:

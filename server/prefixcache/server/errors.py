@@ -20,6 +20,18 @@ class PreconditionError(ServiceError):
     the session, an operation the model's cache kind lacks, a lock without a session)."""
 
 
+class StaleEpochError(PreconditionError):
+    """The request names handles (or a session) of an earlier start of the service.
+
+    Attributes:
+        epoch: the service's current epoch, which the refusal reports to the client.
+    """
+
+    def __init__(self, message: str, epoch: int) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+
+
 class PoolExhaustedError(ServiceError):
     """The pool cannot supply the slots even after evicting every unlocked entry."""
 

@@ -209,6 +209,7 @@ def open_writer(service: Any, chunk: pb.KVChunk) -> Writer:
         raise InvalidInputError("the first WriteKV chunk carries the header, and only it")
     head = chunk.header
     engine = service.engine(head.model)
+    service.check_epoch(head.server_epoch)
     slots = decode_slots(head.slot_indices)
     states = decode_slots(head.state_slots, "state_slots")
     parts = plan(engine, slots, list(head.layers), states)

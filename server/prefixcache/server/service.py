@@ -13,12 +13,16 @@ from collections.abc import Callable
 
 from .config import ModelConfig
 from .engine import ModelEngine
-from .errors import NotFoundError, PreconditionError
+from .errors import NotFoundError, PreconditionError, StaleEpochError
 from .sessions import Session, SessionRegistry
 from .shared_pool import SharedPools
 from .slot_engine import SlotEngine
 
 log = logging.getLogger("prefixcache.server")
+
+# Handles are id_base + a counter: 2**40 ids per start, 2**23 - 1 bases.
+_ID_BITS = 40
+_BASE_MASK = (1 << 23) - 1
 
 
 class CacheService:
@@ -34,9 +38,12 @@ class CacheService:
                  session_ttl: float = 30.0, ttl_min: float = 1.0, ttl_max: float = 600.0,
                  clock: Callable[[], float] = time.monotonic,
                  shm_dir: str | None = None, shm_mode: int = 0o600) -> None:
-        self.sessions = SessionRegistry(self._release, clock)
         # A client that sees this change knows every handle it holds is gone.
         self.epoch = secrets.randbits(63) or 1
+        # Node and lock ids start at a base drawn per start, so an id kept from
+        # before a restart names nothing now (instead of somebody else's node or lock).
+        self.id_base = ((self.epoch & _BASE_MASK) or 1) << _ID_BITS
+        self.sessions = SessionRegistry(self._release, clock, self.id_base)
         # CPU pools in shared memory under shm_dir (None: private), for attach.
         self.shared = SharedPools(shm_dir, self.epoch, shm_mode)
         self.engines: dict[str, ModelEngine | SlotEngine] = {}
@@ -45,7 +52,7 @@ class CacheService:
                 kind = SlotEngine if model.kind == "slot" else ModelEngine
                 self.engines[model.name] = kind(
                     model, self.sessions.next_lock_id,
-                    self.shared.factory(model.name, model.pool.device))
+                    self.shared.factory(model.name, model.pool.device), self.id_base)
         except BaseException:
             self.shared.close()
             raise
@@ -65,6 +72,14 @@ class CacheService:
 
     def session(self, session_id: str) -> Session:
         return self.sessions.get(session_id)
+
+    def check_epoch(self, epoch: int) -> None:
+        """Refuse a request whose handles come from an earlier start (0: unchecked)."""
+        if epoch and epoch != self.epoch:
+            raise StaleEpochError(
+                f"server_epoch {epoch} is not this service's ({self.epoch}): the service "
+                "restarted, and the sessions, nodes, locks and slots from before are gone",
+                self.epoch)
 
     def open_session(self, ttl: float, name: str = "") -> Session:
         granted = min(max(ttl or self.session_ttl, self.ttl_min), self.ttl_max)
@@ -92,8 +107,9 @@ class CacheService:
         if not lock_id:
             return
         held = session.locks.get(lock_id)
-        if held is None and lock_id > self.sessions.last_lock_id:
-            raise NotFoundError(f"lock {lock_id} was never issued by this server")
+        if held is None and not self.sessions.issued(lock_id):
+            raise NotFoundError(f"lock {lock_id} was never issued by this server "
+                                "(or comes from before a restart)")
         if held is None:
             raise PreconditionError(f"lock {lock_id} is not held by this session "
                                     "(already released, or never taken by it)")

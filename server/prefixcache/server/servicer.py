@@ -30,7 +30,7 @@ from .registration import Malformed, parsed
 from .service import CacheService
 from .sessions import Session
 from .shared_pool import describe_buffers
-from .status import status_for
+from .status import status_for, trailers_for
 
 log = logging.getLogger("prefixcache.server")
 
@@ -115,7 +115,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
             allocated_slots=encode_slots(out.allocated), state_slot=out.state_slot,
             mamba_branching_seqlen=out.branching_seqlen,
             allocated_state_slot=out.allocated_state, slot_version=out.slot_version,
-            allocated_slot_version=out.allocated_version)
+            allocated_slot_version=out.allocated_version, server_epoch=self.service.epoch)
         if session is not None and (req.lock or req.allocate):
             session.remember("match", req.request_id, reply)
         return reply
@@ -136,7 +136,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         reply = pb.InsertResponse(
             prefix_len=out.prefix_len, cached_len=out.cached_len, node_id=out.node_id,
             lock_id=out.lock_id, freed_slots=encode_slots(out.freed),
-            state_exist=out.state_exist)
+            state_exist=out.state_exist, server_epoch=self.service.epoch)
         if session is not None:
             session.remember("insert", req.request_id, reply)
         return reply
@@ -152,7 +152,8 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         session = _needs(session, "Lock")
         if reply := session.replay("lock", req.request_id):
             return reply
-        reply = pb.LockResponse(lock_id=self.service.engine(req.model).lock(session, req.node_id))
+        reply = pb.LockResponse(lock_id=self.service.engine(req.model).lock(session, req.node_id),
+                                server_epoch=self.service.epoch)
         session.remember("lock", req.request_id, reply)
         return reply
 
@@ -172,7 +173,8 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         versions = engine.versions(slots) if engine.kind == "slot" else slots[:0]
         return pb.AllocResponse(slot_indices=encode_slots(slots),
                                 state_slots=encode_slots(states),
-                                slot_versions=encode_slots(versions))
+                                slot_versions=encode_slots(versions),
+                                server_epoch=self.service.epoch)
 
     def _free(self, req: pb.FreeRequest, session: Session | None) -> pb.FreeResponse:
         session = _needs(session, "Free")
@@ -224,13 +226,15 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
                 parsed(arg)
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
+            if args:
+                self.service.check_epoch(getattr(args[0], "server_epoch", 0))
             reply = handler(*args)
             if self.check_integrity and (mutates or (args and _mutates(args[0]))):
                 self.service.check_integrity()
             return reply
         except Exception as exc:
             code = self._refusal(exc, method)
-            await context.abort(code, str(exc))
+            await context.abort(code, str(exc), trailers_for(exc))
         finally:
             self._observe(method, code, start)
 
@@ -309,7 +313,8 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
                 dtype=str(k.dtype).removeprefix("torch."), device=str(k.device),
                 page_size=1, pool_size=engine.pool_size, num_rows=engine.pool_size,
                 max_seq_len=engine.max_seq_len,
-                buffers=describe_buffers(engine, self.service.shared))
+                buffers=describe_buffers(engine, self.service.shared),
+                server_epoch=self.service.epoch)
         return pb.DescribePoolResponse(
             model=engine.name, layer_num=kv.layer_num, k_head_num=kv.k_head_num,
             k_head_dim=kv.k_head_dim, v_head_num=kv.v_head_num, v_head_dim=kv.v_head_dim,
@@ -317,7 +322,8 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
             page_size=kv.page_size, pool_size=engine.pool_size, num_rows=kv.num_rows,
             swa_pool_size=engine.swa_kv_pool.size if engine.swa_kv_pool else 0,
             mamba=_mamba_layout(engine.mamba_pool) if engine.mamba_pool else None,
-            buffers=describe_buffers(engine, self.service.shared))
+            buffers=describe_buffers(engine, self.service.shared),
+            server_epoch=self.service.epoch)
 
     def _open_session(self, req: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
         if req.ttl_seconds < 0 or req.ttl_seconds != req.ttl_seconds:
@@ -348,6 +354,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
             engine = self.service.engine(parsed(request).model)
+            self.service.check_epoch(request.server_epoch)
             parts = kv_transfer.plan(engine, decode_slots(request.slot_indices),
                                      list(request.layers),
                                      decode_slots(request.state_slots, "state_slots"))
@@ -358,7 +365,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
                 yield reply
         except Exception as exc:
             code = self._refusal(exc, "ReadKV")
-            await context.abort(code, str(exc))
+            await context.abort(code, str(exc), trailers_for(exc))
         finally:
             self._observe("ReadKV", code, start)
 
@@ -383,7 +390,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
                                       buffers_written=buffers)
         except Exception as exc:
             code = self._refusal(exc, "WriteKV")
-            await context.abort(code, str(exc))
+            await context.abort(code, str(exc), trailers_for(exc))
         finally:
             self._observe("WriteKV", code, start)
 
@@ -420,6 +427,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
             body = getattr(request, op)
+            self.service.check_epoch(getattr(body, "server_epoch", 0))
             reply = self._stream_ops[op](body, session)
             if self.check_integrity and _mutates(body):
                 self.service.check_integrity()

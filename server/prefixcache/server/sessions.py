@@ -82,16 +82,19 @@ class SessionRegistry:
         release: Called with a session when it ends, to hand back its locks and slots;
             returns ``(locks_released, slots_freed)``.
         clock: Monotonic seconds (injectable for tests).
+        id_base: Lock ids are ``id_base + 1``, ``+ 2``, ... (see ``CacheService``).
     """
 
     def __init__(self, release: Callable[[Session], tuple[int, int]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, id_base: int = 0) -> None:
         self._sessions: dict[str, Session] = {}
         self._release = release
         self._clock = clock
         # Tag 0 means "no session" in the owner arrays.
         self._tags = count(1)
-        self.last_lock_id = 0
+        # Lock ids are id_base + 1, + 2, ...: see CacheService.id_base.
+        self._first_lock_id = id_base + 1
+        self.last_lock_id = id_base
         self.expired_total = 0
 
     def __len__(self) -> int:
@@ -130,6 +133,10 @@ class SessionRegistry:
     def next_lock_id(self) -> int:
         self.last_lock_id += 1
         return self.last_lock_id
+
+    def issued(self, lock_id: int) -> bool:
+        """Whether this registry has handed out ``lock_id`` (held or not)."""
+        return self._first_lock_id <= lock_id <= self.last_lock_id
 
     def close(self, session: Session) -> tuple[int, int]:
         """End ``session`` and hand back what it holds."""

@@ -34,8 +34,8 @@ class SlotEngine(EngineBase):
     """The slot allocator, KV tensors and slot prefix cache of one model."""
 
     def __init__(self, config: ModelConfig, next_lock_id: Any,
-                 buffer_factory: BufferFactory | None = None) -> None:
-        super().__init__(config, next_lock_id)
+                 buffer_factory: BufferFactory | None = None, handle_base: int = 0) -> None:
+        super().__init__(config, next_lock_id, handle_base)
         self.page_size = 1
         pool = config.pool
         self.max_seq_len = config.max_seq_len

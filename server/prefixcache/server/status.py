@@ -10,7 +10,16 @@ import grpc
 
 from prefixcache.cache import DoubleFreeError, InvalidInputError, LockError
 
-from .errors import DrainingError, NotFoundError, PoolExhaustedError, PreconditionError
+from .errors import (
+    DrainingError,
+    NotFoundError,
+    PoolExhaustedError,
+    PreconditionError,
+    StaleEpochError,
+)
+
+# The trailing metadata key that tells a client the current epoch (decimal).
+EPOCH_TRAILER = "prefixcache-server-epoch"
 
 # First match wins, so subclasses come before their bases.
 STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -30,3 +39,10 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         if isinstance(exc, kind):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def trailers_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata that goes with a refusal: the epoch, when it was stale."""
+    if isinstance(exc, StaleEpochError):
+        return ((EPOCH_TRAILER, str(exc.epoch)),)
+    return ()
