@@ -24,6 +24,8 @@ from .errors import (
     PermissionDenied,
     PrefixCacheError,
     ResourceExhausted,
+    SessionLost,
+    StaleEpoch,
     Unauthenticated,
     Unavailable,
 )
@@ -104,6 +106,8 @@ __all__ = [
     "ResetReply",
     "ResourceExhausted",
     "SessionInfo",
+    "SessionLost",
+    "StaleEpoch",
     "StatsReply",
     "Unauthenticated",
     "Unavailable",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -22,7 +23,15 @@ import grpc
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from ._wire import pack_slots, pack_tokens
-from .errors import DeadlineExceeded, InvalidArgument, PrefixCacheError, Unavailable
+from .errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    PrefixCacheError,
+    SessionLost,
+    StaleEpoch,
+    Unavailable,
+    from_rpc_error,
+)
 from .results import (
     AllocReply,
     CloseReply,
@@ -43,8 +52,9 @@ log = logging.getLogger("prefixcache.client")
 DEFAULT_TARGET = "unix:/tmp/prefixcache.sock"
 DEFAULT_TIMEOUT = 5.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# Statuses that fail open: the service is down, draining, or too slow.
-FAIL_OPEN_ERRORS = (Unavailable, DeadlineExceeded)
+# What fails open: the service is down, draining or too slow, or the call names handles
+# from before a restart (or of a lost session), which are gone either way.
+FAIL_OPEN_ERRORS = (Unavailable, DeadlineExceeded, StaleEpoch, SessionLost)
 
 SessionLike = Any  # a session object (with .session_id), a SessionInfo, or an id string
 
@@ -124,7 +134,12 @@ class ClientBase:
         self.backoff = float(backoff)
         self.fail_open = bool(fail_open)
         self.client_name = client_name
+        # The newest epoch any reply carried, and how often it changed (restarts seen).
         self.server_epoch = 0
+        self.restarts = 0
+        self._restart_hooks: list[Callable[[int, int], None]] = []
+        # Sessions opened through this client, told when the service restarts.
+        self._sessions: weakref.WeakSet[Any] = weakref.WeakSet()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         if tls is None:
             tls = any(x is not None for x in (root_certificates, private_key,
@@ -138,6 +153,11 @@ class ClientBase:
         opts: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", int(max_message_bytes)),
             ("grpc.max_receive_message_length", int(max_message_bytes)),
+            # A sidecar restarts in about a second: reconnect within one, not after
+            # gRPC's default backoff, which grows to two minutes while it is down.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         if server_name:
             opts.append(("grpc.ssl_target_name_override", server_name))
@@ -162,14 +182,18 @@ class ClientBase:
     # ------------------------------------------------------------- machinery
 
     def _failed_open(self, op: Op, err: PrefixCacheError, fail_open: bool | None) -> Any:
-        """The fail-open answer for ``err``, or None when ``err`` must be raised."""
+        """The fail-open answer to ``op`` for ``err``; raises ``err`` when it may not."""
+        return self._stand_in(op.method, op.fallback, err, fail_open)
+
+    def _stand_in(self, what: str, fallback: Callable[[], Any] | None, err: PrefixCacheError,
+                  fail_open: bool | None) -> Any:
         allowed = self.fail_open if fail_open is None else fail_open
-        if not allowed or op.fallback is None or not isinstance(err, FAIL_OPEN_ERRORS):
-            return None
+        if not allowed or fallback is None or not isinstance(err, FAIL_OPEN_ERRORS):
+            raise err
         with self._fail_open_lock:
             self._fail_open_count += 1
-        log.debug("%s failed open: %s", op.method, err)
-        return op.fallback()
+        log.debug("%s failed open: %s", what, err)
+        return fallback()
 
     def _delay(self, attempt: int) -> float:
         return self.backoff * (2 ** attempt)
@@ -179,13 +203,54 @@ class ClientBase:
             return int(request_id)
         return next(self._request_ids) if needed else 0
 
+    def on_restart(self, hook: Callable[[int, int], None]) -> Callable[[int, int], None]:
+        """Call ``hook(old_epoch, new_epoch)`` whenever a reply shows the service has
+        restarted: every handle from before is gone, and in-flight requests whose KV
+        lived in the old pool must be recomputed. Usable as a decorator."""
+        self._restart_hooks.append(hook)
+        return hook
+
     def _seen_epoch(self, epoch: int) -> None:
-        if epoch and self.server_epoch and epoch != self.server_epoch:
-            log.warning("the prefix-cache service restarted: node handles, locks and "
-                        "sessions from before are gone")
-            self._pools.clear()  # a restarted service may have other pool shapes
-        if epoch:
-            self.server_epoch = epoch
+        old = self.server_epoch
+        if not epoch or epoch == old:
+            return
+        self.server_epoch = epoch
+        if not old:
+            return
+        self.restarts += 1
+        log.warning("the prefix-cache service restarted (epoch %d -> %d): node handles, "
+                    "locks, slots and sessions from before are gone", old, epoch)
+        self._pools.clear()  # a restarted service may have other pool shapes
+        for session in list(self._sessions):
+            if (state := getattr(session, "_state", None)) is not None:
+                state.service_restarted(epoch)
+        for hook in list(self._restart_hooks):
+            try:
+                hook(old, epoch)
+            except Exception:  # a hook must not break the call that noticed the restart
+                log.exception("on_restart hook %r failed", hook)
+
+    def _error(self, exc: grpc.RpcError) -> PrefixCacheError:
+        """The typed error for a failed call; a stale-epoch refusal also tells the
+        client the current epoch."""
+        err = from_rpc_error(exc)
+        if isinstance(err, StaleEpoch):
+            self._seen_epoch(err.server_epoch)
+        return err
+
+    def _fence(self, session: SessionLike, server_epoch: int | None) -> int:
+        """The epoch a call's handles come from: given, the session's own, or the
+        newest this client has seen."""
+        if server_epoch is not None:
+            return int(server_epoch)
+        own = getattr(session, "server_epoch", None)
+        return own if isinstance(own, int) and own else self.server_epoch
+
+    def _seen(self, parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def read(m: Any) -> Any:
+            self._seen_epoch(m.server_epoch)
+            return parse(m)
+        return read
 
     # ------------------------------------------------------ operations (requests)
 
@@ -197,6 +262,7 @@ class ClientBase:
 
     def _op_describe_pool(self, model: str) -> Op:
         def parse(m: pb.DescribePoolResponse) -> PoolInfo:
+            self._seen_epoch(m.server_epoch)
             info = PoolInfo.from_pb(m)
             self._pools[model] = info
             return info
@@ -217,13 +283,15 @@ class ClientBase:
         # Not retried: a lost reply would leave a session behind (until its lease lapses).
         return Op("OpenSession", request, parse, False)
 
-    def _op_keep_alive(self, session: SessionLike) -> Op:
-        return Op("KeepAlive", pb.KeepAliveRequest(session_id=session_id_of(session)),
-                  lambda m: m.ttl_seconds, True)
+    def _op_keep_alive(self, session: SessionLike, server_epoch: int | None = None) -> Op:
+        request = pb.KeepAliveRequest(session_id=session_id_of(session),
+                                      server_epoch=self._fence(session, server_epoch))
+        return Op("KeepAlive", request, lambda m: m.ttl_seconds, True)
 
     def _op_close_session(self, session: SessionLike) -> Op:
-        return Op("CloseSession", pb.CloseSessionRequest(session_id=session_id_of(session)),
-                  CloseReply.from_pb, False)
+        request = pb.CloseSessionRequest(session_id=session_id_of(session),
+                                         server_epoch=self._fence(session, None))
+        return Op("CloseSession", request, CloseReply.from_pb, False)
 
     def _op_match(self, model: str, tokens: Any, extra_key: str | None,
                   token_width: int | None, session: SessionLike, lock: bool, allocate: bool,
@@ -231,28 +299,31 @@ class ClientBase:
         data, width = pack_tokens(tokens, token_width)
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid) and (lock or allocate))
+        # Only the session is a handle here: a match without one is never stale.
         request = pb.MatchRequest(model=model, token_ids=data, token_width=width,
                                   session_id=sid, lock=lock, allocate=allocate,
-                                  request_id=rid)
+                                  request_id=rid,
+                                  server_epoch=self._fence(session, None) if sid else 0)
         key = _extra_key(tokens, extra_key)
         if key is not None:
             request.extra_key = key
         # An allocation cannot fail open: the worker needs real slots.
         fallback = None if allocate else (lambda: MatchReply(skipped=True))
-        return Op("Match", request, MatchReply.from_pb, not (lock or allocate) or bool(rid),
-                  fallback)
+        return Op("Match", request, self._seen(MatchReply.from_pb),
+                  not (lock or allocate) or bool(rid), fallback)
 
     def _op_insert(self, model: str, tokens: Any, slots: Any, extra_key: str | None,
                    token_width: int | None, session: SessionLike, lock: bool,
                    release_lock_id: int, state_slot: int | None, slot_version: int,
-                   request_id: int | None) -> Op:
+                   request_id: int | None, server_epoch: int | None = None) -> Op:
         data, width = pack_tokens(tokens, token_width)
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid))
         request = pb.InsertRequest(model=model, token_ids=data, token_width=width,
                                    slot_indices=pack_slots(slots), session_id=sid, lock=lock,
                                    release_lock_id=int(release_lock_id), request_id=rid,
-                                   slot_version=int(slot_version))
+                                   slot_version=int(slot_version),
+                                   server_epoch=self._fence(session, server_epoch))
         key = _extra_key(tokens, extra_key)
         if key is not None:
             request.extra_key = key
@@ -260,7 +331,7 @@ class ClientBase:
             request.state_slot = int(state_slot)
         # Without a session an insert can only re-insert the tree's own slots: a no-op
         # when repeated. With one, the request id makes the retry replay the answer.
-        return Op("Insert", request, InsertReply.from_pb, bool(rid) or not sid,
+        return Op("Insert", request, self._seen(InsertReply.from_pb), bool(rid) or not sid,
                   lambda: InsertReply(skipped=True))
 
     def _op_evict(self, model: str, num_tokens: int, swa_num_tokens: int,
@@ -270,18 +341,22 @@ class ClientBase:
         return Op("Evict", request, EvictReply.from_pb, False)
 
     def _op_lock(self, model: str, node_id: int, session: SessionLike,
-                 request_id: int | None) -> Op:
+                 request_id: int | None, server_epoch: int | None = None) -> Op:
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid))
         request = pb.LockRequest(model=model, node_id=int(node_id), session_id=sid,
-                                 request_id=rid)
-        return Op("Lock", request, lambda m: LockReply(m.lock_id), bool(rid),
-                  lambda: LockReply(skipped=True))
+                                 request_id=rid,
+                                 server_epoch=self._fence(session, server_epoch))
+        return Op("Lock", request,
+                  self._seen(lambda m: LockReply(m.lock_id, server_epoch=m.server_epoch)),
+                  bool(rid), lambda: LockReply(skipped=True))
 
-    def _op_unlock(self, lock_id: int, session: SessionLike, request_id: int | None) -> Op:
+    def _op_unlock(self, lock_id: int, session: SessionLike, request_id: int | None,
+                   server_epoch: int | None = None) -> Op:
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid))
-        request = pb.UnlockRequest(lock_id=int(lock_id), session_id=sid, request_id=rid)
+        request = pb.UnlockRequest(lock_id=int(lock_id), session_id=sid, request_id=rid,
+                                   server_epoch=self._fence(session, server_epoch))
         return Op("Unlock", request, lambda m: UnlockReply(), bool(rid),
                   lambda: UnlockReply(skipped=True))
 
@@ -289,14 +364,18 @@ class ClientBase:
                   session: SessionLike) -> Op:
         request = pb.AllocRequest(model=model, num_slots=int(num_slots),
                                   num_state_slots=int(num_state_slots),
-                                  session_id=session_id_of(session))
-        return Op("Alloc", request, AllocReply.from_pb, False)
+                                  session_id=session_id_of(session),
+                                  server_epoch=self._fence(session, None))
+        return Op("Alloc", request, self._seen(AllocReply.from_pb), False)
 
-    def _op_free(self, model: str, slots: Any, state_slots: Any, session: SessionLike) -> Op:
+    def _op_free(self, model: str, slots: Any, state_slots: Any, session: SessionLike,
+                 server_epoch: int | None = None) -> Op:
         request = pb.FreeRequest(model=model, slot_indices=pack_slots(slots),
                                  state_slots=pack_slots(state_slots),
-                                 session_id=session_id_of(session))
-        return Op("Free", request, lambda m: None, False)
+                                 session_id=session_id_of(session),
+                                 server_epoch=self._fence(session, server_epoch))
+        # Failing open leaves the slots with the session: its close or lease frees them.
+        return Op("Free", request, lambda m: None, False, lambda: None)
 
     def _op_reset(self, model: str) -> Op:
         return Op("Reset", pb.ResetRequest(model=model), ResetReply.from_pb, False)

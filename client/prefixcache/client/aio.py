@@ -19,11 +19,13 @@ from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
 from . import kv
 from ._core import DEFAULT_TARGET, FAIL_OPEN_ERRORS, ClientBase, Op, SessionLike, log, session_id_of
+from ._session_state import FRESH, SessionState, stand_in
 from .attach import AttachedPool, attach
 from .errors import (
     DeadlineExceeded,
     NotFound,
     PrefixCacheError,
+    StaleEpoch,
     Unavailable,
     error_for,
     from_rpc_error,
@@ -58,7 +60,6 @@ class AsyncPrefixCacheClient(ClientBase):
         super().__init__(target, **kwargs)
         self._channel: grpc.aio.Channel | None = None
         self._stub_obj: pb_grpc.PrefixCacheStub | None = None
-        self._sessions: weakref.WeakSet[Any] = weakref.WeakSet()
         self._closed = False
 
     @property
@@ -104,7 +105,7 @@ class AsyncPrefixCacheClient(ClientBase):
                 return await call(op.request, timeout=max(deadline - time.monotonic(), 0.001),
                                   metadata=self._metadata)
             except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
+                err = self._error(exc)
                 delay = self._delay(attempt)
                 if not (op.retry and isinstance(err, Unavailable) and attempt < self.retries
                         and deadline - time.monotonic() > delay):
@@ -117,10 +118,7 @@ class AsyncPrefixCacheClient(ClientBase):
         try:
             reply = await self._invoke(op, timeout)
         except FAIL_OPEN_ERRORS as err:
-            stand_in = self._failed_open(op, err, fail_open)
-            if stand_in is None:
-                raise
-            return stand_in
+            return self._failed_open(op, err, fail_open)
         return op.parse(reply)
 
     # ----------------------------------------------------------------- reads
@@ -146,34 +144,37 @@ class AsyncPrefixCacheClient(ClientBase):
 
     async def read_kv(self, model: str, slots: Any = (), *, layers: Any = None,
                       state_slots: Any = (), chunk_bytes: int | None = None,
+                      server_epoch: int | None = None,
                       timeout: float | None = None) -> kv.KVData:
         """See ``PrefixCacheClient.read_kv``."""
         reader = kv.Reader(await self._pool_info(model, timeout), slots, layers,
                            state_slots, kv.chunk_limit(chunk_bytes, self.max_message_bytes))
+        reader.request.server_epoch = self._fence(None, server_epoch)
         try:
             call = self._stub.ReadKV(reader.request, timeout=timeout or self.timeout,
                                      metadata=self._metadata)
             async for chunk in call:
                 reader.add(chunk)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+            raise self._error(exc) from exc
         return reader.result()
 
     async def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None, *,
                        session: SessionLike, layers: Any = None, state_slots: Any = (),
                        conv: Any = None, temporal: Any = None,
-                       chunk_bytes: int | None = None,
+                       chunk_bytes: int | None = None, server_epoch: int | None = None,
                        timeout: float | None = None) -> kv.WriteKVReply:
         """See ``PrefixCacheClient.write_kv``."""
         chunks = kv.write_chunks(await self._pool_info(model, timeout),
                                  session_id_of(session), slots, k, v, layers, state_slots,
                                  conv, temporal,
-                                 kv.chunk_limit(chunk_bytes, self.max_message_bytes))
+                                 kv.chunk_limit(chunk_bytes, self.max_message_bytes),
+                                 self._fence(session, server_epoch))
         try:
             reply = await self._stub.WriteKV(chunks, timeout=timeout or self.timeout,
                                              metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+            raise self._error(exc) from exc
         return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)
 
     # --------------------------------------------------------------- sessions
@@ -218,10 +219,11 @@ class AsyncPrefixCacheClient(ClientBase):
                      session: SessionLike = None, lock: bool = False,
                      release_lock_id: int = 0, state_slot: int | None = None,
                      slot_version: int = 0, request_id: int | None = None,
-                     fail_open: bool | None = None,
+                     server_epoch: int | None = None, fail_open: bool | None = None,
                      timeout: float | None = None) -> InsertReply:
         op = self._op_insert(model, tokens, slots, extra_key, token_width, session, lock,
-                             release_lock_id, state_slot, slot_version, request_id)
+                             release_lock_id, state_slot, slot_version, request_id,
+                             server_epoch)
         return await self._run(op, timeout, fail_open)
 
     async def evict(self, model: str, num_tokens: int = 0, *, swa_num_tokens: int = 0,
@@ -230,16 +232,17 @@ class AsyncPrefixCacheClient(ClientBase):
                                timeout)
 
     async def lock(self, model: str, node_id: int, *, session: SessionLike = None,
-                   request_id: int | None = None, fail_open: bool | None = None,
-                   timeout: float | None = None) -> LockReply:
-        return await self._run(self._op_lock(model, node_id, session, request_id), timeout,
-                               fail_open)
+                   request_id: int | None = None, server_epoch: int | None = None,
+                   fail_open: bool | None = None, timeout: float | None = None) -> LockReply:
+        return await self._run(self._op_lock(model, node_id, session, request_id,
+                                             server_epoch), timeout, fail_open)
 
     async def unlock(self, lock_id: int, *, session: SessionLike = None,
-                     request_id: int | None = None, fail_open: bool | None = None,
+                     request_id: int | None = None, server_epoch: int | None = None,
+                     fail_open: bool | None = None,
                      timeout: float | None = None) -> UnlockReply:
-        return await self._run(self._op_unlock(lock_id, session, request_id), timeout,
-                               fail_open)
+        return await self._run(self._op_unlock(lock_id, session, request_id, server_epoch),
+                               timeout, fail_open)
 
     async def alloc(self, model: str, num_slots: int, *, num_state_slots: int = 0,
                     session: SessionLike = None, timeout: float | None = None) -> AllocReply:
@@ -247,8 +250,10 @@ class AsyncPrefixCacheClient(ClientBase):
                                timeout)
 
     async def free(self, model: str, slots: Any = (), *, state_slots: Any = (),
-                   session: SessionLike = None, timeout: float | None = None) -> None:
-        await self._run(self._op_free(model, slots, state_slots, session), timeout)
+                   session: SessionLike = None, server_epoch: int | None = None,
+                   fail_open: bool | None = None, timeout: float | None = None) -> None:
+        await self._run(self._op_free(model, slots, state_slots, session, server_epoch),
+                        timeout, fail_open)
 
     async def reset(self, model: str, *, timeout: float | None = None) -> ResetReply:
         return await self._run(self._op_reset(model), timeout)
@@ -287,7 +292,8 @@ class _SessionCalls:
 
 
 class AsyncClientSession(_SessionCalls):
-    """A leased session renewed by an asyncio task (see ``ClientSession``)."""
+    """A leased session renewed by an asyncio task; like ``ClientSession`` it outlives
+    its service-side session (restart, lapsed lease) and refuses stale handles."""
 
     def __init__(self, client: AsyncPrefixCacheClient, ttl: float | None, *,
                  name: str | None = None, renew: bool = True, fail_open: bool | None = None,
@@ -299,13 +305,18 @@ class AsyncClientSession(_SessionCalls):
         self.fail_open = fail_open
         self.timeout = timeout
         self.info: SessionInfo | None = None
-        self.session_id = ""
-        self.ttl = 0.0
-        self.server_epoch = 0
         self.closed = False
-        self.lost: PrefixCacheError | None = None
         self.renewals = 0
+        self._state: SessionState | None = None
         self._task: asyncio.Task[None] | None = None
+        self._reopening = asyncio.Lock()
+
+    session_id = property(lambda self: self._state.session_id if self._state else "")
+    ttl = property(lambda self: self._state.ttl if self._state else 0.0)
+    server_epoch = property(lambda self: self._state.server_epoch if self._state else 0)
+    lost = property(lambda self: self._state.lost if self._state else None)
+    reopened = property(lambda self: self._state.reopened if self._state else 0)
+    dropped = property(lambda self: self._state.dropped if self._state else 0)
 
     def __repr__(self) -> str:
         state = ("new" if self.info is None else "closed" if self.closed
@@ -317,16 +328,39 @@ class AsyncClientSession(_SessionCalls):
         if self.info is None:
             self.info = await self.client.open_session(self.requested_ttl, self.name,
                                                        timeout=self.timeout)
-            self.session_id, self.ttl = self.info.session_id, self.info.ttl
-            self.server_epoch = self.info.server_epoch
+            self._state = SessionState(self.info)
             self.client._sessions.add(self)
-            if self.renew and self.ttl > 0:
-                self._task = asyncio.create_task(_renew(weakref.ref(self), self.client,
-                                                        self.session_id, self.ttl))
+            self._start_renewal()
         return self
 
     def __await__(self) -> Generator[Any, None, AsyncClientSession]:
         return self.open().__await__()
+
+    def _start_renewal(self) -> None:
+        if self.renew and self.ttl > 0:
+            self._task = asyncio.create_task(_renew(weakref.ref(self), self.client,
+                                                    self.session_id, self.server_epoch,
+                                                    self.ttl))
+
+    async def _stop_renewal(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _reopen(self) -> None:
+        async with self._reopening:
+            assert self._state is not None
+            if self._state.lost is None:
+                return
+            await self._stop_renewal()
+            self.info = await self.client.open_session(self.ttl, self.name,
+                                                       timeout=self.timeout)
+            self._state.replaced_by(self.info)
+            log.warning("session reopened as %s... after losing the last one",
+                        self.session_id[:8])
+            self._start_renewal()
 
     async def keep_alive(self, *, timeout: float | None = None) -> float:
         return await self.client.keep_alive(self, timeout=timeout)
@@ -336,13 +370,12 @@ class AsyncClientSession(_SessionCalls):
         if self.closed or self.info is None:
             return None
         self.closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._stop_renewal()
+        if self.lost is not None:
+            return CloseReply()
         try:
             return await self.client.close_session(self)
-        except NotFound:
+        except (NotFound, StaleEpoch):
             return CloseReply()
         except FAIL_OPEN_ERRORS:
             allowed = self.client.fail_open if self.fail_open is None else self.fail_open
@@ -364,16 +397,47 @@ class AsyncClientSession(_SessionCalls):
             log.warning("closing session %s... failed: %s", self.session_id[:8], err)
 
     async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return await getattr(self.client, name)(*args, session=self, **kwargs)
+        """As ``ClientSession._call``."""
+        if self._state is None:
+            await self.open()
+        state = self._state
+        assert state is not None
+        fail_open = kwargs.pop("fail_open", self.fail_open)
+        if name != "alloc":
+            kwargs["fail_open"] = fail_open
+        for attempt in range(2):
+            if (refused := state.refusal(name, args, kwargs)) is not None:
+                return self.client._stand_in(name, stand_in(name), refused, fail_open)
+            if state.needs_reopen(name):
+                try:
+                    await self._reopen()
+                except FAIL_OPEN_ERRORS as err:
+                    fallback = None if kwargs.get("allocate") else stand_in(name)
+                    return self.client._stand_in(name, fallback, err, fail_open)
+            try:
+                reply = await getattr(self.client, name)(*args, session=self, **kwargs)
+            except StaleEpoch:
+                if attempt == 0 and name in FRESH:
+                    continue
+                raise
+            if attempt == 0 and name in FRESH and getattr(reply, "skipped", False) \
+                    and state.needs_reopen(name):
+                continue
+            state.record(name, args, kwargs, reply)
+            return reply
+        raise AssertionError("unreachable")
 
     async def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
                        **kwargs: Any) -> kv.WriteKVReply:
         """``AsyncPrefixCacheClient.write_kv`` in this session."""
+        if self._state is not None and \
+                (refused := self._state.refusal("write_kv", (), kwargs)) is not None:
+            raise refused
         return await self.client.write_kv(model, slots, k, v, session=self, **kwargs)
 
 
 async def _renew(ref: weakref.ref[AsyncClientSession], client: AsyncPrefixCacheClient,
-                 session_id: str, ttl: float) -> None:
+                 session_id: str, epoch: int, ttl: float) -> None:
     """As the sync client's renewal thread: holds the session weakly."""
     interval = ttl / 3
     timeout = max(min(client.timeout, interval), 0.05)
@@ -382,10 +446,11 @@ async def _renew(ref: weakref.ref[AsyncClientSession], client: AsyncPrefixCacheC
         if ref() is None:
             return
         try:
-            await client.keep_alive(session_id, timeout=timeout)
-        except NotFound as err:
-            if (session := ref()) is not None:
-                session.lost = err
+            await client._run(client._op_keep_alive(session_id, epoch), timeout)
+        except (NotFound, StaleEpoch) as err:
+            if (session := ref()) is not None and session._state is not None \
+                    and session.session_id == session_id:
+                session._state.mark_lost(err)
             log.warning("session %s... is gone: %s", session_id[:8], err.details)
             return
         except PrefixCacheError as err:
@@ -516,10 +581,7 @@ class AsyncStreamSession(_SessionCalls):
             reply = await self._send(op, timeout)
         except FAIL_OPEN_ERRORS as err:
             allowed = self.fail_open if fail_open is None else fail_open
-            stand_in = self.client._failed_open(op, err, allowed)
-            if stand_in is None:
-                raise
-            return stand_in
+            return self.client._failed_open(op, err, allowed)
         return op.parse(reply)
 
     async def _call(self, name: str, *args: Any, timeout: float | None = None,

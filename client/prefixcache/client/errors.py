@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import grpc
 
+# Trailing metadata of a stale-epoch refusal: the service's current epoch, in decimal.
+EPOCH_TRAILER = "prefixcache-server-epoch"
+
 
 class PrefixCacheError(Exception):
     """A call to the prefix-cache service failed.
@@ -51,6 +54,28 @@ class FailedPrecondition(PrefixCacheError):
     operation the model's cache kind lacks, a lock or allocation without a session."""
 
     default_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StaleEpoch(FailedPrecondition):
+    """The call named handles (or a session) from before a restart of the service.
+
+    Raised when the service refuses a call fenced with an older epoch, and by client
+    sessions, without a call, for handles they know to be stale. Nothing changed.
+
+    Attributes:
+        server_epoch: the service's current epoch (0 when not known).
+    """
+
+    def __init__(self, details: str = "", code: grpc.StatusCode | None = None,
+                 server_epoch: int = 0) -> None:
+        super().__init__(details, code)
+        self.server_epoch = server_epoch
+
+
+class SessionLost(NotFound):
+    """The call named handles of a client session whose service-side session is gone
+    (the service restarted, or the lease lapsed): its locks and slots were released, so
+    the client drops the call instead of sending it. Nothing changed."""
 
 
 class ResourceExhausted(PrefixCacheError):
@@ -110,7 +135,21 @@ def from_rpc_error(exc: grpc.RpcError) -> PrefixCacheError:
     """The typed error for a failed gRPC call (sync or asyncio)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.FAILED_PRECONDITION and (epoch := _epoch_trailer(exc)):
+        return StaleEpoch(details or "", code, epoch)
     return error_for(code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+def _epoch_trailer(exc: grpc.RpcError) -> int:
+    """The current epoch the service reports when it refuses a stale one, else 0."""
+    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == EPOCH_TRAILER:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return 0
+    return 0
 
 
 __all__ = [
@@ -122,6 +161,8 @@ __all__ = [
     "PermissionDenied",
     "PrefixCacheError",
     "ResourceExhausted",
+    "SessionLost",
+    "StaleEpoch",
     "Unauthenticated",
     "Unavailable",
     "error_for",

@@ -165,7 +165,7 @@ def _per_layer(values: Any, count: int, row_dims: int, what: str) -> list[Any]:
 
 def write_chunks(info: PoolInfo, session_id: str, slots: Any, k: Any, v: Any,
                  layers: Sequence[int] | None, state_slots: Any, conv: Any, temporal: Any,
-                 chunk_bytes: int) -> Iterator[pb.KVChunk]:
+                 chunk_bytes: int, server_epoch: int = 0) -> Iterator[pb.KVChunk]:
     """The header chunk, then the tensors as data chunks.
 
     Every shape is checked here, before the first chunk is sent; each tensor is turned
@@ -203,7 +203,7 @@ def write_chunks(info: PoolInfo, session_id: str, slots: Any, k: Any, v: Any,
         todo.append((part, tensor))
     header = pb.WriteKVHeader(model=info.model, slot_indices=packed,
                               layers=list(wanted) if layers else [], state_slots=states,
-                              session_id=session_id)
+                              session_id=session_id, server_epoch=server_epoch)
     return _chunks(header, todo, chunk_bytes)
 
 

@@ -23,6 +23,11 @@ Differences from the in-process cache, all forced by the cache living elsewhere:
 * The tree is shared with other workers: sizes are the service's, and another
   worker may cache or evict entries between two calls.
 * ``on_node_evict`` is not called (the service does not stream evictions yet).
+* The service may restart: a node handle from before is dropped (locking and
+  unlocking it do nothing; ``stale_dropped`` counts them), and the session is
+  replaced on the next ``match_prefix`` (see ``ClientSession``). Slots handed out
+  before the restart are gone with the old pool: use ``client.on_restart`` to
+  recompute the requests that were in flight.
 * Errors with an in-process counterpart are raised as that class (``LockError``,
   ``DoubleFreeError``, ``InvalidInputError``), chained from the client error; the
   rest (Unavailable, ...) are the client's typed errors.
@@ -66,9 +71,11 @@ def _cache_errors() -> Any:
 
 @dataclass(frozen=True, slots=True)
 class RemoteNode:
-    """A handle to a node of the service's tree (0 is the root: nothing matched)."""
+    """A handle to a node of the service's tree (0 is the root: nothing matched), and
+    the epoch of the service that handed it out (0: not known)."""
 
     node_id: int
+    server_epoch: int = 0
 
     @property
     def id(self) -> int:
@@ -116,6 +123,8 @@ class RemoteRadixCache:
         self.root_node = RemoteNode(0)
         # node id -> lock ids this cache took on it, most recent last.
         self._locks: dict[int, list[int]] = {}
+        # Node handles from before a restart that lock calls dropped.
+        self.stale_dropped = 0
         self.token_to_kv_pool_allocator = RemoteAllocator(self)
 
     def __repr__(self) -> str:
@@ -150,7 +159,8 @@ class RemoteRadixCache:
         from prefixcache.cache import MatchResult
 
         reply = self.session.match(self.model, key)
-        node = RemoteNode(reply.node_id) if reply.node_id else self.root_node
+        node = RemoteNode(reply.node_id, reply.server_epoch) if reply.node_id \
+            else self.root_node
         return MatchResult(as_tensor(reply.slots, self.device), node, reply.prefix_len,
                            reply.mamba_branching_seqlen)
 
@@ -186,7 +196,8 @@ class RemoteRadixCache:
         except (InvalidArgument, FailedPrecondition) as err:
             raise errors.InvalidInputError(str(err)) from err
         self.token_to_kv_pool_allocator._server_freed.update(reply.freed)
-        node = RemoteNode(reply.node_id) if reply.node_id else self.root_node
+        node = RemoteNode(reply.node_id, reply.server_epoch) if reply.node_id \
+            else self.root_node
         return InsertResult(reply.prefix_len, node, reply.state_exist)
 
     def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> Any:
@@ -199,12 +210,15 @@ class RemoteRadixCache:
 
     def inc_lock_ref(self, node: RemoteNode | None) -> None:
         """Lock ``node`` (and its ancestors) on the service for this cache's session."""
-        if node is None or not node.node_id:
+        if node is None or not node.node_id or self._stale(node):
             return None
         try:
-            reply = self.session.lock(self.model, node.node_id)
+            reply = self.session.lock(self.model, node.node_id,
+                                      server_epoch=node.server_epoch or None)
         except NotFound as err:
             raise _cache_errors().LockError(f"node {node.node_id} has been evicted") from err
+        if reply.skipped:  # failed open: nothing is locked
+            return None
         self._locks.setdefault(node.node_id, []).append(reply.lock_id)
         return None
 
@@ -215,9 +229,11 @@ class RemoteRadixCache:
             LockError: this cache holds no lock on ``node``, or the service no longer
                 has it (reset, session lost).
         """
-        if node is None or not node.node_id:
+        if node is None or not node.node_id or self._stale(node):
             return
         held = self._locks.get(node.node_id)
+        if not held and self._failing_open():
+            return  # its lock was skipped when the service did not answer
         if not held:
             raise _cache_errors().LockError(
                 f"unlock of node {node.node_id}, which holds no lock of this cache")
@@ -227,6 +243,18 @@ class RemoteRadixCache:
             self._pop_lock(node.node_id)
             raise _cache_errors().LockError(str(err)) from err
         self._pop_lock(node.node_id)
+
+    def _stale(self, node: RemoteNode) -> bool:
+        """Whether ``node`` comes from before a restart (then its locks are gone too)."""
+        if node.server_epoch and node.server_epoch != self.client.server_epoch:
+            self._locks.pop(node.node_id, None)
+            self.stale_dropped += 1
+            return True
+        return False
+
+    def _failing_open(self) -> bool:
+        allowed = self.session.fail_open
+        return self.client.fail_open if allowed is None else allowed
 
     def _pop_lock(self, node_id: int) -> None:
         held = self._locks[node_id]

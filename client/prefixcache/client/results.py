@@ -50,6 +50,7 @@ class MatchReply:
         slot_version: slot models: the version of the matched sequence slot.
         allocated_slot_version: slot models with ``allocate``: the new slot's version.
         skipped: fail-open: the service did not answer, this is an empty stand-in.
+        server_epoch: the service's epoch; the handles above are valid only in it.
     """
 
     prefix_len: int = 0
@@ -63,6 +64,7 @@ class MatchReply:
     slot_version: int | None = None
     allocated_slot_version: int | None = None
     skipped: bool = False
+    server_epoch: int = 0
 
     @property
     def hit(self) -> bool:
@@ -85,7 +87,8 @@ class MatchReply:
         return cls(m.prefix_len, unpack_slots(m.slot_indices), m.node_id, m.lock_id,
                    unpack_slots(m.allocated_slots), _opt(m, "state_slot"),
                    _opt(m, "mamba_branching_seqlen"), _opt(m, "allocated_state_slot"),
-                   _opt(m, "slot_version"), _opt(m, "allocated_slot_version"))
+                   _opt(m, "slot_version"), _opt(m, "allocated_slot_version"),
+                   server_epoch=m.server_epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +102,9 @@ class InsertReply:
         lock_id: the lock taken with ``lock=True``.
         freed: the session's slots the tree did not need, already freed by the service.
         state_exist: Mamba models: the tree had the state, the request's was freed.
-        skipped: fail-open: nothing was inserted (the session still holds its slots).
+        skipped: fail-open: nothing was inserted (the session still holds its slots,
+            unless the service restarted or the session was lost).
+        server_epoch: the service's epoch; the handles above are valid only in it.
     """
 
     prefix_len: int = 0
@@ -109,11 +114,12 @@ class InsertReply:
     freed: array = field(default_factory=_slots)
     state_exist: bool = False
     skipped: bool = False
+    server_epoch: int = 0
 
     @classmethod
     def from_pb(cls, m: pb.InsertResponse) -> InsertReply:
         return cls(m.prefix_len, m.cached_len, m.node_id, m.lock_id,
-                   unpack_slots(m.freed_slots), m.state_exist)
+                   unpack_slots(m.freed_slots), m.state_exist, server_epoch=m.server_epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +128,7 @@ class LockReply:
 
     lock_id: int = 0
     skipped: bool = False
+    server_epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +158,7 @@ class AllocReply:
     slots: array = field(default_factory=_slots)
     state_slots: array = field(default_factory=_slots)
     slot_versions: array = field(default_factory=_slots)
+    server_epoch: int = 0
 
     def slots_tensor(self, device: Any = None) -> Any:
         """``slots`` as an int64 torch tensor (imports torch)."""
@@ -159,7 +167,7 @@ class AllocReply:
     @classmethod
     def from_pb(cls, m: pb.AllocResponse) -> AllocReply:
         return cls(unpack_slots(m.slot_indices), unpack_slots(m.state_slots),
-                   unpack_slots(m.slot_versions))
+                   unpack_slots(m.slot_versions), m.server_epoch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +279,8 @@ class PoolInfo:
     max_seq_len: int = 0
     # How to map the pool from the same host (empty: it cannot be mapped).
     buffers: tuple[BufferInfo, ...] = ()
+    # The service's epoch: the buffers are those of this start of the service.
+    server_epoch: int = 0
 
     @classmethod
     def from_pb(cls, m: pb.DescribePoolResponse) -> PoolInfo:
@@ -283,7 +293,7 @@ class PoolInfo:
         return cls(m.model, m.layer_num, m.k_head_num, m.k_head_dim, m.v_head_num,
                    m.v_head_dim, m.dtype, m.device, m.page_size, m.pool_size, m.num_rows,
                    m.swa_pool_size, mamba, m.max_seq_len,
-                   tuple(BufferInfo.from_pb(b) for b in m.buffers))
+                   tuple(BufferInfo.from_pb(b) for b in m.buffers), m.server_epoch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,18 @@ import grpc
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
 from . import kv
-from ._core import DEFAULT_TARGET, FAIL_OPEN_ERRORS, ClientBase, Op, SessionLike, log, session_id_of
+from ._core import (
+    DEFAULT_TARGET,
+    FAIL_OPEN_ERRORS,
+    ClientBase,
+    Op,
+    SessionLike,
+    log,
+    session_id_of,
+)
+from ._session_state import FRESH, SessionState, stand_in
 from .attach import AttachedPool, attach
-from .errors import NotFound, PrefixCacheError, Unavailable, from_rpc_error
+from .errors import NotFound, PrefixCacheError, StaleEpoch, Unavailable
 from .results import (
     AllocReply,
     CloseReply,
@@ -71,7 +80,6 @@ class PrefixCacheClient(ClientBase):
         else:
             self._channel = grpc.insecure_channel(self.target, self._options)
         self._stub = pb_grpc.PrefixCacheStub(self._channel)
-        self._sessions: weakref.WeakSet[ClientSession] = weakref.WeakSet()
         self._closed = False
 
     # ------------------------------------------------------------- lifecycle
@@ -104,7 +112,7 @@ class PrefixCacheClient(ClientBase):
                 return call(op.request, timeout=max(deadline - time.monotonic(), 0.001),
                             metadata=self._metadata)
             except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
+                err = self._error(exc)
                 delay = self._delay(attempt)
                 if not (op.retry and isinstance(err, Unavailable) and attempt < self.retries
                         and deadline - time.monotonic() > delay):
@@ -116,10 +124,7 @@ class PrefixCacheClient(ClientBase):
         try:
             reply = self._invoke(op, timeout)
         except FAIL_OPEN_ERRORS as err:
-            stand_in = self._failed_open(op, err, fail_open)
-            if stand_in is None:
-                raise
-            return stand_in
+            return self._failed_open(op, err, fail_open)
         return op.parse(reply)
 
     # ----------------------------------------------------------------- reads
@@ -148,22 +153,25 @@ class PrefixCacheClient(ClientBase):
 
     def read_kv(self, model: str, slots: Any = (), *, layers: Any = None,
                 state_slots: Any = (), chunk_bytes: int | None = None,
-                timeout: float | None = None) -> kv.KVData:
+                server_epoch: int | None = None, timeout: float | None = None) -> kv.KVData:
         """Copies of the K/V rows of ``slots`` (every layer, or ``layers``) and the
-        Mamba state of ``state_slots``, streamed in chunks. Imports torch."""
+        Mamba state of ``state_slots``, streamed in chunks. ``server_epoch``: the epoch
+        the slots come from (default: the newest seen). Imports torch."""
         reader = kv.Reader(self._pool_info(model, timeout), slots, layers, state_slots,
                            kv.chunk_limit(chunk_bytes, self.max_message_bytes))
+        reader.request.server_epoch = self._fence(None, server_epoch)
         try:
             for chunk in self._stub.ReadKV(reader.request, timeout=timeout or self.timeout,
                                            metadata=self._metadata):
                 reader.add(chunk)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+            raise self._error(exc) from exc
         return reader.result()
 
     def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None, *,
                  session: SessionLike, layers: Any = None, state_slots: Any = (),
                  conv: Any = None, temporal: Any = None, chunk_bytes: int | None = None,
+                 server_epoch: int | None = None,
                  timeout: float | None = None) -> kv.WriteKVReply:
         """Write K/V rows into slots ``session`` holds: ``k[i]``/``v[i]`` is
         ``[len(slots), heads, dim]`` for the i-th layer (all, or ``layers``); one
@@ -171,12 +179,13 @@ class PrefixCacheClient(ClientBase):
         likewise per Mamba layer for ``state_slots``. Imports torch."""
         chunks = kv.write_chunks(self._pool_info(model, timeout), session_id_of(session),
                                  slots, k, v, layers, state_slots, conv, temporal,
-                                 kv.chunk_limit(chunk_bytes, self.max_message_bytes))
+                                 kv.chunk_limit(chunk_bytes, self.max_message_bytes),
+                                 self._fence(session, server_epoch))
         try:
             reply = self._stub.WriteKV(chunks, timeout=timeout or self.timeout,
                                        metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+            raise self._error(exc) from exc
         return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)
 
     # --------------------------------------------------------------- sessions
@@ -208,7 +217,7 @@ class PrefixCacheClient(ClientBase):
         ``insert``, ``lock``, ...) pass the session for you.
         """
         info = self.open_session(ttl, name, timeout=timeout)
-        session = ClientSession(self, info, renew=renew, fail_open=fail_open)
+        session = ClientSession(self, info, renew=renew, fail_open=fail_open, name=name)
         self._sessions.add(session)
         return session
 
@@ -232,13 +241,17 @@ class PrefixCacheClient(ClientBase):
                token_width: int | None = None, session: SessionLike = None,
                lock: bool = False, release_lock_id: int = 0, state_slot: int | None = None,
                slot_version: int = 0, request_id: int | None = None,
-               fail_open: bool | None = None, timeout: float | None = None) -> InsertReply:
+               server_epoch: int | None = None, fail_open: bool | None = None,
+               timeout: float | None = None) -> InsertReply:
         """Cache ``tokens`` with ``slots`` (one per token: the tree's own from a match,
         or slots the session holds). The service frees the session's slots the tree did
         not need and reports them in ``freed``; the unaligned tail stays the session's.
-        ``lock`` locks the new node; ``release_lock_id`` then releases an older lock."""
+        ``lock`` locks the new node; ``release_lock_id`` then releases an older lock.
+        ``server_epoch``: the epoch the slots and lock come from (default: the
+        session's, else the newest seen); the service refuses a stale one."""
         op = self._op_insert(model, tokens, slots, extra_key, token_width, session, lock,
-                             release_lock_id, state_slot, slot_version, request_id)
+                             release_lock_id, state_slot, slot_version, request_id,
+                             server_epoch)
         return self._run(op, timeout, fail_open)
 
     def evict(self, model: str, num_tokens: int = 0, *, swa_num_tokens: int = 0,
@@ -248,17 +261,18 @@ class PrefixCacheClient(ClientBase):
                          timeout)
 
     def lock(self, model: str, node_id: int, *, session: SessionLike = None,
-             request_id: int | None = None, fail_open: bool | None = None,
-             timeout: float | None = None) -> LockReply:
+             request_id: int | None = None, server_epoch: int | None = None,
+             fail_open: bool | None = None, timeout: float | None = None) -> LockReply:
         """Protect ``node_id`` and its ancestors from eviction for ``session``."""
-        return self._run(self._op_lock(model, node_id, session, request_id), timeout,
-                         fail_open)
+        return self._run(self._op_lock(model, node_id, session, request_id, server_epoch),
+                         timeout, fail_open)
 
     def unlock(self, lock_id: int, *, session: SessionLike = None,
-               request_id: int | None = None, fail_open: bool | None = None,
-               timeout: float | None = None) -> UnlockReply:
+               request_id: int | None = None, server_epoch: int | None = None,
+               fail_open: bool | None = None, timeout: float | None = None) -> UnlockReply:
         """Release a lock taken by ``lock``, ``match`` or ``insert``."""
-        return self._run(self._op_unlock(lock_id, session, request_id), timeout, fail_open)
+        return self._run(self._op_unlock(lock_id, session, request_id, server_epoch),
+                         timeout, fail_open)
 
     def alloc(self, model: str, num_slots: int, *, num_state_slots: int = 0,
               session: SessionLike = None, timeout: float | None = None) -> AllocReply:
@@ -266,9 +280,11 @@ class PrefixCacheClient(ClientBase):
         return self._run(self._op_alloc(model, num_slots, num_state_slots, session), timeout)
 
     def free(self, model: str, slots: Any = (), *, state_slots: Any = (),
-             session: SessionLike = None, timeout: float | None = None) -> None:
+             session: SessionLike = None, server_epoch: int | None = None,
+             fail_open: bool | None = None, timeout: float | None = None) -> None:
         """Return slots (and Mamba state slots) ``session`` holds to the pool."""
-        self._run(self._op_free(model, slots, state_slots, session), timeout)
+        self._run(self._op_free(model, slots, state_slots, session, server_epoch), timeout,
+                  fail_open)
 
     def reset(self, model: str, *, timeout: float | None = None) -> ResetReply:
         """Drop every entry, lock and allocation of ``model`` (needs the admin token)."""
@@ -278,38 +294,74 @@ class PrefixCacheClient(ClientBase):
 class ClientSession:
     """A leased session, renewed in a background thread while it is open.
 
+    It outlives its service-side session: when the service restarts or the lease
+    lapses, the next ``match`` or ``alloc`` opens a new one, and calls naming handles
+    of the old one (its lock ids, or a ``server_epoch`` that is not the session's) are
+    refused without being sent (``SessionLost`` / ``StaleEpoch``; skipped when failing
+    open). Pass ``server_epoch=reply.server_epoch`` with the slots of a reply so that
+    slots from before a restart are refused too.
+
     Attributes:
-        session_id: the id the service gave it.
-        ttl: the lease the service granted, in seconds.
-        server_epoch: the service's epoch when the session opened.
-        lost: the error that ended renewal when the service no longer knows the session
-            (lease lapsed, or the service restarted), else None.
+        session_id, ttl, server_epoch: of the current service-side session.
+        lost: why the current service-side session is gone, else None.
+        reopened: how many times a new service-side session replaced a lost one.
+        dropped: calls refused because they named stale handles.
         renewals: successful keep-alives so far.
     """
 
     def __init__(self, client: PrefixCacheClient, info: SessionInfo, *, renew: bool = True,
-                 fail_open: bool | None = None) -> None:
+                 fail_open: bool | None = None, name: str | None = None) -> None:
         self.client = client
         self.info = info
-        self.session_id = info.session_id
-        self.ttl = info.ttl
-        self.server_epoch = info.server_epoch
+        self.name = name
         self.fail_open = fail_open
         self.closed = False
-        self.lost: PrefixCacheError | None = None
         self.renewals = 0
+        self._state = SessionState(info)
+        self._renew = renew
+        self._reopen_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if renew and self.ttl > 0:
-            self._thread = threading.Thread(
-                target=_renew, args=(weakref.ref(self), client, self.session_id, self.ttl,
-                                     self._stop),
-                daemon=True, name=f"prefixcache-lease-{self.session_id[:8]}")
-            self._thread.start()
+        self._start_renewal()
+
+    session_id = property(lambda self: self._state.session_id)
+    ttl = property(lambda self: self._state.ttl)
+    server_epoch = property(lambda self: self._state.server_epoch)
+    lost = property(lambda self: self._state.lost)
+    reopened = property(lambda self: self._state.reopened)
+    dropped = property(lambda self: self._state.dropped)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "lost" if self.lost else "open"
         return f"ClientSession({self.session_id[:8]}..., ttl={self.ttl}, {state})"
+
+    def _start_renewal(self) -> None:
+        if self._renew and self.ttl > 0:
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=_renew, args=(weakref.ref(self), self.client, self.session_id,
+                                     self.server_epoch, self.ttl, self._stop),
+                daemon=True, name=f"prefixcache-lease-{self.session_id[:8]}")
+            self._thread.start()
+
+    def _stop_renewal(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+
+    def _reopen(self) -> None:
+        """Replace the lost service-side session with a new one."""
+        with self._reopen_lock:
+            if self._state.lost is None:
+                return  # another thread did it
+            self._stop_renewal()
+            info = self.client.open_session(self.ttl, self.name)
+            self.info = info
+            self._state.replaced_by(info)
+            log.warning("session reopened as %s... after losing the last one",
+                        info.session_id[:8])
+            self._start_renewal()
 
     def close(self) -> CloseReply | None:
         """Stop renewing and close the session (releasing its locks and slots).
@@ -321,12 +373,12 @@ class ClientSession:
         if self.closed:
             return None
         self.closed = True
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+        self._stop_renewal()
+        if self.lost is not None:
+            return CloseReply()
         try:
             return self.client.close_session(self)
-        except NotFound:
+        except (NotFound, StaleEpoch):
             return CloseReply()
         except FAIL_OPEN_ERRORS:
             allowed = self.client.fail_open if self.fail_open is None else self.fail_open
@@ -347,6 +399,34 @@ class ClientSession:
         except PrefixCacheError as err:
             log.warning("closing session %s... failed: %s", self.session_id[:8], err)
 
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """``client.<name>`` in this session, across a lost service-side session."""
+        fail_open = kwargs.pop("fail_open", self.fail_open)
+        if name != "alloc":  # which never fails open
+            kwargs["fail_open"] = fail_open
+        state = self._state
+        for attempt in range(2):
+            if (refused := state.refusal(name, args, kwargs)) is not None:
+                return self.client._stand_in(name, stand_in(name), refused, fail_open)
+            if state.needs_reopen(name):
+                try:
+                    self._reopen()
+                except FAIL_OPEN_ERRORS as err:  # a match without allocate may fail open
+                    fallback = None if kwargs.get("allocate") else stand_in(name)
+                    return self.client._stand_in(name, fallback, err, fail_open)
+            try:
+                reply = getattr(self.client, name)(*args, session=self, **kwargs)
+            except StaleEpoch:
+                if attempt == 0 and name in FRESH:
+                    continue  # the service restarted under us: again, in a new session
+                raise
+            if attempt == 0 and name in FRESH and getattr(reply, "skipped", False) \
+                    and state.needs_reopen(name):
+                continue  # it failed open on a stale epoch: again, in a new session
+            state.record(name, args, kwargs, reply)
+            return reply
+        raise AssertionError("unreachable")
+
     # ------------------------------------------ the client's calls, in this session
 
     def keep_alive(self, *, timeout: float | None = None) -> float:
@@ -354,41 +434,39 @@ class ClientSession:
 
     def match(self, model: str, tokens: Any, **kwargs: Any) -> MatchReply:
         """``PrefixCacheClient.match`` in this session."""
-        kwargs.setdefault("fail_open", self.fail_open)
-        return self.client.match(model, tokens, session=self, **kwargs)
+        return self._call("match", model, tokens, **kwargs)
 
     def insert(self, model: str, tokens: Any, slots: Any, **kwargs: Any) -> InsertReply:
         """``PrefixCacheClient.insert`` in this session."""
-        kwargs.setdefault("fail_open", self.fail_open)
-        return self.client.insert(model, tokens, slots, session=self, **kwargs)
+        return self._call("insert", model, tokens, slots, **kwargs)
 
     def lock(self, model: str, node_id: int, **kwargs: Any) -> LockReply:
         """``PrefixCacheClient.lock`` in this session."""
-        kwargs.setdefault("fail_open", self.fail_open)
-        return self.client.lock(model, node_id, session=self, **kwargs)
+        return self._call("lock", model, node_id, **kwargs)
 
     def unlock(self, lock_id: int, **kwargs: Any) -> UnlockReply:
         """``PrefixCacheClient.unlock`` in this session."""
-        kwargs.setdefault("fail_open", self.fail_open)
-        return self.client.unlock(lock_id, session=self, **kwargs)
+        return self._call("unlock", lock_id, **kwargs)
 
     def alloc(self, model: str, num_slots: int, **kwargs: Any) -> AllocReply:
-        """``PrefixCacheClient.alloc`` in this session."""
-        return self.client.alloc(model, num_slots, session=self, **kwargs)
+        """``PrefixCacheClient.alloc`` in this session (never fails open)."""
+        return self._call("alloc", model, num_slots, **kwargs)
 
     def free(self, model: str, slots: Any = (), **kwargs: Any) -> None:
         """``PrefixCacheClient.free`` in this session."""
-        self.client.free(model, slots, session=self, **kwargs)
+        self._call("free", model, slots, **kwargs)
 
     def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
                  **kwargs: Any) -> kv.WriteKVReply:
         """``PrefixCacheClient.write_kv`` in this session."""
+        if (refused := self._state.refusal("write_kv", (), kwargs)) is not None:
+            raise refused
         return self.client.write_kv(model, slots, k, v, session=self, **kwargs)
 
 
 def _renew(ref: weakref.ref[ClientSession], client: PrefixCacheClient, session_id: str,
-           ttl: float, stop: threading.Event) -> None:
-    """Keep a session's lease alive every ``ttl / 3`` until it is closed or forgotten.
+           epoch: int, ttl: float, stop: threading.Event) -> None:
+    """Keep a session's lease alive every ``ttl / 3`` until it is closed or lost.
 
     The thread holds the session only weakly: a session dropped without ``close`` stops
     being renewed, and its lease lapses, releasing what it held.
@@ -399,10 +477,10 @@ def _renew(ref: weakref.ref[ClientSession], client: PrefixCacheClient, session_i
         if ref() is None:
             return
         try:
-            client.keep_alive(session_id, timeout=timeout)
-        except NotFound as err:
-            if (session := ref()) is not None:
-                session.lost = err
+            client._run(client._op_keep_alive(session_id, epoch), timeout)
+        except (NotFound, StaleEpoch) as err:
+            if (session := ref()) is not None and session.session_id == session_id:
+                session._state.mark_lost(err)
             log.warning("session %s... is gone: %s", session_id[:8], err.details)
             return
         except PrefixCacheError as err:  # unreachable for now: try again next tick
