@@ -246,42 +246,33 @@ class ClientBase:
         own = getattr(session, "server_epoch", None)
         return own if isinstance(own, int) and own else self.server_epoch
 
-    def _seen(self, parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        def read(m: Any) -> Any:
-            self._seen_epoch(m.server_epoch)
-            return parse(m)
-        return read
+    def _parse(self, op: Op, reply: Any) -> Any:
+        """``op``'s answer from ``reply``, noting the epoch the reply carries (if any)."""
+        epoch = getattr(reply, "server_epoch", 0)
+        if epoch != self.server_epoch:
+            self._seen_epoch(epoch)
+        return op.parse(reply)
 
     # ------------------------------------------------------ operations (requests)
 
     def _op_list_models(self) -> Op:
-        def parse(m: pb.ListModelsResponse) -> ModelList:
-            self._seen_epoch(m.server_epoch)
-            return ModelList.from_pb(m)
-        return Op("ListModels", pb.ListModelsRequest(), parse, True)
+        return Op("ListModels", pb.ListModelsRequest(), ModelList.from_pb, True)
 
     def _op_describe_pool(self, model: str) -> Op:
         def parse(m: pb.DescribePoolResponse) -> PoolInfo:
-            self._seen_epoch(m.server_epoch)
             info = PoolInfo.from_pb(m)
             self._pools[model] = info
             return info
         return Op("DescribePool", pb.DescribePoolRequest(model=model), parse, True)
 
     def _op_stats(self, model: str) -> Op:
-        def parse(m: pb.StatsResponse) -> StatsReply:
-            self._seen_epoch(m.server_epoch)
-            return StatsReply.from_pb(m)
-        return Op("Stats", pb.StatsRequest(model=model), parse, True)
+        return Op("Stats", pb.StatsRequest(model=model), StatsReply.from_pb, True)
 
     def _op_open_session(self, ttl: float | None, name: str | None) -> Op:
-        def parse(m: pb.OpenSessionResponse) -> SessionInfo:
-            self._seen_epoch(m.server_epoch)
-            return SessionInfo.from_pb(m)
         request = pb.OpenSessionRequest(ttl_seconds=float(ttl or 0.0),
                                         client_name=self.client_name if name is None else name)
         # Not retried: a lost reply would leave a session behind (until its lease lapses).
-        return Op("OpenSession", request, parse, False)
+        return Op("OpenSession", request, SessionInfo.from_pb, False)
 
     def _op_keep_alive(self, session: SessionLike, server_epoch: int | None = None) -> Op:
         request = pb.KeepAliveRequest(session_id=session_id_of(session),
@@ -309,7 +300,7 @@ class ClientBase:
             request.extra_key = key
         # An allocation cannot fail open: the worker needs real slots.
         fallback = None if allocate else (lambda: MatchReply(skipped=True))
-        return Op("Match", request, self._seen(MatchReply.from_pb),
+        return Op("Match", request, MatchReply.from_pb,
                   not (lock or allocate) or bool(rid), fallback)
 
     def _op_insert(self, model: str, tokens: Any, slots: Any, extra_key: str | None,
@@ -331,7 +322,7 @@ class ClientBase:
             request.state_slot = int(state_slot)
         # Without a session an insert can only re-insert the tree's own slots: a no-op
         # when repeated. With one, the request id makes the retry replay the answer.
-        return Op("Insert", request, self._seen(InsertReply.from_pb), bool(rid) or not sid,
+        return Op("Insert", request, InsertReply.from_pb, bool(rid) or not sid,
                   lambda: InsertReply(skipped=True))
 
     def _op_evict(self, model: str, num_tokens: int, swa_num_tokens: int,
@@ -348,7 +339,7 @@ class ClientBase:
                                  request_id=rid,
                                  server_epoch=self._fence(session, server_epoch))
         return Op("Lock", request,
-                  self._seen(lambda m: LockReply(m.lock_id, server_epoch=m.server_epoch)),
+                  lambda m: LockReply(m.lock_id, server_epoch=m.server_epoch),
                   bool(rid), lambda: LockReply(skipped=True))
 
     def _op_unlock(self, lock_id: int, session: SessionLike, request_id: int | None,
@@ -366,7 +357,7 @@ class ClientBase:
                                   num_state_slots=int(num_state_slots),
                                   session_id=session_id_of(session),
                                   server_epoch=self._fence(session, None))
-        return Op("Alloc", request, self._seen(AllocReply.from_pb), False)
+        return Op("Alloc", request, AllocReply.from_pb, False)
 
     def _op_free(self, model: str, slots: Any, state_slots: Any, session: SessionLike,
                  server_epoch: int | None = None) -> Op:

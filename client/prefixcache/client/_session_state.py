@@ -26,6 +26,14 @@ STAND_INS: dict[str, Any] = {"match": MatchReply(skipped=True),
                              "unlock": UnlockReply(skipped=True), "free": None}
 
 
+def take_fail_open(name: str, kwargs: dict[str, Any], default: bool | None) -> bool | None:
+    """The call's fail-open setting, left in ``kwargs`` for the calls that take one."""
+    fail_open = kwargs.pop("fail_open", default)
+    if name != "alloc":  # which never fails open
+        kwargs["fail_open"] = fail_open
+    return fail_open
+
+
 def stand_in(name: str) -> Any:
     """The fail-open answer of a session call (None: it cannot fail open)."""
     if name not in STAND_INS:
@@ -74,6 +82,16 @@ class SessionState:
 
     def needs_reopen(self, name: str) -> bool:
         return self.lost is not None and name in FRESH
+
+    def again(self, name: str, attempt: int, reply: Any = None,
+              err: PrefixCacheError | None = None) -> bool:
+        """Whether a first try of a fresh call should run once more, in a new session:
+        the service refused it as stale, or it failed open on a stale epoch."""
+        if attempt or name not in FRESH:
+            return False
+        if err is not None:
+            return isinstance(err, StaleEpoch)
+        return getattr(reply, "skipped", False) and self.lost is not None
 
     def refusal(self, name: str, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> PrefixCacheError | None:

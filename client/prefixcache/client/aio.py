@@ -19,7 +19,7 @@ from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
 from . import kv
 from ._core import DEFAULT_TARGET, FAIL_OPEN_ERRORS, ClientBase, Op, SessionLike, log, session_id_of
-from ._session_state import FRESH, SessionState, stand_in
+from ._session_state import SessionState, stand_in, take_fail_open
 from .attach import AttachedPool, attach
 from .errors import (
     DeadlineExceeded,
@@ -119,7 +119,7 @@ class AsyncPrefixCacheClient(ClientBase):
             reply = await self._invoke(op, timeout)
         except FAIL_OPEN_ERRORS as err:
             return self._failed_open(op, err, fail_open)
-        return op.parse(reply)
+        return self._parse(op, reply)
 
     # ----------------------------------------------------------------- reads
 
@@ -402,9 +402,7 @@ class AsyncClientSession(_SessionCalls):
             await self.open()
         state = self._state
         assert state is not None
-        fail_open = kwargs.pop("fail_open", self.fail_open)
-        if name != "alloc":
-            kwargs["fail_open"] = fail_open
+        fail_open = take_fail_open(name, kwargs, self.fail_open)
         for attempt in range(2):
             if (refused := state.refusal(name, args, kwargs)) is not None:
                 return self.client._stand_in(name, stand_in(name), refused, fail_open)
@@ -416,12 +414,11 @@ class AsyncClientSession(_SessionCalls):
                     return self.client._stand_in(name, fallback, err, fail_open)
             try:
                 reply = await getattr(self.client, name)(*args, session=self, **kwargs)
-            except StaleEpoch:
-                if attempt == 0 and name in FRESH:
+            except StaleEpoch as err:
+                if state.again(name, attempt, err=err):
                     continue
                 raise
-            if attempt == 0 and name in FRESH and getattr(reply, "skipped", False) \
-                    and state.needs_reopen(name):
+            if state.again(name, attempt, reply):
                 continue
             state.record(name, args, kwargs, reply)
             return reply
@@ -582,7 +579,7 @@ class AsyncStreamSession(_SessionCalls):
         except FAIL_OPEN_ERRORS as err:
             allowed = self.fail_open if fail_open is None else fail_open
             return self.client._failed_open(op, err, allowed)
-        return op.parse(reply)
+        return self.client._parse(op, reply)
 
     async def _call(self, name: str, *args: Any, timeout: float | None = None,
                     fail_open: bool | None = None, **kwargs: Any) -> Any:

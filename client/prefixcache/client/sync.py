@@ -24,7 +24,7 @@ from ._core import (
     log,
     session_id_of,
 )
-from ._session_state import FRESH, SessionState, stand_in
+from ._session_state import SessionState, stand_in, take_fail_open
 from .attach import AttachedPool, attach
 from .errors import NotFound, PrefixCacheError, StaleEpoch, Unavailable
 from .results import (
@@ -125,7 +125,7 @@ class PrefixCacheClient(ClientBase):
             reply = self._invoke(op, timeout)
         except FAIL_OPEN_ERRORS as err:
             return self._failed_open(op, err, fail_open)
-        return op.parse(reply)
+        return self._parse(op, reply)
 
     # ----------------------------------------------------------------- reads
 
@@ -401,9 +401,7 @@ class ClientSession:
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """``client.<name>`` in this session, across a lost service-side session."""
-        fail_open = kwargs.pop("fail_open", self.fail_open)
-        if name != "alloc":  # which never fails open
-            kwargs["fail_open"] = fail_open
+        fail_open = take_fail_open(name, kwargs, self.fail_open)
         state = self._state
         for attempt in range(2):
             if (refused := state.refusal(name, args, kwargs)) is not None:
@@ -416,13 +414,12 @@ class ClientSession:
                     return self.client._stand_in(name, fallback, err, fail_open)
             try:
                 reply = getattr(self.client, name)(*args, session=self, **kwargs)
-            except StaleEpoch:
-                if attempt == 0 and name in FRESH:
-                    continue  # the service restarted under us: again, in a new session
+            except StaleEpoch as err:
+                if state.again(name, attempt, err=err):
+                    continue  # the service restarted under us
                 raise
-            if attempt == 0 and name in FRESH and getattr(reply, "skipped", False) \
-                    and state.needs_reopen(name):
-                continue  # it failed open on a stale epoch: again, in a new session
+            if state.again(name, attempt, reply):
+                continue
             state.record(name, args, kwargs, reply)
             return reply
         raise AssertionError("unreachable")
