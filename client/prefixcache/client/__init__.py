@@ -48,7 +48,8 @@ from .results import (
     StatsReply,
     UnlockReply,
 )
-from .sync import ClientSession, PrefixCacheClient
+from .session import ClientSession
+from .sync import PrefixCacheClient
 
 if TYPE_CHECKING:
     from .remote_cache import RemoteAllocator, RemoteNode, RemoteRadixCache

@@ -48,7 +48,8 @@ from .errors import (
     ResourceExhausted,
 )
 from .results import ModelStats
-from .sync import ClientSession, PrefixCacheClient
+from .session import ClientSession
+from .sync import PrefixCacheClient
 
 _registered = False
 

@@ -1,13 +1,10 @@
-"""PrefixCacheClient: the blocking client, and its leased sessions."""
+"""PrefixCacheClient: the blocking client (its leased sessions are in ``session``)."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-import weakref
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -21,12 +18,10 @@ from ._core import (
     ClientBase,
     Op,
     SessionLike,
-    log,
     session_id_of,
 )
-from ._session_state import SessionState, stand_in, take_fail_open
 from .attach import AttachedPool, attach
-from .errors import NotFound, PrefixCacheError, StaleEpoch, Unavailable
+from .errors import PrefixCacheError, Unavailable
 from .results import (
     AllocReply,
     CloseReply,
@@ -41,6 +36,7 @@ from .results import (
     StatsReply,
     UnlockReply,
 )
+from .session import ClientSession
 
 
 class PrefixCacheClient(ClientBase):
@@ -289,201 +285,3 @@ class PrefixCacheClient(ClientBase):
     def reset(self, model: str, *, timeout: float | None = None) -> ResetReply:
         """Drop every entry, lock and allocation of ``model`` (needs the admin token)."""
         return self._run(self._op_reset(model), timeout)
-
-
-class ClientSession:
-    """A leased session, renewed in a background thread while it is open.
-
-    It outlives its service-side session: when the service restarts or the lease
-    lapses, the next ``match`` or ``alloc`` opens a new one, and calls naming handles
-    of the old one (its lock ids, or a ``server_epoch`` that is not the session's) are
-    refused without being sent (``SessionLost`` / ``StaleEpoch``; skipped when failing
-    open). Pass ``server_epoch=reply.server_epoch`` with the slots of a reply so that
-    slots from before a restart are refused too.
-
-    Attributes:
-        session_id, ttl, server_epoch: of the current service-side session.
-        lost: why the current service-side session is gone, else None.
-        reopened: how many times a new service-side session replaced a lost one.
-        dropped: calls refused because they named stale handles.
-        renewals: successful keep-alives so far.
-    """
-
-    def __init__(self, client: PrefixCacheClient, info: SessionInfo, *, renew: bool = True,
-                 fail_open: bool | None = None, name: str | None = None) -> None:
-        self.client = client
-        self.info = info
-        self.name = name
-        self.fail_open = fail_open
-        self.closed = False
-        self.renewals = 0
-        self._state = SessionState(info)
-        self._renew = renew
-        self._reopen_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._start_renewal()
-
-    session_id = property(lambda self: self._state.session_id)
-    ttl = property(lambda self: self._state.ttl)
-    server_epoch = property(lambda self: self._state.server_epoch)
-    lost = property(lambda self: self._state.lost)
-    reopened = property(lambda self: self._state.reopened)
-    dropped = property(lambda self: self._state.dropped)
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else "lost" if self.lost else "open"
-        return f"ClientSession({self.session_id[:8]}..., ttl={self.ttl}, {state})"
-
-    def _start_renewal(self) -> None:
-        if self._renew and self.ttl > 0:
-            self._stop = threading.Event()
-            self._thread = threading.Thread(
-                target=_renew, args=(weakref.ref(self), self.client, self.session_id,
-                                     self.server_epoch, self.ttl, self._stop),
-                daemon=True, name=f"prefixcache-lease-{self.session_id[:8]}")
-            self._thread.start()
-
-    def _stop_renewal(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        self._thread = None
-
-    def _reopen(self) -> None:
-        """Replace the lost service-side session with a new one."""
-        with self._reopen_lock:
-            if self._state.lost is None:
-                return  # another thread did it
-            self._stop_renewal()
-            info = self.client.open_session(self.ttl, self.name)
-            self.info = info
-            self._state.replaced_by(info)
-            log.warning("session reopened as %s... after losing the last one",
-                        info.session_id[:8])
-            self._start_renewal()
-
-    def close(self) -> CloseReply | None:
-        """Stop renewing and close the session (releasing its locks and slots).
-
-        Returns what the service released; an empty reply when the service had already
-        forgotten the session; None when it failed open (service unreachable). Closing
-        twice is a no-op (None).
-        """
-        if self.closed:
-            return None
-        self.closed = True
-        self._stop_renewal()
-        if self.lost is not None:
-            return CloseReply()
-        try:
-            return self.client.close_session(self)
-        except (NotFound, StaleEpoch):
-            return CloseReply()
-        except FAIL_OPEN_ERRORS:
-            allowed = self.client.fail_open if self.fail_open is None else self.fail_open
-            if allowed:
-                return None
-            raise
-
-    def __enter__(self) -> ClientSession:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if kind is None:
-            self.close()
-            return
-        try:  # never hide the error that is leaving the block
-            self.close()
-        except PrefixCacheError as err:
-            log.warning("closing session %s... failed: %s", self.session_id[:8], err)
-
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """``client.<name>`` in this session, across a lost service-side session."""
-        fail_open = take_fail_open(name, kwargs, self.fail_open)
-        state = self._state
-        for attempt in range(2):
-            if (refused := state.refusal(name, args, kwargs)) is not None:
-                return self.client._stand_in(name, stand_in(name), refused, fail_open)
-            if state.needs_reopen(name):
-                try:
-                    self._reopen()
-                except FAIL_OPEN_ERRORS as err:  # a match without allocate may fail open
-                    fallback = None if kwargs.get("allocate") else stand_in(name)
-                    return self.client._stand_in(name, fallback, err, fail_open)
-            try:
-                reply = getattr(self.client, name)(*args, session=self, **kwargs)
-            except StaleEpoch as err:
-                if state.again(name, attempt, err=err):
-                    continue  # the service restarted under us
-                raise
-            if state.again(name, attempt, reply):
-                continue
-            state.record(name, args, kwargs, reply)
-            return reply
-        raise AssertionError("unreachable")
-
-    # ------------------------------------------ the client's calls, in this session
-
-    def keep_alive(self, *, timeout: float | None = None) -> float:
-        return self.client.keep_alive(self, timeout=timeout)
-
-    def match(self, model: str, tokens: Any, **kwargs: Any) -> MatchReply:
-        """``PrefixCacheClient.match`` in this session."""
-        return self._call("match", model, tokens, **kwargs)
-
-    def insert(self, model: str, tokens: Any, slots: Any, **kwargs: Any) -> InsertReply:
-        """``PrefixCacheClient.insert`` in this session."""
-        return self._call("insert", model, tokens, slots, **kwargs)
-
-    def lock(self, model: str, node_id: int, **kwargs: Any) -> LockReply:
-        """``PrefixCacheClient.lock`` in this session."""
-        return self._call("lock", model, node_id, **kwargs)
-
-    def unlock(self, lock_id: int, **kwargs: Any) -> UnlockReply:
-        """``PrefixCacheClient.unlock`` in this session."""
-        return self._call("unlock", lock_id, **kwargs)
-
-    def alloc(self, model: str, num_slots: int, **kwargs: Any) -> AllocReply:
-        """``PrefixCacheClient.alloc`` in this session (never fails open)."""
-        return self._call("alloc", model, num_slots, **kwargs)
-
-    def free(self, model: str, slots: Any = (), **kwargs: Any) -> None:
-        """``PrefixCacheClient.free`` in this session."""
-        self._call("free", model, slots, **kwargs)
-
-    def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
-                 **kwargs: Any) -> kv.WriteKVReply:
-        """``PrefixCacheClient.write_kv`` in this session."""
-        if (refused := self._state.refusal("write_kv", (), kwargs)) is not None:
-            raise refused
-        return self.client.write_kv(model, slots, k, v, session=self, **kwargs)
-
-
-def _renew(ref: weakref.ref[ClientSession], client: PrefixCacheClient, session_id: str,
-           epoch: int, ttl: float, stop: threading.Event) -> None:
-    """Keep a session's lease alive every ``ttl / 3`` until it is closed or lost.
-
-    The thread holds the session only weakly: a session dropped without ``close`` stops
-    being renewed, and its lease lapses, releasing what it held.
-    """
-    interval = ttl / 3
-    timeout = max(min(client.timeout, interval), 0.05)
-    while not stop.wait(interval):
-        if ref() is None:
-            return
-        try:
-            client._run(client._op_keep_alive(session_id, epoch), timeout)
-        except (NotFound, StaleEpoch) as err:
-            if (session := ref()) is not None and session.session_id == session_id:
-                session._state.mark_lost(err)
-            log.warning("session %s... is gone: %s", session_id[:8], err.details)
-            return
-        except PrefixCacheError as err:  # unreachable for now: try again next tick
-            log.debug("keep-alive of session %s... failed: %s", session_id[:8], err)
-        except ValueError:  # the channel was closed under us
-            return
-        else:
-            if (session := ref()) is not None:
-                session.renewals += 1
