@@ -15,6 +15,11 @@ slot for every prefix end the tree holds a Mamba state at. Against them it check
 * every eviction: the KV and state slots reaching the allocator and pool are the ones
   reported, unique, unlocked, and held by the tree; the tree stays prefix-closed, each
   state sits on held KV, and a phase stops short only when nothing is left to take;
+  a Mamba-only eviction frees exactly the least recently used unlocked states;
+* state recency, SGLang's policy (issue 12): an insert refreshes each state it walks
+  through, top-down (the node it splits included), then the new, adopted or existing
+  state at its end; a match refreshes the state of the node it splits, then the
+  answered path's states, top-down; the Mamba LRU list is in exactly that order;
 * after every step: ``check_integrity()``, both size identities, no KV or state slot
   leaked or freed twice (``allocated == tree + held by the harness`` in both pools),
   locked prefixes keep their KV and locked nodes their state, ``protected`` sizes equal
@@ -124,6 +129,8 @@ class MambaHarness(CacheHarness):
         self.cache = self._new_mamba_cache(False)
         self.model = Model(self.PAGE)
         self.state_at: dict[StateKey, int] = {}
+        self.recency: dict[StateKey, int] = {}  # state -> tick of its last refresh
+        self.tick = 0
         self.held: set[int] = set()
         self.held_states: set[int] = set()
         self.locks: list[Lock] = []
@@ -211,14 +218,42 @@ class MambaHarness(CacheHarness):
         self.held_states.remove(slot)
         self.pool.free_own(slot)
 
+    def _walked(self, seq: Seq, held: int) -> list[tuple[int, StateKey]]:
+        """(end, state) of each node with state that a walk of ``seq`` over its
+        ``held`` cached tokens enters, top-down (the last may reach past ``held``).
+
+        Node boundaries come from the tree; which states exist, from the model.
+        """
+        out = []
+        for node in walk(self.cache.root_node):
+            if not node.key_len or node.mamba_value is None:
+                continue
+            ns, width, tokens, _ = node_path(node)
+            end = len(tokens)
+            cut = min(end, held)
+            if (ns, width) == (seq.ns, seq.width) and end - node.key_len < held \
+                    and tokens[:cut] == seq.tokens[:cut]:
+                out.append((end, (ns, width, tokens)))
+        return sorted(out)
+
+    def _refresh(self, states: list[StateKey]) -> None:
+        for key in states:
+            assert key in self.state_at, f"refresh of {key}, which holds no state"
+            self.tick += 1
+            self.recency[key] = self.tick
+
     # -- cache operations with their checks ----------------------------------------
     def _match(self, seq: Seq) -> Any:
+        held = self.model.present(seq)
+        walked = self._walked(seq, held)
         m, freed, states = self._call(self.cache.match_prefix, seq.key())
         assert freed == [] and states == [], "match_prefix freed slots"
-        held = self.model.present(seq)
         best = max([0] + [n for n in range(self.PAGE, held + 1, self.PAGE)
                           if state_key(seq, n) in self.state_at])
         n = m.prefix_len
+        # The node the walk splits first, then the answered path, deeper newer.
+        self._refresh([k for end, k in walked if end > held]
+                      + [k for end, k in walked if end <= n])
         assert n == best, f"match of {seq} gave {n}; the deepest held state is at {best}"
         assert ints(m.indices) == self.model.slots(seq, n), "match indices differ"
         walked = held // self.chunk * self.chunk
@@ -250,14 +285,20 @@ class MambaHarness(CacheHarness):
                 event("insert refused: new tokens without a state")
                 self._refused(cache.insert, seq.key(a), tensor(kv[:a]))
             else:
+                walked = self._walked(seq, a)
                 r, freed, states = self._call(cache.insert, seq.key(a), tensor(kv[:a]))
                 assert freed == states == [] and r.prefix_len == a
+                self._refresh([k for _, k in walked])
                 assert r.mamba_exist == (a == 0 or state_key(seq, a) in self.state_at)
                 if a:
                     self._remember(Handle(r.last_node, seq, a))
         exist = a == 0 or state_key(seq, a) in self.state_at
+        walked = self._walked(seq, present)
         r, freed, states = self._call(cache.insert, seq.key(a), tensor(kv[:a]),
                                       mamba_value=state)
+        # Every state walked through, top-down; the existing state at the end is the
+        # last of them, a new or adopted one comes after (below).
+        self._refresh([k for _, k in walked])
         assert freed == [] and states == [], "insert freed slots"
         assert r.prefix_len == present, f"insert reported {r.prefix_len}; tree held {present}"
         assert r.mamba_exist == exist, f"mamba_exist {r.mamba_exist}, expected {exist}"
@@ -272,6 +313,7 @@ class MambaHarness(CacheHarness):
             if present == a:
                 event("insert: a tombstone adopted the state")
             self.state_at[state_key(seq, a)] = state
+            self._refresh([state_key(seq, a)])
             self.held_states.remove(state)
         if a:
             assert node_path(r.last_node)[:4] == (seq.ns, seq.width, seq.tokens[:a],
@@ -287,7 +329,13 @@ class MambaHarness(CacheHarness):
         before_ev, before_mamba = cache.evictable_size(), cache.mamba_evictable_size()
         locked = self.locked_keys()
         locked_states = {lk.state for lk in self.locks}
+        # A node's own locks cover its state, including one it adopted while locked.
+        pinned = {state_key(lk.handle.seq, lk.handle.length) for lk in self.locks}
+        lru = sorted((k for k in self.state_at if k not in pinned), key=self.recency.__getitem__)
         r, freed, states = self._call(cache.evict, num, mamba_num)
+        if num == 0:
+            assert states == [self.state_at[k] for k in lru[:mamba_num]], (
+                "the Mamba phase did not free the least recently used unlocked states")
         assert len(set(freed)) == len(freed) == r.full_evicted
         assert len(set(states)) == len(states) == r.mamba_evicted
         assert r.full_evicted <= before_ev and r.mamba_evicted <= before_mamba
@@ -305,6 +353,7 @@ class MambaHarness(CacheHarness):
             assert s in by_slot and s not in locked_states, f"evict freed state slot {s}"
             ns, width, tokens = by_slot.pop(s)
             del self.state_at[(ns, width, tokens)]
+            del self.recency[(ns, width, tokens)]
             if model.key(Seq(ns, width, tokens), len(tokens) - 1) in model.slot_of:
                 event("evict tombstoned a node")
         model.check_prefix_closed()
@@ -350,6 +399,9 @@ class MambaHarness(CacheHarness):
             self.held_states), "a state slot leaked"
         assert not (self.held & set(model.pos_of))
         assert not (self.held_states & set(self.state_at.values()))
+        order = sorted(self.state_at, key=self.recency.__getitem__, reverse=True)
+        assert [ints(n.mamba_value)[0] for n in cache.mamba_lru_list] == [
+            self.state_at[k] for k in order], "the Mamba LRU list is not in recency order"
         for (ns, width, tokens), _ in self.state_at.items():
             seq = Seq(ns, width, tokens)
             assert len(tokens) % self.PAGE == 0
@@ -387,6 +439,7 @@ class MambaHarness(CacheHarness):
         self.pool.clear()
         self.model = Model(self.PAGE)
         self.state_at.clear()
+        self.recency.clear()
         self.held.clear()
         self.held_states.clear()
         self.locks.clear()

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .base import EvictResult, InsertResult, MatchResult
-from .errors import InvalidInputError, check_count
+from .errors import CacheError, InvalidInputError, check_count
 from .key import RadixKey
 from .mamba_pool import to_index
 from .mamba_tree import (
@@ -42,8 +42,18 @@ class MambaRadixCache(RadixCache):
       a leaf goes entirely.
 
     Eviction order comes from two intrusive LRU lists (``full_lru_list``: every node;
-    ``mamba_lru_list``: nodes with state), in the order of a logical clock. Match
-    touches the answered path, insert the key's path, children ahead of parents.
+    ``mamba_lru_list``: nodes with state), in the order of a logical clock; the Mamba
+    list is always the full one less the tombstones. Recency follows SGLang's
+    MambaRadixCache exactly (checked op for op against it on random traces):
+
+    * insert makes each node it walks into the most recent as it reaches it, so
+      deeper ranks newer, and a node that the insert splits ranks newer than the
+      path above it; then a new leaf, an adopted state or the existing state at the
+      key's end is the most recent of all. (Touching the whole path again at the end,
+      as we once did, ranked a shared prefix's state above the deeper state that the
+      split node keeps, so state pressure tombstoned the deeper one, KV included.)
+    * match makes the node with the answered state and its ancestors the most
+      recent, children ahead of parents; a node it splits ranks just below them.
 
     Where pymllm differs we follow SGLang's MambaRadixCache (spec §10 item 12):
 
@@ -70,6 +80,8 @@ class MambaRadixCache(RadixCache):
         mamba_cache_chunk_size: ``mamba_branching_seqlen`` is rounded down to it.
         eviction_policy: only ``"lru"`` (the lists are the order).
         eager_page_hashes: as for ``RadixCache``.
+        listener: as for ``RadixCache``; it hears of KV pages only (a Mamba tombstone
+            keeps its KV, so dropping a state reports nothing unless the node goes).
     """
 
     def __init__(
@@ -82,6 +94,7 @@ class MambaRadixCache(RadixCache):
         mamba_cache_chunk_size: int = 1,
         eviction_policy: str = "lru",
         eager_page_hashes: bool = False,
+        listener: Any = None,
     ) -> None:
         if eviction_policy != "lru":
             raise InvalidInputError(f"MambaRadixCache evicts in LRU order only, not "
@@ -92,7 +105,7 @@ class MambaRadixCache(RadixCache):
         self.mamba_cache_chunk_size = check_count(mamba_cache_chunk_size,
                                                   "mamba_cache_chunk_size", 1)
         super().__init__(page_size, None, token_to_kv_pool_allocator, on_node_evict,
-                         eager_page_hashes=eager_page_hashes)
+                         eager_page_hashes=eager_page_hashes, listener=listener)
 
     def reset(self) -> None:
         """Forget every node. No slot is freed: clear the allocator and pool alongside."""
@@ -194,7 +207,10 @@ class MambaRadixCache(RadixCache):
 
         node, pos = self._namespace_root(key.extra_key, width), 0
         while pos < end:
-            child, covered = self._descend(node, packed, pos, end, page_bytes, touch=False)
+            # Each node walked into becomes the most recent as the walk reaches it (so a
+            # child ranks newer than its parent, and a node split here newer than the
+            # path above it), as SGLang's insert does; see the class docstring.
+            child, covered = self._descend(node, packed, pos, end, page_bytes)
             if child is None:
                 break
             pos += len(covered.key_bytes)
@@ -206,11 +222,10 @@ class MambaRadixCache(RadixCache):
         if pos < end:
             node = self._add_leaf(node, packed[pos:end], value[prefix_len:num_tokens], slot)
         elif node.mamba_value is not None:
-            mamba_exist = True
+            mamba_exist = True  # the last node walked: already the most recent
         elif slot is not None:
             self._touch(node)
             self._give_state(node, slot)
-        self._touch_path(node)
         return InsertResult(prefix_len, node, mamba_exist)
 
     def evict(self, num_tokens: int, mamba_num: int = 0, *, swa_num_tokens: int = 0) -> EvictResult:
@@ -250,9 +265,13 @@ class MambaRadixCache(RadixCache):
             self.full_lru_list.take_lru(_unlocked_leaf, delete, lambda: tokens < num_tokens)
         self.mamba_lru_list.take_lru(_no_mamba_lock, drop_state,
                                      lambda: len(states) < mamba_num)
-        self._free(freed)
-        self._free_states(states)
-        self._notify_evicted(gone)
+        try:
+            self._free(freed)
+        finally:  # the nodes and states are out of the tree even if a free was refused
+            try:
+                self._free_states(states)
+            finally:
+                self._notify_evicted(gone)
         return EvictResult(full_evicted=tokens, mamba_evicted=len(states))
 
     def _delete_chain(self, leaf: MambaTreeNode, freed: list[torch.Tensor], states: list[int],
@@ -316,8 +335,10 @@ class MambaRadixCache(RadixCache):
             freed: list[torch.Tensor] = []
             gone: list[int] = []
             self._delete_chain(node, freed, [], gone)
-            self._free(freed)
-            self._notify_evicted(gone)
+            try:
+                self._free(freed)
+            finally:
+                self._notify_evicted(gone)
 
     def _unlock_path(self, path: list[TreeNode]) -> None:
         # As RadixCache's, less its eviction queue: the LRU lists hold every node.
@@ -377,9 +398,17 @@ class MambaRadixCache(RadixCache):
         return slot
 
     def _free_states(self, slots: list[int]) -> None:
-        if self.mamba_pool is not None:
-            for slot in slots:
+        """Free every slot the pool accepts; then raise the first refusal, if any."""
+        if self.mamba_pool is None:
+            return
+        refused: CacheError | None = None
+        for slot in slots:
+            try:
                 self.mamba_pool.free_track_slot(slot)
+            except CacheError as exc:
+                refused = refused or exc
+        if refused is not None:
+            raise refused
 
     def _touch(self, node: TreeNode) -> None:
         """Make ``node`` alone the most recently used."""
@@ -424,6 +453,8 @@ class MambaRadixCache(RadixCache):
         self._give_state(leaf, slot)
         if self.eager_page_hashes:
             self.compute_node_hash(leaf)
+        if self.listener is not None:
+            self.listener.pages_stored(leaf)
         return leaf
 
     def _split(self, child: TreeNode, split_len: int) -> MambaTreeNode:

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from .base import BasePrefixCache, EvictResult, InsertResult, MatchResult
-from .errors import InvalidInputError, LockError, check_count
+from .change_log import PageListener
+from .errors import CacheError, InvalidInputError, LockError, check_count
 from .eviction import EvictionQueue, get_eviction_policy
 from .hashing import hash_pages
 from .inspection import check_radix_cache, format_tree
@@ -64,6 +65,8 @@ class RadixCache(BasePrefixCache):
         eager_page_hashes: compute each new node's chained SHA-256 page hashes at insert
             (needed for KV events). Off by default because it costs about a microsecond
             a page; ``compute_node_hash`` still hashes on demand, root-down, either way.
+        listener: told of every change to the cached page set (a ``ChangeLog``; see
+            change_log.py for the protocol). Attaching one turns on eager hashes.
     """
 
     def __new__(cls, page_size: int = 1, sliding_window_size: int | None = None,
@@ -83,6 +86,7 @@ class RadixCache(BasePrefixCache):
         *,
         eviction_policy: str = "lru",
         eager_page_hashes: bool = False,
+        listener: PageListener | None = None,
     ) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise InvalidInputError(f"page_size must be an int >= 1, got {page_size!r}")
@@ -91,7 +95,9 @@ class RadixCache(BasePrefixCache):
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.on_node_evict = on_node_evict
         self.device = torch.device(getattr(token_to_kv_pool_allocator, "device", None) or "cpu")
-        self.eager_page_hashes = eager_page_hashes
+        # A listener reports page hashes as nodes come and go, so they must exist then.
+        self.listener = listener
+        self.eager_page_hashes = eager_page_hashes or listener is not None
         self.eviction_policy = eviction_policy
         self._leaves = EvictionQueue(get_eviction_policy(eviction_policy))
         self.reset()
@@ -104,6 +110,9 @@ class RadixCache(BasePrefixCache):
         self._evictable = 0
         self._protected = 0
         self._leaves.clear()
+        self._gone_nodes: list[TreeNode] = []  # deleted, not yet told to the listener
+        if self.listener is not None:
+            self.listener.cleared(self)
 
     def evictable_size(self) -> int:
         return self._evictable
@@ -178,7 +187,8 @@ class RadixCache(BasePrefixCache):
         Nodes already in the tree keep their slots; ``prefix_len`` says how many tokens
         were there, and the caller still owns (and frees) ``value`` for those and for
         the unaligned tail. ``prev_prefix_len`` and ``swa_evicted_seqlen`` only matter
-        in SWA mode. ``last_node`` is the node where the key ends.
+        in SWA mode. ``last_node`` is the node where the key ends. ``value=None``
+        stores the token ids as slots, which only a cache without an allocator allows.
         """
         packed, width, token_bytes, page_bytes, end = self._aligned(key)
         value = self._checked_value(key, value, end // token_bytes)
@@ -206,6 +216,12 @@ class RadixCache(BasePrefixCache):
         """Free at least ``num_tokens`` tokens (whole leaves, so possibly more) if possible.
 
         ``swa_evicted`` mirrors ``full_evicted`` here, as in the reference.
+
+        Raises:
+            CacheError: the allocator refused some slots (ones it never handed out or
+                the caller freed behind the tree). The evicted nodes stay evicted, the
+                other slots are freed and ``on_node_evict`` fires for every node, so
+                cache and allocator still agree (as in every cache kind's ``evict``).
         """
         check_count(num_tokens, "num_tokens")
         check_count(swa_num_tokens, "swa_num_tokens")
@@ -221,8 +237,10 @@ class RadixCache(BasePrefixCache):
             self._delete_leaf(node)
             if parent.key_len and not parent.children and not parent.lock_ref:
                 self._leaves.push(parent)
-        self._free(freed)
-        self._notify_evicted(gone)
+        try:
+            self._free(freed)
+        finally:  # the nodes are out of the tree even if the allocator refused
+            self._notify_evicted(gone)
         return EvictResult(full_evicted=evicted, swa_evicted=evicted)
 
     def inc_lock_ref(self, node: TreeNode | None) -> Any:
@@ -348,6 +366,11 @@ class RadixCache(BasePrefixCache):
 
     def _checked_value(self, key: RadixKey, value: Any, num_tokens: int) -> torch.Tensor:
         if value is None:
+            if self.token_to_kv_pool_allocator is not None:
+                # The token ids would be stored as slots the allocator never handed
+                # out, and a later eviction would free them.
+                raise InvalidInputError("value=None is only for a cache without an "
+                                        "allocator: pass the slots of the key's tokens")
             if key.token_width != 1:
                 raise InvalidInputError("value=None needs int tokens; pass slots for tuple keys")
             return torch.tensor(list(key.token_ids[:num_tokens]), dtype=torch.int64)
@@ -371,6 +394,8 @@ class RadixCache(BasePrefixCache):
         self._leaves.push(leaf)
         if self.eager_page_hashes:
             self.compute_node_hash(leaf)
+        if self.listener is not None:
+            self.listener.pages_stored(leaf)
         return leaf
 
     def _split(self, child: TreeNode, split_len: int) -> TreeNode:
@@ -422,6 +447,8 @@ class RadixCache(BasePrefixCache):
         self._evictable -= node.key_len
         node.evicted = True
         node.value = None
+        if self.listener is not None:  # told in _notify_evicted, with on_node_evict
+            self._gone_nodes.append(node)
         if parent.key_len == 0 and not parent.children:
             self._drop_namespace(parent)
 
@@ -432,12 +459,39 @@ class RadixCache(BasePrefixCache):
             del self.root_node.children[(ns.extra_key, ns.token_width)]
             ns_root.evicted = True
 
-    def _free(self, values: list[torch.Tensor]) -> None:
+    def _free(self, values: list[torch.Tensor], free: Callable[[Any], None] | None = None) -> None:
+        """Give the allocator (``free``, by default its ``free``) the slots of ``values``.
+
+        One call frees them all. If the allocator refuses it (a ``CacheError``: slots
+        it does not count as handed out, which only a caller that freed or never
+        allocated the tree's slots can cause), each part is freed on its own, so only
+        the refused parts are not, and the first refusal is raised. A refused free
+        changes nothing in our allocators, so retrying the rest frees no slot twice.
+        """
         allocator = self.token_to_kv_pool_allocator
-        if allocator is not None and values:
-            allocator.free(torch.cat(values))
+        if allocator is None or not values:
+            return
+        free = free or allocator.free
+        try:
+            free(values[0] if len(values) == 1 else torch.cat(values))
+            return
+        except CacheError:
+            if len(values) == 1:
+                raise
+        refused: CacheError | None = None
+        for part in values:
+            try:
+                free(part)
+            except CacheError as exc:
+                refused = refused or exc
+        if refused is not None:
+            raise refused
 
     def _notify_evicted(self, node_ids: list[int]) -> None:
+        if self._gone_nodes:
+            gone, self._gone_nodes = self._gone_nodes, []
+            for node in gone:
+                self.listener.pages_removed(node)
         if self.on_node_evict is not None:
             for node_id in node_ids:
                 self.on_node_evict(node_id)

@@ -35,6 +35,9 @@ class SWARadixCache(RadixCache):
     revived (the incoming slots are freed instead), so an unlock always finds the SWA
     locks its lock took. Locking skips tombstones inside the window rather than failing,
     and unlocking a tombstone left without children frees it at once.
+
+    A ``listener`` hears of full-attention KV pages: a tombstone keeps its full KV, so
+    tombstoning reports nothing, and reviving one stores no new page either.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class SWARadixCache(RadixCache):
         *,
         eviction_policy: str = "lru",
         eager_page_hashes: bool = False,
+        listener: Any = None,
     ) -> None:
         if not isinstance(sliding_window_size, int) or sliding_window_size < 1:
             raise InvalidInputError(
@@ -58,7 +62,7 @@ class SWARadixCache(RadixCache):
         self._boundary_ids = count(1)
         super().__init__(page_size, sliding_window_size, token_to_kv_pool_allocator,
                          on_node_evict, eviction_policy=eviction_policy,
-                         eager_page_hashes=eager_page_hashes)
+                         eager_page_hashes=eager_page_hashes, listener=listener)
 
     def reset(self) -> None:
         super().reset()
@@ -231,10 +235,14 @@ class SWARadixCache(RadixCache):
                 f, s = self._delete_subtree_end(node, freed_full, gone)
                 full, swa = full + f, swa + s
         allocator = self.token_to_kv_pool_allocator
-        if allocator is not None and freed_swa:
-            allocator.free_swa(torch.cat(freed_swa))  # before free: a node may be in both
-        self._free(freed_full)
-        self._notify_evicted(gone)
+        try:
+            if allocator is not None and freed_swa:
+                self._free(freed_swa, allocator.free_swa)  # before free: a node may be in both
+        finally:  # the nodes are tombstoned or gone even if the allocator refused
+            try:
+                self._free(freed_full)
+            finally:
+                self._notify_evicted(gone)
         return EvictResult(full_evicted=full, swa_evicted=swa)
 
     def _delete_subtree_end(self, leaf: TreeNode, freed: list[torch.Tensor],
@@ -327,8 +335,10 @@ class SWARadixCache(RadixCache):
             gone: list[int] = []
             self._leaves.discard(node)
             self._delete_subtree_end(node, freed, gone)
-            self._free(freed)
-            self._notify_evicted(gone)
+            try:
+                self._free(freed)
+            finally:
+                self._notify_evicted(gone)
 
     def _touch(self, node: TreeNode) -> None:
         super()._touch(node)
