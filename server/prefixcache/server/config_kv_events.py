@@ -1,0 +1,116 @@
+"""``server.kv_events``: the KV events publisher's settings and where they come from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from .config_values import (
+    ENV_PREFIX,
+    ConfigError,
+    as_mapping,
+    check_int,
+    coerce,
+    reject_unknown,
+)
+
+# ----------------------------------------------------------------- server.kv_events
+# KV events out: what a model's tree caches, published over ZMQ as vLLM and SGLang do,
+# for cache-aware routers (llm-d, Dynamo, Mooncake Conductor, SGLang's router). The
+# names are vLLM's --kv-events-config keys, plus hash_format and encoding. Per key, the
+# CLI's --kv-events-config JSON wins over PREFIXCACHE_KV_EVENTS_<KEY>, which wins over
+# PREFIXCACHE_KV_EVENTS (JSON), which wins over the YAML section server.kv_events.
+
+KV_EVENTS_ENV = ENV_PREFIX + "KV_EVENTS_"
+KV_EVENTS_PUBLISHERS = ("zmq", "null")
+KV_EVENTS_HASH_FORMATS = ("vllm", "sglang")
+KV_EVENTS_ENCODINGS = ("map", "array")
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsConfig:
+    """``server.kv_events``: one ZMQ publisher per model (server/kv_events.py)."""
+
+    enable_kv_cache_events: bool = False
+    # "zmq", or "null" (enabled but publishing nothing, as vLLM allows).
+    publisher: str = "zmq"
+    # Bound when it holds "*" or "::" or is ipc:// or inproc://, else connected to (a
+    # central indexer that binds). Model i of the config gets TCP port + i.
+    endpoint: str = "tcp://*:5557"
+    # ROUTER socket for replays; model i gets port + i here too. None: no replay.
+    replay_endpoint: str | None = None
+    # "" means kv@{host}:{port}@{model}; {host}, {port} and {model} are filled in.
+    topic: str = ""
+    # Batches kept for replay.
+    buffer_steps: int = 10_000
+    # ZMQ send high-water mark: past it a batch is dropped (and counted), never waited on.
+    hwm: int = 100_000
+    # Accepted for vLLM compatibility; there is no queue (batches go out on the loop).
+    max_queue_size: int = 100_000
+    # "vllm": the page hash's low 64 bits, unsigned; "sglang": its first 8 bytes, signed.
+    hash_format: str = "vllm"
+    # "map": events are maps tagged with "type"; "array": the legacy positional arrays.
+    encoding: str = "map"
+
+
+def kv_events_settings(server: Any, env: Mapping[str, str],
+                       overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``server.kv_events`` keys from every source, merged key by key."""
+    merged: dict[str, Any] = {}
+    section = (server or {}).get("kv_events") if isinstance(server, Mapping) else None
+    if section is not None:
+        merged.update(as_mapping(section, "server.kv_events"))
+    if env.get(ENV_PREFIX + "KV_EVENTS"):
+        merged.update(_kv_events_json(env[ENV_PREFIX + "KV_EVENTS"],
+                                      ENV_PREFIX + "KV_EVENTS"))
+    for f in fields(KvEventsConfig):
+        value = env.get(KV_EVENTS_ENV + f.name.upper())
+        if value is not None and value != "":
+            merged[f.name] = value
+    if overrides.get("kv_events"):
+        merged.update(_kv_events_json(overrides["kv_events"], "--kv-events-config"))
+    return merged
+
+
+def _kv_events_json(value: Any, where: str) -> Mapping[str, Any]:
+    if isinstance(value, Mapping):
+        return value
+    import json
+
+    try:
+        data = json.loads(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: not a JSON object: {exc}") from None
+    return as_mapping(data, where)
+
+
+def parse_kv_events(value: Any, default: Any, where: str) -> KvEventsConfig:
+    data = dict(as_mapping(value, where))
+    reject_unknown(data, tuple(f.name for f in fields(KvEventsConfig)), where)
+    cfg = KvEventsConfig()
+    for name, item in data.items():
+        base = getattr(cfg, name)
+        if name == "replay_endpoint":
+            if item is None or item == "":
+                continue
+            base = ""
+        cfg = replace(cfg, **{name: coerce(item, base, f"{where}.{name}")})
+    choices = {"publisher": KV_EVENTS_PUBLISHERS, "hash_format": KV_EVENTS_HASH_FORMATS,
+               "encoding": KV_EVENTS_ENCODINGS}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{where}.{name}: one of {', '.join(allowed)}, "
+                              f"got {getattr(cfg, name)!r}")
+    for name in ("endpoint", "replay_endpoint"):
+        endpoint = getattr(cfg, name)
+        if endpoint is not None and not endpoint.startswith(_ZMQ_SCHEMES):
+            raise ConfigError(f"{where}.{name}: a ZMQ endpoint (tcp://, ipc:// or "
+                              f"inproc://), got {endpoint!r}")
+    check_int(cfg.buffer_steps, f"{where}.buffer_steps", 1)
+    check_int(cfg.hwm, f"{where}.hwm", 0)
+    check_int(cfg.max_queue_size, f"{where}.max_queue_size", 0)
+    if cfg.enable_kv_cache_events and cfg.replay_endpoint == cfg.endpoint:
+        raise ConfigError(f"{where}.replay_endpoint: must differ from endpoint")
+    return cfg

@@ -1,0 +1,386 @@
+"""KV events out: each model's change log, published over ZMQ as vLLM and SGLang do.
+
+Cache-aware routers (llm-d's KV-cache indexer, Dynamo's KV router, Mooncake Conductor,
+SGLang's router) subscribe to the ZMQ events engines publish; publishing the same
+events lets them route a fleet of sidecars with no code on their side. The wire format
+is in kv_event_wire.py; this module runs the sockets.
+
+Per model one publisher (``server.kv_events``, off by default):
+
+* Frames ``[topic, seq, payload]``: ``topic`` UTF-8 (default ``kv@<host>:<port>@<model>``,
+  host from ``$POD_IP`` or the host name's address, port the event port); ``seq`` 8
+  bytes big-endian from 0 at every start, one per batch; ``payload`` the msgpack batch.
+* The first batch is ``AllBlocksCleared`` followed by the tree's pages (none at start),
+  so a subscriber from the start sees the whole history. Reset sends AllBlocksCleared.
+* Several models: model ``i`` (its position in the config) publishes on the endpoint's
+  TCP port + ``i`` (ipc/inproc endpoints get a ``_<i>`` suffix), and so does its replay
+  socket, as vLLM offsets ports per data-parallel rank.
+* Batching: everything the cache changed during one turn of the event loop (one RPC,
+  or several handled together) goes out as one batch, sent on the next turn.
+* Never blocking: the socket is an XPUB with ``XPUB_NODROP`` and every send is
+  ``NOBLOCK``. When a subscriber's queue is at the high-water mark (``hwm``) the send
+  fails at once; the batch is counted as dropped (for every subscriber: ZMQ cannot send
+  it to some only) and kept for replay, so subscribers see a seq gap and can recover.
+* Replay: a ROUTER socket on ``replay_endpoint``. A request ``[identity, b"", start
+  (8 bytes BE)]`` gets ``[identity, b"", seq, payload]`` for every buffered batch from
+  ``start``, then ``[identity, b"", -1 (8 bytes, signed), b""]``. If ``start`` is older
+  than the buffer (the last ``buffer_steps`` batches), the answer is one batch stamped
+  with the newest seq: ``AllBlocksCleared`` and every cached page, the state at that seq,
+  so a subscriber that fell too far behind resynchronises instead of missing changes.
+  Answers go out a few hundred messages per loop turn, so a long one never stalls RPCs.
+
+Runs on the service's event loop, like the engines it reads (``loop.add_reader`` on the
+sockets' ZMQ file descriptors, which are edge-triggered: every handler drains until
+``EVENTS`` shows nothing more).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections import deque
+from collections.abc import Iterator, Mapping
+from itertools import islice
+from typing import Any
+
+import zmq
+
+from prefixcache.cache.change_log import Change, ChangeLog
+
+from .config import ConfigError, KvEventsConfig
+from .kv_event_wire import EventEncoder
+
+log = logging.getLogger("prefixcache.server")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_REPLY_BURST = 256  # replay messages sent per loop turn
+
+
+def endpoint_for(endpoint: str, index: int) -> str:
+    """The endpoint of the ``index``-th model: TCP port + index, or an ipc/inproc suffix."""
+    if index == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_{index}"
+    base, _, port = endpoint.rpartition(":")
+    if not port.isdigit() or int(port) == 0:  # "*" or 0: every model gets its own free port
+        return endpoint
+    return f"{base}:{int(port) + index}"
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: bind a wildcard, ipc or inproc endpoint; connect to anything else."""
+    return ("*" in endpoint or "::" in endpoint
+            or endpoint.startswith(("ipc://", "inproc://")))
+
+
+def medium_of(device: str) -> str:
+    return "GPU" if device.startswith("cuda") else "CPU"
+
+
+def pod_host() -> str:
+    """This pod's address for topics: $POD_IP (the Downward API), else the host name's."""
+    host = os.environ.get("POD_IP")
+    if host:
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class KvEventPublisher:
+    """One model's PUB (and optional ROUTER replay) socket, fed by its change log.
+
+    Counters (read by the metrics collector): ``batches_published``,
+    ``events_published``, ``batches_dropped``, ``replays_served``.
+    """
+
+    def __init__(self, model: str, change_log: ChangeLog, cfg: KvEventsConfig, *,
+                 index: int, medium: str, context: zmq.Context) -> None:
+        self.model = model
+        self.endpoint = endpoint_for(cfg.endpoint, index)
+        self.replay_endpoint = (endpoint_for(cfg.replay_endpoint, index)
+                                if cfg.replay_endpoint else None)
+        self.topic = ""
+        self.batches_published = 0
+        self.events_published = 0
+        self.batches_dropped = 0
+        self.replays_served = 0
+        self._cfg = cfg
+        self._log = change_log
+        self._ctx = context
+        self._encoder = EventEncoder(cfg.hash_format, cfg.encoding, medium)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
+        self._seq = 0
+        self._pending: list[Change] = []
+        self._flush_scheduled = False
+        self._replies: deque[_Reply] = deque()
+        self._pump_scheduled = False
+        self._pub: zmq.Socket[bytes] | None = None
+        self._replay: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._unwatch: Any = None
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def start(self, loop: asyncio.AbstractEventLoop, topic_host: str) -> None:
+        """Bind (or connect) the sockets and publish the first batch.
+
+        Raises:
+            ConfigError: an endpoint cannot be bound or connected.
+        """
+        self._loop = loop
+        pub = self._ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, self._cfg.hwm)
+        pub.setsockopt(zmq.XPUB_NODROP, 1)  # a full queue fails the send: we count it
+        self.endpoint = _open(pub, self.endpoint, "endpoint")
+        self._pub = pub
+        if self.replay_endpoint is not None:
+            replay = self._ctx.socket(zmq.ROUTER)
+            replay.setsockopt(zmq.LINGER, 0)
+            replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full peer fails, never drops
+            # Room for a whole answer (the buffer and the end marker) per requester.
+            replay.setsockopt(zmq.SNDHWM, self._cfg.buffer_steps + 2)
+            self.replay_endpoint = _open(replay, self.replay_endpoint, "replay_endpoint",
+                                         bind=True)
+            self._replay = replay
+            loop.add_reader(replay.getsockopt(zmq.FD), self._serve_replays)
+        loop.add_reader(pub.getsockopt(zmq.FD), self._drain_subscriptions)
+        port = self.endpoint.rpartition(":")[2] if self.endpoint.startswith("tcp://") else "0"
+        template = self._cfg.topic or "kv@{host}:{port}@{model}"
+        self.topic = template.replace("{host}", topic_host).replace(
+            "{port}", port).replace("{model}", self.model)
+        self._topic = self.topic.encode("utf-8")
+        self._resync()
+        self._unwatch = self._log.watch(self._on_change)
+        log.info("publishing KV events", extra={
+            "model": self.model, "endpoint": self.endpoint, "topic": self.topic,
+            "replay_endpoint": self.replay_endpoint})
+
+    def close(self) -> None:
+        """Publish what is pending, stop listening to the log and close the sockets."""
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        if self._pub is not None:
+            self.flush()
+        for sock in (self._pub, self._replay):
+            if sock is None:
+                continue
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(sock.getsockopt(zmq.FD))
+            sock.close(linger=0)
+        self._pub = self._replay = None
+        self._replies.clear()
+
+    # ----------------------------------------------------------- publishing
+
+    def _on_change(self, change: Change) -> None:
+        # Inside a cache operation: only note it; the batch goes out on the next turn.
+        self._pending.append(change)
+        if not self._flush_scheduled and self._loop is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Publish the pending changes as one batch (nothing if there are none)."""
+        self._flush_scheduled = False
+        if not self._pending or self._pub is None:
+            return
+        changes, self._pending = self._pending, []
+        try:
+            events = [self._encoder.event(change) for change in changes]
+        except KeyError:
+            # A page's parent was never published: we were fed out of order. Never
+            # leave subscribers with a hole; start them over from the tree.
+            log.exception("KV events out of order; resending the whole page set",
+                          extra={"model": self.model})
+            self._resync()
+            return
+        self._send(events)
+
+    def _resync(self) -> None:
+        """Publish AllBlocksCleared and the tree's pages, and continue from there."""
+        self._pending.clear()
+        self._send(self._encoder.snapshot_events(self._log.snapshot(), restart=True))
+
+    def _send(self, events: list[Any]) -> None:
+        assert self._pub is not None
+        payload = self._encoder.batch(events)
+        seq = self._seq
+        self._seq += 1
+        self._buffer.append((seq, payload))  # kept for replay even when dropped below
+        try:
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload),
+                                     flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.batches_dropped += 1
+        else:
+            self.batches_published += 1
+            self.events_published += len(events)
+        self._drain_subscriptions()
+
+    def _drain_subscriptions(self) -> None:
+        # XPUB hands (un)subscription messages up; nobody needs them, but unread they
+        # would pile up (and the edge-triggered FD would stay silent).
+        pub = self._pub
+        while pub is not None and pub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+
+    # -------------------------------------------------------------- replay
+
+    def _serve_replays(self) -> None:
+        replay = self._replay
+        while replay is not None and replay.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                log.warning("ignoring a malformed KV-event replay request",
+                            extra={"model": self.model, "frames": len(frames)})
+                continue
+            self.flush()  # so the buffer (or a snapshot) is current
+            start = int.from_bytes(frames[2], "big")
+            self._replies.append(_Reply(frames[0], self._answer(start)))
+        self._pump()
+
+    def _answer(self, start: int) -> Iterator[tuple[bytes, bytes]]:
+        """(seq, payload) of each batch from ``start``, or a snapshot if it is gone."""
+        oldest = self._buffer[0][0] if self._buffer else self._seq
+        if start < oldest:
+            newest = self._seq - 1
+            payload = self._encoder.batch(
+                self._encoder.snapshot_events(self._log.snapshot(), restart=False))
+            return iter([(newest.to_bytes(8, "big"), payload)])
+        if start >= self._seq:
+            return iter(())
+        batches = list(islice(self._buffer, start - oldest, None))
+        return ((seq.to_bytes(8, "big"), payload) for seq, payload in batches)
+
+    def _pump(self) -> None:
+        self._pump_scheduled = False
+        replay = self._replay
+        budget = _REPLY_BURST
+        while replay is not None and self._replies and budget > 0:
+            reply = self._replies[0]
+            try:
+                for seq, payload in reply.take(budget):
+                    replay.send_multipart((reply.identity, b"", seq, payload), zmq.NOBLOCK)
+                    reply.sent()
+                    budget -= 1
+                if not reply.done:
+                    break
+                replay.send_multipart((reply.identity, b"", END_SEQ, b""), zmq.NOBLOCK)
+                self.replays_served += 1
+            except zmq.ZMQError as exc:  # the requester left, or reads nothing
+                log.warning("KV-event replay abandoned", extra={
+                    "model": self.model, "reason": exc.strerror})
+            self._replies.popleft()
+        if self._replies and not self._pump_scheduled and self._loop is not None:
+            self._pump_scheduled = True
+            self._loop.call_soon(self._pump)
+        # Sending may have consumed the FD's edge for a request that came meanwhile.
+        if replay is not None and replay.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self._serve_replays)  # type: ignore[union-attr]
+
+
+class _Reply:
+    """One replay answer being sent, resumable across loop turns."""
+
+    def __init__(self, identity: bytes, batches: Iterator[tuple[bytes, bytes]]) -> None:
+        self.identity = identity
+        self._batches = batches
+        self._next: tuple[bytes, bytes] | None = next(batches, None)
+
+    @property
+    def done(self) -> bool:
+        return self._next is None
+
+    def take(self, budget: int) -> Iterator[tuple[bytes, bytes]]:
+        """Up to ``budget`` batches; call ``sent()`` after each one went out."""
+        for _ in range(budget):
+            if self._next is None:
+                return
+            yield self._next
+
+    def sent(self) -> None:
+        self._next = next(self._batches, None)
+
+
+def _open(sock: zmq.Socket[bytes], endpoint: str, name: str, bind: bool | None = None) -> str:
+    """Bind or connect ``sock``; returns the endpoint it ended up on (real port)."""
+    try:
+        if binds(endpoint) if bind is None else bind:
+            sock.bind(endpoint)
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        sock.connect(endpoint)
+        return endpoint
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise ConfigError(f"server.kv_events.{name}: cannot use {endpoint}: {exc}") from exc
+
+
+class KvEventPublishers:
+    """The publishers of every model that has a change log (radix, swa and mamba)."""
+
+    def __init__(self, cfg: KvEventsConfig, engines: Mapping[str, Any]) -> None:
+        self.context = zmq.Context()
+        self.publishers: dict[str, KvEventPublisher] = {}
+        for index, (name, engine) in enumerate(engines.items()):
+            change_log = getattr(engine, "change_log", None)
+            if change_log is None:  # slot and chunk kinds cache no pages
+                continue
+            self.publishers[name] = KvEventPublisher(
+                name, change_log, cfg, index=index,
+                medium=medium_of(engine.config.pool.device), context=self.context)
+        self._check_distinct()
+
+    def _check_distinct(self) -> None:
+        # Model i takes port + i for events and replay_port + i for replay: two ranges
+        # that overlap once there are more models than the ports are apart.
+        taken: dict[str, str] = {}
+        for name, publisher in self.publishers.items():
+            for kind, endpoint in (("endpoint", publisher.endpoint),
+                                   ("replay_endpoint", publisher.replay_endpoint)):
+                if endpoint is None or endpoint.endswith((":*", ":0")):  # any free port
+                    continue
+                if endpoint in taken:
+                    self.context.destroy(linger=0)
+                    raise ConfigError(
+                        f"server.kv_events.{kind}: model {name!r} would use {endpoint}, "
+                        f"which is {taken[endpoint]}; model i uses port + i, so keep "
+                        "endpoint and replay_endpoint more ports apart than there are models")
+                taken[endpoint] = f"model {name!r}'s {kind}"
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        host = pod_host()
+        try:
+            for publisher in self.publishers.values():
+                publisher.start(loop, host)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for publisher in self.publishers.values():
+            publisher.close()
+        self.context.destroy(linger=0)
+
+
+def start_kv_events(cfg: KvEventsConfig, engines: Mapping[str, Any]) -> KvEventPublishers | None:
+    """The running publishers, or None when ``server.kv_events`` leaves them off."""
+    if not cfg.enable_kv_cache_events or cfg.publisher == "null":
+        return None
+    publishers = KvEventPublishers(cfg, engines)
+    publishers.start(asyncio.get_running_loop())
+    return publishers
