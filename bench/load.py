@@ -1,27 +1,34 @@
 """Sustained load against a real ``prefixcache serve``: errors, latency, and RSS over time.
 
 A fresh ``prefixcache serve`` process (unix socket, one radix model whose pool is small
-enough that eviction runs all the time) and ``--workers`` client processes (spawn), each
-with a ``PrefixCacheClient`` session, replaying its slice of the Mooncake conversation
-trace in a loop until ``--duration`` is up. Per request:
+enough that eviction runs all the time, and one small model of every other kind) and
+``--workers`` client processes (spawn), each with a ``PrefixCacheClient`` session,
+replaying its slice of the Mooncake conversation trace in a loop until ``--duration``
+is up. Per request:
 
 1. ``match(lock=True, allocate=True)``;
 2. ``insert(matched + allocated slots, release_lock_id=match's lock, lock=True)``;
-3. two decode steps: ``alloc(k)`` twice, then one ``free`` of both;
-4. ``unlock`` of the insert's lock.
+3. every ``--side-every`` requests, while that lock is held: one request on the next
+   of the ``swa``, ``mamba``, ``slot`` and ``chunk`` models (see load_mixed.py: state
+   and slot pressure, in-place slot reuse, and inserts that name the radix lock as
+   ``release_lock_id``, which must be refused);
+4. two decode steps: ``alloc(k)`` twice, then one ``free`` of both;
+5. ``unlock`` of the insert's lock.
 
 Every ``--reopen-every`` requests a worker makes one more locking, allocating match and
 then closes its session without inserting or unlocking (the service must release that
 lock and free those slots), and opens a new session. The parent samples the server's
 VmRSS every second. At the end it prints throughput, p50/p99 per operation, errors,
-RSS at the end of warm-up vs. at the end, and the final Stats (locks, session slots and
-sessions must all be 0 once the workers have gone).
+RSS at the end of warm-up vs. at the end, and the final Stats of every model (locks,
+session slots and sessions must all be 0 once the workers have gone).
 
     python bench/load.py --duration 600 --workers 8 --json bench/out/load.json
 
 The exit status is 1 when any call failed, nothing completed, the service still holds
 locks, slots or sessions after the workers exit, the service did not exit 0 on SIGTERM,
-or (with ``--max-rss-growth``) RSS grew more than allowed after warm-up.
+or (with ``--max-rss-growth``) RSS grew more than allowed after warm-up. With
+``--check-integrity`` the service runs its integrity check after every call that can
+change a cache, so corruption fails the call that caused it (INTERNAL, an error here).
 """
 
 from __future__ import annotations
@@ -49,10 +56,11 @@ if sys.path and Path(sys.path[0] or ".").resolve() == _REPO / "bench":
     sys.path[0] = str(_REPO)  # bench/trace.py would shadow the stdlib `trace`
 sys.path += [p for p in map(str, (_REPO, _REPO / "server", _REPO / "client")) if p not in sys.path]
 
-from bench.grpc_replay import MODEL, ServerProcess, start_service  # noqa: E402
+from bench.grpc_replay import MODEL, ServerProcess  # noqa: E402
+from bench.load_mixed import KINDS, SideRequests, final_stats, held_after, start_service  # noqa: E402
 from bench.trace import DEFAULT_TRACE, load_expanded  # noqa: E402
 
-OPS = ("match", "insert", "alloc", "free", "unlock", "reopen")
+OPS = ("match", "insert", "alloc", "free", "unlock", "reopen", *KINDS)
 START_TIMEOUT_S = 300.0
 SESSION_TTL_S = 30.0
 CALL_TIMEOUT_S = 30.0  # generous: on a 2-core box with 8 workers the tail is long
@@ -70,6 +78,7 @@ class WorkerSpec:
     duration: float
     reopen_every: int
     decode_tokens: int
+    side_every: int
 
 
 @dataclass
@@ -82,6 +91,7 @@ class WorkerResult:
     ns: dict[str, array] = field(default_factory=lambda: {op: array("q") for op in OPS})
     hit_tokens: int = 0
     query_tokens: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # expected outcomes, not errors
     t_start: float = 0.0
     t_end: float = 0.0
     failure: str = ""
@@ -116,6 +126,8 @@ def _replay(spec: WorkerSpec, barrier: Any, result: WorkerResult) -> None:
             mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm, client:
         session = client.session(ttl=SESSION_TTL_S, name=f"load-{spec.index}")
         client.stats(MODEL)  # connected
+        side = SideRequests(spec.index, lambda op, err: _error(result, op, err),
+                            result.counts) if spec.side_every else None
         barrier.wait(START_TIMEOUT_S)
         result.t_start = time.monotonic()
         end = result.t_start + spec.duration
@@ -139,13 +151,16 @@ def _replay(spec: WorkerSpec, barrier: Any, result: WorkerResult) -> None:
                 ns["reopen"].append(perf() - t0)
                 result.reopens += 1
                 continue
-            _request(session, key, spec.decode_tokens + i % 7, result)
+            _request(session, key, spec.decode_tokens + i % 7, result,
+                     side if side is not None and i % spec.side_every == 0 else None)
         result.t_end = time.monotonic()
         session.close()
 
 
-def _request(session: Any, key: bytes, decode: int, result: WorkerResult) -> None:
-    """One prefill and two decode steps; errors are counted and undone best effort."""
+def _request(session: Any, key: bytes, decode: int, result: WorkerResult,
+             side: SideRequests | None = None) -> None:
+    """One prefill (and a side request while it is locked) and two decode steps; errors
+    are counted and undone best effort."""
     from prefixcache.client import PrefixCacheError
 
     perf = time.perf_counter_ns
@@ -167,6 +182,10 @@ def _request(session: Any, key: bytes, decode: int, result: WorkerResult) -> Non
         ns["insert"].append(perf() - t0)
         held[:] = [ins.lock_id]
         owned.clear()
+        if side is not None:  # counts its own errors
+            t0 = perf()
+            kind = side.run(session, ins.lock_id)
+            ns[kind].append(perf() - t0)
         op = "alloc"
         for _ in range(2):
             t0 = perf()
@@ -270,27 +289,13 @@ class Report:
     rss_growth_pct: float
     rss_timeline: list[tuple[float, int]]
     stats: dict[str, Any]
+    counts: dict[str, int] = field(default_factory=dict)
     server_exit: int | None = None
 
 
 def _median_rss(samples: list[tuple[float, int]], lo: float, hi: float) -> int:
     window = [kib for t, kib in samples if lo <= t <= hi]
     return int(statistics.median(window)) if window else 0
-
-
-def final_stats(target: str) -> dict[str, Any]:
-    from prefixcache.client import PrefixCacheClient
-
-    with PrefixCacheClient(target, timeout=30) as client:
-        reply = client.stats(MODEL)
-    m = reply.models[0]
-    return {"locks": m.locks, "session_slots": m.session_slots, "sessions": reply.sessions,
-            "free_slots": m.free_slots, "pool_size": m.pool_size,
-            "cached_tokens": m.evictable_tokens + m.protected_tokens,
-            "protected_tokens": m.protected_tokens,
-            "evicted_tokens": m.evicted_tokens_total,
-            "hit_ratio": m.hit_tokens_total / m.match_tokens_total
-            if m.match_tokens_total else 0.0}
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -318,7 +323,7 @@ def run(args: argparse.Namespace) -> Report:
                 spans.append((offset, offset + len(data)))
                 offset += len(data)
         del trace
-        server, _port = start_service(tmp, args.budget, args.page_size, "load")
+        server = start_service(tmp, args)
         sampler = RssSampler(server.proc.pid)
         sampler.start()
         try:
@@ -340,9 +345,12 @@ def run(args: argparse.Namespace) -> Report:
     rss_end = _median_rss(run_samples, args.duration - 5, args.duration)
     after = [kib for t, kib in run_samples if t >= warm]
     errors: dict[str, int] = {}
+    counts: dict[str, int] = {}
     for r in results:
         for k, v in r.errors.items():
             errors[k] = errors.get(k, 0) + v
+        for k, v in r.counts.items():
+            counts[k] = counts.get(k, 0) + v
     requests = sum(r.requests for r in results)
     reopens = sum(r.reopens for r in results)
     wall = max(r.t_end for r in results) - min(r.t_start for r in results)
@@ -360,7 +368,7 @@ def run(args: argparse.Namespace) -> Report:
         rss_warm_kib=rss_warm, rss_end_kib=rss_end,
         rss_max_after_warm_kib=max(after, default=0),
         rss_growth_pct=(rss_end - rss_warm) / rss_warm * 100 if rss_warm else 0.0,
-        rss_timeline=samples, stats=stats, server_exit=code)
+        rss_timeline=samples, stats=stats, counts=counts, server_exit=code)
 
 
 def _run_workers(args: argparse.Namespace, server: ServerProcess, tokens_path: Path,
@@ -371,7 +379,7 @@ def _run_workers(args: argparse.Namespace, server: ServerProcess, tokens_path: P
     out = ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=True, args=(
         WorkerSpec(server.target, str(tokens_path), spans[i::n] or spans, i, args.duration,
-                   args.reopen_every, args.decode_tokens), barrier, out))
+                   args.reopen_every, args.decode_tokens, args.side_every), barrier, out))
         for i in range(n)]
     for p in procs:
         p.start()
@@ -427,6 +435,14 @@ def print_report(rep: Report) -> None:
           f"sessions {s['sessions']}, protected tokens {s['protected_tokens']}, free slots "
           f"{s['free_slots']:,} + cached {s['cached_tokens']:,} of {s['pool_size']:,}; "
           f"server exit code {rep.server_exit}")
+    for name, m in s["models"].items():
+        if name != MODEL:
+            print(f"{name}: {m['match_tokens']:,} tokens matched, hit {m['hit_ratio']:.3f}, "
+                  f"{m['evicted_tokens']:,} evicted; after: locks {m['locks']}, session "
+                  f"slots {m['session_slots']}, state slots {m['session_state_slots']}, "
+                  f"protected {m['protected_tokens']}, free slots {m['free_slots']:,}")
+    if rep.counts:
+        print(f"expected outcomes: {rep.counts}")
     step = max(1, len(rep.rss_timeline) // 10)
     points = ", ".join(f"{t:.0f}s {_mib(kib)}" for t, kib in rep.rss_timeline[::step])
     print(f"RSS MiB over time: {points}")
@@ -447,13 +463,18 @@ def main(argv: list[str] | None = None) -> int:
     add("--reopen-every", type=int, default=200,
         help="close and reopen the session every N requests (default 200)")
     add("--decode-tokens", type=int, default=8, help="base size of each decode alloc")
+    add("--side-every", type=int, default=1, metavar="N",
+        help="one request on the swa, mamba, slot and chunk models (in turn) every N "
+        "radix requests (default 1; 0: the radix model only)")
+    add("--check-integrity", action="store_true",
+        help="run the service in invariant mode (integrity check after every change)")
     add("--warmup", type=float, help="seconds (default: 20%% of --duration, at least 5)")
     add("--max-rss-growth", type=float, metavar="PCT",
         help="fail when RSS grows more than PCT %% after warm-up")
     add("--json", type=Path, metavar="OUT", help="write the report as JSON")
     args = ap.parse_args(argv)
-    if args.workers < 1 or args.duration <= 0 or args.reopen_every < 2:
-        ap.error("need --workers >= 1, --duration > 0, --reopen-every >= 2")
+    if args.workers < 1 or args.duration <= 0 or args.reopen_every < 2 or args.side_every < 0:
+        ap.error("need --workers >= 1, --duration > 0, --reopen-every >= 2, --side-every >= 0")
     if not args.trace.exists():
         ap.error(f"trace not found: {args.trace}")
     os.environ["OMP_NUM_THREADS"] = "1"  # the spawned workers and the server inherit it
@@ -463,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(asdict(rep), indent=1))
     s = rep.stats
-    bad = (rep.errors or rep.requests == 0 or s["locks"] or s["session_slots"]
-           or s["sessions"] or s["protected_tokens"] or rep.server_exit != 0
+    bad = (rep.errors or rep.requests == 0 or held_after(s) or s["sessions"]
+           or rep.server_exit != 0
            or (args.max_rss_growth is not None and rep.rss_growth_pct > args.max_rss_growth))
     return 1 if bad else 0
 

@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 import pytest
 from harness import EVERY_KIND, pack_slots, pb, running, slots, stub_for, toks
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 MODELS = EVERY_KIND
@@ -119,6 +119,15 @@ class World:
             slot_version=m.allocated_slot_version, session_id=sid, lock=True), timeout=TIMEOUT)
         self.learn_insert("s", ins)
         self.seqs["s"].append([5, 6, 7])
+        # And one in a slot its owner freed: a locking, allocating match reuses it in place.
+        m = self.stub.Match(pb.MatchRequest(model="s", token_ids=toks([8, 9, 10, 11]),
+                                            session_id=sid, allocate=True), timeout=TIMEOUT)
+        self.stub.Insert(pb.InsertRequest(
+            model="s", token_ids=toks([8, 9, 10, 11]), slot_indices=m.allocated_slots,
+            slot_version=m.allocated_slot_version, session_id=sid), timeout=TIMEOUT)
+        self.stub.Free(pb.FreeRequest(model="s", slot_indices=m.allocated_slots,
+                                      session_id=sid), timeout=TIMEOUT)
+        self.seqs["s"].append([8, 9, 10, 11])
         self.learn_alloc("s", self.stub.Alloc(pb.AllocRequest(model="s", num_slots=1,
                                                               session_id=sid), timeout=TIMEOUT))
         self.since_rebuild = 0
@@ -414,7 +423,7 @@ def read_request(draw: Any, world: World) -> pb.ReadKVRequest:
         model=model, slot_indices=slot_bytes(draw, world, model),
         layers=draw(st.lists(st.one_of(st.integers(0, 3), U32), max_size=4)),
         state_slots=slot_bytes(draw, world, model, states=True) if draw(st.booleans()) else b"",
-        max_chunk_bytes=draw(U64))
+        max_chunk_bytes=draw(U64), session_id=session_id(draw, world))
 
 
 def write_chunks(draw: Any, world: World) -> list[pb.KVChunk]:
@@ -551,7 +560,86 @@ def raw_case(draw: Any, world: World) -> None:
     world.settle(f"raw {method}", code, detail)
 
 
-CASES = {"unary": unary_case, "read": read_case, "write": write_case, "stream": stream_case}
+def workflow_case(draw: Any, world: World) -> None:
+    """A well-formed request as examples/worker.py makes it, each step settled: a locking,
+    allocating match, an insert handing the lock over, and a free or an unlock.
+
+    On the slot model the match often finds its prefix in a slot whose owner freed it
+    (the worker frees its slot at the end), and reuses it in place; on the Mamba model
+    every new prefix needs a state slot, so snapshots are evicted under state pressure.
+    Sometimes the insert first names the session's lock on another model as
+    ``release_lock_id``: refused with FAILED_PRECONDITION, changing nothing.
+    """
+    # Everything is drawn first, and never depends on the world (see INDEX).
+    model = draw(st.sampled_from(["s", "s", "h", "h", "m", "p", "w"]))
+    sid = _pick(draw, world.sessions, st.just(""))
+    base = _pick(draw, world.seqs[model], st.just([1, 2, 3]))
+    cut, tail = draw(INDEX), draw(st.lists(st.integers(0, 60), max_size=6))
+    tokens = (base[: cut % (len(base) + 1)] + tail)[:16]  # the slot model's max_seq_len
+    if model == "h":  # a Mamba state is the state after whole pages (of 2)
+        tokens = tokens[: len(tokens) - len(tokens) % 2]
+    other = draw(st.sampled_from([n for n in ("m", "p", "w", "h", "s") if n != model]))
+    cross, free_slot = draw(st.integers(0, 2)) == 0, draw(st.integers(0, 3)) > 0
+    keep, unlock = draw(st.booleans()), draw(st.booleans())
+    if not tokens:
+        return
+    if not sid:  # the fuzzer closed every session: a worker opens a new one
+        sid = world.open_session()
+        world.settle("workflow: OpenSession", CODE.OK)
+
+    refusals: list[str] = []
+
+    def step(what: str, method: str, request: Any) -> Any:
+        code, detail, reply = _code(lambda: getattr(world.stub, method)(request,
+                                                                        timeout=TIMEOUT))
+        if code == CODE.OK:
+            world.learn(method, request, reply)
+        else:
+            refusals.append(f"{what}: {code.name} {detail} ({request})")
+        world.settle(f"workflow {what}: {method}({request})"[:2000], code, detail)
+        return reply
+
+    before = {s.model: s for s in (world.baseline or world.stats()).models}[model]
+    m = step("prefill", "Match", pb.MatchRequest(model=model, token_ids=toks(tokens),
+                                                  session_id=sid, lock=True, allocate=True))
+    if m is None:
+        event("workflow: prefill refused")  # no room: every slot or state is held
+        return
+    if model == "s" and m.prefix_len and m.allocated_slots == m.slot_indices:
+        event("workflow: a freed slot reused in place")
+    if model == "h" and not before.free_state_slots:
+        event("workflow: a state evicted for a new one")
+    named = m.allocated_slots if model == "s" else m.slot_indices + m.allocated_slots
+    insert = pb.InsertRequest(model=model, token_ids=toks(tokens), session_id=sid,
+                              slot_indices=named, lock=keep, release_lock_id=m.lock_id)
+    if model == "s":
+        insert.slot_version = m.allocated_slot_version
+    if m.HasField("allocated_state_slot"):
+        insert.state_slot = m.allocated_state_slot
+    if cross:
+        theirs = step("a lock on another model", "Match", pb.MatchRequest(
+            model=other, token_ids=toks(world.seqs[other][0]), session_id=sid, lock=True))
+        if theirs is not None and theirs.lock_id:
+            wrong = pb.InsertRequest()
+            wrong.CopyFrom(insert)
+            wrong.release_lock_id = theirs.lock_id
+            code, detail, _ = _code(lambda: world.stub.Insert(wrong, timeout=TIMEOUT))
+            assert code == CODE.FAILED_PRECONDITION, (code, detail, wrong)
+            event("workflow: release_lock_id of another model refused")
+            world.settle(f"workflow insert naming {other}'s lock: {wrong}", code, detail)
+    ins = step("insert", "Insert", insert)
+    assert ins is not None, f"an insert right after its match was refused: {refusals}"
+    if model == "s" and free_slot:
+        step("finish", "Free", pb.FreeRequest(model="s", slot_indices=m.allocated_slots,
+                                              session_id=sid))
+    if ins.lock_id and unlock:
+        step("unlock", "Unlock", pb.UnlockRequest(lock_id=ins.lock_id, session_id=sid))
+    if len(tokens) > 1 and tokens not in world.seqs[model]:
+        world.seqs[model] = [*world.seqs[model][-15:], tokens]
+
+
+CASES = {"unary": unary_case, "read": read_case, "write": write_case, "stream": stream_case,
+         "workflow": workflow_case}
 
 
 def run_case(data: Any, world: World, raw: bool) -> None:
@@ -560,7 +648,8 @@ def run_case(data: Any, world: World, raw: bool) -> None:
     if raw:
         raw_case(draw, world)
     else:
-        kind = draw(st.sampled_from(["unary"] * 6 + ["read", "write", "stream"]))
+        kind = draw(st.sampled_from(["unary"] * 6 + ["read", "write", "stream"]
+                                    + ["workflow"] * 2))
         CASES[kind](draw, world)
 
 

@@ -1,5 +1,9 @@
-"""A short run of bench/load.py: a real server under concurrent sessions, locks,
-allocation and eviction for ~10 s must answer every call and leave nothing held.
+"""A short run of bench/load.py: a real server in invariant mode, with a model of every
+kind, under concurrent sessions, locks, allocation and eviction for ~10 s must answer
+every call and leave nothing held. Besides the radix trace replay this covers a slot
+model's locking, allocating matches that reuse freed slots in place, inserts naming
+another model's lock as release_lock_id (refused), and Mamba states evicted under
+state pressure; a pool of 20,000 tokens keeps the per-call integrity check cheap.
 
 The full run (8 workers, 10 minutes, RSS flat within 5 % after warm-up) is in
 bench/README.md, "Load". Here RSS is only checked loosely (< 25 % growth after a
@@ -33,19 +37,30 @@ def test_short_load_has_no_errors_and_leaves_nothing_held(tmp_path: Path) -> Non
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "load.py"), "--duration", str(DURATION),
          "--workers", str(WORKERS), "--limit", "300", "--reopen-every", "25",
-         "--warmup", "5", "--json", str(out)],
+         "--warmup", "5", "--budget", "20000", "--check-integrity", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=DURATION + 120)
     assert result.returncode == 0, result.stdout + result.stderr
     rep = json.loads(out.read_text())
     assert rep["errors"] == {}, rep["first_errors"]
     assert rep["requests"] > 0 and rep["req_per_s"] > 0
     assert rep["reopens"] > 0  # sessions were closed while holding a lock and slots
-    for op in ("match", "insert", "alloc", "free", "unlock", "reopen"):
+    for op in ("match", "insert", "alloc", "free", "unlock", "reopen",
+               "swa", "mamba", "slot", "chunk"):
         assert rep["latency"][op]["count"] > 0, op
+    counts = rep["counts"]
+    assert counts["cross-model release_lock_id refused"] > 0, counts
+    assert counts["slot reused in place"] > 0, counts
     stats = rep["stats"]
     assert stats["evicted_tokens"] > 0  # the pool was under pressure
-    assert (stats["locks"], stats["session_slots"], stats["sessions"],
-            stats["protected_tokens"]) == (0, 0, 0, 0), stats
+    models = stats["models"]
+    assert set(models) == {"bench", "swa", "mamba", "slot", "chunk"}
+    assert models["mamba"]["evicted_tokens"] > 0  # states (and their leaves) under pressure
+    assert models["slot"]["evicted_tokens"] > 0
+    assert stats["sessions"] == 0
+    for name, m in models.items():
+        assert (m["locks"], m["session_slots"], m["session_state_slots"],
+                m["protected_tokens"]) == (0, 0, 0, 0), (name, m)
+    assert models["slot"]["free_slots"] == models["slot"]["pool_size"]
     # every slot is either free or cached: nothing leaked out of the pool
     assert stats["free_slots"] + stats["cached_tokens"] == stats["pool_size"], stats
     assert rep["server_exit"] == 0

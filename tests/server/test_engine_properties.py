@@ -224,6 +224,30 @@ class ServiceMachine(RuleBasedStateMachine):
         aligned = len(tokens) - len(tokens) % engine.page_size
         self.held[sid][model] -= set(slots[:aligned].tolist())
 
+    @rule(i=SID, model=st.sampled_from(NAMES), tokens=TOKENS)
+    def insert_releasing_another_models_lock(self, i: int, model: str,
+                                             tokens: list[int]) -> None:
+        """An insert that would be accepted, but names the session's lock on another
+        model as release_lock_id: refused, and nothing changes on either model."""
+        session = self._session(self._live(i))
+        foreign = [lid for lid, h in session.locks.items() if h.engine.name != model]
+        if not foreign:  # lock the same tokens on another model
+            other = NAMES[(NAMES.index(model) + 1) % len(NAMES)]
+            lock_id = self.svc.engine(other).match(RadixKey(tokens), session, lock=True).lock_id
+            if not lock_id:
+                return
+            foreign = [lock_id]
+        engine = self.svc.engine(model)
+        tree = engine.cache.peek_prefix(RadixKey(tokens)).numpy().astype(np.int64)
+        before = [(e.sizes(), e.num_locks) for e in self.svc.engines.values()]
+        locks = dict(session.locks)
+        with pytest.raises(PreconditionError):
+            engine.insert(RadixKey(tokens[: len(tree)]), tree, session,
+                          release_lock_id=foreign[0])
+        assert [(e.sizes(), e.num_locks) for e in self.svc.engines.values()] == before
+        assert session.locks == locks
+        event("an insert naming another model's lock was refused")
+
     @rule(i=SID)
     def unlock_one(self, i: int) -> None:
         sid = self.sids[i]

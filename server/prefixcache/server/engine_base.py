@@ -14,7 +14,8 @@ from typing import Any
 from prefixcache.cache import RadixKey
 
 from .config import ModelConfig
-from .errors import NotFoundError
+from .errors import NotFoundError, PreconditionError
+from .quotas import NO_QUOTA, Quota, prefix_tokens
 from .sessions import HeldLock, Session
 
 OPERATIONS = ("match", "insert", "evict", "lock", "unlock", "alloc")
@@ -52,6 +53,9 @@ class EngineBase:
         # Fixed keys: the metrics thread iterates these while the loop updates them.
         self.ops: dict[str, int] = dict.fromkeys(OPERATIONS, 0)
         self.evicted_tokens: dict[str, int] = dict.fromkeys(EVICTION_REASONS, 0)
+        # Per-session caps (quotas.py), checked before a call changes anything; the
+        # service sets each model's from its limits.
+        self.quota: Quota = NO_QUOTA
 
     def _count_match(self, key: RadixKey, hit: int) -> None:
         self.ops["match"] += 1
@@ -74,20 +78,54 @@ class EngineBase:
                                 "restart)")
         return node
 
-    def _hold(self, session: Session, node: Any, boundary: Any = None) -> int:
-        """Record a lock the caller just took on ``node`` as ``session``'s."""
+    def _hold(self, session: Session, node: Any, boundary: Any = None,
+              tokens: int | None = None) -> int:
+        """Record a lock the caller just took on ``node`` as ``session``'s; ``tokens``,
+        the prefix it protects, when the caller already knows it."""
         lock_id = self._next_lock_id()
-        session.locks[lock_id] = HeldLock(self, node, boundary)  # type: ignore[arg-type]
+        tokens = prefix_tokens(node) if tokens is None else tokens
+        session.locks[lock_id] = HeldLock(self, node, boundary, tokens)  # type: ignore[arg-type]
+        session.locked_tokens[self.name] = session.locked_tokens.get(self.name, 0) + tokens
         self.num_locks += 1
         self.ops["lock"] += 1
         return lock_id
 
-    def _drop(self, session: Session, lock_id: int) -> HeldLock:
-        """Forget one of ``session``'s locks (the caller releases it in the cache)."""
+    def _held(self, session: Session, lock_id: int) -> HeldLock:
+        """``session``'s lock ``lock_id`` on this model; refused, changing nothing, if the
+        session does not hold it or holds it on another model (whose tree has the node)."""
+        held = session.locks.get(lock_id)
+        if held is None:
+            raise PreconditionError(f"lock {lock_id} is not held by this session (already "
+                                    "released, or never taken by it)")
+        if held.engine is not self:
+            raise PreconditionError(f"lock {lock_id} is on another model "
+                                    f"({held.engine.name!r}), not on {self.name!r}")
+        return held
+
+    def _check_release(self, session: Session | None, lock_id: int) -> None:
+        """Refuse an insert's ``release_lock_id`` before the insert changes anything."""
+        if lock_id:
+            self._held(needs_session(session, "release_lock_id"), lock_id)
+
+    def _check_lock_quota(self, session: Session, tokens: int, release_lock_id: int) -> None:
+        """Refuse an insert's lock of ``tokens`` past the session's quota, counting the
+        lock it hands over (``release_lock_id``, already checked to be this model's)."""
+        handed = session.locks.get(release_lock_id) if release_lock_id else None
+        self.quota.check_lock(session, tokens - (handed.tokens if handed else 0))
+
+    def _drop(self, session: Session, lock_id: int) -> None:
+        """Forget one of ``session``'s locks, once the cache has released it."""
         held = session.locks.pop(lock_id)
+        self._unlocked_tokens(session, held.tokens)
         self.num_locks -= 1
         self.ops["unlock"] += 1
-        return held
+
+    def _unlocked_tokens(self, session: Session, tokens: int) -> None:
+        left = session.locked_tokens.get(self.name, 0) - tokens
+        if left:
+            session.locked_tokens[self.name] = left
+        else:
+            session.locked_tokens.pop(self.name, None)
 
     def _my_locks(self, session: Session) -> list[int]:
         return [lid for lid, held in session.locks.items() if held.engine is self]
@@ -107,10 +145,19 @@ class EngineBase:
         for session in sessions:
             mine = self._my_locks(session)
             for lock_id in mine:
-                del session.locks[lock_id]
+                self._unlocked_tokens(session, session.locks.pop(lock_id).tokens)
             locks += len(mine)
             session.slots.pop(self.name, None)
         self._nodes.clear()
         self.num_locks = self.session_slots = 0
         self.evicted_tokens["reset"] += dropped_tokens
         return locks
+
+
+def needs_session(session: Session | None, what: str) -> Session:
+    """``session``, or a refusal naming ``what`` needs one (never an ``assert``: under
+    ``python -O`` that would let the call go on without one)."""
+    if session is None:
+        raise PreconditionError(f"{what} needs a session_id (OpenSession or the Session "
+                                "stream)")
+    return session

@@ -25,7 +25,7 @@ from prefixcache.cache.slot_cache import SlotPrefixCache
 
 from .config import ModelConfig
 from .engine import _EMPTY, InsertOutcome, MatchOutcome
-from .engine_base import EngineBase
+from .engine_base import EngineBase, needs_session
 from .errors import PoolExhaustedError, PreconditionError
 from .sessions import Session
 
@@ -71,43 +71,76 @@ class SlotEngine(EngineBase):
 
     def match(self, key: RadixKey, session: Session | None, lock: bool = False,
               allocate: bool = False) -> MatchOutcome:
-        if (lock or allocate) and session is None:
-            raise PreconditionError("lock and allocate need a session_id")
+        """The cached prefix's slot; with ``lock`` it is pinned, with ``allocate`` the
+        session gets a slot holding it. Either all of that happens or nothing does."""
+        if not (lock or allocate):
+            found = self.cache.find(key)
+            self._count_match(key, found.prefix_len)
+            return _outcome(found)
+        owner = needs_session(session, "a match with lock or allocate")
         found = self.cache.find(key)
+        if lock and found.prefix_len:  # quotas first: a refused match pins nothing
+            self.quota.check_lock(owner, found.prefix_len)
+        if allocate:
+            self.quota.check_slots(owner, 1)
+        reuse = allocate and found.prefix_len > 0 and self.allocator.is_free(found.slot)
+        if allocate and not reuse and not self.allocator.free_count():
+            raise self._exhausted()  # before the pin: a refused match changes nothing
+        # Pin before taking the slot: reusing it in place moves its version on, and the
+        # prefix's entries, which name the old version, would no longer match.
+        node = self._pin_found(key, found) if lock else None
         allocated, version = _EMPTY, None
         if allocate:
-            assert session is not None
-            slot, version = self._take(found, key)
-            self._owner[slot] = session.tag
+            try:
+                slot, version = self._take(found, key, reuse)
+            except BaseException:
+                if node is not None:
+                    self.cache.release(node)
+                raise
+            self._owner[slot] = owner.tag
             self.session_slots += 1
-            session.slots[self.name] = session.slots.get(self.name, 0) + 1
+            owner.slots[self.name] = owner.slots.get(self.name, 0) + 1
             allocated = np.array([slot], dtype=np.int64)
-        # Counted once answered: a refused match (no slot free) changes nothing.
+        lock_id = self._hold(owner, node) if node is not None else 0
+        # Counted once answered: a refused match changes nothing.
         self._count_match(key, found.prefix_len)
-        node_id = lock_id = 0
-        if lock and found.prefix_len:
-            assert session is not None
-            node = self.cache.pin(key)
-            assert node is not None
-            node_id, lock_id = self._handle(node), self._hold(session, node)
-        indices = (np.array([found.slot], dtype=np.int64) if found.prefix_len else _EMPTY)
-        return MatchOutcome(found.prefix_len, indices, node_id, lock_id, allocated,
-                            slot_version=found.version, allocated_version=version)
+        return _outcome(found, self._handle(node), lock_id, allocated, version)
 
-    def _take(self, found: Any, key: RadixKey) -> tuple[int, int]:
+    def _pin_found(self, key: RadixKey, found: Any) -> Any:
+        """Pin the prefix ``found`` names (None on a miss)."""
+        if not found.prefix_len:
+            return None
+        node = self.cache.pin(key)
+        if node is None or node.depth != found.prefix_len:
+            # find and pin walk the same tree unchanged: a mismatch is a bug, not a refusal.
+            if node is not None:
+                self.cache.release(node)
+            raise IntegrityError(f"model {self.name!r}: pin found "
+                                 f"{0 if node is None else node.depth} tokens where find "
+                                 f"found {found.prefix_len}")
+        return node
+
+    def _take(self, found: Any, key: RadixKey, reuse: bool) -> tuple[int, int]:
         """A slot for the session holding the matched prefix: the cached slot itself if
         its owner freed it (no copy), else a fresh slot with the prefix copied in."""
-        if found.prefix_len and self.allocator.is_free(found.slot):
+        if reuse:
             version = self.allocator.occupy(found.slot, found.version)
             if version is not None:
                 return found.slot, version
         slot = self.allocator.alloc()
         if slot is None:
-            raise PoolExhaustedError(f"model {self.name!r}: all {self.pool_size} sequence "
-                                     "slots are held by sessions")
+            raise self._exhausted()
         if found.prefix_len:
-            self.cache.copy_kv(key, slot, (self.k_cache, self.v_cache))
+            try:
+                self.cache.copy_kv(key, slot, (self.k_cache, self.v_cache))
+            except BaseException:
+                self.allocator.free(slot)
+                raise
         return slot, self.allocator.version(slot)
+
+    def _exhausted(self) -> PoolExhaustedError:
+        return PoolExhaustedError(f"model {self.name!r}: all {self.pool_size} sequence "
+                                  "slots are held by sessions")
 
     def insert(self, key: RadixKey, slots: np.ndarray, session: Session | None,
                lock: bool = False, release_lock_id: int = 0, state_slot: int | None = None,
@@ -119,16 +152,18 @@ class SlotEngine(EngineBase):
                                     f"got {len(slots)}")
         slot = int(slots[0])
         self._check_held(session, slots)
-        assert session is not None
-        if release_lock_id and release_lock_id not in session.locks:
-            raise PreconditionError(f"lock {release_lock_id} is not held by this session")
+        owner = needs_session(session, "an insert into a slot model")
+        # Checked before the insert: a lock of another model (or none) changes nothing.
+        self._check_release(owner, release_lock_id)
+        if lock:  # the entry's prefix is at most the key
+            self._check_lock_quota(owner, len(key), release_lock_id)
         result = self.cache.insert(key, slot, slot_version)
         self.ops["insert"] += 1
         self.evicted_tokens["pressure"] += result.evicted
         node = result.node
-        lock_id = self._hold(session, self.cache.pin(node)) if lock and node else 0
+        lock_id = self._hold(owner, self.cache.pin(node)) if lock and node else 0
         if release_lock_id:
-            self.unlock(session, release_lock_id)
+            self.unlock(owner, release_lock_id)
         cached = node.depth if node is not None else 0
         return InsertOutcome(result.prefix_len, cached, self._handle(node), lock_id, _EMPTY)
 
@@ -141,15 +176,20 @@ class SlotEngine(EngineBase):
     def lock(self, session: Session, node_id: int) -> int:
         if node_id == 0:
             return 0
-        return self._hold(session, self.cache.pin(self._node(node_id)))
+        node = self._node(node_id)
+        self.quota.check_lock(session, node.depth)
+        return self._hold(session, self.cache.pin(node))
 
     def unlock(self, session: Session, lock_id: int) -> None:
-        self.cache.release(self._drop(session, lock_id).node)
+        """Release one of ``session``'s locks on this model; refused if it is not one."""
+        self.cache.release(self._held(session, lock_id).node)
+        self._drop(session, lock_id)
 
     def alloc(self, session: Session, num_slots: int,
               num_states: int = 0) -> tuple[np.ndarray, np.ndarray]:
         if num_states:
             raise PreconditionError(f"model {self.name!r} has no Mamba state pool")
+        self.quota.check_slots(session, num_slots)
         if num_slots > self.allocator.free_count():
             raise PoolExhaustedError(f"model {self.name!r}: {num_slots} slots asked, "
                                      f"{self.allocator.free_count()} free")
@@ -206,3 +246,10 @@ class SlotEngine(EngineBase):
             session.slots[self.name] = left
         else:
             session.slots.pop(self.name, None)
+
+
+def _outcome(found: Any, node_id: int = 0, lock_id: int = 0, allocated: np.ndarray = _EMPTY,
+             version: int | None = None) -> MatchOutcome:
+    indices = np.array([found.slot], dtype=np.int64) if found.prefix_len else _EMPTY
+    return MatchOutcome(found.prefix_len, indices, node_id, lock_id, allocated,
+                        slot_version=found.version, allocated_version=version)
