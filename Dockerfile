@@ -50,5 +50,5 @@ WORKDIR /home/prefixcache
 # Prometheus /metrics (--metrics-port). gRPC is on the unix socket in /run/prefixcache.
 EXPOSE 9470
 # grpc.health.v1 over PREFIXCACHE_LISTEN; the same command as the Kubernetes probes.
-HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["python", "-c", "import os,sys,grpc;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as g;c=grpc.insecure_channel(os.environ.get('PREFIXCACHE_LISTEN','unix:/tmp/prefixcache.sock'));r=g.HealthStub(c).Check(h.HealthCheckRequest(service=(sys.argv+[''])[1]),timeout=3);sys.exit(r.status!=h.HealthCheckResponse.SERVING)"]
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 CMD ["prefixcache", "health"]
 CMD ["prefixcache", "serve"]

@@ -39,7 +39,7 @@ def test_cuda_pool_attach_across_processes(tmp_path: Path) -> None:
             pool.k_buffer[1][slots] = k
             pool.v_buffer[0][slots] = k * 3
             torch.cuda.synchronize()
-            back = client.read_kv("g", slots.cpu())
+            back = s.read_kv("g", slots.cpu())
             assert torch.equal(back.k[1], k.cpu()) and torch.equal(back.v[0], (k * 3).cpu())
             s.write_kv("g", slots.cpu(), [k * 2, k * 2], [k, k])
             assert torch.equal(pool.k_buffer[0][slots], k * 2)
@@ -50,6 +50,6 @@ def test_cuda_pool_attach_across_processes(tmp_path: Path) -> None:
             state = torch.tensor(list(got.state_slots), device="cuda:0")
             mamba.temporal_state[0][state] = 7.0
             torch.cuda.synchronize()
-            assert bool((client.read_kv("h", state_slots=got.state_slots).temporal[0] == 7)
+            assert bool((s.read_kv("h", state_slots=got.state_slots).temporal[0] == 7)
                         .all())
             s.free("h", got.slots, state_slots=got.state_slots)

@@ -136,9 +136,3 @@ def healthcheck_command() -> list[str]:
     _options, _, command = args.partition("CMD ")
     assert command, f"HEALTHCHECK needs CMD: {args}"
     return exec_form(command)
-
-
-def health_check_code() -> str:
-    command = healthcheck_command()
-    assert command[:2] == ["python", "-c"] and len(command) == 3, command
-    return command[2]

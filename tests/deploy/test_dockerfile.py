@@ -19,7 +19,6 @@ from deploy.support import (
     dockerfile_instructions,
     docs_of,
     exec_form,
-    health_check_code,
     healthcheck_command,
     pod_spec,
     sidecar,
@@ -162,7 +161,7 @@ def test_exposes_the_metrics_port() -> None:
 
 def test_healthcheck_is_the_kubernetes_probe() -> None:
     command = healthcheck_command()
-    assert command == ["python", "-c", health_check_code()]
+    assert command == ["prefixcache", "health"]
     (args,) = [rest for i, rest in dockerfile_instructions() if i == "HEALTHCHECK"]
     assert "--start-period=" in args and "--timeout=" in args
     for files in (("deployment.yaml",), ("gpu/deployment.yaml",)):
@@ -170,7 +169,7 @@ def test_healthcheck_is_the_kubernetes_probe() -> None:
         for probe in ("startupProbe", "livenessProbe"):
             assert container[probe]["exec"]["command"] == command, probe
         assert container["readinessProbe"]["exec"]["command"] == \
-            [*command, "prefixcache.v1.PrefixCache"]
+            [*command, "--service", "prefixcache.v1.PrefixCache"]
 
 
 def test_hadolint_finds_nothing() -> None:

@@ -101,7 +101,10 @@ def test_the_pod_runs_prefixcache_as_a_native_sidecar(files: tuple[str, ...]) ->
     assert env_of(inference)["PREFIXCACHE_TARGET"] == listen
     # Every container of the pod gets the socket's group, and the socket is group-writable.
     assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
-    assert int(env_of(container)["PREFIXCACHE_SOCKET_MODE"], 0) == 0o660
+    # Written 0660, as operators write modes; the server reads it as octal.
+    mode = env_of(container)["PREFIXCACHE_SOCKET_MODE"]
+    assert mode == "0660"
+    assert load_config(env={"PREFIXCACHE_SOCKET_MODE": mode}).server.socket_mode == 0o660
     # PREFIXCACHE_* Service links would land in the server's settings.
     assert spec["enableServiceLinks"] is False
     # Long enough for the server's own drain after the inference container stopped.
@@ -133,10 +136,14 @@ def test_probes_check_grpc_health_over_the_socket(files: tuple[str, ...]) -> Non
     for name in ("startupProbe", "livenessProbe", "readinessProbe"):
         probe = container[name]
         command = probe["exec"]["command"]
-        assert command[:2] == ["python", "-c"], name
-        assert "grpc_health.v1" in command[2] and "PREFIXCACHE_LISTEN" in command[2]
-        assert probe["timeoutSeconds"] >= 4, "the check's own deadline is 3 s"
-    assert container["readinessProbe"]["exec"]["command"][3:] == ["prefixcache.v1.PrefixCache"]
+        # `prefixcache health`, not an inline script; its default deadline is 3 s.
+        assert command[:2] == ["prefixcache", "health"], name
+        assert "--timeout" not in command and probe["timeoutSeconds"] >= 4, name
+    assert container["readinessProbe"]["exec"]["command"][2:] == \
+        ["--service", "prefixcache.v1.PrefixCache"]
+    # The probes ask PREFIXCACHE_LISTEN; a PREFIXCACHE_TARGET would win over it.
+    env = {e["name"] for e in container["env"]}
+    assert "PREFIXCACHE_LISTEN" in env and "PREFIXCACHE_TARGET" not in env
     # Room for a big pool to be allocated before liveness takes over.
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 120

@@ -78,8 +78,8 @@ def _base_env() -> dict[str, str]:
 def _exec(command: list[str], env: dict[str, str], timeout: float
           ) -> subprocess.CompletedProcess[str]:
     """Run a probe's exec command as the kubelet would, in the container's environment."""
-    assert command[0] == "python", command
-    return subprocess.run([sys.executable, *command[1:]], env=env, capture_output=True,
+    assert command[0] == "prefixcache", command
+    return subprocess.run([*CLI, *command[1:]], env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -183,8 +183,14 @@ def test_liveness_readiness_and_docker_healthcheck_pass(pod: Pod) -> None:
         probe = container[name]
         result = _exec(probe["exec"]["command"], pod.env, probe["timeoutSeconds"])
         assert result.returncode == 0, (name, result.stderr)
+        assert result.stdout.endswith(": SERVING\n"), result.stdout
     result = _exec(healthcheck_command(), pod.env, 5)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_sidecar_knows_every_variable_the_manifest_sets(pod: Pod) -> None:
+    # An unknown PREFIXCACHE_* variable (a typo) is logged as a warning at start.
+    assert "unknown environment variables" not in pod.stderr.read_text()
 
 
 def test_probe_fails_fast_without_a_server(tmp_path: Path) -> None:
@@ -194,12 +200,17 @@ def test_probe_fails_fast_without_a_server(tmp_path: Path) -> None:
     result = _exec(probe["exec"]["command"], env, probe["timeoutSeconds"])
     assert result.returncode != 0
     assert time.monotonic() - start < probe["timeoutSeconds"]
+    # One line saying why, for the kubelet's event.
+    (line,) = result.stderr.splitlines()
+    assert "UNAVAILABLE" in line and "none.sock" in line, line
 
 
 def test_readiness_fails_for_a_service_the_server_does_not_have(pod: Pod) -> None:
     command = sidecar(docs_of(*CPU_FILES))["readinessProbe"]["exec"]["command"]
     result = _exec([*command[:-1], "prefixcache.v1.PrefixCache/nope"], pod.env, 5)
     assert result.returncode != 0
+    (line,) = result.stderr.splitlines()
+    assert "NOT_FOUND" in line and "prefixcache.v1.PrefixCache/nope" in line, line
 
 
 def test_the_socket_is_shared_with_the_pods_group(pod: Pod) -> None:
@@ -210,7 +221,10 @@ def test_the_socket_is_shared_with_the_pods_group(pod: Pod) -> None:
 def test_the_inference_container_reaches_the_sidecar(pod: Pod, tmp_path: Path) -> None:
     target = pod.inference_env["PREFIXCACHE_TARGET"]
     assert target == pod.env["PREFIXCACHE_LISTEN"]
-    result = subprocess.run([*CLI, "stats", "--target", target], env=pod.inference_env,
+    # The stand-in's own command, which finds the sidecar through PREFIXCACHE_TARGET.
+    command = pod_spec(docs_of(*CPU_FILES))["containers"][0]["command"]
+    assert "prefixcache stats;" in command[-1], command
+    result = subprocess.run([*CLI, "stats"], env=pod.inference_env,
                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert re.search(r"^demo\s", result.stdout, re.MULTILINE), result.stdout

@@ -311,3 +311,135 @@ def _wait_serving(proc: subprocess.Popen[Any], address: str, stderr_path: Path) 
         wait_serving(proc, address)
     except (RuntimeError, TimeoutError) as exc:
         pytest.fail(f"{exc}\n{stderr_path.read_text()}")
+
+
+# ------------------------------------------------------------ other signals, start-up
+
+SIGNAL_GRACE = 1.0
+
+
+def _start(tmp: Path, *extra: str) -> tuple[subprocess.Popen[Any], Path, Path, Path]:
+    """`prefixcache serve` with its pools in ``tmp/shm``; (process, socket, shm, stderr)."""
+    (tmp / "pc.yaml").write_text(CONFIG)
+    sock, shm, stderr_path = tmp / "pc.sock", tmp / "shm", tmp / "serve.stderr"
+    shm.mkdir()
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(
+            [*CLI, "serve", "--config", str(tmp / "pc.yaml"), "--listen", f"unix:{sock}",
+             "--metrics-port", "-1", "--grace-period", str(SIGNAL_GRACE), "--shm-dir",
+             str(shm), *extra],
+            cwd=tmp, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=stderr)
+    return proc, sock, shm, stderr_path
+
+
+def _exit_code(proc: subprocess.Popen[Any], stderr_path: Path, timeout: float) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"serve still running {timeout} s after the signal:\n"
+                    f"{stderr_path.read_text()}")
+
+
+def _assert_clean_exit(code: int, sock: Path, shm: Path, stderr_path: Path) -> str:
+    log = stderr_path.read_text()
+    assert code == 0, f"exit {code}:\n{log}"
+    assert not sock.exists(), "serve left its socket file behind"
+    assert not list(shm.iterdir()), f"serve left shared memory behind: {list(shm.iterdir())}"
+    assert "Traceback" not in log, log
+    return log
+
+
+def test_sighup_drains_like_sigterm(tmp_path: Path) -> None:
+    """SIGHUP is no reload and no crash: the server drains (a stream open during the
+    grace period keeps it up that long, then is cut), removes its files and exits 0."""
+    proc, sock, shm, stderr_path = _start(tmp_path)
+    address = f"unix:{sock}"
+    try:
+        _wait_serving(proc, address, stderr_path)
+        with grpc.insecure_channel(address) as channel:
+            requests: queue.Queue[Any] = queue.Queue()
+            stream = pb_grpc.PrefixCacheStub(channel).Session(
+                iter(requests.get, None), timeout=STREAM_DEADLINE)
+            requests.put(pb.SessionRequest(seq=1, stats=pb.StatsRequest(model=MODEL)))
+            assert next(stream).seq == 1
+            hup_at = time.monotonic()
+            proc.send_signal(signal.SIGHUP)
+            with pytest.raises(grpc.RpcError) as cut:
+                next(stream)  # the server ends the idle stream when the grace period is up
+            requests.put(None)
+        code = _exit_code(proc, stderr_path, SIGNAL_GRACE + EXIT_SLACK)
+        took = time.monotonic() - hup_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = _assert_clean_exit(code, sock, shm, stderr_path)
+    assert cut.value.code() in (CANCELLED, UNAVAILABLE), cut.value
+    assert took >= SIGNAL_GRACE * 0.9, f"exited {took:.2f} s after SIGHUP: no drain"
+    assert "signal=SIGHUP" in log and "draining" in log, log
+
+
+def test_every_stop_signal_cleans_up(tmp_path: Path) -> None:
+    """SIGQUIT and SIGUSR1 (like the rest of signals.STOP_SIGNALS) used to kill the
+    server with its socket and shared-memory files left behind. Two servers at once."""
+    from prefixcache.server.signals import STOP_SIGNALS
+
+    named = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+             signal.SIGUSR2}
+    assert named <= set(STOP_SIGNALS)
+    sigs = (signal.SIGQUIT, signal.SIGUSR1)
+    runs = []
+    try:
+        for sig in sigs:
+            (tmp_path / sig.name).mkdir()
+            runs.append(_start(tmp_path / sig.name))
+        for proc, sock, _shm, stderr_path in runs:
+            _wait_serving(proc, f"unix:{sock}", stderr_path)
+        for sig, (proc, *_rest) in zip(sigs, runs, strict=True):
+            proc.send_signal(sig)
+        for sig, (proc, sock, shm, stderr_path) in zip(sigs, runs, strict=True):
+            code = _exit_code(proc, stderr_path, SIGNAL_GRACE + EXIT_SLACK)
+            log = _assert_clean_exit(code, sock, shm, stderr_path)
+            assert f"signal={sig.name}" in log and "stopped" in log, log
+    finally:
+        for proc, *_rest in runs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    (mask,) = [line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")]
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("phase", ["imports", "pools"])
+def test_sigterm_during_start_up_exits_0_leaving_nothing(tmp_path: Path, phase: str) -> None:
+    """SIGTERM while start-up imports torch, or while it makes the pools, used to kill
+    the server (exit -15), leaving the pools' files. Now it stops once the pools are made,
+    frees them, never binds, and exits 0."""
+    proc, sock, shm, stderr_path = _start(tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        # "imports": the moment `serve` catches SIGTERM, before it imports torch;
+        # "pools": the moment the first pool's shared-memory file appears.
+        while not (_catches(proc.pid, signal.SIGTERM) if phase == "imports"
+                   else any(shm.iterdir())):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"serve exited {proc.returncode} or never got to {phase}:\n"
+                            f"{stderr_path.read_text()}")
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGTERM)
+        code = _exit_code(proc, stderr_path, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = _assert_clean_exit(code, sock, shm, stderr_path)
+    if phase == "imports":
+        assert "stopped before start" in log and "serving" not in log, log

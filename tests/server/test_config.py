@@ -73,6 +73,20 @@ def test_tokens_come_from_env_or_files(tmp_path: Path) -> None:
      "models[0].mamba.conv_state_shape"),
     ("models: [{name: a, kind: mamba, mamba: {dtype: int4}}]", "models[0].mamba.dtype"),
     ("models: [{name: a, kind: mamba, eviction_policy: lfu}]", "models[0].eviction_policy"),
+    # Issue 12 item 7: values that were accepted, or crashed the start later.
+    ("server: {grace_period: .nan}", "server.grace_period"),
+    ("server: {grace_period: 1e12}", "server.grace_period"),
+    ("server: {grace_period: -1}", "server.grace_period"),
+    ("server: {session_ttl_max: .inf}", "server.session_ttl_max"),
+    ("server: {session_ttl_max: .nan}", "server.session_ttl_max"),
+    ("server: {session_ttl_max: 1e300}", "server.session_ttl_max"),
+    ("server: {session_ttl: .nan}", "server.session_ttl"),
+    ("server: {socket_mode: 0}", "server.socket_mode"),
+    ("server: {socket_mode: 0o060}", "server.socket_mode"),
+    ("server: {max_message_bytes: 3221225472}", "server.max_message_bytes"),
+    ("server: {change_log_capacity: -1}", "server.change_log_capacity"),
+    ("models: [{name: a, pool: {device: cudax}}]", "models[0].pool.device"),
+    ("models: [{name: a, pool: {device: 'cuda:'}}]", "models[0].pool.device"),
 ])
 def test_errors_name_the_field(tmp_path: Path, yaml_text: str, field: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -102,3 +116,11 @@ models:
     assert h.mamba is not None and h.mamba.conv_state_shape == (8, 3) and h.mamba.chunk_size == 64
     assert (s.max_seq_len, s.pool.size, s.mamba) == (4096, 32, None)
     assert d.mamba is not None and d.mamba.state_slots == 256  # the defaults
+
+
+def test_limits_at_their_bounds_are_accepted(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "server: {grace_period: 3600, session_ttl_max: 86400, "
+                                      "max_message_bytes: 2147483647, socket_mode: 0o600}\n"
+                                      "models: [{name: a, pool: {device: 'cuda:1'}}]\n"), env={})
+    assert (cfg.server.grace_period, cfg.server.session_ttl_max,
+            cfg.server.max_message_bytes) == (3600, 86400, 2**31 - 1)

@@ -2,8 +2,8 @@
 
 One ``grpc.aio`` server runs every RPC on a single event loop (see servicer.py for
 why that is our concurrency model). ``serve()`` is what ``prefixcache serve`` runs:
-it starts the server, and on SIGTERM or SIGINT drains in-flight calls within the
-grace period and returns 0.
+it starts the server, and on SIGTERM, SIGINT, SIGHUP or another stop signal (signals.py)
+drains in-flight calls within the grace period, removes its files and returns 0.
 """
 
 from __future__ import annotations
@@ -21,14 +21,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from prefixcache.cache.change_log import DEFAULT_CAPACITY
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from .auth import TokenAuthInterceptor
-from .config import Config, ConfigError
+from .config import Config, ConfigError, ServerConfig
+from .kv_events import KvEventPublishers, start_kv_events
+from .limits import Limits
 from .metrics import Metrics
+from .reaper import reap_leases
 from .registration import add_to_server
 from .service import CacheService
 from .servicer import PrefixCacheServicer
+from .shared_pool import shm_file_mode
+from .signals import STOP_SIGNALS, SignalLatch
+from .sizing import check_fits, is_out_of_memory
+from .tenants import Callers
 
 log = logging.getLogger("prefixcache.server")
 
@@ -57,47 +65,73 @@ class PrefixCacheServer:
         cfg = config.server
         # Invariant mode: from the config (server.check_integrity), or forced by tests.
         self.check_integrity = check_integrity or cfg.check_integrity
-        self.service = CacheService(config.models, cfg.session_ttl, cfg.session_ttl_min,
-                                    cfg.session_ttl_max, shm_dir=cfg.shm_dir or None,
-                                    shm_mode=cfg.socket_mode)
+        # Every pool added up before any is allocated: a pool larger than the host would
+        # otherwise fill /dev/shm, or wake the OOM killer, instead of failing here.
+        check_fits(config.models, cfg.shm_dir or None)
+        try:
+            self.service = CacheService(config.models, cfg.session_ttl, cfg.session_ttl_min,
+                                        cfg.session_ttl_max, shm_dir=cfg.shm_dir or None,
+                                        shm_mode=shm_file_mode(cfg), limits=Limits.of(cfg),
+                                        change_logs=(cfg.kv_events.enable_kv_cache_events
+                                                     or cfg.change_log_capacity > 0),
+                                        change_log_capacity=cfg.change_log_capacity
+                                        or DEFAULT_CAPACITY)
+        except (MemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):  # the check's backstop: memory taken meanwhile
+                raise
+            raise ConfigError(f"models: the pools could not be allocated ("
+                              f"{str(exc).splitlines()[0]}); make them smaller") from exc
         self.metrics = Metrics(self.service)
         self.servicer = PrefixCacheServicer(self.service, self.metrics, self.check_integrity,
-                                            cfg.max_message_bytes)
+                                            cfg.max_message_bytes,
+                                            callers=Callers(cfg.admin_token, cfg.tenants))
         self.address = cfg.listen
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
         self._reaper: asyncio.Task[None] | None = None
         self._socket_path: str | None = None
+        # KV events out (server.kv_events): one ZMQ publisher per tree model, or None.
+        self.kv_events: KvEventPublishers | None = None
 
     async def start(self) -> None:
         cfg = self.config.server
         interceptors = []
-        if cfg.token or cfg.admin_token:
-            interceptors.append(TokenAuthInterceptor(cfg.token, cfg.admin_token))
+        if cfg.token or cfg.admin_token or cfg.tenants:
+            interceptors.append(TokenAuthInterceptor(cfg.token, cfg.admin_token,
+                                                     self.servicer.callers.tokens))
         limit = cfg.max_message_bytes
         server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
             # Two servers on one port would split the traffic silently.
             ("grpc.so_reuseport", 0),
+            *_keepalive_options(cfg),
         ])
-        add_to_server(self.servicer, server)
+        add_to_server(self.servicer, server, self.servicer.limits)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
         try:
-            self._bind(server)
+            try:
+                self._bind(server)
+            except RuntimeError as exc:  # grpc's "Failed to bind" (it logs the reason)
+                raise ConfigError(f"server.listen: cannot listen on {cfg.listen} (in use, "
+                                  "or not an address of this host)") from exc
+            # Before the server starts, so that a port in use fails the start cleanly.
+            if cfg.metrics_port >= 0:
+                self.metrics_port = self._serve_metrics()
+            self.kv_events = start_kv_events(cfg.kv_events, self.service.engines)
+            if self.kv_events is not None:
+                self.metrics.watch_kv_events(self.kv_events.publishers)
             await server.start()
         except BaseException:
-            self.service.close()  # no shared-memory files left behind by a failed start
+            await self._undo_start(server)  # no socket or shared-memory files left behind
             raise
         self._server = server
         for name in ("", SERVICE_NAME, *map(model_health_name, self.service.engines)):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if cfg.metrics_port >= 0:
-            self.metrics_port = self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
         self._reaper = asyncio.create_task(self._expire_leases())
         if self.check_integrity:
             log.warning("invariant mode is on: every call that changes a cache runs the "
@@ -106,6 +140,30 @@ class PrefixCacheServer:
             "listen": self.address, "metrics_port": self.metrics_port,
             "models": ",".join(self.service.engines), "tls": bool(cfg.tls_cert),
             "auth": bool(cfg.token or cfg.admin_token), "epoch": self.service.epoch})
+
+    def _serve_metrics(self) -> int:
+        cfg = self.config.server
+        try:
+            return self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        except OSError as exc:  # in use, or a host that is not ours
+            raise ConfigError(f"server.metrics_port: cannot listen on {cfg.metrics_host}:"
+                              f"{cfg.metrics_port}: {exc.strerror or exc}") from exc
+
+    def _close_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+
+    async def _undo_start(self, server: grpc.aio.Server) -> None:
+        with contextlib.suppress(Exception):
+            await server.stop(None)
+        self._close_kv_events()
+        self.metrics.close()
+        self.service.close()
+        if self._socket_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._socket_path)
+            self._socket_path = None
 
     def _bind(self, server: grpc.aio.Server) -> None:
         cfg = self.config.server
@@ -140,10 +198,9 @@ class PrefixCacheServer:
     async def _expire_leases(self) -> None:
         # Poll at least every half of the shortest lease, so a session opened while we
         # sleep still lapses on time (give or take that half).
-        cap = min(1.0, max(0.05, self.config.server.session_ttl_min / 2))
-        while True:
-            await asyncio.sleep(min(max(self.service.sessions.next_expiry(), 0.05), cap))
-            self.service.expire_sessions()
+        cfg = self.config.server
+        await reap_leases(self.service, min(1.0, max(0.05, min(cfg.session_ttl_min,
+                                                                cfg.stream_ttl) / 2)))
 
     async def stop(self, grace: float | None = None) -> None:
         """Refuse new calls, let in-flight ones finish within ``grace``, then close."""
@@ -163,6 +220,7 @@ class PrefixCacheServer:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        self._close_kv_events()  # after the last call: its changes go out first
         self.metrics.close()
         self.service.close()
         if self._socket_path:
@@ -173,6 +231,24 @@ class PrefixCacheServer:
     async def wait(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
+
+
+def _keepalive_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    """gRPC keepalive: the server pings every connection that has been silent for
+    keepalive_time and closes it when a ping goes unanswered for keepalive_timeout, so
+    a frozen client, or one behind a half-open connection, loses its streams (and their
+    sessions' holdings) instead of pinning them for grpc's default two hours."""
+    return [
+        ("grpc.keepalive_time_ms", int(cfg.keepalive_time * 1000)),
+        ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout * 1000)),
+        # Ping idle connections too, and keep pinging a stream that sends no data.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.ping_timeout_ms", int(cfg.keepalive_timeout * 1000)),
+        # Clients' own pings: allowed this often; more often earns a GOAWAY.
+        ("grpc.http2.min_ping_interval_without_data_ms",
+         int(cfg.keepalive_min_client_interval * 1000)),
+    ]
 
 
 def _read(path: str | None) -> bytes:
@@ -201,13 +277,29 @@ def _clear_stale_socket(path: str) -> None:
     raise ConfigError(f"server.listen: another server is listening on {path}")
 
 
-async def _serve(config: Config) -> int:
+async def _serve(config: Config, latch: SignalLatch) -> int:
+    # Until the loop's handlers are in place, the latch only records a stop signal; it is
+    # checked before the pools are made and again after (signals.py explains why).
+    if latch.received is not None:
+        log.info("stopped before start", extra={"signal": latch.received.name})
+        return 0
     server = PrefixCacheServer(config)
-    await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            log.info("stop signal", extra={"signal": sig.name})
+            stop.set()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+    if latch.received is not None:
+        on_signal(latch.received)
+        server.service.close()  # nothing bound yet: only the pools to free
+        log.info("stopped before start")
+        return 0
+    await server.start()
     waiter = asyncio.create_task(server.wait())
     await asyncio.wait([asyncio.create_task(stop.wait()), waiter],
                        return_when=asyncio.FIRST_COMPLETED)
@@ -216,6 +308,13 @@ async def _serve(config: Config) -> int:
     return 0
 
 
-def serve(config: Config) -> int:
-    """Run the service until SIGTERM or SIGINT; returns the exit code."""
-    return asyncio.run(_serve(config))
+def serve(config: Config, latch: SignalLatch | None = None) -> int:
+    """Run the service until a stop signal (signals.py); returns the exit code, 0.
+
+    ``latch``: installed early by the caller, so that a signal during imports is kept;
+    without one, stop signals are caught from here on.
+    """
+    if latch is None:
+        latch = SignalLatch()
+        latch.install()
+    return asyncio.run(_serve(config, latch))

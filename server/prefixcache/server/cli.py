@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_serve(commands)
     _add_stats(commands)
+    _add_health(commands)
 
     demo = commands.add_parser(
         "demo",
@@ -87,19 +89,31 @@ def _add_serve(commands: Any) -> None:
                      help="where CPU pools live as shared memory for workers to attach "
                      "(default /dev/shm; 'off' keeps them private)")
     ops.add_argument("--grace-period", type=float, metavar="SECONDS",
-                     help="how long SIGTERM waits for in-flight calls (default 10)")
+                     help="how long SIGTERM (or SIGINT, SIGHUP, ...) waits for in-flight "
+                     "calls (default 10)")
     ops.add_argument("--check-integrity", action="store_const", const=True,
                      help="invariant mode, for staging: check the caches' integrity after "
                      "every call that changes them (slower; a failure answers INTERNAL)")
+    events = serve.add_argument_group("KV events (server.kv_events)")
+    events.add_argument("--kv-events-config", dest="kv_events", metavar="JSON",
+                        help="KV-event publisher settings as vLLM's flag takes them, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}'"
+                        "; also hash_format (vllm|sglang) and encoding (map|array). "
+                        "Or PREFIXCACHE_KV_EVENTS_<KEY>")
     serve.set_defaults(run=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .signals import SignalLatch
+
+    # Before the slow imports: a stop signal from here on ends start-up cleanly, exit 0.
+    latch = SignalLatch()
+    latch.install()
     try:
         import torch
 
         from .app import serve
-        from .config import ConfigError, load_config
+        from .config import ConfigError, load_config, unknown_env_warning
         from .logs import setup_logging
     except ImportError as exc:
         raise SystemExit(f"prefixcache serve needs the server extra "
@@ -107,7 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in (
         "listen", "metrics_port", "metrics_host", "tls_cert", "tls_key", "tls_client_ca",
         "token_file", "admin_token_file", "insecure", "log_format", "log_level",
-        "grace_period", "shm_dir", "check_integrity")}
+        "grace_period", "shm_dir", "check_integrity", "kv_events")}
     try:
         config = load_config(args.config, overrides=overrides)
     except ConfigError as exc:
@@ -116,12 +130,54 @@ def _serve(args: argparse.Namespace) -> int:
     # Intra-op threads only fight each other on a small host; the cache's tensor ops
     # are tiny and one thread is several times faster here.
     torch.set_num_threads(1)
-    setup_logging(config.server.log_format, config.server.log_level)
+    setup_logging(config.server.log_format, config.server.log_level,
+                  config.server.log_queue_lines)
+    warning = unknown_env_warning(os.environ)
+    if warning:
+        logging.getLogger("prefixcache.server").warning(warning)
     try:
-        return serve(config)
+        return serve(config, latch)
     except ConfigError as exc:  # found while binding: a stale socket, an unreadable cert
         print(f"prefixcache: config error: {exc}", file=sys.stderr)
         return 2
+
+
+_DEFAULT_TARGET = "unix:/tmp/prefixcache.sock"
+
+
+def _add_target_options(parser: argparse.ArgumentParser, timeout: float) -> None:
+    """Where a client command connects, the same for `stats` and `health`."""
+    parser.add_argument("--target", metavar="ADDR",
+                        help="server address, unix:PATH or HOST:PORT (default: "
+                        f"$PREFIXCACHE_TARGET, else $PREFIXCACHE_LISTEN, else {_DEFAULT_TARGET})")
+    parser.add_argument("--tls-ca", metavar="FILE", help="CA that signed the server certificate")
+    parser.add_argument("--timeout", type=float, default=timeout,
+                        help="seconds (default: %(default)s)")
+
+
+def _target(args: argparse.Namespace) -> str:
+    # PREFIXCACHE_TARGET is where clients connect; PREFIXCACHE_LISTEN (set in the server's
+    # own container, and by the image) is where the server listens.
+    return (args.target or os.environ.get("PREFIXCACHE_TARGET")
+            or os.environ.get("PREFIXCACHE_LISTEN") or _DEFAULT_TARGET)
+
+
+def _connect(args: argparse.Namespace, target: str) -> tuple[Any, Any]:
+    """A channel to ``target`` and the call metadata (PREFIXCACHE_TOKEN), or exit 1."""
+    import grpc
+
+    if args.tls_ca:
+        try:
+            with open(args.tls_ca, "rb") as f:
+                ca = f.read()
+        except OSError as exc:
+            raise SystemExit(f"prefixcache: --tls-ca {args.tls_ca}: "
+                             f"{exc.strerror or exc}") from exc
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(ca))
+    else:
+        channel = grpc.insecure_channel(target)
+    token = os.environ.get("PREFIXCACHE_TOKEN")
+    return channel, [("authorization", f"Bearer {token}")] if token else None
 
 
 def _add_stats(commands: Any) -> None:
@@ -130,13 +186,12 @@ def _add_stats(commands: Any) -> None:
         help="print the counters of a running server",
         description="Ask a running server for its per-model cache and pool counters.",
     )
-    stats.add_argument("--target", metavar="ADDR",
-                       default=os.environ.get("PREFIXCACHE_LISTEN", "unix:/tmp/prefixcache.sock"),
-                       help="server address, unix:PATH or HOST:PORT (default: %(default)s)")
+    _add_target_options(stats, timeout=5.0)
     stats.add_argument("--model", default="", help="only this model")
     stats.add_argument("--json", action="store_true", help="print JSON")
-    stats.add_argument("--tls-ca", metavar="FILE", help="CA that signed the server certificate")
-    stats.add_argument("--timeout", type=float, default=5.0, help="seconds (default: 5)")
+    stats.add_argument("--sessions", type=int, nargs="?", const=10, default=0, metavar="N",
+                       help="also list the N sessions holding the most slots and locked "
+                       "tokens (default N: 10; the server lists at most 1000)")
     stats.set_defaults(run=_stats)
 
 
@@ -147,19 +202,15 @@ def _stats(args: argparse.Namespace) -> int:
     from prefixcache.v1 import prefix_cache_pb2 as pb
     from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
-    if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            channel = grpc.secure_channel(args.target, grpc.ssl_channel_credentials(f.read()))
-    else:
-        channel = grpc.insecure_channel(args.target)
-    token = os.environ.get("PREFIXCACHE_TOKEN")
-    metadata = [("authorization", f"Bearer {token}")] if token else None
+    target = _target(args)
+    channel, metadata = _connect(args, target)
     with channel:
         try:
             reply = pb_grpc.PrefixCacheStub(channel).Stats(
-                pb.StatsRequest(model=args.model), timeout=args.timeout, metadata=metadata)
+                pb.StatsRequest(model=args.model, top_sessions=max(args.sessions, 0)),
+                timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as exc:
-            print(f"prefixcache: {args.target}: {exc.code().name}: {exc.details()}",
+            print(f"prefixcache: {target}: {exc.code().name}: {exc.details()}",
                   file=sys.stderr)
             return 1
     if args.json:
@@ -174,9 +225,69 @@ def _stats(args: argparse.Namespace) -> int:
         rows.append((m.model, f"{ratio:.3f}", str(m.evictable_tokens + m.protected_tokens),
                      str(m.protected_tokens), str(m.free_slots), str(m.pool_size),
                      str(m.locks)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    _print_table(rows)
+    if args.sessions:
+        print(f"\ntop {len(reply.top_sessions)} sessions by holdings:")
+        rows = [("session", "client", "slots", "state slots", "locks", "locked tokens",
+                 "streams", "kind", "lease left")]
+        rows += [(h.session, h.client_name or "-", str(h.slots), str(h.state_slots),
+                  str(h.locks), str(h.locked_tokens), str(h.streams),
+                  "stream" if h.stream else "leased", f"{h.lease_left_seconds:.1f}s")
+                 for h in reply.top_sessions]
+        _print_table(rows)
+    return 0
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _add_health(commands: Any) -> None:
+    health = commands.add_parser(
+        "health",
+        help="check that a running server is serving (for probes)",
+        description="Ask a running server's grpc.health.v1 service for the status of "
+        "SERVICE: '' (the default) is the server as a whole, prefixcache.v1.PrefixCache "
+        "turns NOT_SERVING while it drains, prefixcache.v1.PrefixCache/MODEL is one model. "
+        "Exits 0 when SERVING; otherwise 1, with one line on stderr saying why.",
+    )
+    _add_target_options(health, timeout=3.0)
+    health.add_argument("--service", default="", metavar="NAME",
+                        help="health service name (default: '', the whole server)")
+    health.set_defaults(run=_health)
+
+
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+
+    try:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+    except ImportError as exc:
+        raise SystemExit(f"prefixcache health needs grpcio-health-checking "
+                         f"(pip install 'prefixcache[server]'): {exc}") from exc
+
+    target = _target(args)
+    what = f"{target} service {args.service!r}" if args.service else target
+    channel, metadata = _connect(args, target)
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout,
+                metadata=metadata)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            # grpc.health.v1 answers an unknown service NOT_FOUND with no details.
+            why = exc.details() or ("no such service" if code == grpc.StatusCode.NOT_FOUND
+                                    else "no details")
+            print(f"prefixcache: {what}: {code.name}: {why}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"prefixcache: {what}: {status}", file=sys.stderr)
+        return 1
+    print(f"{what}: {status}")
     return 0
 
 

@@ -2,9 +2,19 @@
 
 CPU buffers are allocated as files under a shared-memory directory (``/dev/shm``) and
 mapped MAP_SHARED, so a worker that maps the same file sees and writes the very same
-bytes. Each file's name carries the service's pid and epoch: ``close`` unlinks this
-service's files, and a service starting up removes the files of services whose process
-is gone (a crash leaves them behind otherwise, holding memory until reboot).
+bytes. ``close`` unlinks this service's files, and a service starting up removes the
+files of services that are gone (a crash leaves them behind otherwise, holding memory
+until reboot).
+
+Who owns a file is proven by a lock, not by a pid: the directory may be shared by
+services in other PID namespaces (two containers on the host's ``/dev/shm``, or one
+emptyDir), where a pid means nothing, or names a different live process. Before its
+first buffer a service creates ``prefixcache-<pid>.<random>.lock`` and holds an
+exclusive ``flock`` on it for its whole life; its buffers are
+``prefixcache-<pid>.<random>-<model>-<n>``. The kernel drops the lock when the process
+dies, however it dies, so a sweep that can take the lock knows the owner is gone, in
+any namespace; the random part keeps names unique across namespaces. Files named the
+old way (``prefixcache-<pid>-<epoch>-...``) are left alone: nothing proves them dead.
 
 CUDA buffers need no files: ``DescribePool`` carries the fields of torch's
 ``_share_cuda_()`` as plain proto fields, and a worker opens them with
@@ -15,10 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import math
 import os
 import re
+import secrets
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +45,10 @@ from .config import ConfigError
 log = logging.getLogger("prefixcache.server")
 
 PREFIX = "prefixcache-"
-_NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+-")
+LOCK_SUFFIX = ".lock"
+# The owner part of a name: prefixcache-<pid>.<16 hex>; then ".lock" or "-<model>-<n>".
+_NAME = re.compile(rf"^({PREFIX}\d+\.[0-9a-f]{{16}})(?:{re.escape(LOCK_SUFFIX)}|-.+)$")
+_CLAIM_TRIES = 16
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
 
 
@@ -42,15 +58,16 @@ class SharedPools:
     Args:
         directory: Where shared-memory files go; None or "" keeps CPU buffers private
             (workers then use ReadKV / WriteKV).
-        epoch: The service's epoch, part of every file name.
-        mode: File mode of the buffers. Whoever may connect to the socket may map the
-            pool, so the service passes the socket's mode.
+        epoch: The service's epoch, written into its lock file (for people).
+        mode: File mode of the buffers and the lock file (``shm_file_mode``).
     """
 
     def __init__(self, directory: str | None, epoch: int, mode: int = 0o600) -> None:
         self.directory = Path(directory) if directory else None
         self.mode = mode
-        self._prefix = f"{PREFIX}{os.getpid()}-{epoch:x}-"
+        self.epoch = epoch
+        self._owner: str | None = None  # set, and locked, before the first file
+        self._lock: tuple[Path, int] | None = None
         self._files: list[Path] = []
         # data_ptr of each file's mapping -> (path, bytes), to find where a view lives.
         self._maps: dict[int, tuple[str, int]] = {}
@@ -58,7 +75,11 @@ class SharedPools:
         if self.directory is not None:
             if not self.directory.is_dir():
                 raise ConfigError(f"server.shm_dir: {self.directory} is not a directory")
-            remove_stale(self.directory)
+            try:
+                remove_stale(self.directory)
+            except OSError as exc:  # e.g. a directory we may not list
+                raise ConfigError(f"server.shm_dir: {self.directory}: "
+                                  f"{exc.strerror or exc}") from exc
 
     def factory(self, model: str, device: str) -> Callable[[tuple[int, ...], torch.dtype],
                                                            torch.Tensor] | None:
@@ -69,20 +90,21 @@ class SharedPools:
         return lambda shape, dtype: self._zeros(tag, shape, dtype)
 
     def _zeros(self, tag: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        assert self.directory is not None
+        if self.directory is None:
+            raise RuntimeError("shared buffers need a directory")
         numel = math.prod(shape)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        path = self.directory / f"{self._prefix}{tag}-{len(self._files)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path = self.directory / f"{self._claim(self.directory)}-{tag}-{len(self._files)}"
+        fd = _create(path, self.mode)
         self._files.append(path)
         try:
-            os.fchmod(fd, self.mode)  # not subject to the umask, unlike open's mode
             # Reserve the memory now: on a full tmpfs the service fails at start with a
             # clear error, instead of dying of SIGBUS when a page is first touched.
             os.posix_fallocate(fd, 0, max(nbytes, 1))
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
-                raise
+                raise ConfigError(f"server.shm_dir: cannot reserve {nbytes} bytes in "
+                                  f"{path}: {exc.strerror or exc}") from exc
             raise ConfigError(f"server.shm_dir: {self.directory} has no room for a "
                               f"{nbytes}-byte pool buffer; make it larger (e.g. docker "
                               "--shm-size), or set shm_dir to '' to keep pools private"
@@ -129,38 +151,123 @@ class SharedPools:
             self._cuda[key] = storage._share_cuda_()
         return self._cuda[key]
 
+    def _claim(self, directory: Path) -> str:
+        """This service's owner name, its lock file created and locked on first use."""
+        if self._owner is None:
+            self._owner, self._lock = _take_lock(directory, self.mode, self.epoch)
+        return self._owner
+
     def close(self) -> None:
         """Unlink this service's files (workers' mappings stay valid until unmapped)."""
         for path in self._files:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
         self._files.clear()
+        if self._lock is not None:
+            # The lock file goes last, while still locked: until it is gone, a sweep
+            # sees a live owner and leaves the files above alone.
+            path, fd = self._lock
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            os.close(fd)
+            self._lock = None
+            self._owner = None
+
+
+def shm_file_mode(server: Any) -> int:
+    """The mode of the pool's files: ``server.shm_mode`` when set, else the socket's
+    owner and group read/write bits. Whoever may connect may map the pool, but a socket
+    opened to everyone (0o666) must not make the pool writable by every local user:
+    that takes an explicit ``shm_mode``."""
+    if server.shm_mode is not None:
+        return int(server.shm_mode)
+    return int(server.socket_mode) & 0o660
+
+
+def _create(path: Path, mode: int) -> int:
+    """A new file at ``path`` with exactly ``mode``; a ConfigError if it cannot be made."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"server.shm_dir: cannot create files in {path.parent}: "
+                          f"{exc.strerror or exc}; set shm_dir to a writable tmpfs, or to "
+                          "'' to keep pools private") from exc
+    try:
+        os.fchmod(fd, mode)  # not subject to the umask, unlike open's mode
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _take_lock(directory: Path, mode: int, epoch: int) -> tuple[str, tuple[Path, int]]:
+    """Create a uniquely named lock file and hold an exclusive flock on it."""
+    for _ in range(_CLAIM_TRIES):
+        owner = f"{PREFIX}{os.getpid()}.{secrets.token_hex(8)}"
+        path = directory / f"{owner}{LOCK_SUFFIX}"
+        fd = _create(path, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Between our create and our flock a sweep may have taken the lock, judged
+            # the file stale and unlinked it: then this lock guards nothing, try again.
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                os.write(fd, f"pid {os.getpid()} host {socket.gethostname()} "
+                             f"epoch {epoch:x}\n".encode())
+                return owner, (path, fd)
+        except (BlockingIOError, FileNotFoundError):
+            pass
+        os.close(fd)
+    raise ConfigError(f"server.shm_dir: could not lock a file in {directory} after "
+                      f"{_CLAIM_TRIES} tries")
 
 
 def remove_stale(directory: Path) -> int:
-    """Unlink the shared-memory files of services whose process no longer exists."""
-    removed = 0
+    """Unlink the files of services that are gone; returns how many were removed.
+
+    An owner is gone when its lock file can be locked (the kernel released its lock when
+    it died), or when its lock file no longer exists (a live owner's lock file outlives
+    its buffers). A lock file someone else holds, or cannot be opened by us, means alive.
+    """
+    owners: dict[str, list[Path]] = {}
     for path in directory.glob(f"{PREFIX}*"):
         match = _NAME.match(path.name)
-        if match is None or _alive(int(match.group(1))):
-            continue
-        with contextlib.suppress(FileNotFoundError, PermissionError):
-            path.unlink()
-            removed += 1
+        if match is not None:
+            owners.setdefault(match.group(1), []).append(path)
+    removed = 0
+    for owner, paths in owners.items():
+        removed += _remove_if_gone(directory / f"{owner}{LOCK_SUFFIX}", paths)
     if removed:
         log.warning("removed shared-memory files of dead services",
                     extra={"files": removed, "dir": str(directory)})
     return removed
 
 
-def _alive(pid: int) -> bool:
+def _remove_if_gone(lock: Path, paths: list[Path]) -> int:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
+        fd: int | None = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = None
+    except OSError:  # e.g. another user's: not ours to judge
+        return 0
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return 0  # its owner is alive, in whatever namespace
+        removed = 0
+        # Buffers first, the lock file last (as close does), so that a sweep that dies
+        # half-way leaves a lock file that the next one finds again.
+        for path in sorted(paths, key=lambda p: p == lock):
+            try:
+                path.unlink()
+                removed += 1
+            except (FileNotFoundError, PermissionError):
+                pass
+        return removed
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def describe_buffers(engine: Any, shared: SharedPools) -> list[pb.BufferHandle]:

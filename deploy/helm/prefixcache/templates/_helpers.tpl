@@ -41,14 +41,11 @@ unix:{{ .Values.socketDir }}/prefixcache.sock
 {{- end }}
 
 {{/*
-grpc.health.v1 over PREFIXCACHE_LISTEN (Kubernetes' grpc probes need a TCP port, and the
-server listens on a unix socket). The Dockerfile's HEALTHCHECK runs the same code.
+A probe's action; call with (list $ "service name"). `prefixcache health` asks the
+grpc.health.v1 service at PREFIXCACHE_LISTEN (Kubernetes' grpc probes need a TCP port,
+and the server listens on a unix socket); the Dockerfile's HEALTHCHECK runs it too.
+With TLS no probe has the client credentials, so it only checks the port is open.
 */}}
-{{- define "prefixcache.healthCheck" -}}
-import os,sys,grpc;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as g;c=grpc.insecure_channel(os.environ.get('PREFIXCACHE_LISTEN','unix:/tmp/prefixcache.sock'));r=g.HealthStub(c).Check(h.HealthCheckRequest(service=(sys.argv+[''])[1]),timeout=3);sys.exit(r.status!=h.HealthCheckResponse.SERVING)
-{{- end }}
-
-{{/* A probe's action; call with (list $ "service name"). */}}
 {{- define "prefixcache.probe" -}}
 {{- $ := index . 0 }}
 {{- if $.Values.tls.enabled -}}
@@ -57,10 +54,10 @@ tcpSocket:
 {{- else -}}
 exec:
   command:
-    - python
-    - -c
-    - {{ include "prefixcache.healthCheck" $ | quote }}
+    - prefixcache
+    - health
     {{- with index . 1 }}
+    - --service
     - {{ . }}
     {{- end }}
 {{- end }}

@@ -1,0 +1,175 @@
+"""The configuration's types: models, their pools, and the server's settings.
+
+Loading and checking them is config.py's and config_checks.py's; the ``kv_events`` and
+``tenants`` blocks of ServerConfig live in their own modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config_kv_events import KvEventsConfig
+from .config_tenants import TenantConfig
+
+CACHE_KINDS = ("radix", "swa", "mamba", "slot", "chunk")
+DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Shape of a model's KV pool: ``size`` token slots of per-layer K and V rows."""
+
+    size: int = 16384
+    layers: int = 1
+    k_heads: int = 2
+    k_head_dim: int = 64
+    v_heads: int | None = None
+    v_head_dim: int | None = None
+    dtype: str = "float16"
+    device: str = "cpu"
+    # SWA models only: slots of the sliding-window pool (defaults to ``size``).
+    swa_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MambaConfig:
+    """The Mamba state pool of a hybrid model (kind ``mamba``)."""
+
+    # Slots that tree nodes and sessions hold (snapshots of the state after a prefix).
+    state_slots: int = 256
+    # Per-request working slots for attached workers; the service does not track them.
+    working_slots: int = 0
+    layers: int = 1
+    conv_state_shape: tuple[int, ...] = (4, 3)
+    temporal_state_shape: tuple[int, ...] = (1, 4, 4)
+    dtype: str = "float16"
+    temporal_dtype: str = "float32"
+    # mamba_branching_seqlen is rounded down to a multiple of this.
+    chunk_size: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """One hosted model: its cache kind, paging, eviction and pool."""
+
+    name: str
+    kind: str = "radix"
+    page_size: int = 1
+    sliding_window_size: int | None = None
+    eviction_policy: str = "lru"
+    # Token ids must be below this; 0 accepts any uint32.
+    vocab_size: int = 0
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    # Kind mamba only.
+    mamba: MambaConfig | None = None
+    # Kind slot only: positions per sequence slot (``pool.size`` is the slot count).
+    max_seq_len: int = 0
+    # ReadKV of any slot by any caller, with or without a session (kv_access.py). Off,
+    # a caller reads only slots its session holds or has locked.
+    open_reads: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """How the service listens, authenticates, logs and manages sessions."""
+
+    listen: str = "unix:/tmp/prefixcache.sock"
+    # Octal mode of the unix socket file; 0o600 keeps other users out.
+    socket_mode: int = 0o600
+    metrics_host: str = "0.0.0.0"
+    # 0 picks a free port (logged at start); -1 turns the metrics endpoint off.
+    metrics_port: int = 9470
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    # TCP without TLS sends tokens in clear text, so it must be asked for by name.
+    insecure: bool = False
+    token: str | None = None
+    token_file: str | None = None
+    admin_token: str | None = None
+    admin_token_file: str | None = None
+    session_ttl: float = 30.0
+    session_ttl_min: float = 1.0
+    session_ttl_max: float = 600.0
+    grace_period: float = 10.0
+    max_message_bytes: int = 64 * 1024 * 1024
+    # CPU pools live in shared-memory files here, so workers on this host can map them
+    # (DescribePool); "" or "off" keeps them private (ReadKV / WriteKV still work).
+    shm_dir: str = "/dev/shm"
+    log_format: str = "text"
+    log_level: str = "info"
+    # Invariant mode (staging): check the caches' integrity after every mutating call;
+    # a failure answers INTERNAL and is logged.
+    check_integrity: bool = False
+    # Limits: what one client may take of a service that others share. Each is generous
+    # by default; a refusal names its setting and counts in prefixcache_refusals_total.
+    # Sizes of request fields, in UTF-8 bytes (INVALID_ARGUMENT beyond them).
+    max_extra_key_bytes: int = 4096
+    max_client_name_bytes: int = 256
+    max_session_id_bytes: int = 128
+    # Token ids, or slot indices, in one request (RESOURCE_EXHAUSTED beyond it); 0 takes
+    # each model's pool size (for kind slot, the larger of the slot count and max_seq_len).
+    max_request_tokens: int = 0
+    # Open sessions, leased and streams together (RESOURCE_EXHAUSTED beyond it).
+    max_sessions: int = 10000
+    # Per-session quotas (quotas.py), per model, checked before anything changes
+    # (RESOURCE_EXHAUSTED beyond them). Slots one session holds (allocated, not yet
+    # inserted or freed; 0: the model's pool size, so no cap but the pool, as the one
+    # worker of a sidecar needs it all). Tokens one session's locks protect, each lock
+    # counting its whole prefix, so a prefix under ten locks counts ten times (0: off).
+    # ReadKV and WriteKV streams of one session in flight at once.
+    max_session_slots: int = 0
+    max_session_locked_tokens: int = 0
+    max_session_streams: int = 64
+    # One Step call: its items (finishes, unlocks, frees, decodes and admits together)
+    # and the bytes of token ids and slot indices they carry. A Step over either is
+    # refused whole (RESOURCE_EXHAUSTED), before it does anything; max_step_bytes 0
+    # leaves only max_message_bytes.
+    max_step_items: int = 8192
+    max_step_bytes: int = 0
+    # A Session stream that sends nothing for this long ends, and what it holds is freed.
+    stream_ttl: float = 300.0
+    # gRPC keepalive: ping a connection after keepalive_time seconds of silence and close
+    # it when the ping is not answered within keepalive_timeout (a frozen or vanished
+    # client). Clients may send their own pings every keepalive_min_client_interval.
+    keepalive_time: float = 30.0
+    keepalive_timeout: float = 10.0
+    keepalive_min_client_interval: float = 10.0
+    # Log lines waiting for a slow stderr; past this many, records are dropped (and
+    # counted in prefixcache_log_records_dropped_total) rather than block the service.
+    log_queue_lines: int = 10000
+    # KV transfer (kv_access.py). ReadKV chunks are at least min_chunk_bytes (a smaller
+    # max_chunk_bytes is raised to it, never refused); one ReadKV answers at most
+    # max_read_bytes, duplicates included (0: the model's whole pool, once). WriteKV
+    # writes rows as they arrive and holds only a partial row per buffer; those held
+    # bytes are capped per session and in total (RESOURCE_EXHAUSTED beyond either).
+    min_chunk_bytes: int = 64 * 1024
+    max_read_bytes: int = 0
+    max_inflight_write_bytes: int = 256 * 1024 * 1024
+    max_inflight_write_bytes_total: int = 1024 * 1024 * 1024
+    # Evict (evict_policy.py): tokens one call may ask for without the admin token
+    # (PERMISSION_DENIED beyond it); 0 lets every caller evict any amount.
+    max_evict_tokens: int = 0
+    # Mode of the shared-memory pool files; None (the default) takes the socket's owner
+    # and group bits only, so a looser socket_mode never makes the pool world-writable.
+    shm_mode: int | None = None
+    # Tokens bound to extra_key namespaces (tenants.py) (config_tenants.py).
+    tenants: tuple[TenantConfig, ...] = ()
+    # With a capacity, each radix, swa and mamba model keeps a change log of its cached
+    # pages, which Subscribe streams to workers' shadow indexes (and KV events publish),
+    # and a page-hash index for the page RPCs (SGLang's HiCache backend): this many
+    # changes are kept for subscribers that resume or fall behind (older ones get a
+    # snapshot). Off (0) by default, as KV events are in vLLM and SGLang: the page
+    # hashing and indexing at insert cost about 2 us a page, several times the rest of
+    # an Insert. kv_events turns the logs on by itself. 65536 is a good value.
+    change_log_capacity: int = 0
+    # KV events out (vLLM/SGLang ZMQ wire format) (config_kv_events.py).
+    kv_events: KvEventsConfig = field(default_factory=lambda: KvEventsConfig())
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Everything the service needs to start."""
+
+    server: ServerConfig
+    models: tuple[ModelConfig, ...]
