@@ -43,7 +43,7 @@ def test_round_trip_in_chunks(client: PrefixCacheClient, chunk: int | None) -> N
         v = _random((1, 7, 1, 4), torch.float16, 2)
         reply = s.write_kv("m", slots, k, v, chunk_bytes=chunk)
         assert (reply.bytes_written, reply.buffers_written) == (2 * 7 * 8, 2)
-        back = client.read_kv("m", slots[::-1], chunk_bytes=chunk)
+        back = s.read_kv("m", slots[::-1], chunk_bytes=chunk)
         assert back.layers == (0,)
         assert _same(back.k[0], k[0].flip(0)) and _same(back.v[0], v[0].flip(0))
         s.free("m", slots)
@@ -58,18 +58,18 @@ def test_mamba_state_and_slot_model(client: PrefixCacheClient) -> None:
         v = [_random((2, 1, 4), torch.float16, 6)]
         s.write_kv("h", got.slots, k, v, state_slots=got.state_slots, conv=conv,
                    temporal=temporal, chunk_bytes=5)
-        back = client.read_kv("h", got.slots, state_slots=got.state_slots, chunk_bytes=7)
+        back = s.read_kv("h", got.slots, state_slots=got.state_slots, chunk_bytes=7)
         assert _same(back.k[0], k[0]) and _same(back.v[0], v[0])
         assert all(_same(back.conv[i], conv[i]) for i in range(2))
         assert all(_same(back.temporal[i], temporal[i]) for i in range(2))
-        state_only = client.read_kv("h", state_slots=got.state_slots[:1])
+        state_only = s.read_kv("h", state_slots=got.state_slots[:1])
         assert state_only.k[0].shape == (0, 1, 4) and _same(state_only.conv[1], conv[1][:1])
         s.free("h", got.slots, state_slots=got.state_slots)
 
         slot = s.alloc("s", 1).slots
         rows = _random((1, 1, 16, 1, 2), torch.float16, 7)
         s.write_kv("s", slot, rows, rows + 1, chunk_bytes=10)
-        back = client.read_kv("s", slot)
+        back = s.read_kv("s", slot)
         assert _same(back.k[0], rows[0]) and _same(back.v[0], rows[0] + 1)
         s.free("s", slot)
 
@@ -86,15 +86,15 @@ def test_refusals(client: PrefixCacheClient, server: ServerThread) -> None:
         with pytest.raises(InvalidArgument, match="outside"):
             s.write_kv("m", [0, 1 << 20], k, k)
         with pytest.raises(InvalidArgument, match="outside"):
-            client.read_kv("m", [1 << 20])
+            s.read_kv("m", [1 << 20])
         with pytest.raises(InvalidArgument, match="layer"):
-            client.read_kv("m", mine, layers=[3])
+            s.read_kv("m", mine, layers=[3])
         with pytest.raises(InvalidArgument, match="shape"):
             s.write_kv("m", mine, k[:, :1], k[:, :1])
         with pytest.raises(InvalidArgument, match="twice"):
             s.write_kv("m", [mine[0], mine[0]], k, k)
         with pytest.raises(FailedPrecondition, match="Mamba"):
-            client.read_kv("m", mine, state_slots=[1])
+            s.read_kv("m", mine, state_slots=[1])
         # Wrong byte counts on the raw wire: too many, too few, out of order.
         channel, stub = stub_for(server.address)
         head = pb.KVChunk(header=pb.WriteKVHeader(model="m", slot_indices=pack_slots(mine),
@@ -127,10 +127,11 @@ def test_message_limit(tmp_path: Path) -> None:
             slots = list(s.alloc("big", 9).slots)
             k = _random((1, 9, 4, 128), torch.float16, 8)
             s.write_kv("big", slots, k, k + 1, chunk_bytes=1 << 20)  # clamped to the limit
-            assert _same(c.read_kv("big", slots, chunk_bytes=1 << 20).k[0], k[0])
+            assert _same(s.read_kv("big", slots, chunk_bytes=1 << 20).k[0], k[0])
             channel, stub = stub_for(srv.address)
             chunks = list(stub.ReadKV(pb.ReadKVRequest(model="big",
-                                                       slot_indices=pack_slots(slots)),
+                                                       slot_indices=pack_slots(slots),
+                                                       session_id=s.session_id),
                                       timeout=5))
             # 9 rows of 1 KiB per buffer, at most 3 KiB (4096 less room for the rest) a chunk
             assert max(x.ByteSize() for x in chunks) <= 4096 and len(chunks) == 2 * 3
@@ -148,7 +149,7 @@ def test_async_round_trip(server: ServerThread) -> None:
             slots = list((await s.alloc("p", 5)).slots)
             k = _random((1, 5, 1, 4), torch.float16, 9)
             await s.write_kv("p", slots, k, k, chunk_bytes=6)
-            back = await c.read_kv("p", slots, chunk_bytes=11)
+            back = await s.read_kv("p", slots, chunk_bytes=11)
             assert _same(back.k[0], k[0]) and _same(back.v[0], k[0])
             with pytest.raises(FailedPrecondition):
                 await c.write_kv("p", [slots[0] + 40], k[:, :1], k[:, :1], session=s)

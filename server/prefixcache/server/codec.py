@@ -11,6 +11,9 @@ import torch
 
 from prefixcache.cache import InvalidInputError, RadixKey
 from prefixcache.cache.key import TOKEN_BYTES
+from prefixcache.cache.page_index import is_hash_namespace
+
+from .limits import check_count
 
 # Wider tokens exist only for bigram / EAGLE keys; anything past this is a client bug.
 MAX_TOKEN_WIDTH = 8
@@ -20,15 +23,20 @@ _LE_U32 = np.dtype("<u4")
 
 
 def decode_key(token_ids: bytes, token_width: int, extra_key: str | None,
-               vocab_size: int = 0) -> RadixKey:
-    """A RadixKey from packed token bytes, checked against the model's vocabulary."""
+               vocab_size: int = 0, max_tokens: int = 0) -> RadixKey:
+    """A RadixKey from packed token bytes, checked against the model's vocabulary and,
+    before any other work, against ``max_tokens`` per request (0: no limit)."""
     width = token_width or 1
     if width > MAX_TOKEN_WIDTH:
         raise InvalidInputError(f"token_width {width} is above the supported {MAX_TOKEN_WIDTH}")
+    if is_hash_namespace(extra_key):  # only SetPages writes there (page_index.py)
+        raise InvalidInputError("extra_key: namespaces starting with NUL "
+                                "'prefixcache/hash-pages' hold pages stored by hash")
     if len(token_ids) % (TOKEN_BYTES * width):
         raise InvalidInputError(
             f"token_ids has {len(token_ids)} bytes, not a multiple of {TOKEN_BYTES * width} "
             f"(4 bytes per id, token_width {width})")
+    check_count("token_ids", len(token_ids) // (TOKEN_BYTES * width), max_tokens)
     if vocab_size and token_ids:
         top = int(np.frombuffer(token_ids, dtype=_LE_U32).max())
         if top >= vocab_size:
@@ -36,10 +44,12 @@ def decode_key(token_ids: bytes, token_width: int, extra_key: str | None,
     return RadixKey.from_bytes(token_ids, width, extra_key)
 
 
-def decode_slots(data: bytes, field: str = "slot_indices") -> np.ndarray:
-    """Packed little-endian int64 slot indices as a native int64 array (a copy)."""
+def decode_slots(data: bytes, field: str = "slot_indices", max_count: int = 0) -> np.ndarray:
+    """Packed little-endian int64 slot indices as a native int64 array (a copy); more
+    than ``max_count`` of them (0: no limit) are refused before the copy."""
     if len(data) % _SLOT_BYTES:
         raise InvalidInputError(f"{field} has {len(data)} bytes, not a multiple of 8")
+    check_count(field, len(data) // _SLOT_BYTES, max_count)
     return np.frombuffer(data, dtype=_LE_I64).astype(np.int64)
 
 

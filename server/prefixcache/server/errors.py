@@ -38,3 +38,29 @@ class PoolExhaustedError(ServiceError):
 
 class DrainingError(ServiceError):
     """The service is shutting down and takes no new work."""
+
+
+class LimitError(ServiceError):
+    """A request over one of the configured limits, refused before any work.
+
+    Attributes:
+        limit: the setting that refused it (``max_sessions``, ...), the label of
+            ``prefixcache_refusals_total``.
+    """
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class TooLargeError(LimitError):
+    """A field of the request is larger than its limit (INVALID_ARGUMENT)."""
+
+
+class OverLimitError(LimitError):
+    """The request asks for more than a limit allows (RESOURCE_EXHAUSTED)."""
+
+
+class DeniedError(LimitError):
+    """The caller may not do this: a namespace its token is not bound to, or an
+    eviction beyond what a caller without the admin token may ask (PERMISSION_DENIED)."""

@@ -7,11 +7,12 @@ named rows, in the order named, as raw bytes of the pool's element type (the hos
 little-endian; see ``_check_host``), and chunks may split it anywhere, even in a row.
 
 Concurrency: everything here runs on the service's one event loop. Copies are bounded
-(a read copies at most one chunk's rows at a time, a write one buffer's rows when that
-buffer's last byte arrives), so no executor is needed and the single-writer model holds:
-between awaits nothing else runs. A write re-checks, just before each copy, that the
-session still holds every slot, since the session may have freed or inserted them (the
-tree would then own them) while the stream was waiting for bytes.
+(a read copies at most one chunk's rows at a time, a write the whole rows a chunk
+completes), so no executor is needed and the single-writer model holds: between awaits
+nothing else runs. A write keeps only the bytes of a row that has not fully arrived
+(``WriteBudget`` in kv_access.py caps them), never a whole buffer. Both re-check, just
+before each copy, that the rows it touches may still be touched (kv_access.py), since
+the session may have freed, inserted or unlocked them while the stream waited.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ from .errors import DrainingError, PreconditionError
 from .sessions import Session
 from .slot_checks import check_distinct, check_range
 
+# Parts over the Mamba state pool (state slots), as opposed to KV slots.
+STATE_ROLES = (pb.BUFFER_ROLE_CONV, pb.BUFFER_ROLE_TEMPORAL)
+# Called before rows [start, end) of a part are copied; raises to stop the transfer.
+RowCheck = Callable[["Part", int, int], None]
+
 
 def _check_host() -> None:
     # Buffers go on the wire as their in-memory bytes; the wire format is little-endian.
@@ -41,7 +47,8 @@ def _check_host() -> None:
 
 @dataclass(slots=True)
 class Part:
-    """One buffer's share of a transfer: rows ``index`` of ``view`` (rows on dim 0)."""
+    """One buffer's share of a transfer: rows ``index`` of ``view`` (rows on dim 0);
+    ``host`` is the same row numbers as a host array, for ownership checks."""
 
     role: int
     layer: int
@@ -49,6 +56,11 @@ class Part:
     index: torch.Tensor
     row_shape: tuple[int, ...]
     row_bytes: int
+    host: np.ndarray
+
+    @property
+    def is_state(self) -> bool:
+        return self.role in STATE_ROLES
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +71,7 @@ def _part(role: int, layer: int, view: torch.Tensor, rows: np.ndarray) -> Part:
     row_shape = tuple(view.shape[1:])
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * view.element_size()
     index = torch.from_numpy(rows).to(view.device)
-    return Part(role, layer, view, index, row_shape, row_bytes)
+    return Part(role, layer, view, index, row_shape, row_bytes, rows)
 
 
 def plan(engine: Any, slots: np.ndarray, layers: Sequence[int],
@@ -125,19 +137,25 @@ def _as_bytes(rows: torch.Tensor) -> bytes:
     return rows.contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
-def read_chunks(parts: list[Part], chunk_bytes: int) -> Iterator[pb.KVChunk]:
+def read_chunks(parts: list[Part], chunk_bytes: int,
+                check: RowCheck | None = None) -> Iterator[pb.KVChunk]:
     """The transfer's bytes as chunks of at most ``chunk_bytes`` of data each.
 
     Rows are copied out one chunk's worth at a time (a row larger than a chunk alone),
-    so the caller may yield to the event loop between chunks.
+    so the caller may yield to the event loop between chunks; ``check`` runs before
+    each copy, with the rows it is about to read.
     """
     for part in parts:
         if not part.nbytes:
             continue
         rows_per = max(1, chunk_bytes // part.row_bytes)
         offset = 0
-        for start in range(0, part.index.numel(), rows_per):
-            rows = part.view.index_select(0, part.index[start:start + rows_per])
+        count = part.index.numel()
+        for start in range(0, count, rows_per):
+            end = min(start + rows_per, count)
+            if check is not None:
+                check(part, start, end)
+            rows = part.view.index_select(0, part.index[start:end])
             data = _as_bytes(rows)
             for i in range(0, len(data), chunk_bytes):
                 yield pb.KVChunk(role=part.role, layer=part.layer,
@@ -146,18 +164,28 @@ def read_chunks(parts: list[Part], chunk_bytes: int) -> Iterator[pb.KVChunk]:
 
 
 class Writer:
-    """Collects a WriteKV stream's chunks; writes each buffer once it is complete.
+    """Writes a WriteKV stream's chunks into the pool as they arrive.
+
+    Each chunk's whole rows are written at once; the bytes of a row that a chunk only
+    begins are kept until the rest arrives (at most one row per buffer), so a stream
+    pins memory in proportion to a row, not to a layer.
 
     Args:
         parts: The transfer (from ``plan``).
-        check: Called just before each buffer is written; raises to refuse.
+        check: Called with the rows about to be written; raises to refuse them.
+        hold: Called with the change in bytes kept for partial rows; raises to refuse
+            an increase (kv_access.WriteBudget).
     """
 
-    def __init__(self, parts: list[Part], check: Callable[[], None]) -> None:
+    def __init__(self, parts: list[Part], check: RowCheck,
+                 hold: Callable[[int], None] | None = None) -> None:
         self._parts = {(p.role, p.layer): p for p in parts if p.nbytes}
-        self._pending: dict[tuple[int, int], bytearray] = {}
+        self._got: dict[tuple[int, int], int] = {}
+        self._carry: dict[tuple[int, int], bytearray] = {}
         self._done: set[tuple[int, int]] = set()
         self._check = check
+        self._hold = hold
+        self.held = 0
         self.bytes_written = 0
 
     def add(self, chunk: pb.KVChunk) -> None:
@@ -168,18 +196,42 @@ class Writer:
                                     "does not cover")
         if key in self._done:
             raise InvalidInputError(f"buffer {_name(key)} is already complete")
-        buf = self._pending.setdefault(key, bytearray())
-        if chunk.offset_bytes != len(buf):
+        got = self._got.get(key, 0)
+        if chunk.offset_bytes != got:
             raise InvalidInputError(f"buffer {_name(key)}: chunk at offset "
-                                    f"{chunk.offset_bytes}, expected {len(buf)} (chunks of a "
+                                    f"{chunk.offset_bytes}, expected {got} (chunks of a "
                                     "buffer must be contiguous and in order)")
-        if len(buf) + len(chunk.data) > part.nbytes:
+        if got + len(chunk.data) > part.nbytes:
             raise InvalidInputError(f"buffer {_name(key)}: more than its {part.nbytes} bytes "
                                     f"({part.index.numel()} rows of {part.row_bytes})")
-        buf += chunk.data
-        if len(buf) == part.nbytes:
-            self._check()
-            self._write(part, self._pending.pop(key))
+        if not chunk.data:
+            return
+        size = part.row_bytes
+        carry = self._carry.get(key, bytearray())
+        total = got + len(chunk.data)
+        first, last = got // size, total // size  # rows [first, last) complete now
+        keep = total % size
+        # Accounted, then checked, before anything changes: a refusal writes nothing.
+        grow = keep - len(carry)
+        if grow > 0 and self._hold is not None:
+            self._hold(grow)
+        self.held += grow
+        if last > first:
+            self._check(part, first, last)
+            data = carry + chunk.data[:len(chunk.data) - keep] if carry else \
+                bytearray(chunk.data[:len(chunk.data) - keep])
+            self._write(part, first, last, data)
+            carry = bytearray(chunk.data[len(chunk.data) - keep:]) if keep else bytearray()
+        else:
+            carry += chunk.data
+        if grow < 0 and self._hold is not None:
+            self._hold(grow)
+        if carry:
+            self._carry[key] = carry
+        else:
+            self._carry.pop(key, None)
+        self._got[key] = total
+        if total == part.nbytes:
             self._done.add(key)
 
     def finish(self) -> int:
@@ -187,22 +239,30 @@ class Writer:
         missing = [k for k in self._parts if k not in self._done]
         if missing:
             key = missing[0]
-            got = len(self._pending.get(key, b""))
-            raise InvalidInputError(f"buffer {_name(key)}: {got} of "
+            raise InvalidInputError(f"buffer {_name(key)}: {self._got.get(key, 0)} of "
                                     f"{self._parts[key].nbytes} bytes arrived")
         return len(self._done)
 
-    def _write(self, part: Part, data: bytearray) -> None:
+    def close(self) -> None:
+        """Drop the partial rows (the stream ended), handing their bytes back."""
+        self._carry.clear()
+        if self.held and self._hold is not None:
+            self._hold(-self.held)
+        self.held = 0
+
+    def _write(self, part: Part, first: int, last: int, data: bytearray) -> None:
         view = part.view
         rows = torch.frombuffer(data, dtype=torch.uint8).view(view.dtype)
-        rows = rows.view(-1, *part.row_shape).to(view.device)
-        view.index_copy_(0, part.index, rows)
+        rows = rows.view(last - first, *part.row_shape).to(view.device)
+        view.index_copy_(0, part.index[first:last], rows)
         self.bytes_written += len(data)
 
 
-def open_writer(service: Any, chunk: pb.KVChunk) -> Writer:
+def open_writer(service: Any, chunk: pb.KVChunk,
+                hold: Callable[[str, int], None] | None = None) -> Writer:
     """A Writer for a WriteKV stream, from its first chunk (the header), once the
-    session is found to hold every slot it names."""
+    session is found to hold every slot it names. ``hold(session_id, bytes)`` accounts
+    the bytes kept for partial rows (kv_access.WriteBudget.hold)."""
     if service.draining:
         raise DrainingError("the service is shutting down")
     if not chunk.HasField("header") or chunk.data:
@@ -217,16 +277,26 @@ def open_writer(service: Any, chunk: pb.KVChunk) -> Writer:
         raise PreconditionError("WriteKV needs a session_id (slots are written only by "
                                 "the session that holds them)")
     session_id = head.session_id
+    check_held(engine, service.session(session_id), slots, states)
 
-    def check() -> None:
+    def check(part: Part, first: int, last: int) -> None:
         # Looked up again each time: the session may have closed, or given the slots to
-        # the tree, while the stream waited for bytes.
+        # the tree, while the stream waited for bytes. Only the rows about to be
+        # written are checked, so a long stream costs in proportion to its bytes.
         if service.draining:
             raise DrainingError("the service is shutting down")
-        check_held(engine, service.session(session_id), slots, states)
+        session = service.session(session_id)
+        rows = part.host[first:last]
+        if part.is_state:
+            engine._states().check(session, rows)
+            return
+        held = engine._owner[rows] == session.tag
+        if not held.all():
+            raise PreconditionError(f"slot {int(rows[np.argmin(held)])} is no longer held "
+                                    "by this session (freed or inserted during the write)")
 
-    check()
-    return Writer(parts, check)
+    return Writer(parts, check,
+                  None if hold is None else (lambda n: hold(session_id, n)))
 
 
 def _name(key: tuple[int, int]) -> str:

@@ -8,13 +8,16 @@ Each server has its own registry, so several can run in one process (tests).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from .limits import LIMIT_NAMES
+from .logs import dropped_records
 
 if TYPE_CHECKING:
     from http.server import HTTPServer
@@ -39,6 +42,13 @@ class Metrics:
             "Time spent handling an RPC in the server, by method and status code.",
             ["method", "code"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_CacheCollector(service))
+        # Limits: every refusal by a configured limit, by the setting's name.
+        self.refusals = Counter(
+            "prefixcache_refusals", "Requests refused by a configured limit, by limit.",
+            ["limit"], registry=self.registry)
+        for limit in LIMIT_NAMES:
+            self.refusals.labels(limit)  # exported from the start, at 0
+        self.registry.register(_LivenessCollector(service))
         self._children: dict[tuple[str, grpc.StatusCode], tuple[Counter, Histogram]] = {}
         self._httpd: HTTPServer | None = None
         self.port = 0
@@ -52,6 +62,13 @@ class Metrics:
             self._children[(method, code)] = children
         children[0].inc()
         children[1].observe(seconds)
+
+    def refused(self, limit: str) -> None:
+        self.refusals.labels(limit).inc()
+
+    def watch_kv_events(self, publishers: Mapping[str, Any]) -> None:
+        """Export the KV-event publishers' counters (``server.kv_events``), per model."""
+        self.registry.register(_KvEventsCollector(publishers))
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint (a daemon thread); returns the bound port."""
@@ -125,3 +142,46 @@ class _CacheCollector(Collector):
                                   value=svc.sessions.expired_total)
         yield GaugeMetricFamily("prefixcache_draining", "1 while the server drains for shutdown.",
                                 value=int(svc.draining))
+
+
+class _LivenessCollector(Collector):
+    """What keeps one client from hurting the others, read at scrape time: the loop's
+    stalls (leases were extended by them) and the log records a slow sink cost."""
+
+    def __init__(self, service: CacheService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "prefixcache_loop_stall_seconds",
+            "Time the event loop ran late (busy or stopped); leases were extended by it.",
+            value=self.service.sessions.stalled)
+        yield CounterMetricFamily(
+            "prefixcache_log_records_dropped",
+            "Log records dropped because the log sink (stderr) did not keep up.",
+            value=dropped_records())
+
+
+class _KvEventsCollector(Collector):
+    """The KV-event publishers' counters, read at scrape time (kv_events.py)."""
+
+    _COUNTERS = (
+        ("prefixcache_kv_event_batches_published", "batches_published",
+         "KV-event batches sent on the model's ZMQ socket."),
+        ("prefixcache_kv_events_published", "events_published",
+         "KV events (BlockStored, BlockRemoved, AllBlocksCleared) in the batches sent."),
+        ("prefixcache_kv_event_batches_dropped", "batches_dropped",
+         "KV-event batches dropped because a subscriber's queue was full (kept for replay)."),
+        ("prefixcache_kv_event_replays", "replays_served",
+         "KV-event replay requests answered in full."),
+    )
+
+    def __init__(self, publishers: Mapping[str, Any]) -> None:
+        self.publishers = publishers
+
+    def collect(self) -> Iterator[Metric]:
+        for name, attr, doc in self._COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            for model, publisher in list(self.publishers.items()):
+                family.add_metric([model], getattr(publisher, attr))
+            yield family

@@ -3,11 +3,18 @@
 A worker that dies must not pin the cache forever, so every lock and every allocated
 slot belongs to a session, and a session ends by an explicit close, by its stream
 closing, or by its lease lapsing. Ending it hands everything back (``ModelEngine.
-release_session``). Leases run on the monotonic clock.
+release_session``). Streams have a lease too, renewed by every message they carry, so a
+frozen worker's stream does not hold its slots forever.
+
+Leases run on "lease time": the monotonic clock less the time the event loop could not
+run on schedule (``credit_stall``; reaper.py measures it). A server that was stopped or
+busy for ten seconds has not given its clients ten seconds less to renew: their
+KeepAlives were waiting, unread, for the loop.
 """
 
 from __future__ import annotations
 
+import heapq
 import secrets
 import time
 from collections import OrderedDict
@@ -16,7 +23,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
-from .errors import NotFoundError
+from .errors import NotFoundError, OverLimitError
 
 if TYPE_CHECKING:
     from prefixcache.cache import TreeNode
@@ -24,17 +31,22 @@ if TYPE_CHECKING:
     from .engine import ModelEngine
 
 # Replies kept per session for idempotent retries (request_id); a retry arrives within a
-# few calls of the original, and match replies can be large.
+# few calls of the original. Match replies carry slot vectors (8 bytes a token), so the
+# window is also bounded in bytes: the newest reply is always kept, older ones only while
+# the total stays under REPLAY_BYTES (32 whole replies once held 65 MiB per session).
 REPLAY_WINDOW = 32
+REPLAY_BYTES = 1 << 20
 
 
 @dataclass(eq=False, slots=True)
 class HeldLock:
-    """One lock a session holds on a node; ``boundary`` is the SWA unlock token."""
+    """One lock a session holds on a node; ``boundary`` is the SWA unlock token;
+    ``tokens`` the prefix it protects (root to node), counted in the session's quota."""
 
     engine: ModelEngine
     node: TreeNode
     boundary: Any = None
+    tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -44,10 +56,19 @@ class Session:
     Attributes:
         id: The secret handle clients pass as ``session_id``.
         tag: A small int naming the session in the engines' slot-owner arrays.
-        ttl: Lease length in seconds; None for stream sessions, which end with the stream.
-        expires_at: Monotonic deadline of the lease (inf for streams).
+        ttl: Lease length in seconds (for a stream: how long it may stay silent).
+        expires_at: Deadline of the lease, in the registry's lease time.
         locks: Lock id -> the lock.
         slots: Model name -> slots this session holds in that model's pool.
+        stream: Carried by a Session stream rather than leased by OpenSession.
+        on_lapse: Called after the lease lapsed and the session was closed (a stream's
+            handler is told to end the stream).
+        lapsed: Ended by its lease lapsing.
+        locked_tokens: Model name -> tokens this session's locks there protect (the sum
+            of their ``HeldLock.tokens``; quotas.py).
+        streams: ReadKV and WriteKV streams of this session in flight.
+        keepalive_slot: When its latest KeepAlive is (or was) answered, monotonic
+            seconds (keepalive.py paces them).
     """
 
     id: str
@@ -57,8 +78,15 @@ class Session:
     expires_at: float
     locks: dict[int, HeldLock] = field(default_factory=dict)
     slots: dict[str, int] = field(default_factory=dict)
-    replies: OrderedDict[tuple[str, int], Any] = field(default_factory=OrderedDict)
+    replies: OrderedDict[tuple[str, int], tuple[Any, int]] = field(default_factory=OrderedDict)
+    replay_bytes: int = 0
     closed: bool = False
+    stream: bool = False
+    on_lapse: Callable[[], object] | None = None
+    lapsed: bool = False
+    locked_tokens: dict[str, int] = field(default_factory=dict)
+    streams: int = 0
+    keepalive_slot: float = float("-inf")
 
     def renew(self, now: float) -> None:
         if self.ttl is not None:
@@ -66,13 +94,26 @@ class Session:
 
     def replay(self, op: str, request_id: int) -> Any:
         """The stored reply to an earlier call with this request id, or None."""
-        return self.replies.get((op, request_id)) if request_id else None
+        kept = self.replies.get((op, request_id)) if request_id else None
+        return kept[0] if kept is not None else None
 
     def remember(self, op: str, request_id: int, reply: Any) -> None:
-        if request_id:
-            self.replies[(op, request_id)] = reply
-            if len(self.replies) > REPLAY_WINDOW:
-                self.replies.popitem(last=False)
+        if not request_id:
+            return
+        size = reply.ByteSize() if hasattr(reply, "ByteSize") else 0
+        old = self.replies.pop((op, request_id), None)
+        if old is not None:
+            self.replay_bytes -= old[1]
+        self.replies[(op, request_id)] = (reply, size)
+        self.replay_bytes += size
+        while len(self.replies) > 1 and (len(self.replies) > REPLAY_WINDOW
+                                         or self.replay_bytes > REPLAY_BYTES):
+            self.replay_bytes -= self.replies.popitem(last=False)[1][1]
+
+    def forget_replies(self) -> None:
+        """Drop every kept reply (after a Reset, their handles name nothing)."""
+        self.replies.clear()
+        self.replay_bytes = 0
 
 
 class SessionRegistry:
@@ -83,13 +124,24 @@ class SessionRegistry:
             returns ``(locks_released, slots_freed)``.
         clock: Monotonic seconds (injectable for tests).
         id_base: Lock ids are ``id_base + 1``, ``+ 2``, ... (see ``CacheService``).
+        max_sessions: Open sessions (leased and streams) beyond which ``open`` refuses.
+
+    Attributes:
+        stalled: Seconds the loop could not run on schedule, credited to every lease.
     """
 
     def __init__(self, release: Callable[[Session], tuple[int, int]],
-                 clock: Callable[[], float] = time.monotonic, id_base: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, id_base: int = 0,
+                 max_sessions: int = 10000) -> None:
         self._sessions: dict[str, Session] = {}
         self._release = release
-        self._clock = clock
+        self.clock = clock
+        self.max_sessions = max_sessions
+        self.stalled = 0.0
+        # (deadline when pushed, tag, session). A renewal does not touch the heap: a
+        # popped entry whose session was renewed since goes back with its new deadline,
+        # so renewing costs nothing and finding the lapsed costs O(log n) each.
+        self._heap: list[tuple[float, int, Session]] = []
         # Tag 0 means "no session" in the owner arrays.
         self._tags = count(1)
         # Lock ids are id_base + 1, + 2, ...: see CacheService.id_base.
@@ -103,18 +155,50 @@ class SessionRegistry:
     def __iter__(self):
         return iter(list(self._sessions.values()))
 
-    def open(self, ttl: float | None, name: str = "") -> Session:
-        """A new session; ``ttl=None`` makes a stream session with no lease."""
-        now = self._clock()
+    def now(self) -> float:
+        """Lease time: the clock less the stalls credited so far."""
+        return self.clock() - self.stalled
+
+    def credit_stall(self, seconds: float) -> None:
+        """Extend every lease by ``seconds`` the loop could not run (in O(1))."""
+        if seconds > 0:
+            self.stalled += seconds
+
+    def open(self, ttl: float | None, name: str = "", stream: bool = False) -> Session:
+        """A new session; ``ttl=None`` gives it no lease (it ends only when closed).
+
+        Raises:
+            OverLimitError: ``max_sessions`` sessions are open already.
+        """
+        if len(self._sessions) >= self.max_sessions:
+            raise OverLimitError(f"{len(self._sessions)} sessions are open, the limit "
+                                 "server.max_sessions", "max_sessions")
         session = Session(
             id=secrets.token_hex(16),
             tag=next(self._tags),
             name=name,
             ttl=ttl,
-            expires_at=float("inf") if ttl is None else now + ttl,
+            expires_at=float("inf") if ttl is None else self.now() + ttl,
+            stream=stream,
         )
         self._sessions[session.id] = session
+        if len(self._heap) > 2 * len(self._sessions) + 64:
+            # Closed sessions wait in the heap until their deadline; rebuilding now and
+            # then keeps it in proportion to the open ones.
+            self._heap = [(s.expires_at, s.tag, s) for s in self._sessions.values()
+                          if s.ttl is not None]
+            heapq.heapify(self._heap)
+        elif ttl is not None:
+            heapq.heappush(self._heap, (session.expires_at, session.tag, session))
         return session
+
+    def touch(self, session: Session) -> None:
+        """Renew ``session``'s lease (a stream renews on every message)."""
+        session.renew(self.now())
+
+    def find(self, session_id: str) -> Session | None:
+        """The open session with this id, or None; its lease is not renewed."""
+        return self._sessions.get(session_id)
 
     def get(self, session_id: str) -> Session:
         """The open session with this id, its lease renewed.
@@ -127,7 +211,7 @@ class SessionRegistry:
             raise NotFoundError(f"session {session_id[:8]!r}... is not open "
                                 "(closed, expired or never opened)" if session_id
                                 else "this call needs a session_id (OpenSession)")
-        session.renew(self._clock())
+        session.renew(self.now())
         return session
 
     def next_lock_id(self) -> int:
@@ -144,20 +228,52 @@ class SessionRegistry:
             return 0, 0
         session.closed = True
         self._sessions.pop(session.id, None)
+        session.replies.clear()  # it may wait in the heap a while yet
         return self._release(session)
 
-    def expire(self) -> list[tuple[Session, int, int]]:
-        """Close every session whose lease has lapsed; returns them with what was released."""
-        now = self._clock()
-        lapsed = [s for s in self._sessions.values() if s.expires_at <= now]
-        out = []
-        for session in lapsed:
+    def expire(self, limit: int | None = None) -> list[tuple[Session, int, int]]:
+        """Close the sessions whose lease has lapsed, at most ``limit`` of them (None: all);
+        returns them with what each released. A lapsed stream's ``on_lapse`` is called."""
+        now = self.now()
+        heap = self._heap
+        out: list[tuple[Session, int, int]] = []
+        while heap and heap[0][0] <= now and (limit is None or len(out) < limit):
+            _, tag, session = heapq.heappop(heap)
+            if session.closed:
+                continue
+            if session.expires_at > now:  # renewed since it was pushed
+                heapq.heappush(heap, (session.expires_at, tag, session))
+                continue
+            session.lapsed = True
             locks, slots = self.close(session)
             out.append((session, locks, slots))
-        self.expired_total += len(lapsed)
+            if session.on_lapse is not None:
+                session.on_lapse()
+        self.expired_total += len(out)
         return out
 
     def next_expiry(self) -> float:
-        """Seconds until the earliest lease lapses (inf if none)."""
-        soonest = min((s.expires_at for s in self._sessions.values()), default=float("inf"))
-        return max(0.0, soonest - self._clock())
+        """Seconds until the earliest lease may lapse (inf if none); a lower bound, since
+        renewals since are found only when the reaper looks."""
+        heap = self._heap
+        while heap and heap[0][2].closed:
+            heapq.heappop(heap)
+        return max(0.0, heap[0][0] - self.now()) if heap else float("inf")
+
+
+# Sessions and clients named in one expiry log line; the rest are only counted.
+_NAMED = 8
+
+
+def expiry_summary(expired: list[tuple[Session, int, int]]) -> dict[str, object]:
+    """The fields of the one log line for a batch of lapsed sessions."""
+    names = list(dict.fromkeys(s.name for s, _, _ in expired if s.name))
+    return {
+        "count": len(expired),
+        "streams": sum(s.stream for s, _, _ in expired),
+        "locks_released": sum(locks for _, locks, _ in expired),
+        "slots_freed": sum(slots for _, _, slots in expired),
+        "sessions": ",".join(s.id[:8] for s, _, _ in expired[:_NAMED])
+        + (",..." if len(expired) > _NAMED else ""),
+        "clients": ",".join(names[:_NAMED]) + (",..." if len(names) > _NAMED else ""),
+    }

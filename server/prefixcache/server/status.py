@@ -11,11 +11,14 @@ import grpc
 from prefixcache.cache import DoubleFreeError, InvalidInputError, LockError
 
 from .errors import (
+    DeniedError,
     DrainingError,
     NotFoundError,
+    OverLimitError,
     PoolExhaustedError,
     PreconditionError,
     StaleEpochError,
+    TooLargeError,
 )
 
 # The trailing metadata key that tells a client the current epoch (decimal).
@@ -29,6 +32,9 @@ STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (LockError, grpc.StatusCode.FAILED_PRECONDITION),
     (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (PoolExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (TooLargeError, grpc.StatusCode.INVALID_ARGUMENT),
+    (DeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (OverLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
 )
 

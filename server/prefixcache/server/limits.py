@@ -1,0 +1,125 @@
+"""Limits on what one client may ask of a service that others share.
+
+A sidecar serves every worker of a node, so one careless or hostile client must not take
+memory, time or slots from the rest. The limits here are checked as a request is
+decoded, before it does any work, and a refusal names the setting that refused it
+(``server.max_...``), changes nothing, and counts in ``prefixcache_refusals_total``.
+
+Sizes of string fields are INVALID_ARGUMENT (``TooLargeError``): the request itself is
+wrong, and retrying cannot help. Counts (tokens in a request, open sessions) are
+RESOURCE_EXHAUSTED (``OverLimitError``), like a pool too full for a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .config import ModelConfig, ServerConfig
+from .errors import OverLimitError, TooLargeError
+
+# The `limit` label values of prefixcache_refusals_total that this module's checks use.
+LIMIT_NAMES = ("max_extra_key_bytes", "max_client_name_bytes", "max_session_id_bytes",
+               "max_request_tokens", "max_sessions", "max_step_items", "max_step_bytes",
+               # kv_access.py and evict_policy.py; tenant_namespaces is tenants.py's refusal.
+               "max_read_bytes", "max_inflight_write_bytes", "max_inflight_write_bytes_total",
+               "max_evict_tokens", "tenant_namespaces",
+               # quotas.py: what one session may hold.
+               "max_session_slots", "max_session_locked_tokens", "max_session_streams")
+
+# String fields with a size limit, by field name: the setting that bounds them.
+_STRING_LIMITS = {"extra_key": "max_extra_key_bytes", "client_name": "max_client_name_bytes",
+                  "session_id": "max_session_id_bytes"}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The limit settings of ``ServerConfig`` (see its comments), as one value."""
+
+    max_extra_key_bytes: int
+    max_client_name_bytes: int
+    max_session_id_bytes: int
+    max_request_tokens: int
+    max_sessions: int
+    stream_ttl: float
+    max_step_items: int = 8192
+    max_step_bytes: int = 0
+    # KV transfer and Evict (kv_access.py, evict_policy.py).
+    min_chunk_bytes: int = 64 * 1024
+    max_read_bytes: int = 0
+    max_inflight_write_bytes: int = 256 * 1024 * 1024
+    max_inflight_write_bytes_total: int = 1024 * 1024 * 1024
+    max_evict_tokens: int = 0
+    # Per-session quotas (quotas.py).
+    max_session_slots: int = 0
+    max_session_locked_tokens: int = 0
+    max_session_streams: int = 64
+
+    @classmethod
+    def of(cls, server: ServerConfig | None = None) -> Limits:
+        """The limits of ``server`` (the defaults when None)."""
+        server = ServerConfig() if server is None else server
+        return cls(**{f.name: getattr(server, f.name) for f in fields(cls)})
+
+    def request_tokens(self, model: ModelConfig) -> int:
+        """Token ids (or slot indices) one request may carry for ``model``: the setting,
+        or by default as many as the model's pool holds."""
+        return self.max_request_tokens or max(model.pool.size, model.max_seq_len)
+
+
+# Per message type: its string fields that have a limit (found once, from the descriptor).
+_LIMITED_FIELDS: dict[str, tuple[tuple[str, str], ...]] = {}
+
+
+def _limited_fields(message: Any) -> tuple[tuple[str, str], ...]:
+    descriptor = message.DESCRIPTOR
+    found = _LIMITED_FIELDS.get(descriptor.full_name)
+    if found is None:
+        found = tuple((name, setting) for name, setting in _STRING_LIMITS.items()
+                      if name in descriptor.fields_by_name)
+        _LIMITED_FIELDS[descriptor.full_name] = found
+    return found
+
+
+def check_fields(message: Any, limits: Limits) -> None:
+    """Refuse a message (or the operation a SessionRequest carries) whose ``extra_key``,
+    ``client_name`` or ``session_id`` is over its size limit.
+
+    The refusal does not repeat the value: a 1 MiB client name is neither kept nor
+    logged, not even in an error message.
+
+    Raises:
+        TooLargeError: naming the field and the setting.
+    """
+    if message.DESCRIPTOR.name == "SessionRequest":
+        op = message.WhichOneof("op")
+        if op is None:
+            return
+        message = getattr(message, op)
+    for name, setting in _limited_fields(message):
+        value = getattr(message, name)
+        cap = getattr(limits, setting)
+        # Characters first: one UTF-8 byte at least, four at most.
+        if len(value) > cap or (len(value) * 4 > cap and len(value.encode()) > cap):
+            raise TooLargeError(f"{name} is longer than {cap} bytes, the limit "
+                                f"server.{setting}", setting)
+
+
+def check_count(field: str, count: int, cap: int) -> None:
+    """Refuse ``count`` token ids or slot indices in one request when over ``cap``.
+
+    Raises:
+        OverLimitError: naming ``max_request_tokens``.
+    """
+    if cap and count > cap:
+        raise OverLimitError(
+            f"{field} holds {count} entries, more than the {cap} one request may carry "
+            "(server.max_request_tokens; by default the model's pool size)",
+            "max_request_tokens")
+
+
+def truncate(text: str, cap: int) -> str:
+    """``text`` cut to at most ``cap`` UTF-8 bytes (for names the service does not refuse,
+    such as a stream's peer address)."""
+    data = text.encode()
+    return text if len(data) <= cap else data[:cap].decode(errors="ignore")
