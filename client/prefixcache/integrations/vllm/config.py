@@ -1,0 +1,122 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``.
+
+Every key is optional but ``model``. An unknown key or a bad value is an error at
+start-up, with the key named: a typo must not silently turn the cache off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+SAVE_MODES = ("prompt", "all", "off")
+TRANSFERS = ("auto", "attach", "remote")
+LAYOUTS = ("auto", "kv_first", "blocks_first", "bhn2d")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """How the connector reaches the service and what it does.
+
+    Attributes:
+        model: the service's model whose pool holds this engine's KV (required).
+        target: ``unix:/path`` or ``host:port`` of the service.
+        token: bearer token; ``token_env`` names an environment variable holding it
+            instead (keeps the secret out of the command line).
+        tls, root_certificates, server_name: TLS for a service on another host.
+        timeout: deadline of each call to the service, in seconds. A call that misses
+            it counts as a miss (lookups) or a skipped save; nothing fails.
+        lease_ttl: seconds a reservation (a locked hit) lives without being probed
+            again before vLLM allocated blocks for it. vLLM may count a hit and never
+            come back for it; the lease releases the lock then.
+        session_ttl: the lease of the connector's session with the service; when the
+            engine dies, the service releases its locks and slots after this long.
+        load: look up and load cached prefixes.
+        save: which tokens of a finished request to store: "prompt", "all" (prompt and
+            output, for multi-turn chat) or "off".
+        transfer: "attach" maps the pool (same host: shared memory or CUDA IPC),
+            "remote" streams through ReadKV / WriteKV, "auto" attaches when it can.
+        verify_loads: after copying, check with one Match that the tree still maps
+            the tokens to the slots copied from (catches a Reset or a lapsed lock).
+        kv_layout: vLLM's per-layer KV tensor layout; "auto" recognises the known ones.
+        max_inflight: calls to the service in flight at once (a thread each).
+    """
+
+    model: str
+    target: str = "unix:/tmp/prefixcache.sock"
+    token: str | None = None
+    token_env: str | None = None
+    tls: bool | None = None
+    root_certificates: str | None = None
+    server_name: str | None = None
+    timeout: float = 2.0
+    lease_ttl: float = 30.0
+    session_ttl: float = 30.0
+    load: bool = True
+    save: str = "prompt"
+    transfer: str = "auto"
+    verify_loads: bool = True
+    kv_layout: str = "auto"
+    max_inflight: int = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("kv_connector_extra_config: 'model' (the prefixcache model "
+                             "name) is required")
+        for name in ("timeout", "lease_ttl", "session_ttl"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"kv_connector_extra_config: {name!r} must be a number "
+                                 f"> 0, got {value!r}")
+        for name, allowed in (("save", SAVE_MODES), ("transfer", TRANSFERS),
+                              ("kv_layout", LAYOUTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"kv_connector_extra_config: {name!r} must be one of "
+                                 f"{', '.join(allowed)}; got {getattr(self, name)!r}")
+        if not isinstance(self.max_inflight, int) or self.max_inflight < 1:
+            raise ValueError("kv_connector_extra_config: 'max_inflight' must be an "
+                             f"integer >= 1, got {self.max_inflight!r}")
+        for name in ("load", "verify_loads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"kv_connector_extra_config: {name!r} must be true or "
+                                 f"false, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """The settings in ``kv_connector_extra_config`` (a JSON object)."""
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; "
+                             f"known: {sorted(known)}")
+        if "model" not in extra:
+            raise ValueError("kv_connector_extra_config: 'model' (the prefixcache model "
+                             "name) is required")
+        return cls(**extra)
+
+    def bearer_token(self) -> str | None:
+        """The token: given, or read from the ``token_env`` variable."""
+        if self.token is not None:
+            return self.token
+        if self.token_env:
+            value = os.environ.get(self.token_env)
+            if not value:
+                raise ValueError(f"kv_connector_extra_config: token_env "
+                                 f"{self.token_env!r} is not set")
+            return value
+        return None
+
+    def client_kwargs(self, name: str) -> dict[str, Any]:
+        """Arguments for a prefixcache client of this service."""
+        kwargs: dict[str, Any] = {"timeout": self.timeout, "token": self.bearer_token(),
+                                  "fail_open": True, "client_name": name}
+        if self.tls is not None:
+            kwargs["tls"] = self.tls
+        if self.root_certificates:
+            kwargs["root_certificates"] = self.root_certificates
+        if self.server_name:
+            kwargs["server_name"] = self.server_name
+        return kwargs

@@ -1,0 +1,175 @@
+"""The vLLM adapter: a ``KVConnectorBase_V1`` that turns vLLM's objects into calls of the
+engine-free cores (``scheduler.SchedulerCore``, ``worker.WorkerCore``). No logic lives
+here; this is the only module of the package that imports vLLM.
+
+Load it with ``--kv-transfer-config`` (see the package docstring):
+``"kv_connector": "PrefixCacheConnector"`` and
+``"kv_connector_module_path": "prefixcache.integrations.vllm.connector"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .backend import RpcBackend
+from .config import ConnectorConfig
+from .keys import RequestInfo
+from .meta import StepMeta
+from .scheduler import SchedulerCore
+from .worker import WorkerCore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("prefixcache.integrations.vllm")
+
+
+@dataclass
+class PrefixCacheConnectorMetadata(KVConnectorMetadata):
+    """One step's loads and saves, shipped to every worker."""
+
+    step: StepMeta = field(default_factory=StepMeta)
+
+
+def request_info(request: Request) -> RequestInfo:
+    """The core's view of a vLLM request (the token list is not copied)."""
+    lora = getattr(request, "lora_request", None)
+    return RequestInfo(
+        req_id=request.request_id,
+        tokens=request.all_token_ids,
+        num_prompt_tokens=request.num_prompt_tokens,
+        lora_name=getattr(lora, "lora_name", None) if lora is not None else None,
+        cache_salt=getattr(request, "cache_salt", None),
+        multimodal=bool(getattr(request, "mm_features", None)
+                        or getattr(request, "mm_positions", None)),
+        prompt_embeds=getattr(request, "prompt_embeds", None) is not None,
+        attempt=int(getattr(request, "num_preemptions", 0) or 0),
+    )
+
+
+class PrefixCacheConnector(KVConnectorBase_V1):
+    """prefixcache as vLLM's external KV cache tier (see the package docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        try:
+            super().__init__(vllm_config=vllm_config, role=role,
+                             kv_cache_config=kv_cache_config)
+        except TypeError:  # vLLM releases before kv_cache_config
+            super().__init__(vllm_config=vllm_config, role=role)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
+            log.warning("prefixcache: kv_load_failure_policy is %r: a load that fails (the "
+                        "service restarted or is down) fails its request; set it to "
+                        "'recompute' to have vLLM recompute instead", policy)
+        extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
+        config = ConnectorConfig.from_extra(extra)
+        block_size = int(vllm_config.cache_config.block_size)
+        tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        self._scheduler: SchedulerCore | None = None
+        self._worker: WorkerCore | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if config.transfer == "remote" and tp_size > 1 and config.save != "off":
+                log.warning("prefixcache: WriteKV cannot save from %d tensor-parallel "
+                            "ranks; saves are off (use transfer 'attach')", tp_size)
+                config = dataclasses.replace(config, save="off")
+            self._scheduler = SchedulerCore(RpcBackend(config), config, block_size)
+        else:
+            self._worker = WorkerCore(config, block_size, tp_rank=_tp_rank(),
+                                      tp_size=tp_size)
+
+    @property
+    def _sched(self) -> SchedulerCore:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side call on the worker-side connector")
+        return self._scheduler
+
+    @property
+    def _work(self) -> WorkerCore:
+        if self._worker is None:
+            raise RuntimeError("a worker-side call on the scheduler-side connector")
+        return self._worker
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a save that is dropped is only a later miss
+
+    # ------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.probe(request_info(request), num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else ()
+        self._sched.allocated(request.request_id, ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
+        return PrefixCacheConnectorMetadata(self._sched.build_meta(preempted))
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        keep = self._sched.finished(request_info(request), block_ids,
+                                        int(request.num_computed_tokens))
+        return keep, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched.sends_done(connector_output.finished_sending or ())
+
+    # --------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._work.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        self._work.start_step(meta.step if isinstance(meta, PrefixCacheConnectorMetadata)
+                                else None)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every load is complete when start_load_kv returns
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # requests are saved whole, when they finish
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        return self._work.finished_sends(finished_req_ids) or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+        if self._worker is not None:
+            self._worker.close()
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError, AttributeError):
+        return 0

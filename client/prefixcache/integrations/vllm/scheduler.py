@@ -1,0 +1,378 @@
+"""The scheduler side of the connector, without vLLM: lookups, reservations, saves.
+
+vLLM calls, on its scheduler thread and in this order for a request: ``probe`` (its
+``get_num_new_matched_tokens``, maybe many times), ``allocated`` (after it allocated
+blocks for the hit), ``build_meta`` (at the end of every step), ``finished`` (once, when
+the request ends) and ``sends_done`` (when every worker copied a finished request's
+save). Everything here runs on that one thread; the calls to the service run in the
+backend's threads and come back through ``backend.drain``.
+
+Lookups. A request's first probe queues a lookup and answers ``(None, False)``: "ask
+again later". The step's lookups leave together, as one batch, when the step ends
+(``build_meta``); a later probe answers from the result once it has landed.
+
+Reservations. A lookup is a locking Match: the hit stays in the pool while vLLM decides
+what to do with it. It is keyed by vLLM's request id and its preemption count, so
+repeated probes get the same answer and take no second lock. It is released when the
+request finishes, when vLLM preempts it (its blocks are gone; a new attempt looks up
+again), when vLLM allocates without using it, or when its lease lapses: vLLM may count
+a hit and never come back for it (requests that wait for blocks or are dropped).
+
+Saves. A finished request's whole blocks are stored with one locking, allocating Match
+(what the tree already has is not copied again), a copy by every worker, then an Insert
+that releases the lock once all workers are done; the service frees what another
+request inserted meanwhile. vLLM keeps the request's blocks until then.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from itertools import count
+from typing import Any, Protocol
+
+from .backend import Done, Lookup, Op, Release, SaveAbort, SaveAlloc, SaveCommit
+from .config import ConnectorConfig
+from .keys import RequestInfo, lookup_len, save_len
+from .meta import LoadOp, SaveOp, StepMeta
+
+log = logging.getLogger("prefixcache.integrations.vllm")
+
+
+class Backend(Protocol):
+    """What the core needs of the backend (``RpcBackend`` is the real one)."""
+
+    def dispatch(self, ops: list[Op]) -> None: ...
+    def drain(self) -> list[Done]: ...
+    def session_alive(self, session_id: str) -> bool: ...
+
+
+class _State(Enum):
+    LOOKING = 1     # lookup queued or in flight
+    READY = 2       # answer landed; vLLM may use it
+    ALLOCATED = 3   # vLLM allocated blocks for the hit; the load is due
+    LOADING = 4     # the load went out to the workers
+
+
+@dataclass(slots=True)
+class _Reservation:
+    req_id: str
+    attempt: int
+    gen: int
+    tokens: array
+    extra_key: str | None
+    state: _State = _State.LOOKING
+    hit: int = 0
+    slots: array = field(default_factory=lambda: array("q"))
+    lock_id: int = 0
+    epoch: int = 0
+    session_id: str = ""
+    touched: float = 0.0
+    local: int = 0
+    block_ids: array = field(default_factory=lambda: array("q"))
+    num_external: int = 0
+
+
+@dataclass(slots=True)
+class _Save:
+    req_id: str
+    tokens: array
+    extra_key: str | None
+    block_ids: array
+    ready: bool = False
+    sent: bool = False
+    prefix: int = 0
+    cached: array = field(default_factory=lambda: array("q"))
+    allocated: array = field(default_factory=lambda: array("q"))
+    lock_id: int = 0
+    epoch: int = 0
+    session_id: str = ""
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters of the scheduler side (cumulative)."""
+
+    probes: int = 0
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    lookup_errors: int = 0
+    misses_ineligible: int = 0
+    leases_expired: int = 0
+    loads: int = 0
+    load_tokens: int = 0
+    saves: int = 0
+    save_tokens: int = 0
+    saves_skipped: int = 0
+    saves_failed: int = 0
+
+
+class SchedulerCore:
+    """See the module docstring.
+
+    Args:
+        backend: runs the calls (``RpcBackend``).
+        config: the connector's settings.
+        block_size: vLLM's block size in tokens; hits and saves are whole blocks.
+        clock: seconds, for leases (monotonic).
+    """
+
+    def __init__(self, backend: Backend, config: ConnectorConfig, block_size: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.backend = backend
+        self.config = config
+        self.block_size = block_size
+        self.clock = clock
+        self.stats = SchedulerStats()
+        self._res: dict[str, _Reservation] = {}
+        self._saves: dict[str, _Save] = {}
+        self._gens = count(1)
+        self._queued: list[Op] = []
+        # Locks of loads that may still be running: (step to release at, release).
+        self._steps = 0
+        self._later: list[tuple[int, Release]] = []
+
+    # ------------------------------------------------------------ vLLM's calls
+
+    def probe(self, info: RequestInfo, num_computed: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: tokens loadable beyond ``num_computed`` (the
+        local hit), None while the lookup is out. Loads are synchronous (False)."""
+        self._absorb()
+        self.stats.probes += 1
+        if not self.config.load:
+            return 0, False
+        if info.miss_reason() is not None:
+            self.stats.misses_ineligible += 1
+            self._drop(info.req_id)
+            return 0, False
+        res = self._res.get(info.req_id)
+        if res is not None and (res.attempt != info.attempt
+                                or res.state not in (_State.LOOKING, _State.READY)):
+            # A probe after vLLM allocated: it dropped the request's blocks (preempted)
+            # and starts over.
+            self._drop(info.req_id)
+            res = None
+        length = lookup_len(info.num_tokens, self.block_size)
+        if length <= num_computed:
+            self._drop(info.req_id)  # vLLM has it all itself
+            return 0, False
+        if res is None:
+            gen = next(self._gens)
+            tokens = array("q", info.tokens[:length])
+            self._res[info.req_id] = _Reservation(info.req_id, info.attempt, gen, tokens,
+                                                  info.extra_key)
+            self._queued.append(Lookup((info.req_id, gen), tokens, info.extra_key))
+            self.stats.lookups += 1
+            self.stats.lookup_tokens += length
+            return None, False
+        if res.state is _State.LOOKING:
+            return None, False
+        res.touched = self.clock()
+        res.local = num_computed
+        extra = res.hit - num_computed
+        return (extra, False) if extra > 0 else (0, False)
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
+        """``update_state_after_alloc``: vLLM allocated ``block_ids`` and counts
+        ``num_external`` tokens as loaded from us (0: it will not load)."""
+        res = self._res.get(req_id)
+        if res is not None and res.state in (_State.ALLOCATED, _State.LOADING):
+            return  # a second call for the same allocation (vLLM's async-load path)
+        if num_external <= 0:
+            self._drop(req_id)
+            return
+        if res is None or res.state is not _State.READY:
+            # vLLM counts tokens we never offered: have every block reported failed.
+            log.warning("request %s: vLLM allocated %d external tokens without a ready "
+                        "reservation; they will be recomputed", req_id, num_external)
+            res = _Reservation(req_id, -1, 0, array("q"), None, _State.ALLOCATED)
+            res.block_ids, res.hit = array("q", block_ids), -1
+            # Where vLLM's own hit ends is unknown here: every block fails.
+            res.num_external = len(block_ids) * self.block_size
+            self._res[req_id] = res
+            return
+        res.state = _State.ALLOCATED
+        res.block_ids = array("q", block_ids)
+        res.num_external = num_external
+
+    def build_meta(self, preempted: Iterable[str] = ()) -> StepMeta:
+        """``build_connector_meta``: the step's loads and saves for the workers. The
+        step's queued lookups leave now, as one batch."""
+        self._absorb()
+        self._steps += 1
+        for req_id in preempted:
+            self._drop(req_id)
+        self._expire()
+        due = [r for at, r in self._later if at <= self._steps]
+        self._later = [(at, r) for at, r in self._later if at > self._steps]
+        self._queued.extend(due)
+        meta = StepMeta()
+        for res in self._res.values():
+            if res.state is _State.ALLOCATED:
+                meta.loads.append(self._load_op(res))
+                res.state = _State.LOADING
+        for save in self._saves.values():
+            if save.ready and not save.sent:
+                save.sent = True
+                if len(save.allocated) and not self.backend.session_alive(save.session_id):
+                    # The session that held the slots is gone, and the slots with it:
+                    # writing them could overwrite somebody else's KV.
+                    self.stats.saves_skipped += 1
+                    save.allocated, save.lock_id = array("q"), 0
+                meta.saves.append(SaveOp(save.req_id, save.block_ids, save.prefix,
+                                         save.allocated, save.epoch, save.session_id))
+        self._flush()
+        return meta
+
+    def finished(self, info: RequestInfo, block_ids: Sequence[int],
+                 num_computed: int) -> bool:
+        """``request_finished``: release the request's reservation and start saving its
+        whole blocks. True: vLLM must keep the blocks until ``sends_done`` names it."""
+        self._absorb()
+        self._drop(info.req_id)
+        n = save_len(info, num_computed, len(block_ids), self.block_size, self.config.save)
+        if n == 0 or info.req_id in self._saves:
+            self._flush()
+            return False
+        tokens = array("q", info.tokens[:n])
+        self._saves[info.req_id] = _Save(info.req_id, tokens, info.extra_key,
+                                         array("q", block_ids))
+        self._queued.append(SaveAlloc(info.req_id, tokens, info.extra_key))
+        self._flush()
+        return True
+
+    def sends_done(self, req_ids: Iterable[str]) -> None:
+        """Every worker finished the saves of ``req_ids``: insert what they wrote."""
+        self._absorb()
+        for req_id in req_ids:
+            save = self._saves.pop(req_id, None)
+            if save is None or not save.allocated:
+                continue
+            self._queued.append(SaveCommit(save.tokens[:save.prefix + len(save.allocated)],
+                                           save.extra_key, save.cached + save.allocated,
+                                           save.lock_id, save.epoch, len(save.cached)))
+            self.stats.saves += 1
+            self.stats.save_tokens += len(save.allocated)
+        self._flush()
+
+    def close(self) -> None:
+        """Stop: the backend closes the session, which releases every lock and slot."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
+    def has_pending_saves(self) -> bool:
+        return bool(self._saves)
+
+    def reservations(self) -> dict[str, str]:
+        """Request id -> reservation state, for tests and debugging."""
+        return {k: v.state.name.lower() for k, v in self._res.items()}
+
+    # ---------------------------------------------------------------- internals
+
+    def _load_op(self, res: _Reservation) -> LoadOp:
+        end = res.local + res.num_external
+        if res.hit < 0 or end > res.hit:
+            log.warning("request %s: vLLM counts %d external tokens from %d, the "
+                        "reservation has %d; they will be recomputed", res.req_id,
+                        res.num_external, res.local, res.hit)
+            return LoadOp(res.req_id, res.block_ids, res.local, res.num_external, fail=True)
+        self.stats.loads += 1
+        self.stats.load_tokens += res.num_external
+        return LoadOp(res.req_id, res.block_ids, res.local, res.num_external,
+                      res.slots[res.local:end], res.epoch, res.session_id, res.tokens[:end],
+                      res.extra_key)
+
+    def _drop(self, req_id: str) -> None:
+        """Forget a request's reservation and release its lock (a lookup still out is
+        released when it lands: its generation is gone)."""
+        res = self._res.pop(req_id, None)
+        if res is None or not res.lock_id:
+            return
+        release = Release(res.lock_id, res.epoch)
+        if res.state is _State.LOADING:
+            # The load went out with a step that may not have run yet (vLLM schedules
+            # the next step while the last one runs): keep the slots two steps more.
+            self._later.append((self._steps + 2, release))
+        else:
+            self._queued.append(release)
+
+    def _expire(self) -> None:
+        deadline = self.clock() - self.config.lease_ttl
+        for req_id in [k for k, r in self._res.items()
+                       if r.state is _State.READY and r.touched < deadline]:
+            self.stats.leases_expired += 1
+            self._drop(req_id)
+
+    def _flush(self) -> None:
+        ops, self._queued = self._queued, []
+        self.backend.dispatch(ops)
+
+    def _absorb(self) -> None:
+        for done in self.backend.drain():
+            op = done.op
+            if isinstance(op, Lookup):
+                self._landed(op, done)
+            elif isinstance(op, SaveAlloc):
+                self._allocated_for_save(op, done)
+            elif isinstance(op, SaveCommit) and done.error is not None:
+                # Not inserted (a worker's copy failed, or the service refused):
+                # release the lock and whatever slots the session still holds.
+                self.stats.saves_failed += 1
+                self._queued.append(SaveAbort(op.slots[op.owned_from:], op.lock_id,
+                                              op.server_epoch))
+            elif done.error is not None:
+                log.debug("prefixcache %s failed: %s", type(op).__name__, done.error)
+
+    def _landed(self, op: Lookup, done: Done) -> None:
+        req_id, gen = op.key
+        reply: Any = done.reply
+        lock_id = getattr(reply, "lock_id", 0) if done.error is None else 0
+        epoch = getattr(reply, "server_epoch", 0) if done.error is None else 0
+        res = self._res.get(req_id)
+        if res is None or res.gen != gen or res.state is not _State.LOOKING:
+            if lock_id:  # nobody wants it any more
+                self._queued.append(Release(lock_id, epoch))
+            return
+        res.state, res.touched = _State.READY, self.clock()
+        if done.error is not None or reply is None or reply.skipped:
+            self.stats.lookup_errors += done.error is not None
+            return
+        hit = reply.prefix_len // self.block_size * self.block_size
+        if hit == 0:
+            if lock_id:
+                self._queued.append(Release(lock_id, epoch))
+            return
+        res.hit, res.slots, res.lock_id, res.epoch = hit, reply.slots, lock_id, epoch
+        res.session_id = done.session_id
+        self.stats.hit_tokens += hit
+
+    def _allocated_for_save(self, op: SaveAlloc, done: Done) -> None:
+        reply: Any = done.reply
+        save = self._saves.get(op.req_id)
+        ok = done.error is None and reply is not None and not reply.skipped
+        if save is None:  # cannot happen: saves leave only through sends_done
+            if ok:
+                self._queued.append(SaveAbort(reply.allocated, reply.lock_id,
+                                              reply.server_epoch))
+            return
+        save.ready = True
+        if not ok:
+            self.stats.saves_skipped += 1
+            return
+        save.prefix, save.cached, save.allocated = reply.prefix_len, reply.slots, \
+            reply.allocated
+        save.lock_id, save.epoch = reply.lock_id, reply.server_epoch
+        save.session_id = done.session_id
+        if not len(save.allocated):  # the tree had it all already
+            self.stats.saves_skipped += 1
+            if save.lock_id:
+                self._queued.append(Release(save.lock_id, save.epoch))
+            save.lock_id = 0

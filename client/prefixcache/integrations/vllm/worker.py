@@ -1,0 +1,249 @@
+"""The worker side of the connector, without vLLM: copies between the pool and vLLM's
+blocks, and the failures vLLM must hear about.
+
+vLLM calls, in each model-runner process: ``register`` once with its KV tensors, then
+every step ``start_step`` (its ``start_load_kv``) with the step's metadata, then
+``finished_sends`` and ``take_load_errors``. All copies of a step happen in
+``start_step``, whole requests at a time: a load is complete before the forward that
+reads it, and nothing runs inside the layers (so any CUDA graph mode works).
+
+Loads. Each request's tokens are copied from their pool slots into its blocks, then
+(``verify_loads``) one Match checks that the tree still maps those tokens to those
+slots: the reservation's lock keeps them there, unless the service was Reset or the
+lock lapsed, and then what was copied may be somebody else's KV. A load that fails in
+any way, the service being down included, reports every block it was to fill, so that
+vLLM (``kv_load_failure_policy``) recomputes them.
+
+Saves. A finished request's new tokens are copied from its blocks into the slots the
+scheduler side allocated; the request is then reported done (vLLM frees its blocks and
+the scheduler side inserts). A save that fails gives its slots back, so that the
+scheduler side's Insert is refused and nothing half-written is ever cached.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from prefixcache.client import PrefixCacheClient, PrefixCacheError
+
+from .config import ConnectorConfig
+from .layout import LayerView, block_positions, gather_blocks, scatter_blocks, split_kv
+from .layout import unique_layers as _unique_layers
+from .meta import LoadOp, SaveOp, StepMeta
+from .pool_access import PoolAccess, open_access
+
+log = logging.getLogger("prefixcache.integrations.vllm")
+
+
+class WorkerCore:
+    """See the module docstring.
+
+    Args:
+        config: the connector's settings.
+        block_size: vLLM's block size in tokens.
+        tp_rank, tp_size: this worker's tensor-parallel rank and the group's size; the
+            pool holds every KV head and each rank copies its own.
+        client: the client to use (default: one made from ``config``).
+    """
+
+    def __init__(self, config: ConnectorConfig, block_size: int, *, tp_rank: int = 0,
+                 tp_size: int = 1, client: PrefixCacheClient | None = None) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.client = client or PrefixCacheClient(
+            config.target, **config.client_kwargs(f"vllm-worker-{tp_rank}"))
+        self._own_client = client is None
+        self.layers: list[LayerView] = []
+        self._access: PoolAccess | None = None
+        self._heads: slice = slice(None)
+        self._write_heads = True
+        self._disabled: str | None = None
+        self._retry_at = 0.0
+        self._load_errors: set[int] = set()
+        self._sent: set[str] = set()
+        self._finished_seen: set[str] = set()
+        self.loaded_tokens = 0
+        self.saved_tokens = 0
+        self.failed_loads = 0
+        self.failed_saves = 0
+
+    # ------------------------------------------------------------ vLLM's calls
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        """``register_kv_caches``: the engine's KV tensors, one per attention layer."""
+        layout = self.config.kv_layout
+        self.layers = [split_kv(name, t, layout=layout) for name, t in
+                       _unique_layers(kv_caches)]
+
+    def start_step(self, meta: StepMeta | None) -> None:
+        """``start_load_kv``: every load and save of the step, done on return."""
+        if not meta:
+            return
+        for op in meta.loads:
+            self._load(op)
+        for op in meta.saves:
+            self._save(op)
+
+    def finished_sends(self, finished_req_ids: set[str] | None) -> set[str]:
+        """``get_finished``' first half: saves done, of requests vLLM said finished."""
+        self._finished_seen |= finished_req_ids or set()
+        done = self._sent & self._finished_seen
+        self._sent -= done
+        self._finished_seen -= done
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        """``get_block_ids_with_load_errors``: blocks not loaded since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self._own_client:
+            self.client.close()
+
+    # ---------------------------------------------------------------- the pool
+
+    def _pool(self, epoch: int = 0) -> PoolAccess | None:
+        """The pool, connected and checked against vLLM's layers; None while the
+        service cannot be reached (tried again after ``timeout`` seconds). Slots of
+        another ``epoch`` than the pool's mean the service restarted: connect anew."""
+        if self._access is not None and epoch and self._access.info.server_epoch != epoch:
+            old, self._access = self._access, None
+            close = getattr(old, "close", None)
+            if close is not None:
+                close()
+        if self._access is not None or self._disabled is not None:
+            return self._access
+        now = time.monotonic()
+        if now < self._retry_at:
+            return None
+        try:
+            access = open_access(self.client, self.config.model, self.config.transfer)
+        except PrefixCacheError as err:
+            self._retry_at = now + self.config.timeout
+            log.warning("prefixcache pool of %r unavailable (%s): loading nothing, "
+                        "saving nothing", self.config.model, err)
+            return None
+        problem = self._check(access)
+        if problem is not None:
+            self._disabled = problem
+            log.error("prefixcache connector disabled: %s", problem)
+            return None
+        self._access = access
+        return access
+
+    def _check(self, access: PoolAccess) -> str | None:
+        """Why the pool cannot hold these layers' KV, or None (and set the heads)."""
+        info = access.info
+        if not self.layers:
+            return "register_kv_caches was never called"
+        if info.max_seq_len or info.mamba is not None:
+            return f"model {info.model!r} is not a radix/SWA model"
+        if info.layer_num != len(self.layers):
+            return (f"the pool of {info.model!r} has {info.layer_num} layers, vLLM "
+                    f"{len(self.layers)}")
+        first = self.layers[0]
+        local = first.heads
+        if (info.k_head_dim, info.v_head_dim) != (first.head_dim, first.v.shape[3]):
+            return (f"the pool's head dims are {info.k_head_dim}/{info.v_head_dim}, "
+                    f"vLLM's {first.head_dim}/{first.v.shape[3]}")
+        if info.dtype != str(first.k.dtype).removeprefix("torch."):
+            return f"the pool's dtype is {info.dtype}, vLLM's {first.k.dtype}"
+        total, rank, size = info.k_head_num, self.tp_rank, self.tp_size
+        if info.v_head_num != total:
+            return "K and V head counts differ in the pool"
+        if total == local * size:
+            self._heads = slice(None) if size == 1 else slice(rank * local,
+                                                              (rank + 1) * local)
+        elif local == 1 and total < size and size % total == 0:
+            # Fewer KV heads than ranks: vLLM replicates each head over size/total
+            # ranks; the first of each group writes it.
+            group = size // total
+            self._heads = slice(rank // group, rank // group + 1)
+            self._write_heads = rank % group == 0
+        else:
+            return (f"the pool has {total} KV heads; vLLM's rank {rank} of {size} holds "
+                    f"{local}")
+        return None
+
+    # ------------------------------------------------------------------ copies
+
+    def _fail(self, op: LoadOp, why: str) -> None:
+        self.failed_loads += 1
+        first = op.start // self.block_size
+        last = -(-op.end // self.block_size)
+        self._load_errors.update(op.block_ids[first:last])
+        log.warning("prefixcache load of request %s failed (%s): %d blocks recomputed",
+                    op.req_id, why, max(last - first, 0))
+
+    def _load(self, op: LoadOp) -> None:
+        if op.fail:
+            self._fail(op, "the scheduler side could not serve it")
+            return
+        access = self._pool(op.server_epoch)
+        if access is None:
+            self._fail(op, self._disabled or "pool unavailable")
+            return
+        try:
+            rows = access.reader(op.slots, op.server_epoch, op.session_id)
+            for layer, view in enumerate(self.layers):
+                blocks, offsets = block_positions(op.block_ids, op.start, op.num_tokens,
+                                                  self.block_size, view.kernel_block_size,
+                                                  view.k.device)
+                k, v = rows(layer)
+                scatter_blocks(view.k, blocks, offsets, k[:, self._heads])
+                scatter_blocks(view.v, blocks, offsets, v[:, self._heads])
+            if self.config.verify_loads and not self._still_mapped(op):
+                self._fail(op, "the slots no longer hold these tokens")
+                return
+        except (PrefixCacheError, ValueError, RuntimeError) as err:
+            self._fail(op, str(err))
+            return
+        self.loaded_tokens += op.num_tokens
+
+    def _still_mapped(self, op: LoadOp) -> bool:
+        reply = self.client.match(self.config.model, op.tokens, extra_key=op.extra_key)
+        if reply.skipped or reply.server_epoch != op.server_epoch:
+            return False
+        return (reply.prefix_len >= op.end
+                and reply.slots[op.start:op.end] == op.slots)
+
+    def _save(self, op: SaveOp) -> None:
+        try:
+            if len(op.slots):
+                self._write(op)
+                self.saved_tokens += len(op.slots)
+        except (PrefixCacheError, ValueError, RuntimeError) as err:
+            self.failed_saves += 1
+            log.warning("prefixcache save of request %s failed: %s", op.req_id, err)
+            self._give_back(op)
+        self._sent.add(op.req_id)
+
+    def _write(self, op: SaveOp) -> None:
+        access = self._pool(op.server_epoch)
+        if access is None:
+            raise RuntimeError(self._disabled or "pool unavailable")
+        if not self._write_heads:
+            return
+        positions = [block_positions(op.block_ids, op.start, len(op.slots),
+                                     self.block_size, view.kernel_block_size,
+                                     view.k.device) for view in self.layers]
+
+        def source(layer: int) -> tuple[Any, Any]:
+            view, (blocks, offsets) = self.layers[layer], positions[layer]
+            return gather_blocks(view.k, blocks, offsets), gather_blocks(view.v, blocks,
+                                                                         offsets)
+
+        access.write(op.slots, source, self._heads, op.session_id, op.server_epoch)
+
+    def _give_back(self, op: SaveOp) -> None:
+        """Free a failed save's slots in the scheduler's session: its Insert is then
+        refused, so no worker's half-written rows get cached."""
+        try:
+            self.client.free(self.config.model, op.slots, session=op.session_id,
+                             server_epoch=op.server_epoch)
+        except PrefixCacheError as err:
+            log.warning("could not give back the slots of a failed save: %s", err)

@@ -1,0 +1,82 @@
+"""ExistsPages, GetPages and SetPages: decode a request, one call into the model's
+``HashPages`` (hash_pages.py), encode the reply.
+
+The wire layouts: page hashes are 32 raw bytes each, slots packed little-endian int64
+(codec.py), per-page answers one byte each. A request may name at most
+``max_request_tokens / page_size`` pages, like any request's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixcache.cache import InvalidInputError
+from prefixcache.cache.page_index import DIGEST_BYTES
+from prefixcache.v1 import prefix_cache_pb2 as pb
+
+from .codec import MAX_TOKEN_WIDTH, decode_slots, encode_slots
+from .hash_pages import HashPages
+from .limits import Limits, check_count
+from .sessions import Session
+
+
+def decode_hashes(data: bytes, field: str = "page_hashes", max_count: int = 0) -> list[str]:
+    """Packed 32-byte digests as hex strings (the form the page index keys them by)."""
+    if len(data) % DIGEST_BYTES:
+        raise InvalidInputError(f"{field} has {len(data)} bytes, not a multiple of "
+                                f"{DIGEST_BYTES} (one SHA-256 digest per page)")
+    count = len(data) // DIGEST_BYTES
+    check_count(field, count, max_count)
+    return [data[i:i + DIGEST_BYTES].hex() for i in range(0, len(data), DIGEST_BYTES)]
+
+
+def _namespace(req: Any) -> tuple[str | None, int]:
+    width = req.token_width or 1
+    if width > MAX_TOKEN_WIDTH:
+        raise InvalidInputError(f"token_width {width} is above the supported {MAX_TOKEN_WIDTH}")
+    return (req.extra_key if req.HasField("extra_key") else None), width
+
+
+def _opened(service: Any, limits: Limits, req: Any) -> tuple[HashPages, Any, list[str]]:
+    engine = service.engine(req.model)
+    pages = HashPages(engine)
+    cap = limits.request_tokens(engine.config) // engine.page_size
+    return pages, _namespace(req), decode_hashes(req.page_hashes, max_count=max(cap, 1))
+
+
+def exists(service: Any, limits: Limits, req: pb.ExistsPagesRequest,
+           session: Session | None = None) -> pb.ExistsPagesResponse:
+    pages, namespace, hashes = _opened(service, limits, req)
+    leading, present = pages.exists(namespace, hashes, lookup=not req.before_set)
+    return pb.ExistsPagesResponse(leading_pages=leading, present=present)
+
+
+def get(service: Any, limits: Limits, req: pb.GetPagesRequest,
+        session: Session | None) -> pb.GetPagesResponse:
+    if session is not None and (reply := session.replay("get_pages", req.request_id)):
+        return reply
+    pages, namespace, hashes = _opened(service, limits, req)
+    out = pages.get(namespace, hashes, session)
+    reply = pb.GetPagesResponse(found_pages=out.found, slot_indices=encode_slots(out.slots),
+                                lock_ids=out.lock_ids, server_epoch=service.epoch)
+    if session is not None:
+        session.remember("get_pages", req.request_id, reply)
+    return reply
+
+
+def set_pages(service: Any, limits: Limits, req: pb.SetPagesRequest,
+              session: Session | None) -> pb.SetPagesResponse:
+    if session is not None and (reply := session.replay("set_pages", req.request_id)):
+        return reply
+    pages, namespace, hashes = _opened(service, limits, req)
+    prior = decode_hashes(req.prior_hash, "prior_hash") if req.prior_hash else []
+    if len(prior) > 1:
+        raise InvalidInputError(f"prior_hash has {len(req.prior_hash)} bytes: one digest "
+                                f"({DIGEST_BYTES} bytes) or none")
+    slots = decode_slots(req.slot_indices,
+                         max_count=limits.request_tokens(pages.engine.config))
+    states = pages.set(namespace, prior[0] if prior else None, hashes, slots, session)
+    reply = pb.SetPagesResponse(states=states, server_epoch=service.epoch)
+    if session is not None:
+        session.remember("set_pages", req.request_id, reply)
+    return reply

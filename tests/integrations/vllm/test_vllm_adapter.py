@@ -1,0 +1,148 @@
+"""The adapter with the real vLLM package: vLLM's connector factory loads it from
+configuration alone, and a request round-trips through vLLM's own objects (Request,
+KVCacheBlocks, SchedulerOutput, KVConnectorOutput) and its per-layer KV layout.
+
+vLLM does not install on CI's CPU-only machine (its wheel pulls CUDA builds); these
+tests skip there and were run by hand against vLLM 0.33.0 (see the package README).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from harness import ServerThread
+from integrations.vllm.vllm_support import BLOCK, HEADS, LAYERS, make_caches, token_rows
+
+from prefixcache.client import PrefixCacheClient
+from prefixcache.integrations.vllm.keys import extra_key
+from prefixcache.integrations.vllm.layout import split_kv
+
+base = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
+                           reason="needs the vllm package")
+
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("quiet")]
+
+PROMPT = list(range(700, 718))
+A_BLOCKS, B_BLOCKS = [2, 5, 7, 9, 11], [1, 3, 4, 6, 8]
+Role = base.KVConnectorRole
+
+
+def vllm_config(address: str, **extra: Any) -> Any:
+    """What the connector reads of a VllmConfig (a real one needs a model)."""
+    transfer = KVTransferConfig(
+        kv_connector="PrefixCacheConnector",
+        kv_connector_module_path="prefixcache.integrations.vllm.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"model": "v", "target": address, **extra})
+    return SimpleNamespace(kv_transfer_config=transfer,
+                           cache_config=SimpleNamespace(block_size=BLOCK),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                           scheduler_config=SimpleNamespace(
+                               disable_hybrid_kv_cache_manager=True))
+
+
+def request(req_id: str, **kw: Any) -> Request:
+    return Request(req_id, list(PROMPT), SamplingParams(max_tokens=4), None, **kw)
+
+
+def blocks(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
+
+
+def step(scheduler: Any, worker: Any, finished: set[str] = frozenset()  # type: ignore[assignment]
+         ) -> Any:
+    """One engine step, as vLLM's scheduler and model runner make it."""
+    out = SchedulerOutput.make_empty()
+    out.finished_req_ids = set(finished)
+    meta = scheduler.build_connector_meta(out)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    sending, _ = worker.get_finished(out.finished_req_ids)
+    errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    scheduler.update_connector_output(KVConnectorOutput(finished_sending=sending))
+    scheduler._sched.backend.wait_idle(10.0)
+    return meta, errors
+
+
+def test_the_factory_loads_the_connector_from_configuration(server: ServerThread) -> None:
+    config = vllm_config(server.address)
+    for role in (Role.SCHEDULER, Role.WORKER):
+        connector = KVConnectorFactory.create_connector(config, role, None)
+        assert isinstance(connector, base.KVConnectorBase_V1)
+        assert type(connector).__abstractmethods__ == frozenset()
+        connector.shutdown()
+
+
+def test_a_request_round_trips_through_vllm_objects(server: ServerThread,
+                                                    client: PrefixCacheClient) -> None:
+    config = vllm_config(server.address)
+    scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, None)
+    worker = KVConnectorFactory.create_connector(config, Role.WORKER, None)
+    try:
+        caches = make_caches("bhn2d")  # vLLM 0.33's [blocks, heads, block, 2 * dim]
+        assert next(iter(caches.values())).shape[1:] == (HEADS, BLOCK, 16)
+        assert len(caches) == LAYERS
+        worker.register_kv_caches(caches)
+        a = request("A")
+        a.num_computed_tokens = 18
+        keep, params = scheduler.request_finished(a, A_BLOCKS)
+        assert keep is True and params is None
+        for _ in range(3):
+            step(scheduler, worker, {"A"})
+        assert client.match("v", PROMPT).prefix_len == 16
+
+        b = request("B")
+        assert scheduler.get_num_new_matched_tokens(b, 0) == (None, False)
+        step(scheduler, worker)
+        assert scheduler.get_num_new_matched_tokens(b, 0) == (16, False)
+        scheduler.update_state_after_alloc(b, blocks(B_BLOCKS), 16)
+        meta, errors = step(scheduler, worker)
+        assert len(meta.step.loads) == 1 and errors == set()
+        views = [split_kv(n, t) for n, t in caches.items()]
+        assert all(torch.equal(token_rows(v, A_BLOCKS, 16), token_rows(v, B_BLOCKS, 16))
+                   for v in views)
+        b.num_computed_tokens = 17
+        scheduler.request_finished(b, B_BLOCKS)
+        for _ in range(2):
+            step(scheduler, worker, {"B"})
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_lora_and_salt_of_a_vllm_request_pick_the_namespace(
+        server: ServerThread, client: PrefixCacheClient) -> None:
+    key = extra_key("adapter", "salt")
+    with client.session(10.0) as s:
+        reply = s.match("v", PROMPT[:16], extra_key=key, allocate=True)
+        s.insert("v", PROMPT[:16], reply.all_slots(), extra_key=key)
+    scheduler = KVConnectorFactory.create_connector(vllm_config(server.address),
+                                                    Role.SCHEDULER, None)
+    try:
+        for req, hit in ((request("plain"), 0),
+                         (request("lora", lora_request=LoRARequest("adapter", 1, "/a"),
+                                  cache_salt="salt"), 16)):
+            assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
+            scheduler.build_connector_meta(SchedulerOutput.make_empty())
+            scheduler._sched.backend.wait_idle(10.0)
+            assert scheduler.get_num_new_matched_tokens(req, 0) == (hit, False)
+            scheduler.request_finished(req, [])
+        scheduler.build_connector_meta(SchedulerOutput.make_empty())
+        scheduler._sched.backend.wait_idle(10.0)
+    finally:
+        scheduler.shutdown()

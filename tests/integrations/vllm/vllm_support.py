@@ -1,0 +1,86 @@
+"""Helpers of the vLLM connector tests: the models, a test clock, core factories."""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+from prefixcache.integrations.vllm.backend import RpcBackend
+from prefixcache.integrations.vllm.config import ConnectorConfig
+from prefixcache.integrations.vllm.scheduler import SchedulerCore
+from prefixcache.integrations.vllm.worker import WorkerCore
+from prefixcache.server.config import ModelConfig, PoolConfig
+
+BLOCK = 4  # vLLM's block size in these tests
+LAYERS, HEADS, DIM = 2, 2, 8
+MODELS = (
+    # page_size 2 divides the block: hits and saves are whole blocks anyway.
+    ModelConfig(name="v", page_size=2,
+                pool=PoolConfig(size=256, layers=LAYERS, k_heads=HEADS, k_head_dim=DIM)),
+    ModelConfig(name="b", page_size=4,
+                pool=PoolConfig(size=128, layers=LAYERS, k_heads=HEADS, k_head_dim=DIM,
+                                dtype="bfloat16")),
+    ModelConfig(name="f8", page_size=4,
+                pool=PoolConfig(size=128, layers=LAYERS, k_heads=HEADS, k_head_dim=DIM,
+                                dtype="float8_e4m3fn")),
+)
+
+
+class Clock:
+    """A clock the test moves (leases)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_scheduler(address: str, model: str = "v", clock: Clock | None = None,
+                   **settings: object) -> SchedulerCore:
+    config = ConnectorConfig(model=model, target=address, **settings)  # type: ignore[arg-type]
+    return SchedulerCore(RpcBackend(config), config, BLOCK, clock or Clock())
+
+
+def settle(core: SchedulerCore) -> None:
+    """Let the backend's calls land (vLLM would simply ask again next step)."""
+    if not core.backend.wait_idle(10.0):  # type: ignore[attr-defined]
+        raise TimeoutError("backend calls did not finish")
+
+
+def make_worker(address: str, model: str = "v", *, tp_rank: int = 0, tp_size: int = 1,
+                **settings: object) -> WorkerCore:
+    config = ConnectorConfig(model=model, target=address, **settings)  # type: ignore[arg-type]
+    return WorkerCore(config, BLOCK, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def make_caches(layout: str, num_blocks: int = 16, *, heads: int = HEADS,
+                kernel_block: int = BLOCK, dtype: str = "float16") -> dict[str, Any]:
+    """Random KV tensors in one of vLLM's layouts, one per layer (random bytes: every
+    comparison is of bytes)."""
+    import torch
+
+    n = num_blocks * (BLOCK // kernel_block)
+    shape = {"kv_first": (2, n, kernel_block, heads, DIM),
+             "blocks_first": (n, 2, kernel_block, heads, DIM),
+             "bhn2d": (n, heads, kernel_block, 2 * DIM)}[layout]
+    torch_dtype = getattr(torch, dtype)
+    size = torch.empty((), dtype=torch_dtype).element_size()
+    out = {}
+    for layer in range(LAYERS):
+        raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), dtype=torch.uint8)
+        out[f"model.layers.{layer}.self_attn.attn"] = raw.view(torch_dtype)
+    return out
+
+
+def token_rows(view: Any, block_ids: list[int], num_tokens: int) -> Any:
+    """K and V bytes of a request's first ``num_tokens`` tokens, ``[2, n, heads, dim]``."""
+    import torch
+
+    from prefixcache.integrations.vllm.layout import block_positions, byte_view
+
+    blocks, offsets = block_positions(array("q", block_ids), 0, num_tokens, BLOCK,
+                                      view.kernel_block_size)
+    rows = torch.stack([byte_view(view.k)[blocks, offsets],
+                        byte_view(view.v)[blocks, offsets]])
+    return rows.contiguous().view(torch.uint8)  # bytes: random bits hold NaNs
