@@ -379,10 +379,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_service(tmp: Path, budget: int, page_size: int, tag: str) -> tuple[ServerProcess, int]:
+def start_service(tmp: Path, budget: int, page_size: int, tag: str,
+                  change_log_capacity: int | None = None) -> tuple[ServerProcess, int]:
     config = tmp / "bench.yaml"
+    server = ("" if change_log_capacity is None
+              else f"server:\n  change_log_capacity: {change_log_capacity}\n")
     config.write_text(
-        f"models:\n  - name: {MODEL}\n    kind: radix\n    page_size: {page_size}\n"
+        f"{server}models:\n  - name: {MODEL}\n    kind: radix\n    page_size: {page_size}\n"
         f"    pool: {{size: {budget}, layers: 1, k_heads: 1, k_head_dim: 8, "
         "dtype: float16}\n")
     port = _free_port()
@@ -508,16 +511,19 @@ def print_tables(pairs: list[tuple[Run, Run]]) -> None:
               f"{svc.stats.get('hit_ratio', 0.0):.4f} |")
     print("\nCPU per request (µs; user+system; a request is two RPCs) and the service's "
           "own handler time (server-side mean µs per call, from /metrics):\n")
-    print("| mode | workers | server CPU: service / echo | client CPU: service / echo "
-          "| handler Match / Insert | evicted tokens | leftover locks / slots |")
-    print("|---|---:|---|---|---|---:|---|")
+    print("| mode | workers | server CPU: service / echo | server CPU ÷ echo "
+          "| client CPU: service / echo | handler Match / Insert | evicted tokens "
+          "| leftover locks / slots |")
+    print("|---|---:|---|---:|---|---|---:|---|")
     for svc, echo in pairs:
         prefix = "Session/" if svc.mode == "stream" else ""
         match_key, insert_key = (f"{prefix}match", f"{prefix}insert") if prefix \
             else ("Match", "Insert")
         h = svc.handler_us
         print(f"| {svc.mode} | {svc.workers} | {_fmt(svc.server_cpu_us_per_req)} / "
-              f"{_fmt(echo.server_cpu_us_per_req)} | {_fmt(svc.client_cpu_us_per_req)} / "
+              f"{_fmt(echo.server_cpu_us_per_req)} | "
+              f"**{_ratio(svc.server_cpu_us_per_req, echo.server_cpu_us_per_req)}** | "
+              f"{_fmt(svc.client_cpu_us_per_req)} / "
               f"{_fmt(echo.client_cpu_us_per_req)} | "
               f"{h.get(match_key, 0.0):,.0f} / {h.get(insert_key, 0.0):,.0f} | "
               f"{svc.stats.get('evicted_tokens', 0):,} | "
@@ -538,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     add("--modes", default="unary,stream", help="comma-separated: unary, stream")
     add("--budget", type=int, default=1_000_000, help="KV pool size in tokens (default 1M)")
     add("--page-size", type=int, default=16)
+    add("--change-log-capacity", type=int, metavar="N",
+        help="server.change_log_capacity for the service (0: no change log, so no page "
+        "hashes at insert); default: the server's default")
     add("--json", type=Path, metavar="OUT", help="write every run as JSON")
     args = ap.parse_args(argv)
     workers = args.workers or [1, 8]
@@ -574,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 for n in workers:
                     e = run_workers("echo", mode, n, echo, tokens_path, spans)
-                    service, port = start_service(tmp, args.budget, args.page_size, f"{mode}{n}")
+                    service, port = start_service(tmp, args.budget, args.page_size, f"{mode}{n}",
+                                                  args.change_log_capacity)
                     try:
                         s = run_workers("service", mode, n, service, tokens_path, spans)
                         s.stats = service_stats(service.target)
@@ -584,8 +594,9 @@ def main(argv: list[str] | None = None) -> int:
                     pairs.append((s, e))
                     print(f"{mode} x{n}: service {s.req_per_s:,.0f} req/s, echo "
                           f"{e.req_per_s:,.0f} req/s, prefill p50 {s.prefill.p50_us:,.0f} "
-                          f"vs {e.prefill.p50_us:,.0f} µs, hit {s.stats['hit_ratio']:.4f}",
-                          file=sys.stderr)
+                          f"vs {e.prefill.p50_us:,.0f} µs, server CPU "
+                          f"{_ratio(s.server_cpu_us_per_req, e.server_cpu_us_per_req)}x "
+                          f"the echo's, hit {s.stats['hit_ratio']:.4f}", file=sys.stderr)
         finally:
             echo.stop()
     print(f"\n{args.trace.name}, first {len(spans):,} requests, pool {args.budget:,} tokens, "

@@ -76,6 +76,13 @@ class RunResult:
     integrity: str
     ops: dict[str, OpStats] = field(default_factory=dict)
     prefix_lens: array | None = field(default=None, repr=False)
+    # The loop's CPU time (process time, key preparation excluded): other tenants of
+    # a busy machine inflate it far less than the wall-clock loop time.
+    cpu_s: float = 0.0
+
+    @property
+    def cpu_us_per_req(self) -> float:
+        return self.cpu_s / self.requests * 1e6 if self.requests else 0.0
 
 
 @dataclass
@@ -100,13 +107,33 @@ def yardstick_impl() -> Impl:
                 lambda arr: arr.tolist(), lambda x: x)
 
 
-def ours_impl(eager_hashes: bool = False) -> Impl:
+# What the caller holds its token ids in, for `ours` (the pre-built array('I') is
+# "packed"); converting to it is untimed, like the yardstick's tolist().
+KEY_TYPES: dict[str, Callable[[array], Any]] = {
+    "packed": lambda arr: arr,
+    "list": lambda arr: arr.tolist(),
+    "array_q": lambda arr: array("q", arr),
+    "numpy": lambda arr: _numpy_int64(arr),
+}
+
+
+def _numpy_int64(arr: array) -> Any:
+    import numpy as np
+
+    return np.frombuffer(arr, dtype=np.uint32).astype(np.int64)
+
+
+def ours_impl(eager_hashes: bool = False, key_type: str = "packed") -> Impl:
+    """Our RadixCache; ``key_type`` names what the caller holds (KEY_TYPES)."""
     from prefixcache.cache import RadixCache, RadixKey
 
     kw = {"eager_page_hashes": True} if eager_hashes else {}
-    return Impl("ours+hashes" if eager_hashes else "ours",
+    name = "ours+hashes" if eager_hashes else "ours"
+    if key_type != "packed":
+        name += f"/{key_type}"
+    return Impl(name,
                 lambda alloc, ps: RadixCache(page_size=ps, token_to_kv_pool_allocator=alloc, **kw),
-                lambda arr: arr, RadixKey)
+                KEY_TYPES[key_type], RadixKey)
 
 
 def supports_eager_hashes() -> bool:
@@ -159,18 +186,20 @@ def replay(
         times[op].append for op in OPS)
     prefix_lens = array("q")
     clock = time.perf_counter_ns
-    failed = hit = evicted = prep_ns = errors = 0
+    failed = hit = evicted = prep_ns = prep_cpu = errors = 0
+    cpu = time.process_time_ns
     first_error: str | None = None
     if profile is not None:
         profile.enable()
-    start = clock()
+    start, cpu_start = clock(), cpu()
     for i, arr in enumerate(keys):
         try:
-            t0 = clock()
+            c0, t0 = cpu(), clock()
             raw = key = None  # free the last input untimed, as tolist() is untimed
             raw = prepare(arr)
             t1 = clock()
             prep_ns += t1 - t0
+            prep_cpu += cpu() - c0
             key = wrap(raw)
             t2 = clock()
             m = cache.match_prefix(key)
@@ -225,6 +254,7 @@ def replay(
                 first_error = f"request {i}: {type(exc).__name__}: {exc}"
 
     loop_ns = clock() - start - prep_ns
+    loop_cpu = cpu() - cpu_start - prep_cpu
     if profile is not None:
         profile.disable()
         buf = io.StringIO()
@@ -247,6 +277,7 @@ def replay(
         evicted_tokens=evicted, peak_rss_mb=peak / 1024,
         peak_rss_delta_mb=(peak - rss0) / 1024, integrity=integrity,
         ops={op: OpStats.of(ns) for op, ns in times.items()}, prefix_lens=prefix_lens,
+        cpu_s=loop_cpu / 1e9,
     )
 
 
@@ -272,18 +303,22 @@ def first_divergence(a: RunResult, b: RunResult) -> str | None:
 
 
 HEADER = ("| impl | budget | page | requests (failed/raised) | token hit | req/s | vs yardstick "
+          "| CPU µs/req | vs yardstick (CPU) "
           "| match p50 / p99 µs | insert p50 / p99 µs | alloc p50 / p99 µs "
           "| evict calls, mean µs | peak RSS MiB (Δ run) | loop s | wall s | integrity |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---:|---:|---|")
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---:|---:|---|")
 
 
 def table_row(r: RunResult, yard: RunResult | None) -> str:
     o = r.ops
     ratio = f"{r.req_per_s / yard.req_per_s:.2f}x" if yard and yard.req_per_s else "-"
+    cpu_ratio = (f"{yard.cpu_us_per_req / r.cpu_us_per_req:.2f}x"
+                 if yard and r.cpu_us_per_req else "-")
     pq = lambda s: f"{s.p50_us:,.1f} / {s.p99_us:,.1f}"  # noqa: E731
     ev = o["evict"]
     return (f"| {r.impl} | {r.budget:,} | {r.page_size} | {r.requests:,} ({r.failed}/{r.errors}) "
-            f"| {r.hit_ratio:.4f} | {r.req_per_s:,.0f} | {ratio} | {pq(o['match'])} "
+            f"| {r.hit_ratio:.4f} | {r.req_per_s:,.0f} | {ratio} | {r.cpu_us_per_req:,.0f} "
+            f"| {cpu_ratio} | {pq(o['match'])} "
             f"| {pq(o['insert'])} | {pq(o['alloc'])} | {ev.calls:,}, {ev.mean_us:,.0f} "
             f"| {r.peak_rss_mb:,.0f} ({r.peak_rss_delta_mb:+,.0f}) | {r.loop_s:.1f} "
             f"| {r.wall_s:.1f} | {r.integrity} |")
@@ -344,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     add("--page-size", type=int, default=16)
     add("--limit", type=int, help="replay only the first N requests")
     add("--impl", choices=("ours", "yardstick", "both"), default="both")
+    add("--keys", default=",".join(KEY_TYPES),
+        help="comma-separated key types for `ours` rows, from "
+        f"{', '.join(KEY_TYPES)} (default: all); `packed` is the plain `ours` row")
     add("--hash-pages", action="store_true",
         help="add an 'ours+hashes' row if RadixCache accepts eager_page_hashes")
     add("--profile", type=int, metavar="TOP", default=0,
@@ -362,8 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.trace.name}: {len(trace.keys):,} requests, {trace.total_tokens:,} tokens; "
           f"key build {trace.build_s:.1f} s (not timed)", file=sys.stderr)
     impls = [yardstick_impl()] if args.impl in ("yardstick", "both") else []
+    key_types = [k.strip() for k in args.keys.split(",") if k.strip()]
+    if bad := [k for k in key_types if k not in KEY_TYPES]:
+        ap.error(f"--keys: unknown {bad}; choose from {', '.join(KEY_TYPES)}")
     if args.impl in ("ours", "both"):
-        impls.append(ours_impl())
+        impls += [ours_impl(key_type=k) for k in key_types]
         if args.hash_pages and supports_eager_hashes():
             impls.append(ours_impl(eager_hashes=True))
         elif args.hash_pages:
@@ -378,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             job = functools.partial(replay, impl, trace.keys, budget, args.page_size,
                                     profile_top=args.profile)
             r = _in_child(job) if fork else job()
-            print(f"{impl.name} {budget:,}: {r.req_per_s:,.0f} req/s, hit {r.hit_ratio:.4f}, "
+            print(f"{impl.name} {budget:,}: {r.req_per_s:,.0f} req/s, "
+                  f"{r.cpu_us_per_req:,.0f} CPU µs/req, hit {r.hit_ratio:.4f}, "
                   f"{r.wall_s:.1f} s", file=sys.stderr)
             if impl.name == "yardstick":
                 yard = r

@@ -111,6 +111,7 @@ class TokenToKVPoolAllocator:
         self._word_ones = np.frombuffer(b"\x01" * word, dtype=f"<u{word}")[0]
         self._page_shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else None
         self._offsets = np.arange(ps, dtype=np.int64)
+        self._iota_cache = np.zeros(0, dtype=np.int64)
         self.clear()
 
     def clear(self) -> None:
@@ -159,9 +160,16 @@ class TokenToKVPoolAllocator:
         Raises:
             InvalidInputError: ``need_size`` is negative or not an int.
         """
+        got = self.alloc_host(need_size)
+        return None if got is None else self._to_device(got[0])
+
+    def alloc_host(self, need_size: int) -> tuple[np.ndarray, list[tuple[int, int]] | None] | None:
+        """As ``alloc``, but the slots stay a host int64 array, given with the
+        ``[first, end)`` bounds of their runs of consecutive slots (None where they
+        are too many to list), so a caller can work on them slice by slice."""
         n = check_count(need_size, "need_size", 0)
         if n == 0:
-            return self._to_device(np.zeros(0, dtype=np.int64))
+            return np.zeros(0, dtype=np.int64), []
         ps = self.page_size
         num = -(-n // ps)
         if num > self._free.size - self._head:
@@ -173,15 +181,21 @@ class TokenToKVPoolAllocator:
         # Pages taken from the front of the free list are mostly runs of consecutive
         # pages: build and mark each run as a slice; many runs take one vector pass.
         ends = np.flatnonzero(pages[1:] - pages[:-1] != 1)
-        if ends.size < _MAX_RUNS:
-            pieces, left = [], n
+        runs: list[tuple[int, int]] | None = None
+        if ends.size == 0:
+            start = int(pages[0]) * ps
+            slots = np.arange(start, start + n, dtype=np.int64)
+            self._live[start : start + n] = 1
+            runs = [(start, start + n)]
+        elif ends.size < _MAX_RUNS:
+            slots, runs, done = np.empty(n, dtype=np.int64), [], 0
             for a, b in zip([0, *(ends + 1).tolist()], [*ends.tolist(), num - 1], strict=True):
                 start = int(pages[a]) * ps
-                length = min((b - a + 1) * ps, left)  # the last page's tail stays unmarked
-                pieces.append(np.arange(start, start + length, dtype=np.int64))
+                length = min((b - a + 1) * ps, n - done)  # the last page's tail stays unmarked
+                np.add(self._iota(length), start, out=slots[done : done + length])
                 self._live[start : start + length] = 1
-                left -= length
-            slots = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+                runs.append((start, start + length))
+                done += length
         elif ps == 1:
             slots = pages.copy()
             self._live[slots] = 1
@@ -191,7 +205,14 @@ class TokenToKVPoolAllocator:
             if n % ps:  # the last page's tail is reserved, not handed out
                 self._live[int(slots[-1]) + 1 : (int(pages[-1]) + 1) * ps] = 0
         self._num_allocated += n
-        return self._to_device(slots)
+        return slots, runs
+
+    def _iota(self, n: int) -> np.ndarray:
+        """``arange(n)``, from one array kept for reuse (it grows to the largest run)."""
+        if self._iota_cache.size < n:
+            grown = min(2 * self._iota_cache.size, self._slot_end)
+            self._iota_cache = np.arange(max(n, grown), dtype=np.int64)
+        return self._iota_cache[:n]
 
     def _merge_released(self) -> None:
         """Move released pages into the free list (sorted when ``need_sort``)."""

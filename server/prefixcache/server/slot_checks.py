@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 
 from prefixcache.cache import InvalidInputError
@@ -43,3 +45,31 @@ def check_tree_prefix(head: np.ndarray, tree: np.ndarray, first_held: int) -> No
         raise PreconditionError(
             f"slot_indices[{bad}] = {int(head[bad])}, but the cache holds that token in "
             f"slot {int(tree[bad])} and the session does not hold slot {int(head[bad])}")
+
+
+# Slots come as a few ascending runs (the allocator hands out runs of pages): with fewer
+# runs than this, checks and ownership changes work on slices, one run at a time.
+MAX_RUNS = 32
+
+
+def slot_runs(slots: np.ndarray) -> list[tuple[int, int]] | None:
+    """The ``[first, end)`` bounds of ``slots``' runs of consecutive ascending values, in
+    order; None when there are more than ``MAX_RUNS`` (then work on the whole vector)."""
+    if len(slots) == 0:
+        return []
+    breaks = np.flatnonzero(slots[1:] - slots[:-1] != 1)
+    if len(breaks) >= MAX_RUNS:
+        return None
+    cuts = (breaks + 1).tolist()
+    firsts, lasts = [0, *cuts], [*cuts, len(slots)]
+    return [(int(slots[a]), int(slots[b - 1]) + 1) for a, b in zip(firsts, lasts, strict=True)]
+
+
+def runs_fit(runs: list[tuple[int, int]], low: int, high: int) -> bool:
+    """Whether the runs lie in ``[low, high)`` and no slot is in two of them."""
+    if not runs:
+        return True
+    ordered = sorted(runs)
+    if ordered[0][0] < low or max(end for _, end in ordered) > high:
+        return False
+    return all(prev_end <= first for (_, prev_end), (first, _) in pairwise(ordered))
