@@ -20,6 +20,8 @@ CACHE_FORBIDDEN = (
     "grpc_status",
     "prometheus_client",
     "yaml",
+    "zmq",
+    "msgpack",
     "google.protobuf",
     "prefixcache.server",
     "prefixcache.client",
@@ -29,6 +31,14 @@ CACHE_FORBIDDEN = (
 # cache's plain types only lazily, inside functions.
 CLIENT_FORBIDDEN_AT_IMPORT = ("torch", "prefixcache.server", "prefixcache.cache")
 SERVER_FORBIDDEN = ("prefixcache.client",)
+# Engine integrations sit on top of the client. Their cores are engine-free: only the
+# adapter modules named here import their engine, and nothing else under
+# prefixcache.integrations imports any engine, even lazily.
+ENGINES = ("vllm", "sglang")
+ENGINE_ADAPTERS = {"prefixcache/integrations/vllm/connector.py": ("vllm",),
+                   "prefixcache/integrations/sglang/backend.py": ("sglang",)}
+INTEGRATIONS_FORBIDDEN_AT_IMPORT = ("torch", "prefixcache.server", "prefixcache.cache")
+CLIENT_FORBIDDEN = ("prefixcache.integrations",)
 
 
 def imported_modules(source: str, package: str, *, import_time_only: bool = False) -> set[str]:
@@ -153,6 +163,42 @@ def test_checker_import_time_rules() -> None:
 def test_importing_client_does_not_load_torch(tmp_path: Path) -> None:
     """The real import, not just the parsed one: torch stays out of sys.modules."""
     code = "import prefixcache.client, sys; assert 'torch' not in sys.modules, 'torch loaded'"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_client_does_not_import_integrations() -> None:
+    """The integrations use the client, never the other way round."""
+    assert _check(REPO / "client", "prefixcache/client", CLIENT_FORBIDDEN) == []
+
+
+def test_only_engine_adapters_import_engines() -> None:
+    """An integration's core runs and is tested without its engine: only its adapter
+    module imports the engine, and the cores load without torch, server or cache."""
+    root = REPO / "client"
+    problems = []
+    for path, package in _modules_under(root, "prefixcache/integrations"):
+        rel = path.relative_to(root).as_posix()
+        allowed = ENGINE_ADAPTERS.get(rel, ())
+        engines = tuple(e for e in ENGINES if e not in allowed)
+        source = path.read_text()
+        bad = violations(imported_modules(source, package), engines)
+        if not allowed:
+            bad += violations(imported_modules(source, package, import_time_only=True),
+                              INTEGRATIONS_FORBIDDEN_AT_IMPORT)
+        problems += [f"{rel} imports {module}" for module in bad]
+    assert problems == []
+    for rel in ENGINE_ADAPTERS:
+        assert (root / rel).is_file(), f"{rel} is listed as an adapter but does not exist"
+
+
+def test_importing_an_integration_loads_no_engine(tmp_path: Path) -> None:
+    """The real import: the package (and its cores) without vLLM or torch."""
+    code = ("import sys, prefixcache.integrations.vllm, prefixcache.integrations.vllm.scheduler,"
+            " prefixcache.integrations.vllm.worker; "
+            "assert not {'vllm', 'torch'} & set(sys.modules), 'engine or torch loaded'")
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )

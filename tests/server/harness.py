@@ -78,6 +78,8 @@ def make_config(tmp: Path, models: Sequence[ModelConfig] | None = None,
                 **server: Any) -> Config:
     server.setdefault("listen", f"unix:{tmp / 'pc.sock'}")
     server.setdefault("metrics_port", -1)
+    # Tests get the opt-in change log (Subscribe, page RPCs) unless they say otherwise.
+    server.setdefault("change_log_capacity", 65536)
     models = models or (ModelConfig(name="m", page_size=1, pool=SMALL_POOL),)
     return Config(ServerConfig(**server), tuple(models))
 

@@ -231,6 +231,22 @@ def test_session_stream_with_token_is_served(auth_stub: pb_grpc.PrefixCacheStub)
     assert replies[0].WhichOneof("result") == "stats"
 
 
+@pytest.mark.parametrize("metadata", [None, _bearer("wrong")], ids=["none", "wrong"])
+def test_subscription_without_token_is_unauthenticated(
+        auth_stub: pb_grpc.PrefixCacheStub, metadata: list[tuple[str, str]] | None) -> None:
+    """A subscription streams the cache's contents: refused like any other call."""
+    call = auth_stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=TIMEOUT,
+                               metadata=metadata)
+    assert _code(lambda: next(call)) is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_subscription_with_token_is_served(auth_stub: pb_grpc.PrefixCacheStub) -> None:
+    call = auth_stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=TIMEOUT,
+                               metadata=_bearer("t0k"))
+    assert next(call).snapshot_begin.reason == pb.SNAPSHOT_REASON_NEW
+    call.cancel()
+
+
 def test_reset_with_plain_token_is_permission_denied(
         auth_stub: pb_grpc.PrefixCacheStub) -> None:
     code = _code(lambda: auth_stub.Reset(pb.ResetRequest(model="m"), timeout=TIMEOUT,

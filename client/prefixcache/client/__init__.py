@@ -30,6 +30,7 @@ from .errors import (
     Unavailable,
 )
 from .kv import KVData, WriteKVReply
+from .page_chain import RequestHashes
 from .results import (
     AllocReply,
     BufferInfo,
@@ -49,6 +50,9 @@ from .results import (
     UnlockReply,
 )
 from .session import ClientSession
+from .shadow import Lag, ShadowIndex
+from .shadow_follow import AsyncShadowFollower, ShadowFollower
+from .step import Admit, Finish, Free, FreeReply, StepReply
 from .sync import PrefixCacheClient
 
 if TYPE_CHECKING:
@@ -75,9 +79,11 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DEFAULT_TARGET",
     "DEFAULT_TIMEOUT",
+    "Admit",
     "AllocReply",
     "AsyncClientSession",
     "AsyncPrefixCacheClient",
+    "AsyncShadowFollower",
     "AsyncStreamSession",
     "AttachedPool",
     "BufferInfo",
@@ -86,10 +92,14 @@ __all__ = [
     "DeadlineExceeded",
     "EvictReply",
     "FailedPrecondition",
+    "Finish",
+    "Free",
+    "FreeReply",
     "InsertReply",
     "Internal",
     "InvalidArgument",
     "KVData",
+    "Lag",
     "LockReply",
     "MambaLayout",
     "MatchReply",
@@ -104,12 +114,16 @@ __all__ = [
     "RemoteAllocator",
     "RemoteNode",
     "RemoteRadixCache",
+    "RequestHashes",
     "ResetReply",
     "ResourceExhausted",
     "SessionInfo",
     "SessionLost",
+    "ShadowFollower",
+    "ShadowIndex",
     "StaleEpoch",
     "StatsReply",
+    "StepReply",
     "Unauthenticated",
     "Unavailable",
     "UnlockReply",

@@ -14,6 +14,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import grpc
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
+from . import step
 from ._wire import pack_slots, pack_tokens
 from .errors import (
     DeadlineExceeded,
@@ -40,6 +42,7 @@ from .results import (
     LockReply,
     MatchReply,
     ModelList,
+    ModelStats,
     PoolInfo,
     ResetReply,
     SessionInfo,
@@ -73,6 +76,8 @@ class Op:
     parse: Callable[[Any], Any]
     retry: bool
     fallback: Callable[[], Any] | None = None
+    # A fail-open answer that depends on the error (Step: per-item stand-ins or errors).
+    fallback_for: Callable[[PrefixCacheError], Any] | None = None
 
 
 def normalize_target(target: str | Path) -> str:
@@ -170,6 +175,9 @@ class ClientBase:
         self._request_ids = count(secrets.randbits(48) + 1)
         self._fail_open_lock = threading.Lock()
         self._fail_open_count = 0
+        # Each model's counters as the latest Step reply carried them, so that a
+        # scheduler reads its budget without a Stats call.
+        self.counters: dict[str, ModelStats] = {}
 
     @property
     def fail_open_count(self) -> int:
@@ -183,7 +191,10 @@ class ClientBase:
 
     def _failed_open(self, op: Op, err: PrefixCacheError, fail_open: bool | None) -> Any:
         """The fail-open answer to ``op`` for ``err``; raises ``err`` when it may not."""
-        return self._stand_in(op.method, op.fallback, err, fail_open)
+        fallback = op.fallback
+        if op.fallback_for is not None:
+            fallback = partial(op.fallback_for, err)
+        return self._stand_in(op.method, fallback, err, fail_open)
 
     def _stand_in(self, what: str, fallback: Callable[[], Any] | None, err: PrefixCacheError,
                   fail_open: bool | None) -> Any:
@@ -326,9 +337,10 @@ class ClientBase:
                   lambda: InsertReply(skipped=True))
 
     def _op_evict(self, model: str, num_tokens: int, swa_num_tokens: int,
-                  mamba_num: int) -> Op:
+                  mamba_num: int, session: SessionLike = None) -> Op:
         request = pb.EvictRequest(model=model, num_tokens=int(num_tokens),
-                                  swa_num_tokens=int(swa_num_tokens), mamba_num=int(mamba_num))
+                                  swa_num_tokens=int(swa_num_tokens), mamba_num=int(mamba_num),
+                                  session_id=session_id_of(session))
         return Op("Evict", request, EvictReply.from_pb, False)
 
     def _op_lock(self, model: str, node_id: int, session: SessionLike,
@@ -370,6 +382,22 @@ class ClientBase:
 
     def _op_reset(self, model: str) -> Op:
         return Op("Reset", pb.ResetRequest(model=model), ResetReply.from_pb, False)
+
+    def _op_step(self, model: str, items: step.StepItems, session: SessionLike,
+                 request_id: int | None, server_epoch: int | None = None) -> Op:
+        sid = session_id_of(session)
+        rid = self._next_request_id(request_id, bool(sid))
+        request = step.build_request(model, items, sid, rid,
+                                     self._fence(session, server_epoch))
+
+        def parse(m: pb.StepResponse) -> step.StepReply:
+            reply = step.parse_reply(m)
+            if reply.counters is not None:
+                self.counters[model] = reply.counters
+            return reply
+        # The request id makes a retry replay the first answer instead of redoing it.
+        return Op("Step", request, parse, bool(rid),
+                  fallback_for=partial(step.failed_open, items))
 
 
 def _extra_key(tokens: Any, extra_key: str | None) -> str | None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
 from . import kv
@@ -36,6 +38,8 @@ from .results import (
     StatsReply,
     UnlockReply,
 )
+from .shadow_follow import AsyncShadowFollower, NamespaceLike, namespace_filter
+from .step import Admit, Finish, Free, StepItems, StepReply
 
 
 class AsyncPrefixCacheClient(ClientBase):
@@ -53,6 +57,7 @@ class AsyncPrefixCacheClient(ClientBase):
         self._channel: grpc.aio.Channel | None = None
         self._stub_obj: pb_grpc.PrefixCacheStub | None = None
         self._closed = False
+        self._followers: list[AsyncShadowFollower] = []  # shadow(): closed with the client
 
     @property
     def _stub(self) -> pb_grpc.PrefixCacheStub:
@@ -75,6 +80,8 @@ class AsyncPrefixCacheClient(ClientBase):
         for session in list(self._sessions):
             with contextlib.suppress(PrefixCacheError):
                 await session.close()
+        for follower in self._followers:
+            await follower.close()
         if self._channel is not None:
             await self._channel.close()
         self._channel = self._stub_obj = None
@@ -134,14 +141,15 @@ class AsyncPrefixCacheClient(ClientBase):
     async def _pool_info(self, model: str, timeout: float | None) -> PoolInfo:
         return self._pools.get(model) or await self.describe_pool(model, timeout=timeout)
 
-    async def read_kv(self, model: str, slots: Any = (), *, layers: Any = None,
-                      state_slots: Any = (), chunk_bytes: int | None = None,
-                      server_epoch: int | None = None,
+    async def read_kv(self, model: str, slots: Any = (), *, session: SessionLike = None,
+                      layers: Any = None, state_slots: Any = (),
+                      chunk_bytes: int | None = None, server_epoch: int | None = None,
                       timeout: float | None = None) -> kv.KVData:
         """See ``PrefixCacheClient.read_kv``."""
         reader = kv.Reader(await self._pool_info(model, timeout), slots, layers,
                            state_slots, kv.chunk_limit(chunk_bytes, self.max_message_bytes))
-        reader.request.server_epoch = self._fence(None, server_epoch)
+        reader.request.session_id = session_id_of(session)
+        reader.request.server_epoch = self._fence(session, server_epoch)
         try:
             call = self._stub.ReadKV(reader.request, timeout=timeout or self.timeout,
                                      metadata=self._metadata)
@@ -169,6 +177,36 @@ class AsyncPrefixCacheClient(ClientBase):
             raise self._error(exc) from exc
         return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)
 
+    # ------------------------------------------------------------ Subscribe
+
+    def shadow(self, model: str, *, namespaces: Iterable[NamespaceLike] | None = None,
+               max_pages_per_event: int = 0) -> AsyncShadowFollower:
+        """See ``PrefixCacheClient.shadow``; the stream is read by a task of the running
+        loop (call it from a coroutine; ``await shadow.wait_ready()``)."""
+        follower = AsyncShadowFollower(self, model, namespaces=namespaces,
+                                       max_pages_per_event=max_pages_per_event)
+        self._followers.append(follower)
+        return follower
+
+    async def subscribe(self, model: str, *, after_seq: int | None = None,
+                        server_epoch: int = 0,
+                        namespaces: Iterable[NamespaceLike] | None = None,
+                        max_pages_per_event: int = 0) -> AsyncIterator[pb.SubscribeEvent]:
+        """See ``PrefixCacheClient.subscribe``."""
+        request = pb.SubscribeRequest(model=model, server_epoch=int(server_epoch),
+                                      namespaces=namespace_filter(namespaces),
+                                      max_pages_per_event=int(max_pages_per_event))
+        if after_seq is not None:
+            request.after_seq = int(after_seq)
+        call = self._stub.Subscribe(request, metadata=self._metadata)
+        try:
+            async for event in call:
+                yield event
+        except grpc.RpcError as exc:
+            raise self._error(exc) from exc
+        finally:
+            call.cancel()
+
     # --------------------------------------------------------------- sessions
 
     async def open_session(self, ttl: float | None = None, name: str | None = None, *,
@@ -190,10 +228,12 @@ class AsyncPrefixCacheClient(ClientBase):
         return AsyncClientSession(self, ttl, name=name, renew=renew, fail_open=fail_open,
                                   timeout=timeout)
 
-    def stream_session(self, *, fail_open: bool | None = None,
-                       timeout: float | None = None) -> AsyncStreamSession:
-        """A session carried by the bidirectional Session stream (``async with``)."""
-        return AsyncStreamSession(self, fail_open=fail_open, timeout=timeout)
+    def stream_session(self, *, fail_open: bool | None = None, timeout: float | None = None,
+                       keep_alive: bool = True) -> AsyncStreamSession:
+        """A session carried by the bidirectional Session stream (``async with``); with
+        ``keep_alive`` it keeps itself alive while idle (see ``AsyncStreamSession``)."""
+        return AsyncStreamSession(self, fail_open=fail_open, timeout=timeout,
+                                  keep_alive=keep_alive)
 
     # ------------------------------------------------------------ cache calls
 
@@ -219,9 +259,10 @@ class AsyncPrefixCacheClient(ClientBase):
         return await self._run(op, timeout, fail_open)
 
     async def evict(self, model: str, num_tokens: int = 0, *, swa_num_tokens: int = 0,
-                    mamba_num: int = 0, timeout: float | None = None) -> EvictReply:
-        return await self._run(self._op_evict(model, num_tokens, swa_num_tokens, mamba_num),
-                               timeout)
+                    mamba_num: int = 0, session: SessionLike = None,
+                    timeout: float | None = None) -> EvictReply:
+        return await self._run(self._op_evict(model, num_tokens, swa_num_tokens, mamba_num,
+                                              session), timeout)
 
     async def lock(self, model: str, node_id: int, *, session: SessionLike = None,
                    request_id: int | None = None, server_epoch: int | None = None,
@@ -249,3 +290,14 @@ class AsyncPrefixCacheClient(ClientBase):
 
     async def reset(self, model: str, *, timeout: float | None = None) -> ResetReply:
         return await self._run(self._op_reset(model), timeout)
+
+    async def step(self, model: str, *, finishes: Sequence[Finish] = (),
+                   unlocks: Sequence[int] = (), frees: Sequence[Free | Any] = (),
+                   decodes: Sequence[int] | int = (), admits: Sequence[Admit | Any] = (),
+                   session: SessionLike = None, request_id: int | None = None,
+                   server_epoch: int | None = None, fail_open: bool | None = None,
+                   timeout: float | None = None) -> StepReply:
+        """See ``PrefixCacheClient.step``."""
+        items = StepItems.of(finishes, unlocks, frees, decodes, admits)
+        return await self._run(self._op_step(model, items, session, request_id,
+                                             server_epoch), timeout, fail_open)

@@ -8,16 +8,18 @@ import asyncio
 import contextlib
 import weakref
 from collections.abc import Generator
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from . import kv
+from . import kv, step
 from ._core import FAIL_OPEN_ERRORS, log
 from ._session_state import SessionState, stand_in, take_fail_open
-from .errors import NotFound, PrefixCacheError, StaleEpoch
+from .errors import NotFound, PrefixCacheError, SessionLost, StaleEpoch
 from .results import (
     AllocReply,
     CloseReply,
+    EvictReply,
     InsertReply,
     LockReply,
     MatchReply,
@@ -194,6 +196,44 @@ class AsyncClientSession(_SessionCalls):
             return reply
         raise AssertionError("unreachable")
 
+    async def step(self, model: str, *, request_id: int | None = None,
+                   server_epoch: int | None = None, fail_open: bool | None = None,
+                   timeout: float | None = None, **lists: Any) -> step.StepReply:
+        """As ``ClientSession.step``."""
+        if self._state is None:
+            await self.open()
+        state = self._state
+        if state is None:  # open() sets it or raises
+            raise SessionLost("the session did not open")
+        fail_open = self.fail_open if fail_open is None else fail_open
+        items = step.StepItems.of(**lists)
+        for attempt in range(2):
+            if (refused := step.stale_fence(state, server_epoch)) is not None:
+                return self.client._stand_in("step", partial(step.failed_open, items, refused),
+                                             refused, fail_open)
+            todo = step.plan(state, items)
+            if todo.fresh and state.needs_reopen("match"):
+                try:
+                    await self._reopen()
+                except FAIL_OPEN_ERRORS as err:
+                    return self.client._stand_in(
+                        "step", partial(todo.failed_open, err),
+                        err, fail_open)
+            if not len(todo.send):
+                return todo.merge(step.StepReply(server_epoch=state.server_epoch))
+            op = self.client._op_step(model, todo.send, self, request_id, server_epoch)
+            try:
+                reply = await self.client._run(op, timeout, fail_open)
+            except StaleEpoch:
+                if attempt == 0:
+                    continue
+                raise
+            if reply.skipped and state.lost is not None and attempt == 0:
+                continue
+            step.record(state, todo.send, reply)
+            return todo.merge(reply)
+        raise AssertionError("unreachable")
+
     async def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
                        **kwargs: Any) -> kv.WriteKVReply:
         """``AsyncPrefixCacheClient.write_kv`` in this session."""
@@ -201,6 +241,17 @@ class AsyncClientSession(_SessionCalls):
                 (refused := self._state.refusal("write_kv", (), kwargs)) is not None:
             raise refused
         return await self.client.write_kv(model, slots, k, v, session=self, **kwargs)
+
+    async def read_kv(self, model: str, slots: Any = (), **kwargs: Any) -> kv.KVData:
+        """``AsyncPrefixCacheClient.read_kv`` of slots this session holds or has locked."""
+        if self._state is not None and \
+                (refused := self._state.refusal("read_kv", (), kwargs)) is not None:
+            raise refused
+        return await self.client.read_kv(model, slots, session=self, **kwargs)
+
+    async def evict(self, model: str, num_tokens: int = 0, **kwargs: Any) -> EvictReply:
+        """``AsyncPrefixCacheClient.evict``, attributed to this session."""
+        return await self.client.evict(model, num_tokens, session=self, **kwargs)
 
 
 async def _renew(ref: weakref.ref[AsyncClientSession], client: AsyncPrefixCacheClient,

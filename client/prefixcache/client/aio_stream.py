@@ -15,13 +15,18 @@ from ._core import FAIL_OPEN_ERRORS, Op
 from .aio_session import _SessionCalls
 from .errors import DeadlineExceeded, PrefixCacheError, Unavailable, error_for, from_rpc_error
 from .results import EvictReply, StatsReply
+from .step import StepItems, StepReply
 
 if TYPE_CHECKING:
     from .aio import AsyncPrefixCacheClient
 
 
 _STREAM_OPS = {"Match": "match", "Insert": "insert", "Evict": "evict", "Lock": "lock",
-               "Unlock": "unlock", "Alloc": "alloc", "Free": "free", "Stats": "stats"}
+               "Unlock": "unlock", "Alloc": "alloc", "Free": "free", "Stats": "stats",
+               "Step": "step", "KeepAlive": "keep_alive"}
+# The stream's lease is renewed by any message; an idle stream sends a keep_alive once
+# it has been silent for this fraction of the TTL the service told it.
+KEEP_ALIVE_FRACTION = 1 / 3
 
 
 class AsyncStreamSession(_SessionCalls):
@@ -33,15 +38,26 @@ class AsyncStreamSession(_SessionCalls):
     answered within its deadline raises DeadlineExceeded (its late answer is dropped).
     Calls are not retried: a broken stream has ended the session, so every later call
     raises Unavailable (or fails open).
+
+    The service ends a stream that sends nothing for its ``stream_ttl`` (300 s by
+    default). So, unless ``keep_alive`` is False, the session sends a ``keep_alive``
+    when it opens, learns the stream's TTL from the answer (``stream_ttl``), and sends
+    another whenever it has sent nothing for a third of it: an idle worker keeps its
+    stream, and with it its locks and slots.
     """
 
     session_id = ""
 
     def __init__(self, client: AsyncPrefixCacheClient, *, fail_open: bool | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, keep_alive: bool = True) -> None:
         self.client = client
         self.fail_open = fail_open
         self.timeout = timeout
+        self.keep_alive = keep_alive
+        # The stream's TTL, once the service has told it (seconds; None until then).
+        self.stream_ttl: float | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        self._last_sent = 0.0
         self._call_obj: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
@@ -55,6 +71,8 @@ class AsyncStreamSession(_SessionCalls):
             self._call_obj = self.client._stub.Session(metadata=self.client._metadata)
             self._reader = asyncio.create_task(self._read())
             self.client._sessions.add(self)
+            if self.keep_alive:
+                self._keeper = asyncio.create_task(self._keep_alive())
         return self
 
     async def __aenter__(self) -> AsyncStreamSession:
@@ -68,6 +86,8 @@ class AsyncStreamSession(_SessionCalls):
         if self.closed or self._call_obj is None:
             return
         self.closed = True
+        if self._keeper is not None:
+            self._keeper.cancel()
         with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
             await self._call_obj.done_writing()
         if self._reader is not None:
@@ -125,6 +145,7 @@ class AsyncStreamSession(_SessionCalls):
         try:
             async with self._write_lock:
                 await asyncio.wait_for(self._call_obj.write(request), timeout)
+                self._last_sent = asyncio.get_running_loop().time()
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise DeadlineExceeded(f"no answer to {op.method} on the session stream "
@@ -135,6 +156,29 @@ class AsyncStreamSession(_SessionCalls):
             raise err from exc
         finally:
             self._pending.pop(seq, None)
+
+    async def _keep_alive(self) -> None:
+        """Keep an idle stream's lease: a keep_alive at open (its answer is the stream's
+        TTL), then one whenever nothing was sent for a third of the TTL. Ends when the
+        stream does, or when the service does not know the op (it answers an error)."""
+        op = Op("KeepAlive", pb.KeepAliveRequest(), lambda reply: reply, False)
+        loop = asyncio.get_running_loop()
+        try:
+            while not self.closed and self._broken is None:
+                interval = (self.stream_ttl or 0.0) * KEEP_ALIVE_FRACTION
+                idle = loop.time() - self._last_sent
+                if self.stream_ttl is not None and idle < interval:
+                    await asyncio.sleep(interval - idle)
+                    continue
+                try:
+                    reply = await self._send(op, None)
+                except DeadlineExceeded:
+                    continue  # a slow answer: the message itself renewed the lease
+                if not reply.ttl_seconds:
+                    return  # no lease to keep
+                self.stream_ttl = reply.ttl_seconds
+        except PrefixCacheError:
+            return  # the stream broke (its calls say so), or an old service
 
     async def _run(self, op: Op, timeout: float | None, fail_open: bool | None) -> Any:
         try:
@@ -156,6 +200,12 @@ class AsyncStreamSession(_SessionCalls):
 
     async def stats(self, model: str = "", *, timeout: float | None = None) -> StatsReply:
         return await self._run(self.client._op_stats(model), timeout, False)
+
+    async def step(self, model: str, *, timeout: float | None = None,
+                   fail_open: bool | None = None, **items: Any) -> StepReply:
+        """``AsyncPrefixCacheClient.step`` on the stream (never retried: no request id)."""
+        op = self.client._op_step(model, StepItems.of(**items), None, 0)
+        return await self._run(op, timeout, fail_open)
 
 
 def _stream_args(name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[Any, ...]:

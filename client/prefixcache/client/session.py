@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import threading
 import weakref
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from . import kv
+from . import kv, step
 from ._core import FAIL_OPEN_ERRORS, log
 from ._session_state import SessionState, stand_in, take_fail_open
 from .errors import NotFound, PrefixCacheError, StaleEpoch
 from .results import (
     AllocReply,
     CloseReply,
+    EvictReply,
     InsertReply,
     LockReply,
     MatchReply,
@@ -188,12 +190,59 @@ class ClientSession:
         """``PrefixCacheClient.free`` in this session."""
         self._call("free", model, slots, **kwargs)
 
+    def step(self, model: str, *, request_id: int | None = None,
+             server_epoch: int | None = None, fail_open: bool | None = None,
+             timeout: float | None = None, **lists: Any) -> step.StepReply:
+        """``PrefixCacheClient.step`` in this session. After the service-side session
+        was lost, the items that name its handles (finishes, unlocks, frees, and lock ids
+        of an earlier session) are answered ``SessionLost`` without being sent; the
+        admissions and decodes go out in a new session."""
+        fail_open = self.fail_open if fail_open is None else fail_open
+        items = step.StepItems.of(**lists)
+        state = self._state
+        for attempt in range(2):
+            if (refused := step.stale_fence(state, server_epoch)) is not None:
+                return self.client._stand_in("step", partial(step.failed_open, items, refused),
+                                             refused, fail_open)
+            todo = step.plan(state, items)
+            if todo.fresh and state.needs_reopen("match"):
+                try:
+                    self._reopen()
+                except FAIL_OPEN_ERRORS as err:
+                    return self.client._stand_in(
+                        "step", partial(todo.failed_open, err),
+                        err, fail_open)
+            if not len(todo.send):
+                return todo.merge(step.StepReply(server_epoch=state.server_epoch))
+            op = self.client._op_step(model, todo.send, self, request_id, server_epoch)
+            try:
+                reply = self.client._run(op, timeout, fail_open)
+            except StaleEpoch:
+                if attempt == 0:
+                    continue  # the service restarted under us: stale items stay here
+                raise
+            if reply.skipped and state.lost is not None and attempt == 0:
+                continue
+            step.record(state, todo.send, reply)
+            return todo.merge(reply)
+        raise AssertionError("unreachable")
+
     def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
                  **kwargs: Any) -> kv.WriteKVReply:
         """``PrefixCacheClient.write_kv`` in this session."""
         if (refused := self._state.refusal("write_kv", (), kwargs)) is not None:
             raise refused
         return self.client.write_kv(model, slots, k, v, session=self, **kwargs)
+
+    def read_kv(self, model: str, slots: Any = (), **kwargs: Any) -> kv.KVData:
+        """``PrefixCacheClient.read_kv`` of slots this session holds or has locked."""
+        if (refused := self._state.refusal("read_kv", (), kwargs)) is not None:
+            raise refused
+        return self.client.read_kv(model, slots, session=self, **kwargs)
+
+    def evict(self, model: str, num_tokens: int = 0, **kwargs: Any) -> EvictReply:
+        """``PrefixCacheClient.evict``, attributed to this session."""
+        return self.client.evict(model, num_tokens, session=self, **kwargs)
 
 
 def _renew(ref: weakref.ref[ClientSession], client: PrefixCacheClient, session_id: str,

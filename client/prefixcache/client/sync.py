@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
-from . import kv
+from . import kv, pages
 from ._core import (
     DEFAULT_TARGET,
     FAIL_OPEN_ERRORS,
@@ -37,6 +39,8 @@ from .results import (
     UnlockReply,
 )
 from .session import ClientSession
+from .shadow_follow import NamespaceLike, ShadowFollower, namespace_filter
+from .step import Admit, Finish, Free, StepItems, StepReply
 
 
 class PrefixCacheClient(ClientBase):
@@ -77,6 +81,7 @@ class PrefixCacheClient(ClientBase):
             self._channel = grpc.insecure_channel(self.target, self._options)
         self._stub = pb_grpc.PrefixCacheStub(self._channel)
         self._closed = False
+        self._followers: list[ShadowFollower] = []  # shadow(): closed with the client
 
     # ------------------------------------------------------------- lifecycle
 
@@ -88,6 +93,8 @@ class PrefixCacheClient(ClientBase):
         for session in list(self._sessions):
             with contextlib.suppress(PrefixCacheError):
                 session.close()
+        for follower in self._followers:
+            follower.close()
         self._channel.close()
 
     def __enter__(self) -> PrefixCacheClient:
@@ -147,15 +154,18 @@ class PrefixCacheClient(ClientBase):
     def _pool_info(self, model: str, timeout: float | None) -> PoolInfo:
         return self._pools.get(model) or self.describe_pool(model, timeout=timeout)
 
-    def read_kv(self, model: str, slots: Any = (), *, layers: Any = None,
-                state_slots: Any = (), chunk_bytes: int | None = None,
+    def read_kv(self, model: str, slots: Any = (), *, session: SessionLike = None,
+                layers: Any = None, state_slots: Any = (), chunk_bytes: int | None = None,
                 server_epoch: int | None = None, timeout: float | None = None) -> kv.KVData:
         """Copies of the K/V rows of ``slots`` (every layer, or ``layers``) and the
-        Mamba state of ``state_slots``, streamed in chunks. ``server_epoch``: the epoch
-        the slots come from (default: the newest seen). Imports torch."""
+        Mamba state of ``state_slots``, streamed in chunks. Each slot must be held by
+        ``session`` or lie under one of its locks (no session: only on a model with
+        ``open_reads``). ``server_epoch``: the epoch the slots come from (default: the
+        session's, else the newest seen). Imports torch."""
         reader = kv.Reader(self._pool_info(model, timeout), slots, layers, state_slots,
                            kv.chunk_limit(chunk_bytes, self.max_message_bytes))
-        reader.request.server_epoch = self._fence(None, server_epoch)
+        reader.request.session_id = session_id_of(session)
+        reader.request.server_epoch = self._fence(session, server_epoch)
         try:
             for chunk in self._stub.ReadKV(reader.request, timeout=timeout or self.timeout,
                                            metadata=self._metadata):
@@ -183,6 +193,37 @@ class PrefixCacheClient(ClientBase):
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
         return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)
+
+    # ------------------------------------------------------------ Subscribe
+
+    def shadow(self, model: str, *, namespaces: Iterable[NamespaceLike] | None = None,
+               max_pages_per_event: int = 0) -> ShadowFollower:
+        """A shadow index of ``model``'s cached pages, kept current by a daemon thread
+        from the Subscribe stream: ``shadow.match(RequestHashes(...))`` answers a ranking
+        match locally. ``namespaces``: extra_keys or ``(extra_key, token_width)`` pairs
+        to follow (None: all). Closed with the client, or by ``close()``."""
+        follower = ShadowFollower(self, model, namespaces=namespaces,
+                                  max_pages_per_event=max_pages_per_event)
+        self._followers.append(follower)
+        return follower
+
+    def subscribe(self, model: str, *, after_seq: int | None = None, server_epoch: int = 0,
+                  namespaces: Iterable[NamespaceLike] | None = None,
+                  max_pages_per_event: int = 0) -> Iterator[pb.SubscribeEvent]:
+        """The raw Subscribe stream of ``model`` (events as the proto defines them),
+        until the caller stops iterating; failures raise the typed errors."""
+        request = pb.SubscribeRequest(model=model, server_epoch=int(server_epoch),
+                                      namespaces=namespace_filter(namespaces),
+                                      max_pages_per_event=int(max_pages_per_event))
+        if after_seq is not None:
+            request.after_seq = int(after_seq)
+        call = self._stub.Subscribe(request, metadata=self._metadata)
+        try:
+            yield from call
+        except grpc.RpcError as exc:
+            raise self._error(exc) from exc
+        finally:
+            call.cancel()
 
     # --------------------------------------------------------------- sessions
 
@@ -251,10 +292,12 @@ class PrefixCacheClient(ClientBase):
         return self._run(op, timeout, fail_open)
 
     def evict(self, model: str, num_tokens: int = 0, *, swa_num_tokens: int = 0,
-              mamba_num: int = 0, timeout: float | None = None) -> EvictReply:
-        """Free at least ``num_tokens`` unlocked cached tokens (whole leaves)."""
-        return self._run(self._op_evict(model, num_tokens, swa_num_tokens, mamba_num),
-                         timeout)
+              mamba_num: int = 0, session: SessionLike = None,
+              timeout: float | None = None) -> EvictReply:
+        """Free at least ``num_tokens`` unlocked cached tokens (whole leaves);
+        ``session`` names who asks, in the service's log."""
+        return self._run(self._op_evict(model, num_tokens, swa_num_tokens, mamba_num,
+                                        session), timeout)
 
     def lock(self, model: str, node_id: int, *, session: SessionLike = None,
              request_id: int | None = None, server_epoch: int | None = None,
@@ -285,3 +328,56 @@ class PrefixCacheClient(ClientBase):
     def reset(self, model: str, *, timeout: float | None = None) -> ResetReply:
         """Drop every entry, lock and allocation of ``model`` (needs the admin token)."""
         return self._run(self._op_reset(model), timeout)
+
+    # ---------------------------------------------- pages by hash (pages.py)
+
+    def exists_pages(self, model: str, page_hashes: pages.PageHashes, *,
+                     extra_key: str | None = None, token_width: int = 1,
+                     before_set: bool = False,
+                     timeout: float | None = None) -> pages.ExistsPagesReply:
+        """Which pages of a chain of page hashes ``model`` holds (leading run, and each);
+        ``before_set``: a check before storing them, not counted as a lookup."""
+        return self._run(pages.op_exists(model, page_hashes, extra_key, token_width,
+                                         before_set), timeout)
+
+    def get_pages(self, model: str, page_hashes: pages.PageHashes, *,
+                  extra_key: str | None = None, token_width: int = 1,
+                  session: SessionLike = None, request_id: int | None = None,
+                  timeout: float | None = None) -> pages.GetPagesReply:
+        """Lock the leading run of held pages for ``session``; answers their slots and
+        the locks to ``unlock`` once the pages are read."""
+        return self._run(pages.op_get(self, model, page_hashes, extra_key, token_width,
+                                      session, request_id), timeout)
+
+    def set_pages(self, model: str, page_hashes: pages.PageHashes, slots: Any, *,
+                  extra_key: str | None = None, token_width: int = 1,
+                  prior_hash: str | bytes | None = None, session: SessionLike = None,
+                  request_id: int | None = None, server_epoch: int | None = None,
+                  timeout: float | None = None) -> pages.SetPagesReply:
+        """Store pages by hash: ``slots`` (``page_size`` per page; zeros for a page not
+        sent) are slots ``session`` holds with the pages' KV written in."""
+        return self._run(pages.op_set(self, model, page_hashes, slots, extra_key,
+                                      token_width, prior_hash, session, request_id,
+                                      server_epoch), timeout)
+
+    def step(self, model: str, *, finishes: Sequence[Finish] = (),
+             unlocks: Sequence[int] = (), frees: Sequence[Free | Any] = (),
+             decodes: Sequence[int] | int = (), admits: Sequence[Admit | Any] = (),
+             session: SessionLike = None, request_id: int | None = None,
+             server_epoch: int | None = None, fail_open: bool | None = None,
+             timeout: float | None = None) -> StepReply:
+        """One scheduling step's cache work for ``model`` in one call (see
+        :mod:`prefixcache.client.step`): ``finishes`` (insert, release the admission's
+        lock, free the unaligned tail), ``unlocks``, ``frees``, ``decodes`` (a slot
+        count per running request, or one total), then ``admits`` (match, lock,
+        allocate; plain tokens are admissions). Each item gets its own result, a reply
+        or the typed error; the reply's ``counters`` are the model's after the step.
+
+        Retried after UNAVAILABLE under a request id, so a retry is answered from the
+        service's replay window. Failing open (``fail_open``) answers a ``skipped``
+        reply: finishes, unlocks, frees and lock-only admissions hold their stand-ins,
+        decodes and allocating admissions the error (they need real slots).
+        """
+        items = StepItems.of(finishes, unlocks, frees, decodes, admits)
+        return self._run(self._op_step(model, items, session, request_id, server_epoch),
+                         timeout, fail_open)

@@ -33,14 +33,17 @@ from prefixcache.cache import (
     TokenToKVPoolAllocator,
 )
 from prefixcache.cache.allocator import host_indices
+from prefixcache.cache.change_log import DEFAULT_CAPACITY, ChangeLog
 from prefixcache.cache.kv_pool import BufferFactory
 from prefixcache.cache.mamba_radix_cache import MambaRadixCache
+from prefixcache.cache.page_index import PageIndex
 
-from .config import ModelConfig
-from .engine_base import EngineBase
+from .config import ConfigError, ModelConfig
+from .engine_base import EngineBase, needs_session
 from .errors import PoolExhaustedError, PreconditionError
+from .quotas import prefix_tokens
 from .sessions import Session
-from .slot_checks import check_distinct, check_range, check_tree_prefix
+from .slot_checks import check_distinct, check_range, check_tree_prefix, runs_fit, slot_runs
 from .state_slots import StateSlots, mamba_pool
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -86,8 +89,17 @@ class ModelEngine(EngineBase):
     """
 
     def __init__(self, config: ModelConfig, next_lock_id: Any,
-                 buffer_factory: BufferFactory | None = None, handle_base: int = 0) -> None:
+                 buffer_factory: BufferFactory | None = None, handle_base: int = 0,
+                 *, change_log: bool = False,
+                 change_log_capacity: int = DEFAULT_CAPACITY) -> None:
         super().__init__(config, next_lock_id, handle_base)
+        # The page set's change log (KV events, shadow indexes); chunk caches no pages.
+        self.change_log = (ChangeLog(change_log_capacity)
+                           if change_log and config.kind != "chunk" else None)
+        # Radix models with page hashes find pages by hash (hash_pages.py, SGLang HiCache);
+        # the index listens to the cache and passes token pages on to the change log.
+        self.page_index = (PageIndex(self.change_log)
+                           if self.change_log is not None and config.kind == "radix" else None)
         self.page_size = config.page_size
         pool = config.pool
         kv = {
@@ -112,20 +124,24 @@ class ModelEngine(EngineBase):
                 pool.size, swa_size, "cpu", config.page_size)
             self.cache: Any = SWARadixCache(
                 config.page_size, config.sliding_window_size, self.allocator,
-                eviction_policy=config.eviction_policy)
+                eviction_policy=config.eviction_policy, listener=self.change_log)
         else:
             self.allocator = TokenToKVPoolAllocator(pool.size, "cpu", config.page_size)
             if config.kind == "mamba":
-                assert config.mamba is not None
+                if config.mamba is None:  # load_config refuses this; a hand-built one may not
+                    raise ConfigError(f"models.{config.name}: kind mamba needs a mamba section")
                 states = mamba_pool(config.mamba, pool.device, buffer_factory)
                 self.cache = MambaRadixCache(config.page_size, self.allocator, states,
-                                             mamba_cache_chunk_size=config.mamba.chunk_size)
+                                             mamba_cache_chunk_size=config.mamba.chunk_size,
+                                             listener=self.change_log)
                 self.states = StateSlots(config.name, states, self.cache)
             elif config.kind == "chunk":
                 self.cache = ChunkCache(self.allocator)
             else:
                 self.cache = RadixCache(config.page_size, None, self.allocator,
-                                        eviction_policy=config.eviction_policy)
+                                        eviction_policy=config.eviction_policy,
+                                        listener=self.change_log if self.page_index is None
+                                        else self.page_index)
         self.pool_size = pool.size
         self.num_rows = self.kv_pool.num_rows
         self._owner = np.zeros(self.num_rows, dtype=np.int64)
@@ -161,28 +177,32 @@ class ModelEngine(EngineBase):
     def match(self, key: RadixKey, session: Session | None, lock: bool = False,
               allocate: bool = False) -> MatchOutcome:
         """Longest cached prefix; optionally lock it and allocate slots for the rest."""
-        if (lock or allocate) and session is None:
-            raise PreconditionError("lock and allocate need a session_id")
+        owner = needs_session(session, "a match with lock or allocate") \
+            if lock or allocate else None
         result = self.cache.match_prefix(key)
         node = result.last_node if result.prefix_len else None
         node_id = self._handle(node)
-        lock_id, allocated, boundary, state = 0, _EMPTY, None, None
+        lock_id, allocated, boundary, state, tokens = 0, _EMPTY, None, None, None
+        if owner is not None:  # quotas first: a refused match takes no lock
+            if lock and node is not None:
+                tokens = prefix_tokens(node)
+                self.quota.check_lock(owner, tokens)
+            if allocate:
+                self.quota.check_slots(owner, len(key) - result.prefix_len)
         if node is not None and (lock or allocate):
             # Held while allocating too, so eviction cannot free what we just matched.
             boundary = self.cache.inc_lock_ref(node)
         try:
-            if allocate:
-                assert session is not None
-                allocated, states = self.alloc(session, len(key) - result.prefix_len,
+            if allocate and owner is not None:  # owner is set whenever allocate is
+                allocated, states = self.alloc(owner, len(key) - result.prefix_len,
                                                1 if self.states else 0)
                 state = int(states[0]) if len(states) else None
         except BaseException:
             if node is not None:
                 self.cache.dec_lock_ref(node, boundary)
             raise
-        if node is not None and lock:
-            assert session is not None
-            lock_id = self._hold(session, node, boundary)
+        if node is not None and lock and owner is not None:
+            lock_id = self._hold(owner, node, boundary, tokens)
         elif node is not None and allocate:
             self.cache.dec_lock_ref(node, boundary)
         # Counted once answered: a refused match (no room to allocate) changes nothing.
@@ -208,33 +228,29 @@ class ModelEngine(EngineBase):
             raise InvalidInputError(f"slot_indices has {len(slots)} slots for {n} tokens")
         if lock and session is None:
             raise PreconditionError("lock needs a session_id")
-        if release_lock_id:
-            if session is None:
-                raise PreconditionError("release_lock_id needs the session_id that holds it")
-            held_lock = session.locks.get(release_lock_id)
-            if held_lock is None:
-                raise PreconditionError(f"lock {release_lock_id} is not held by this session")
-            if held_lock.engine is not self:
-                raise PreconditionError(f"lock {release_lock_id} is on another model")
-        self._check_range(slots)
-        state = np.array([] if state_slot is None else [state_slot], dtype=np.int64)
-        if state_slot is not None:
-            self._states().check(session, state)
+        # Checked before anything changes: a lock of another model (or none) is refused.
+        self._check_release(session, release_lock_id)
         aligned = n - n % self.page_size
         tag = session.tag if session is not None else -1
         if self.kind == "chunk":
             aligned = 0  # nothing is cached: every slot stays the session's
         head = slots[:aligned]
         tree = host_indices(self.cache.peek_prefix(key)) if aligned else _EMPTY
-        held = self._owner[head] == tag
-        first_held = int(np.argmax(held)) if held.any() else aligned
-        check_tree_prefix(head, tree, first_held)
+        # One pass over the slots where they pass every check (the usual case); the
+        # checks one by one, which name what is wrong, only where they may not.
+        checked = self._checked_head(slots, head, tree, tag)
+        if checked is None:
+            self._check_range(slots)
+        state = np.array([] if state_slot is None else [state_slot], dtype=np.int64)
+        if state_slot is not None:
+            self._states().check(session, state)
+        if checked is None:
+            first_held, runs = self._check_head(head, tree, tag), None
+        else:
+            first_held, runs = checked
         new = head[first_held:]
-        if not held[first_held:].all():
-            bad = first_held + int(np.argmin(held[first_held:]))
-            raise PreconditionError(f"slot_indices[{bad}] = {int(head[bad])} is not held by "
-                                    "this session (allocate it, or pass the matched slot)")
-        check_distinct(new)
+        if lock and session is not None:  # its prefix is at most the aligned tokens
+            self._check_lock_quota(session, aligned, release_lock_id)
 
         self.ops["insert"] += 1
         value = torch.from_numpy(slots)
@@ -250,7 +266,7 @@ class ModelEngine(EngineBase):
             freed = new[: max(0, result.prefix_len - first_held)]
             if len(freed):
                 self.allocator.free(freed)
-        self._owner[new] = 0
+        self._set_owner(new, runs, 0)
         self._disown(session, len(new))
         state_exist = bool(getattr(result, "mamba_exist", False))
         if state_slot is not None:  # the tree took it, or had a state there already
@@ -260,11 +276,10 @@ class ModelEngine(EngineBase):
             node = None
         lock_id = 0
         if lock and node is not None:
-            assert session is not None
-            lock_id = self._hold(session, node, self.cache.inc_lock_ref(node))
+            owner = needs_session(session, "lock")  # checked above, before any change
+            lock_id = self._hold(owner, node, self.cache.inc_lock_ref(node))
         if release_lock_id:
-            assert session is not None
-            self.unlock(session, release_lock_id)
+            self.unlock(needs_session(session, "release_lock_id"), release_lock_id)
         return InsertOutcome(result.prefix_len, aligned, self._handle(node), lock_id, freed,
                              state_exist)
 
@@ -281,15 +296,19 @@ class ModelEngine(EngineBase):
         if node_id == 0:
             return 0
         node = self._node(node_id)
-        return self._hold(session, node, self.cache.inc_lock_ref(node))
+        tokens = prefix_tokens(node)
+        self.quota.check_lock(session, tokens)
+        return self._hold(session, node, self.cache.inc_lock_ref(node), tokens)
 
     def unlock(self, session: Session, lock_id: int) -> None:
-        """Release one of ``session``'s locks on this model (the caller found it there)."""
-        held = self._drop(session, lock_id)
+        """Release one of ``session``'s locks on this model; refused if it is not one."""
+        held = self._held(session, lock_id)
         self.cache.dec_lock_ref(held.node, held.boundary)
+        self._drop(session, lock_id)
 
     def alloc(self, session: Session, num_slots: int,
               num_states: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        self.quota.check_slots(session, num_slots)
         states = _EMPTY
         if num_states:
             # Refuse before the state allocation evicts snapshots (and their KV).
@@ -352,8 +371,57 @@ class ModelEngine(EngineBase):
             raise IntegrityError(f"{owned} slots owned by sessions, {self.session_slots} counted")
         if self.states is not None:
             self.states.check_integrity()
+        if self.page_index is not None:
+            self.page_index.check()
 
     # --------------------------------------------------------------- helpers
+
+    def _checked_head(self, slots: np.ndarray, head: np.ndarray, tree: np.ndarray,
+                      tag: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """``(first_held, runs of head[first_held:])`` if ``slots`` pass every insert
+        check, else None (not a refusal: the slots may be too scattered to check here).
+
+        The tree's part of ``head`` ends at its first slot that differs from the tree's:
+        a session's slot is never the tree's, so where the insert is valid that is
+        exactly the first slot the session holds. The rest is checked run by run.
+        """
+        common = min(len(tree), len(head))
+        first = common
+        if common:
+            same = head[:common] == tree[:common]
+            if not same.all():
+                first = int(np.argmin(same))
+        runs = slot_runs(head[first:])
+        tail = slots[len(head):]
+        if runs is None or not runs_fit(runs, 1, self.num_rows) or (
+                len(tail) and (int(tail.min()) < 1 or int(tail.max()) >= self.num_rows)):
+            return None
+        owner = self._owner
+        if not all((owner[lo:end] == tag).all() for lo, end in runs):
+            return None
+        return first, runs
+
+    def _check_head(self, head: np.ndarray, tree: np.ndarray, tag: int) -> int:
+        """The insert's slot checks one by one, raising on the first that fails; returns
+        where the session's slots start."""
+        held = self._owner[head] == tag
+        first_held = int(np.argmax(held)) if held.any() else len(head)
+        check_tree_prefix(head, tree, first_held)
+        if not held[first_held:].all():
+            bad = first_held + int(np.argmin(held[first_held:]))
+            raise PreconditionError(f"slot_indices[{bad}] = {int(head[bad])} is not held by "
+                                    "this session (allocate it, or pass the matched slot)")
+        check_distinct(head[first_held:])
+        return first_held
+
+    def _set_owner(self, slots: np.ndarray, runs: list[tuple[int, int]] | None,
+                   tag: int) -> None:
+        """Mark ``slots`` (whose runs are ``runs``, or None: not known) as ``tag``'s."""
+        if runs is None:
+            self._owner[slots] = tag
+        else:
+            for lo, end in runs:
+                self._owner[lo:end] = tag
 
     def _check_room(self, n: int) -> None:
         """Refuse ``n`` slots the pool cannot supply even after evicting (not SWA)."""
@@ -381,11 +449,17 @@ class ModelEngine(EngineBase):
                 raise self._exhausted(n)
             if short > 0:
                 self.evicted_tokens["pressure"] += self.cache.evict(short).full_evicted
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            raise self._exhausted(n)
-        out = host_indices(slots)
-        self._owner[out] = session.tag
+        if isinstance(self.allocator, TokenToKVPoolAllocator):
+            got = self.allocator.alloc_host(n)
+            if got is None:
+                raise self._exhausted(n)
+            out, runs = got
+        else:
+            slots = self.allocator.alloc(n)
+            if slots is None:
+                raise self._exhausted(n)
+            out, runs = host_indices(slots), None
+        self._set_owner(out, runs, session.tag)
         session.slots[self.name] = session.slots.get(self.name, 0) + n
         self.session_slots += n
         self.ops["alloc"] += 1

@@ -11,10 +11,16 @@ import secrets
 import time
 from collections.abc import Callable
 
+from prefixcache.cache import IntegrityError
+from prefixcache.cache.change_log import DEFAULT_CAPACITY
+
+from . import lock_audit, quotas
 from .config import ModelConfig
 from .engine import ModelEngine
 from .errors import NotFoundError, PreconditionError, StaleEpochError
-from .sessions import Session, SessionRegistry
+from .limits import Limits
+from .quotas import Quota
+from .sessions import Session, SessionRegistry, expiry_summary
 from .shared_pool import SharedPools
 from .slot_engine import SlotEngine
 
@@ -32,27 +38,38 @@ class CacheService:
         models: One engine is built per model, in order.
         session_ttl: Default lease; requests are clamped to ``[ttl_min, ttl_max]``.
         clock: Monotonic seconds, for leases.
+        limits: ``max_sessions`` and ``stream_ttl`` (see limits.py); the defaults if None.
+        change_logs: give each tree model a ``ChangeLog`` (``engine.change_log``).
+        change_log_capacity: the changes each change log keeps (for Subscribe).
     """
 
     def __init__(self, models: tuple[ModelConfig, ...] | list[ModelConfig],
                  session_ttl: float = 30.0, ttl_min: float = 1.0, ttl_max: float = 600.0,
                  clock: Callable[[], float] = time.monotonic,
-                 shm_dir: str | None = None, shm_mode: int = 0o600) -> None:
+                 shm_dir: str | None = None, shm_mode: int = 0o600,
+                 limits: Limits | None = None, change_logs: bool = False,
+                 change_log_capacity: int = DEFAULT_CAPACITY) -> None:
         # A client that sees this change knows every handle it holds is gone.
         self.epoch = secrets.randbits(63) or 1
         # Node and lock ids start at a base drawn per start, so an id kept from
         # before a restart names nothing now (instead of somebody else's node or lock).
         self.id_base = ((self.epoch & _BASE_MASK) or 1) << _ID_BITS
-        self.sessions = SessionRegistry(self._release, clock, self.id_base)
+        self.limits = Limits.of() if limits is None else limits
+        self.sessions = SessionRegistry(self._release, clock, self.id_base,
+                                        self.limits.max_sessions)
         # CPU pools in shared memory under shm_dir (None: private), for attach.
         self.shared = SharedPools(shm_dir, self.epoch, shm_mode)
         self.engines: dict[str, ModelEngine | SlotEngine] = {}
         try:
             for model in models:
                 kind = SlotEngine if model.kind == "slot" else ModelEngine
+                # Change logs (KV events): the tree kinds only; a slot cache has no pages.
+                extra = {"change_log": change_logs, "change_log_capacity": change_log_capacity
+                         } if kind is ModelEngine else {}
                 self.engines[model.name] = kind(
                     model, self.sessions.next_lock_id,
-                    self.shared.factory(model.name, model.pool.device), self.id_base)
+                    self.shared.factory(model.name, model.pool.device), self.id_base, **extra)
+                self.engines[model.name].quota = Quota.of(self.limits, self.engines[model.name])
         except BaseException:
             self.shared.close()
             raise
@@ -89,17 +106,18 @@ class CacheService:
         return session
 
     def open_stream_session(self, name: str = "") -> Session:
-        return self.sessions.open(None, name)
+        """A Session stream's session: its lease (``stream_ttl``) is renewed by every
+        message on the stream (``sessions.touch``)."""
+        return self.sessions.open(self.limits.stream_ttl, name, stream=True)
 
     def close_session(self, session: Session) -> tuple[int, int]:
         return self.sessions.close(session)
 
-    def expire_sessions(self) -> int:
-        expired = self.sessions.expire()
-        for session, locks, slots in expired:
-            log.warning("session lease expired", extra={
-                "session": session.id[:8], "client": session.name,
-                "locks_released": locks, "slots_freed": slots})
+    def expire_sessions(self, limit: int | None = None) -> int:
+        """Close lapsed sessions, at most ``limit`` (None: all), with one log line."""
+        expired = self.sessions.expire(limit)
+        if expired:
+            log.warning("session leases expired", extra=expiry_summary(expired))
         return len(expired)
 
     def unlock(self, session: Session, lock_id: int) -> None:
@@ -118,13 +136,21 @@ class CacheService:
     def reset(self, name: str) -> tuple[int, int]:
         engine = self.engine(name)
         dropped = engine.reset(list(self.sessions))
+        for session in self.sessions:  # kept replies name locks and slots that are gone
+            session.forget_replies()
         log.warning("model reset", extra={"model": name, "dropped_tokens": dropped[0],
                                           "dropped_locks": dropped[1]})
         return dropped
 
     def check_integrity(self) -> None:
+        """Every model's own check, then its lock and slot counts, and its tree's lock
+        counts, against what the sessions hold (``lock_audit``)."""
         for engine in self.engines.values():
             engine.check_integrity()
+        lock_audit.audit(self.engines, self.sessions)
+        problems = quotas.audit(self.sessions)
+        if problems:
+            raise IntegrityError("; ".join(problems[:20]))
 
     def _release(self, session: Session) -> tuple[int, int]:
         locks = slots = 0

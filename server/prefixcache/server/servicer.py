@@ -1,8 +1,8 @@
 """The gRPC adapter: decode a request, make one call into the service, encode the reply.
 
-Every operation has one handler ``(request, session) -> response`` that both the unary
-RPC and the Session stream call, so the two cannot drift apart. Errors become status
-codes through ``status.status_for`` only.
+Every operation has one handler ``(request, session) -> response`` (servicer_ops.py)
+that both the unary RPC and the Session stream call, so the two cannot drift apart.
+Errors become status codes through ``status.status_for`` only.
 
 Concurrency: this servicer runs on a ``grpc.aio`` server, so every handler runs on the
 one event loop thread and no handler awaits in the middle of a cache operation. That
@@ -11,6 +11,7 @@ makes each model single-writer without locks (DESIGN §3).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,32 +23,30 @@ from prefixcache.cache import InvalidInputError
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
-from . import kv_transfer
-from .codec import decode_key, decode_slots, encode_slots
-from .errors import DrainingError, PreconditionError
+from . import keepalive, kv_access, kv_transfer, page_rpcs
+from .errors import DeniedError, DrainingError, LimitError, NotFoundError
+from .evict_policy import EvictCollector, EvictPolicy
+from .limits import Limits, truncate
 from .metrics import Metrics
-from .registration import Malformed, parsed
+from .quotas import StreamQuota
+from .registration import Refused, parsed
 from .service import CacheService
+from .servicer_ops import CALLER, CacheOps
 from .sessions import Session
-from .shared_pool import describe_buffers
 from .status import status_for, trailers_for
+from .step import StepExecutor
+from .subscriptions import Subscriptions
+from .tenants import ANYONE, Caller, Callers, check_request
 
 log = logging.getLogger("prefixcache.server")
 
-_KINDS = {
-    "radix": pb.CACHE_KIND_RADIX,
-    "swa": pb.CACHE_KIND_SWA,
-    "mamba": pb.CACHE_KIND_MAMBA,
-    "slot": pb.CACHE_KIND_SLOT,
-    "chunk": pb.CACHE_KIND_CHUNK,
-}
 _OK = grpc.StatusCode.OK
 # Room for a KVChunk's other fields within a message of max_message_bytes.
 CHUNK_OVERHEAD = 1024
 
 
 _MUTATING = (pb.InsertRequest, pb.EvictRequest, pb.LockRequest, pb.UnlockRequest,
-             pb.AllocRequest, pb.FreeRequest)
+             pb.AllocRequest, pb.FreeRequest, pb.StepRequest)
 
 
 def _mutates(request: Any) -> bool:
@@ -58,151 +57,45 @@ def _mutates(request: Any) -> bool:
     return isinstance(request, _MUTATING)
 
 
-def _extra_key(request: Any) -> str | None:
-    return request.extra_key if request.HasField("extra_key") else None
-
-
-def _mamba_layout(pool: Any) -> pb.MambaPoolLayout:
-    return pb.MambaPoolLayout(
-        layer_num=pool.num_layers, conv_state_shape=pool.conv_state_shape,
-        conv_dtype=str(pool.dtype).removeprefix("torch."),
-        temporal_state_shape=pool.temporal_state_shape,
-        temporal_dtype=str(pool.temporal_dtype).removeprefix("torch."),
-        working_slots=pool.max_reqs, state_slots=pool.max_track_slots,
-        num_rows=pool.num_slots)
-
-
-def _needs(session: Session | None, what: str) -> Session:
-    if session is None:
-        raise PreconditionError(f"{what} needs a session_id (OpenSession or the Session stream)")
-    return session
-
-
-class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
+class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
     """Serves ``prefixcache.v1.PrefixCache`` over a ``CacheService``.
 
     Args:
         check_integrity: Invariant mode: run the service's integrity check after every
             call that can change a cache or a pool; a failure answers INTERNAL.
+        limits: Sizes and counts one request may carry (limits.py); the service's if None.
+        callers: Tells callers apart by token (admin, tenants); None: all alike.
     """
 
     def __init__(self, service: CacheService, metrics: Metrics | None = None,
                  check_integrity: bool = False,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_message_bytes: int = 64 * 1024 * 1024,
+                 limits: Limits | None = None, callers: Callers | None = None) -> None:
         self.service = service
+        self.limits = service.limits if limits is None else limits
+        self.callers = Callers() if callers is None else callers
+        # Reading the caller's token costs a little per call: only when it matters.
+        self._identify = self.callers.has_tenants or self.limits.max_evict_tokens > 0
+        self.evict_policy = EvictPolicy(self.limits.max_evict_tokens, list(service.engines))
+        if metrics is not None:
+            metrics.registry.register(EvictCollector(self.evict_policy))
+        self.write_budget = kv_access.WriteBudget(self.limits.max_inflight_write_bytes,
+                                                  self.limits.max_inflight_write_bytes_total)
         self.metrics = metrics
         self.check_integrity = check_integrity
         # ReadKV chunks never exceed this, whatever the client asks for.
         self.max_chunk_bytes = max(max_message_bytes - CHUNK_OVERHEAD, 1)
+        # Subscribe streams (subscriptions.py), one change feed per model.
+        self.subscriptions = Subscriptions(service, self.limits, max_message_bytes)
         self._stream_ops: dict[str, Callable[[Any, Session | None], Any]] = {
             "match": self._match, "insert": self._insert, "evict": self._evict,
             "lock": self._lock, "unlock": self._unlock, "alloc": self._alloc,
-            "free": self._free, "stats": self._stats,
+            "free": self._free, "stats": self._stats, "step": self._step,
+            "keep_alive": self._stream_keep_alive,
         }
-
-    # --------------------------------------------------------- shared handlers
-
-    def _match(self, req: pb.MatchRequest, session: Session | None) -> pb.MatchResponse:
-        if session is not None and (reply := session.replay("match", req.request_id)):
-            return reply
-        engine = self.service.engine(req.model)
-        key = decode_key(req.token_ids, req.token_width, _extra_key(req),
-                         engine.config.vocab_size)
-        out = engine.match(key, session, req.lock, req.allocate)
-        reply = pb.MatchResponse(
-            prefix_len=out.prefix_len, slot_indices=encode_slots(out.indices),
-            node_id=out.node_id, lock_id=out.lock_id,
-            allocated_slots=encode_slots(out.allocated), state_slot=out.state_slot,
-            mamba_branching_seqlen=out.branching_seqlen,
-            allocated_state_slot=out.allocated_state, slot_version=out.slot_version,
-            allocated_slot_version=out.allocated_version, server_epoch=self.service.epoch)
-        if session is not None and (req.lock or req.allocate):
-            session.remember("match", req.request_id, reply)
-        return reply
-
-    def _insert(self, req: pb.InsertRequest, session: Session | None) -> pb.InsertResponse:
-        if session is not None and (reply := session.replay("insert", req.request_id)):
-            return reply
-        engine = self.service.engine(req.model)
-        key = decode_key(req.token_ids, req.token_width, _extra_key(req),
-                         engine.config.vocab_size)
-        slots = decode_slots(req.slot_indices)
-        state = req.state_slot if req.HasField("state_slot") else None
-        if engine.kind == "slot":
-            out = engine.insert(key, slots, session, req.lock, req.release_lock_id, state,
-                                slot_version=req.slot_version)
-        else:
-            out = engine.insert(key, slots, session, req.lock, req.release_lock_id, state)
-        reply = pb.InsertResponse(
-            prefix_len=out.prefix_len, cached_len=out.cached_len, node_id=out.node_id,
-            lock_id=out.lock_id, freed_slots=encode_slots(out.freed),
-            state_exist=out.state_exist, server_epoch=self.service.epoch)
-        if session is not None:
-            session.remember("insert", req.request_id, reply)
-        return reply
-
-    def _evict(self, req: pb.EvictRequest, session: Session | None) -> pb.EvictResponse:
-        result = self.service.engine(req.model).evict(req.num_tokens, req.swa_num_tokens,
-                                                      req.mamba_num)
-        return pb.EvictResponse(evicted_tokens=result.full_evicted,
-                                swa_evicted_tokens=result.swa_evicted,
-                                mamba_evicted=result.mamba_evicted)
-
-    def _lock(self, req: pb.LockRequest, session: Session | None) -> pb.LockResponse:
-        session = _needs(session, "Lock")
-        if reply := session.replay("lock", req.request_id):
-            return reply
-        reply = pb.LockResponse(lock_id=self.service.engine(req.model).lock(session, req.node_id),
-                                server_epoch=self.service.epoch)
-        session.remember("lock", req.request_id, reply)
-        return reply
-
-    def _unlock(self, req: pb.UnlockRequest, session: Session | None) -> pb.UnlockResponse:
-        session = _needs(session, "Unlock")
-        if reply := session.replay("unlock", req.request_id):
-            return reply
-        self.service.unlock(session, req.lock_id)
-        reply = pb.UnlockResponse()
-        session.remember("unlock", req.request_id, reply)
-        return reply
-
-    def _alloc(self, req: pb.AllocRequest, session: Session | None) -> pb.AllocResponse:
-        session = _needs(session, "Alloc")
-        engine = self.service.engine(req.model)
-        slots, states = engine.alloc(session, req.num_slots, req.num_state_slots)
-        versions = engine.versions(slots) if engine.kind == "slot" else slots[:0]
-        return pb.AllocResponse(slot_indices=encode_slots(slots),
-                                state_slots=encode_slots(states),
-                                slot_versions=encode_slots(versions),
-                                server_epoch=self.service.epoch)
-
-    def _free(self, req: pb.FreeRequest, session: Session | None) -> pb.FreeResponse:
-        session = _needs(session, "Free")
-        engine = self.service.engine(req.model)
-        engine.free(session, decode_slots(req.slot_indices),
-                    decode_slots(req.state_slots, "state_slots"))
-        return pb.FreeResponse()
-
-    def _stats(self, req: pb.StatsRequest, session: Session | None = None) -> pb.StatsResponse:
-        engines = ([self.service.engine(req.model)] if req.model
-                   else list(self.service.engines.values()))
-        models = []
-        for e in engines:
-            sizes = e.sizes()
-            models.append(pb.ModelStats(
-                model=e.name, evictable_tokens=sizes["evictable"],
-                protected_tokens=sizes["protected"], free_slots=sizes["free_slots"],
-                match_tokens_total=e.match_tokens, hit_tokens_total=e.hit_tokens,
-                pool_size=e.pool_size, session_slots=e.session_slots, locks=e.num_locks,
-                evicted_tokens_total=sum(e.evicted_tokens.values()),
-                swa_evictable_tokens=sizes["swa_evictable"],
-                swa_protected_tokens=sizes["swa_protected"],
-                mamba_evictable_slots=sizes["mamba_evictable"],
-                mamba_protected_slots=sizes["mamba_protected"],
-                free_state_slots=sizes["free_state_slots"],
-                session_state_slots=e.session_state_slots))
-        return pb.StatsResponse(models=models, sessions=len(self.service.sessions),
-                                server_epoch=self.service.epoch)
+        self._steps = StepExecutor(service, self.limits, self._refusal)
+        # ReadKV and WriteKV streams in flight per session (quotas.py).
+        self.streams = StreamQuota(self.limits.max_session_streams)
 
     # ------------------------------------------------------------- unary RPCs
 
@@ -211,6 +104,8 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         code = status_for(exc)
         if code is grpc.StatusCode.INTERNAL:
             log.exception("internal error in %s", method)
+        elif isinstance(exc, LimitError) and self.metrics is not None:
+            self.metrics.refused(exc.limit)
         return code
 
     def _observe(self, method: str, code: grpc.StatusCode, start: float) -> None:
@@ -226,7 +121,10 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
                 parsed(arg)
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
+            caller = self._enter(context)
             if args:
+                if caller.bound:
+                    check_request(caller, args[0], self.service)
                 self.service.check_epoch(getattr(args[0], "server_epoch", 0))
             reply = handler(*args)
             if self.check_integrity and (mutates or (args and _mutates(args[0]))):
@@ -238,8 +136,26 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         finally:
             self._observe(method, code, start)
 
+    def _enter(self, context: Any) -> Caller:
+        """Who this call comes from (tenants.py), made known to its handlers."""
+        caller = self.callers.of(context.invocation_metadata()) if self._identify else ANYONE
+        CALLER.set(caller)
+        return caller
+
     def _session_of(self, session_id: str) -> Session | None:
         return self.service.session(session_id) if session_id else None
+
+    def _attributed(self, handler: Callable[[Any, Session | None], Any]
+                    ) -> Callable[[Any], Any]:
+        """As ``_with_session``, for a call that only names its session (Evict): one
+        that is gone makes the call anonymous rather than refused."""
+        def call(req: Any) -> Any:
+            try:
+                session = self._session_of(req.session_id)
+            except NotFoundError:
+                session = None
+            return handler(req, session)
+        return call
 
     def _with_session(self, handler: Callable[[Any, Session | None], Any]
                       ) -> Callable[[Any], Any]:
@@ -252,7 +168,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         return await self._unary("Insert", context, self._with_session(self._insert), request)
 
     async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
-        return await self._unary("Evict", context, self._evict, request, None)
+        return await self._unary("Evict", context, self._attributed(self._evict), request)
 
     async def Lock(self, request: pb.LockRequest, context: Any) -> pb.LockResponse:
         return await self._unary("Lock", context, self._with_session(self._lock), request)
@@ -265,6 +181,9 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
 
     async def Free(self, request: pb.FreeRequest, context: Any) -> pb.FreeResponse:
         return await self._unary("Free", context, self._with_session(self._free), request)
+
+    async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+        return await self._unary("Step", context, self._with_session(self._step), request)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         return await self._unary("Stats", context, self._stats, request, None)
@@ -283,6 +202,16 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
 
     async def KeepAlive(self, request: pb.KeepAliveRequest,
                         context: Any) -> pb.KeepAliveResponse:
+        # Paced per session (keepalive.py): a renewal storm waits instead of spinning.
+        sessions = self.service.sessions
+        session = None if isinstance(request, Refused) else sessions.find(request.session_id)
+        wait = keepalive.wait(session, time.monotonic())
+        if wait > 0:
+            try:
+                await asyncio.sleep(wait)
+            except asyncio.CancelledError:
+                keepalive.give_back(session)
+                raise
         return await self._unary("KeepAlive", context, self._keep_alive, request)
 
     async def CloseSession(self, request: pb.CloseSessionRequest,
@@ -293,92 +222,47 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
     async def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
         return await self._unary("Reset", context, self._reset, request, mutates=True)
 
-    def _list_models(self) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(server_epoch=self.service.epoch, models=[
-            pb.ModelInfo(name=e.name, cache_kind=_KINDS[e.kind], page_size=e.page_size,
-                         pool_size=e.pool_size,
-                         sliding_window_size=e.config.sliding_window_size or 0,
-                         vocab_size=e.config.vocab_size,
-                         state_pool_size=e.mamba_pool.max_track_slots if e.mamba_pool else 0)
-            for e in self.service.engines.values()])
-
-    def _describe_pool(self, req: pb.DescribePoolRequest) -> pb.DescribePoolResponse:
-        engine = self.service.engine(req.model)
-        kv = engine.kv_pool
-        if kv is None:  # a slot model: [slot, position, layer, heads, dim] tensors
-            k, v = engine.k_cache, engine.v_cache
-            return pb.DescribePoolResponse(
-                model=engine.name, layer_num=k.shape[2], k_head_num=k.shape[3],
-                k_head_dim=k.shape[4], v_head_num=v.shape[3], v_head_dim=v.shape[4],
-                dtype=str(k.dtype).removeprefix("torch."), device=str(k.device),
-                page_size=1, pool_size=engine.pool_size, num_rows=engine.pool_size,
-                max_seq_len=engine.max_seq_len,
-                buffers=describe_buffers(engine, self.service.shared),
-                server_epoch=self.service.epoch)
-        return pb.DescribePoolResponse(
-            model=engine.name, layer_num=kv.layer_num, k_head_num=kv.k_head_num,
-            k_head_dim=kv.k_head_dim, v_head_num=kv.v_head_num, v_head_dim=kv.v_head_dim,
-            dtype=str(kv.dtype).removeprefix("torch."), device=str(kv.device),
-            page_size=kv.page_size, pool_size=engine.pool_size, num_rows=kv.num_rows,
-            swa_pool_size=engine.swa_kv_pool.size if engine.swa_kv_pool else 0,
-            mamba=_mamba_layout(engine.mamba_pool) if engine.mamba_pool else None,
-            buffers=describe_buffers(engine, self.service.shared),
-            server_epoch=self.service.epoch)
-
-    def _open_session(self, req: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
-        if req.ttl_seconds < 0 or req.ttl_seconds != req.ttl_seconds:
-            raise InvalidInputError(f"ttl_seconds must be >= 0, got {req.ttl_seconds}")
-        session = self.service.open_session(req.ttl_seconds, req.client_name)
-        return pb.OpenSessionResponse(session_id=session.id, ttl_seconds=session.ttl or 0.0,
-                                      server_epoch=self.service.epoch)
-
-    def _keep_alive(self, req: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
-        session = self.service.session(req.session_id)
-        return pb.KeepAliveResponse(ttl_seconds=session.ttl or 0.0)
-
-    def _close_session(self, req: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
-        locks, slots = self.service.close_session(self.service.session(req.session_id))
-        return pb.CloseSessionResponse(locks_released=locks, slots_freed=slots)
-
-    def _reset(self, req: pb.ResetRequest) -> pb.ResetResponse:
-        tokens, locks = self.service.reset(req.model)
-        return pb.ResetResponse(dropped_tokens=tokens, dropped_locks=locks)
-
     # ------------------------------------------------------------ KV transfer
 
     async def ReadKV(self, request: pb.ReadKVRequest,
                      context: Any) -> AsyncIterator[pb.KVChunk]:
         start = time.perf_counter()
         code = _OK
+        streaming = None
         try:
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
-            engine = self.service.engine(parsed(request).model)
-            self.service.check_epoch(request.server_epoch)
-            parts = kv_transfer.plan(engine, decode_slots(request.slot_indices),
-                                     list(request.layers),
-                                     decode_slots(request.state_slots, "state_slots"))
-            chunk = min(request.max_chunk_bytes or self.max_chunk_bytes,
-                        self.max_chunk_bytes)
-            # Each yield lets the loop serve other calls between chunks.
-            for reply in kv_transfer.read_chunks(parts, chunk):
+            caller = self._enter(context)
+            parts, chunk, grant = kv_access.open_read(self.service, parsed(request),
+                                                      self.limits, caller.bound,
+                                                      self.max_chunk_bytes)
+            streaming = self.streams.open(self._session_of(request.session_id))
+            # Each yield lets the loop serve other calls between chunks; the grant is
+            # checked again before each, since the session may release what it read by.
+            for reply in kv_transfer.read_chunks(parts, chunk, grant.check):
                 yield reply
         except Exception as exc:
             code = self._refusal(exc, "ReadKV")
             await context.abort(code, str(exc), trailers_for(exc))
         finally:
+            self.streams.close(streaming)
             self._observe("ReadKV", code, start)
 
     async def WriteKV(self, request_iterator: AsyncIterator[pb.KVChunk],
                       context: Any) -> pb.WriteKVResponse:
         start = time.perf_counter()
         code = _OK
+        writer = streaming = None
         try:
-            writer = None
             async for chunk in request_iterator:
                 parsed(chunk)
                 if writer is None:
-                    writer = kv_transfer.open_writer(self.service, chunk)
+                    opened = kv_transfer.open_writer(self.service, chunk,
+                                                     self.write_budget.hold)
+                    # Counted before its first row is written: a refusal writes nothing.
+                    streaming = self.streams.open(
+                        self.service.session(chunk.header.session_id))
+                    writer = opened
                 else:
                     writer.add(chunk)
             if writer is None:
@@ -392,7 +276,47 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
             code = self._refusal(exc, "WriteKV")
             await context.abort(code, str(exc), trailers_for(exc))
         finally:
+            if writer is not None:
+                writer.close()  # its partial rows' bytes go back to the budget
+            self.streams.close(streaming)
             self._observe("WriteKV", code, start)
+
+    # --------------------------------------------------------------- Subscribe
+
+    async def Subscribe(self, request: pb.SubscribeRequest,
+                        context: Any) -> AsyncIterator[pb.SubscribeEvent]:
+        start = time.perf_counter()
+        code = _OK
+        try:
+            if self._enter(context).bound:  # the feed names every namespace's pages
+                raise DeniedError("Subscribe follows every namespace: not for a tenant's "
+                                  "token", "tenant_namespaces")
+            # Checked before the first event: a refusal starts nothing.
+            events = self.subscriptions.stream(parsed(request))
+            async for event in events:
+                yield event
+        except Exception as exc:
+            code = self._refusal(exc, "Subscribe")
+            await context.abort(code, str(exc), trailers_for(exc))
+        finally:
+            self._observe("Subscribe", code, start)
+
+    # ------------------------------------------- pages by hash (page_rpcs.py)
+
+    async def ExistsPages(self, request: pb.ExistsPagesRequest,
+                          context: Any) -> pb.ExistsPagesResponse:
+        return await self._unary("ExistsPages", context, self._pages(page_rpcs.exists),
+                                 request, None)
+
+    async def GetPages(self, request: pb.GetPagesRequest, context: Any) -> pb.GetPagesResponse:
+        return await self._unary("GetPages", context,
+                                 self._with_session(self._pages(page_rpcs.get)), request,
+                                 mutates=True)
+
+    async def SetPages(self, request: pb.SetPagesRequest, context: Any) -> pb.SetPagesResponse:
+        return await self._unary("SetPages", context,
+                                 self._with_session(self._pages(page_rpcs.set_pages)),
+                                 request, mutates=True)
 
     # ---------------------------------------------------------- Session stream
 
@@ -400,10 +324,24 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
                       context: Any) -> AsyncIterator[pb.SessionResponse]:
         if self.service.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
-        session = self.service.open_stream_session(context.peer())
+        try:
+            session = self.service.open_stream_session(
+                truncate(context.peer(), self.limits.max_client_name_bytes))
+        except LimitError as exc:
+            await context.abort(self._refusal(exc, "Session"), str(exc))
+        # The stream's lease lapsing (reaper.py) cancels this handler, ending the stream.
+        session.on_lapse = asyncio.current_task().cancel
+        self._enter(context)  # its operations are the caller's (tenants, Evict's cap)
         try:
             async for request in request_iterator:
+                self.service.sessions.touch(session)
                 yield self._stream_op(request, session)
+        except asyncio.CancelledError:
+            if not session.lapsed:
+                raise
+            await context.abort(grpc.StatusCode.UNAVAILABLE, (
+                f"the session stream sent nothing for {session.ttl} s (server.stream_ttl): "
+                "its session ended and its locks and slots were released"))
         finally:
             locks, slots = self.service.close_session(session)
             if self.check_integrity and (locks or slots):
@@ -417,8 +355,8 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
 
     def _stream_op(self, request: pb.SessionRequest, session: Session) -> pb.SessionResponse:
         start = time.perf_counter()
-        op = None if isinstance(request, Malformed) else request.WhichOneof("op")
-        seq = 0 if isinstance(request, Malformed) else request.seq
+        op = None if isinstance(request, Refused) else request.WhichOneof("op")
+        seq = request.seq
         code = _OK
         try:
             parsed(request)
@@ -427,6 +365,9 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
             body = getattr(request, op)
+            caller = CALLER.get()
+            if caller.bound:
+                check_request(caller, body, self.service)
             self.service.check_epoch(getattr(body, "server_epoch", 0))
             reply = self._stream_ops[op](body, session)
             if self.check_integrity and _mutates(body):
