@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from harness import SMALL_POOL, ServerThread, running
+from harness import SMALL_POOL, ServerThread, client_of, serve_module
 
 from prefixcache.client import PrefixCacheClient
 from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig
@@ -23,14 +23,12 @@ MODELS = (
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    with running(tmp_path_factory.mktemp("client"), MODELS, session_ttl_min=0.2) as srv:
-        yield srv
+    yield from serve_module(tmp_path_factory, "client", MODELS, session_ttl_min=0.2)
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerThread) -> Iterator[PrefixCacheClient]:
-    with PrefixCacheClient(server.address, timeout=5.0) as c:
-        yield c
+    yield from client_of(server)
 
 
 @pytest.fixture

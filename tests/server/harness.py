@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from prefixcache.client import PrefixCacheClient
 from prefixcache.server.app import PrefixCacheServer
 from prefixcache.server.config import Config, MambaConfig, ModelConfig, PoolConfig, ServerConfig
 from prefixcache.v1 import prefix_cache_pb2 as pb
@@ -94,6 +96,40 @@ def running(tmp: Path, models: Sequence[ModelConfig] | None = None,
         thread.stop()
 
 
+# Generators for pytest fixtures (``yield from serve_module(...)``), so that each test file
+# keeps its fixtures explicit while sharing their set-up and tear-down.
+
+
+def serve_module(factory: Any, name: str, models: Sequence[ModelConfig] | None = None,
+                 **server: Any) -> Iterator[ServerThread]:
+    """A server in a fresh tmp dir named ``name`` (``factory`` is tmp_path_factory)."""
+    with running(factory.mktemp(name), models, **server) as srv:
+        yield srv
+
+
+def stub_of(server: ServerThread) -> Iterator[pb_grpc.PrefixCacheStub]:
+    """A stub on a channel to ``server``, closed afterwards."""
+    channel, stub = stub_for(server.address)
+    try:
+        yield stub
+    finally:
+        channel.close()
+
+
+def session_of(stub: pb_grpc.PrefixCacheStub, ttl: float = 60) -> Iterator[str]:
+    """A session id, closed afterwards unless the test already closed it."""
+    sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=ttl)).session_id
+    yield sid
+    with contextlib.suppress(grpc.RpcError):
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+
+
+def client_of(server: ServerThread, timeout: float = 5.0) -> Iterator[PrefixCacheClient]:
+    """A PrefixCacheClient of ``server``, closed afterwards."""
+    with PrefixCacheClient(server.address, timeout=timeout) as client:
+        yield client
+
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -156,5 +192,6 @@ def stub_for(address: str, **kwargs: Any) -> tuple[grpc.Channel, pb_grpc.PrefixC
     return channel, pb_grpc.PrefixCacheStub(channel)
 
 
-__all__ = ["EVERY_KIND", "SMALL_POOL", "ServerThread", "make_config", "pack_slots", "pb",
-           "pb_grpc", "running", "serve_process", "slots", "stub_for", "toks", "wait_serving"]
+__all__ = ["EVERY_KIND", "SMALL_POOL", "ServerThread", "client_of", "make_config", "pack_slots",
+           "pb", "pb_grpc", "running", "serve_module", "serve_process", "session_of", "slots",
+           "stub_for", "stub_of", "toks", "wait_serving"]

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import SMALL_POOL, pack_slots, pb, running, stub_for, toks
+from harness import SMALL_POOL, pack_slots, pb, running, serve_module, stub_for, stub_of, toks
 
 from prefixcache.server.config import ConfigError, ModelConfig, PoolConfig, load_config
 from prefixcache.server.limits import LIMIT_NAMES, Limits
@@ -23,15 +23,12 @@ CAPS = {"max_extra_key_bytes": 16, "max_client_name_bytes": 24, "max_session_id_
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    with running(tmp_path_factory.mktemp("limits"), MODELS, **CAPS) as srv:
-        yield srv
+    yield from serve_module(tmp_path_factory, "limits", MODELS, **CAPS)
 
 
 @pytest.fixture(scope="module")
 def stub(server) -> Iterator:
-    channel, stub = stub_for(server.address)
-    yield stub
-    channel.close()
+    yield from stub_of(server)
 
 
 def refusals(server, limit: str) -> float:

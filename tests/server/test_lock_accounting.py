@@ -12,12 +12,11 @@ server in invariant mode.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import EVERY_KIND, pb, running, slots, stub_for, toks
+from harness import EVERY_KIND, pb, serve_module, session_of, slots, stub_of, toks
 
 from prefixcache.cache import IntegrityError
 
@@ -26,23 +25,17 @@ CODE = grpc.StatusCode
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    with running(tmp_path_factory.mktemp("locks"), EVERY_KIND) as srv:
-        yield srv
+    yield from serve_module(tmp_path_factory, "locks", EVERY_KIND)
 
 
 @pytest.fixture(scope="module")
 def stub(server) -> Iterator:
-    channel, stub = stub_for(server.address)
-    yield stub
-    channel.close()
+    yield from stub_of(server)
 
 
 @pytest.fixture
 def sid(stub) -> Iterator[str]:
-    session = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60)).session_id
-    yield session
-    with contextlib.suppress(grpc.RpcError):
-        stub.CloseSession(pb.CloseSessionRequest(session_id=session))
+    yield from session_of(stub)
 
 
 def stats(stub) -> dict[str, pb.ModelStats]:

@@ -13,7 +13,18 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import EVERY_KIND, pack_slots, pb, running, slots, stub_for, toks
+from harness import (
+    EVERY_KIND,
+    pack_slots,
+    pb,
+    running,
+    serve_module,
+    session_of,
+    slots,
+    stub_for,
+    stub_of,
+    toks,
+)
 
 MODELS = EVERY_KIND
 CODE = grpc.StatusCode
@@ -21,23 +32,17 @@ CODE = grpc.StatusCode
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    with running(tmp_path_factory.mktemp("svc"), MODELS, session_ttl_min=0.2) as srv:
-        yield srv
+    yield from serve_module(tmp_path_factory, "svc", MODELS, session_ttl_min=0.2)
 
 
 @pytest.fixture(scope="module")
 def stub(server) -> Iterator:
-    channel, stub = stub_for(server.address)
-    yield stub
-    channel.close()
+    yield from stub_of(server)
 
 
 @pytest.fixture
 def session(stub) -> Iterator[str]:
-    sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60)).session_id
-    yield sid
-    with contextlib.suppress(grpc.RpcError):  # unless the test closed it
-        stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    yield from session_of(stub)
 
 
 def stats(stub, model: str) -> pb.ModelStats:

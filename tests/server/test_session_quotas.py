@@ -14,7 +14,17 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import SMALL_POOL, pack_slots, pb, running, slots, stub_for, toks
+from harness import (
+    SMALL_POOL,
+    pack_slots,
+    pb,
+    running,
+    serve_module,
+    slots,
+    stub_for,
+    stub_of,
+    toks,
+)
 
 from prefixcache.cache import hash_token_ids
 from prefixcache.server.config import (
@@ -36,15 +46,12 @@ MODELS = (ModelConfig(name="m", page_size=1, pool=SMALL_POOL),
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    with running(tmp_path_factory.mktemp("quotas"), MODELS, **QUOTAS) as srv:
-        yield srv
+    yield from serve_module(tmp_path_factory, "quotas", MODELS, **QUOTAS)
 
 
 @pytest.fixture(scope="module")
 def stub(server) -> Iterator:
-    channel, stub = stub_for(server.address)
-    yield stub
-    channel.close()
+    yield from stub_of(server)
 
 
 @pytest.fixture

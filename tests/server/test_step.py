@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from harness import EVERY_KIND, pack_slots, pb, running, slots, stub_for, toks
+from harness import EVERY_KIND, pack_slots, pb, serve_module, slots, stub_of, toks
 from step_runners import CODES, Err, Runner, Scenario, Stepped, Unary, drive
 
 TWINS = {m.name: m.name + "2" for m in EVERY_KIND}
@@ -24,15 +24,12 @@ MODELS = (*EVERY_KIND, *(replace(m, name=TWINS[m.name]) for m in EVERY_KIND))
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    with running(tmp_path_factory.mktemp("step"), MODELS) as srv:
-        yield srv
+    yield from serve_module(tmp_path_factory, "step", MODELS)
 
 
 @pytest.fixture(scope="module")
 def stub(server) -> Iterator:
-    channel, stub = stub_for(server.address)
-    yield stub
-    channel.close()
+    yield from stub_of(server)
 
 
 # ------------------------------------------------------------------- scenarios

@@ -6,7 +6,6 @@ idempotent retries, leases, and the Session stream.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import time
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import EVERY_KIND, pack_slots, pb, running, slots, stub_for, toks
+from harness import EVERY_KIND, pack_slots, pb, serve_module, session_of, slots, stub_of, toks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,24 +25,18 @@ MAX_ITEMS, MAX_BYTES = 40, 8192
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    with running(tmp_path_factory.mktemp("batch"), EVERY_KIND, session_ttl_min=0.2,
-                 max_step_items=MAX_ITEMS, max_step_bytes=MAX_BYTES) as srv:
-        yield srv
+    yield from serve_module(tmp_path_factory, "batch", EVERY_KIND, session_ttl_min=0.2,
+                            max_step_items=MAX_ITEMS, max_step_bytes=MAX_BYTES)
 
 
 @pytest.fixture(scope="module")
 def stub(server) -> Iterator:
-    channel, stub = stub_for(server.address)
-    yield stub
-    channel.close()
+    yield from stub_of(server)
 
 
 @pytest.fixture
 def session(server, stub) -> Iterator[str]:
-    sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60)).session_id
-    yield sid
-    with contextlib.suppress(grpc.RpcError):  # unless the test closed it
-        stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    yield from session_of(stub)
     server.check_integrity()
     for model in stub.Stats(pb.StatsRequest()).models:
         assert (model.locks, model.session_slots, model.session_state_slots) == (0, 0, 0)

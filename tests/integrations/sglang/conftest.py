@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness import ServerThread, running
+from harness import ServerThread, client_of, serve_module
 
 from prefixcache.client import PrefixCacheClient
 
@@ -21,14 +21,12 @@ from prefixcache.integrations.sglang import HiCacheCore
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    with running(tmp_path_factory.mktemp("sglang"), MODELS, session_ttl_min=0.2) as srv:
-        yield srv
+    yield from serve_module(tmp_path_factory, "sglang", MODELS, session_ttl_min=0.2)
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerThread) -> Iterator[PrefixCacheClient]:
-    with PrefixCacheClient(server.address, timeout=5.0) as c:
-        yield c
+    yield from client_of(server)
 
 
 @pytest.fixture
