@@ -297,14 +297,14 @@ class ClientBase:
 
     def _op_match(self, model: str, tokens: Any, extra_key: str | None,
                   token_width: int | None, session: SessionLike, lock: bool, allocate: bool,
-                  request_id: int | None) -> Op:
+                  request_id: int | None, as_pages: bool = False) -> Op:
         data, width = pack_tokens(tokens, token_width)
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid) and (lock or allocate))
         # Only the session is a handle here: a match without one is never stale.
         request = pb.MatchRequest(model=model, token_ids=data, token_width=width,
                                   session_id=sid, lock=lock, allocate=allocate,
-                                  request_id=rid,
+                                  request_id=rid, as_pages=bool(as_pages),
                                   server_epoch=self._fence(session, None) if sid else 0)
         key = _extra_key(tokens, extra_key)
         if key is not None:
@@ -364,9 +364,9 @@ class ClientBase:
                   lambda: UnlockReply(skipped=True))
 
     def _op_alloc(self, model: str, num_slots: int, num_state_slots: int,
-                  session: SessionLike) -> Op:
+                  session: SessionLike, as_pages: bool = False) -> Op:
         request = pb.AllocRequest(model=model, num_slots=int(num_slots),
-                                  num_state_slots=int(num_state_slots),
+                                  num_state_slots=int(num_state_slots), as_pages=bool(as_pages),
                                   session_id=session_id_of(session),
                                   server_epoch=self._fence(session, None))
         return Op("Alloc", request, AllocReply.from_pb, False)

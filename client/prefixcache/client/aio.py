@@ -38,7 +38,7 @@ from .results import (
     StatsReply,
     UnlockReply,
 )
-from .shadow_follow import AsyncShadowFollower, NamespaceLike, namespace_filter
+from .shadow_follow import AsyncShadowFollower, NamespaceLike, subscribe_request
 from .step import Admit, Finish, Free, StepItems, StepReply
 
 
@@ -193,11 +193,8 @@ class AsyncPrefixCacheClient(ClientBase):
                         namespaces: Iterable[NamespaceLike] | None = None,
                         max_pages_per_event: int = 0) -> AsyncIterator[pb.SubscribeEvent]:
         """See ``PrefixCacheClient.subscribe``."""
-        request = pb.SubscribeRequest(model=model, server_epoch=int(server_epoch),
-                                      namespaces=namespace_filter(namespaces),
-                                      max_pages_per_event=int(max_pages_per_event))
-        if after_seq is not None:
-            request.after_seq = int(after_seq)
+        request = subscribe_request(model, after_seq, server_epoch, namespaces,
+                                    max_pages_per_event)
         call = self._stub.Subscribe(request, metadata=self._metadata)
         try:
             async for event in call:
@@ -241,9 +238,9 @@ class AsyncPrefixCacheClient(ClientBase):
                     token_width: int | None = None, session: SessionLike = None,
                     lock: bool = False, allocate: bool = False,
                     request_id: int | None = None, fail_open: bool | None = None,
-                    timeout: float | None = None) -> MatchReply:
+                    timeout: float | None = None, as_pages: bool = False) -> MatchReply:
         op = self._op_match(model, tokens, extra_key, token_width, session, lock, allocate,
-                            request_id)
+                            request_id, as_pages)
         return await self._run(op, timeout, fail_open)
 
     async def insert(self, model: str, tokens: Any, slots: Any, *,
@@ -278,9 +275,10 @@ class AsyncPrefixCacheClient(ClientBase):
                                timeout, fail_open)
 
     async def alloc(self, model: str, num_slots: int, *, num_state_slots: int = 0,
-                    session: SessionLike = None, timeout: float | None = None) -> AllocReply:
-        return await self._run(self._op_alloc(model, num_slots, num_state_slots, session),
-                               timeout)
+                    session: SessionLike = None, timeout: float | None = None,
+                    as_pages: bool = False) -> AllocReply:
+        return await self._run(self._op_alloc(model, num_slots, num_state_slots, session,
+                                              as_pages), timeout)
 
     async def free(self, model: str, slots: Any = (), *, state_slots: Any = (),
                    session: SessionLike = None, server_epoch: int | None = None,

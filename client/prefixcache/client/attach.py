@@ -30,6 +30,7 @@ class AttachedPool:
         k_buffer, v_buffer: One tensor per attention layer, ``[num_rows, heads, dim]``
             (slot models: ``[num_rows, max_seq_len, heads, dim]``, views of the one
             ``[num_rows, max_seq_len, layers, heads, dim]`` tensor). Index by slot.
+            An MLA pool (``info.mla``) has its latent in ``k_buffer`` and no V.
         swa_k_buffer, swa_v_buffer: SWA models: the sliding-window pool, per layer.
         conv_state, temporal_state: Mamba models: one tensor per Mamba layer,
             ``[num_rows, *state_shape]``, indexed by state slot (or working slot).

@@ -1,9 +1,10 @@
 """KV transfer on the client: ReadKV chunks into tensors, tensors into WriteKV chunks.
 
 The layout of a transfer (see ``KVChunk`` in the proto): for each layer the K rows then
-the V rows of the named slots, then for each Mamba layer the conv then the temporal
-state of the named state slots, each as raw little-endian bytes of the pool's element
-type. torch is imported inside the functions only (the client must load without it).
+the V rows of the named slots (K only in an MLA pool), then for each Mamba layer the conv
+then the temporal state of the named state slots, each as raw little-endian bytes of the
+pool's element type. torch is imported inside the functions only (the client must load
+without it).
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ def plan(info: PoolInfo, num_slots: int, layers: Sequence[int] | None,
     for layer in wanted:
         parts.append(_Part(K, layer, num_slots, (*seq, info.k_head_num, info.k_head_dim),
                            info.dtype))
-        parts.append(_Part(V, layer, num_slots, (*seq, info.v_head_num, info.v_head_dim),
-                           info.dtype))
+        if not info.mla:  # an MLA pool's latent is its K; there is no V
+            parts.append(_Part(V, layer, num_slots, (*seq, info.v_head_num, info.v_head_dim),
+                               info.dtype))
     if num_states:
         if info.mamba is None:
             raise FailedPrecondition(f"model {info.model!r} has no Mamba state pool")
@@ -176,8 +178,10 @@ def write_chunks(info: PoolInfo, session_id: str, slots: Any, k: Any, v: Any,
     packed, states = pack_slots(slots), pack_slots(state_slots)
     wanted, parts = plan(info, len(packed) // 8, layers, len(states) // 8)
     sources: dict[tuple[int, int], Any] = {}
-    jobs = [((K, k, "k"), (V, v, "v"))] if wanted and packed else []
-    for role, values, name in (x for pair in jobs for x in pair):
+    if info.mla and v is not None:
+        raise InvalidArgument(f"model {info.model!r} has an MLA pool (no V): pass v=None")
+    jobs = [(K, k, "k")] + ([] if info.mla else [(V, v, "v")]) if wanted and packed else []
+    for role, values, name in jobs:
         row_dims = len(parts[0 if role == K else 1].row_shape)
         for layer, tensor in zip(wanted, _per_layer(values, len(wanted), row_dims, name),
                                  strict=True):

@@ -51,6 +51,10 @@ class MatchReply:
         allocated_slot_version: slot models with ``allocate``: the new slot's version.
         skipped: fail-open: the service did not answer, this is an empty stand-in.
         server_epoch: the service's epoch; the handles above are valid only in it.
+        page_ids, allocated_page_ids: with ``as_pages``, ``slots`` and ``allocated``
+            as page ids instead (page ``p`` is slots ``[p * page_size, (p + 1) *
+            page_size)``; the allocated slots are the first ``len(tokens) -
+            prefix_len`` of their pages); ``slots`` and ``allocated`` are then empty.
     """
 
     prefix_len: int = 0
@@ -65,6 +69,8 @@ class MatchReply:
     allocated_slot_version: int | None = None
     skipped: bool = False
     server_epoch: int = 0
+    page_ids: array = field(default_factory=_slots)
+    allocated_page_ids: array = field(default_factory=_slots)
 
     @property
     def hit(self) -> bool:
@@ -88,7 +94,8 @@ class MatchReply:
                    unpack_slots(m.allocated_slots), _opt(m, "state_slot"),
                    _opt(m, "mamba_branching_seqlen"), _opt(m, "allocated_state_slot"),
                    _opt(m, "slot_version"), _opt(m, "allocated_slot_version"),
-                   server_epoch=m.server_epoch)
+                   server_epoch=m.server_epoch, page_ids=unpack_slots(m.page_ids),
+                   allocated_page_ids=unpack_slots(m.allocated_page_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,12 +160,18 @@ class EvictReply:
 
 @dataclass(frozen=True, slots=True)
 class AllocReply:
-    """Slots now held by the session (plus state slots and slot versions by kind)."""
+    """Slots now held by the session (plus state slots and slot versions by kind).
+
+    With ``as_pages``, ``page_ids`` instead of ``slots``: the session holds the first
+    ``num_slots`` slots of these pages (page ``p``: slots ``[p * page_size, (p + 1) *
+    page_size)``).
+    """
 
     slots: array = field(default_factory=_slots)
     state_slots: array = field(default_factory=_slots)
     slot_versions: array = field(default_factory=_slots)
     server_epoch: int = 0
+    page_ids: array = field(default_factory=_slots)
 
     def slots_tensor(self, device: Any = None) -> Any:
         """``slots`` as an int64 torch tensor (imports torch)."""
@@ -167,7 +180,7 @@ class AllocReply:
     @classmethod
     def from_pb(cls, m: pb.AllocResponse) -> AllocReply:
         return cls(unpack_slots(m.slot_indices), unpack_slots(m.state_slots),
-                   unpack_slots(m.slot_versions), m.server_epoch)
+                   unpack_slots(m.slot_versions), m.server_epoch, unpack_slots(m.page_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +294,8 @@ class PoolInfo:
     buffers: tuple[BufferInfo, ...] = ()
     # The service's epoch: the buffers are those of this start of the service.
     server_epoch: int = 0
+    # MLA pool: one latent buffer per layer (the K buffers) and no V.
+    mla: bool = False
 
     @classmethod
     def from_pb(cls, m: pb.DescribePoolResponse) -> PoolInfo:
@@ -293,7 +308,7 @@ class PoolInfo:
         return cls(m.model, m.layer_num, m.k_head_num, m.k_head_dim, m.v_head_num,
                    m.v_head_dim, m.dtype, m.device, m.page_size, m.pool_size, m.num_rows,
                    m.swa_pool_size, mamba, m.max_seq_len,
-                   tuple(BufferInfo.from_pb(b) for b in m.buffers), m.server_epoch)
+                   tuple(BufferInfo.from_pb(b) for b in m.buffers), m.server_epoch, m.mla)
 
 
 @dataclass(frozen=True, slots=True)

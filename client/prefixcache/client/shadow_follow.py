@@ -58,6 +58,18 @@ def namespace_filter(namespaces: Iterable[NamespaceLike] | None) -> list[pb.Page
     return out
 
 
+def subscribe_request(model: str, after_seq: int | None, server_epoch: int,
+                      namespaces: Iterable[NamespaceLike] | None,
+                      max_pages_per_event: int) -> pb.SubscribeRequest:
+    """The SubscribeRequest of ``subscribe`` (blocking and asyncio clients alike)."""
+    request = pb.SubscribeRequest(model=model, server_epoch=int(server_epoch),
+                                  namespaces=namespace_filter(namespaces),
+                                  max_pages_per_event=int(max_pages_per_event))
+    if after_seq is not None:
+        request.after_seq = int(after_seq)
+    return request
+
+
 class _FollowerBase:
     """What both followers share: the index, the request, the retry policy."""
 

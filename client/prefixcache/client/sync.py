@@ -39,7 +39,7 @@ from .results import (
     UnlockReply,
 )
 from .session import ClientSession
-from .shadow_follow import NamespaceLike, ShadowFollower, namespace_filter
+from .shadow_follow import NamespaceLike, ShadowFollower, subscribe_request
 from .step import Admit, Finish, Free, StepItems, StepReply
 
 
@@ -212,11 +212,8 @@ class PrefixCacheClient(ClientBase):
                   max_pages_per_event: int = 0) -> Iterator[pb.SubscribeEvent]:
         """The raw Subscribe stream of ``model`` (events as the proto defines them),
         until the caller stops iterating; failures raise the typed errors."""
-        request = pb.SubscribeRequest(model=model, server_epoch=int(server_epoch),
-                                      namespaces=namespace_filter(namespaces),
-                                      max_pages_per_event=int(max_pages_per_event))
-        if after_seq is not None:
-            request.after_seq = int(after_seq)
+        request = subscribe_request(model, after_seq, server_epoch, namespaces,
+                                    max_pages_per_event)
         call = self._stub.Subscribe(request, metadata=self._metadata)
         try:
             yield from call
@@ -263,15 +260,17 @@ class PrefixCacheClient(ClientBase):
     def match(self, model: str, tokens: Any, *, extra_key: str | None = None,
               token_width: int | None = None, session: SessionLike = None,
               lock: bool = False, allocate: bool = False, request_id: int | None = None,
-              fail_open: bool | None = None, timeout: float | None = None) -> MatchReply:
+              fail_open: bool | None = None, timeout: float | None = None,
+              as_pages: bool = False) -> MatchReply:
         """The longest cached prefix of ``tokens``, optionally locked, and slots for the
-        rest with ``allocate`` (both need a ``session``).
+        rest with ``allocate`` (both need a ``session``). ``as_pages``: answer in page
+        ids (``page_ids``, ``allocated_page_ids``) instead of slots.
 
         ``tokens``: ints (or equal-width tuples), an ``array``, a numpy array, a torch
         tensor, a ``RadixKey`` (which brings its ``extra_key``), or packed bytes.
         """
         op = self._op_match(model, tokens, extra_key, token_width, session, lock, allocate,
-                            request_id)
+                            request_id, as_pages)
         return self._run(op, timeout, fail_open)
 
     def insert(self, model: str, tokens: Any, slots: Any, *, extra_key: str | None = None,
@@ -314,9 +313,12 @@ class PrefixCacheClient(ClientBase):
                          timeout, fail_open)
 
     def alloc(self, model: str, num_slots: int, *, num_state_slots: int = 0,
-              session: SessionLike = None, timeout: float | None = None) -> AllocReply:
-        """Allocate slots to ``session``, evicting if needed. Never fails open."""
-        return self._run(self._op_alloc(model, num_slots, num_state_slots, session), timeout)
+              session: SessionLike = None, timeout: float | None = None,
+              as_pages: bool = False) -> AllocReply:
+        """Allocate slots to ``session``, evicting if needed. Never fails open.
+        ``as_pages``: answer in whole pages (``page_ids``) instead of slots."""
+        return self._run(self._op_alloc(model, num_slots, num_state_slots, session,
+                                        as_pages), timeout)
 
     def free(self, model: str, slots: Any = (), *, state_slots: Any = (),
              session: SessionLike = None, server_epoch: int | None = None,

@@ -23,6 +23,10 @@ class KVPool:
     padding slot: allocators never hand it out, but writes to it are allowed so that
     padded batch positions can target it as a dummy sink.
 
+    An MLA pool (``mla=True``) keeps one latent buffer per layer, in ``k_buffer``
+    (``k_head_num`` heads, usually 1, of ``k_head_dim``), and no V: ``v_buffer`` is
+    empty and ``v_head_num`` / ``v_head_dim`` are 0.
+
     Attributes:
         size: Pool size in tokens (as given to the allocator).
         page_size: Tokens per page.
@@ -35,7 +39,9 @@ class KVPool:
         v_head_dim: V head dimension.
         num_rows: Rows per buffer (``size + page_size``).
         k_buffer: One ``[num_rows, k_head_num, k_head_dim]`` tensor per layer.
-        v_buffer: One ``[num_rows, v_head_num, v_head_dim]`` tensor per layer.
+        v_buffer: One ``[num_rows, v_head_num, v_head_dim]`` tensor per layer; none
+            in an MLA pool.
+        mla: Whether this is an MLA pool (latent in ``k_buffer``, no V).
     """
 
     def __init__(
@@ -50,6 +56,7 @@ class KVPool:
         v_head_dim: int | None = None,
         device: str | torch.device = "cpu",
         buffer_factory: BufferFactory | None = None,
+        mla: bool = False,
     ) -> None:
         """Allocates the buffers.
 
@@ -66,10 +73,12 @@ class KVPool:
             buffer_factory: Allocates each zeroed buffer instead of ``torch.zeros``
                 (it must return a contiguous tensor of the asked shape and dtype on
                 ``device``); such buffers are not pinned.
+            mla: One latent buffer per layer (K) and no V; ``v_head_num`` and
+                ``v_head_dim`` must then be None.
 
         Raises:
-            InvalidInputError: A size, count or dimension is not a positive int, or
-                ``dtype`` is not a torch dtype.
+            InvalidInputError: A size, count or dimension is not a positive int,
+                ``dtype`` is not a torch dtype, or an MLA pool is given V dimensions.
         """
         self._factory = buffer_factory
         self.size = check_count(size, "size", 1)
@@ -81,10 +90,17 @@ class KVPool:
         self.layer_num = check_count(layer_num, "layer_num", 1)
         self.k_head_num = check_count(k_head_num, "k_head_num", 1)
         self.k_head_dim = check_count(k_head_dim, "k_head_dim", 1)
-        v_heads = self.k_head_num if v_head_num is None else v_head_num
-        v_dim = self.k_head_dim if v_head_dim is None else v_head_dim
-        self.v_head_num = check_count(v_heads, "v_head_num", 1)
-        self.v_head_dim = check_count(v_dim, "v_head_dim", 1)
+        self.mla = bool(mla)
+        if self.mla:
+            if v_head_num is not None or v_head_dim is not None:
+                raise InvalidInputError("an MLA pool has no V: leave v_head_num and "
+                                        "v_head_dim unset")
+            self.v_head_num = self.v_head_dim = 0
+        else:
+            v_heads = self.k_head_num if v_head_num is None else v_head_num
+            v_dim = self.k_head_dim if v_head_dim is None else v_head_dim
+            self.v_head_num = check_count(v_heads, "v_head_num", 1)
+            self.v_head_dim = check_count(v_dim, "v_head_dim", 1)
         self.num_rows = self.size + self.page_size
         # Pinning speeds host<->device copies but needs a CUDA runtime to exist.
         pin = self.device.type == "cpu" and torch.cuda.is_available()
@@ -94,7 +110,7 @@ class KVPool:
             self._zeros(k_shape, pin) for _ in range(self.layer_num)
         ]
         self.v_buffer: list[torch.Tensor] = [
-            self._zeros(v_shape, pin) for _ in range(self.layer_num)
+            self._zeros(v_shape, pin) for _ in range(0 if self.mla else self.layer_num)
         ]
 
     def _zeros(self, shape: tuple[int, int, int], pin: bool) -> torch.Tensor:
@@ -116,17 +132,22 @@ class KVPool:
         """Returns layer ``layer_id``'s V buffer (the live tensor, not a copy).
 
         Raises:
-            InvalidInputError: ``layer_id`` is not in ``[0, layer_num)``.
+            InvalidInputError: ``layer_id`` is not in ``[0, layer_num)``, or the pool
+                is MLA (no V).
         """
-        return self.v_buffer[self._layer(layer_id)]
+        layer = self._layer(layer_id)
+        self._check_not_mla("get_value_buffer")
+        return self.v_buffer[layer]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns layer ``layer_id``'s ``(K, V)`` buffers.
 
         Raises:
-            InvalidInputError: ``layer_id`` is not in ``[0, layer_num)``.
+            InvalidInputError: ``layer_id`` is not in ``[0, layer_num)``, or the pool
+                is MLA (no V: use ``get_key_buffer``).
         """
         layer = self._layer(layer_id)
+        self._check_not_mla("get_kv_buffer")
         return self.k_buffer[layer], self.v_buffer[layer]
 
     def set_kv_buffer(
@@ -134,7 +155,7 @@ class KVPool:
         layer_id: int,
         indices: torch.Tensor | Sequence[int],
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
     ) -> None:
         """Writes row ``i`` of ``k``/``v`` into slot ``indices[i]`` of the layer.
 
@@ -144,7 +165,7 @@ class KVPool:
             layer_id: Layer in ``[0, layer_num)``.
             indices: n slot indices in ``[0, size + page_size)``.
             k: ``[n, k_head_num, k_head_dim]``.
-            v: ``[n, v_head_num, v_head_dim]``.
+            v: ``[n, v_head_num, v_head_dim]``; None in an MLA pool.
 
         Raises:
             InvalidInputError: Bad layer, non-integer indices or a shape mismatch.
@@ -154,18 +175,26 @@ class KVPool:
         idx = self._indices(indices)
         n = idx.numel()
         self._check_shape("k", k, (n, self.k_head_num, self.k_head_dim))
-        self._check_shape("v", v, (n, self.v_head_num, self.v_head_dim))
+        if self.mla:
+            if v is not None:
+                raise InvalidInputError("an MLA pool has no V: pass v=None")
+        else:
+            self._check_shape("v", v, (n, self.v_head_num, self.v_head_dim))
         if n == 0:
             return
         # index_copy_ beats index_put_ (buf[idx] = rows) by ~10% on CPU; with repeated
         # indices one of the rows wins, as with plain indexing.
-        self.k_buffer[layer].index_copy_(0, idx, k.to(device=self.device, dtype=self.dtype))
-        self.v_buffer[layer].index_copy_(0, idx, v.to(device=self.device, dtype=self.dtype))
+        rows = k.to(device=self.device, dtype=self.dtype)
+        byte_view(self.k_buffer[layer]).index_copy_(0, idx, byte_view(rows))
+        if v is not None:
+            rows = v.to(device=self.device, dtype=self.dtype)
+            byte_view(self.v_buffer[layer]).index_copy_(0, idx, byte_view(rows))
 
     def read_kv(
         self, layer_id: int, indices: torch.Tensor | Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns copies of the K and V rows at ``indices`` for one layer.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns copies of the K and V rows at ``indices`` for one layer (V None in
+        an MLA pool).
 
         Raises:
             InvalidInputError: Bad layer or non-integer indices.
@@ -173,12 +202,17 @@ class KVPool:
         """
         layer = self._layer(layer_id)
         idx = self._indices(indices)
-        return self.k_buffer[layer].index_select(0, idx), self.v_buffer[layer].index_select(0, idx)
+        v = None if self.mla else self.v_buffer[layer].index_select(0, idx)
+        return self.k_buffer[layer].index_select(0, idx), v
 
     def nbytes(self) -> int:
         """Returns the total size of all K and V buffers in bytes."""
         return sum(t.numel() * t.element_size() for t in (*self.k_buffer, *self.v_buffer))
 
+
+    def _check_not_mla(self, what: str) -> None:
+        if self.mla:
+            raise InvalidInputError(f"{what}: an MLA pool has no V buffer")
 
     def _layer(self, layer_id: int) -> int:
         """Returns ``layer_id`` as an int in range, or raises InvalidInputError."""
@@ -220,6 +254,14 @@ class KVPool:
             raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tuple(tensor.shape) != expected:
             raise InvalidInputError(f"{name} has shape {tuple(tensor.shape)}, expected {expected}")
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """One-byte element types (fp8) as uint8, the same memory: copies of them are
+    bytewise, and torch lacks some indexing kernels (CPU ``index_copy_``) for fp8."""
+    if tensor.element_size() == 1 and tensor.dtype not in (torch.uint8, torch.int8):
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def checked_buffer(factory: BufferFactory, shape: tuple[int, ...], dtype: torch.dtype,

@@ -111,7 +111,8 @@ _LIMIT_INTS = {"min_chunk_bytes": 1, "max_read_bytes": 0, "max_inflight_write_by
                "max_inflight_write_bytes_total": 1, "max_evict_tokens": 0,
                "max_extra_key_bytes": 1, "max_client_name_bytes": 1, "max_session_id_bytes": 1,
                "max_request_tokens": 0, "max_sessions": 1, "max_step_items": 1,
-               "max_step_bytes": 0, "log_queue_lines": 1, "max_session_slots": 0,
+               "max_step_bytes": 0, "max_request_bytes": 0, "log_queue_lines": 1,
+               "max_session_slots": 0,
                "max_session_locked_tokens": 0, "max_session_streams": 1}
 _LIMIT_SECONDS = ("stream_ttl", "keepalive_time", "keepalive_timeout",
                   "keepalive_min_client_interval")
@@ -162,6 +163,8 @@ def build_model_config(entry: Any, where: str) -> ModelConfig:
         check_int(model.max_seq_len, f"{where}.max_seq_len", 1)
         if model.page_size != 1:
             raise ConfigError(f"{where}.page_size: kind slot keeps whole sequences (page 1)")
+        if model.pool.mla:
+            raise ConfigError(f"{where}.pool.mla: not for kind slot")
     elif model.max_seq_len:
         raise ConfigError(f"{where}.max_seq_len: only for kind slot")
     if model.kind == "mamba":
@@ -217,6 +220,9 @@ def _pool_config(entry: Any, where: str) -> PoolConfig:
     for name in ("v_heads", "v_head_dim", "swa_size"):
         if getattr(pool, name) is not None:
             check_int(getattr(pool, name), f"{where}.{name}", 1)
+    if pool.mla and (pool.v_heads is not None or pool.v_head_dim is not None):
+        raise ConfigError(f"{where}.mla: an MLA pool has no V; leave v_heads and "
+                          "v_head_dim unset")
     if pool.dtype not in DTYPES:
         raise ConfigError(f"{where}.dtype: one of {', '.join(DTYPES)}, got {pool.dtype!r}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", pool.device):

@@ -29,6 +29,8 @@ class PoolConfig:
     device: str = "cpu"
     # SWA models only: slots of the sliding-window pool (defaults to ``size``).
     swa_size: int | None = None
+    # MLA: one latent buffer per layer (k_heads x k_head_dim, usually 1 x 576) and no V.
+    mla: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,9 @@ class ServerConfig:
     # leaves only max_message_bytes.
     max_step_items: int = 8192
     max_step_bytes: int = 0
+    # A request's bytes, refused before it is parsed when over (request_caps.py); 0
+    # derives a cap per request type from the limits above (RESOURCE_EXHAUSTED beyond).
+    max_request_bytes: int = 0
     # A Session stream that sends nothing for this long ends, and what it holds is freed.
     stream_ttl: float = 300.0
     # gRPC keepalive: ping a connection after keepalive_time seconds of silence and close

@@ -37,6 +37,7 @@ from prefixcache.cache.change_log import DEFAULT_CAPACITY, ChangeLog
 from prefixcache.cache.kv_pool import BufferFactory
 from prefixcache.cache.mamba_radix_cache import MambaRadixCache
 from prefixcache.cache.page_index import PageIndex
+from prefixcache.cache.pages import whole_pages
 
 from .config import ConfigError, ModelConfig
 from .engine_base import EngineBase, needs_session
@@ -112,6 +113,7 @@ class ModelEngine(EngineBase):
             "v_head_dim": pool.v_head_dim,
             "device": pool.device,
             "buffer_factory": buffer_factory,
+            "mla": pool.mla,
         }
         self.kv_pool = KVPool(pool.size, **kv)
         self.swa_kv_pool: KVPool | None = None
@@ -175,11 +177,20 @@ class ModelEngine(EngineBase):
     # ------------------------------------------------------------ operations
 
     def match(self, key: RadixKey, session: Session | None, lock: bool = False,
-              allocate: bool = False) -> MatchOutcome:
-        """Longest cached prefix; optionally lock it and allocate slots for the rest."""
+              allocate: bool = False, as_pages: bool = False) -> MatchOutcome:
+        """Longest cached prefix; optionally lock it and allocate slots for the rest.
+
+        ``as_pages``: the hit ends before the first page whose slots are not one whole
+        aligned page (an insert given other slots), so it can be answered as page ids.
+        """
         owner = needs_session(session, "a match with lock or allocate") \
             if lock or allocate else None
         result = self.cache.match_prefix(key)
+        if as_pages and result.prefix_len and self.page_size > 1:
+            good = whole_pages(host_indices(result.indices)[:result.prefix_len],
+                               self.page_size) * self.page_size
+            if good < result.prefix_len:  # rare: matched again, only up to that page
+                result = self.cache.match_prefix(key[:good])
         node = result.last_node if result.prefix_len else None
         node_id = self._handle(node)
         lock_id, allocated, boundary, state, tokens = 0, _EMPTY, None, None, None

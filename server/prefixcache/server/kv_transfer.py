@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from prefixcache.cache import InvalidInputError
+from prefixcache.cache.kv_pool import byte_view
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from .codec import decode_slots
@@ -67,35 +68,43 @@ class Part:
         return int(self.index.numel()) * self.row_bytes
 
 
-def _part(role: int, layer: int, view: torch.Tensor, rows: np.ndarray) -> Part:
-    row_shape = tuple(view.shape[1:])
-    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * view.element_size()
-    index = torch.from_numpy(rows).to(view.device)
-    return Part(role, layer, view, index, row_shape, row_bytes, rows)
+def _row_bytes(view: torch.Tensor) -> int:
+    return int(np.prod(view.shape[1:], dtype=np.int64)) * view.element_size()
 
 
-def plan(engine: Any, slots: np.ndarray, layers: Sequence[int],
-         states: np.ndarray) -> list[Part]:
-    """The parts of a transfer over ``engine``'s pools, every index checked.
+def _part(role: int, layer: int, view: torch.Tensor, rows: np.ndarray,
+          index: torch.Tensor | None = None) -> Part:
+    """The part of ``view`` at ``rows``; ``index``, the rows on the view's device, is
+    made from them when not given (plan() shares one among its parts)."""
+    # One-byte types (fp8) as uint8: the copies are bytewise anyway, and torch has no
+    # CPU index_copy_ for float8.
+    view = byte_view(view)
+    if index is None:
+        index = torch.from_numpy(rows).to(view.device)
+    return Part(role, layer, view, index, tuple(view.shape[1:]), _row_bytes(view), rows)
+
+
+def _buffers(engine: Any, layers: Sequence[int],
+             states: bool) -> list[tuple[int, int, torch.Tensor]]:
+    """``(role, layer, view)`` of each buffer a transfer covers, in transfer order:
+    views only, nothing copied, so a transfer can be sized before it is planned.
 
     Raises:
-        InvalidInputError: a slot, state slot or layer out of range, or a layer twice.
+        InvalidInputError: a layer out of range, or named twice.
         PreconditionError: state slots on a model without a Mamba pool.
     """
-    _check_host()
     if engine.kind == "slot":
         num_layers = engine.k_cache.shape[2]
-        check_range(slots, 0, engine.pool_size, engine.name)
 
-        def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             return engine.k_cache[:, :, layer], engine.v_cache[:, :, layer]
     else:
         pool = engine.kv_pool
         num_layers = pool.layer_num
-        check_range(slots, 1, engine.num_rows, engine.name)
 
-        def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return pool.k_buffer[layer], pool.v_buffer[layer]
+        def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            # An MLA pool has its latent in K and no V: its transfer has no V parts.
+            return pool.k_buffer[layer], None if pool.mla else pool.v_buffer[layer]
     wanted = list(layers) if len(layers) else list(range(num_layers))
     if len(set(wanted)) != len(wanted):
         raise InvalidInputError(f"layers names a layer twice: {wanted}")
@@ -103,22 +112,60 @@ def plan(engine: Any, slots: np.ndarray, layers: Sequence[int],
     if bad:
         raise InvalidInputError(f"layer {bad[0]} is outside model {engine.name!r}'s "
                                 f"[0, {num_layers})")
-    parts = []
+    out = []
     for layer in wanted:
         k, v = kv(layer)
-        parts += [_part(pb.BUFFER_ROLE_K, layer, k, slots),
-                  _part(pb.BUFFER_ROLE_V, layer, v, slots)]
-    if len(states):
+        out.append((pb.BUFFER_ROLE_K, layer, k))
+        if v is not None:
+            out.append((pb.BUFFER_ROLE_V, layer, v))
+    if states:
         mamba = engine.mamba_pool
         if mamba is None:
             raise PreconditionError(f"model {engine.name!r} has no Mamba state pool")
-        if int(states.min()) < 0 or int(states.max()) >= mamba.num_slots:
-            raise InvalidInputError(f"state slot outside model {engine.name!r}'s "
-                                    f"[0, {mamba.num_slots})")
         for layer in range(mamba.num_layers):
-            parts += [_part(pb.BUFFER_ROLE_CONV, layer, mamba.conv_state[layer], states),
-                      _part(pb.BUFFER_ROLE_TEMPORAL, layer, mamba.temporal_state[layer],
-                            states)]
+            out += [(pb.BUFFER_ROLE_CONV, layer, mamba.conv_state[layer]),
+                    (pb.BUFFER_ROLE_TEMPORAL, layer, mamba.temporal_state[layer])]
+    return out
+
+
+def transfer_bytes(engine: Any, slots: int, layers: Sequence[int], states: int) -> int:
+    """Bytes a transfer of ``slots`` KV slots and ``states`` state slots (duplicates
+    counted) covers, from the buffers' row sizes alone: no plan is built."""
+    return sum(_row_bytes(view) * (states if role in STATE_ROLES else slots)
+               for role, _, view in _buffers(engine, layers, states > 0))
+
+
+def plan(engine: Any, slots: np.ndarray, layers: Sequence[int],
+         states: np.ndarray) -> list[Part]:
+    """The parts of a transfer over ``engine``'s pools, every index checked.
+
+    The parts share the row vectors: one index per (slots or states, device), not one
+    per buffer, so a plan costs the decoded vectors (and, on a GPU, one copy of each).
+
+    Raises:
+        InvalidInputError: a slot, state slot or layer out of range, or a layer twice.
+        PreconditionError: state slots on a model without a Mamba pool.
+    """
+    _check_host()
+    buffers = _buffers(engine, layers, len(states) > 0)
+    if engine.kind == "slot":
+        check_range(slots, 0, engine.pool_size, engine.name)
+    else:
+        check_range(slots, 1, engine.num_rows, engine.name)
+    if len(states):
+        num_states = engine.mamba_pool.num_slots
+        if int(states.min()) < 0 or int(states.max()) >= num_states:
+            raise InvalidInputError(f"state slot outside model {engine.name!r}'s "
+                                    f"[0, {num_states})")
+    indexes: dict[tuple[bool, torch.device], torch.Tensor] = {}
+    parts = []
+    for role, layer, view in buffers:
+        is_state = role in STATE_ROLES
+        rows = states if is_state else slots
+        index = indexes.get((is_state, view.device))
+        if index is None:
+            index = indexes[is_state, view.device] = torch.from_numpy(rows).to(view.device)
+        parts.append(_part(role, layer, view, rows, index))
     return parts
 
 

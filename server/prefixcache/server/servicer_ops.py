@@ -12,7 +12,8 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
-from prefixcache.cache import InvalidInputError
+from prefixcache.cache import IntegrityError, InvalidInputError
+from prefixcache.cache.pages import to_page_ids
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from . import holdings
@@ -52,6 +53,23 @@ def _mamba_layout(pool: Any) -> pb.MambaPoolLayout:
         num_rows=pool.num_slots)
 
 
+def _check_pages(engine: Any) -> None:
+    """Refuse ``as_pages`` where slots are not token slots in pages (sequence slots)."""
+    if engine.kind == "slot":
+        raise InvalidInputError(f"as_pages: model {engine.name!r} is CACHE_KIND_SLOT, whose "
+                                "slots are sequences, not pages of token slots")
+
+
+def whole_page_ids(slots: Any, page_size: int) -> Any:
+    """Freshly allocated ``slots`` as page ids. The allocator hands out whole aligned
+    pages; anything else is a broken invariant, not the caller's fault."""
+    try:
+        return to_page_ids(slots, page_size)
+    except InvalidInputError as exc:
+        raise IntegrityError(f"the allocator handed out slots that are not whole "
+                             f"pages: {exc}") from exc
+
+
 def _needs(session: Session | None, what: str) -> Session:
     if session is None:
         raise PreconditionError(f"{what} needs a session_id (OpenSession or the Session stream)")
@@ -72,14 +90,24 @@ class CacheOps:
         engine = self.service.engine(req.model)
         key = decode_key(req.token_ids, req.token_width, _extra_key(req),
                          engine.config.vocab_size, self.limits.request_tokens(engine.config))
-        out = engine.match(key, session, req.lock, req.allocate)
+        if req.as_pages:
+            _check_pages(engine)
+            out = engine.match(key, session, req.lock, req.allocate, as_pages=True)
+        else:
+            out = engine.match(key, session, req.lock, req.allocate)
         reply = pb.MatchResponse(
-            prefix_len=out.prefix_len, slot_indices=encode_slots(out.indices),
-            node_id=out.node_id, lock_id=out.lock_id,
-            allocated_slots=encode_slots(out.allocated), state_slot=out.state_slot,
+            prefix_len=out.prefix_len, node_id=out.node_id, lock_id=out.lock_id,
+            state_slot=out.state_slot,
             mamba_branching_seqlen=out.branching_seqlen,
             allocated_state_slot=out.allocated_state, slot_version=out.slot_version,
             allocated_slot_version=out.allocated_version, server_epoch=self.service.epoch)
+        if req.as_pages:
+            reply.page_ids = encode_slots(to_page_ids(out.indices, engine.page_size))
+            reply.allocated_page_ids = encode_slots(
+                to_page_ids(out.allocated, engine.page_size))
+        else:
+            reply.slot_indices = encode_slots(out.indices)
+            reply.allocated_slots = encode_slots(out.allocated)
         if session is not None and (req.lock or req.allocate):
             session.remember("match", req.request_id, reply)
         return reply
@@ -137,12 +165,18 @@ class CacheOps:
     def _alloc(self, req: pb.AllocRequest, session: Session | None) -> pb.AllocResponse:
         session = _needs(session, "Alloc")
         engine = self.service.engine(req.model)
+        if req.as_pages:
+            _check_pages(engine)
         slots, states = engine.alloc(session, req.num_slots, req.num_state_slots)
         versions = engine.versions(slots) if engine.kind == "slot" else slots[:0]
-        return pb.AllocResponse(slot_indices=encode_slots(slots),
-                                state_slots=encode_slots(states),
-                                slot_versions=encode_slots(versions),
-                                server_epoch=self.service.epoch)
+        reply = pb.AllocResponse(state_slots=encode_slots(states),
+                                 slot_versions=encode_slots(versions),
+                                 server_epoch=self.service.epoch)
+        if req.as_pages:
+            reply.page_ids = encode_slots(whole_page_ids(slots, engine.page_size))
+        else:
+            reply.slot_indices = encode_slots(slots)
+        return reply
 
     def _free(self, req: pb.FreeRequest, session: Session | None) -> pb.FreeResponse:
         session = _needs(session, "Free")
@@ -196,7 +230,7 @@ class CacheOps:
             k_head_dim=kv.k_head_dim, v_head_num=kv.v_head_num, v_head_dim=kv.v_head_dim,
             dtype=str(kv.dtype).removeprefix("torch."), device=str(kv.device),
             page_size=kv.page_size, pool_size=engine.pool_size, num_rows=kv.num_rows,
-            swa_pool_size=engine.swa_kv_pool.size if engine.swa_kv_pool else 0,
+            mla=kv.mla, swa_pool_size=engine.swa_kv_pool.size if engine.swa_kv_pool else 0,
             mamba=_mamba_layout(engine.mamba_pool) if engine.mamba_pool else None,
             buffers=describe_buffers(engine, self.service.shared),
             server_epoch=self.service.epoch)

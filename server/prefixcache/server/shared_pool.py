@@ -278,13 +278,15 @@ def describe_buffers(engine: Any, shared: SharedPools) -> list[pb.BufferHandle]:
     else:
         kv = engine.kv_pool
         for layer in range(kv.layer_num):
-            buffers += [(pb.BUFFER_ROLE_K, layer, kv.k_buffer[layer]),
-                        (pb.BUFFER_ROLE_V, layer, kv.v_buffer[layer])]
+            buffers.append((pb.BUFFER_ROLE_K, layer, kv.k_buffer[layer]))
+            if not kv.mla:  # an MLA pool's latent is its K; there is no V
+                buffers.append((pb.BUFFER_ROLE_V, layer, kv.v_buffer[layer]))
         if engine.swa_kv_pool is not None:
             swa = engine.swa_kv_pool
             for layer in range(swa.layer_num):
-                buffers += [(pb.BUFFER_ROLE_SWA_K, layer, swa.k_buffer[layer]),
-                            (pb.BUFFER_ROLE_SWA_V, layer, swa.v_buffer[layer])]
+                buffers.append((pb.BUFFER_ROLE_SWA_K, layer, swa.k_buffer[layer]))
+                if not swa.mla:
+                    buffers.append((pb.BUFFER_ROLE_SWA_V, layer, swa.v_buffer[layer]))
         if engine.mamba_pool is not None:
             m = engine.mamba_pool
             for layer in range(m.num_layers):

@@ -68,7 +68,8 @@ def pool_needs(models: Sequence[ModelConfig]) -> list[Need]:
         where, pool, name = f"models[{i}]", m.pool, repr(m.name)
         size = _itemsize(pool.dtype)
         k_row = pool.k_heads * pool.k_head_dim
-        v_row = (pool.v_heads or pool.k_heads) * (pool.v_head_dim or pool.k_head_dim)
+        v_row = 0 if pool.mla else \
+            (pool.v_heads or pool.k_heads) * (pool.v_head_dim or pool.k_head_dim)
         row = (k_row + v_row) * size * pool.layers
         if m.kind == "slot":
             # [slot, position, layer, heads, dim] for K and for V.
