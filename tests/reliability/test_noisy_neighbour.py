@@ -27,7 +27,7 @@ REFUSED = {
     "lock everything": "RESOURCE_EXHAUSTED",  # max_session_locked_tokens
     "huge extra_key": "INVALID_ARGUMENT",  # max_extra_key_bytes
     "huge client names": "INVALID_ARGUMENT",  # max_client_name_bytes
-    "ReadKV amplification": "RESOURCE_EXHAUSTED",  # max_read_bytes
+    "ReadKV amplification": "RESOURCE_EXHAUSTED",  # max_request_bytes (8 MB, unparsed)
     "half-sent WriteKV": "RESOURCE_EXHAUSTED",  # max_session_streams
     "session flood": "RESOURCE_EXHAUSTED",  # max_sessions
 }

@@ -108,7 +108,8 @@ class PrefixCacheServer:
             ("grpc.so_reuseport", 0),
             *_keepalive_options(cfg),
         ])
-        add_to_server(self.servicer, server, self.servicer.limits)
+        add_to_server(self.servicer, server, self.servicer.limits,
+                      [e.config for e in self.servicer.service.engines.values()])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

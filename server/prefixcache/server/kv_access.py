@@ -30,7 +30,7 @@ from prefixcache.cache.allocator import host_indices
 
 from .codec import decode_slots
 from .errors import OverLimitError, PreconditionError
-from .kv_transfer import Part, plan
+from .kv_transfer import Part, plan, transfer_bytes
 from .limits import Limits
 from .sessions import Session
 
@@ -56,14 +56,13 @@ def pool_bytes(engine: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def check_read_size(engine: Any, parts: list[Part], limits: Limits) -> None:
-    """Refuse a read of more than ``max_read_bytes`` (by default the model's whole pool:
-    the most a read can name without naming a slot twice).
+def check_read_size(engine: Any, total: int, limits: Limits) -> None:
+    """Refuse a read of ``total`` bytes, more than ``max_read_bytes`` (by default the
+    model's whole pool: the most a read can name without naming a slot twice).
 
     Raises:
         OverLimitError: naming ``max_read_bytes``.
     """
-    total = sum(p.nbytes for p in parts)
     cap = limits.max_read_bytes or pool_bytes(engine)
     if total > cap:
         raise OverLimitError(f"the read is {total} bytes (duplicates count), more than the "
@@ -272,8 +271,11 @@ def open_read(service: Any, request: Any, limits: Limits, bound: bool,
     cap = limits.request_tokens(engine.config)
     slots = decode_slots(request.slot_indices, max_count=cap)
     states = decode_slots(request.state_slots, "state_slots", cap)
-    parts = plan(engine, slots, list(request.layers), states)
-    check_read_size(engine, parts, limits)
+    # Sized from the counts and the rows' sizes before any plan or check is built: a
+    # slot named a million times is refused at the cost of its decoded vector.
+    layers = list(request.layers)
+    check_read_size(engine, transfer_bytes(engine, len(slots), layers, len(states)), limits)
+    parts = plan(engine, slots, layers, states)
     session = service.session(request.session_id) if request.session_id else None
     grant = ReadGrant(engine, session, slots, states, open_reads=engine.config.open_reads,
                       bound=bound)

@@ -21,6 +21,8 @@ from .errors import OverLimitError, TooLargeError
 # The `limit` label values of prefixcache_refusals_total that this module's checks use.
 LIMIT_NAMES = ("max_extra_key_bytes", "max_client_name_bytes", "max_session_id_bytes",
                "max_request_tokens", "max_sessions", "max_step_items", "max_step_bytes",
+               # request_caps.py: a request's bytes, checked before it is parsed.
+               "max_request_bytes",
                # kv_access.py and evict_policy.py; tenant_namespaces is tenants.py's refusal.
                "max_read_bytes", "max_inflight_write_bytes", "max_inflight_write_bytes_total",
                "max_evict_tokens", "tenant_namespaces",
@@ -28,7 +30,7 @@ LIMIT_NAMES = ("max_extra_key_bytes", "max_client_name_bytes", "max_session_id_b
                "max_session_slots", "max_session_locked_tokens", "max_session_streams")
 
 # String fields with a size limit, by field name: the setting that bounds them.
-_STRING_LIMITS = {"extra_key": "max_extra_key_bytes", "client_name": "max_client_name_bytes",
+STRING_LIMITS = {"extra_key": "max_extra_key_bytes", "client_name": "max_client_name_bytes",
                   "session_id": "max_session_id_bytes"}
 
 
@@ -44,6 +46,7 @@ class Limits:
     stream_ttl: float
     max_step_items: int = 8192
     max_step_bytes: int = 0
+    max_request_bytes: int = 0
     # KV transfer and Evict (kv_access.py, evict_policy.py).
     min_chunk_bytes: int = 64 * 1024
     max_read_bytes: int = 0
@@ -75,7 +78,7 @@ def _limited_fields(message: Any) -> tuple[tuple[str, str], ...]:
     descriptor = message.DESCRIPTOR
     found = _LIMITED_FIELDS.get(descriptor.full_name)
     if found is None:
-        found = tuple((name, setting) for name, setting in _STRING_LIMITS.items()
+        found = tuple((name, setting) for name, setting in STRING_LIMITS.items()
                       if name in descriptor.fields_by_name)
         _LIMITED_FIELDS[descriptor.full_name] = found
     return found
@@ -101,8 +104,14 @@ def check_fields(message: Any, limits: Limits) -> None:
         cap = getattr(limits, setting)
         # Characters first: one UTF-8 byte at least, four at most.
         if len(value) > cap or (len(value) * 4 > cap and len(value.encode()) > cap):
-            raise TooLargeError(f"{name} is longer than {cap} bytes, the limit "
-                                f"server.{setting}", setting)
+            raise too_large(name, setting, limits)
+
+
+def too_large(name: str, setting: str, limits: Limits) -> TooLargeError:
+    """The refusal of string field ``name`` over ``setting``; it does not repeat the
+    value."""
+    return TooLargeError(f"{name} is longer than {getattr(limits, setting)} bytes, the "
+                         f"limit server.{setting}", setting)
 
 
 def check_count(field: str, count: int, cap: int) -> None:

@@ -5,12 +5,13 @@ sends bytes that are not a message would get an undocumented code. These parsers
 a ``Refused`` marker to the handler instead, which answers INVALID_ARGUMENT. They also
 check the size limits of string fields (``limits.check_fields``), so an oversized
 ``extra_key``, ``client_name`` or ``session_id`` is refused as it is decoded, before
-any handler looks at it.
+any handler looks at it; and, before that, the request's byte count against its type's
+cap (request_caps.py), so an oversized request is refused without being parsed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -19,7 +20,9 @@ from google.protobuf.message import DecodeError
 from prefixcache.cache import InvalidInputError
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from .errors import TooLargeError
+from . import request_caps
+from .config import ModelConfig
+from .errors import LimitError, TooLargeError
 from .limits import Limits, check_fields
 
 
@@ -35,8 +38,19 @@ class Refused:
         self.seq = seq
 
 
-def _lenient(cls: Any, limits: Limits | None) -> Callable[[bytes], Any]:
+def _lenient(cls: Any, limits: Limits | None,
+             caps: dict[str, int] | None = None) -> Callable[[bytes], Any]:
+    session = cls.DESCRIPTOR.name == "SessionRequest"
+    cap = None if caps is None else caps.get(cls.DESCRIPTOR.name)
+
     def parse(data: bytes) -> Any:
+        # Sized before parsing: parsing is what an oversized request costs the loop.
+        if caps is not None and limits is not None:
+            size_cap, seq = request_caps.session_op_cap(caps, data) if session else (cap, 0)
+            try:
+                request_caps.check(cls, data, size_cap, limits)
+            except LimitError as exc:
+                return Refused(exc, seq)
         try:
             message = cls.FromString(data)
         except DecodeError as exc:
@@ -58,11 +72,14 @@ def parsed(request: Any) -> Any:
     return request
 
 
-def add_to_server(servicer: Any, server: Any, limits: Limits | None = None) -> None:
+def add_to_server(servicer: Any, server: Any, limits: Limits | None = None,
+                  models: Sequence[ModelConfig] = ()) -> None:
     """Register ``servicer`` like the generated ``add_PrefixCacheServicer_to_server``,
     but with request parsers that hand a ``Refused`` marker to the handler instead of
     raising, so that bytes that are not a message get INVALID_ARGUMENT, and that refuse
-    string fields over ``limits`` (None: unchecked)."""
+    requests over their byte cap (derived from ``limits`` and the hosted ``models``)
+    and string fields over ``limits`` (None: unchecked)."""
+    caps = None if limits is None else request_caps.derive(limits, models)
     service = pb.DESCRIPTOR.services_by_name["PrefixCache"]
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
              (False, True): grpc.unary_stream_rpc_method_handler,
@@ -73,7 +90,8 @@ def add_to_server(servicer: Any, server: Any, limits: Limits | None = None) -> N
         kind = kinds[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = kind(
             getattr(servicer, method.name),
-            request_deserializer=_lenient(getattr(pb, method.input_type.name), limits),
+            request_deserializer=_lenient(getattr(pb, method.input_type.name), limits,
+                                          caps),
             response_serializer=getattr(pb, method.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),))
