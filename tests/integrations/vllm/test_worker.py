@@ -103,7 +103,8 @@ def test_round_trip_is_byte_exact(server: ServerThread, client: PrefixCacheClien
         worker.close()
 
 
-@pytest.mark.parametrize(("model", "dtype"), [("b", "bfloat16"), ("f8", "float8_e4m3fn")])
+@pytest.mark.parametrize(("model", "dtype"), [("b", "bfloat16"), ("f8", "float8_e4m3fn"),
+                                             ("f8", "uint8")])  # vLLM's fp8 is uint8
 def test_round_trip_in_other_dtypes_and_kernel_blocks(server: ServerThread, model: str,
                                                       dtype: str) -> None:
     core = make_scheduler(server.address, model)
@@ -276,8 +277,10 @@ def test_a_pool_that_does_not_fit_disables_the_connector(server: ServerThread) -
 
 
 def test_unknown_layouts_are_refused() -> None:
-    with pytest.raises(ValueError, match="MLA"):
-        split_kv("mla", torch.zeros(4, BLOCK, 16))
+    with pytest.raises(ValueError, match="no known layout"):
+        split_kv("odd", torch.zeros(4, BLOCK * 16))
+    with pytest.raises(ValueError, match="no known layout"):
+        split_kv("odd", torch.zeros(4, BLOCK, 16), layout="kv_first")
     view = split_kv("x", torch.zeros(2, 2, BLOCK, 2, 8))  # both 2: kv_first wins
     assert view.layout == "kv_first"
     assert split_kv("y", torch.zeros(2, 2, BLOCK, 2, 8), layout="blocks_first").layout == \

@@ -13,6 +13,7 @@ from prefixcache.server.config import ModelConfig, PoolConfig
 
 BLOCK = 4  # vLLM's block size in these tests
 LAYERS, HEADS, DIM = 2, 2, 8
+LATENT = 12  # MLA's latent size per token (576 in DeepSeek)
 MODELS = (
     # page_size 2 divides the block: hits and saves are whole blocks anyway.
     ModelConfig(name="v", page_size=2,
@@ -23,6 +24,12 @@ MODELS = (
     ModelConfig(name="f8", page_size=4,
                 pool=PoolConfig(size=128, layers=LAYERS, k_heads=HEADS, k_head_dim=DIM,
                                 dtype="float8_e4m3fn")),
+    ModelConfig(name="mla", page_size=2,
+                pool=PoolConfig(size=128, layers=LAYERS, k_heads=1, k_head_dim=LATENT,
+                                dtype="bfloat16", mla=True)),
+    ModelConfig(name="mla8", page_size=4,
+                pool=PoolConfig(size=128, layers=LAYERS, k_heads=1, k_head_dim=LATENT,
+                                dtype="float8_e4m3fn", mla=True)),
 )
 
 
@@ -63,7 +70,8 @@ def make_caches(layout: str, num_blocks: int = 16, *, heads: int = HEADS,
     n = num_blocks * (BLOCK // kernel_block)
     shape = {"kv_first": (2, n, kernel_block, heads, DIM),
              "blocks_first": (n, 2, kernel_block, heads, DIM),
-             "bhn2d": (n, heads, kernel_block, 2 * DIM)}[layout]
+             "bhn2d": (n, heads, kernel_block, 2 * DIM),
+             "mla": (n, kernel_block, LATENT)}[layout]
     torch_dtype = getattr(torch, dtype)
     size = torch.empty((), dtype=torch_dtype).element_size()
     out = {}
@@ -74,13 +82,14 @@ def make_caches(layout: str, num_blocks: int = 16, *, heads: int = HEADS,
 
 
 def token_rows(view: Any, block_ids: list[int], num_tokens: int) -> Any:
-    """K and V bytes of a request's first ``num_tokens`` tokens, ``[2, n, heads, dim]``."""
+    """K and V bytes of a request's first ``num_tokens`` tokens, ``[2, n, heads, dim]``
+    (MLA: the latent's, ``[1, n, 1, dim]``)."""
     import torch
 
     from prefixcache.integrations.vllm.layout import block_positions, byte_view
 
     blocks, offsets = block_positions(array("q", block_ids), 0, num_tokens, BLOCK,
                                       view.kernel_block_size)
-    rows = torch.stack([byte_view(view.k)[blocks, offsets],
-                        byte_view(view.v)[blocks, offsets]])
+    parts = (view.k,) if view.v is None else (view.k, view.v)
+    rows = torch.stack([byte_view(part)[blocks, offsets] for part in parts])
     return rows.contiguous().view(torch.uint8)  # bytes: random bits hold NaNs

@@ -13,7 +13,7 @@ from typing import Any
 
 SAVE_MODES = ("prompt", "all", "off")
 TRANSFERS = ("auto", "attach", "remote")
-LAYOUTS = ("auto", "kv_first", "blocks_first", "bhn2d")
+LAYOUTS = ("auto", "kv_first", "blocks_first", "bhn2d", "mla")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,8 @@ class ConnectorConfig:
             "remote" streams through ReadKV / WriteKV, "auto" attaches when it can.
         verify_loads: after copying, check with one Match that the tree still maps
             the tokens to the slots copied from (catches a Reset or a lapsed lock).
-        kv_layout: vLLM's per-layer KV tensor layout; "auto" recognises the known ones.
+        kv_layout: vLLM's per-layer KV tensor layout; "auto" recognises the known ones
+            (MLA's 3-D latent cache included; its pool must be an MLA pool).
         max_inflight: calls to the service in flight at once (a thread each).
     """
 

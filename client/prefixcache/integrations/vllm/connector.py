@@ -82,8 +82,12 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         self._scheduler: SchedulerCore | None = None
         self._worker: WorkerCore | None = None
+        # MLA ranks each hold the whole latent and rank 0 alone saves it, whole rows:
+        # WriteKV serves that at any tensor-parallel size.
+        mla = bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
         if role == KVConnectorRole.SCHEDULER:
-            if config.transfer == "remote" and tp_size > 1 and config.save != "off":
+            if config.transfer == "remote" and tp_size > 1 and config.save != "off" \
+                    and not mla:
                 log.warning("prefixcache: WriteKV cannot save from %d tensor-parallel "
                             "ranks; saves are off (use transfer 'attach')", tp_size)
                 config = dataclasses.replace(config, save="off")

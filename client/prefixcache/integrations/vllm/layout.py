@@ -7,12 +7,15 @@ vLLM has changed the logical shape of a layer's KV cache across versions and bac
   the 0.2x releases; the HND stride order is a physical detail under this shape);
 - ``blocks_first``: ``[num_blocks, 2, block_size, heads, head_dim]`` (FlashInfer, ROCm);
 - ``bhn2d``: ``[num_blocks, heads, block_size, 2 * head_dim]``, K then V in the last
-  dimension (the standardised per-layer view of vLLM 0.33).
+  dimension (the standardised per-layer view of vLLM 0.33);
+- ``mla``: ``[num_blocks, block_size, head_size]``, MLA's one latent cache (the
+  compressed KV and the rope key, e.g. 512 + 64), no V.
 
-Each becomes two views of shape ``[num_blocks, block_size, heads, head_dim]`` over the
-same memory, so one copy routine serves them all. The attention kernel's block may be
-smaller than vLLM's (a "kernel block"): a vLLM block ``b`` is then kernel blocks
-``b * r .. b * r + r - 1``. torch is imported inside the functions only.
+Each becomes views of shape ``[num_blocks, block_size, heads, head_dim]`` over the same
+memory (K and V; MLA's latent as K with one head and no V), so one copy routine serves
+them all. The attention kernel's block may be smaller than vLLM's (a "kernel block"): a
+vLLM block ``b`` is then kernel blocks ``b * r .. b * r + r - 1``. torch is imported
+inside the functions only.
 """
 
 from __future__ import annotations
@@ -24,12 +27,17 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class LayerView:
-    """One attention layer of vLLM's cache: K and V as ``[blocks, block, heads, dim]``."""
+    """One attention layer of vLLM's cache: K and V as ``[blocks, block, heads, dim]``
+    (an MLA layer: its latent as K, ``heads`` 1, and ``v`` None)."""
 
     name: str
     k: Any
-    v: Any
+    v: Any | None
     layout: str
+
+    @property
+    def mla(self) -> bool:
+        return self.v is None
 
     @property
     def kernel_block_size(self) -> int:
@@ -52,11 +60,15 @@ def split_kv(name: str, tensor: Any, head_dim: int | None = None,
     last dimension is ``2 * head_dim``); ``layout`` forces one.
 
     Raises:
-        ValueError: the shape fits no known layout (MLA's single latent cache is one).
+        ValueError: the shape fits no known layout.
     """
     shape = tuple(int(d) for d in tensor.shape)
-    candidates = ("kv_first", "blocks_first", "bhn2d") if layout == "auto" else (layout,)
+    candidates = ("kv_first", "blocks_first", "bhn2d", "mla") if layout == "auto" \
+        else (layout,)
     for kind in candidates:
+        if kind == "mla" and len(shape) == 3:
+            # The only 3-D layout: a view with one head, the same memory.
+            return _checked(name, tensor.unsqueeze(2), None, kind, head_dim)
         if kind == "kv_first" and len(shape) == 5 and shape[0] == 2:
             return _checked(name, tensor[0], tensor[1], kind, head_dim)
         if kind == "blocks_first" and len(shape) == 5 and shape[1] == 2:
@@ -67,11 +79,13 @@ def split_kv(name: str, tensor: Any, head_dim: int | None = None,
             x = tensor.transpose(1, 2)
             return _checked(name, x[..., :half], x[..., half:], kind, head_dim)
     raise ValueError(f"KV cache of layer {name!r} has shape {list(shape)}, which is no "
-                     f"known layout ({layout}); prefixcache needs separate K and V "
-                     "(MLA caches are not supported yet)")
+                     f"known layout ({layout}); prefixcache knows [2, blocks, block, "
+                     "heads, dim], [blocks, 2, block, heads, dim], [blocks, heads, block, "
+                     "2 * dim] and MLA's [blocks, block, head_size]")
 
 
-def _checked(name: str, k: Any, v: Any, kind: str, head_dim: int | None) -> LayerView:
+def _checked(name: str, k: Any, v: Any | None, kind: str,
+             head_dim: int | None) -> LayerView:
     if head_dim is not None and int(k.shape[-1]) != head_dim:
         raise ValueError(f"KV cache of layer {name!r} ({kind}) has head_dim "
                          f"{int(k.shape[-1])}, the pool {head_dim}")

@@ -3,7 +3,8 @@ service's host (shared memory or CUDA IPC, no call per copy), or through ReadKV 
 WriteKV from anywhere else. torch is imported inside the functions only.
 
 A reader hands out one layer at a time (``rows(layer) -> (k, v)``, ``[n, heads, dim]``
-each), so a copy holds one layer's rows at most on the mapped path.
+each), so a copy holds one layer's rows at most on the mapped path. An MLA pool has no
+V: its rows are ``(latent, None)``, both ways.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prefixcache.client.results import PoolInfo
 
 from .layout import byte_view
 
-Rows = Callable[[int], tuple[Any, Any]]
+Rows = Callable[[int], tuple[Any, Any | None]]
 
 
 class PoolAccess(Protocol):
@@ -62,6 +63,8 @@ class MappedAccess:
     def reader(self, slots: Any, server_epoch: int, session_id: str) -> Rows:
         index = self._index(slots, server_epoch)
         k, v = self.pool.k_buffer, self.pool.v_buffer
+        if self.info.mla:
+            return lambda layer: (byte_view(k[layer]).index_select(0, index), None)
         return lambda layer: (byte_view(k[layer]).index_select(0, index),
                               byte_view(v[layer]).index_select(0, index))
 
@@ -70,7 +73,10 @@ class MappedAccess:
         index = self._index(slots, server_epoch)
         for layer in range(self.info.layer_num):
             k, v = source(layer)
-            for buf, rows in ((self.pool.k_buffer[layer], k), (self.pool.v_buffer[layer], v)):
+            pairs = [(self.pool.k_buffer[layer], k)]
+            if not self.info.mla:
+                pairs.append((self.pool.v_buffer[layer], v))
+            for buf, rows in pairs:
                 target = byte_view(buf)
                 target[index, heads] = byte_view(rows).to(target.device)
         if self.pool.device.startswith("cuda"):
@@ -94,6 +100,8 @@ class RemoteAccess:
     def reader(self, slots: Any, server_epoch: int, session_id: str) -> Rows:
         data = self.client.read_kv(self.model, slots, session=session_id,
                                    server_epoch=server_epoch)
+        if self.info.mla:
+            return lambda layer: (byte_view(data.k[layer]), None)
         return lambda layer: (byte_view(data.k[layer]), byte_view(data.v[layer]))
 
     def write(self, slots: Any, source: Rows, heads: slice, session_id: str,
@@ -108,9 +116,10 @@ class RemoteAccess:
         for layer in range(self.info.layer_num):
             k, v = source(layer)
             ks.append(k.view(dtype) if k.dtype != dtype else k)
-            vs.append(v.view(dtype) if v.dtype != dtype else v)
-        self.client.write_kv(self.model, slots, ks, vs, session=session_id,
-                             server_epoch=server_epoch)
+            if not self.info.mla:
+                vs.append(v.view(dtype) if v.dtype != dtype else v)
+        self.client.write_kv(self.model, slots, ks, None if self.info.mla else vs,
+                             session=session_id, server_epoch=server_epoch)
 
 
 def open_access(client: PrefixCacheClient, model: str, transfer: str) -> PoolAccess:

@@ -18,6 +18,13 @@ Saves. A finished request's new tokens are copied from its blocks into the slots
 scheduler side allocated; the request is then reported done (vLLM frees its blocks and
 the scheduler side inserts). A save that fails gives its slots back, so that the
 scheduler side's Insert is refused and nothing half-written is ever cached.
+
+MLA. vLLM's MLA cache is one latent per token (``[blocks, block, head_size]``), held by
+an MLA pool (``pool.mla``: K only, one head of ``head_size``); an MLA model with a K/V
+pool, or the other way round, disables the connector. Tensor-parallel ranks do not
+split the latent by heads: every rank holds all of it. So every rank loads (each has
+its own copy of the blocks to fill) but only rank 0 saves; the others report their
+saves done without copying, and vLLM's request is done once rank 0's copy is.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import time
 from typing import Any
 
 from prefixcache.client import PrefixCacheClient, PrefixCacheError
+from prefixcache.client.results import PoolInfo
 
 from .config import ConnectorConfig
 from .layout import LayerView, block_positions, gather_blocks, scatter_blocks, split_kv
@@ -44,7 +52,8 @@ class WorkerCore:
         config: the connector's settings.
         block_size: vLLM's block size in tokens.
         tp_rank, tp_size: this worker's tensor-parallel rank and the group's size; the
-            pool holds every KV head and each rank copies its own.
+            pool holds every KV head and each rank copies its own (MLA: see the module
+            docstring).
         client: the client to use (default: one made from ``config``).
     """
 
@@ -146,12 +155,16 @@ class WorkerCore:
             return (f"the pool of {info.model!r} has {info.layer_num} layers, vLLM "
                     f"{len(self.layers)}")
         first = self.layers[0]
+        if not _same_dtype(info.dtype, first.k.dtype):
+            return f"the pool's dtype is {info.dtype}, vLLM's {first.k.dtype}"
+        if any(view.mla != first.mla for view in self.layers):
+            return "vLLM's layers mix MLA and K/V caches"
+        if first.mla or info.mla:
+            return self._check_mla(info, first)
         local = first.heads
         if (info.k_head_dim, info.v_head_dim) != (first.head_dim, first.v.shape[3]):
             return (f"the pool's head dims are {info.k_head_dim}/{info.v_head_dim}, "
                     f"vLLM's {first.head_dim}/{first.v.shape[3]}")
-        if info.dtype != str(first.k.dtype).removeprefix("torch."):
-            return f"the pool's dtype is {info.dtype}, vLLM's {first.k.dtype}"
         total, rank, size = info.k_head_num, self.tp_rank, self.tp_size
         if info.v_head_num != total:
             return "K and V head counts differ in the pool"
@@ -167,6 +180,24 @@ class WorkerCore:
         else:
             return (f"the pool has {total} KV heads; vLLM's rank {rank} of {size} holds "
                     f"{local}")
+        return None
+
+    def _check_mla(self, info: PoolInfo, first: LayerView) -> str | None:
+        """The MLA half of ``_check``: both sides MLA, one latent of the same size."""
+        if not first.mla:
+            return (f"the pool of {info.model!r} is an MLA pool (no V) but vLLM's KV cache "
+                    "has K and V: configure the model's pool without mla")
+        if not info.mla:
+            return (f"vLLM's KV cache is MLA (one latent of {first.head_dim}, no V) but the "
+                    f"pool of {info.model!r} has K and V: configure its pool with "
+                    f"mla: true, k_heads: 1, k_head_dim: {first.head_dim}")
+        if (info.k_head_num, info.k_head_dim) != (1, first.head_dim):
+            return (f"the MLA pool of {info.model!r} is {info.k_head_num} x "
+                    f"{info.k_head_dim}; vLLM's latent needs k_heads: 1, "
+                    f"k_head_dim: {first.head_dim}")
+        # Every rank holds the whole latent (see the module docstring): rank 0 saves it.
+        self._heads = slice(None)
+        self._write_heads = self.tp_rank == 0
         return None
 
     # ------------------------------------------------------------------ copies
@@ -195,7 +226,8 @@ class WorkerCore:
                                                   view.k.device)
                 k, v = rows(layer)
                 scatter_blocks(view.k, blocks, offsets, k[:, self._heads])
-                scatter_blocks(view.v, blocks, offsets, v[:, self._heads])
+                if view.v is not None:
+                    scatter_blocks(view.v, blocks, offsets, v[:, self._heads])
             if self.config.verify_loads and not self._still_mapped(op):
                 self._fail(op, "the slots no longer hold these tokens")
                 return
@@ -232,10 +264,10 @@ class WorkerCore:
                                      self.block_size, view.kernel_block_size,
                                      view.k.device) for view in self.layers]
 
-        def source(layer: int) -> tuple[Any, Any]:
+        def source(layer: int) -> tuple[Any, Any | None]:
             view, (blocks, offsets) = self.layers[layer], positions[layer]
-            return gather_blocks(view.k, blocks, offsets), gather_blocks(view.v, blocks,
-                                                                         offsets)
+            k = gather_blocks(view.k, blocks, offsets)
+            return k, None if view.v is None else gather_blocks(view.v, blocks, offsets)
 
         access.write(op.slots, source, self._heads, op.session_id, op.server_epoch)
 
@@ -247,3 +279,14 @@ class WorkerCore:
                              server_epoch=op.server_epoch)
         except PrefixCacheError as err:
             log.warning("could not give back the slots of a failed save: %s", err)
+
+
+def _same_dtype(pool: str, vllm: Any) -> bool:
+    """Whether the pool's element type holds vLLM's bytes as they are: the same type, or
+    an fp8 cache that vLLM allocates as uint8 (``kv_cache_dtype`` fp8) against an fp8
+    pool, and back (every copy of one-byte types is bytewise)."""
+    theirs = str(vllm).removeprefix("torch.")
+    if theirs == pool:
+        return True
+    return "uint8" in (theirs, pool) and {theirs, pool} <= {"uint8", "float8_e4m3fn",
+                                                             "float8_e5m2"}
