@@ -12,12 +12,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from harness import EVERY_KIND, pack_slots, pb, serve_module, session_of, slots, stub_of, toks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache.server.status import EPOCH_TRAILER
+from prefixcache.server.step import _shares_a_slot
 
 CODE = grpc.StatusCode
 MAX_ITEMS, MAX_BYTES = 40, 8192
@@ -106,6 +108,37 @@ def test_items_fail_alone_and_run_in_order(server, stub, session) -> None:
     assert stub.Match(pb.MatchRequest(model="p", token_ids=toks(longer))).prefix_len == 4
     assert before.locks == 1 and reply.counters.locks == 1  # b's released, the hit's taken
     server.check_integrity()
+
+
+def test_a_tail_repeating_an_aligned_slot_refuses_the_finish_whole(server, stub,
+                                                                   session) -> None:
+    """The insert does not check the tail against the aligned part; the finish must, or
+    the repeated slot goes to the tree and the tail's free then fails, half done."""
+    tokens = list(range(800, 806))  # page 4: 4 aligned tokens, a tail of 2
+    m = stub.Step(pb.StepRequest(model="p", session_id=session,
+                                 admits=[admit(tokens, lock=False)])).admits[0].admit
+    own = slots(m.allocated_slots)
+    before = stats(stub, "p")
+    repeat = pb.StepFinish(token_ids=toks(tokens), slot_indices=pack_slots(own[:5] + own[1:2]))
+    reply = stub.Step(pb.StepRequest(model="p", session_id=session, finishes=[repeat]))
+    assert code_of(reply.finishes[0]) == CODE.INVALID_ARGUMENT
+    assert "aligned part too" in reply.finishes[0].error.message
+    assert stats(stub, "p") == before  # nothing inserted, nothing freed
+    assert stub.Match(pb.MatchRequest(model="p", token_ids=toks(tokens))).prefix_len == 0
+    # A tail whose span holds aligned slots, none of them its own, is fine.
+    ordered = sorted(own)
+    spread = [*ordered[1:5], ordered[0], ordered[5]]
+    done = stub.Step(pb.StepRequest(model="p", session_id=session, finishes=[pb.StepFinish(
+        token_ids=toks(tokens), slot_indices=pack_slots(spread))]))
+    assert done.finishes[0].finish.cached_len == 4 and done.counters.session_slots == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(tail=st.lists(st.integers(1, 64), min_size=1, max_size=6, unique=True),
+       head=st.lists(st.integers(1, 64), max_size=40))
+def test_shares_a_slot_is_isin(tail: list[int], head: list[int]) -> None:
+    t, h = np.array(tail, dtype=np.int64), np.array(head, dtype=np.int64)
+    assert _shares_a_slot(t, h) == bool(np.isin(t, h).any())
 
 
 def test_whole_step_refusals_change_nothing(server, stub, session) -> None:
