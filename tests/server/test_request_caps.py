@@ -88,8 +88,11 @@ def test_caps_follow_the_limits() -> None:
     assert CAPS["StepRequest"] == base + (1 << 16) + 8192 * (request_caps.STEP_ITEM + 4096)
     assert CAPS["SessionRequest"] == max(CAPS["StepRequest"], CAPS["InsertRequest"]) + 32
     assert "KVChunk" not in CAPS  # WriteKV's data chunks: max_message_bytes only
-    # Without max_step_bytes a Step has no cap here; the setting replaces every cap.
-    assert "StepRequest" not in request_caps.derive(Limits.of(), MODELS)
+    # Without max_step_bytes a Step is capped by its items x the largest item (a
+    # finish at the pool's 256 tokens); the setting replaces every cap.
+    default = request_caps.derive(Limits.of(), MODELS)
+    assert default["StepRequest"] == base + 8192 * (
+        request_caps.STEP_ITEM + 4096 + 256 * (4 * 8 + 8))
     fixed = request_caps.derive(Limits.of(ServerConfig(max_request_bytes=5000)), MODELS)
     assert set(fixed.values()) == {5000}
 

@@ -45,6 +45,9 @@ MAX_MESSAGE_BYTES = 2**31 - 1
 # Server settings parsed other than by the type of their default.
 _PARSERS = {"socket_mode": file_mode,
             "shm_mode": lambda v, d, w: None if v is None or v == "" else file_mode(v, 0, w),
+            # "auto": the derived cap of quotas.Quota.of (None).
+            "max_session_locked_tokens":
+                lambda v, d, w: None if v == "auto" else coerce(v, 0, w),
             "kv_events": parse_kv_events, "tenants": parse_tenants}
 
 
@@ -112,7 +115,7 @@ _LIMIT_INTS = {"min_chunk_bytes": 1, "max_read_bytes": 0, "max_inflight_write_by
                "max_extra_key_bytes": 1, "max_client_name_bytes": 1, "max_session_id_bytes": 1,
                "max_request_tokens": 0, "max_sessions": 1, "max_step_items": 1,
                "max_step_bytes": 0, "max_request_bytes": 0, "log_queue_lines": 1,
-               "max_session_slots": 0,
+               "max_session_slots": 0, "max_session_state_slots": 0,
                "max_session_locked_tokens": 0, "max_session_streams": 1}
 _LIMIT_SECONDS = ("stream_ttl", "keepalive_time", "keepalive_timeout",
                   "keepalive_min_client_interval")
@@ -122,7 +125,8 @@ def _check_limits(cfg: ServerConfig, where: str) -> None:
     """The limits block of ServerConfig: counts and sizes >= their minimum, durations
     finite and positive (a nan or inf would turn a limit off unnoticed)."""
     for name, minimum in _LIMIT_INTS.items():
-        check_int(getattr(cfg, name), f"{where}.{name}", minimum)
+        if getattr(cfg, name) is not None:  # None: a derived default
+            check_int(getattr(cfg, name), f"{where}.{name}", minimum)
     for name in _LIMIT_SECONDS:
         value = getattr(cfg, name)
         if not (value > 0 and math.isfinite(value)):

@@ -117,11 +117,15 @@ class ServerConfig:
     # Per-session quotas (quotas.py), per model, checked before anything changes
     # (RESOURCE_EXHAUSTED beyond them). Slots one session holds (allocated, not yet
     # inserted or freed; 0: the model's pool size, so no cap but the pool, as the one
-    # worker of a sidecar needs it all). Tokens one session's locks protect, each lock
-    # counting its whole prefix, so a prefix under ten locks counts ten times (0: off).
-    # ReadKV and WriteKV streams of one session in flight at once.
+    # worker of a sidecar needs it all). A mamba model's state slots one session holds
+    # (0: its state pool's size). Tokens one session's locks protect, each lock
+    # counting its whole prefix, so a prefix under ten locks counts ten times (0, the
+    # default: off; "auto": 90% of the pool's tokens for radix, swa and mamba models,
+    # so one session never protects the whole cache). ReadKV and WriteKV streams of one
+    # session in flight at once.
     max_session_slots: int = 0
-    max_session_locked_tokens: int = 0
+    max_session_state_slots: int = 0
+    max_session_locked_tokens: int | None = 0
     max_session_streams: int = 64
     # One Step call: its items (finishes, unlocks, frees, decodes and admits together)
     # and the bytes of token ids and slot indices they carry. A Step over either is

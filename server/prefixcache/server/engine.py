@@ -200,6 +200,8 @@ class ModelEngine(EngineBase):
                 self.quota.check_lock(owner, tokens)
             if allocate:
                 self.quota.check_slots(owner, len(key) - result.prefix_len)
+                if self.states is not None:
+                    self.quota.check_state_slots(owner, 1, self.states.held_by(owner))
         if node is not None and (lock or allocate):
             # Held while allocating too, so eviction cannot free what we just matched.
             boundary = self.cache.inc_lock_ref(node)
@@ -322,6 +324,7 @@ class ModelEngine(EngineBase):
         self.quota.check_slots(session, num_slots)
         states = _EMPTY
         if num_states:
+            self.quota.check_state_slots(session, num_states, self._states().held_by(session))
             # Refuse before the state allocation evicts snapshots (and their KV).
             self._check_room(num_slots)
             states, freed_tokens = self._states().allocate(num_states, session)

@@ -27,7 +27,8 @@ LIMIT_NAMES = ("max_extra_key_bytes", "max_client_name_bytes", "max_session_id_b
                "max_read_bytes", "max_inflight_write_bytes", "max_inflight_write_bytes_total",
                "max_evict_tokens", "tenant_namespaces",
                # quotas.py: what one session may hold.
-               "max_session_slots", "max_session_locked_tokens", "max_session_streams")
+               "max_session_slots", "max_session_state_slots", "max_session_locked_tokens",
+               "max_session_streams")
 
 # String fields with a size limit, by field name: the setting that bounds them.
 STRING_LIMITS = {"extra_key": "max_extra_key_bytes", "client_name": "max_client_name_bytes",
@@ -55,7 +56,9 @@ class Limits:
     max_evict_tokens: int = 0
     # Per-session quotas (quotas.py).
     max_session_slots: int = 0
-    max_session_locked_tokens: int = 0
+    max_session_state_slots: int = 0
+    # None: derived per model (quotas.Quota.of); 0: off.
+    max_session_locked_tokens: int | None = 0
     max_session_streams: int = 64
 
     @classmethod

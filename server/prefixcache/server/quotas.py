@@ -7,8 +7,11 @@ it changes anything, that the call keeps the session within its model's caps:
 * **slots** (``max_session_slots``): KV slots (for a ``slot`` model, sequence slots)
   the session holds in the model's pool, allocated and not yet inserted or freed. 0,
   the default, takes the pool size: no cap but the pool's own, since the one worker of
-  a per-pod sidecar legitimately uses all of it. Mamba state slots are not counted
-  (at most one per allocation, and the state pool is small and separate).
+  a per-pod sidecar legitimately uses all of it.
+* **state slots** (``max_session_state_slots``): a ``mamba`` model's state slots the
+  session holds (Alloc's ``num_state_slots``, one per Match with ``allocate``), counted
+  apart from KV slots since the state pool is small and separate. 0, the default, takes
+  the state pool's size, like ``max_session_slots``.
 * **locked tokens** (``max_session_locked_tokens``): a lock on a node protects the
   node's whole path from the root, so it counts that path's length in tokens,
   ``HeldLock.tokens``, fixed when the lock is taken (a split keeps the node object on
@@ -16,9 +19,12 @@ it changes anything, that the call keeps the session within its model's caps:
   session's locked tokens are the sum over its locks: a prefix shared by ten of its
   locks counts ten times. That makes the count an upper bound of the distinct tokens
   the session pins, and keeps it a counter updated once per lock and unlock, instead
-  of a union of paths per session. Because of the sharing, no default derived from the
-  pool is both safe and useful: 0, the default, is off. A useful setting is about
-  (requests a worker runs at once) x (their prompt length), below the pool size.
+  of a union of paths per session. By default (None) a ``radix``, ``swa`` or ``mamba``
+  model takes 90% of its pool's tokens (``DEFAULT_LOCKED_SHARE``): since the sum bounds
+  the distinct tokens from above, one session can then never protect the whole cache,
+  and the others always have a tenth of it to evict into. A worker whose concurrent
+  requests lock one long shared prefix counts it per lock, so it may need more (or 0,
+  off); ``slot`` and ``chunk`` models have no default cap.
 * **streams** (``max_session_streams``): ReadKV and WriteKV streams naming the session
   that are in flight at once (each holds loop time and, for WriteKV, partial rows).
 
@@ -39,22 +45,36 @@ from .errors import OverLimitError
 from .limits import Limits
 from .sessions import Session
 
+# The share of a tree model's pool tokens that one session's locks may protect by
+# (max_session_locked_tokens "auto", None here): short of all, so others can still evict.
+DEFAULT_LOCKED_SHARE = 0.9
+_TREE_KINDS = ("radix", "swa", "mamba")
+
 
 class Quota:
     """One model's per-session caps, which its engine checks (0: no cap)."""
 
-    __slots__ = ("locked_tokens", "model", "slots")
+    __slots__ = ("locked_tokens", "model", "slots", "state_slots")
 
-    def __init__(self, model: str = "", slots: int = 0, locked_tokens: int = 0) -> None:
+    def __init__(self, model: str = "", slots: int = 0, locked_tokens: int = 0,
+                 state_slots: int = 0) -> None:
         self.model = model
         self.slots = slots
         self.locked_tokens = locked_tokens
+        self.state_slots = state_slots
 
     @classmethod
     def of(cls, limits: Limits, engine: Any) -> Quota:
-        """``engine``'s caps under ``limits`` (0 slots: the model's pool size)."""
-        return cls(engine.name, limits.max_session_slots or engine.pool_size,
-                   limits.max_session_locked_tokens)
+        """``engine``'s caps under ``limits`` (0 slots: the model's pool size; 0 state
+        slots: its state pool's; None locked tokens: ``DEFAULT_LOCKED_SHARE`` of a tree
+        model's pool, off for the other kinds)."""
+        locked = limits.max_session_locked_tokens
+        if locked is None:
+            locked = int(engine.pool_size * DEFAULT_LOCKED_SHARE) \
+                if engine.kind in _TREE_KINDS else 0
+        states = getattr(engine, "states", None)
+        return cls(engine.name, limits.max_session_slots or engine.pool_size, locked,
+                   limits.max_session_state_slots or (states.capacity if states else 0))
 
     def check_slots(self, session: Session, n: int) -> None:
         """Refuse ``n`` more slots for ``session``.
@@ -71,6 +91,20 @@ class Quota:
                     f"{n} more, past the {cap} one session may hold (server."
                     "max_session_slots): insert or free what it holds first",
                     "max_session_slots")
+
+    def check_state_slots(self, session: Session, n: int, held: int) -> None:
+        """Refuse ``n`` more state slots for ``session``, which holds ``held``.
+
+        Raises:
+            OverLimitError: naming ``max_session_state_slots``.
+        """
+        cap = self.state_slots
+        if cap and n > 0 and held + n > cap:
+            raise OverLimitError(
+                f"this session holds {held} state slots of model {self.model!r} and asks "
+                f"for {n} more, past the {cap} one session may hold (server."
+                "max_session_state_slots): insert or free what it holds first",
+                "max_session_state_slots")
 
     def check_lock(self, session: Session, tokens: int) -> None:
         """Refuse a lock protecting ``tokens`` more for ``session`` (net of a lock it

@@ -11,9 +11,12 @@ Per request type, the cap is a fixed allowance for scalars, tags and the model n
 (``BASE``), plus the string limits, plus what its token ids, slot indices or page
 hashes may be at ``max_request_tokens`` (the largest over the hosted models): 4 bytes
 per token id times the widest ``token_width`` (8), 8 per slot index, 32 per page hash.
-A Step is capped only when ``max_step_bytes`` is set (its items x a per-item allowance
-+ max_step_bytes); a Session stream message by the operation it carries. WriteKV's
-chunks are not capped here: a data chunk may be as large as ``max_message_bytes``.
+A Step is capped like the others: ``max_step_items`` x the largest item (a finish: its
+``extra_key``, token ids and slot indices at ``max_request_tokens``, plus
+``STEP_ITEM``), or, when ``max_step_bytes`` is set and smaller, the items x
+(``STEP_ITEM`` + ``extra_key``) + max_step_bytes; a Session stream message by the
+operation it carries. WriteKV's chunks are not capped here: a data chunk may be as
+large as ``max_message_bytes``.
 A ``max_request_bytes`` setting other than 0 replaces every derived cap.
 """
 
@@ -61,13 +64,16 @@ def derive(limits: Limits, models: Iterable[ModelConfig]) -> dict[str, int]:
                 ExistsPagesRequest=base + hashes, GetPagesRequest=base + hashes,
                 SetPagesRequest=base + hashes + _HASH_BYTES + slots,
                 SubscribeRequest=BASE + _NAMESPACES * (limits.max_extra_key_bytes + 16))
+    # A finish is the largest item (a free's two slot lists are at most its slots and
+    # ids); every item is held to it, since the mix is not known before parsing.
+    item = STEP_ITEM + limits.max_extra_key_bytes
+    caps["StepRequest"] = base + limits.max_step_items * (item + ids + slots)
     if limits.max_step_bytes:
-        caps["StepRequest"] = base + limits.max_step_bytes + limits.max_step_items * (
-            STEP_ITEM + limits.max_extra_key_bytes)
+        caps["StepRequest"] = min(caps["StepRequest"], base + limits.max_step_bytes
+                                  + limits.max_step_items * item)
     # An op that cannot be found in the first fields (only a hand-made encoding hides
-    # it) is held to the largest op's cap; a Step op without max_step_bytes to none.
-    caps["SessionRequest"] = max(caps[name] for name in _SESSION_OPS.values()
-                                 if name in caps) + 32
+    # it) is held to the largest op's cap.
+    caps["SessionRequest"] = max(caps[name] for name in _SESSION_OPS.values()) + 32
     if limits.max_request_bytes:
         caps = dict.fromkeys(caps, limits.max_request_bytes)
         caps["SessionRequest"] = limits.max_request_bytes

@@ -39,6 +39,14 @@ class StateSlots:
         self.cache = cache
         self._owner = np.zeros(pool.num_slots, dtype=np.int64)
         self.held = 0  # slots held by sessions
+        # Per session tag, for its quota (max_session_state_slots) without a scan.
+        self._held_by: dict[int, int] = {}
+        # Slots tree nodes and sessions may hold (the rest are attached workers').
+        self.capacity = pool.max_track_slots
+
+    def held_by(self, session: Session) -> int:
+        """State slots ``session`` holds."""
+        return self._held_by.get(session.tag, 0)
 
     def allocate(self, n: int, session: Session) -> tuple[np.ndarray, int]:
         """``n`` slots for ``session``, evicting snapshots if short; also returns the KV
@@ -53,6 +61,8 @@ class StateSlots:
         slots = np.array([self.pool.alloc_track_slot() for _ in range(n)], dtype=np.int64)
         self._owner[slots] = session.tag
         self.held += n
+        if n:
+            self._held_by[session.tag] = self._held_by.get(session.tag, 0) + n
         return slots, freed_tokens
 
     def check(self, session: Session | None, slots: np.ndarray) -> None:
@@ -74,6 +84,13 @@ class StateSlots:
 
     def disown(self, slots: np.ndarray) -> None:
         """The session no longer holds ``slots`` (the tree took them, or they were freed)."""
+        tags, counts = np.unique(self._owner[slots], return_counts=True)
+        for tag, n in zip(tags.tolist(), counts.tolist(), strict=True):
+            left = self._held_by.get(tag, 0) - n
+            if left > 0:
+                self._held_by[tag] = left
+            else:
+                self._held_by.pop(tag, None)
         self._owner[slots] = 0
         self.held -= len(slots)
 
@@ -85,11 +102,15 @@ class StateSlots:
         self.pool.clear()
         self._owner[:] = 0
         self.held = 0
+        self._held_by.clear()
 
     def check_integrity(self) -> None:
         owned = int(np.count_nonzero(self._owner))
         if owned != self.held:
             raise IntegrityError(f"{owned} state slots owned by sessions, {self.held} counted")
+        tags, counts = np.unique(self._owner[self._owner != 0], return_counts=True)
+        if dict(zip(tags.tolist(), counts.tolist(), strict=True)) != self._held_by:
+            raise IntegrityError("state slots counted per session disagree with their owners")
         in_use = self.pool.num_allocated_track_slots()
         if in_use != self.cache.mamba_total_size() + self.held:
             raise IntegrityError(f"{in_use} state slots allocated, {self.cache.mamba_total_size()}"
