@@ -101,6 +101,31 @@ class HostPool:
         return torch.zeros_like(self.flat_page(0))
 
 
+class StatePool:
+    """A host pool as SGLang's Mamba / SWA / indexer host pools show themselves to a
+    storage backend: ``page_size`` positions a page, flat pages in and out."""
+
+    def __init__(self, pages: int, shape: tuple[int, ...], dtype: torch.dtype, *,
+                 page_size: int = 1, seed: int = 0) -> None:
+        self.page_size, self.shape = page_size, shape
+        g = torch.Generator().manual_seed(seed)
+        count = pages * page_size * dtype.itemsize * int(torch.tensor(shape).prod())
+        raw = torch.randint(0, 256, (count,), generator=g, dtype=torch.uint8)
+        self.buf = raw.view(dtype).view(pages * page_size, *shape)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return self.buf[index:index + self.page_size].flatten().clone()
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros_like(self.get_data_page(0))
+
+    def set_from_flat_data_page(self, index: int, data: torch.Tensor) -> None:
+        self.buf[index:index + self.page_size] = data.view(self.page_size, *self.shape)
+
+    def page_bytes(self, index: int) -> bytes:
+        return self.get_data_page(index).view(torch.uint8).numpy().tobytes()
+
+
 def host_indices(pages: list[int], page_size: int = PAGE) -> torch.Tensor:
     """The host token positions of host pages ``pages``, as SGLang passes them."""
     return torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages])

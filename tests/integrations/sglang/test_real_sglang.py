@@ -12,7 +12,7 @@ shapes (its own host-pool classes need CUDA-era extensions to import).
 from __future__ import annotations
 
 import pytest
-from hicache_hosts import PAGE, HostPool, host_indices
+from hicache_hosts import PAGE, HostPool, StatePool, host_indices
 
 storage = pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
                               reason="sglang is not installed (CPU CI)")
@@ -76,6 +76,40 @@ def test_loaded_by_sglang_and_round_trips(server) -> None:
             name=storage.PoolName.MAMBA, keys=keys[-1:],
             hit_policy=storage.PoolHitPolicy.TRAILING_PAGES)])
         assert (result.kv_hit_pages, result.extra_pool_hit_pages) == (0, {"kv": 4})
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_v2_mamba_state_through_sglang_types(server) -> None:
+    """SGLang's v2 types end to end: a Mamba pool registered as its controller does, a
+    prefix stored with its state, found usable only where the state is, loaded back."""
+    import torch
+
+    pools = [HostPool("page_first", seed=3), HostPool("page_first", seed=4)]
+    states = [StatePool(4, (5, 61), torch.float32, seed=s) for s in (3, 4)]
+    writer, reader = (backend_for(server.address, p) for p in pools)
+    try:
+        for backend, state in zip((writer, reader), states, strict=True):
+            backend.register_mem_host_pool_v2(state, storage.PoolName.MAMBA)
+        keys = sglang_hashes(list(range(300, 300 + 3 * PAGE)))
+        info = storage.HiCacheStorageExtraInfo(prefix_keys=[])
+        kv = storage.PoolTransfer(name=storage.PoolName.KV, keys=keys,
+                                  host_indices=host_indices([0, 1, 2]))
+        mamba = storage.PoolTransfer(name=storage.PoolName.MAMBA, keys=[keys[1]],
+                                     host_indices=torch.tensor([2]),
+                                     hit_policy=storage.PoolHitPolicy.TRAILING_PAGES)
+        assert writer.batch_set_v2([kv, mamba], info) == {"kv": [True] * 3, "mamba": [True]}
+        probe = storage.PoolTransfer(name=storage.PoolName.MAMBA, keys=keys[-1:],
+                                     hit_policy=storage.PoolHitPolicy.TRAILING_PAGES)
+        result = reader.batch_exists_v2(keys, [probe], info)
+        assert (result.kv_hit_pages, result.extra_pool_hit_pages) == (2, {"kv": 3, "mamba": 2})
+        if hasattr(result, "restorable_prefix_pages"):
+            assert result.restorable_prefix_pages == [2]
+        load = storage.PoolTransfer(name=storage.PoolName.MAMBA, keys=[keys[1]],
+                                    host_indices=torch.tensor([0]))
+        assert reader.batch_get_v2([load], info) == {"mamba": [True]}
+        assert states[1].page_bytes(0) == states[0].page_bytes(2)
     finally:
         writer.close()
         reader.close()

@@ -93,9 +93,9 @@ class _Transfer:
 
 def test_v2_serves_the_kv_pool_and_misses_the_others() -> None:
     keys = ["a", "b", "c"]
-    assert exists_v2(_Core(), keys, None) == (2, {"kv": 2})
-    # A Mamba or SWA pool is never stored: no usable prefix, so SGLang recomputes.
-    assert exists_v2(_Core(), keys, [_Transfer("mamba", keys[-1:])]) == (0, {"kv": 2})
+    assert exists_v2(_Core(), keys, None) == (2, {"kv": 2}, [1, 2])
+    # A pool never registered is never stored: no usable prefix, so SGLang recomputes.
+    assert exists_v2(_Core(), keys, [_Transfer("mamba", keys[-1:])]) == (0, {"kv": 2}, [])
     got = transfer_v2(_Core(), [_Transfer("kv", keys), _Transfer("swa", keys[-1:])], None,
                       load=True)
     assert got == {"kv": [True, True, False], "swa": [False]}

@@ -6,9 +6,10 @@ all of its logic and imports neither SGLang nor, until it moves data, torch. See
 README section "SGLang (HiCache storage backend)" for the command line.
 """
 
+from .aux_pools import AuxPools
 from .core import GeometryError, HiCacheCore, prior_of
 from .host_layout import LAYOUTS, HostLayout
 from .settings import Ranks, Settings, rank_namespace
 
-__all__ = ["LAYOUTS", "GeometryError", "HiCacheCore", "HostLayout", "Ranks", "Settings",
-           "prior_of", "rank_namespace"]
+__all__ = ["LAYOUTS", "AuxPools", "GeometryError", "HiCacheCore", "HostLayout", "Ranks",
+           "Settings", "prior_of", "rank_namespace"]

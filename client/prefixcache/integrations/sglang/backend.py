@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from .aux_pools import AuxPools
 from .core import HiCacheCore, prior_of
 from .host_layout import HostLayout
 from .settings import Ranks, Settings
@@ -40,6 +41,7 @@ class PrefixCacheStorage(HiCacheStorage):
         settings = Settings.parse(storage_config.extra_config, Ranks.of(storage_config),
                                   storage_config.model_name)
         self.core = HiCacheCore(settings)
+        self.pools = AuxPools(self.core)  # Mamba, SWA, indexer, draft: the v2 calls
         log.info("prefixcache HiCache storage: model %r namespace %r at %s",
                  settings.model, settings.namespace, settings.target)
 
@@ -48,6 +50,10 @@ class PrefixCacheStorage(HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.core.register_host_pool(HostLayout.of_pool(mem_pool_host))
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self.pools.register(host_pool_name, host_pool)
 
     def close(self) -> None:
         self.core.close()
@@ -98,13 +104,17 @@ class PrefixCacheStorage(HiCacheStorage):
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> Any:
-        pages, hits = exists_v2(self.core, keys, pool_transfers)
+        pages, hits, usable = exists_v2(self.core, keys, pool_transfers, self.pools)
+        if "restorable_prefix_pages" in getattr(PoolTransferResult, "__dataclass_fields__",
+                                                ()):  # SGLang versions that have it
+            return PoolTransferResult(pages, hits, restorable_prefix_pages=usable)
         return PoolTransferResult(pages, hits)
 
     def batch_get_v2(self, transfers: list[Any],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return transfer_v2(self.core, transfers, None, load=True)
+        return transfer_v2(self.core, transfers, None, load=True, pools=self.pools)
 
     def batch_set_v2(self, transfers: list[Any],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return transfer_v2(self.core, transfers, prior_of(extra_info), load=False)
+        return transfer_v2(self.core, transfers, prior_of(extra_info), load=False,
+                           pools=self.pools)
