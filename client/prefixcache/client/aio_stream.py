@@ -86,10 +86,13 @@ class AsyncStreamSession(_SessionCalls):
         if self.closed or self._call_obj is None:
             return
         self.closed = True
-        if self._keeper is not None:
-            self._keeper.cancel()
-        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
-            await self._call_obj.done_writing()
+        # Under the write lock: cancelling the keeper in the middle of its write would
+        # cancel the whole call (grpc.aio), and the reader would end in CancelledError.
+        async with self._write_lock:
+            if self._keeper is not None:
+                self._keeper.cancel()
+            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+                await self._call_obj.done_writing()
         if self._reader is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._reader),
@@ -97,6 +100,10 @@ class AsyncStreamSession(_SessionCalls):
                                        else self.timeout)
             except (TimeoutError, grpc.RpcError):
                 self._call_obj.cancel()
+            except asyncio.CancelledError:
+                if not self._reader.done():
+                    raise  # this close was cancelled, not the stream
+                # the call itself ended cancelled: there is nothing left to wait for
         self._fail_pending(Unavailable("the session stream is closed"))
 
     async def _read(self) -> None:
