@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .base import EvictResult, InsertResult, MatchResult
-from .errors import CacheError, InvalidInputError, check_count
+from .errors import CacheError, IntegrityError, InvalidInputError, check_count
 from .key import RadixKey
 from .mamba_pool import to_index
 from .mamba_tree import (
@@ -389,7 +389,9 @@ class MambaRadixCache(RadixCache):
 
     def _take_state(self, node: MambaTreeNode) -> int:
         """Detach an unlocked node's state slot (for freeing) and return it."""
-        assert node.mamba_value is not None and not node.mamba_lock_ref
+        if node.mamba_value is None or node.mamba_lock_ref:
+            raise IntegrityError(f"node {node.id}'s state is gone or locked; it cannot be "
+                                 "taken")
         slot = int(node.mamba_value[0])
         self.mamba_lru_list.remove(node)
         del self._state_owner[slot]
@@ -444,7 +446,10 @@ class MambaRadixCache(RadixCache):
     def _add_leaf(self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor,
                   slot: int | None = None) -> MambaTreeNode:
         ns = parent.namespace
-        assert ns is not None and slot is not None
+        if ns is None:
+            raise IntegrityError(f"node {parent.id} has no namespace")
+        if slot is None:  # insert refuses this first; a leaf without state is unmatchable
+            raise InvalidInputError("a new leaf needs the state after it: pass mamba_value")
         self._clock += 1
         leaf = MambaTreeNode(ns, key_bytes, value.clone(), parent, self._clock)
         parent.children[key_bytes[: ns.page_bytes]] = leaf

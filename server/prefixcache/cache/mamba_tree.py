@@ -68,7 +68,8 @@ def split_node(child: MambaTreeNode, split_len: int, page_size: int,
     caller ranks both nodes in its LRU lists.
     """
     ns = child.namespace
-    assert ns is not None
+    if ns is None:
+        raise IntegrityError(f"node {child.id} has no namespace")
     cut = split_len * ns.token_bytes
     parent = child.parent
     upper = MambaTreeNode(ns, child.key_bytes[:cut], child.value[:split_len].clone(), parent,
@@ -130,13 +131,15 @@ class LRUList:
 
     def push_mru(self, node: Any) -> None:
         """Add a node that is not in the list as the most recently used."""
-        assert node not in self, f"node {node.id} is already in the list"
+        if node in self:  # linking it twice would corrupt both neighbours
+            raise IntegrityError(f"node {node.id} is already in the list")
         self._link_after(self._head, node)
         self._len += 1
 
     def remove(self, node: Any) -> None:
         """Take a node out of the list."""
-        assert node in self, f"node {node.id} is not in the list"
+        if node not in self:
+            raise IntegrityError(f"node {node.id} is not in the list")
         self._unlink(node)
         setattr(node, self._prev, None)
         setattr(node, self._next, None)

@@ -253,7 +253,8 @@ def _keepalive_options(cfg: ServerConfig) -> list[tuple[str, int]]:
 
 
 def _read(path: str | None) -> bytes:
-    assert path is not None
+    if path is None:  # the config check requires both tls files together
+        raise ConfigError("server.tls_cert and server.tls_key must be set together")
     try:
         with open(path, "rb") as f:
             return f.read()

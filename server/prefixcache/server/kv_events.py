@@ -211,7 +211,8 @@ class KvEventPublisher:
         self._send(self._encoder.snapshot_events(self._log.snapshot(), restart=True))
 
     def _send(self, events: list[Any]) -> None:
-        assert self._pub is not None
+        if self._pub is None:
+            return  # closed (a resync after close): there is nobody to send to
         payload = self._encoder.batch(events)
         seq = self._seq
         self._seq += 1
