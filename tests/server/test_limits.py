@@ -12,7 +12,7 @@ import pytest
 from harness import SMALL_POOL, pack_slots, pb, running, serve_module, stub_for, stub_of, toks
 
 from prefixcache.server.config import ConfigError, ModelConfig, PoolConfig, load_config
-from prefixcache.server.limits import LIMIT_NAMES, Limits
+from prefixcache.server.limits import LIMIT_NAMES, limits_of, request_tokens
 
 CODE = grpc.StatusCode
 MODELS = (ModelConfig(name="m", page_size=1, pool=SMALL_POOL),
@@ -187,10 +187,10 @@ def test_sessions_beyond_max_sessions_are_resource_exhausted(tmp_path) -> None:
 def test_limits_are_configurable_and_checked(tmp_path) -> None:
     env = {"PREFIXCACHE_MAX_SESSIONS": "7", "PREFIXCACHE_MAX_EXTRA_KEY_BYTES": "64",
            "PREFIXCACHE_STREAM_TTL": "2.5", "PREFIXCACHE_KEEPALIVE_TIME": "5"}
-    limits = Limits.of(load_config(env=env).server)
+    limits = limits_of(load_config(env=env).server)
     assert (limits.max_sessions, limits.max_extra_key_bytes, limits.stream_ttl) == (7, 64, 2.5)
-    defaults = Limits.of()
-    assert defaults.request_tokens(MODELS[0]) == 256 and defaults.request_tokens(MODELS[1]) == 40
+    defaults = limits_of()
+    assert request_tokens(defaults, MODELS[0]) == 256 and request_tokens(defaults, MODELS[1]) == 40
     for name, bad in (("MAX_SESSIONS", "0"), ("MAX_CLIENT_NAME_BYTES", "-1"),
                       ("MAX_REQUEST_TOKENS", "-5"), ("STREAM_TTL", "nan"),
                       ("KEEPALIVE_TIMEOUT", "0"), ("KEEPALIVE_TIME", "inf")):

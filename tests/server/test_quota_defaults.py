@@ -24,7 +24,7 @@ from harness import (
 
 from prefixcache.server import request_caps
 from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig, ServerConfig
-from prefixcache.server.limits import Limits
+from prefixcache.server.limits import limits_of
 
 CODE = grpc.StatusCode
 MAMBA = ModelConfig(name="h", kind="mamba", page_size=1, pool=SMALL_POOL,
@@ -142,7 +142,7 @@ def test_the_state_slot_quota_defaults_to_the_state_pool(tmp_path) -> None:
 # ---------------------------------------------------------------- Step bytes
 
 def test_a_step_has_a_byte_cap_by_default() -> None:
-    caps = request_caps.derive(Limits.of(ServerConfig(max_step_items=4)), MODELS)
+    caps = request_caps.derive(limits_of(ServerConfig(max_step_items=4)), MODELS)
     base = request_caps.BASE + 4096 + 128 + 256
     # The largest item is a finish of the largest pool's 256 tokens (ids and slots).
     assert caps["StepRequest"] == base + 4 * (request_caps.STEP_ITEM + 4096 + 256 * 40)

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from prefixcache.cache import CacheError, RadixKey
 from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig, ServerConfig
 from prefixcache.server.errors import OverLimitError, ServiceError
-from prefixcache.server.limits import Limits
+from prefixcache.server.limits import limits_of
 from prefixcache.server.service import CacheService
 
 POOL = PoolConfig(size=40, k_heads=1, k_head_dim=2)
@@ -35,7 +35,7 @@ MODELS = (
 )
 NAMES = [m.name for m in MODELS]
 SLOTS, LOCKED = 9, 14
-LIMITS = Limits.of(ServerConfig(max_session_slots=SLOTS, max_session_locked_tokens=LOCKED))
+LIMITS = limits_of(ServerConfig(max_session_slots=SLOTS, max_session_locked_tokens=LOCKED))
 TOKENS = st.lists(st.sampled_from([1, 2, 3]), min_size=1, max_size=10)
 SID = st.integers(0, 2)
 MODEL = st.sampled_from(NAMES)

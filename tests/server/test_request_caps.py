@@ -33,12 +33,12 @@ from prefixcache.server.config import (
     ServerConfig,
     build_server_config,
 )
-from prefixcache.server.limits import Limits
+from prefixcache.server.limits import limits_of
 
 CODE = grpc.StatusCode
 TOKENS = 4096  # max_request_tokens
 MODELS = (ModelConfig(name="m", page_size=1, pool=SMALL_POOL),)
-LIMITS = Limits.of(ServerConfig(max_request_tokens=TOKENS, max_step_bytes=1 << 16))
+LIMITS = limits_of(ServerConfig(max_request_tokens=TOKENS, max_step_bytes=1 << 16))
 CAPS = request_caps.derive(LIMITS, MODELS)
 
 
@@ -90,10 +90,10 @@ def test_caps_follow_the_limits() -> None:
     assert "KVChunk" not in CAPS  # WriteKV's data chunks: max_message_bytes only
     # Without max_step_bytes a Step is capped by its items x the largest item (a
     # finish at the pool's 256 tokens); the setting replaces every cap.
-    default = request_caps.derive(Limits.of(), MODELS)
+    default = request_caps.derive(limits_of(), MODELS)
     assert default["StepRequest"] == base + 8192 * (
         request_caps.STEP_ITEM + 4096 + 256 * (4 * 8 + 8))
-    fixed = request_caps.derive(Limits.of(ServerConfig(max_request_bytes=5000)), MODELS)
+    fixed = request_caps.derive(limits_of(ServerConfig(max_request_bytes=5000)), MODELS)
     assert set(fixed.values()) == {5000}
 
 

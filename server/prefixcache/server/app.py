@@ -27,7 +27,7 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from .auth import TokenAuthInterceptor
 from .config import Config, ConfigError, ServerConfig
 from .kv_events import KvEventPublishers, start_kv_events
-from .limits import Limits
+from .limits import limits_of
 from .metrics import Metrics
 from .reaper import reap_leases
 from .registration import add_to_server
@@ -71,7 +71,7 @@ class PrefixCacheServer:
         try:
             self.service = CacheService(config.models, cfg.session_ttl, cfg.session_ttl_min,
                                         cfg.session_ttl_max, shm_dir=cfg.shm_dir or None,
-                                        shm_mode=shm_file_mode(cfg), limits=Limits.of(cfg),
+                                        shm_mode=shm_file_mode(cfg), limits=limits_of(cfg),
                                         change_logs=(cfg.kv_events.enable_kv_cache_events
                                                      or cfg.change_log_capacity > 0),
                                         change_log_capacity=cfg.change_log_capacity

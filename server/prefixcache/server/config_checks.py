@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from prefixcache.cache import EVICTION_POLICIES
 
@@ -185,20 +185,31 @@ def build_model_config(entry: Any, where: str) -> ModelConfig:
     return model
 
 
-def _mamba_config(entry: Any, where: str) -> MambaConfig:
+# The blocks of plain fields that _block builds.
+_Block = TypeVar("_Block", MambaConfig, PoolConfig)
+
+
+def _block(entry: Any, where: str, cls: type[_Block],
+           convert: Callable[[str, Any, Any], Any]) -> _Block:
+    """``cls``'s defaults with the keys of mapping ``entry`` set, each value converted by
+    ``convert(name, value, default)``; a key that is no field of ``cls`` is refused."""
     data = dict(as_mapping(entry, where))
-    reject_unknown(data, tuple(f.name for f in fields(MambaConfig)), where)
-    mamba = MambaConfig()
-    for name, value in data.items():
-        default = getattr(mamba, name)
+    reject_unknown(data, tuple(f.name for f in fields(cls)), where)
+    block = cls()
+    return replace(block, **{name: convert(name, value, getattr(block, name))
+                             for name, value in data.items()})
+
+
+def _mamba_config(entry: Any, where: str) -> MambaConfig:
+    def convert(name: str, value: Any, default: Any) -> Any:
         if isinstance(default, tuple):
             if not isinstance(value, list | tuple) or not value or not all(
                     isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value):
                 raise ConfigError(f"{where}.{name}: a list of positive ints, got {value!r}")
-            value = tuple(value)
-        else:
-            value = coerce(value, default, f"{where}.{name}")
-        mamba = replace(mamba, **{name: value})
+            return tuple(value)
+        return coerce(value, default, f"{where}.{name}")
+
+    mamba = _block(entry, where, MambaConfig, convert)
     for name in ("state_slots", "layers", "chunk_size"):
         check_int(getattr(mamba, name), f"{where}.{name}", 1)
     check_int(mamba.working_slots, f"{where}.working_slots", 0)
@@ -209,16 +220,14 @@ def _mamba_config(entry: Any, where: str) -> MambaConfig:
 
 
 def _pool_config(entry: Any, where: str) -> PoolConfig:
-    data = dict(as_mapping(entry, where))
-    reject_unknown(data, tuple(f.name for f in fields(PoolConfig)), where)
-    pool = PoolConfig()
-    for name, value in data.items():
-        default = getattr(pool, name)
+    def convert(name: str, value: Any, default: Any) -> Any:
         if name in ("v_heads", "v_head_dim", "swa_size"):
             if value is None:
-                continue
+                return None  # their default: unset
             default = 0
-        pool = replace(pool, **{name: coerce(value, default, f"{where}.{name}")})
+        return coerce(value, default, f"{where}.{name}")
+
+    pool = _block(entry, where, PoolConfig, convert)
     for name in ("size", "layers", "k_heads", "k_head_dim"):
         check_int(getattr(pool, name), f"{where}.{name}", 1)
     for name in ("v_heads", "v_head_dim", "swa_size"):

@@ -31,7 +31,7 @@ from prefixcache.cache.allocator import host_indices
 from .codec import decode_slots
 from .errors import OverLimitError, PreconditionError
 from .kv_transfer import Part, plan, transfer_bytes
-from .limits import Limits
+from .limits import Limits, request_tokens
 from .sessions import Session
 
 
@@ -268,7 +268,7 @@ def open_read(service: Any, request: Any, limits: Limits, bound: bool,
     """
     engine = service.engine(request.model)
     service.check_epoch(request.server_epoch)
-    cap = limits.request_tokens(engine.config)
+    cap = request_tokens(limits, engine.config)
     slots = decode_slots(request.slot_indices, max_count=cap)
     states = decode_slots(request.state_slots, "state_slots", cap)
     # Sized from the counts and the rows' sizes before any plan or check is built: a

@@ -12,7 +12,6 @@ RESOURCE_EXHAUSTED (``OverLimitError``), like a pool too full for a request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
 from typing import Any
 
 from .config import ModelConfig, ServerConfig
@@ -35,42 +34,20 @@ STRING_LIMITS = {"extra_key": "max_extra_key_bytes", "client_name": "max_client_
                   "session_id": "max_session_id_bytes"}
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """The limit settings of ``ServerConfig`` (see its comments), as one value."""
+# The limits are settings of ``ServerConfig``, declared there once with their defaults
+# and meaning; the checks take the server config itself.
+Limits = ServerConfig
 
-    max_extra_key_bytes: int
-    max_client_name_bytes: int
-    max_session_id_bytes: int
-    max_request_tokens: int
-    max_sessions: int
-    stream_ttl: float
-    max_step_items: int = 8192
-    max_step_bytes: int = 0
-    max_request_bytes: int = 0
-    # KV transfer and Evict (kv_access.py, evict_policy.py).
-    min_chunk_bytes: int = 64 * 1024
-    max_read_bytes: int = 0
-    max_inflight_write_bytes: int = 256 * 1024 * 1024
-    max_inflight_write_bytes_total: int = 1024 * 1024 * 1024
-    max_evict_tokens: int = 0
-    # Per-session quotas (quotas.py).
-    max_session_slots: int = 0
-    max_session_state_slots: int = 0
-    # None: derived per model (quotas.Quota.of); 0: off.
-    max_session_locked_tokens: int | None = 0
-    max_session_streams: int = 64
 
-    @classmethod
-    def of(cls, server: ServerConfig | None = None) -> Limits:
-        """The limits of ``server`` (the defaults when None)."""
-        server = ServerConfig() if server is None else server
-        return cls(**{f.name: getattr(server, f.name) for f in fields(cls)})
+def limits_of(server: ServerConfig | None = None) -> ServerConfig:
+    """The limits of ``server`` (the defaults when None)."""
+    return ServerConfig() if server is None else server
 
-    def request_tokens(self, model: ModelConfig) -> int:
-        """Token ids (or slot indices) one request may carry for ``model``: the setting,
-        or by default as many as the model's pool holds."""
-        return self.max_request_tokens or max(model.pool.size, model.max_seq_len)
+
+def request_tokens(limits: ServerConfig, model: ModelConfig) -> int:
+    """Token ids (or slot indices) one request may carry for ``model``: the setting, or
+    by default as many as the model's pool holds."""
+    return limits.max_request_tokens or max(model.pool.size, model.max_seq_len)
 
 
 # Per message type: its string fields that have a limit (found once, from the descriptor).

@@ -16,7 +16,7 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from .codec import MAX_TOKEN_WIDTH, decode_slots, encode_slots
 from .hash_pages import HashPages
-from .limits import Limits, check_count
+from .limits import Limits, check_count, request_tokens
 from .sessions import Session
 
 
@@ -40,7 +40,7 @@ def _namespace(req: Any) -> tuple[str | None, int]:
 def _opened(service: Any, limits: Limits, req: Any) -> tuple[HashPages, Any, list[str]]:
     engine = service.engine(req.model)
     pages = HashPages(engine)
-    cap = limits.request_tokens(engine.config) // engine.page_size
+    cap = request_tokens(limits, engine.config) // engine.page_size
     return pages, _namespace(req), decode_hashes(req.page_hashes, max_count=max(cap, 1))
 
 
@@ -74,7 +74,7 @@ def set_pages(service: Any, limits: Limits, req: pb.SetPagesRequest,
         raise InvalidInputError(f"prior_hash has {len(req.prior_hash)} bytes: one digest "
                                 f"({DIGEST_BYTES} bytes) or none")
     slots = decode_slots(req.slot_indices,
-                         max_count=limits.request_tokens(pages.engine.config))
+                         max_count=request_tokens(limits, pages.engine.config))
     states = pages.set(namespace, prior[0] if prior else None, hashes, slots, session)
     reply = pb.SetPagesResponse(states=states, server_epoch=service.epoch)
     if session is not None:

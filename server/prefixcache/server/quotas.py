@@ -82,15 +82,7 @@ class Quota:
         Raises:
             OverLimitError: naming ``max_session_slots``.
         """
-        cap = self.slots
-        if cap and n > 0:
-            held = session.slots.get(self.model, 0)
-            if held + n > cap:
-                raise OverLimitError(
-                    f"this session holds {held} slots of model {self.model!r} and asks for "
-                    f"{n} more, past the {cap} one session may hold (server."
-                    "max_session_slots): insert or free what it holds first",
-                    "max_session_slots")
+        self._check("max_session_slots", self.slots, session.slots.get(self.model, 0), n)
 
     def check_state_slots(self, session: Session, n: int, held: int) -> None:
         """Refuse ``n`` more state slots for ``session``, which holds ``held``.
@@ -98,13 +90,7 @@ class Quota:
         Raises:
             OverLimitError: naming ``max_session_state_slots``.
         """
-        cap = self.state_slots
-        if cap and n > 0 and held + n > cap:
-            raise OverLimitError(
-                f"this session holds {held} state slots of model {self.model!r} and asks "
-                f"for {n} more, past the {cap} one session may hold (server."
-                "max_session_state_slots): insert or free what it holds first",
-                "max_session_state_slots")
+        self._check("max_session_state_slots", self.state_slots, held, n)
 
     def check_lock(self, session: Session, tokens: int) -> None:
         """Refuse a lock protecting ``tokens`` more for ``session`` (net of a lock it
@@ -113,15 +99,29 @@ class Quota:
         Raises:
             OverLimitError: naming ``max_session_locked_tokens``.
         """
-        cap = self.locked_tokens
-        if cap and tokens > 0:
-            held = session.locked_tokens.get(self.model, 0)
-            if held + tokens > cap:
-                raise OverLimitError(
-                    f"this session's locks on model {self.model!r} protect {held} tokens "
-                    f"and this lock {tokens} more, past the {cap} one session may lock "
-                    "(server.max_session_locked_tokens; a lock counts its whole prefix): "
-                    "unlock some first", "max_session_locked_tokens")
+        self._check("max_session_locked_tokens", self.locked_tokens,
+                    session.locked_tokens.get(self.model, 0), tokens)
+
+    def _check(self, setting: str, cap: int, held: int, n: int) -> None:
+        """Refuse ``n`` more of what ``setting`` caps at ``cap`` (0: no cap) for a session
+        that holds ``held``."""
+        if cap and n > 0 and held + n > cap:
+            raise OverLimitError(_REFUSALS[setting].format(
+                held=held, n=n, cap=cap, model=self.model, setting=setting), setting)
+
+
+# Each cap's refusal, formatted only when one is made.
+_HOLD = ("this session holds {held} {what} of model {model!r} and asks for {n} more, past "
+         "the {cap} one session may hold (server.{setting}): insert or free what it holds "
+         "first")
+_REFUSALS = {
+    "max_session_slots": _HOLD.replace("{what}", "slots"),
+    "max_session_state_slots": _HOLD.replace("{what}", "state slots"),
+    "max_session_locked_tokens": (
+        "this session's locks on model {model!r} protect {held} tokens and this lock {n} "
+        "more, past the {cap} one session may lock (server.{setting}; a lock counts its "
+        "whole prefix): unlock some first"),
+}
 
 
 # Engines are built with this; CacheService gives each its model's quota.

@@ -28,7 +28,7 @@ from typing import Any
 from .codec import MAX_TOKEN_WIDTH
 from .config import ModelConfig
 from .errors import OverLimitError
-from .limits import STRING_LIMITS, Limits, too_large
+from .limits import STRING_LIMITS, Limits, request_tokens, too_large
 
 # Scalars, field tags, the model name and short repeated fields (layers) of a request.
 BASE = 64 * 1024
@@ -52,7 +52,7 @@ _CONTROL = ("ListModelsRequest", "DescribePoolRequest", "StatsRequest", "OpenSes
 
 def derive(limits: Limits, models: Iterable[ModelConfig]) -> dict[str, int]:
     """The cap of each request type (by message name) that has one."""
-    tokens = max((limits.request_tokens(m) for m in models), default=0)
+    tokens = max((request_tokens(limits, m) for m in models), default=0)
     strings = limits.max_extra_key_bytes + limits.max_session_id_bytes + \
         limits.max_client_name_bytes
     base = BASE + strings

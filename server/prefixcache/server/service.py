@@ -18,7 +18,7 @@ from . import lock_audit, quotas
 from .config import ModelConfig
 from .engine import ModelEngine
 from .errors import NotFoundError, PreconditionError, StaleEpochError
-from .limits import Limits
+from .limits import Limits, limits_of
 from .quotas import Quota
 from .sessions import Session, SessionRegistry, expiry_summary
 from .shared_pool import SharedPools
@@ -54,7 +54,7 @@ class CacheService:
         # Node and lock ids start at a base drawn per start, so an id kept from
         # before a restart names nothing now (instead of somebody else's node or lock).
         self.id_base = ((self.epoch & _BASE_MASK) or 1) << _ID_BITS
-        self.limits = Limits.of() if limits is None else limits
+        self.limits = limits_of() if limits is None else limits
         self.sessions = SessionRegistry(self._release, clock, self.id_base,
                                         self.limits.max_sessions)
         # CPU pools in shared memory under shm_dir (None: private), for attach.

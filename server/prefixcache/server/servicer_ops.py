@@ -20,7 +20,7 @@ from . import holdings
 from .codec import decode_key, decode_slots, encode_slots
 from .errors import DeniedError, PreconditionError
 from .evict_policy import EvictPolicy
-from .limits import Limits
+from .limits import Limits, request_tokens
 from .service import CacheService
 from .sessions import Session
 from .shared_pool import describe_buffers
@@ -89,7 +89,7 @@ class CacheOps:
             return reply
         engine = self.service.engine(req.model)
         key = decode_key(req.token_ids, req.token_width, _extra_key(req),
-                         engine.config.vocab_size, self.limits.request_tokens(engine.config))
+                         engine.config.vocab_size, request_tokens(self.limits, engine.config))
         if req.as_pages:
             _check_pages(engine)
             out = engine.match(key, session, req.lock, req.allocate, as_pages=True)
@@ -117,9 +117,9 @@ class CacheOps:
             return reply
         engine = self.service.engine(req.model)
         key = decode_key(req.token_ids, req.token_width, _extra_key(req),
-                         engine.config.vocab_size, self.limits.request_tokens(engine.config))
+                         engine.config.vocab_size, request_tokens(self.limits, engine.config))
         slots = decode_slots(req.slot_indices,
-                             max_count=self.limits.request_tokens(engine.config))
+                             max_count=request_tokens(self.limits, engine.config))
         state = req.state_slot if req.HasField("state_slot") else None
         if engine.kind == "slot":
             out = engine.insert(key, slots, session, req.lock, req.release_lock_id, state,
@@ -181,7 +181,7 @@ class CacheOps:
     def _free(self, req: pb.FreeRequest, session: Session | None) -> pb.FreeResponse:
         session = _needs(session, "Free")
         engine = self.service.engine(req.model)
-        cap = self.limits.request_tokens(engine.config)
+        cap = request_tokens(self.limits, engine.config)
         engine.free(session, decode_slots(req.slot_indices, max_count=cap),
                     decode_slots(req.state_slots, "state_slots", cap))
         return pb.FreeResponse()

@@ -30,7 +30,7 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from .codec import decode_key, decode_slots, encode_slots
 from .engine import InsertOutcome, MatchOutcome, ModelEngine
 from .errors import OverLimitError, PreconditionError, ServiceError
-from .limits import Limits, check_fields
+from .limits import Limits, check_fields, request_tokens
 from .sessions import Session
 from .slot_checks import check_distinct
 from .slot_engine import SlotEngine
@@ -114,7 +114,7 @@ class StepExecutor:
             stored = session.replay(_REPLAY_OP, req.request_id)
             if stored is not None:
                 return self._replay(stored, req, engine, session)
-        cap = self.limits.request_tokens(engine.config)
+        cap = request_tokens(self.limits, engine.config)
         reply = pb.StepResponse(server_epoch=self.service.epoch)
         for item in req.finishes:
             self._item(reply.finishes.add(), "finish", self._finish, engine, session, item, cap)
@@ -235,7 +235,7 @@ class StepExecutor:
         reply = pb.StepResponse()
         reply.CopyFrom(stored)
         if _strips(engine):
-            cap = self.limits.request_tokens(engine.config)
+            cap = request_tokens(self.limits, engine.config)
             for result, item in zip(reply.admits, req.admits, strict=True):
                 if result.HasField("admit") and result.admit.lock_id:
                     self._item(result, "admit", _restore, engine, session, item, cap)
