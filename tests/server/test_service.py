@@ -1,4 +1,7 @@
-"""Every RPC of the v1 API against a real server on a unix socket.
+"""Every RPC of the v1 API against a real server on a unix socket: models and pools,
+prefill, match and insert, bad input, namespaces, eviction, reset and draining.
+Sessions, locks and streams: test_service_sessions.py; the other cache kinds:
+test_service_kinds.py; shared calls: service_calls.py.
 
 The server runs with the integrity check after every mutating call, so a corrupted
 cache would surface as INTERNAL in whichever test caused it.
@@ -7,14 +10,11 @@ cache would surface as INTERNAL in whichever test caused it.
 from __future__ import annotations
 
 import contextlib
-import queue
-import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from harness import (
-    EVERY_KIND,
     pack_slots,
     pb,
     running,
@@ -25,9 +25,7 @@ from harness import (
     stub_of,
     toks,
 )
-
-MODELS = EVERY_KIND
-CODE = grpc.StatusCode
+from service_calls import CODE, MODELS, prefill, refused, stats
 
 
 @pytest.fixture(scope="module")
@@ -43,28 +41,6 @@ def stub(server) -> Iterator:
 @pytest.fixture
 def session(stub) -> Iterator[str]:
     yield from session_of(stub)
-
-
-def stats(stub, model: str) -> pb.ModelStats:
-    return stub.Stats(pb.StatsRequest(model=model)).models[0]
-
-
-def refused(call, request, code: grpc.StatusCode) -> str:
-    with pytest.raises(grpc.RpcError) as err:
-        call(request)
-    assert err.value.code() == code, err.value.details()
-    return err.value.details()
-
-
-def prefill(stub, sid: str, model: str, tokens: list[int], *, keep_lock: bool = False,
-            **key) -> pb.InsertResponse:
-    """The two-RPC prefill: match+lock+allocate, then insert with lock handover."""
-    m = stub.Match(pb.MatchRequest(model=model, token_ids=toks(tokens), session_id=sid,
-                                   lock=True, allocate=True, **key))
-    assert m.prefix_len + len(slots(m.allocated_slots)) == len(tokens)
-    return stub.Insert(pb.InsertRequest(
-        model=model, token_ids=toks(tokens), session_id=sid, lock=keep_lock,
-        slot_indices=m.slot_indices + m.allocated_slots, release_lock_id=m.lock_id, **key))
 
 
 def test_list_models_and_describe_pool(stub) -> None:
@@ -210,130 +186,6 @@ def test_a_duplicate_inside_the_cached_prefix_is_freed(stub, session) -> None:
     assert stats(stub, "m").session_slots == 0
 
 
-def test_errors_of_locks_sessions_and_the_pool(stub, session) -> None:
-    ins = prefill(stub, session, "m", [70, 71], keep_lock=True)
-    refused(stub.Lock, pb.LockRequest(model="m", node_id=ins.node_id), CODE.FAILED_PRECONDITION)
-    refused(stub.Lock, pb.LockRequest(model="m", node_id=987654321, session_id=session),
-            CODE.NOT_FOUND)
-    refused(stub.Lock, pb.LockRequest(model="p", node_id=ins.node_id, session_id=session),
-            CODE.NOT_FOUND)  # a handle of another model
-    refused(stub.Unlock, pb.UnlockRequest(lock_id=10**12, session_id=session), CODE.NOT_FOUND)
-    stub.Unlock(pb.UnlockRequest(lock_id=ins.lock_id, session_id=session))
-    refused(stub.Unlock, pb.UnlockRequest(lock_id=ins.lock_id, session_id=session),
-            CODE.FAILED_PRECONDITION)
-    refused(stub.KeepAlive, pb.KeepAliveRequest(session_id="nope"), CODE.NOT_FOUND)
-    refused(stub.OpenSession, pb.OpenSessionRequest(ttl_seconds=-1), CODE.INVALID_ARGUMENT)
-    got = slots(stub.Alloc(pb.AllocRequest(model="m", num_slots=2,
-                                           session_id=session)).slot_indices)
-    stub.Free(pb.FreeRequest(model="m", slot_indices=pack_slots(got), session_id=session))
-    refused(stub.Free, pb.FreeRequest(model="m", slot_indices=pack_slots(got),
-                                      session_id=session), CODE.FAILED_PRECONDITION)
-    refused(stub.Alloc, pb.AllocRequest(model="m", num_slots=1), CODE.FAILED_PRECONDITION)
-    before = stub.Stats(pb.StatsRequest())
-    refused(stub.Alloc, pb.AllocRequest(model="m", num_slots=10**6, session_id=session),
-            CODE.RESOURCE_EXHAUSTED)
-    assert stub.Stats(pb.StatsRequest()) == before  # nothing evicted for a hopeless ask
-
-
-def test_a_node_handle_survives_a_split_and_vanishes_on_eviction(stub, session) -> None:
-    first = prefill(stub, session, "p", list(range(100, 108)))  # page 4: two pages
-    prefill(stub, session, "p", [100, 101, 102, 103, 200, 201, 202, 203])  # splits it
-    lock = stub.Lock(pb.LockRequest(model="p", node_id=first.node_id, session_id=session))
-    assert stats(stub, "p").protected_tokens == 8  # the deeper part kept the id
-    stub.Unlock(pb.UnlockRequest(lock_id=lock.lock_id, session_id=session))
-    stub.Evict(pb.EvictRequest(model="p", num_tokens=64))
-    refused(stub.Lock, pb.LockRequest(model="p", node_id=first.node_id, session_id=session),
-            CODE.NOT_FOUND)
-
-
-def test_lock_and_unlock_are_idempotent_per_request_id(stub, session) -> None:
-    ins = prefill(stub, session, "m", [80, 81])
-    lock = pb.LockRequest(model="m", node_id=ins.node_id, session_id=session, request_id=7)
-    first, again = stub.Lock(lock), stub.Lock(lock)
-    assert first.lock_id == again.lock_id and stats(stub, "m").locks == 1
-    unlock = pb.UnlockRequest(lock_id=first.lock_id, session_id=session, request_id=8)
-    stub.Unlock(unlock)
-    stub.Unlock(unlock)  # the retry succeeds too
-    assert stats(stub, "m").locks == 0
-    m = pb.MatchRequest(model="m", token_ids=toks([80, 81, 82]), session_id=session,
-                        lock=True, allocate=True, request_id=9)
-    assert stub.Match(m) == stub.Match(m)
-    assert stats(stub, "m").locks == 1 and stats(stub, "m").session_slots == 1
-
-
-def test_closing_a_session_releases_its_locks_and_slots(stub) -> None:
-    sid = stub.OpenSession(pb.OpenSessionRequest(client_name="w1")).session_id
-    free = stats(stub, "m").free_slots
-    prefill(stub, sid, "m", [90, 91, 92], keep_lock=True)
-    stub.Match(pb.MatchRequest(model="m", token_ids=toks([90, 91, 92, 93, 94]),
-                               session_id=sid, lock=True, allocate=True))
-    stub.Alloc(pb.AllocRequest(model="p", num_slots=5, session_id=sid))
-    closed = stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
-    assert (closed.locks_released, closed.slots_freed) == (2, 7)
-    after = stats(stub, "m")
-    assert (after.locks, after.session_slots, after.protected_tokens) == (0, 0, 0)
-    assert after.free_slots == free - 3  # only the cached tokens stay
-    refused(stub.KeepAlive, pb.KeepAliveRequest(session_id=sid), CODE.NOT_FOUND)
-
-
-def test_a_lapsed_lease_releases_everything_and_keep_alive_prevents_it(stub) -> None:
-    lapsing = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=0.3))
-    kept = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=0.3)).session_id
-    assert lapsing.ttl_seconds == pytest.approx(0.3)
-    prefill(stub, lapsing.session_id, "m", [110, 111], keep_lock=True)
-    stub.Alloc(pb.AllocRequest(model="m", num_slots=3, session_id=lapsing.session_id))
-    prefill(stub, kept, "m", [120, 121], keep_lock=True)
-    deadline = time.monotonic() + 1.2
-    while time.monotonic() < deadline:
-        stub.KeepAlive(pb.KeepAliveRequest(session_id=kept))
-        time.sleep(0.05)
-    s = stats(stub, "m")
-    assert (s.locks, s.session_slots, s.protected_tokens) == (1, 0, 2)
-    refused(stub.KeepAlive, pb.KeepAliveRequest(session_id=lapsing.session_id), CODE.NOT_FOUND)
-    stub.CloseSession(pb.CloseSessionRequest(session_id=kept))
-
-
-def test_session_stream_carries_every_operation_and_releases_on_close(stub) -> None:
-    tokens = toks([130, 131, 132])
-    requests = [
-        pb.SessionRequest(seq=1, match=pb.MatchRequest(model="m", token_ids=tokens,
-                                                       lock=True, allocate=True)),
-        pb.SessionRequest(seq=2, lock=pb.LockRequest(model="m", node_id=424242)),
-        pb.SessionRequest(seq=3, stats=pb.StatsRequest(model="m")),
-        pb.SessionRequest(seq=4),
-        pb.SessionRequest(seq=5, alloc=pb.AllocRequest(model="m", num_slots=2)),
-    ]
-    replies = list(stub.Session(iter(requests)))
-    assert [r.seq for r in replies] == [1, 2, 3, 4, 5]
-    assert len(slots(replies[0].match.allocated_slots)) == 3
-    assert replies[1].error.code == CODE.NOT_FOUND.value[0]
-    assert replies[2].stats.models[0].session_slots >= 3
-    assert replies[3].error.code == CODE.INVALID_ARGUMENT.value[0]
-    assert len(slots(replies[4].alloc.slot_indices)) == 2
-    # The stream ended, so its session and everything it held are gone.
-    s = stats(stub, "m")
-    assert (s.session_slots, s.locks) == (0, 0)
-
-
-def test_session_stream_prefill_with_lock_handover(stub) -> None:
-    tokens = toks([140, 141, 142, 143])
-    outbox: queue.Queue[pb.SessionRequest | None] = queue.Queue()
-    call = stub.Session(iter(outbox.get, None))
-    outbox.put(pb.SessionRequest(seq=1, match=pb.MatchRequest(
-        model="m", token_ids=tokens, lock=True, allocate=True)))
-    match = next(call).match
-    outbox.put(pb.SessionRequest(seq=2, insert=pb.InsertRequest(
-        model="m", token_ids=tokens, slot_indices=match.allocated_slots, lock=True)))
-    insert = next(call).insert
-    assert insert.cached_len == 4 and insert.lock_id
-    assert stats(stub, "m").locks == 1
-    call.cancel()  # the worker vanishes without closing anything
-    deadline = time.monotonic() + 5
-    while stats(stub, "m").locks and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert stats(stub, "m").locks == 0
-
-
 def test_models_and_namespaces_are_isolated(stub, session) -> None:
     tokens = [150, 151, 152, 153]
     prefill(stub, session, "m", tokens)
@@ -381,24 +233,6 @@ def test_reset_drops_entries_locks_and_handles(tmp_path) -> None:
             srv.check_integrity()
 
 
-def test_swa_model_prefill_and_hit(stub, session) -> None:
-    tokens = list(range(400, 410))
-    prefill(stub, session, "w", tokens)
-    again = prefill(stub, session, "w", [*tokens, 410, 411])
-    assert (again.prefix_len, again.cached_len) == (10, 12)
-    s = stats(stub, "w")
-    assert s.swa_evictable_tokens == 12 and s.session_slots == 0
-    evicted = stub.Evict(pb.EvictRequest(model="w", num_tokens=0, swa_num_tokens=4))
-    assert evicted.swa_evicted_tokens >= 4
-
-
-def test_chunk_model_caches_nothing(stub, session) -> None:
-    ins = prefill(stub, session, "c", [1, 2, 3])
-    assert (ins.prefix_len, ins.cached_len, ins.node_id) == (0, 0, 0)
-    assert stub.Match(pb.MatchRequest(model="c", token_ids=toks([1, 2, 3]))).prefix_len == 0
-    assert stats(stub, "c").session_slots == 3  # still the session's to free
-
-
 def test_draining_answers_unavailable(server, stub) -> None:
     server.run(setattr, server.service, "draining", True)
     try:
@@ -406,99 +240,3 @@ def test_draining_answers_unavailable(server, stub) -> None:
     finally:
         server.run(setattr, server.service, "draining", False)
     stub.Stats(pb.StatsRequest())
-
-
-def test_mamba_model_caches_a_state_per_prefix(stub, session) -> None:
-    tokens = [1, 2, 3, 4]
-    m = stub.Match(pb.MatchRequest(model="h", token_ids=toks(tokens), session_id=session,
-                                   lock=True, allocate=True))
-    assert m.prefix_len == 0 and not m.HasField("state_slot")
-    state = m.allocated_state_slot
-    assert 3 <= state < 7  # after the padding slot and the two working slots
-    ins = stub.Insert(pb.InsertRequest(model="h", token_ids=toks(tokens), session_id=session,
-                                       slot_indices=m.allocated_slots, state_slot=state))
-    assert (ins.cached_len, ins.state_exist) == (4, False)
-    s = stats(stub, "h")
-    assert (s.mamba_evictable_slots, s.free_state_slots, s.session_state_slots) == (1, 3, 0)
-
-    hit = stub.Match(pb.MatchRequest(model="h", token_ids=toks([1, 2, 3, 4, 5, 6]),
-                                     session_id=session, lock=True, allocate=True))
-    assert (hit.prefix_len, hit.state_slot) == (4, state)
-    assert stats(stub, "h").mamba_protected_slots == 1
-    # A second request for the same tokens: the tree already has the state, so the
-    # request's own state slot is freed rather than cached.
-    again = stub.Insert(pb.InsertRequest(
-        model="h", token_ids=toks(tokens), session_id=session, state_slot=hit.allocated_state_slot,
-        slot_indices=hit.slot_indices, release_lock_id=hit.lock_id))
-    assert again.state_exist
-    # Tokens not cached yet need a state; a state slot the session does not hold is refused.
-    refused(stub.Insert, pb.InsertRequest(model="h", token_ids=toks([1, 2, 3, 4, 5, 6]),
-                                          session_id=session,
-                                          slot_indices=hit.slot_indices + hit.allocated_slots),
-            CODE.INVALID_ARGUMENT)
-    refused(stub.Insert, pb.InsertRequest(model="h", token_ids=toks([1, 2, 3, 4, 5, 6]),
-                                          session_id=session, state_slot=state,
-                                          slot_indices=hit.slot_indices + hit.allocated_slots),
-            CODE.FAILED_PRECONDITION)
-    got = stub.Alloc(pb.AllocRequest(model="h", num_slots=0, num_state_slots=2,
-                                     session_id=session))
-    assert len(slots(got.state_slots)) == 2 and stats(stub, "h").session_state_slots == 2
-    stub.Free(pb.FreeRequest(model="h", state_slots=got.state_slots, session_id=session))
-    refused(stub.Free, pb.FreeRequest(model="h", state_slots=got.state_slots,
-                                      session_id=session), CODE.FAILED_PRECONDITION)
-    refused(stub.Alloc, pb.AllocRequest(model="m", num_state_slots=1, session_id=session),
-            CODE.FAILED_PRECONDITION)
-    stub.Free(pb.FreeRequest(model="h", slot_indices=hit.allocated_slots, session_id=session))
-    evicted = stub.Evict(pb.EvictRequest(model="h", mamba_num=1))
-    assert evicted.mamba_evicted == 1
-    assert stats(stub, "h").free_state_slots == 4
-
-
-def test_slot_model_reuses_a_sequence_slot_by_copy_or_in_place(server, stub,
-                                                              stub_session_pair) -> None:
-    a, b = stub_session_pair
-    pool = stub.DescribePool(pb.DescribePoolRequest(model="s"))
-    assert (pool.num_rows, pool.max_seq_len, pool.layer_num, pool.k_head_dim) == (4, 16, 1, 2)
-    tokens = [1, 2, 3, 4, 5, 6]
-    first = stub.Match(pb.MatchRequest(model="s", token_ids=toks(tokens), session_id=a,
-                                       allocate=True))
-    assert first.prefix_len == 0 and first.HasField("allocated_slot_version")
-    (slot_a,) = slots(first.allocated_slots)
-    k_cache = server.service.engine("s").k_cache
-    server.run(lambda: k_cache[slot_a, :6].fill_(7.0))  # "prefill" writes the KV
-    ins = stub.Insert(pb.InsertRequest(model="s", token_ids=toks(tokens), session_id=a,
-                                       slot_indices=first.allocated_slots,
-                                       slot_version=first.allocated_slot_version))
-    assert ins.cached_len == 6
-
-    # Session b: the prefix lives in a's slot, which a still holds: b gets a copy.
-    hit = stub.Match(pb.MatchRequest(model="s", token_ids=toks([*tokens, 7, 8]), session_id=b,
-                                     lock=True, allocate=True))
-    assert (hit.prefix_len, slots(hit.slot_indices)) == (6, [slot_a])
-    assert hit.slot_version == first.allocated_slot_version and hit.lock_id and hit.node_id
-    (slot_b,) = slots(hit.allocated_slots)
-    assert slot_b != slot_a
-    assert bool(server.run(lambda: (k_cache[slot_b, :6] == 7.0).all().item()))
-    stub.Unlock(pb.UnlockRequest(lock_id=hit.lock_id, session_id=b))
-
-    # a is done and frees its slot; the next match reuses it in place at a new version.
-    stub.Free(pb.FreeRequest(model="s", slot_indices=first.allocated_slots, session_id=a))
-    again = stub.Match(pb.MatchRequest(model="s", token_ids=toks(tokens), session_id=a,
-                                       allocate=True))
-    assert slots(again.allocated_slots) == [slot_a]
-    assert again.allocated_slot_version != first.allocated_slot_version
-    refused(stub.Insert, pb.InsertRequest(model="s", token_ids=toks(tokens), session_id=a,
-                                          slot_indices=again.allocated_slots,
-                                          slot_version=first.allocated_slot_version),
-            CODE.INVALID_ARGUMENT)  # a stale version
-    refused(stub.Insert, pb.InsertRequest(model="s", token_ids=toks(tokens), session_id=b,
-                                          slot_indices=again.allocated_slots,
-                                          slot_version=again.allocated_slot_version),
-            CODE.FAILED_PRECONDITION)  # not b's slot
-    got = stub.Alloc(pb.AllocRequest(model="s", num_slots=2, session_id=b))
-    assert len(slots(got.slot_versions)) == 2
-    refused(stub.Alloc, pb.AllocRequest(model="s", num_slots=1, session_id=b),
-            CODE.RESOURCE_EXHAUSTED)
-    closed = stub.CloseSession(pb.CloseSessionRequest(session_id=b))
-    assert closed.slots_freed == 3
-    server.check_integrity()
