@@ -18,7 +18,8 @@ import prefixcache.server
 SERVER = Path(prefixcache.server.__file__).parent
 # Every module a cache-changing call runs through, from the RPC to the engines.
 REQUEST_PATH = ("servicer.py", "servicer_ops.py", "service.py", "sessions.py",
-                "engine_base.py", "engine.py", "slot_engine.py", "state_slots.py",
+                "engine_base.py", "engine.py", "engine_slots.py", "slot_engine.py",
+                "state_slots.py",
                 "slot_checks.py", "kv_transfer.py",
                 "codec.py", "registration.py", "lock_audit.py", "status.py", "errors.py",
                 "kv_access.py", "tenants.py", "evict_policy.py", "step.py",

@@ -1,0 +1,152 @@
+"""Slot ownership of a ModelEngine: which session holds which pool row.
+
+One int64 array over the pool rows (slot -> session tag, 0 = not held by any
+session), so checking thousands of slots is a vector compare. A slot is held by at
+most one of: the allocator's free list, a session, the tree. These helpers check an
+insert's slots against it, allocate (evicting for room) and mark or clear owners;
+``ModelEngine`` (engine.py) drives them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from prefixcache.cache import InvalidInputError, TokenToKVPoolAllocator
+from prefixcache.cache.allocator import host_indices
+
+from .errors import PoolExhaustedError, PreconditionError
+from .sessions import Session
+from .slot_checks import check_distinct, check_range, check_tree_prefix, runs_fit, slot_runs
+from .state_slots import StateSlots
+
+
+class SlotOwnership:
+    """Mixin of ``ModelEngine``: the slot -> session array and the checks over it."""
+
+    # Set by ModelEngine (and EngineBase) before any of these run.
+    name: str
+    kind: str
+    page_size: int
+    pool_size: int
+    num_rows: int
+    allocator: Any
+    cache: Any
+    states: StateSlots | None
+    session_slots: int
+    ops: dict[str, int]
+    evicted_tokens: dict[str, int]
+    _owner: np.ndarray
+
+    def _checked_head(self, slots: np.ndarray, head: np.ndarray, tree: np.ndarray,
+                      tag: int) -> tuple[int, list[tuple[int, int]]] | None:
+        """``(first_held, runs of head[first_held:])`` if ``slots`` pass every insert
+        check, else None (not a refusal: the slots may be too scattered to check here).
+
+        The tree's part of ``head`` ends at its first slot that differs from the tree's:
+        a session's slot is never the tree's, so where the insert is valid that is
+        exactly the first slot the session holds. The rest is checked run by run.
+        """
+        common = min(len(tree), len(head))
+        first = common
+        if common:
+            same = head[:common] == tree[:common]
+            if not same.all():
+                first = int(np.argmin(same))
+        runs = slot_runs(head[first:])
+        tail = slots[len(head):]
+        if runs is None or not runs_fit(runs, 1, self.num_rows) or (
+                len(tail) and (int(tail.min()) < 1 or int(tail.max()) >= self.num_rows)):
+            return None
+        owner = self._owner
+        if not all((owner[lo:end] == tag).all() for lo, end in runs):
+            return None
+        return first, runs
+
+    def _check_head(self, head: np.ndarray, tree: np.ndarray, tag: int) -> int:
+        """The insert's slot checks one by one, raising on the first that fails; returns
+        where the session's slots start."""
+        held = self._owner[head] == tag
+        first_held = int(np.argmax(held)) if held.any() else len(head)
+        check_tree_prefix(head, tree, first_held)
+        if not held[first_held:].all():
+            bad = first_held + int(np.argmin(held[first_held:]))
+            raise PreconditionError(f"slot_indices[{bad}] = {int(head[bad])} is not held by "
+                                    "this session (allocate it, or pass the matched slot)")
+        check_distinct(head[first_held:])
+        return first_held
+
+    def _set_owner(self, slots: np.ndarray, runs: list[tuple[int, int]] | None,
+                   tag: int) -> None:
+        """Mark ``slots`` (whose runs are ``runs``, or None: not known) as ``tag``'s."""
+        if runs is None:
+            self._owner[slots] = tag
+        else:
+            for lo, end in runs:
+                self._owner[lo:end] = tag
+
+    def _check_room(self, n: int) -> None:
+        """Refuse ``n`` slots the pool cannot supply even after evicting (not SWA)."""
+        want = -(-n // self.page_size) * self.page_size
+        if self.kind != "swa" and \
+                want - self.allocator.available_size() > self.cache.evictable_size():
+            raise self._exhausted(n)
+
+    def _allocate(self, n: int, session: Session) -> np.ndarray:
+        if n < 0:
+            raise InvalidInputError(f"cannot allocate {n} slots")
+        want = -(-n // self.page_size) * self.page_size  # whole pages come off the pool
+        if self.kind == "swa":
+            full_short = want - self.allocator.full_available_size()
+            swa_short = want - self.allocator.swa_available_size()
+            if full_short > self.cache.evictable_size() \
+                    or swa_short > self.cache.swa_evictable_size():
+                raise self._exhausted(n)
+            if full_short > 0 or swa_short > 0:
+                result = self.cache.evict(max(full_short, 0), max(swa_short, 0))
+                self.evicted_tokens["pressure"] += result.full_evicted
+        else:
+            short = want - self.allocator.available_size()
+            if short > self.cache.evictable_size():
+                raise self._exhausted(n)
+            if short > 0:
+                self.evicted_tokens["pressure"] += self.cache.evict(short).full_evicted
+        if isinstance(self.allocator, TokenToKVPoolAllocator):
+            got = self.allocator.alloc_host(n)
+            if got is None:
+                raise self._exhausted(n)
+            out, runs = got
+        else:
+            slots = self.allocator.alloc(n)
+            if slots is None:
+                raise self._exhausted(n)
+            out, runs = host_indices(slots), None
+        self._set_owner(out, runs, session.tag)
+        session.slots[self.name] = session.slots.get(self.name, 0) + n
+        self.session_slots += n
+        self.ops["alloc"] += 1
+        return out
+
+    def _states(self) -> StateSlots:
+        if self.states is None:
+            raise PreconditionError(f"model {self.name!r} has no Mamba state pool")
+        return self.states
+
+    def _exhausted(self, n: int) -> PoolExhaustedError:
+        return PoolExhaustedError(
+            f"model {self.name!r} cannot supply {n} slots: {self.allocator.available_size()} "
+            f"free and {self.cache.evictable_size()} evictable of {self.pool_size}")
+
+    def _disown(self, session: Session | None, n: int) -> None:
+        if session is None or not n:
+            return
+        left = session.slots.get(self.name, 0) - n
+        if left:
+            session.slots[self.name] = left
+        else:
+            session.slots.pop(self.name, None)
+        self.session_slots -= n
+
+    def _check_range(self, slots: np.ndarray) -> None:
+        check_range(slots, 1, self.num_rows, self.name)
