@@ -1,13 +1,19 @@
-"""Mooncake trace replay over gRPC against the real service, next to a bare gRPC echo.
+"""Mooncake trace replay over gRPC against the real service, next to two baselines.
 
 For each (mode, workers) configuration, in one invocation:
 
-1. ``echo``: the workers replay the trace's request shapes against a bare ``grpc.aio``
-   echo server (``echo_server.py``), two calls per request with the request and
-   response sizes of the service's Match and Insert.
-2. ``service``: a fresh ``prefixcache serve`` process; each worker opens a session,
+1. ``service``: a fresh ``prefixcache serve`` process; each worker opens a session,
    then per request sends Match(lock, allocate) and Insert(matched + allocated
    slots, release the match's lock): exactly the two RPCs of a prefill.
+2. ``floor``: the same client loop against ``floor_server.py``, the service's gRPC
+   interface and protobuf messages with handlers that do no cache work.
+3. ``echo``: the workers replay the trace's request shapes against a bare ``grpc.aio``
+   echo server (``echo_server.py``, raw bytes), two calls per request with the request
+   and response sizes of the service's Match and Insert.
+
+The requests are cut into ``--rounds`` consecutive slices, and each slice runs on the
+service, then the floor, then the echo, so the three share the machine's slow and fast
+patches; the service keeps its cache from one slice to the next.
 
 Mode ``unary`` uses the unary RPCs; ``stream`` one Session stream (echo: one bidi
 stream) per worker, one operation in flight. Workers are separate client processes
@@ -30,16 +36,11 @@ import multiprocessing as mp
 import os
 import platform
 import queue
-import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
-import urllib.request
 from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,19 +56,23 @@ sys.path += [p for p in map(str, (_REPO, _REPO / "server", _REPO / "client")) if
 import grpc  # noqa: E402
 
 from bench import echo_server  # noqa: E402
+from bench.grpc_servers import (  # noqa: E402
+    MODEL,
+    ServerProcess,
+    handler_times,
+    service_stats,
+    start_echo,
+    start_floor,
+    start_service,
+)
 from bench.trace import DEFAULT_TRACE, load_expanded  # noqa: E402
 
-MODEL = "bench"
 MODES = ("unary", "stream")
 MAX_MESSAGE = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE),
                    ("grpc.max_send_message_length", MAX_MESSAGE)]
 WARMUP_CALLS = 20
 BARRIER_TIMEOUT_S = 600.0
-# `python -m prefixcache.server.cli` does not run main(): the module has no __main__ guard.
-_SERVE = "import sys; from prefixcache.server.cli import main; sys.exit(main())"
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-_SERVER_PATHS = [str(_REPO / "server"), str(_REPO / "client")]
 
 
 # ---------------------------------------------------------------- worker side
@@ -75,7 +80,7 @@ _SERVER_PATHS = [str(_REPO / "server"), str(_REPO / "client")]
 
 @dataclass
 class WorkerSpec:
-    kind: str  # "service" or "echo"
+    kind: str  # "service", "floor" (the service's loop, no cache) or "echo"
     mode: str  # "unary" or "stream"
     target: str
     tokens_path: str
@@ -103,7 +108,7 @@ def _worker(spec: WorkerSpec, barriers: tuple[Any, Any], out: Any) -> None:
         with open(spec.tokens_path, "rb") as fh, \
                 mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             keys = [bytes(mm[a:b]) for a, b in spec.spans]
-        replay = _replay_service if spec.kind == "service" else _replay_echo
+        replay = _replay_echo if spec.kind == "echo" else _replay_service
         asyncio.run(replay(spec, keys, barriers, result))
     except BaseException:  # reported to the parent, which fails the run
         result.failure = traceback.format_exc()
@@ -319,90 +324,16 @@ class Run:
     handler_us: dict[str, float] = field(default_factory=dict)
 
 
-class ServerProcess:
-    """A server subprocess on a unix socket; ``cpu_s`` reads its user+system time."""
+@dataclass
+class Round:
+    """One side's workers over one slice of the requests, and the server CPU it cost."""
 
-    def __init__(self, name: str, argv: list[str], socket_path: Path, log_path: Path) -> None:
-        self.name = name
-        self.target = f"unix:{socket_path}"
-        self.log_path = log_path
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(
-                       [*_SERVER_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])]))
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, cwd=_REPO)
-        self._wait_ready()
-
-    def _wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.target) as channel:
-            ready = grpc.channel_ready_future(channel)
-            while True:
-                try:
-                    ready.result(timeout=0.25)
-                    return
-                except grpc.FutureTimeoutError:
-                    pass
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    ready.cancel()
-                    self.stop()
-                    raise RuntimeError(f"{self.name} did not start (exit {self.proc.returncode})"
-                                       f"; its log:\n{self.log_tail()}")
-
-    def cpu_s(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat", encoding="ascii") as fh:
-            fields = fh.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-        return self.proc.returncode
+    results: list[WorkerResult]
+    server_cpu_s: float
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_service(tmp: Path, budget: int, page_size: int, tag: str,
-                  change_log_capacity: int | None = None) -> tuple[ServerProcess, int]:
-    config = tmp / "bench.yaml"
-    server = ("" if change_log_capacity is None
-              else f"server:\n  change_log_capacity: {change_log_capacity}\n")
-    config.write_text(
-        f"{server}models:\n  - name: {MODEL}\n    kind: radix\n    page_size: {page_size}\n"
-        f"    pool: {{size: {budget}, layers: 1, k_heads: 1, k_head_dim: 8, "
-        "dtype: float16}\n")
-    port = _free_port()
-    argv = [sys.executable, "-c", _SERVE, "serve", "--config", str(config),
-            "--listen", f"unix:{tmp / 'pc.sock'}", "--metrics-host", "127.0.0.1",
-            "--metrics-port", str(port), "--grace-period", "1", "--log-level", "warning"]
-    log = tmp / f"server-{tag}.log"
-    return ServerProcess("prefixcache serve", argv, tmp / "pc.sock", log), port
-
-
-def start_echo(tmp: Path) -> ServerProcess:
-    argv = [sys.executable, str(_REPO / "bench" / "echo_server.py"), f"unix:{tmp / 'echo.sock'}"]
-    return ServerProcess("echo server", argv, tmp / "echo.sock", tmp / "echo.log")
-
-
-def run_workers(kind: str, mode: str, n: int, server: ServerProcess, tokens_path: Path,
-                spans: list[tuple[int, int]]) -> Run:
+def run_round(kind: str, mode: str, n: int, server: ServerProcess, tokens_path: Path,
+              spans: list[tuple[int, int]]) -> Round:
     ctx = mp.get_context("spawn")
     barriers = (ctx.Barrier(n + 1), ctx.Barrier(n + 1))
     out = ctx.Queue()
@@ -433,8 +364,15 @@ def run_workers(kind: str, mode: str, n: int, server: ServerProcess, tokens_path
     if failures or len(results) != n:
         raise RuntimeError(f"{kind}/{mode}/{n} workers failed:\n" + "\n".join(failures)
                            + (f"\n{server.name} log:\n{server.log_tail()}" if failures else ""))
+    return Round(results, cpu1 - cpu0)
+
+
+def summarize(kind: str, mode: str, n: int, rounds: list[Round]) -> Run:
+    """One Run of every round of one side: counts and CPU summed, latencies pooled."""
+    results = [r for rnd in rounds for r in rnd.results]
     requests = sum(r.requests for r in results)
-    wall = max(r.t_end for r in results) - min(r.t_start for r in results)
+    wall = sum(max(r.t_end for r in rnd.results) - min(r.t_start for r in rnd.results)
+               for rnd in rounds)
     errors: dict[str, int] = {}
     for r in results:
         for k, v in r.errors.items():
@@ -445,42 +383,14 @@ def run_workers(kind: str, mode: str, n: int, server: ServerProcess, tokens_path
     per_req = 1e6 / max(requests, 1)
     return Run(kind, mode, n, requests, errors, wall, requests / wall if wall > 0 else 0.0,
                Latency.of(match), Latency.of(insert), Latency.of(prefill),
-               sum(r.cpu_s for r in results) * per_req, (cpu1 - cpu0) * per_req)
+               sum(r.cpu_s for r in results) * per_req,
+               sum(rnd.server_cpu_s for rnd in rounds) * per_req)
 
 
-def service_stats(target: str) -> dict[str, Any]:
-    from prefixcache.v1 import prefix_cache_pb2 as pb
-    from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(target) as channel:
-        reply = pb_grpc.PrefixCacheStub(channel).Stats(pb.StatsRequest(model=MODEL), timeout=30)
-    m = reply.models[0]
-    return {
-        "match_tokens": m.match_tokens_total, "hit_tokens": m.hit_tokens_total,
-        "hit_ratio": m.hit_tokens_total / m.match_tokens_total if m.match_tokens_total else 0.0,
-        "evicted_tokens": m.evicted_tokens_total, "cached_tokens":
-            m.evictable_tokens + m.protected_tokens, "locks": m.locks,
-        "session_slots": m.session_slots, "sessions": reply.sessions,
-    }
-
-
-_METRIC = re.compile(r'^prefixcache_rpc_duration_seconds_(sum|count)\{([^}]*)\} (\S+)$')
-
-
-def handler_times(port: int) -> dict[str, float]:
-    """Mean server-side handler µs per method (OK calls) from the service's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    acc: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        if not (m := _METRIC.match(line)):
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-        if labels.get("code") != "OK":
-            continue
-        acc.setdefault(labels["method"], {})[m.group(1)] = float(m.group(3))
-    return {method: v["sum"] / v["count"] * 1e6 for method, v in acc.items()
-            if v.get("count")}
+def _slices(spans: list[tuple[int, int]], rounds: int) -> list[list[tuple[int, int]]]:
+    """``spans`` cut into ``rounds`` consecutive slices (trace order is kept)."""
+    k = max(1, min(rounds, len(spans)))
+    return [spans[len(spans) * i // k: len(spans) * (i + 1) // k] for i in range(k)]
 
 
 def _fmt(x: float) -> str:
@@ -491,12 +401,12 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "-"
 
 
-def print_tables(pairs: list[tuple[Run, Run]]) -> None:
+def print_tables(triples: list[tuple[Run, Run, Run]]) -> None:
     print("\n| mode | workers | requests (errors) | req/s | echo req/s | Match p50 / p99 µs "
           "| echo p50 / p99 µs | Match ÷ echo | Insert p50 / p99 µs | echo p50 / p99 µs "
           "| Insert ÷ echo | prefill p50 µs (echo) | prefill ÷ echo | token hit |")
     print("|---|---:|---:|---:|---:|---|---|---:|---|---|---:|---|---:|---:|")
-    for svc, echo in pairs:
+    for svc, _, echo in triples:
         errs = sum(svc.errors.values())
         print(f"| {svc.mode} | {svc.workers} | {svc.requests:,} ({errs}) | "
               f"{_fmt(svc.req_per_s)} | {_fmt(echo.req_per_s)} | "
@@ -509,28 +419,56 @@ def print_tables(pairs: list[tuple[Run, Run]]) -> None:
               f"{_fmt(svc.prefill.p50_us)} ({_fmt(echo.prefill.p50_us)}) | "
               f"**{_ratio(svc.prefill.p50_us, echo.prefill.p50_us)}** | "
               f"{svc.stats.get('hit_ratio', 0.0):.4f} |")
-    print("\nCPU per request (µs; user+system; a request is two RPCs) and the service's "
-          "own handler time (server-side mean µs per call, from /metrics):\n")
-    print("| mode | workers | server CPU: service / echo | server CPU ÷ echo "
-          "| client CPU: service / echo | handler Match / Insert | evicted tokens "
-          "| leftover locks / slots |")
-    print("|---|---:|---|---:|---|---|---:|---|")
-    for svc, echo in pairs:
+    print("\nServer CPU per request (µs; user+system; a request is two RPCs) of the service, "
+          "the protobuf floor (the same interface, no cache) and the raw-bytes echo, and the "
+          "service's own handler time (server-side mean µs per call, from /metrics):\n")
+    print("| mode | workers | server CPU: service / floor / echo | **service ÷ echo** "
+          "| floor ÷ echo | service ÷ floor | client CPU: service / echo "
+          "| handler Match / Insert | evicted tokens | leftover locks / slots |")
+    print("|---|---:|---|---:|---:|---:|---|---|---:|---|")
+    for svc, floor, echo in triples:
         prefix = "Session/" if svc.mode == "stream" else ""
         match_key, insert_key = (f"{prefix}match", f"{prefix}insert") if prefix \
             else ("Match", "Insert")
         h = svc.handler_us
-        print(f"| {svc.mode} | {svc.workers} | {_fmt(svc.server_cpu_us_per_req)} / "
-              f"{_fmt(echo.server_cpu_us_per_req)} | "
-              f"**{_ratio(svc.server_cpu_us_per_req, echo.server_cpu_us_per_req)}** | "
-              f"{_fmt(svc.client_cpu_us_per_req)} / "
+        cpu = svc.server_cpu_us_per_req, floor.server_cpu_us_per_req, echo.server_cpu_us_per_req
+        print(f"| {svc.mode} | {svc.workers} | {' / '.join(map(_fmt, cpu))} | "
+              f"**{_ratio(cpu[0], cpu[2])}** | {_ratio(cpu[1], cpu[2])} | "
+              f"{_ratio(cpu[0], cpu[1])} | {_fmt(svc.client_cpu_us_per_req)} / "
               f"{_fmt(echo.client_cpu_us_per_req)} | "
               f"{h.get(match_key, 0.0):,.0f} / {h.get(insert_key, 0.0):,.0f} | "
               f"{svc.stats.get('evicted_tokens', 0):,} | "
               f"{svc.stats.get('locks', '?')} / {svc.stats.get('session_slots', '?')} |")
-    for svc, _ in pairs:
-        if svc.errors:
-            print(f"\n{svc.mode}/{svc.workers}: errors {svc.errors}")
+    for run in (r for triple in triples for r in triple):
+        if run.errors:
+            print(f"\n{run.kind} {run.mode}/{run.workers}: errors {run.errors}")
+
+
+def run_config(mode: str, n: int, servers: dict[str, ServerProcess], args: argparse.Namespace,
+               tmp: Path, tokens_path: Path, spans: list[tuple[int, int]]
+               ) -> tuple[Run, Run, Run]:
+    """The service, the floor and the echo over the same requests, interleaved round by
+    round (the service keeps its cache across rounds), so that a slow patch of a shared
+    machine falls on all three rather than on one."""
+    service, port = start_service(tmp, args.budget, args.page_size, f"{mode}{n}",
+                                  args.change_log_capacity)
+    sides = {"service": service, "floor": servers["floor"], "echo": servers["echo"]}
+    rounds: dict[str, list[Round]] = {kind: [] for kind in sides}
+    try:
+        for chunk in _slices(spans, args.rounds):
+            for kind, server in sides.items():
+                rounds[kind].append(run_round(kind, mode, n, server, tokens_path, chunk))
+        s, f, e = (summarize(kind, mode, n, rounds[kind]) for kind in sides)
+        s.stats = service_stats(service.target)
+        s.handler_us = handler_times(port)
+    finally:
+        service.stop()
+    print(f"{mode} x{n}: service {s.req_per_s:,.0f} req/s, floor {f.req_per_s:,.0f}, echo "
+          f"{e.req_per_s:,.0f}; server CPU per prefill {s.server_cpu_us_per_req:,.0f} / "
+          f"{f.server_cpu_us_per_req:,.0f} / {e.server_cpu_us_per_req:,.0f} µs "
+          f"({_ratio(s.server_cpu_us_per_req, e.server_cpu_us_per_req)}x the echo's), hit "
+          f"{s.stats['hit_ratio']:.4f}", file=sys.stderr)
+    return s, f, e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -542,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     add("--workers", type=int, action="append",
         help="concurrent client processes; repeatable (default 1 and 8)")
     add("--modes", default="unary,stream", help="comma-separated: unary, stream")
+    add("--rounds", type=int, default=3,
+        help="slices of the requests, each run on service, floor and echo in turn (default 3)")
     add("--budget", type=int, default=1_000_000, help="KV pool size in tokens (default 1M)")
     add("--page-size", type=int, default=16)
     add("--change-log-capacity", type=int, metavar="N",
@@ -555,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
     if not args.trace.exists():
         ap.error(f"trace not found: {args.trace}")
-    if min(workers) < 1:
-        ap.error("--workers must be >= 1")
+    if min(workers) < 1 or args.rounds < 1:
+        ap.error("--workers and --rounds must be >= 1")
     os.environ["OMP_NUM_THREADS"] = "1"  # the spawned workers inherit it
 
     t_all = time.monotonic()
@@ -565,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.trace.name}: {len(trace.keys):,} requests, {total:,} tokens "
           f"(mean {total / max(len(trace.keys), 1):,.0f}); pool {args.budget:,} tokens, "
           f"page {args.page_size}", file=sys.stderr)
-    pairs: list[tuple[Run, Run]] = []
+    triples: list[tuple[Run, Run, Run]] = []
     with tempfile.TemporaryDirectory(prefix="pc-grpc-bench-") as tmpdir:
         tmp = Path(tmpdir)
         tokens_path = tmp / "tokens.bin"
@@ -578,39 +518,28 @@ def main(argv: list[str] | None = None) -> int:
                 spans.append((offset, offset + len(data)))
                 offset += len(data)
         del trace
-        echo = start_echo(tmp)
+        servers = {"echo": start_echo(tmp)}
         try:
+            servers["floor"] = start_floor(tmp)
             for mode in modes:
                 for n in workers:
-                    e = run_workers("echo", mode, n, echo, tokens_path, spans)
-                    service, port = start_service(tmp, args.budget, args.page_size, f"{mode}{n}",
-                                                  args.change_log_capacity)
-                    try:
-                        s = run_workers("service", mode, n, service, tokens_path, spans)
-                        s.stats = service_stats(service.target)
-                        s.handler_us = handler_times(port)
-                    finally:
-                        service.stop()
-                    pairs.append((s, e))
-                    print(f"{mode} x{n}: service {s.req_per_s:,.0f} req/s, echo "
-                          f"{e.req_per_s:,.0f} req/s, prefill p50 {s.prefill.p50_us:,.0f} "
-                          f"vs {e.prefill.p50_us:,.0f} µs, server CPU "
-                          f"{_ratio(s.server_cpu_us_per_req, e.server_cpu_us_per_req)}x "
-                          f"the echo's, hit {s.stats['hit_ratio']:.4f}", file=sys.stderr)
+                    triples.append(run_config(mode, n, servers, args, tmp, tokens_path, spans))
         finally:
-            echo.stop()
-    print(f"\n{args.trace.name}, first {len(spans):,} requests, pool {args.budget:,} tokens, "
-          f"page {args.page_size}; grpcio {grpc.__version__}, Python "
+            for server in servers.values():
+                server.stop()
+    print(f"\n{args.trace.name}, first {len(spans):,} requests in {args.rounds} rounds, pool "
+          f"{args.budget:,} tokens, page {args.page_size}; grpcio {grpc.__version__}, Python "
           f"{platform.python_version()}, {os.cpu_count()} CPUs; total "
           f"{time.monotonic() - t_all:.0f} s")
-    print_tables(pairs)
+    print_tables(triples)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "trace": str(args.trace), "limit": args.limit, "budget": args.budget,
-            "page_size": args.page_size, "grpcio": grpc.__version__,
-            "runs": [{"service": asdict(s), "echo": asdict(e)} for s, e in pairs]}, indent=2))
-    failed = any(s.requests == 0 or e.requests == 0 for s, e in pairs)
+            "page_size": args.page_size, "rounds": args.rounds, "grpcio": grpc.__version__,
+            "runs": [{"service": asdict(s), "floor": asdict(f), "echo": asdict(e)}
+                     for s, f, e in triples]}, indent=2))
+    failed = any(run.requests == 0 for triple in triples for run in triple)
     return 1 if failed else 0
 
 

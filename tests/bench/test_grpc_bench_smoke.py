@@ -1,4 +1,5 @@
-"""Smoke test of the gRPC replay bench: a real server, an echo server, both modes."""
+"""Smoke test of the gRPC replay bench: a real server, the protobuf floor and an echo
+server, both modes, the requests in rounds."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def test_grpc_replay_runs_every_config(tmp_path: Path) -> None:
     assert len(runs) == len(CONFIGS)
     for run in runs:
         svc = run["service"]
-        assert svc["requests"] == run["echo"]["requests"] == 20
+        assert svc["requests"] == run["floor"]["requests"] == run["echo"]["requests"] == 20
+        assert run["floor"]["server_cpu_us_per_req"] > 0
         assert svc["match"]["p50_us"] > 0 and svc["insert"]["p50_us"] > 0
         # Every session was closed: nothing stays locked or held.
         assert svc["stats"]["locks"] == 0 and svc["stats"]["session_slots"] == 0

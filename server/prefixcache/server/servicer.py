@@ -372,7 +372,11 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
             reply = self._stream_ops[op](body, session)
             if self.check_integrity and _mutates(body):
                 self.service.check_integrity()
-            return pb.SessionResponse(seq=seq, **{op: reply})
+            response = pb.SessionResponse(seq=seq)
+            # CopyFrom into the oneof costs a third of passing the reply as a keyword
+            # (a Match reply carries ~100 KB of slots).
+            getattr(response, op).CopyFrom(reply)
+            return response
         except Exception as exc:
             code = self._refusal(exc, f"Session/{op}")
             return pb.SessionResponse(seq=seq, error=pb.Error(
