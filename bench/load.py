@@ -56,7 +56,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == _REPO / "bench":
     sys.path[0] = str(_REPO)  # bench/trace.py would shadow the stdlib `trace`
 sys.path += [p for p in map(str, (_REPO, _REPO / "server", _REPO / "client")) if p not in sys.path]
 
-from bench.grpc_replay import MODEL, ServerProcess  # noqa: E402
+from bench.grpc_servers import MODEL, ServerProcess  # noqa: E402
 from bench.load_mixed import KINDS, SideRequests, final_stats, held_after, start_service  # noqa: E402
 from bench.trace import DEFAULT_TRACE, load_expanded  # noqa: E402
 

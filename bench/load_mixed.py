@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.grpc_replay import MODEL, ServerProcess
+from bench.grpc_servers import MODEL, ServerProcess
 
 # `python -m prefixcache.server.cli` does not run main(): the module has no __main__ guard.
 _SERVE = "import sys; from prefixcache.server.cli import main; sys.exit(main())"

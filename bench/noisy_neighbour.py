@@ -41,7 +41,7 @@ sys.path += [p for p in map(str, (_REPO, _REPO / "server", _REPO / "client")) if
 
 import grpc  # noqa: E402
 
-from bench.grpc_replay import _SERVE, ServerProcess  # noqa: E402
+from bench.grpc_servers import _SERVE, ServerProcess  # noqa: E402
 from bench.noisy_attacks import ATTACKS, MODEL, attacker, toks, victim_prompt  # noqa: E402
 from prefixcache.v1 import prefix_cache_pb2 as pb  # noqa: E402
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc  # noqa: E402

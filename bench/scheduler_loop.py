@@ -41,7 +41,7 @@ if str(_REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.grpc_replay import ServerProcess  # noqa: E402
+from bench.grpc_servers import ServerProcess  # noqa: E402
 from bench.raw_sched import RawScheduler  # noqa: E402
 from bench.sglang_sched import Req, Scheduler, StepResult  # noqa: E402
 from bench.trace import DEFAULT_TRACE, expand, load_trace  # noqa: E402

@@ -172,6 +172,38 @@ def test_a_grant_is_checked_again_before_each_chunk(srv: ServerThread) -> None:
                         r"read", unlocked), unlocked
 
 
+def test_a_grant_costs_its_rows_not_the_pool(srv: ServerThread) -> None:
+    """What a read under locks keeps is the locked rows (issue 17: no per-call
+    temporaries proportional to the pool), and it still tells locked rows from others."""
+    def scenario() -> tuple[int, int, list[str]]:
+        service = srv.service
+        engine = service.engine("m")
+        session = service.open_session(10, "reader")
+        none = np.zeros(0, dtype=np.int64)
+        try:
+            cached, _ = engine.alloc(session, 3)
+            engine.insert(RadixKey([9101, 9102, 9103]), cached, session, lock=True)
+            grant = kv_access.ReadGrant(engine, session, cached, none, open_reads=False,
+                                        bound=False)
+            part = kv_transfer.plan(engine, cached, [], none)[0]
+            grant.check(part, 0, 3)
+            loose, _ = engine.alloc(session, 1)
+            engine.free(session, loose)
+            stray = kv_transfer.plan(engine, np.concatenate([cached, loose]), [], none)[0]
+            try:
+                grant.check(stray, 3, 4)
+                refused = ["not refused"]
+            except FailedPreconditionError as exc:
+                refused = [str(exc)]
+            return len(grant.kv_locked), len(engine._owner), refused
+        finally:
+            service.close_session(session)
+
+    kept, pool_rows, refused = srv.run(scenario)
+    assert kept == 3 < pool_rows
+    assert "neither held nor locked" in refused[0], refused
+
+
 # ------------------------------------------------------------------ read limits
 
 

@@ -138,19 +138,14 @@ class ReadGrant:
         return pin is None or self.engine.allocator.is_current(*pin)
 
     def _cover(self, locks: dict[int, _Cover]) -> None:
-        """The masks of rows under ``locks``, so a chunk's check costs its rows."""
-        engine = self.engine
+        """The rows under ``locks``, sorted and distinct, so a chunk's check costs its
+        rows and the locks' rows, never the pool's."""
         self.kv_locked = self.state_locked = None
         if not locks:
             return
-        self.kv_locked = np.zeros(len(engine._owner), dtype=bool)
-        states = getattr(engine, "states", None)
-        if states is not None:
-            self.state_locked = np.zeros(len(states._owner), dtype=bool)
-        for kv, st, _ in locks.values():
-            self.kv_locked[kv] = True
-            if self.state_locked is not None:
-                self.state_locked[st] = True
+        self.kv_locked = np.unique(np.concatenate([kv for kv, _, _ in locks.values()]))
+        if getattr(self.engine, "states", None) is not None:
+            self.state_locked = np.unique(np.concatenate([st for _, st, _ in locks.values()]))
 
     def _owner(self, state: bool) -> np.ndarray | None:
         if not state:
@@ -169,7 +164,7 @@ class ReadGrant:
             return
         locked = self.state_locked if state else self.kv_locked
         owner = self._owner(state)
-        ok = locked[rows] if locked is not None else np.zeros(len(rows), dtype=bool)
+        ok = _members(rows, locked) if locked is not None else np.zeros(len(rows), dtype=bool)
         if not self.bound and owner is not None:
             ok = ok | (owner[rows] == session.tag)
         if not ok.all():
@@ -281,3 +276,11 @@ def open_read(service: Any, request: Any, limits: Limits, bound: bool,
                       bound=bound)
     return parts, chunk_bytes(request.max_chunk_bytes, limits.min_chunk_bytes,
                               max_chunk), grant
+
+
+def _members(rows: np.ndarray, ordered: np.ndarray) -> np.ndarray:
+    """Whether each of ``rows`` is in ``ordered`` (sorted, distinct)."""
+    if not len(ordered):
+        return np.zeros(len(rows), dtype=bool)
+    at = np.minimum(np.searchsorted(ordered, rows), len(ordered) - 1)
+    return ordered[at] == rows
