@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixcache.cache import InvalidInputError, RadixKey
 from prefixcache.server.config import ModelConfig, PoolConfig
@@ -119,3 +121,26 @@ def test_runs_helpers() -> None:
     assert runs_fit([(5, 8), (2, 4)], 1, 9)
     assert not runs_fit([(5, 8), (2, 6)], 1, 9)  # 5 is in both
     assert not runs_fit([(5, 8)], 6, 9) and not runs_fit([(5, 10)], 1, 9)
+
+
+def _runs_by_loop(slots: list[int]) -> list[tuple[int, int]] | None:
+    runs: list[list[int]] = []
+    for s in slots:
+        if runs and s == runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([s, s + 1])
+    return None if len(runs) > MAX_RUNS else [(a, b) for a, b in runs]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(-2**63, 2**63 - 2000), st.integers(1, 50),
+                          st.sampled_from(["up", "down", "same"])), max_size=40))
+def test_slot_runs_agrees_with_a_loop(pieces: list[tuple[int, int, str]]) -> None:
+    """The one-compare shortcut for a single run finds exactly the runs a loop finds,
+    for ascending, descending and repeated slots, near the int64 ends too."""
+    slots: list[int] = []
+    for start, length, shape in pieces:
+        run = list(range(start, start + length))
+        slots += run[::-1] if shape == "down" else [start] * length if shape == "same" else run
+    assert slot_runs(np.array(slots, dtype=np.int64)) == _runs_by_loop(slots)
