@@ -148,6 +148,9 @@ class ModelEngine(SlotOwnership, EngineBase):
         self.num_rows = self.kv_pool.num_rows
         self._owner = np.zeros(self.num_rows, dtype=np.int64)
         self.session_slots = 0
+        # Per session tag: [slots, runs] of what it was allocated since it last held
+        # nothing (engine_slots.py), or None once too many to follow.
+        self._alloc_runs: dict[int, list[Any] | None] = {}
 
     # ----------------------------------------------------------------- reads
 
@@ -361,7 +364,7 @@ class ModelEngine(SlotOwnership, EngineBase):
             self.unlock(session, lock_id)
         slots = 0
         if session.slots.get(self.name):
-            mine = np.flatnonzero(self._owner == session.tag)
+            mine = self._rows_of(session)
             if len(mine):
                 self.allocator.free(mine)
                 self._owner[mine] = 0
@@ -373,6 +376,7 @@ class ModelEngine(SlotOwnership, EngineBase):
 
     def reset(self, sessions: list[Session]) -> tuple[int, int]:
         dropped = super().reset(sessions)
+        self._alloc_runs.clear()
         if self.states is not None:
             self.states.reset()
         return dropped

@@ -21,6 +21,9 @@ from .sessions import Session
 from .slot_checks import check_distinct, check_range, check_tree_prefix, runs_fit, slot_runs
 from .state_slots import StateSlots
 
+# Runs of one session's allocations followed for its close (beyond: a pool scan).
+MAX_TRACKED_RUNS = 256
+
 
 class SlotOwnership:
     """Mixin of ``ModelEngine``: the slot -> session array and the checks over it."""
@@ -38,6 +41,7 @@ class SlotOwnership:
     ops: dict[str, int]
     evicted_tokens: dict[str, int]
     _owner: np.ndarray
+    _alloc_runs: dict[int, list[Any] | None]
 
     def _checked_head(self, slots: np.ndarray, head: np.ndarray, tree: np.ndarray,
                       tag: int) -> tuple[int, list[tuple[int, int]]] | None:
@@ -123,6 +127,7 @@ class SlotOwnership:
                 raise self._exhausted(n)
             out, runs = host_indices(slots), None
         self._set_owner(out, runs, session.tag)
+        self._track(session.tag, n, runs)
         session.slots[self.name] = session.slots.get(self.name, 0) + n
         self.session_slots += n
         self.ops["alloc"] += 1
@@ -146,7 +151,35 @@ class SlotOwnership:
             session.slots[self.name] = left
         else:
             session.slots.pop(self.name, None)
+            self._alloc_runs.pop(session.tag, None)
         self.session_slots -= n
+
+    def _track(self, tag: int, n: int, runs: list[tuple[int, int]] | None) -> None:
+        """Remember where ``tag`` was given ``n`` slots (``runs``; None: scattered), so
+        closing its session looks there instead of at every row of the pool."""
+        tracked = self._alloc_runs.get(tag, [0, []])
+        if tracked is None:
+            return
+        tracked[0] += n
+        if runs is None or len(tracked[1]) + len(runs) > MAX_TRACKED_RUNS \
+                or tracked[0] > max(self.num_rows // 8, MAX_TRACKED_RUNS):
+            self._alloc_runs[tag] = None  # too many to follow: closing scans the pool
+            return
+        tracked[1].extend(runs)
+        self._alloc_runs[tag] = tracked
+
+    def _rows_of(self, session: Session) -> np.ndarray:
+        """The rows ``session`` holds, ascending: from its allocations' runs when they
+        were followed and account for every slot it holds, else from the whole pool."""
+        tracked = self._alloc_runs.pop(session.tag, None)
+        if tracked is not None:
+            owner, tag = self._owner, session.tag
+            parts = [np.flatnonzero(owner[lo:end] == tag) + lo for lo, end in tracked[1]]
+            # A slot given twice (freed and given again) is in two runs: unique.
+            mine = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+            if len(mine) == session.slots.get(self.name, 0):
+                return mine
+        return np.flatnonzero(self._owner == session.tag)
 
     def _check_range(self, slots: np.ndarray) -> None:
         check_range(slots, 1, self.num_rows, self.name)
