@@ -18,7 +18,8 @@ import asyncio
 import signal
 import struct
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -58,15 +59,23 @@ async def serve(address: str) -> None:
         async for req in requests:
             yield reply(req)
 
+    await serve_until_stopped(address, lambda server: server.add_generic_rpc_handlers((
+        grpc.method_handlers_generic_handler(SERVICE, {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Stream": grpc.stream_stream_rpc_method_handler(stream),
+        }),)))
+
+
+async def serve_until_stopped(address: str, register: Callable[[Any], None]) -> None:
+    """A ``grpc.aio`` server with the service's message-size options on ``address``,
+    its handlers added by ``register``, until SIGTERM or SIGINT (the bench's servers
+    share this, so they differ only in their handlers)."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE),
         ("grpc.max_send_message_length", MAX_MESSAGE),
         ("grpc.so_reuseport", 0),
     ])
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-        "Unary": grpc.unary_unary_rpc_method_handler(unary),
-        "Stream": grpc.stream_stream_rpc_method_handler(stream),
-    }),))
+    register(server)
     server.add_insecure_port(address)
     await server.start()
     stop = asyncio.Event()
@@ -77,13 +86,18 @@ async def serve(address: str) -> None:
     await server.stop(1.0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(serve_at: Callable[[str], Any], argv: list[str] | None, name: str) -> int:
+    """The command line of a bench server: one ADDRESS argument."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: echo_server.py ADDRESS (unix:PATH or HOST:PORT)", file=sys.stderr)
+        print(f"usage: {name} ADDRESS (unix:PATH or HOST:PORT)", file=sys.stderr)
         return 2
-    asyncio.run(serve(args[0]))
+    asyncio.run(serve_at(args[0]))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(serve, argv, "echo_server.py")
 
 
 if __name__ == "__main__":

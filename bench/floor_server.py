@@ -13,22 +13,21 @@ protobuf cost; what the service costs above the floor is the cache and its check
 
 from __future__ import annotations
 
-import asyncio
-import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 _REPO = Path(__file__).resolve().parents[1]
-sys.path += [p for p in map(str, (_REPO / "server", _REPO / "client")) if p not in sys.path]
+if sys.path and Path(sys.path[0] or ".").resolve() == _REPO / "bench":
+    sys.path[0] = str(_REPO)  # bench/trace.py would shadow the stdlib `trace` module
+sys.path += [p for p in map(str, (_REPO, _REPO / "server", _REPO / "client"))
+             if p not in sys.path]
 
+from bench.echo_server import run, serve_until_stopped  # noqa: E402
 from prefixcache.v1 import prefix_cache_pb2 as pb  # noqa: E402
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc  # noqa: E402
 
-MAX_MESSAGE = 64 * 1024 * 1024  # as the service's default max_message_bytes
 _SLOT_BYTES = 8
 _TOKEN_BYTES = 4
 
@@ -96,29 +95,12 @@ class FloorServicer(pb_grpc.PrefixCacheServicer):
 
 
 async def serve(address: str) -> None:
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE),
-        ("grpc.max_send_message_length", MAX_MESSAGE),
-        ("grpc.so_reuseport", 0),
-    ])
-    pb_grpc.add_PrefixCacheServicer_to_server(FloorServicer(), server)
-    server.add_insecure_port(address)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(1.0)
+    await serve_until_stopped(
+        address, lambda server: pb_grpc.add_PrefixCacheServicer_to_server(FloorServicer(), server))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: floor_server.py ADDRESS (unix:PATH or HOST:PORT)", file=sys.stderr)
-        return 2
-    asyncio.run(serve(args[0]))
-    return 0
+    return run(serve, argv, "floor_server.py")
 
 
 if __name__ == "__main__":
