@@ -10,17 +10,21 @@ import numpy as np
 import torch
 
 from .errors import DoubleFreeError, InvalidInputError, SlotIndexError, check_count
+from .free_pages import FreePages, Pages
+from .slot_runs import Scratch, breaks, runs_in
 
 IndexLike = torch.Tensor | np.ndarray | Sequence[int]
 
 # Shown in error messages; enough to identify the problem without flooding logs.
 _MAX_SHOWN = 8
+_NO_ENDS = np.zeros(0, dtype=np.int64)
 
 
 def host_indices(indices: IndexLike) -> np.ndarray:
     """Slot indices as a flat int64 host array (shared with a CPU int64 tensor's memory)."""
     if isinstance(indices, torch.Tensor):
-        if indices.dtype == torch.int64 and indices.dim() == 1 and indices.device.type == "cpu":
+        # is_cpu, not device.type: a tenth of the cost, on every free and insert.
+        if indices.dtype == torch.int64 and indices.dim() == 1 and indices.is_cpu:
             return indices.numpy()  # the common case: one call, no copy
         if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
             raise InvalidInputError(f"indices must be integers, got dtype {indices.dtype}")
@@ -38,11 +42,13 @@ class _Checked(NamedTuple):
 
     ``given`` is in the caller's order; ``runs`` lists the ``(first, last)`` slots of
     each contiguous run, ascending, when there are few of them; otherwise ``runs`` is
-    None and ``idx`` holds the slots sorted.
+    None and ``idx`` holds the slots sorted. A ``free_parts`` check with runs leaves
+    ``idx`` and ``given`` None: only a one-slot page or an unsorted free list reads
+    ``given`` there, and ``free_parts`` joins its parts for those.
     """
 
-    idx: np.ndarray
-    given: np.ndarray
+    idx: np.ndarray | None
+    given: np.ndarray | None
     runs: list[tuple[int, int]] | None
 
 
@@ -102,8 +108,11 @@ class TokenToKVPoolAllocator:
         self.num_pages = self.size // ps
         self.num_rows = self.size + ps
         self._slot_end = (self.num_pages + 1) * ps  # first slot past the last page
-        # One byte per slot, over whole pages so it reshapes to [pages, page_size].
-        self._live = np.zeros((self.num_pages + 1) * ps, dtype=np.uint8)
+        # One byte per slot, over whole pages so it reshapes to [pages, page_size]. A
+        # bytearray underneath: bytearray.find (memchr) asks "is any slot of this run
+        # free / live?" without a temporary, several times faster than numpy's all().
+        self._live_bytes = bytearray((self.num_pages + 1) * ps)
+        self._live = np.frombuffer(self._live_bytes, dtype=np.uint8)
         # The same bytes read as the widest words that tile a page, so marking or
         # testing a whole page touches one or two words rather than page_size bytes.
         word = next(w for w in (8, 4, 2, 1) if ps % w == 0)
@@ -111,23 +120,20 @@ class TokenToKVPoolAllocator:
         self._word_ones = np.frombuffer(b"\x01" * word, dtype=f"<u{word}")[0]
         self._page_shift = ps.bit_length() - 1 if ps & (ps - 1) == 0 else None
         self._offsets = np.arange(ps, dtype=np.int64)
-        self._iota_cache = np.zeros(0, dtype=np.int64)
+        self._scratch = Scratch()
         self.clear()
 
     def clear(self) -> None:
         """Free every slot, drop any open free group and reset the free list."""
-        self._free = np.arange(1, self.num_pages + 1, dtype=np.int64)
-        self._head = 0  # self._free[self._head:] are the free pages, next first
-        self._released: list[np.ndarray] = []
-        self._num_released = 0
+        self._pages = FreePages(self.num_pages, self.need_sort, self._scratch)
         self._live[:] = 0
         self._num_allocated = 0
         self._group_depth = 0
-        self._group_pending: list[np.ndarray] = []
+        self._group_pending: list[list[Pages]] = []
 
     def available_size(self) -> int:
         """How many slots ``alloc`` could hand out now (free pages * page_size)."""
-        return (self._free.size - self._head + self._num_released) * self.page_size
+        return self._pages.available() * self.page_size
 
     def num_allocated(self) -> int:
         """Slots currently handed out."""
@@ -167,20 +173,24 @@ class TokenToKVPoolAllocator:
         """As ``alloc``, but the slots stay a host int64 array, given with the
         ``[first, end)`` bounds of their runs of consecutive slots (None where they
         are too many to list), so a caller can work on them slice by slice."""
-        n = check_count(need_size, "need_size", 0)
+        # A plain non-negative int skips check_count's general coercion.
+        n = need_size if type(need_size) is int and need_size >= 0 \
+            else check_count(need_size, "need_size", 0)
         if n == 0:
             return np.zeros(0, dtype=np.int64), []
         ps = self.page_size
         num = -(-n // ps)
-        if num > self._free.size - self._head:
-            if num > self._free.size - self._head + self._num_released:
-                return None
-            self._merge_released()
-        pages = self._free[self._head : self._head + num]
-        self._head += num
+        pages = self._pages.take(num)
+        if pages is None:
+            return None
         # Pages taken from the front of the free list are mostly runs of consecutive
         # pages: build and mark each run as a slice; many runs take one vector pass.
-        ends = np.flatnonzero(pages[1:] - pages[:-1] != 1)
+        # A sorted free list holds distinct pages in ascending order, so its slice is
+        # one run exactly when its ends lie num - 1 apart: no pass over it.
+        if self.need_sort and int(pages[-1]) - int(pages[0]) == num - 1:
+            ends = _NO_ENDS
+        else:
+            ends = breaks(pages, self._scratch)
         runs: list[tuple[int, int]] | None = None
         if ends.size == 0:
             start = int(pages[0]) * ps
@@ -192,7 +202,7 @@ class TokenToKVPoolAllocator:
             for a, b in zip([0, *(ends + 1).tolist()], [*ends.tolist(), num - 1], strict=True):
                 start = int(pages[a]) * ps
                 length = min((b - a + 1) * ps, n - done)  # the last page's tail stays unmarked
-                np.add(self._iota(length), start, out=slots[done : done + length])
+                np.add(self._scratch.iota(length), start, out=slots[done : done + length])
                 self._live[start : start + length] = 1
                 runs.append((start, start + length))
                 done += length
@@ -206,21 +216,6 @@ class TokenToKVPoolAllocator:
                 self._live[int(slots[-1]) + 1 : (int(pages[-1]) + 1) * ps] = 0
         self._num_allocated += n
         return slots, runs
-
-    def _iota(self, n: int) -> np.ndarray:
-        """``arange(n)``, from one array kept for reuse (it grows to the largest run)."""
-        if self._iota_cache.size < n:
-            grown = min(2 * self._iota_cache.size, self._slot_end)
-            self._iota_cache = np.arange(max(n, grown), dtype=np.int64)
-        return self._iota_cache[:n]
-
-    def _merge_released(self) -> None:
-        """Move released pages into the free list (sorted when ``need_sort``)."""
-        merged = np.concatenate([self._free[self._head :], *self._released])
-        if self.need_sort:
-            merged.sort(kind="stable")  # sorted pieces: timsort merges them in linear time
-        self._free, self._head = merged, 0
-        self._released, self._num_released = [], 0
 
     def free(self, indices: IndexLike) -> None:
         """Free previously allocated slots, all or nothing.
@@ -256,8 +251,39 @@ class TokenToKVPoolAllocator:
         self._group_depth -= 1
         if self._group_depth == 0:
             pending, self._group_pending = self._group_pending, []
-            for pages in pending:
-                self._release(pages)
+            for pieces in pending:
+                self._pages.release(pieces)
+
+    def free_parts(self, parts: Sequence[IndexLike]) -> None:
+        """``free`` of the parts joined end to end, without building the joined array.
+
+        It checks, raises and frees as ``free(concatenation)`` does, all or nothing
+        over every part (a slot in two parts is freed twice in one call). An eviction
+        frees several nodes' slots this way, each node one or a few runs.
+
+        Raises:
+            The errors ``free`` raises.
+        """
+        arrays = [a for a in map(host_indices, parts) if a.size]
+        if not arrays:
+            return
+        # The joined array is needed for one-slot pages and an unsorted free list (they
+        # release pages in free order), and by a subclass that hooks ``free``.
+        runs: list[tuple[int, int]] | None = None
+        if len(arrays) > 1 and self.page_size > 1 and self.need_sort \
+                and type(self).free is TokenToKVPoolAllocator.free:
+            runs = []
+            for a in arrays:
+                found = runs_in(a, _MAX_RUNS - len(runs), self._scratch)
+                if found is None:
+                    runs = None
+                    break
+                runs += found
+        if runs is None:
+            self.free(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
+            return
+        self._check_runs(runs, arrays)
+        self._apply_free(_Checked(None, None, runs))
 
     def _validate_free(self, indices: IndexLike) -> _Checked:
         """Normalise ``indices`` and raise if any of them may not be freed."""
@@ -266,19 +292,9 @@ class TokenToKVPoolAllocator:
             return _Checked(given, given, [])
         # Slots come back as a few contiguous runs (one or more per node). With few
         # runs, every check works on the runs' bounds and slices: no sort, no gather.
-        ends = np.flatnonzero(given[1:] - given[:-1] != 1)
-        if ends.size < _MAX_RUNS:
-            firsts, lasts = [0, *(ends + 1).tolist()], [*ends.tolist(), given.size - 1]
-            bounds = zip(firsts, lasts, strict=True)
-            runs = sorted((int(given[a]), int(given[b])) for a, b in bounds)
-            if runs[0][0] < self.page_size or max(hi for _, hi in runs) >= self._slot_end:
-                _check_range(given, self.page_size, self._slot_end)
-            for (_, hi), (lo, last) in pairwise(runs):
-                if lo <= hi:
-                    bad = list(range(lo, min(hi, last) + 1))[:_MAX_SHOWN]
-                    raise DoubleFreeError(f"slots freed twice in one call: {bad}")
-            if not all(self._live[lo : hi + 1].all() for lo, hi in runs):
-                self._refuse_not_live(given)
+        runs = runs_in(given, _MAX_RUNS, self._scratch)
+        if runs is not None:
+            self._check_runs(runs, [given])
             return _Checked(given, given, runs)
         idx = np.sort(given, kind="stable")
         _check_range(idx, self.page_size, self._slot_end)
@@ -290,33 +306,53 @@ class TokenToKVPoolAllocator:
             self._refuse_not_live(idx)
         return _Checked(idx, given, None)
 
+    def _check_runs(self, runs: list[tuple[int, int]], given: list[np.ndarray]) -> None:
+        """Raise unless the slots of ``runs`` (found in ``given``, the arrays freed in
+        one call) may all be freed; sorts ``runs`` ascending."""
+        runs.sort()
+        # max of both ends: a run ending below its start wrapped around int64 and so
+        # starts near 2**63, out of range.
+        if runs[0][0] < self.page_size or max(map(max, runs)) >= self._slot_end:
+            _check_range(np.concatenate(given), self.page_size, self._slot_end)
+        for (_, hi), (lo, last) in pairwise(runs):
+            if lo <= hi:
+                bad = list(range(lo, min(hi, last) + 1))[:_MAX_SHOWN]
+                raise DoubleFreeError(f"slots freed twice in one call: {bad}")
+        live = self._live_bytes
+        for lo, hi in runs:
+            if live.find(0, lo, hi + 1) != -1:  # memchr for a slot that is not live
+                self._refuse_not_live(np.concatenate(given))
+
     def _refuse_not_live(self, idx: np.ndarray) -> None:
         bad = idx[self._live[idx] == 0][:_MAX_SHOWN].tolist()
         raise DoubleFreeError(f"slots not currently allocated: {bad}")
 
     def _apply_free(self, checked: _Checked) -> None:
         """Mark validated, non-empty slots free and release the pages that emptied."""
-        idx = checked.idx
-        self._num_allocated -= idx.size
-        if checked.runs is not None:
-            for lo, hi in checked.runs:
+        idx, runs = checked.idx, checked.runs
+        if runs is not None:
+            for lo, hi in runs:
                 self._live[lo : hi + 1] = 0
+                self._num_allocated -= hi - lo + 1
         else:
             self._live[idx] = 0
+            self._num_allocated -= idx.size
+        emptied: list[Pages]
         if self.page_size == 1:
-            emptied = checked.given.copy()  # in free order, for need_sort=False
-        elif checked.runs is not None:
-            emptied = self._emptied_in_runs(checked.runs)
+            emptied = [checked.given.copy()]  # in free order, for need_sort=False
+        elif runs is not None:
+            emptied = self._emptied_in_runs(runs)
         else:
-            emptied = self._emptied_among(idx)
-        if not self.need_sort and emptied.size > 1:
-            emptied = self._in_given_order(emptied, checked.given)
-        if emptied.size == 0:
-            return
+            emptied = [self._emptied_among(idx)]
+        if not self.need_sort and self.page_size > 1 and emptied:
+            pages = np.concatenate([np.arange(p[0], p[1] + 1, dtype=np.int64)
+                                    if type(p) is tuple else p
+                                    for p in emptied])
+            emptied = [self._in_given_order(pages, checked.given) if pages.size > 1 else pages]
         if self._group_depth:
             self._group_pending.append(emptied)
         else:
-            self._release(emptied)
+            self._pages.release(emptied)
 
     def _page_of(self, slots: np.ndarray) -> np.ndarray:
         shift = self._page_shift
@@ -325,26 +361,31 @@ class TokenToKVPoolAllocator:
     def _no_live_slot(self, words: np.ndarray) -> np.ndarray:
         return words[:, 0] == 0 if words.shape[1] == 1 else ~words.any(axis=1)
 
-    def _emptied_in_runs(self, runs: list[tuple[int, int]]) -> np.ndarray:
+    def _emptied_in_runs(self, runs: list[tuple[int, int]]) -> list[Pages]:
         """Pages spanned by freshly freed runs (ascending) that hold no live slot now.
 
         A page the run covers whole was all live and is now all free; only a page
-        the run covers in part needs its other slots looked at.
+        the run covers in part needs its other slots looked at (memchr for a live
+        one). They come out as ``(first, last)`` spans, adjacent ones joined.
         """
-        ps, words, spans, done = self.page_size, self._page_words, [], -1
+        ps, live, spans, done = self.page_size, self._live_bytes, [], -1
         for lo, hi in runs:
             first, last = max(lo // ps, done + 1), hi // ps
             if first > last:
                 continue
             done = last
-            whole_from = first if first * ps >= lo else first + 1
-            whole_to = last if (last + 1) * ps - 1 <= hi else last - 1
-            if whole_from <= whole_to:
-                spans.append(np.arange(whole_from, whole_to + 1, dtype=np.int64))
-            edges = {page for page in (first, last) if not whole_from <= page <= whole_to}
-            spans.extend(np.array([page], dtype=np.int64) for page in edges
-                         if not words[page].any())
-        return np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
+            if first * ps < lo and live.find(1, first * ps, first * ps + ps) != -1:
+                first += 1
+            if first <= last and hi < last * ps + ps - 1 \
+                    and live.find(1, last * ps, last * ps + ps) != -1:
+                last -= 1
+            if first > last:
+                continue
+            if spans and spans[-1][1] == first - 1:
+                spans[-1] = (spans[-1][0], last)
+            else:
+                spans.append((first, last))
+        return spans
 
     def _emptied_among(self, idx: np.ndarray) -> np.ndarray:
         """Pages of freshly freed ascending slots that hold no live slot now."""
@@ -363,10 +404,6 @@ class TokenToKVPoolAllocator:
         unique, first = np.unique(given // self.page_size, return_index=True)
         first = first[np.isin(unique, pages)]
         return given[np.sort(first)] // self.page_size
-
-    def _release(self, pages: np.ndarray) -> None:
-        self._released.append(pages)
-        self._num_released += pages.size
 
     def _to_device(self, slots: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(slots)

@@ -45,8 +45,10 @@ class RadixEviction:
                 other slots are freed and ``on_node_evict`` fires for every node, so
                 cache and allocator still agree (as in every cache kind's ``evict``).
         """
-        check_count(num_tokens, "num_tokens")
-        check_count(swa_num_tokens, "swa_num_tokens")
+        if type(num_tokens) is not int or num_tokens < 0:  # plain ints skip the coercion
+            check_count(num_tokens, "num_tokens")
+        if type(swa_num_tokens) is not int or swa_num_tokens < 0:
+            check_count(swa_num_tokens, "swa_num_tokens")
         evicted, freed, gone = 0, [], []
         while evicted < num_tokens:
             node = self._leaves.pop()
@@ -135,18 +137,26 @@ class RadixEviction:
     def _free(self, values: list[torch.Tensor], free: Callable[[Any], None] | None = None) -> None:
         """Give the allocator (``free``, by default its ``free``) the slots of ``values``.
 
-        One call frees them all. If the allocator refuses it (a ``CacheError``: slots
-        it does not count as handed out, which only a caller that freed or never
-        allocated the tree's slots can cause), each part is freed on its own, so only
-        the refused parts are not, and the first refusal is raised. A refused free
-        changes nothing in our allocators, so retrying the rest frees no slot twice.
+        One call frees them all: the allocator's ``free_parts`` where it has one (no
+        joined copy of the slots), else ``free`` of their concatenation. If the
+        allocator refuses it (a ``CacheError``: slots it does not count as handed out,
+        which only a caller that freed or never allocated the tree's slots can cause),
+        each part is freed on its own, so only the refused parts are not, and the
+        first refusal is raised. A refused free changes nothing in our allocators, so
+        retrying the rest frees no slot twice.
         """
         allocator = self.token_to_kv_pool_allocator
         if allocator is None or not values:
             return
+        free_parts = getattr(allocator, "free_parts", None) if free is None else None
         free = free or allocator.free
         try:
-            free(values[0] if len(values) == 1 else torch.cat(values))
+            if len(values) == 1:
+                free(values[0])
+            elif free_parts is not None:
+                free_parts(values)
+            else:
+                free(torch.cat(values))
             return
         except CacheError:
             if len(values) == 1:
