@@ -61,24 +61,31 @@ def expand(requests: list[TraceRequest], page_size: int) -> list[array]:
     """Map id h to tokens h*512..h*512+511, cut to input_length, align down to the page."""
     if page_size < 1:
         raise ValueError("page_size must be >= 1")
-    # Blocks recur across requests (every conversation request starts with id 0),
-    # so each block's bytes are made once and joined with memcpy speed.
+    # Blocks recur across requests (every conversation request starts with id 0), so
+    # each block's bytes are made once, all before any key: a temporary made between
+    # two kept keys would leave the heap fragmented, and every medium-size allocation
+    # of the replay afterwards (numpy temporaries) would pay for walking the holes.
     block_bytes: dict[int, bytes] = {}
-    keys: list[array] = []
     for req in requests:
-        parts = []
         for h in req.hash_ids:
-            b = block_bytes.get(h)
-            if b is None:
+            if h not in block_bytes:
                 first = h * BLOCK_TOKENS
                 if first + BLOCK_TOKENS > 2**32:
                     raise ValueError(f"hash id {h} does not fit uint32 token ids")
-                b = array("I", range(first, first + BLOCK_TOKENS)).tobytes()
-                block_bytes[h] = b
-            parts.append(b)
+                block_bytes[h] = array("I", range(first, first + BLOCK_TOKENS)).tobytes()
+    keys: list[array] = []
+    for req in requests:
         n = req.input_length - req.input_length % page_size
-        key = array("I")
-        key.frombytes(b"".join(parts)[: n * key.itemsize])
+        key = array("I", [0]) * n  # one allocation of its final size, filled in place
+        out, pos = memoryview(key).cast("B"), 0
+        for h in req.hash_ids:
+            if pos == len(out):
+                break
+            block = block_bytes[h]
+            take = min(len(block), len(out) - pos)
+            out[pos : pos + take] = block[:take] if take < len(block) else block
+            pos += take
+        out.release()
         keys.append(key)
     return keys
 
