@@ -49,7 +49,8 @@ def test_grpc_replay_runs_every_config(tmp_path: Path) -> None:
     for run in runs:
         svc = run["service"]
         assert svc["requests"] == run["floor"]["requests"] == run["echo"]["requests"] == 20
-        assert run["floor"]["server_cpu_us_per_req"] > 0
+        # 20 requests may take under one 10 ms tick of server CPU: present, not > 0.
+        assert run["floor"]["server_cpu_us_per_req"] >= 0
         assert svc["match"]["p50_us"] > 0 and svc["insert"]["p50_us"] > 0
         # Every session was closed: nothing stays locked or held.
         assert svc["stats"]["locks"] == 0 and svc["stats"]["session_slots"] == 0
