@@ -31,8 +31,7 @@ def format_tree(cache: RadixCache) -> str:
     lines = [f"root  total={cache.total_size()} evictable={cache.evictable_size()} "
              f"protected={cache.protected_size()}"]
     for ns_root in cache.root_node.children.values():
-        ns = ns_root.namespace
-        assert ns is not None
+        ns = ns_root.require_namespace()
         lines.append(f"  [extra_key={ns.extra_key!r} width={ns.token_width}]")
         for node, depth in walk(ns_root, 2):
             tokens = node.key.token_ids[:6]
@@ -98,7 +97,9 @@ def _nodes(cache: RadixCache, problems: list[str]) -> Iterator[TreeNode]:
 
 def _check_node(cache: RadixCache, node: TreeNode, problems: list[str]) -> None:
     ns = node.namespace
-    assert ns is not None
+    if ns is None:
+        problems.append(f"node {node.id} has no namespace")
+        return
     if node.key_len <= 0 or node.key_len % cache.page_size \
             or len(node.key_bytes) != node.key_len * ns.token_bytes \
             or node.value is None or len(node.value) != node.key_len:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .base import InsertResult, MatchResult
-from .errors import IntegrityError, InvalidInputError, check_count
+from .errors import InvalidInputError, check_count
 from .key import RadixKey
 from .mamba_eviction import MambaEviction
 from .mamba_pool import to_index
@@ -301,9 +301,7 @@ class MambaRadixCache(MambaEviction, RadixCache):
 
     def _add_leaf(self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor,
                   slot: int | None = None) -> MambaTreeNode:
-        ns = parent.namespace
-        if ns is None:
-            raise IntegrityError(f"node {parent.id} has no namespace")
+        ns = parent.require_namespace()
         if slot is None:  # insert refuses this first; a leaf without state is unmatchable
             raise InvalidInputError("a new leaf needs the state after it: pass mamba_value")
         self._clock += 1

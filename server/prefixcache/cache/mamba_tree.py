@@ -67,9 +67,7 @@ def split_node(child: MambaTreeNode, split_len: int, page_size: int,
     lock: the child's state is the one after its last token and stays there. The
     caller ranks both nodes in its LRU lists.
     """
-    ns = child.namespace
-    if ns is None:
-        raise IntegrityError(f"node {child.id} has no namespace")
+    ns = child.require_namespace()
     cut = split_len * ns.token_bytes
     parent = child.parent
     upper = MambaTreeNode(ns, child.key_bytes[:cut], child.value[:split_len].clone(), parent,
@@ -330,8 +328,7 @@ def format_mamba_tree(cache: MambaRadixCache) -> str:
              f"state_evictable={cache.mamba_evictable_size()}"]
     for node, depth in walk(cache.root_node):
         if not node.key_len:
-            ns = node.namespace
-            assert ns is not None
+            ns = node.require_namespace()
             lines.append(f"  [extra_key={ns.extra_key!r} width={ns.token_width}]")
             continue
         state = "tombstone" if node.mamba_value is None else f"state={int(node.mamba_value[0])}"

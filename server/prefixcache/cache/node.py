@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from itertools import count
 from typing import TYPE_CHECKING
 
+from .errors import IntegrityError
 from .key import TOKEN_BYTES, RadixKey
 
 if TYPE_CHECKING:
@@ -103,6 +104,14 @@ class TreeNode:
 
     def is_leaf(self) -> bool:
         return not self.children
+
+    def require_namespace(self) -> Namespace:
+        """This node's namespace; every node below the root has one, so a node without
+        it is a broken tree (IntegrityError), not a caller's mistake."""
+        ns = self.namespace
+        if ns is None:
+            raise IntegrityError(f"node {self.id} has no namespace")
+        return ns
 
     def __repr__(self) -> str:
         return (

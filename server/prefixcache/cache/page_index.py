@@ -101,9 +101,7 @@ class PageIndex:
             self.forward.cleared(cache)
 
     def pages_stored(self, node: TreeNode) -> None:
-        ns = node.namespace
-        if ns is None:
-            raise ValueError(f"node {node.id} has no namespace")
+        ns = node.require_namespace()
         table = self._pages.setdefault((ns.extra_key, ns.token_width), {})
         parent = _last_hash(node.parent)
         for page_hash, page in _pages(node):
@@ -113,9 +111,7 @@ class PageIndex:
             self.forward.pages_stored(node)
 
     def pages_removed(self, node: TreeNode) -> None:
-        ns = node.namespace
-        if ns is None:
-            raise ValueError(f"node {node.id} has no namespace")
+        ns = node.require_namespace()
         key = (ns.extra_key, ns.token_width)
         table = self._pages.get(key)
         if table is not None:
@@ -191,9 +187,7 @@ class PageIndex:
 def _pages(node: TreeNode) -> list[tuple[str, bytes]]:
     """Each whole page of ``node`` with its hash: the chained hash of a token page, the
     digest a hash page holds."""
-    ns = node.namespace
-    if ns is None:
-        raise ValueError(f"node {node.id} has no namespace")
+    ns = node.require_namespace()
     size = ns.page_bytes
     data = node.key_bytes
     pages = [data[i : i + size] for i in range(0, len(data) - size + 1, size)]

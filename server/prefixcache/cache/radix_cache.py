@@ -267,9 +267,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
         if packed.startswith(child.key_bytes, pos):
             return child, child
         matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
-        ns = child.namespace
-        assert ns is not None
-        return child, self._split(child, matched // ns.token_bytes)
+        return child, self._split(child, matched // child.require_namespace().token_bytes)
 
     def _touch(self, node: TreeNode) -> None:
         """Make ``node`` the most recently used (the next clock tick)."""
@@ -315,8 +313,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
         return value
 
     def _add_leaf(self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor) -> TreeNode:
-        ns = parent.namespace
-        assert ns is not None
+        ns = parent.require_namespace()
         self._clock += 1
         leaf = TreeNode(ns, key_bytes, value.clone(), parent, self._clock)
         parent.children[key_bytes[: ns.page_bytes]] = leaf
@@ -336,8 +333,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
         the child also covers it, and takes the SWA boundary so an unlock walking up
         still passes it. The hit count is copied too: the upper part was hit as often.
         """
-        ns = child.namespace
-        assert ns is not None
+        ns = child.require_namespace()
         cut = split_len * ns.token_bytes
         parent = child.parent
         upper = TreeNode(ns, child.key_bytes[:cut], child.value[:split_len].clone(), parent,

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .errors import InvalidInputError, LockError, check_count
+from .errors import IntegrityError, InvalidInputError, LockError, check_count
 from .eviction import EvictionQueue, get_eviction_policy
 from .inspection import check_slot_cache
 from .key import TOKEN_BYTES, RadixKey
@@ -369,8 +369,7 @@ class SlotPrefixCache:
         tip = self._tips.get((slot, version))
         if tip is None:
             return
-        ns = tip.namespace
-        assert ns is not None
+        ns = tip.require_namespace()
         parts, n = [], tip
         while n.key_len:
             parts.append(n.key_bytes)
@@ -400,8 +399,7 @@ class SlotPrefixCache:
 
     def _add_leaf(self, parent: SlotNode, key_bytes: bytes, slot: int,
                   version: int) -> SlotNode:
-        ns = parent.namespace
-        assert ns is not None
+        ns = parent.require_namespace()
         leaf = SlotNode(ns, key_bytes, parent, slot, version, self._clock)
         parent.children[key_bytes[: ns.token_bytes]] = leaf
         self._evictable += leaf.key_len
@@ -412,10 +410,10 @@ class SlotPrefixCache:
     def _split(self, child: SlotNode, split_len: int) -> SlotNode:
         """Cut ``child`` after ``split_len`` tokens and return the new upper part, which
         takes the child's entry, pins and recency; the child keeps its object and id."""
-        ns = child.namespace
-        assert ns is not None and child.parent is not None
+        ns, parent = child.require_namespace(), child.parent
+        if parent is None:
+            raise IntegrityError(f"node {child.id} has no parent to split under")
         cut = split_len * ns.token_bytes
-        parent = child.parent
         upper = SlotNode(ns, child.key_bytes[:cut], parent, child.slot, child.version,
                          child.last_access_time)
         upper.lock_ref = child.lock_ref
@@ -441,8 +439,9 @@ class SlotPrefixCache:
         return evicted
 
     def _evict_leaf(self, leaf: SlotNode) -> int:
-        ns, parent = leaf.namespace, leaf.parent
-        assert ns is not None and parent is not None and not leaf.children
+        ns, parent = leaf.require_namespace(), leaf.parent
+        if parent is None or leaf.children:
+            raise IntegrityError(f"node {leaf.id} is not a leaf under a parent")
         del parent.children[leaf.key_bytes[: ns.token_bytes]]
         self._evictable -= leaf.key_len
         self._nodes -= 1

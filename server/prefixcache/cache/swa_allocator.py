@@ -12,7 +12,7 @@ from .allocator import (
     _check_range,
     host_indices,
 )
-from .errors import DoubleFreeError, check_count
+from .errors import DoubleFreeError, IntegrityError, check_count
 
 
 class SWATokenToKVPoolAllocator:
@@ -117,7 +117,12 @@ class SWATokenToKVPoolAllocator:
             return None
         full = self.full_attn_allocator.alloc(n)
         swa = self.swa_attn_allocator.alloc(n)
-        assert full is not None and swa is not None  # guaranteed by the check above
+        if full is None or swa is None:  # the check above rules this out
+            for got, side in ((full, self.full_attn_allocator), (swa, self.swa_attn_allocator)):
+                if got is not None:
+                    side.free(got)
+            raise IntegrityError(f"SWA allocator: {n} slots were available, yet one side "
+                                 "refused them")
         self._full_to_swa[host_indices(full)] = host_indices(swa)
         return full
 
