@@ -239,3 +239,27 @@ def kv_row(pool: Any, req: Any, n: int) -> Any:
         raise ValueError("this cache was made without a req_to_token_pool; pass one to "
                          "use cache_finished_req / cache_unfinished_req")
     return pool.req_to_token[req_pool_idx(req), :n]
+
+
+class FullTreeCapabilities:
+    """The capability answers SGLang's scheduler asks of a plain radix tree cache: a tree
+    (not a chunk cache), full attention only (no SWA, no Mamba state), node handles that
+    are the nodes themselves, and no KV events of its own. Both caches here are that."""
+
+    def is_chunk_cache(self) -> bool:
+        return False
+
+    def is_tree_cache(self) -> bool:
+        return True
+
+    def supports_swa(self) -> bool:
+        return False
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    def resolve_node_handle(self, node: Any) -> Any:
+        return node
+
+    def take_events(self) -> list[Any]:
+        return []

@@ -71,7 +71,7 @@ class LocalAllocator(PagedCalls):
         return slots
 
 
-class LocalSGLangCache:
+class LocalSGLangCache(api.FullTreeCapabilities):
     """SGLang's tree-cache API over ``prefixcache.cache.RadixCache``.
 
     Args:
@@ -221,26 +221,9 @@ class LocalSGLangCache:
 
     # ------------------------------------------------------------ capabilities
 
-    def is_chunk_cache(self) -> bool:
-        return False
-
-    def is_tree_cache(self) -> bool:
-        return True
-
-    def supports_swa(self) -> bool:
-        return False
-
-    def supports_mamba(self) -> bool:
-        return False
-
     def is_root(self, node: Any) -> bool:
         return node is self.cache.root_node
 
     def root_node_handle(self, extra_key: str | None = None) -> Any:
         return self.cache.root_node
 
-    def resolve_node_handle(self, node: Any) -> Any:
-        return node
-
-    def take_events(self) -> list[Any]:
-        return []

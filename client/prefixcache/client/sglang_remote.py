@@ -81,7 +81,7 @@ class PendingNode:
         return f"PendingNode({self.node_id if self.resolved else '?'})"
 
 
-class SGLangCalls:
+class SGLangCalls(api.FullTreeCapabilities):
     """The SGLang half of ``RemoteRadixCache`` (see the module docstring). The host
     class provides the session, buffer, lock bookkeeping and allocator."""
 
@@ -105,29 +105,11 @@ class SGLangCalls:
 
     # ------------------------------------------------------------ capabilities
 
-    def is_chunk_cache(self) -> bool:
-        return False
-
-    def is_tree_cache(self) -> bool:
-        return True
-
-    def supports_swa(self) -> bool:
-        return False
-
-    def supports_mamba(self) -> bool:
-        return False
-
     def is_root(self, node: Any) -> bool:
         return not getattr(node, "node_id", 0)
 
     def root_node_handle(self, extra_key: str | None = None) -> Any:
         return self.root_node
-
-    def resolve_node_handle(self, node: Any) -> Any:
-        return node
-
-    def take_events(self) -> list[Any]:
-        return []
 
     # ------------------------------------------------------------- matching
 
