@@ -18,29 +18,13 @@ from harness import (
     pack_slots,
     pb,
     running,
-    serve_module,
-    session_of,
     slots,
     stub_for,
-    stub_of,
     toks,
 )
-from service_calls import CODE, MODELS, prefill, refused, stats
+from service_calls import CODE, MODELS, prefill, refused, service_fixtures, stats
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    yield from serve_module(tmp_path_factory, "svc", MODELS, session_ttl_min=0.2)
-
-
-@pytest.fixture(scope="module")
-def stub(server) -> Iterator:
-    yield from stub_of(server)
-
-
-@pytest.fixture
-def session(stub) -> Iterator[str]:
-    yield from session_of(stub)
+server, stub, session = service_fixtures("svc")
 
 
 def test_list_models_and_describe_pool(stub) -> None:

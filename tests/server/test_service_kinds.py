@@ -11,23 +11,10 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import pb, serve_module, session_of, slots, stub_of, toks
-from service_calls import CODE, MODELS, prefill, refused, stats
+from harness import pb, slots, toks
+from service_calls import CODE, prefill, refused, service_fixtures, stats
 
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    yield from serve_module(tmp_path_factory, "svc_kinds", MODELS, session_ttl_min=0.2)
-
-
-@pytest.fixture(scope="module")
-def stub(server) -> Iterator:
-    yield from stub_of(server)
-
-
-@pytest.fixture
-def session(stub) -> Iterator[str]:
-    yield from session_of(stub)
+server, stub, session = service_fixtures("svc_kinds")
 
 
 @pytest.fixture
