@@ -282,6 +282,11 @@ class RecordingAllocator(TokenToKVPoolAllocator):
         super().free(indices)
         self.log.extend(ints(indices))
 
+    def free_parts(self, parts: Any) -> None:
+        super().free_parts(parts)
+        for part in parts:
+            self.log.extend(ints(part))
+
     def free_own(self, slots: list[int]) -> None:
         """A free by the harness itself (not logged)."""
         TokenToKVPoolAllocator.free(self, tensor(slots))

@@ -268,10 +268,9 @@ class TokenToKVPoolAllocator:
         if not arrays:
             return
         # The joined array is needed for one-slot pages and an unsorted free list (they
-        # release pages in free order), and by a subclass that hooks ``free``.
+        # release pages in free order).
         runs: list[tuple[int, int]] | None = None
-        if len(arrays) > 1 and self.page_size > 1 and self.need_sort \
-                and type(self).free is TokenToKVPoolAllocator.free:
+        if len(arrays) > 1 and self.page_size > 1 and self.need_sort:
             runs = []
             for a in arrays:
                 found = runs_in(a, _MAX_RUNS - len(runs), self._scratch)
@@ -280,7 +279,8 @@ class TokenToKVPoolAllocator:
                     break
                 runs += found
         if runs is None:
-            self.free(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
+            TokenToKVPoolAllocator.free(self, arrays[0] if len(arrays) == 1
+                                        else np.concatenate(arrays))
             return
         self._check_runs(runs, arrays)
         self._apply_free(_Checked(None, None, runs))
