@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 from pathlib import Path
@@ -10,12 +11,14 @@ import pytest
 from harness import ServerThread, running
 
 from prefixcache.client import (
+    AsyncPrefixCacheClient,
     ClientSession,
     DeadlineExceeded,
     NotFound,
     PrefixCacheClient,
     Unavailable,
 )
+from prefixcache.client.results import CloseReply
 
 
 def prefill(s: ClientSession, model: str, tokens: list[int], *, keep_lock: bool = False) -> int:
@@ -115,6 +118,61 @@ def test_fail_open_when_the_server_stops_mid_run(tmp_path: Path) -> None:
     assert client.fail_open_count == 5
     assert s.close() is None  # fails open too: the dead server released everything
     client.close()
+
+
+def test_fail_open_covers_opening_the_session(tmp_path: Path) -> None:
+    """A worker that starts before its sidecar gets a session that is not open yet:
+    its calls are misses, and its first match once the sidecar is up opens it."""
+    address = f"unix:{tmp_path / 'pc.sock'}"
+    client = PrefixCacheClient(address, fail_open=True, timeout=0.2, retries=0)
+    s = client.session(ttl=5)
+    assert (s.session_id, s.lost is not None, s.reopened) == ("", True, 0)
+    assert client.fail_open_count == 1
+    assert s.match("m", [1, 2, 3], lock=True).skipped
+    assert s.insert("m", [1, 2, 3], [1, 2, 3]).skipped  # names no slot it holds
+    with pytest.raises(Unavailable):  # slots cannot be made up
+        s.alloc("m", 1)
+    with running(tmp_path, session_ttl_min=0.2) as srv:
+        deadline = time.monotonic() + 10  # the channel reconnects with a backoff
+        while s.match("m", [1, 2, 3]).skipped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        prefill(s, "m", [1, 2, 3])
+        assert s.session_id and s.lost is None and s.reopened == 0
+        assert s.match("m", [1, 2, 3, 4]).prefix_len == 3
+        assert s.close() == CloseReply(locks_released=0, slots_freed=0)
+        srv.check_integrity()
+    strict = PrefixCacheClient(address, timeout=0.2, retries=0)
+    with pytest.raises(Unavailable):  # not failing open: the error, as before
+        strict.session()
+    strict.close()
+    client.close()
+
+
+async def _open_async_before_the_sidecar(tmp_path: Path) -> None:
+    address = f"unix:{tmp_path / 'pc.sock'}"
+    client = AsyncPrefixCacheClient(address, fail_open=True, timeout=0.2, retries=0)
+    async with client.session(ttl=5) as s:
+        assert (s.session_id, client.fail_open_count) == ("", 1)
+        assert (await s.match("m", [7, 8])).skipped
+        with running(tmp_path, session_ttl_min=0.2) as srv:
+            deadline = time.monotonic() + 10  # the channel reconnects with a backoff
+            while (await s.match("m", [7, 8])).skipped and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            m = await s.match("m", [7, 8], lock=True, allocate=True)
+            assert not m.skipped and s.session_id and s.reopened == 0
+            await s.insert("m", [7, 8], m.all_slots(), release_lock_id=m.lock_id)
+            assert (await s.match("m", [7, 8, 9])).prefix_len == 2
+            await s.close()
+            srv.check_integrity()
+    strict = AsyncPrefixCacheClient(address, timeout=0.2, retries=0)
+    with pytest.raises(Unavailable):
+        await strict.session().open()
+    await strict.close()
+    await client.close()
+
+
+def test_fail_open_covers_opening_an_async_session(tmp_path: Path) -> None:
+    asyncio.run(_open_async_before_the_sidecar(tmp_path))
 
 
 def test_fail_open_on_a_slow_or_draining_server(server: ServerThread,

@@ -53,6 +53,7 @@ class SessionState:
     """
 
     def __init__(self, info: SessionInfo) -> None:
+        self.opened = bool(info.session_id)
         self.session_id = info.session_id
         self.ttl = info.ttl
         self.server_epoch = info.server_epoch
@@ -61,6 +62,14 @@ class SessionState:
         self.dropped = 0
         self._locks: set[int] = set()  # taken in the current session, not yet released
         self._stale_locks: set[int] = set()  # taken in earlier ones, not yet dropped
+
+    @classmethod
+    def unopened(cls, ttl: float | None, why: PrefixCacheError) -> SessionState:
+        """A session the service could not open (failing open): its first fresh call
+        opens it, as after a lost session, and nothing is sent before that."""
+        state = cls(SessionInfo("", float(ttl or 0.0), 0))
+        state.mark_lost(why)
+        return state
 
     def service_restarted(self, epoch: int) -> None:
         if epoch != self.server_epoch:
@@ -78,7 +87,9 @@ class SessionState:
         self.session_id, self.ttl = info.session_id, info.ttl
         self.server_epoch = info.server_epoch
         self.lost = None
-        self.reopened += 1
+        if self.opened:
+            self.reopened += 1
+        self.opened = True
 
     def needs_reopen(self, name: str) -> bool:
         return self.lost is not None and name in FRESH

@@ -98,9 +98,19 @@ class AsyncClientSession(_SessionCalls):
     async def open(self) -> AsyncClientSession:
         """Open the session and start renewing it (a no-op when already open)."""
         if self.info is None:
-            self.info = await self.client.open_session(self.requested_ttl, self.name,
-                                                       timeout=self.timeout)
-            self._state = SessionState(self.info)
+            try:
+                self.info = await self.client.open_session(self.requested_ttl, self.name,
+                                                           timeout=self.timeout)
+            except FAIL_OPEN_ERRORS as err:
+                # As ClientSession: raises unless failing open; then the first match
+                # or alloc opens it.
+                self.client._stand_in("open_session", lambda: None, err, self.fail_open)
+                log.warning("session not opened (%s): failing open until the service "
+                            "answers", err)
+                self._state = SessionState.unopened(self.requested_ttl, err)
+                self.info = SessionInfo("", self._state.ttl, 0)
+            else:
+                self._state = SessionState(self.info)
             self.client._sessions.add(self)
             self._start_renewal()
         return self
@@ -109,7 +119,7 @@ class AsyncClientSession(_SessionCalls):
         return self.open().__await__()
 
     def _start_renewal(self) -> None:
-        if self.renew and self.ttl > 0:
+        if self.renew and self.ttl > 0 and self.session_id:
             self._task = asyncio.create_task(_renew(weakref.ref(self), self.client,
                                                     self.session_id, self.server_epoch,
                                                     self.ttl))
@@ -130,8 +140,12 @@ class AsyncClientSession(_SessionCalls):
             self.info = await self.client.open_session(self.ttl, self.name,
                                                        timeout=self.timeout)
             self._state.replaced_by(self.info)
-            log.warning("session reopened as %s... after losing the last one",
-                        self.session_id[:8])
+            if self._state.reopened:
+                log.warning("session reopened as %s... after losing the last one",
+                            self.session_id[:8])
+            else:
+                log.info("session %s... opened: the service is reachable again",
+                         self.session_id[:8])
             self._start_renewal()
 
     async def keep_alive(self, *, timeout: float | None = None) -> float:

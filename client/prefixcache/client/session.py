@@ -46,15 +46,17 @@ class ClientSession:
         renewals: successful keep-alives so far.
     """
 
-    def __init__(self, client: PrefixCacheClient, info: SessionInfo, *, renew: bool = True,
-                 fail_open: bool | None = None, name: str | None = None) -> None:
+    def __init__(self, client: PrefixCacheClient, info: SessionInfo | SessionState, *,
+                 renew: bool = True, fail_open: bool | None = None,
+                 name: str | None = None) -> None:
         self.client = client
-        self.info = info
+        self._state = info if isinstance(info, SessionState) else SessionState(info)
+        self.info = SessionInfo(self._state.session_id, self._state.ttl,
+                                self._state.server_epoch)
         self.name = name
         self.fail_open = fail_open
         self.closed = False
         self.renewals = 0
-        self._state = SessionState(info)
         self._renew = renew
         self._reopen_lock = threading.Lock()
         self._stop = threading.Event()
@@ -73,7 +75,7 @@ class ClientSession:
         return f"ClientSession({self.session_id[:8]}..., ttl={self.ttl}, {state})"
 
     def _start_renewal(self) -> None:
-        if self._renew and self.ttl > 0:
+        if self._renew and self.ttl > 0 and self.session_id:
             self._stop = threading.Event()
             self._thread = threading.Thread(
                 target=_renew, args=(weakref.ref(self), self.client, self.session_id,
@@ -96,8 +98,12 @@ class ClientSession:
             info = self.client.open_session(self.ttl, self.name)
             self.info = info
             self._state.replaced_by(info)
-            log.warning("session reopened as %s... after losing the last one",
-                        info.session_id[:8])
+            if self._state.reopened:
+                log.warning("session reopened as %s... after losing the last one",
+                            info.session_id[:8])
+            else:
+                log.info("session %s... opened: the service is reachable again",
+                         info.session_id[:8])
             self._start_renewal()
 
     def close(self) -> CloseReply | None:

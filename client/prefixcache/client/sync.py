@@ -20,8 +20,10 @@ from ._core import (
     ClientBase,
     Op,
     SessionLike,
+    log,
     session_id_of,
 )
+from ._session_state import SessionState
 from .attach import AttachedPool, attach
 from .errors import PrefixCacheError, Unavailable
 from .results import (
@@ -249,9 +251,21 @@ class PrefixCacheClient(ClientBase):
         Use it as a context manager: leaving the block closes the session, which
         releases every lock and slot it still holds. Its methods (``match``,
         ``insert``, ``lock``, ...) pass the session for you.
+
+        Failing open, a service that cannot be reached does not raise: the session
+        starts unopened, its calls answer as misses, and its first ``match`` or
+        ``alloc`` that reaches the service opens it.
         """
-        info = self.open_session(ttl, name, timeout=timeout)
-        session = ClientSession(self, info, renew=renew, fail_open=fail_open, name=name)
+        try:
+            opened: SessionInfo | SessionState = self.open_session(ttl, name,
+                                                                   timeout=timeout)
+        except FAIL_OPEN_ERRORS as err:
+            # Raises unless failing open; then the first match or alloc opens it.
+            self._stand_in("open_session", lambda: None, err, fail_open)
+            log.warning("session not opened (%s): failing open until the service answers",
+                        err)
+            opened = SessionState.unopened(ttl, err)
+        session = ClientSession(self, opened, renew=renew, fail_open=fail_open, name=name)
         self._sessions.add(session)
         return session
 
