@@ -1,13 +1,12 @@
 """KV events replay (a DEALER against the replay endpoint) and subscribers that lag.
 
 A late subscriber converges through replay, also after the buffer has moved on (a
-snapshot); Reset sends AllBlocksCleared; a long replay arrives whole and in order; a
-subscriber that never reads costs dropped batches (still replayable), never waiting.
+snapshot); Reset sends AllBlocksCleared; a long replay arrives whole and in order.
+Subscribers and requesters that do not read: test_kv_events_slow_peers.py.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +24,6 @@ from kv_events_harness import (
     quiet_seq,
     start,
 )
-
-from prefixcache.server.config import ModelConfig, PoolConfig
 
 
 @pytest.fixture
@@ -91,51 +88,6 @@ def test_a_subscriber_behind_the_buffer_gets_the_state(tmp_path: Path,
         assert [s for s, _ in sub.replay(newest - 1)] == [newest - 1, newest]
         sub.close()
     finally:
-        worker.close()
-        srv.stop()
-
-
-def test_a_subscriber_that_never_reads_costs_dropped_batches_not_waiting(
-        tmp_path: Path, ctx: zmq.Context) -> None:
-    models = (ModelConfig(name="r", page_size=16, pool=PoolConfig(size=8192, k_heads=1,
-                                                                  k_head_dim=4)),)
-    srv = start(tmp_path, models=models, hwm=1, endpoint=f"ipc://{tmp_path}/ev",
-                replay_endpoint=f"ipc://{tmp_path}/replay")
-    worker = Worker(srv)
-    publisher = srv.server.kv_events.publishers["r"]
-    stuck = ctx.socket(zmq.SUB)
-    stuck.setsockopt(zmq.RCVHWM, 1)
-    stuck.setsockopt(zmq.RCVBUF, 4096)
-    stuck.setsockopt(zmq.LINGER, 0)
-    stuck.connect(publisher.endpoint)
-    stuck.setsockopt(zmq.SUBSCRIBE, b"")
-    try:
-        time.sleep(0.3)
-        rng = random.Random(3)
-        for _ in range(400):
-            worker.insert("r", [rng.randrange(50000) for _ in range(4096)])
-            worker.stub.Evict(pb.EvictRequest(model="r", num_tokens=4096))
-            if publisher.batches_dropped:
-                break
-        quiet_seq(srv, "r")
-        assert publisher.batches_dropped > 0
-        registry = srv.server.metrics.registry
-        sample = registry.get_sample_value
-        assert sample("prefixcache_kv_event_batches_dropped_total", {"model": "r"}) == \
-            publisher.batches_dropped
-        assert sample("prefixcache_kv_event_batches_published_total", {"model": "r"}) == \
-            publisher.batches_published
-        assert publisher.batches_published + publisher.batches_dropped == publisher.next_seq
-        assert sample("prefixcache_kv_events_published_total", {"model": "r"}) >= \
-            publisher.batches_published
-        # Dropped batches stay replayable.
-        replayer = Subscriber(ctx, publisher.endpoint, publisher.replay_endpoint)
-        newest = publisher.next_seq - 1
-        assert [s for s, _ in replayer.replay(newest - 2)] == [newest - 2, newest - 1, newest]
-        replayer.close()
-        assert sample("prefixcache_kv_event_replays_total", {"model": "r"}) == 1
-    finally:
-        stuck.close()
         worker.close()
         srv.stop()
 

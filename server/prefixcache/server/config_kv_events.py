@@ -45,8 +45,10 @@ class KvEventsConfig:
     topic: str = ""
     # Batches kept for replay.
     buffer_steps: int = 10_000
-    # ZMQ send high-water mark: past it a batch is dropped (and counted), never waited on.
-    hwm: int = 100_000
+    # Batches ZMQ queues per subscriber; past it that subscriber's copy is dropped (it
+    # sees a seq gap and replays), never waited on. It bounds what a stuck subscriber
+    # pins: hwm batches. vLLM's default is 100,000 (+165 MiB for one stopped peer).
+    hwm: int = 1000
     # Accepted for vLLM compatibility; there is no queue (batches go out on the loop).
     max_queue_size: int = 100_000
     # "vllm": the page hash's low 64 bits, unsigned; "sglang": its first 8 bytes, signed.
@@ -109,7 +111,7 @@ def parse_kv_events(value: Any, default: Any, where: str) -> KvEventsConfig:
             raise ConfigError(f"{where}.{name}: a ZMQ endpoint (tcp://, ipc:// or "
                               f"inproc://), got {endpoint!r}")
     check_int(cfg.buffer_steps, f"{where}.buffer_steps", 1)
-    check_int(cfg.hwm, f"{where}.hwm", 0)
+    check_int(cfg.hwm, f"{where}.hwm", 1)  # 0 is unbounded in ZMQ: a stuck peer would pin all
     check_int(cfg.max_queue_size, f"{where}.max_queue_size", 0)
     if cfg.enable_kv_cache_events and cfg.replay_endpoint == cfg.endpoint:
         raise ConfigError(f"{where}.replay_endpoint: must differ from endpoint")

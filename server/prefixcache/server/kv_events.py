@@ -17,10 +17,11 @@ Per model one publisher (``server.kv_events``, off by default):
   socket, as vLLM offsets ports per data-parallel rank.
 * Batching: everything the cache changed during one turn of the event loop (one RPC,
   or several handled together) goes out as one batch, sent on the next turn.
-* Never blocking: the socket is an XPUB with ``XPUB_NODROP`` and every send is
-  ``NOBLOCK``. When a subscriber's queue is at the high-water mark (``hwm``) the send
-  fails at once; the batch is counted as dropped (for every subscriber: ZMQ cannot send
-  it to some only) and kept for replay, so subscribers see a seq gap and can recover.
+* Never blocking, and one subscriber never costs another: the socket is a plain XPUB
+  (no ``XPUB_NODROP``), so a subscriber whose queue is at the high-water mark (``hwm``
+  batches) loses that batch alone; every other subscriber still gets it. The slow one
+  sees a seq gap and replays it (every batch is kept for replay). A stuck subscriber
+  pins at most ``hwm`` batches (plus the kernel's socket buffers), never more.
 * Replay: a ROUTER socket on ``replay_endpoint``. A request ``[identity, b"", start
   (8 bytes BE)]`` gets ``[identity, b"", seq, payload]`` for every buffered batch from
   ``start``, then ``[identity, b"", -1 (8 bytes, signed), b""]``. If ``start`` is older
@@ -95,7 +96,7 @@ class KvEventPublisher:
     """One model's PUB (and optional ROUTER replay) socket, fed by its change log.
 
     Counters (read by the metrics collector): ``batches_published``,
-    ``events_published``, ``batches_dropped``, ``replays_served``.
+    ``events_published``, ``replays_served``.
     """
 
     def __init__(self, model: str, change_log: ChangeLog, cfg: KvEventsConfig, *,
@@ -107,7 +108,6 @@ class KvEventPublisher:
         self.topic = ""
         self.batches_published = 0
         self.events_published = 0
-        self.batches_dropped = 0
         self.replays_served = 0
         self._cfg = cfg
         self._log = change_log
@@ -137,8 +137,9 @@ class KvEventPublisher:
         self._loop = loop
         pub = self._ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.LINGER, 0)
+        # Per subscriber: past hwm ZMQ drops that subscriber's copy only. XPUB_NODROP
+        # would instead fail the send for everyone once one peer is full (issue 21 #4).
         pub.setsockopt(zmq.SNDHWM, self._cfg.hwm)
-        pub.setsockopt(zmq.XPUB_NODROP, 1)  # a full queue fails the send: we count it
         self.endpoint = _open(pub, self.endpoint, "endpoint")
         self._pub = pub
         if self.replay_endpoint is not None:
@@ -216,15 +217,16 @@ class KvEventPublisher:
         payload = self._encoder.batch(events)
         seq = self._seq
         self._seq += 1
-        self._buffer.append((seq, payload))  # kept for replay even when dropped below
+        self._buffer.append((seq, payload))  # kept for replay: a slow peer's copy drops
+        # A plain XPUB never fails a send for a full peer (it drops that peer's copy);
+        # NOBLOCK is belt and braces so the loop can never wait here.
         try:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload),
-                                     flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self.batches_dropped += 1
-        else:
-            self.batches_published += 1
-            self.events_published += len(events)
+                                     flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # not raised by a plain XPUB; never let it reach the loop
+            return
+        self.batches_published += 1
+        self.events_published += len(events)
         self._drain_subscriptions()
 
     def _drain_subscriptions(self) -> None:
