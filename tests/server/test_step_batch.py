@@ -199,7 +199,7 @@ def test_a_retried_step_is_answered_again_and_kept_compactly(server, stub, sessi
     for name in ("finishes", "unlocks", "frees", "decodes", "admits"):
         assert getattr(again, name) == getattr(first, name), name
     assert len(slots(again.admits[0].admit.slot_indices)) == 40  # read back from the tree
-    kept = server.run(lambda: server.service.session(session).replay("step", 77))
+    kept = server.run(lambda: server.service.session(session).replay("step", 77)).reply
     assert kept.admits[0].admit.slot_indices == b"" and not kept.HasField("counters")
     assert kept.admits[1].admit.allocated_slots == first.admits[1].admit.allocated_slots
     other = pb.StepRequest(model="m", session_id=session, request_id=77, decodes=[1])

@@ -14,6 +14,7 @@ from prefixcache.cache import InvalidInputError
 from prefixcache.cache.page_index import DIGEST_BYTES
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
+from . import replays
 from .codec import MAX_TOKEN_WIDTH, decode_slots, encode_slots
 from .hash_pages import HashPages
 from .limits import Limits, check_count, request_tokens
@@ -53,20 +54,19 @@ def exists(service: Any, limits: Limits, req: pb.ExistsPagesRequest,
 
 def get(service: Any, limits: Limits, req: pb.GetPagesRequest,
         session: Session | None) -> pb.GetPagesResponse:
-    if session is not None and (reply := session.replay("get_pages", req.request_id)):
+    if (reply := replays.replayed(session, "get_pages", req)):
         return reply
     pages, namespace, hashes = _opened(service, limits, req)
     out = pages.get(namespace, hashes, session)
     reply = pb.GetPagesResponse(found_pages=out.found, slot_indices=encode_slots(out.slots),
                                 lock_ids=out.lock_ids, server_epoch=service.epoch)
-    if session is not None:
-        session.remember("get_pages", req.request_id, reply)
+    replays.remember(session, "get_pages", req, reply)
     return reply
 
 
 def set_pages(service: Any, limits: Limits, req: pb.SetPagesRequest,
               session: Session | None) -> pb.SetPagesResponse:
-    if session is not None and (reply := session.replay("set_pages", req.request_id)):
+    if (reply := replays.replayed(session, "set_pages", req)):
         return reply
     pages, namespace, hashes = _opened(service, limits, req)
     prior = decode_hashes(req.prior_hash, "prior_hash") if req.prior_hash else []
@@ -77,6 +77,5 @@ def set_pages(service: Any, limits: Limits, req: pb.SetPagesRequest,
                          max_count=request_tokens(limits, pages.engine.config))
     states = pages.set(namespace, prior[0] if prior else None, hashes, slots, session)
     reply = pb.SetPagesResponse(states=states, server_epoch=service.epoch)
-    if session is not None:
-        session.remember("set_pages", req.request_id, reply)
+    replays.remember(session, "set_pages", req, reply)
     return reply

@@ -16,7 +16,7 @@ from prefixcache.cache import IntegrityError, InvalidInputError
 from prefixcache.cache.pages import to_page_ids
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from . import holdings
+from . import holdings, replays
 from .codec import decode_key, decode_slots, encode_slots
 from .errors import DeniedError, PreconditionError
 from .evict_policy import EvictPolicy
@@ -85,7 +85,7 @@ class CacheOps:
     _steps: StepExecutor
 
     def _match(self, req: pb.MatchRequest, session: Session | None) -> pb.MatchResponse:
-        if session is not None and (reply := session.replay("match", req.request_id)):
+        if session is not None and (reply := replays.replayed(session, "match", req)):
             return reply
         engine = self.service.engine(req.model)
         key = decode_key(req.token_ids, req.token_width, _extra_key(req),
@@ -109,11 +109,11 @@ class CacheOps:
             reply.slot_indices = encode_slots(out.indices)
             reply.allocated_slots = encode_slots(out.allocated)
         if session is not None and (req.lock or req.allocate):
-            session.remember("match", req.request_id, reply)
+            replays.remember(session, "match", req, reply)
         return reply
 
     def _insert(self, req: pb.InsertRequest, session: Session | None) -> pb.InsertResponse:
-        if session is not None and (reply := session.replay("insert", req.request_id)):
+        if session is not None and (reply := replays.replayed(session, "insert", req)):
             return reply
         engine = self.service.engine(req.model)
         key = decode_key(req.token_ids, req.token_width, _extra_key(req),
@@ -131,7 +131,7 @@ class CacheOps:
             lock_id=out.lock_id, freed_slots=encode_slots(out.freed),
             state_exist=out.state_exist, server_epoch=self.service.epoch)
         if session is not None:
-            session.remember("insert", req.request_id, reply)
+            replays.remember(session, "insert", req, reply)
         return reply
 
     def _evict(self, req: pb.EvictRequest, session: Session | None) -> pb.EvictResponse:
@@ -146,20 +146,20 @@ class CacheOps:
 
     def _lock(self, req: pb.LockRequest, session: Session | None) -> pb.LockResponse:
         session = _needs(session, "Lock")
-        if reply := session.replay("lock", req.request_id):
+        if reply := replays.replayed(session, "lock", req):
             return reply
         reply = pb.LockResponse(lock_id=self.service.engine(req.model).lock(session, req.node_id),
                                 server_epoch=self.service.epoch)
-        session.remember("lock", req.request_id, reply)
+        replays.remember(session, "lock", req, reply)
         return reply
 
     def _unlock(self, req: pb.UnlockRequest, session: Session | None) -> pb.UnlockResponse:
         session = _needs(session, "Unlock")
-        if reply := session.replay("unlock", req.request_id):
+        if reply := replays.replayed(session, "unlock", req):
             return reply
         self.service.unlock(session, req.lock_id)
         reply = pb.UnlockResponse()
-        session.remember("unlock", req.request_id, reply)
+        replays.remember(session, "unlock", req, reply)
         return reply
 
     def _alloc(self, req: pb.AllocRequest, session: Session | None) -> pb.AllocResponse:

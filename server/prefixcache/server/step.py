@@ -9,7 +9,9 @@ item's error neither fails the others nor leaves that item half done.
 Items run in the order the proto documents (finishes, unlocks, frees, decodes, admits):
 what gives room back comes before what takes it.
 
-Retries: a Step with a request id is remembered in the session's replay window. The
+Retries: a Step with a request id is remembered in the session's replay window, with
+its request's digest, so that a retry that is not the same Step is refused
+(replays.py). The
 matched prefix slots of a locked admission are the bulk of a reply (up to the whole
 prompt per admission) and are not kept: while the lock holds, the tree still has them,
 so a replay reads them back from the tree (``peek_prefix``) with the retried items.
@@ -27,6 +29,7 @@ from prefixcache.cache import InvalidInputError
 from prefixcache.cache.allocator import host_indices
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
+from . import replays
 from .codec import decode_key, decode_slots, encode_slots
 from .engine import InsertOutcome, MatchOutcome, ModelEngine
 from .errors import OverLimitError, PreconditionError, ServiceError
@@ -110,10 +113,9 @@ class StepExecutor:
         """Every item of ``req`` in order, or the answer to an earlier try of it."""
         engine = self.service.engine(req.model)
         self._check_size(req)
-        if req.request_id:
-            stored = session.replay(_REPLAY_OP, req.request_id)
-            if stored is not None:
-                return self._replay(stored, req, engine, session)
+        stored = replays.replayed(session, _REPLAY_OP, req)  # refuses a changed retry
+        if stored is not None:
+            return self._replay(stored, req, engine, session)
         cap = request_tokens(self.limits, engine.config)
         reply = pb.StepResponse(server_epoch=self.service.epoch)
         for item in req.finishes:
@@ -136,7 +138,7 @@ class StepExecutor:
                 stale += 1
         reply.stale_hints = stale
         if req.request_id:
-            session.remember(_REPLAY_OP, req.request_id, _compact(reply, engine))
+            replays.remember(session, _REPLAY_OP, req, _compact(reply, engine))
         reply.counters.CopyFrom(model_stats(engine))
         return reply
 
