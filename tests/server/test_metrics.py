@@ -78,3 +78,36 @@ def test_scrape_after_a_known_sequence(tmp_path) -> None:
             assert value(s, "prefixcache_locks", model="m") == 0
             assert value(s, "prefixcache_sessions") == 0
             assert value(s, "prefixcache_pool_slots", model="m", state="session") == 0
+
+
+def test_allocation_refusals_by_reason_and_process_metrics(tmp_path) -> None:
+    """An over-long request is not a pinned pool: the alert's counter tells them apart.
+    Process and build metrics are exported too."""
+    with running(tmp_path, metrics_host="127.0.0.1", metrics_port=0,
+                 max_session_slots=1024) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            s = scrape(srv.server.metrics_port)
+            for reason in ("pool_exhausted", "larger_than_pool"):
+                assert value(s, "prefixcache_allocation_refusals_total", model="m",
+                             reason=reason) == 0
+            with pytest.raises(grpc.RpcError) as err:  # the whole pool is 256 slots
+                stub.Alloc(pb.AllocRequest(model="m", num_slots=300, session_id=sid))
+            assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            held = stub.Alloc(pb.AllocRequest(model="m", num_slots=250, session_id=sid))
+            with pytest.raises(grpc.RpcError) as err:  # sessions pin what is left
+                stub.Alloc(pb.AllocRequest(model="m", num_slots=10, session_id=sid))
+            assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            s = scrape(srv.server.metrics_port)
+            assert value(s, "prefixcache_allocation_refusals_total", model="m",
+                         reason="larger_than_pool") == 1
+            assert value(s, "prefixcache_allocation_refusals_total", model="m",
+                         reason="pool_exhausted") == 1
+            assert value(s, "process_resident_memory_bytes") > 0
+            assert value(s, "process_open_fds") > 0
+            build = [labels for (name, labels) in s if name == "prefixcache_build_info"]
+            assert len(build) == 1 and dict(build[0])["version"]
+            stub.Free(pb.FreeRequest(model="m", slot_indices=held.slot_indices,
+                                     session_id=sid))
+        srv.check_integrity()

@@ -141,7 +141,8 @@ class SlotOwnership:
     def _exhausted(self, n: int) -> PoolExhaustedError:
         return PoolExhaustedError(
             f"model {self.name!r} cannot supply {n} slots: {self.allocator.available_size()} "
-            f"free and {self.cache.evictable_size()} evictable of {self.pool_size}")
+            f"free and {self.cache.evictable_size()} evictable of {self.pool_size}",
+            self.name, "larger_than_pool" if n > self.pool_size else "pool_exhausted")
 
     def _disown(self, session: Session | None, n: int) -> None:
         if session is None or not n:

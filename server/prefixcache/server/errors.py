@@ -33,7 +33,22 @@ class StaleEpochError(PreconditionError):
 
 
 class PoolExhaustedError(ServiceError):
-    """The pool cannot supply the slots even after evicting every unlocked entry."""
+    """The pool cannot supply the slots even after evicting every unlocked entry.
+
+    Attributes:
+        model: the model whose pool refused.
+        reason: ``pool_exhausted`` (locks and sessions pin the slots) or
+            ``larger_than_pool`` (the request alone asks for more than the whole pool:
+            an over-long prompt, which no eviction or operator can help). The alert keys
+            on the first only.
+    """
+
+    REASONS = ("pool_exhausted", "larger_than_pool")
+
+    def __init__(self, message: str, model: str = "", reason: str = "pool_exhausted") -> None:
+        super().__init__(message)
+        self.model = model
+        self.reason = reason
 
 
 class DrainingError(ServiceError):

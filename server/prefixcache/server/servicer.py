@@ -23,8 +23,8 @@ from prefixcache.cache import InvalidInputError
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
-from . import keepalive, kv_access, kv_transfer, page_rpcs
-from .errors import DeniedError, DrainingError, LimitError, NotFoundError
+from . import keepalive, kv_access, kv_transfer, page_rpcs, write_fence
+from .errors import DeniedError, DrainingError, LimitError, NotFoundError, PoolExhaustedError
 from .evict_policy import EvictCollector, EvictPolicy
 from .limits import Limits, truncate
 from .metrics import Metrics
@@ -106,6 +106,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
             log.exception("internal error in %s", method)
         elif isinstance(exc, LimitError) and self.metrics is not None:
             self.metrics.refused(exc.limit)
+        elif isinstance(exc, PoolExhaustedError) and self.metrics is not None:
+            self.metrics.allocation_refused(exc.model, exc.reason)
         return code
 
     def _observe(self, method: str, code: grpc.StatusCode, start: float) -> None:
@@ -195,6 +197,12 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
     async def DescribePool(self, request: pb.DescribePoolRequest,
                            context: Any) -> pb.DescribePoolResponse:
         return await self._unary("DescribePool", context, self._describe_pool, request)
+
+    async def WriteFence(self, request: pb.WriteFenceRequest,
+                         context: Any) -> pb.WriteFenceResponse:
+        return await self._unary("WriteFence", context, lambda req: write_fence.reply(
+            self.service.fences, self.service.session(req.session_id),
+            self.service.epoch), request)
 
     async def OpenSession(self, request: pb.OpenSessionRequest,
                           context: Any) -> pb.OpenSessionResponse:

@@ -140,7 +140,7 @@ class SlotEngine(EngineBase):
 
     def _exhausted(self) -> PoolExhaustedError:
         return PoolExhaustedError(f"model {self.name!r}: all {self.pool_size} sequence "
-                                  "slots are held by sessions")
+                                  "slots are held by sessions", self.name)
 
     def insert(self, key: RadixKey, slots: np.ndarray, session: Session | None,
                lock: bool = False, release_lock_id: int = 0, state_slot: int | None = None,
@@ -192,7 +192,9 @@ class SlotEngine(EngineBase):
         self.quota.check_slots(session, num_slots)
         if num_slots > self.allocator.free_count():
             raise PoolExhaustedError(f"model {self.name!r}: {num_slots} slots asked, "
-                                     f"{self.allocator.free_count()} free")
+                                     f"{self.allocator.free_count()} free", self.name,
+                                     "larger_than_pool" if num_slots > self.pool_size
+                                     else "pool_exhausted")
         got = np.array([self.allocator.alloc() for _ in range(num_slots)], dtype=np.int64)
         self._owner[got] = session.tag
         self.session_slots += num_slots

@@ -56,7 +56,8 @@ class StateSlots:
             raise PoolExhaustedError(
                 f"model {self.name!r} cannot supply {n} state slots: "
                 f"{self.pool.available_track_slots()} free and "
-                f"{self.cache.mamba_evictable_size()} evictable")
+                f"{self.cache.mamba_evictable_size()} evictable", self.name,
+                "larger_than_pool" if n > self.capacity else "pool_exhausted")
         freed_tokens = self.cache.evict(0, short).full_evicted if short > 0 else 0
         slots = np.array([self.pool.alloc_track_slot() for _ in range(n)], dtype=np.int64)
         self._owner[slots] = session.tag
