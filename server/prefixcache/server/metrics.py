@@ -8,14 +8,24 @@ Each server has its own registry, so several can run in one process (tests).
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .errors import PoolExhaustedError
 from .limits import LIMIT_NAMES
 from .logs import dropped_records
 
@@ -27,6 +37,15 @@ if TYPE_CHECKING:
 # Unix-socket RPCs take ~0.3-3 ms here; the low buckets resolve the cache's own cost.
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                     0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def build_info() -> dict[str, str]:
+    """The labels of ``prefixcache_build_info``."""
+    try:
+        version = importlib.metadata.version("prefixcache")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        version = "unknown"
+    return {"version": version, "python": platform.python_version()}
 
 
 class Metrics:
@@ -48,7 +67,22 @@ class Metrics:
             ["limit"], registry=self.registry)
         for limit in LIMIT_NAMES:
             self.refusals.labels(limit)  # exported from the start, at 0
+        # Allocations the pool refused, by why: the PoolExhausted alert keys on
+        # pool_exhausted only, not on every RESOURCE_EXHAUSTED (over-long prompts).
+        self.allocation_refusals = Counter(
+            "prefixcache_allocation_refusals",
+            "Allocations the pool refused after eviction, by model and reason "
+            "(pool_exhausted: locks and sessions pin the slots; larger_than_pool: one "
+            "request asks for more than the whole pool).",
+            ["model", "reason"], registry=self.registry)
+        for model in service.engines:
+            for reason in PoolExhaustedError.REASONS:
+                self.allocation_refusals.labels(model, reason)  # exported from the start
         self.registry.register(_LivenessCollector(service))
+        # RSS, CPU seconds, open fds (Linux /proc), and which build answers.
+        ProcessCollector(registry=self.registry)
+        Info("prefixcache_build", "The running prefixcache's version and Python.",
+             registry=self.registry).info(build_info())
         self._children: dict[tuple[str, grpc.StatusCode], tuple[Counter, Histogram]] = {}
         self._httpd: HTTPServer | None = None
         self.port = 0
@@ -65,6 +99,9 @@ class Metrics:
 
     def refused(self, limit: str) -> None:
         self.refusals.labels(limit).inc()
+
+    def allocation_refused(self, model: str, reason: str) -> None:
+        self.allocation_refusals.labels(model, reason).inc()
 
     def watch_kv_events(self, publishers: Mapping[str, Any]) -> None:
         """Export the KV-event publishers' counters (``server.kv_events``), per model."""
