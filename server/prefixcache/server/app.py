@@ -33,7 +33,7 @@ from .reaper import reap_leases
 from .registration import add_to_server
 from .service import CacheService
 from .servicer import PrefixCacheServicer
-from .shared_pool import shm_file_mode
+from .shared_pool import shm_file_mode, sweep
 from .signals import STOP_SIGNALS, SignalLatch
 from .sizing import check_fits, is_out_of_memory
 from .tenants import Callers
@@ -65,6 +65,10 @@ class PrefixCacheServer:
         cfg = config.server
         # Invariant mode: from the config (server.check_integrity), or forced by tests.
         self.check_integrity = check_integrity or cfg.check_integrity
+        # Dead services' pool files go first: the check counts only what this start adds
+        # (a killed server's files would otherwise refuse its own restart).
+        if cfg.shm_dir:
+            sweep(cfg.shm_dir)
         # Every pool added up before any is allocated: a pool larger than the host would
         # otherwise fill /dev/shm, or wake the OOM killer, instead of failing here.
         check_fits(config.models, cfg.shm_dir or None)

@@ -4,7 +4,7 @@ CPU buffers are allocated as files under a shared-memory directory (``/dev/shm``
 mapped MAP_SHARED, so a worker that maps the same file sees and writes the very same
 bytes. ``close`` unlinks this service's files, and a service starting up removes the
 files of services that are gone (a crash leaves them behind otherwise, holding memory
-until reboot).
+until reboot), before it checks that its own pools fit (``sweep``).
 
 Who owns a file is proven by a lock, not by a pid: the directory may be shared by
 services in other PID namespaces (two containers on the host's ``/dev/shm``, or one
@@ -73,13 +73,7 @@ class SharedPools:
         self._maps: dict[int, tuple[str, int]] = {}
         self._cuda: dict[int, tuple[Any, ...]] = {}
         if self.directory is not None:
-            if not self.directory.is_dir():
-                raise ConfigError(f"server.shm_dir: {self.directory} is not a directory")
-            try:
-                remove_stale(self.directory)
-            except OSError as exc:  # e.g. a directory we may not list
-                raise ConfigError(f"server.shm_dir: {self.directory}: "
-                                  f"{exc.strerror or exc}") from exc
+            sweep(self.directory)
 
     def factory(self, model: str, device: str) -> Callable[[tuple[int, ...], torch.dtype],
                                                            torch.Tensor] | None:
@@ -221,50 +215,91 @@ def _take_lock(directory: Path, mode: int, epoch: int) -> tuple[str, tuple[Path,
                       f"{_CLAIM_TRIES} tries")
 
 
+def sweep(directory: str | Path) -> None:
+    """Check that ``directory`` can hold pool files and remove dead services' files.
+
+    The service runs this before it sizes its pools (sizing.check_fits): the files of a
+    server that was killed hold as much shared memory as the pools about to replace
+    them, so counting them as taken would refuse every restart of a pool over half of
+    the directory: a crash loop that needs a human.
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise ConfigError(f"server.shm_dir: {path} is not a directory")
+    try:
+        remove_stale(path)
+    except OSError as exc:  # e.g. a directory we may not list
+        raise ConfigError(f"server.shm_dir: {path}: {exc.strerror or exc}") from exc
+
+
 def remove_stale(directory: Path) -> int:
     """Unlink the files of services that are gone; returns how many were removed.
 
     An owner is gone when its lock file can be locked (the kernel released its lock when
     it died), or when its lock file no longer exists (a live owner's lock file outlives
     its buffers). A lock file someone else holds, or cannot be opened by us, means alive.
+
+    Unlinking frees a file's memory only once no process maps it any more: a worker
+    still mapping a dead service's pool keeps it until it unmaps (it does when it sees
+    the new epoch, or exits). The log says how much is pinned so, measured as the
+    removed files' bytes that the filesystem's free space did not get back.
     """
     owners: dict[str, list[Path]] = {}
     for path in directory.glob(f"{PREFIX}*"):
         match = _NAME.match(path.name)
         if match is not None:
             owners.setdefault(match.group(1), []).append(path)
-    removed = 0
+    before = _free_bytes(directory)
+    removed = nbytes = 0
     for owner, paths in owners.items():
-        removed += _remove_if_gone(directory / f"{owner}{LOCK_SUFFIX}", paths)
+        files, size = _remove_if_gone(directory / f"{owner}{LOCK_SUFFIX}", paths)
+        removed += files
+        nbytes += size
     if removed:
-        log.warning("removed shared-memory files of dead services",
-                    extra={"files": removed, "dir": str(directory)})
+        after = _free_bytes(directory)
+        freed = after - before if before is not None and after is not None else nbytes
+        log.warning("removed shared-memory files of dead services", extra={
+            "files": removed, "dir": str(directory), "bytes": nbytes,
+            # Still mapped by another process (a worker of the dead service): freed when
+            # it unmaps; until then the free space does not include it.
+            "pinned_bytes": max(0, nbytes - max(0, freed))})
     return removed
 
 
-def _remove_if_gone(lock: Path, paths: list[Path]) -> int:
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _remove_if_gone(lock: Path, paths: list[Path]) -> tuple[int, int]:
+    """(files removed, bytes they held) of one owner; nothing when it is alive."""
     try:
         fd: int | None = os.open(lock, os.O_RDONLY)
     except FileNotFoundError:
         fd = None
     except OSError:  # e.g. another user's: not ours to judge
-        return 0
+        return 0, 0
     try:
         if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return 0  # its owner is alive, in whatever namespace
-        removed = 0
+                return 0, 0  # its owner is alive, in whatever namespace
+        removed = nbytes = 0
         # Buffers first, the lock file last (as close does), so that a sweep that dies
         # half-way leaves a lock file that the next one finds again.
         for path in sorted(paths, key=lambda p: p == lock):
             try:
+                size = path.stat().st_blocks * 512  # allocated, not the apparent size
                 path.unlink()
                 removed += 1
+                nbytes += size
             except (FileNotFoundError, PermissionError):
                 pass
-        return removed
+        return removed, nbytes
     finally:
         if fd is not None:
             os.close(fd)
