@@ -213,9 +213,10 @@ class MambaOps(CacheHarness):
         best = max([0] + [n for n in range(self.PAGE, held + 1, self.PAGE)
                           if state_key(seq, n) in self.state_at])
         n = m.prefix_len
-        # The node the walk splits first, then the answered path, deeper newer.
+        # The node the walk splits first, then the answered state alone (SGLang's
+        # _match_post_processor refreshes only the used node in the Mamba list).
         self._refresh([k for end, k in walked if end > held]
-                      + [k for end, k in walked if end <= n])
+                      + [k for end, k in walked if end == n])
         assert n == best, f"match of {seq} gave {n}; the deepest held state is at {best}"
         assert ints(m.indices) == self.model.slots(seq, n), "match indices differ"
         walked = held // self.chunk * self.chunk

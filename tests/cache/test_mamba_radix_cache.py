@@ -305,7 +305,8 @@ def test_unlocking_a_childless_tombstone_deletes_it() -> None:
 
 
 def test_lru_order_child_more_recent_than_parent() -> None:
-    """Match and insert touch the whole path, each child ahead of its parent."""
+    """Match and insert touch the whole path in the full list, each child ahead of its
+    parent; a match touches only the answered node in the Mamba list (SGLang 2026-07)."""
     pools = Pools()
     cache = pools.cache()
     a = cache.insert(RadixKey([1, 2]), t(11, 12), mamba_value=101).last_node
@@ -314,9 +315,10 @@ def test_lru_order_child_more_recent_than_parent() -> None:
     assert list(cache.full_lru_list) == [c, b, a]
     cache.match_prefix(RadixKey([1, 2, 3]))
     assert list(cache.full_lru_list) == [b, a, c]
-    assert list(cache.mamba_lru_list) == [b, a, c]
+    assert list(cache.mamba_lru_list) == [b, c, a]
     cache.match_prefix(RadixKey([1, 2]))
     assert list(cache.full_lru_list) == [a, b, c]
+    assert list(cache.mamba_lru_list) == [a, b, c]
     res = cache.evict(1)  # the LRU unlocked *leaf* is c, though b is older than a
     assert pools.freed() == [15] and res.full_evicted == 1
     res = cache.evict(0, 1)  # the LRU state is b's (a leaf: deleted)

@@ -2,7 +2,9 @@
 
 An insert refreshes each node it walks into, top-down, as it reaches it, so a node it
 splits ranks newer than the shared prefix above it; a match refreshes the answered
-path. Touching the insert's whole path again at the end ranked the shared prefix's
+path in the full-KV list but only the answered node's state in the Mamba list
+(SGLang as of 2026-07, ``_match_post_processor``; issue 21 item 15). Touching the
+insert's whole path again at the end ranked the shared prefix's
 state newest, and state pressure then deleted the deeper leaf, KV included.
 """
 
@@ -71,8 +73,39 @@ def test_insert_refreshes_walked_states_top_down_and_match_the_answered_path() -
     assert insert([1, 2])  # walks [1], [2]: the existing state at the end is newest
     assert _order(cache) == [[2], [1], [4], [3], [9]]
     cache.match_prefix(RadixKey([9]))
-    cache.match_prefix(RadixKey([1, 2, 3, 4]))  # the path, deeper newer
-    assert _order(cache) == [[4], [3], [2], [1], [9]]
+    assert _order(cache) == [[9], [2], [1], [4], [3]]
+    cache.match_prefix(RadixKey([1, 2, 3, 4]))  # the answered state only
+    assert _order(cache) == [[4], [9], [2], [1], [3]]
     cache.match_prefix(RadixKey([1, 5]))  # answers [1] only
-    assert _order(cache) == [[1], [4], [3], [2], [9]]
+    assert _order(cache) == [[1], [4], [9], [2], [3]]
+    cache.check_integrity()
+
+
+def _full_order(cache: MambaRadixCache) -> list[list[int]]:
+    return [list(n.key.token_ids) for n in cache.full_lru_list]
+
+
+def test_mamba_lru_match_refreshes_only_used_node() -> None:
+    """SGLang 2026-07 (``_match_post_processor``): a match refreshes the whole matched
+    path in the full-KV LRU, but only the matched node in the Mamba-state LRU. So under
+    state pressure the ancestors' states go before an unrelated, older state, while the
+    path's KV stays the most recent."""
+    alloc = TokenToKVPoolAllocator(64)
+    pool = MambaPool(max_reqs=1, max_track_slots=8)
+    cache = MambaRadixCache(1, alloc, pool)
+    for tokens in ([1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [9]):
+        cache.insert(RadixKey(tokens), alloc.alloc(len(tokens)),
+                     mamba_value=pool.alloc_track_slot())
+    assert _order(cache) == [[9], [5, 6], [3, 4], [1, 2]]
+    m = cache.match_prefix(RadixKey([1, 2, 3, 4, 5, 6, 7]))
+    assert m.prefix_len == 6
+    # Full list: the whole path, deeper newer. Mamba list: [5, 6] alone moves up.
+    assert _full_order(cache)[:3] == [[5, 6], [3, 4], [1, 2]]
+    assert _order(cache) == [[5, 6], [9], [3, 4], [1, 2]]
+    cache.check_integrity()
+    # State pressure takes the path's unused states first: [1, 2], then [3, 4].
+    assert cache.evict(0, 2).mamba_evicted == 2
+    assert cache.match_prefix(RadixKey([9])).prefix_len == 1
+    assert cache.match_prefix(RadixKey([1, 2, 3, 4, 5, 6])).prefix_len == 6
+    assert cache.match_prefix(RadixKey([1, 2, 3, 4])).prefix_len == 0  # tombstones now
     cache.check_integrity()

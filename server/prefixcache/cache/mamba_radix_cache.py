@@ -44,8 +44,8 @@ class MambaRadixCache(MambaEviction, RadixCache):
 
     Eviction order comes from two intrusive LRU lists (``full_lru_list``: every node;
     ``mamba_lru_list``: nodes with state), in the order of a logical clock; the Mamba
-    list is always the full one less the tombstones. Recency follows SGLang's
-    MambaRadixCache exactly (checked op for op against it on random traces):
+    list is ordered by its own stamps. Recency follows SGLang's MambaRadixCache
+    exactly (checked op for op against it on random traces):
 
     * insert makes each node it walks into the most recent as it reaches it, so
       deeper ranks newer, and a node that the insert splits ranks newer than the
@@ -54,7 +54,15 @@ class MambaRadixCache(MambaEviction, RadixCache):
       as we once did, ranked a shared prefix's state above the deeper state that the
       split node keeps, so state pressure tombstoned the deeper one, KV included.)
     * match makes the node with the answered state and its ancestors the most
-      recent, children ahead of parents; a node it splits ranks just below them.
+      recent in the full list, children ahead of parents, but in the Mamba list only
+      the answered node itself; a node it splits ranks just below them. This follows
+      SGLang as of 2026-07 (upstream ``8905cbd4``, ``mamba_radix_cache.py``,
+      ``_match_post_processor``), not spec §6.1/§6.3, where match "touches
+      node+ancestors MRU in both lists" (pymllm, and SGLang before it): a request
+      resumes from one state, so only that state is used; the ancestors' states stay
+      where they were and go first under state pressure, while their KV, which the
+      match did use, stays recent. The Mamba list therefore keeps its own stamps
+      (``mamba_access_time``) and is no longer the full list less the tombstones.
 
     Where pymllm differs we follow SGLang's MambaRadixCache (spec §10 item 12):
 
@@ -117,7 +125,7 @@ class MambaRadixCache(MambaEviction, RadixCache):
         self._mamba_protected = 0
         self._state_owner: dict[int, MambaTreeNode] = {}
         self.full_lru_list = LRUList("full_prev", "full_next")
-        self.mamba_lru_list = LRUList("mamba_prev", "mamba_next")
+        self.mamba_lru_list = LRUList("mamba_prev", "mamba_next", "mamba_access_time")
 
     def full_evictable_size(self) -> int:  # SGLang's name
         return self._evictable
@@ -266,18 +274,21 @@ class MambaRadixCache(MambaEviction, RadixCache):
         else:
             self._mamba_evictable += 1
         self._state_owner[slot] = node
+        node.mamba_access_time = self._clock
         self.mamba_lru_list.push_mru(node)
 
     def _touch(self, node: TreeNode) -> None:
         """Make ``node`` alone the most recently used."""
         self._clock += 1
-        node.last_access_time = self._clock
+        node.last_access_time = node.mamba_access_time = self._clock
         for lru in (self.full_lru_list, self.mamba_lru_list):
             if node in lru:
                 lru.move_to_mru(node)
 
     def _touch_path(self, node: TreeNode, hit: bool = False) -> None:
-        """Make ``node`` and its ancestors the most recently used, ancestors older."""
+        """A match's refresh: ``node`` and its ancestors become the most recently used
+        in the full list (ancestors older), ``node`` alone in the Mamba list (SGLang's
+        ``_match_post_processor``; see the class docstring)."""
         path = []
         n = node
         while n.key_len:
@@ -289,7 +300,9 @@ class MambaRadixCache(MambaEviction, RadixCache):
             if hit:
                 n.hit_count += 1
         self.full_lru_list.touch_node_and_parents_mru(node)
-        self.mamba_lru_list.touch_node_and_parents_mru(node)
+        if node in self.mamba_lru_list:
+            node.mamba_access_time = node.last_access_time
+            self.mamba_lru_list.move_to_mru(node)
 
     def _namespace_root(self, extra_key: str | None, width: int) -> TreeNode:
         ns_root = self.root_node.children.get((extra_key, width))

@@ -25,8 +25,8 @@ class MambaTreeNode(TreeNode):
     ``own_lock_ref`` while the node has state and is 0 otherwise.
     """
 
-    __slots__ = ("full_next", "full_prev", "mamba_lock_ref", "mamba_next", "mamba_prev",
-                 "mamba_value")
+    __slots__ = ("full_next", "full_prev", "mamba_access_time", "mamba_lock_ref",
+                 "mamba_next", "mamba_prev", "mamba_value")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -36,6 +36,10 @@ class MambaTreeNode(TreeNode):
         self.full_next: Any = None
         self.mamba_prev: Any = None
         self.mamba_next: Any = None
+        # The Mamba list's own recency: a match refreshes the whole path in the full
+        # list but only the matched node's state (see MambaRadixCache), so the two lists
+        # keep two clocks' stamps.
+        self.mamba_access_time = self.last_access_time
 
     @property
     def full_lock_ref(self) -> int:
@@ -102,16 +106,18 @@ class LRUList:
     nothing; finding the least recently used node that satisfies a condition walks from
     the tail, skipping the nodes that do not.
 
-    The list does not keep time itself: the owner stamps ``last_access_time`` and moves
-    nodes to the head in the same order, so the list stays sorted by that field, which
-    ``check`` verifies.
+    The list does not keep time itself: the owner stamps the node's ``time_attr``
+    (``last_access_time`` unless told otherwise) and moves nodes to the head in the same
+    order, so the list stays sorted by that field, which ``check`` verifies.
     """
 
-    __slots__ = ("_head", "_len", "_next", "_prev", "_tail")
+    __slots__ = ("_head", "_len", "_next", "_prev", "_tail", "_time")
 
-    def __init__(self, prev_attr: str, next_attr: str) -> None:
+    def __init__(self, prev_attr: str, next_attr: str,
+                 time_attr: str = "last_access_time") -> None:
         self._prev = prev_attr
         self._next = next_attr
+        self._time = time_attr
         # Sentinels at both ends mean linking never has to test for an empty list.
         self._head = _End()
         self._tail = _End()
@@ -202,9 +208,9 @@ class LRUList:
             else:
                 return
             new = take(node)
-            if new is not None and accept(new) \
-                    and (ahead is None or new.last_access_time < ahead.last_access_time):
-                heapq.heappush(behind, (new.last_access_time, new.id, new))
+            if new is not None and accept(new) and (
+                    ahead is None or getattr(new, self._time) < getattr(ahead, self._time)):
+                heapq.heappush(behind, (getattr(new, self._time), new.id, new))
 
     def __iter__(self) -> Iterator[Any]:
         """Nodes from the most to the least recently used."""
@@ -225,9 +231,10 @@ class LRUList:
                 return problems
             if getattr(node, self._prev) is not prev:
                 problems.append(f"{name} LRU list: node {node.id}'s back link is wrong")
-            if last_time is not None and node.last_access_time >= last_time:
+            stamp = getattr(node, self._time)
+            if last_time is not None and stamp >= last_time:
                 problems.append(f"{name} LRU list: node {node.id} is out of recency order")
-            last_time = node.last_access_time
+            last_time = stamp
             seen.add(node.id)
             prev, node = node, getattr(node, self._next)
         if getattr(self._tail, self._prev) is not prev:
