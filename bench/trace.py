@@ -28,7 +28,7 @@ class TraceRequest:
 class ExpandedTrace:
     """Token-id arrays for every request, plus what it cost to build them."""
 
-    path: Path
+    path: Path | None
     page_size: int
     keys: list[array]
     build_s: float
@@ -54,6 +54,29 @@ def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
             if length > len(ids) * BLOCK_TOKENS:
                 raise ValueError(f"{path}: input_length {length} exceeds {len(ids)} blocks")
             out.append(TraceRequest(length, ids))
+    return out
+
+
+def synthetic_trace(limit: int, seed: int = 0) -> list[TraceRequest]:
+    """Conversation-shaped requests where no trace file is at hand (the Mooncake traces
+    live in the team's shared folder, not in the repository): a few system prompts,
+    and sessions whose every turn repeats the previous turn's blocks and adds some."""
+    import random
+
+    rng = random.Random(seed)
+    next_id = 1000
+    systems = [tuple(range(i * 4, i * 4 + 4)) for i in range(4)]  # 4 blocks each
+    sessions: list[tuple[int, ...]] = []
+    out: list[TraceRequest] = []
+    while len(out) < limit:
+        if not sessions or rng.random() < 0.3:
+            sessions.append(rng.choice(systems))
+        i = rng.randrange(len(sessions))
+        grown = sessions[i] + tuple(range(next_id, next_id + rng.randint(1, 3)))
+        next_id += 3
+        sessions[i] = grown
+        out.append(TraceRequest(len(grown) * BLOCK_TOKENS - rng.randrange(BLOCK_TOKENS),
+                                grown))
     return out
 
 
@@ -90,10 +113,12 @@ def expand(requests: list[TraceRequest], page_size: int) -> list[array]:
     return keys
 
 
-def load_expanded(path: Path, page_size: int, limit: int | None = None) -> ExpandedTrace:
-    """Load and expand a trace, timing the expansion (it stays outside req/s)."""
+def load_expanded(path: Path | None, page_size: int, limit: int | None = None) -> ExpandedTrace:
+    """Load and expand a trace (``path`` None: ``synthetic_trace``), timing the
+    expansion (it stays outside req/s)."""
     t0 = time.perf_counter()
-    keys = expand(load_trace(path, limit), page_size)
+    requests = load_trace(path, limit) if path is not None else synthetic_trace(limit or 200)
+    keys = expand(requests, page_size)
     build_s = time.perf_counter() - t0
     _return_free_heap()
     return ExpandedTrace(path, page_size, keys, build_s)

@@ -11,8 +11,9 @@ It runs the whole protocol a real worker runs, with random numbers for "compute"
 3. finish: ``insert`` the prompt plus the generated tokens, releasing the prefill lock,
    and free the slots of the unaligned tail that the tree did not take.
 
-Requests come from a Mooncake trace (``bench/trace.py``). At the end it prints
-requests/s and the token hit ratio.
+Requests come from a Mooncake trace (``bench/trace.py``; the team's shared traces
+folder, or ``--trace FILE``), or, where no trace file is found, from a synthetic
+conversation-shaped trace. At the end it prints requests/s and the token hit ratio.
 
     prefixcache serve --config examples/worker.yaml &
     python examples/worker.py --limit 200
@@ -120,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with PrefixCacheClient(args.target, timeout=10.0, client_name="example-worker") as c:
         page = c.list_models()[args.model].page_size
-        trace = load_expanded(args.trace, page, args.limit)
+        path = args.trace if args.trace.exists() else None
+        if path is None:
+            print(f"{args.trace} not found: replaying a synthetic conversation trace",
+                  file=sys.stderr)
+        trace = load_expanded(path, page, args.limit)
         worker = Worker(c, args.model, args.kv, args.decode_steps)
         start = time.perf_counter()
         served = sum(worker.serve(key) for key in trace.keys)
