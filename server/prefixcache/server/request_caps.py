@@ -47,7 +47,7 @@ _PEEK_FIELDS = 32
 
 _CONTROL = ("ListModelsRequest", "DescribePoolRequest", "StatsRequest", "OpenSessionRequest",
             "KeepAliveRequest", "CloseSessionRequest", "EvictRequest", "LockRequest",
-            "UnlockRequest", "AllocRequest", "ResetRequest")
+            "UnlockRequest", "AllocRequest", "ResetRequest", "WriteFenceRequest")
 
 
 def derive(limits: Limits, models: Iterable[ModelConfig]) -> dict[str, int]:

@@ -23,6 +23,7 @@ from .quotas import Quota
 from .sessions import Session, SessionRegistry, expiry_summary
 from .shared_pool import SharedPools
 from .slot_engine import SlotEngine
+from .write_fence import WriteFences
 
 log = logging.getLogger("prefixcache.server")
 
@@ -75,9 +76,13 @@ class CacheService:
             raise
         self.session_ttl, self.ttl_min, self.ttl_max = session_ttl, ttl_min, ttl_max
         self.draining = False
+        # Workers that write through the mapped pool hold off the freeing of their
+        # session's slots while they copy (write_fence.py).
+        self.fences = WriteFences(self.shared, self.limits.max_sessions)
 
     def close(self) -> None:
         """Release what outlives the process otherwise: the shared-memory files."""
+        self.fences.close()
         self.shared.close()
 
     def engine(self, name: str) -> ModelEngine | SlotEngine:
@@ -115,10 +120,22 @@ class CacheService:
 
     def expire_sessions(self, limit: int | None = None) -> int:
         """Close lapsed sessions, at most ``limit`` (None: all), with one log line."""
+        self.settle_fences()
         expired = self.sessions.expire(limit)
         if expired:
             log.warning("session leases expired", extra=expiry_summary(expired))
         return len(expired)
+
+    def settle_fences(self) -> int:
+        """Free the slots of ended sessions whose mapped-pool writers let go of them
+        (write_fence.py); returns the slots freed."""
+        freed = 0
+        for session in self.fences.settle():
+            slots = sum(e.release_session(session)[1] for e in self.engines.values())
+            freed += slots
+            log.info("slots of an ended session freed after its writer let go",
+                     extra={"session": session.id[:8], "slots_freed": slots})
+        return freed
 
     def unlock(self, session: Session, lock_id: int) -> None:
         """Release ``lock_id`` whichever model it is on."""
@@ -135,7 +152,7 @@ class CacheService:
 
     def reset(self, name: str) -> tuple[int, int]:
         engine = self.engine(name)
-        dropped = engine.reset(list(self.sessions))
+        dropped = engine.reset([*self.sessions, *self.fences.waiting()])
         for session in self.sessions:  # kept replies name locks and slots that are gone
             session.forget_replies()
         log.warning("model reset", extra={"model": name, "dropped_tokens": dropped[0],
@@ -147,12 +164,20 @@ class CacheService:
         counts, against what the sessions hold (``lock_audit``)."""
         for engine in self.engines.values():
             engine.check_integrity()
-        lock_audit.audit(self.engines, self.sessions)
+        # Ended sessions whose slots wait for a writer (write_fence.py) still hold them.
+        lock_audit.audit(self.engines, [*self.sessions, *self.fences.waiting()])
         problems = quotas.audit(self.sessions)
         if problems:
             raise IntegrityError("; ".join(problems[:20]))
 
     def _release(self, session: Session) -> tuple[int, int]:
+        if not self.fences.end(session):
+            # A worker may be copying into the session's slots through the mapped pool:
+            # its locks go now, its slots once the worker lets go (settle_fences).
+            locks = list(session.locks.items())
+            for lock_id, held in locks:
+                held.engine.unlock(session, lock_id)
+            return len(locks), 0
         locks = slots = 0
         for engine in self.engines.values():
             lk, sl = engine.release_session(session)
