@@ -147,6 +147,7 @@ class ModelEngine(SlotOwnership, EngineBase):
         self.pool_size = pool.size
         self.num_rows = self.kv_pool.num_rows
         self._owner = np.zeros(self.num_rows, dtype=np.int64)
+        self._page_held = np.zeros(-(-self.num_rows // self.page_size), dtype=np.int32)
         self.session_slots = 0
         # Per session tag: [slots, runs] of what it was allocated since it last held
         # nothing (engine_slots.py), or None once too many to follow.
@@ -202,7 +203,7 @@ class ModelEngine(SlotOwnership, EngineBase):
                 tokens = prefix_tokens(node)
                 self.quota.check_lock(owner, tokens)
             if allocate:
-                self.quota.check_slots(owner, len(key) - result.prefix_len)
+                self._check_slot_quota(owner, len(key) - result.prefix_len)
                 if self.states is not None:
                     self.quota.check_state_slots(owner, 1, self.states.held_by(owner))
         if node is not None and (lock or allocate):
@@ -283,6 +284,7 @@ class ModelEngine(SlotOwnership, EngineBase):
             if len(freed):
                 self.allocator.free(freed)
         self._set_owner(new, runs, 0)
+        self._count_pages(session, new, -1)
         self._disown(session, len(new))
         state_exist = bool(getattr(result, "mamba_exist", False))
         if state_slot is not None:  # the tree took it, or had a state there already
@@ -324,7 +326,7 @@ class ModelEngine(SlotOwnership, EngineBase):
 
     def alloc(self, session: Session, num_slots: int,
               num_states: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        self.quota.check_slots(session, num_slots)
+        self._check_slot_quota(session, num_slots)
         states = _EMPTY
         if num_states:
             self.quota.check_state_slots(session, num_states, self._states().held_by(session))
@@ -353,6 +355,7 @@ class ModelEngine(SlotOwnership, EngineBase):
         if len(slots):
             self.allocator.free(slots)
             self._owner[slots] = 0
+            self._count_pages(session, slots, -1)
             self._disown(session, len(slots))
         if len(states):
             self._states().free(states)
@@ -368,6 +371,7 @@ class ModelEngine(SlotOwnership, EngineBase):
             if len(mine):
                 self.allocator.free(mine)
                 self._owner[mine] = 0
+                self._count_pages(session, mine, -1)
             slots = len(mine)
             self._disown(session, slots)
         if self.states is not None:
@@ -376,6 +380,7 @@ class ModelEngine(SlotOwnership, EngineBase):
 
     def reset(self, sessions: list[Session]) -> tuple[int, int]:
         dropped = super().reset(sessions)
+        self._page_held[:] = 0
         self._alloc_runs.clear()
         if self.states is not None:
             self.states.reset()

@@ -148,6 +148,7 @@ class EngineBase:
                 self._unlocked_tokens(session, session.locks.pop(lock_id).tokens)
             locks += len(mine)
             session.slots.pop(self.name, None)
+            session.pages.pop(self.name, None)
         self._nodes.clear()
         self.num_locks = self.session_slots = 0
         self.evicted_tokens["reset"] += dropped_tokens

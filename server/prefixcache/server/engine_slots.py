@@ -42,6 +42,12 @@ class SlotOwnership:
     evicted_tokens: dict[str, int]
     _owner: np.ndarray
     _alloc_runs: dict[int, list[Any] | None]
+    # Per page: how many of its slots a session holds. An allocation takes whole pages
+    # (the unused tail of its last page stays reserved until the page comes back), and
+    # a page comes back only once none of its slots is held, so a session's charge under
+    # max_session_slots is the pages it holds slots on, whole (issue 21 item 7). Pages
+    # are never shared between sessions: each was free when one session took it.
+    _page_held: np.ndarray
 
     def _checked_head(self, slots: np.ndarray, head: np.ndarray, tree: np.ndarray,
                       tag: int) -> tuple[int, list[tuple[int, int]]] | None:
@@ -90,6 +96,55 @@ class SlotOwnership:
             for lo, end in runs:
                 self._owner[lo:end] = tag
 
+    def _held_slots(self, session: Session) -> int:
+        """Slots ``session`` takes from this model's pool: the whole pages it holds."""
+        if self.page_size == 1:
+            return session.slots.get(self.name, 0)
+        return session.pages.get(self.name, 0) * self.page_size
+
+    def _check_slot_quota(self, session: Session, n: int) -> None:
+        """Refuse ``n`` more slots past ``max_session_slots``, counting the whole pages
+        an allocation of ``n`` takes and the whole pages the session holds."""
+        ps = self.page_size
+        self.quota.check_slots(session, -(-n // ps) * ps, self._held_slots(session))
+
+    def _count_pages(self, session: Session | None, slots: np.ndarray, sign: int) -> None:
+        """``session`` now holds (``sign`` 1) or no longer holds (-1) ``slots``: update
+        the pages it holds slots on."""
+        if self.page_size == 1 or session is None or not len(slots):
+            return  # with one-slot pages, pages are slots (session.slots)
+        pages, counts = np.unique(slots // self.page_size, return_counts=True)
+        before = self._page_held[pages]
+        after = before + sign * counts.astype(self._page_held.dtype)
+        self._page_held[pages] = after
+        change = int(np.count_nonzero(after)) - int(np.count_nonzero(before))
+        left = session.pages.get(self.name, 0) + change
+        if left:
+            session.pages[self.name] = left
+        else:
+            session.pages.pop(self.name, None)
+
+    def page_problems(self, sessions: list[Session]) -> list[str]:
+        """Where the per-page counts disagree with the slot owners (the integrity check)."""
+        if self.page_size == 1:
+            return []
+        rows = np.flatnonzero(self._owner)
+        counts = np.bincount(rows // self.page_size, minlength=len(self._page_held))
+        problems = []
+        if not np.array_equal(counts, self._page_held):
+            problems.append(f"{int(np.count_nonzero(counts != self._page_held))} pages count "
+                            "held slots the owner array disagrees with")
+        # Distinct (tag, page) pairs, then pages per tag: one pass, whatever the sessions.
+        pairs = np.unique(self._owner[rows] * len(self._page_held) + rows // self.page_size)
+        tags, held = np.unique(pairs // len(self._page_held), return_counts=True)
+        by_tag = dict(zip(tags.tolist(), held.tolist(), strict=True))
+        for session in sessions:
+            pages = by_tag.get(session.tag, 0)
+            if pages != session.pages.get(self.name, 0):
+                problems.append(f"session {session.id[:8]} holds slots on {pages} pages, "
+                                f"counts {session.pages.get(self.name, 0)}")
+        return problems
+
     def _check_room(self, n: int) -> None:
         """Refuse ``n`` slots the pool cannot supply even after evicting (not SWA)."""
         want = -(-n // self.page_size) * self.page_size
@@ -127,6 +182,7 @@ class SlotOwnership:
                 raise self._exhausted(n)
             out, runs = host_indices(slots), None
         self._set_owner(out, runs, session.tag)
+        self._count_pages(session, out, 1)
         self._track(session.tag, n, runs)
         session.slots[self.name] = session.slots.get(self.name, 0) + n
         self.session_slots += n

@@ -14,7 +14,9 @@ counter that went below the locks held. This module compares them, per model:
 * SWA models: every node's ``swa_lock_ref`` is the number of session locks whose
   window covers it (the walk ``dec_lock_ref`` will make: up the path to the lock's
   boundary node, skipping tombstones);
-* ``engine.session_slots`` is the sum of the sessions' slot counts on the model.
+* ``engine.session_slots`` is the sum of the sessions' slot counts on the model;
+* models with pages of several slots: the pages each session holds slots on (what its
+  slot quota counts) and the per-page counts agree with the slot owners.
 
 Mamba state locks need nothing more: the cache checks ``mamba_lock_ref ==
 own_lock_ref`` on every node with state. A check runs only between calls, when no
@@ -63,6 +65,9 @@ def _engine_problems(engine: Any, held: list[HeldLock], sessions: list[Session])
     slots = sum(s.slots.get(engine.name, 0) for s in sessions)
     if engine.session_slots != slots:
         problems.append(f"session_slots is {engine.session_slots}, sessions count {slots}")
+    page_problems = getattr(engine, "page_problems", None)
+    if page_problems is not None:
+        problems += page_problems(sessions)
     root = getattr(engine.cache, "root_node", None)
     if root is None:  # a chunk cache: nothing can be locked
         if held:

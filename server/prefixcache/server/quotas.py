@@ -5,7 +5,11 @@ cached token) from the other clients of a shared sidecar. So each engine checks,
 it changes anything, that the call keeps the session within its model's caps:
 
 * **slots** (``max_session_slots``): KV slots (for a ``slot`` model, sequence slots)
-  the session holds in the model's pool, allocated and not yet inserted or freed. 0,
+  the session holds in the model's pool, allocated and not yet inserted or freed,
+  counted in whole pages: an allocation takes whole pages, and a page comes back only
+  when none of its slots is held, so ``Alloc(1)`` with 16-slot pages takes 16 slots
+  of the pool and counts 16 (counting 1 let 256 of them take a 4096-slot pool under a
+  cap of 512; issue 21 item 7). 0,
   the default, takes the pool size: no cap but the pool's own, since the one worker of
   a per-pod sidecar legitimately uses all of it.
 * **state slots** (``max_session_state_slots``): a ``mamba`` model's state slots the
@@ -76,13 +80,16 @@ class Quota:
         return cls(engine.name, limits.max_session_slots or engine.pool_size, locked,
                    limits.max_session_state_slots or (states.capacity if states else 0))
 
-    def check_slots(self, session: Session, n: int) -> None:
-        """Refuse ``n`` more slots for ``session``.
+    def check_slots(self, session: Session, n: int, held: int | None = None) -> None:
+        """Refuse ``n`` more slots for ``session``, which takes ``held`` (None: the slots
+        it holds; a paged model passes both in whole pages).
 
         Raises:
             OverLimitError: naming ``max_session_slots``.
         """
-        self._check("max_session_slots", self.slots, session.slots.get(self.model, 0), n)
+        if held is None:
+            held = session.slots.get(self.model, 0)
+        self._check("max_session_slots", self.slots, held, n)
 
     def check_state_slots(self, session: Session, n: int, held: int) -> None:
         """Refuse ``n`` more state slots for ``session``, which holds ``held``.
@@ -115,7 +122,8 @@ _HOLD = ("this session holds {held} {what} of model {model!r} and asks for {n} m
          "the {cap} one session may hold (server.{setting}): insert or free what it holds "
          "first")
 _REFUSALS = {
-    "max_session_slots": _HOLD.replace("{what}", "slots"),
+    "max_session_slots": _HOLD.replace("{what}", "slots (whole pages)").replace(
+        "asks for {n} more", "asks for {n} more (whole pages)"),
     "max_session_state_slots": _HOLD.replace("{what}", "state slots"),
     "max_session_locked_tokens": (
         "this session's locks on model {model!r} protect {held} tokens and this lock {n} "

@@ -60,6 +60,8 @@ class Session:
         expires_at: Deadline of the lease, in the registry's lease time.
         locks: Lock id -> the lock.
         slots: Model name -> slots this session holds in that model's pool.
+        pages: Model name -> pages it holds slots on (models with pages of more than
+            one slot): what ``max_session_slots`` counts, in whole pages.
         stream: Carried by a Session stream rather than leased by OpenSession.
         on_lapse: Called after the lease lapsed and the session was closed (a stream's
             handler is told to end the stream).
@@ -78,6 +80,7 @@ class Session:
     expires_at: float
     locks: dict[int, HeldLock] = field(default_factory=dict)
     slots: dict[str, int] = field(default_factory=dict)
+    pages: dict[str, int] = field(default_factory=dict)
     replies: OrderedDict[tuple[str, int], tuple[Any, int]] = field(default_factory=OrderedDict)
     replay_bytes: int = 0
     closed: bool = False
