@@ -27,7 +27,9 @@ LIMIT_NAMES = ("max_extra_key_bytes", "max_client_name_bytes", "max_session_id_b
                "max_evict_tokens", "tenant_namespaces",
                # quotas.py: what one session may hold.
                "max_session_slots", "max_session_state_slots", "max_session_locked_tokens",
-               "max_session_streams")
+               "max_session_streams",
+               # reply_caps.py: a reply that could not be sent is refused before the work.
+               "max_message_bytes")
 
 # String fields with a size limit, by field name: the setting that bounds them.
 STRING_LIMITS = {"extra_key": "max_extra_key_bytes", "client_name": "max_client_name_bytes",

@@ -14,7 +14,7 @@ from prefixcache.cache import InvalidInputError
 from prefixcache.cache.page_index import DIGEST_BYTES
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from . import replays
+from . import replays, reply_caps
 from .codec import MAX_TOKEN_WIDTH, decode_slots, encode_slots
 from .hash_pages import HashPages
 from .limits import Limits, check_count, request_tokens
@@ -57,6 +57,7 @@ def get(service: Any, limits: Limits, req: pb.GetPagesRequest,
     if (reply := replays.replayed(session, "get_pages", req)):
         return reply
     pages, namespace, hashes = _opened(service, limits, req)
+    reply_caps.check(limits, "GetPages", reply_caps.get_pages_size(pages.engine, len(hashes)))
     out = pages.get(namespace, hashes, session)
     reply = pb.GetPagesResponse(found_pages=out.found, slot_indices=encode_slots(out.slots),
                                 lock_ids=out.lock_ids, server_epoch=service.epoch)

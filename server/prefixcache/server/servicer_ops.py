@@ -16,7 +16,7 @@ from prefixcache.cache import IntegrityError, InvalidInputError
 from prefixcache.cache.pages import to_page_ids
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from . import holdings, replays
+from . import holdings, replays, reply_caps
 from .codec import decode_key, decode_slots, encode_slots
 from .errors import DeniedError, PreconditionError
 from .evict_policy import EvictPolicy
@@ -90,6 +90,7 @@ class CacheOps:
         engine = self.service.engine(req.model)
         key = decode_key(req.token_ids, req.token_width, _extra_key(req),
                          engine.config.vocab_size, request_tokens(self.limits, engine.config))
+        reply_caps.check(self.limits, "Match", reply_caps.match_size(engine, req))
         if req.as_pages:
             _check_pages(engine)
             out = engine.match(key, session, req.lock, req.allocate, as_pages=True)
@@ -167,6 +168,8 @@ class CacheOps:
         engine = self.service.engine(req.model)
         if req.as_pages:
             _check_pages(engine)
+        reply_caps.check(self.limits, "Alloc",
+                         reply_caps.alloc_size(engine, req.num_slots, req.num_state_slots))
         slots, states = engine.alloc(session, req.num_slots, req.num_state_slots)
         versions = engine.versions(slots) if engine.kind == "slot" else slots[:0]
         reply = pb.AllocResponse(state_slots=encode_slots(states),

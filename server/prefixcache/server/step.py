@@ -29,7 +29,7 @@ from prefixcache.cache import InvalidInputError
 from prefixcache.cache.allocator import host_indices
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from . import replays
+from . import replays, reply_caps
 from .codec import decode_key, decode_slots, encode_slots
 from .engine import InsertOutcome, MatchOutcome, ModelEngine
 from .errors import OverLimitError, PreconditionError, ServiceError
@@ -112,7 +112,7 @@ class StepExecutor:
     def run(self, req: pb.StepRequest, session: Session) -> pb.StepResponse:
         """Every item of ``req`` in order, or the answer to an earlier try of it."""
         engine = self.service.engine(req.model)
-        self._check_size(req)
+        self._check_size(req, engine)
         stored = replays.replayed(session, _REPLAY_OP, req)  # refuses a changed retry
         if stored is not None:
             return self._replay(stored, req, engine, session)
@@ -206,8 +206,9 @@ class StepExecutor:
 
     # ----------------------------------------------------------------- limits
 
-    def _check_size(self, req: pb.StepRequest) -> None:
-        """Refuse a Step over ``max_step_items`` or ``max_step_bytes``, before any work."""
+    def _check_size(self, req: pb.StepRequest, engine: Engine) -> None:
+        """Refuse a Step over ``max_step_items`` or ``max_step_bytes``, or one whose
+        reply may not fit a message (reply_caps.py), before any work."""
         items = sum(len(getattr(req, name)) for name in _LISTS)
         cap = self.limits.max_step_items
         if items > cap:
@@ -222,6 +223,7 @@ class StepExecutor:
                 raise OverLimitError(f"the step carries {size} bytes of token ids and slot "
                                      f"indices, more than the {cap} one Step may carry "
                                      "(server.max_step_bytes)", "max_step_bytes")
+        reply_caps.check(self.limits, "Step", reply_caps.step_size(engine, req))
 
     # ----------------------------------------------------------------- replay
 
