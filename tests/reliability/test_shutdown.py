@@ -443,3 +443,42 @@ def test_sigterm_during_start_up_exits_0_leaving_nothing(tmp_path: Path, phase: 
     log = _assert_clean_exit(code, sock, shm, stderr_path)
     if phase == "imports":
         assert "stopped before start" in log and "serving" not in log, log
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_stop_signal_cuts_the_drain_short(tmp_path: Path,
+                                                   second: signal.Signals) -> None:
+    """With a 60 s grace period and a stream that keeps it busy, the second signal ends
+    the drain at once: the stream is cut, the files go, exit 0. It used to be ignored
+    (the first signal had set the stop already): the server waited out the grace."""
+    proc, sock, shm, stderr_path = _start(tmp_path, "--grace-period", "60")
+    address = f"unix:{sock}"
+    try:
+        _wait_serving(proc, address, stderr_path)
+        with grpc.insecure_channel(address) as channel:
+            requests: queue.Queue[Any] = queue.Queue()
+            stream = pb_grpc.PrefixCacheStub(channel).Session(
+                iter(requests.get, None), timeout=STREAM_DEADLINE)
+            requests.put(pb.SessionRequest(seq=1, stats=pb.StatsRequest(model=MODEL)))
+            assert next(stream).seq == 1
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while "draining" not in stderr_path.read_text():
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.02)
+            time.sleep(0.5)  # well into the drain
+            cut_at = time.monotonic()
+            proc.send_signal(second)
+            with pytest.raises(grpc.RpcError) as cut:
+                next(stream)
+            requests.put(None)
+        code = _exit_code(proc, stderr_path, EXIT_SLACK)
+        took = time.monotonic() - cut_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = _assert_clean_exit(code, sock, shm, stderr_path)
+    assert cut.value.code() in (CANCELLED, UNAVAILABLE), cut.value
+    assert took < EXIT_SLACK, f"exited {took:.2f} s after the second signal"
+    assert "cutting the drain short" in log, log

@@ -3,7 +3,9 @@
 One ``grpc.aio`` server runs every RPC on a single event loop (see servicer.py for
 why that is our concurrency model). ``serve()`` is what ``prefixcache serve`` runs:
 it starts the server, and on SIGTERM, SIGINT, SIGHUP or another stop signal (signals.py)
-drains in-flight calls within the grace period, removes its files and returns 0.
+drains in-flight calls within the grace period, removes its files and returns 0. A
+second stop signal cuts the drain short: the calls still in flight are cancelled, and
+the files are removed all the same.
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ class PrefixCacheServer:
         self._health = health_aio.HealthServicer()
         self._reaper: asyncio.Task[None] | None = None
         self._socket_path: str | None = None
+        # A second stop signal: cut the drain short (hurry).
+        self._cut = False
+        self._hurry: asyncio.Future[None] | None = None
         # KV events out (server.kv_events): one ZMQ publisher per tree model, or None.
         self.kv_events: KvEventPublishers | None = None
 
@@ -127,7 +132,8 @@ class PrefixCacheServer:
             # Before the server starts, so that a port in use fails the start cleanly.
             if cfg.metrics_port >= 0:
                 self.metrics_port = self._serve_metrics()
-            self.kv_events = start_kv_events(cfg.kv_events, self.service.engines)
+            self.kv_events = start_kv_events(cfg.kv_events, self.service.engines,
+                                             cfg.tenants)
             if self.kv_events is not None:
                 self.metrics.watch_kv_events(self.kv_events.publishers)
             await server.start()
@@ -174,6 +180,11 @@ class PrefixCacheServer:
         cfg = self.config.server
         if cfg.listen.startswith("unix:"):
             path = cfg.listen.removeprefix("unix:").removeprefix("//")
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder):  # grpc would only say "Failed to bind"
+                raise ConfigError(f"server.listen: the socket's directory {folder} does "
+                                  "not exist; create it (a volume shared with the "
+                                  "workers) or choose another path")
             _clear_stale_socket(path)
             old = os.umask(0o777 & ~cfg.socket_mode)  # no window with a looser mode
             try:
@@ -207,8 +218,20 @@ class PrefixCacheServer:
         await reap_leases(self.service, min(1.0, max(0.05, min(cfg.session_ttl_min,
                                                                 cfg.stream_ttl) / 2)))
 
+    def hurry(self) -> None:
+        """Cut a drain in progress short: the calls still in flight are cancelled now,
+        and ``stop`` goes on at once to close the pools and remove the files."""
+        if self._cut:
+            return
+        self._cut = True
+        if self._server is not None and self.service.draining:
+            # stop(None) cancels every call; the graceful stop() awaiting the same
+            # server returns as soon as the server is down.
+            self._hurry = asyncio.ensure_future(self._server.stop(None))
+
     async def stop(self, grace: float | None = None) -> None:
-        """Refuse new calls, let in-flight ones finish within ``grace``, then close."""
+        """Refuse new calls, let in-flight ones finish within ``grace``, then close
+        (at once after ``hurry``)."""
         if self._server is None:
             return
         grace = self.config.server.grace_period if grace is None else grace
@@ -219,7 +242,10 @@ class PrefixCacheServer:
         # server's stop; a moment on the loop lets them reach a handler, which answers
         # UNAVAILABLE (retryable, fail-open) instead of CANCELLED.
         await asyncio.sleep(min(_DISPATCH_WINDOW, grace))
-        await self._server.stop(grace)
+        await self._server.stop(None if self._cut else grace)
+        if self._hurry is not None:
+            await self._hurry
+            self._hurry = None
         self._server = None
         if self._reaper is not None:
             self._reaper.cancel()
@@ -297,6 +323,10 @@ async def _serve(config: Config, latch: SignalLatch) -> int:
         if not stop.is_set():
             log.info("stop signal", extra={"signal": sig.name})
             stop.set()
+        else:  # an operator who does not want to wait out the grace period
+            log.warning("second stop signal: cutting the drain short",
+                        extra={"signal": sig.name})
+            server.hurry()
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)

@@ -2,8 +2,10 @@
 
 Every catchable signal whose default action ends the process stops the server the
 same way: drain in-flight calls within the grace period, remove the socket and the
-shared-memory files, exit 0. SIGHUP is no reload (the config is read once); SIGQUIT,
-SIGUSR1 and friends would otherwise kill it mid-call and leave its files behind.
+shared-memory files, exit 0. A second one (an operator's second Ctrl-C) cuts the drain
+short: what is still in flight is cancelled, and the files are removed all the same.
+SIGHUP is no reload (the config is read once); SIGQUIT, SIGUSR1 and friends would
+otherwise kill it mid-call and leave its files behind.
 
 Python's own defaults apply until ``SignalLatch.install`` runs, which ``prefixcache
 serve`` does first, before the slow imports. From then until the event loop takes the
