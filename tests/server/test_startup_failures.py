@@ -37,6 +37,7 @@ class Case:
     args: tuple[str, ...] = ()
     # gRPC's C core logs a failed bind itself, and TCP without TLS is warned about.
     one_line: bool = True
+    says: str = ""  # what the line must also name (a path to fix)
 
 
 # {port} is replaced by a port that the fixture holds busy.
@@ -67,6 +68,12 @@ CASES = {
     "grace-period-1e12": Case("server: {grace_period: 1e12}\n", "server.grace_period"),
     "socket-mode-0": Case("server: {socket_mode: 0}\n", "server.socket_mode"),
     "session-ttl-max-inf": Case("server: {session_ttl_max: .inf}\n", "server.session_ttl_max"),
+    "socket-directory-missing": Case(SMALL, "server.listen",
+                                     ("--listen", "unix:/nonexistent-pc-dir/s.sock"),
+                                     says="/nonexistent-pc-dir does not exist"),
+    "token-file-missing": Case(SMALL, "server.token_file",
+                               ("--token-file", "/nonexistent-pc-dir/token"),
+                               says="/nonexistent-pc-dir/token"),
 }
 
 
@@ -137,4 +144,5 @@ def test_start_failure_exits_2_with_one_line_and_leaves_nothing(
     assert len(lines) == 1 or not CASES[name].one_line, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert lines[-1].startswith(f"prefixcache: config error: {CASES[name].field}: "), lines[-1]
+    assert CASES[name].says in lines[-1], lines[-1]
     assert out.left == [], f"left behind: {out.left}"

@@ -57,7 +57,7 @@ def read_secret(value: str | None, path: str | None, where: str) -> str | None:
     try:
         secret = Path(path).read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"{where}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{where}: cannot read {path}: {exc.strerror or exc}") from exc
     if not secret:
         raise ConfigError(f"{where}: {path} is empty")
     return secret
