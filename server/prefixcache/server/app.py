@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import stat
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -102,6 +103,8 @@ class PrefixCacheServer:
         self._hurry: asyncio.Future[None] | None = None
         # KV events out (server.kv_events): one ZMQ publisher per tree model, or None.
         self.kv_events: KvEventPublishers | None = None
+        # The shared cross-node KV tier (server.tier, tier/), or None.
+        self.tier: Any = None
 
     async def start(self) -> None:
         cfg = self.config.server
@@ -136,6 +139,7 @@ class PrefixCacheServer:
                                              cfg.tenants)
             if self.kv_events is not None:
                 self.metrics.watch_kv_events(self.kv_events.publishers)
+            self._start_tier()
             await server.start()
         except BaseException:
             await self._undo_start(server)  # no socket or shared-memory files left behind
@@ -160,6 +164,22 @@ class PrefixCacheServer:
             raise ConfigError(f"server.metrics_port: cannot listen on {cfg.metrics_host}:"
                               f"{cfg.metrics_port}: {exc.strerror or exc}") from exc
 
+    def _start_tier(self) -> None:
+        """The shared cross-node tier (server.tier), connecting in the background."""
+        from .tier import start_tier
+        from .tier.metrics import TierCollector
+
+        self.tier = start_tier(self.config.server.tier, self.service)
+        if self.tier is not None:
+            self.servicer.tier = self.tier
+            self.metrics.registry.register(TierCollector(self.tier))
+
+    def _close_tier(self) -> None:
+        if self.tier is not None:
+            self.servicer.tier = None
+            self.tier.close()
+            self.tier = None
+
     def _close_kv_events(self) -> None:
         if self.kv_events is not None:
             self.kv_events.close()
@@ -169,6 +189,7 @@ class PrefixCacheServer:
         with contextlib.suppress(Exception):
             await server.stop(None)
         self._close_kv_events()
+        self._close_tier()
         self.metrics.close()
         self.service.close()
         if self._socket_path:
@@ -252,6 +273,7 @@ class PrefixCacheServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         self._close_kv_events()  # after the last call: its changes go out first
+        self._close_tier()
         self.metrics.close()
         self.service.close()
         if self._socket_path:

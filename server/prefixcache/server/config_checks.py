@@ -16,6 +16,7 @@ from prefixcache.cache import EVICTION_POLICIES
 
 from .config_kv_events import parse_kv_events
 from .config_tenants import check_tenant_tokens, parse_tenants
+from .config_tier import parse_tier
 from .config_types import (
     CACHE_KINDS,
     DTYPES,
@@ -48,7 +49,7 @@ _PARSERS = {"socket_mode": file_mode,
             # "auto": the derived cap of quotas.Quota.of (None).
             "max_session_locked_tokens":
                 lambda v, d, w: None if v == "auto" else coerce(v, 0, w),
-            "kv_events": parse_kv_events, "tenants": parse_tenants}
+            "kv_events": parse_kv_events, "tenants": parse_tenants, "tier": parse_tier}
 
 
 def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .config_kv_events import KvEventsConfig
 from .config_tenants import TenantConfig
+from .config_tier import TierConfig
 
 CACHE_KINDS = ("radix", "swa", "mamba", "slot", "chunk")
 DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8")
@@ -69,6 +70,8 @@ class ModelConfig:
     # ReadKV of any slot by any caller, with or without a session (kv_access.py). Off,
     # a caller reads only slots its session holds or has locked.
     open_reads: bool = False
+    # With server.tier on: false keeps this model's pages out of the shared tier.
+    tier: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +177,8 @@ class ServerConfig:
     change_log_capacity: int = 0
     # KV events out (vLLM/SGLang ZMQ wire format) (config_kv_events.py).
     kv_events: KvEventsConfig = field(default_factory=lambda: KvEventsConfig())
+    # The shared cross-node KV tier (config_tier.py, server/tier/); None: off.
+    tier: TierConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,6 +82,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
         self.write_budget = kv_access.WriteBudget(self.limits.max_inflight_write_bytes,
                                                   self.limits.max_inflight_write_bytes_total)
         self.metrics = metrics
+        # The shared cross-node tier (tier/), set by the server once started; None: off.
+        self.tier: Any = None
         self.check_integrity = check_integrity
         # ReadKV chunks never exceed this, whatever the client asks for.
         self.max_chunk_bytes = max(max_message_bytes - CHUNK_OVERHEAD, 1)
@@ -115,7 +117,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
             self.metrics.observe_rpc(method, code, time.perf_counter() - start)
 
     async def _unary(self, method: str, context: grpc.aio.ServicerContext,
-                     handler: Callable[..., Any], *args: Any, mutates: bool = False) -> Any:
+                     handler: Callable[..., Any], *args: Any, mutates: bool = False,
+                     prepare: Callable[[Any], Any] | None = None) -> Any:
         start = time.perf_counter()
         code = _OK
         try:
@@ -128,6 +131,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
                 if caller.bound:
                     check_request(caller, args[0], self.service)
                 self.service.check_epoch(getattr(args[0], "server_epoch", 0))
+            if prepare is not None:  # awaits (the tier's fetch), then the handler runs whole
+                await prepare(args[0])
             reply = handler(*args)
             if self.check_integrity and (mutates or (args and _mutates(args[0]))):
                 self.service.check_integrity()
@@ -164,7 +169,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
         return lambda req: handler(req, self._session_of(req.session_id))
 
     async def Match(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
-        return await self._unary("Match", context, self._with_session(self._match), request)
+        return await self._unary("Match", context, self._with_session(self._match), request,
+                                 prepare=self.tier.before_match if self.tier else None)
 
     async def Insert(self, request: pb.InsertRequest, context: Any) -> pb.InsertResponse:
         return await self._unary("Insert", context, self._with_session(self._insert), request)

@@ -1,0 +1,180 @@
+"""The read path: after a local hit, the pages that follow it, from the store.
+
+``prefetch(tier, engine, key)`` runs before a lookup is answered (servicer.py's Match):
+
+1. On the loop: the local hit, and the chained hashes of the whole pages after it
+   (chained on the hit's last page, so they are the hashes the writer used).
+2. Off the loop: one ``exists`` over their keys; the leading run found is wanted.
+3. On the loop: the local hit again (the tree may have grown meanwhile), locked for the
+   tier's session; fresh slots for the wanted pages, allocated to that session.
+4. Off the loop: ``get_into`` those slots' rows straight from the store.
+5. On the loop: the leading run read whole (every byte of every page) is inserted
+   after the local hit, as the session's slots, and the rest freed. The lookup that
+   follows finds it in the tree, so it is answered as a hit like any local one.
+
+Each store call is bounded by ``tier.timeout`` (service.py); a failure, a timeout or
+anything short counts as a miss and leaves the tree as it was. A fetch that timed out
+keeps its slots until its thread is done writing into them, then frees them. A Reset
+in between (``generation``) voids the fetch: the Reset took the session's slots and
+lock already.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from prefixcache.cache.allocator import host_indices
+from prefixcache.cache.hashing import hash_pages
+from prefixcache.cache.key import TOKEN_BYTES
+
+from .backend import code_name
+from .model_tier import ModelTier
+
+log = logging.getLogger("prefixcache.server")
+
+# Pages one lookup fetches at most; never more than this share of the pool either.
+MAX_FETCH_PAGES = 2048
+MAX_POOL_SHARE = 0.5
+
+
+async def prefetch(tier: Any, mt: ModelTier, key: Any) -> int:
+    """Bring the pages after ``key``'s local hit in from the store; returns the tokens
+    fetched (0 on any miss). Never raises for a store failure."""
+    engine, ps = mt.engine, mt.page_size
+    cache = engine.cache
+    packed, width = key.packed()
+    n = len(key)
+    aligned = n - n % ps
+    hit = cache.match_prefix(key)
+    local = hit.prefix_len
+    if local >= aligned:
+        mt.hit_tokens["local"] += local
+        mt.count(mt.lookups, "local")
+        return 0
+    why = tier.available()
+    if why is not None:
+        mt.hit_tokens["local"] += local
+        mt.count(mt.lookups, why)
+        return 0
+    limit = min(MAX_FETCH_PAGES, int(engine.pool_size * MAX_POOL_SHARE) // ps)
+    want = min((aligned - local) // ps, limit)
+    hashes = _hashes_after(cache, hit.last_node if local else None, local, want, packed,
+                           width, ps)
+    keys = mt.keys.keys(key.extra_key, width, hashes)
+    codes, _ = await tier.call("exists", tier.backend.exists, keys)
+    found = _leading(codes, lambda c: c == 1)
+    if codes is None or found == 0:
+        mt.hit_tokens["local"] += local
+        mt.count(mt.lookups, "error" if codes is None else "miss")
+        return 0
+    got = await _fetch(tier, mt, key, local, keys[:found])
+    mt.hit_tokens["local"] += local
+    mt.hit_tokens["remote"] += got
+    mt.count(mt.lookups, "remote" if got else "miss")
+    return got
+
+
+def _hashes_after(cache: Any, node: Any, local: int, pages: int, packed: bytes, width: int,
+                  ps: int) -> list[str]:
+    """The chained hashes of ``pages`` pages after the first ``local`` tokens, which
+    end at ``node`` (None for none)."""
+    prior = None
+    if node is not None:
+        prior = bytes.fromhex(cache.compute_node_hash(node)[-1])
+    token_bytes = TOKEN_BYTES * width
+    tail = packed[local * token_bytes:(local + pages * ps) * token_bytes]
+    return hash_pages(tail, ps * token_bytes, prior)
+
+
+def _leading(codes: list[int] | None, ok: Any) -> int:
+    if not codes:
+        return 0
+    for i, code in enumerate(codes):
+        if not ok(code):
+            return i
+    return len(codes)
+
+
+async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]) -> int:
+    """Steps 3 to 5 of the module doc for the pages ``keys`` that follow ``local``."""
+    engine, ps, session = mt.engine, mt.page_size, tier.session
+    cache = engine.cache
+    # 3. The tree may have grown while we asked: fetch only what it still lacks.
+    result = cache.match_prefix(key[:local + len(keys) * ps])
+    now = result.prefix_len
+    if now < local or (now - local) % ps:
+        return 0  # the local hit shrank (evicted): leave it to the next lookup
+    keys = keys[(now - local) // ps:]
+    if not keys:
+        return 0
+    generation = mt.generation
+    lock_id = 0
+    try:
+        if now:
+            lock_id = engine.lock(session, engine._handle(result.last_node))
+        slots, _ = engine.alloc(session, len(keys) * ps)
+    except Exception as exc:  # no room (all pinned), a quota: a miss
+        if lock_id:
+            engine.unlock(session, lock_id)
+        tier.error("fetch", type(exc).__name__)
+        return 0
+
+    def release(inserted: int = 0) -> None:
+        if generation != mt.generation or session.closed:
+            return  # a Reset took the slots and the lock already
+        rest = slots[inserted:]
+        if len(rest):
+            engine.free(session, rest)
+        if lock_id:
+            engine.unlock(session, lock_id)
+
+    ptrs, sizes = mt.layout.parts(slots)
+    start = time.perf_counter()
+    codes, fut = await tier.call("get", tier.backend.get_into, keys, ptrs, sizes)
+    if codes is None:
+        if fut is not None and not fut.done():
+            # 4 timed out: the thread may still write into the slots; free them after.
+            fut.add_done_callback(lambda _f: _safely(release))
+        else:
+            _safely(release)
+        return 0
+    mt.fetch_seconds += time.perf_counter() - start
+    whole = _leading(codes, lambda c: c == mt.layout.page_bytes)
+    for code in codes[whole:whole + 1]:
+        if code < 0:
+            tier.error("get", code_name(code))
+        elif code != mt.layout.page_bytes:
+            tier.error("get", "SIZE_MISMATCH")
+    if generation != mt.generation or whole == 0:
+        _safely(release)
+        return 0
+    mt.fetch_bytes += whole * mt.layout.page_bytes
+    # 5. Insert the run read whole after the (locked, so unchanged) local hit.
+    end = now + whole * ps
+    head = host_indices(cache.match_prefix(key[:now]).indices)[:now] if now else \
+        np.zeros(0, dtype=np.int64)
+    inserted = 0
+    mt.suppressed = True
+    try:
+        out = engine.insert(key[:end], np.concatenate([head, slots[:whole * ps]]), session)
+        inserted = whole * ps
+        got = end - max(out.prefix_len, now)
+    except Exception:
+        log.exception("tier fetch insert failed")
+        tier.error("fetch", "INSERT")
+        got = 0
+    finally:
+        mt.suppressed = False
+    _safely(release, inserted)
+    return got
+
+
+def _safely(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("tier fetch cleanup failed")

@@ -1,0 +1,188 @@
+"""ModelTier: one model's side of the tier: new pages out to the store, and counters.
+
+It listens to the model's tree (it wraps the cache's listener, passing every event on),
+so every way pages enter the tree (Insert, Step, Session streams, SetPages) writes them
+to the store with no hook in those paths:
+
+* ``pages_stored(node)`` only notes the node (inside the cache operation, which must
+  stay cheap); once the call that made it has run, ``flush`` pins each noted node with
+  a lock of the tier's session, so its slots cannot be evicted and reused while their
+  rows are being read, and queues a put of its pages from the pool's memory. The put
+  job's answer, back on the loop, releases the lock.
+* ``cleared`` (a Reset) bumps ``generation``: a put or fetch begun before it touched
+  rows that mean nothing now, so its result is dropped (and a put's objects removed).
+* Pages fetched from the store are inserted with ``suppressed`` set: they came from
+  there, and are not written back.
+
+Not thread-safe: the loop's, like the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from prefixcache.cache.allocator import host_indices
+
+from .backend import OBJECT_ALREADY_EXISTS, code_name
+from .keys import KeyMaker
+from .layout import PageLayout
+from .writer import PutJob
+
+log = logging.getLogger("prefixcache.server")
+
+# Pages of one put job at most (a longer node is written as several jobs).
+MAX_JOB_PAGES = 256
+
+
+class _Listener:
+    """The cache's listener: tells the model tier, then whoever listened before."""
+
+    def __init__(self, forward: Any, owner: ModelTier) -> None:
+        self.forward = forward
+        self.owner = owner
+
+    def cleared(self, cache: Any) -> None:
+        if self.forward is not None:
+            self.forward.cleared(cache)
+        self.owner.generation += 1
+
+    def pages_stored(self, node: Any) -> None:
+        if self.forward is not None:
+            self.forward.pages_stored(node)
+        self.owner.stored(node)
+
+    def pages_removed(self, node: Any) -> None:
+        if self.forward is not None:
+            self.forward.pages_removed(node)
+
+
+class ModelTier:
+    """The tier's hooks into one radix model (``engine``) and its counters."""
+
+    def __init__(self, tier: Any, engine: Any) -> None:
+        self.tier = tier
+        self.engine = engine
+        self.name = engine.name
+        self.page_size = engine.page_size
+        self.keys = KeyMaker(engine.config)
+        self.layout = PageLayout(engine.kv_pool, engine.page_size)
+        self.generation = 0
+        self.suppressed = False
+        self._pending: list[Any] = []
+        self._flush_scheduled = False
+        cache = engine.cache
+        self._listener = _Listener(cache.listener, self)
+        # Page hashes must exist when a node enters the tree; with a listener the cache
+        # computes them then (about 2 us a page).
+        cache.listener = self._listener
+        cache.eager_page_hashes = True
+        # Counters (read by metrics.py at scrape time).
+        self.hit_tokens = {"local": 0, "remote": 0}
+        self.lookups: dict[str, int] = {}
+        self.fetch_bytes = 0
+        self.fetch_seconds = 0.0
+        self.put_pages = 0
+        self.put_bytes = 0
+        self.put_failed = 0
+        self.drops: dict[str, int] = {}
+
+    def count(self, table: dict[str, int], label: str, n: int = 1) -> None:
+        table[label] = table.get(label, 0) + n
+
+    def close(self) -> None:
+        """Give the cache its listener back."""
+        if self.engine.cache.listener is self._listener:
+            self.engine.cache.listener = self._listener.forward
+
+    # ------------------------------------------------------------ write path
+
+    def stored(self, node: Any) -> None:
+        if self.suppressed or self.tier.closed:
+            return
+        self._pending.append(node)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.tier.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Queue a put of every noted node still in the tree (see the module doc)."""
+        self._flush_scheduled = False
+        nodes, self._pending = self._pending, []
+        for node in nodes:
+            if node.evicted or not node.hash_values:
+                continue
+            pages = len(node.hash_values)
+            why = self.tier.available()
+            if why is not None or self.tier.puts is None:
+                self.count(self.drops, why or "unavailable", pages)
+                continue
+            try:
+                self._queue(node)
+            except Exception as exc:  # a quota on the tier's locks, a stale node
+                self.count(self.drops, type(exc).__name__, pages)
+
+    def _queue(self, node: Any) -> None:
+        engine, tier = self.engine, self.tier
+        ns = node.require_namespace()
+        hashes = list(node.hash_values)
+        slots = host_indices(node.value)
+        keys = self.keys.keys(ns.extra_key, ns.token_width, hashes)
+        lock_id = engine.lock(tier.session, engine._handle(node))
+        generation = self.generation
+        jobs = []
+        for at in range(0, len(keys), MAX_JOB_PAGES):
+            part = slots[at * self.page_size:(at + MAX_JOB_PAGES) * self.page_size]
+            ptrs, sizes = self.layout.parts(np.ascontiguousarray(part))
+            jobs.append(PutJob(keys[at:at + MAX_JOB_PAGES], ptrs, sizes, lambda c: None,
+                               len(ptrs) * self.layout.page_bytes))
+        left = [len(jobs)]
+
+        def done(job: PutJob, codes: list[int]) -> None:
+            self._put_done(job, codes, generation)
+            left[0] -= 1
+            if left[0] == 0:
+                self._unlock(lock_id, generation)
+
+        for i, job in enumerate(jobs):
+            job.done = lambda codes, job=job: done(job, codes)
+            if tier.puts is None or not tier.puts.offer(job):
+                self.count(self.drops, "queue_full", len(job.keys))
+                for _ in jobs[i:]:
+                    left[0] -= 1
+                if left[0] == 0:
+                    self._unlock(lock_id, generation)
+                return
+
+    def _put_done(self, job: PutJob, codes: list[int], generation: int) -> None:
+        tier = self.tier
+        if generation != self.generation:
+            # A Reset freed the rows while they were read: what was stored may be
+            # another page's bytes. Remove it (best effort, off the loop).
+            if tier.ready and tier.backend is not None and codes:
+                tier.loop.run_in_executor(tier._pool, tier.backend.remove, job.keys)
+            self.count(self.drops, "reset", len(job.keys))
+            return
+        if not codes:
+            tier.error("put", "FAILED")
+            self.put_failed += len(job.keys)
+            return
+        for code in codes:
+            if code == 0:
+                self.put_pages += 1
+                self.put_bytes += self.layout.page_bytes
+            elif code != OBJECT_ALREADY_EXISTS:
+                self.put_failed += 1
+                tier.error("put", code_name(code))
+                if code == -900:
+                    tier.trip()
+
+    def _unlock(self, lock_id: int, generation: int) -> None:
+        if generation != self.generation or self.tier.session.closed:
+            return  # a Reset already dropped the lock
+        try:
+            self.engine.unlock(self.tier.session, lock_id)
+        except Exception:  # released by a Reset in between: nothing to do
+            log.debug("tier lock already released", exc_info=True)

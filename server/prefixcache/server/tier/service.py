@@ -1,0 +1,237 @@
+"""Tier: the shared KV tier of one server, and every store call it makes.
+
+Concurrency. The engines are single-writer on the event loop (servicer.py), and a
+store call blocks (a dead master holds each for about 4 s). So every call runs on a
+small thread pool and the loop awaits it for at most ``tier.timeout``; past that the
+call counts as a miss and the loop goes on, while the thread finishes in the
+background (what it touched in the pool stays held until then: fetch.py). A timeout
+or an unreachable master opens a breaker: for ``cooldown`` seconds lookups answer a
+miss at once instead of queueing behind threads that are stuck. Every change to a
+tree or pool happens back on the loop.
+
+The store is reached in the background: a master that is down at start, or restarts,
+costs misses (and dropped writes), never a failed start or a failed call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..codec import decode_key
+from ..config_tier import TierConfig
+from ..limits import request_tokens
+from .backend import RPC_FAIL, TierBackend, TierUnavailable
+from .fetch import prefetch
+from .model_tier import ModelTier
+from .writer import PutQueue
+
+log = logging.getLogger("prefixcache.server")
+
+# Store calls in flight from lookups at most; more answer a miss at once ("busy").
+MAX_INFLIGHT = 4
+# Seconds between attempts to reach a store that could not be set up.
+RECONNECT_SECONDS = 5.0
+# Seconds a stopping server waits for the store client to leave.
+CLOSE_SECONDS = 5.0
+
+
+def _open_backend(cfg: TierConfig) -> TierBackend:
+    from .mooncake_backend import MooncakeBackend
+
+    return MooncakeBackend(cfg)
+
+
+class Tier:
+    """The tier of one server: the store client, its threads, and each model's hooks.
+
+    Args:
+        cfg: ``server.tier``.
+        service: The CacheService whose tree models it serves (``models[].tier`` on).
+        loop: The service's event loop.
+        open_backend: Makes the store client (blocking; raises TierUnavailable).
+    """
+
+    def __init__(self, cfg: TierConfig, service: Any, loop: asyncio.AbstractEventLoop,
+                 open_backend: Callable[[TierConfig], TierBackend] = _open_backend) -> None:
+        self.cfg = cfg
+        self.loop = loop
+        self.backend: TierBackend | None = None
+        self._open_backend = open_backend
+        self._pool = ThreadPoolExecutor(MAX_INFLIGHT, thread_name_prefix="prefixcache-tier")
+        self.inflight = 0
+        self.cooldown = max(1.0, 4 * cfg.timeout)
+        self._open_until = 0.0
+        self.closed = False
+        self.puts: PutQueue | None = None
+        # Locks of pages being written and slots being fetched belong to this session,
+        # so the service's audits, quotas and Reset see them like any worker's.
+        self.session = service.sessions.open(None, "prefixcache-tier")
+        self.service = service
+        self.models: dict[str, ModelTier] = {}
+        for name, engine in service.engines.items():
+            if engine.config.tier and engine.kind == "radix":
+                self.models[name] = ModelTier(self, engine)
+        # Store calls that failed, by op and code (a timeout is "TIMEOUT").
+        self.errors: dict[tuple[str, str], int] = {}
+        self._stop = threading.Event()
+        self._connector = threading.Thread(target=self._connect, name="prefixcache-tier-setup",
+                                           daemon=True)
+
+    @property
+    def ready(self) -> bool:
+        return self.backend is not None and not self.closed
+
+    def start(self) -> None:
+        self._connector.start()
+
+    def _connect(self) -> None:
+        """Set the store client up (retrying while the master is down), register every
+        model's pool with it, then start the put queue. On its own thread."""
+        while not self._stop.is_set():
+            try:
+                backend = self._open_backend(self.cfg)
+                for mt in self.models.values():
+                    for ptr, size in mt.layout.regions():
+                        backend.register(ptr, size)
+            except TierUnavailable as exc:
+                log.warning("tier unavailable, retrying", extra={"reason": str(exc),
+                                                                 "retry_seconds":
+                                                                 RECONNECT_SECONDS})
+                self._stop.wait(RECONNECT_SECONDS)
+                continue
+            except Exception:
+                log.exception("tier setup failed, retrying")
+                self._stop.wait(RECONNECT_SECONDS)
+                continue
+            try:
+                self.loop.call_soon_threadsafe(self._connected, backend)
+            except RuntimeError:  # the loop is gone
+                backend.close()
+            return
+
+    def _connected(self, backend: TierBackend) -> None:
+        if self.closed:
+            threading.Thread(target=backend.close, daemon=True).start()
+            return
+        self.puts = PutQueue(backend.put_from, self.loop.call_soon_threadsafe)
+        self.backend = backend
+        log.info("tier connected", extra={"master": self.cfg.master,
+                                          "models": ",".join(self.models)})
+
+    # ----------------------------------------------------------------- lookups
+
+    async def before_match(self, request: Any) -> None:
+        """A Match's tier step: bring the pages after its local hit in from the store,
+        so the handler that follows answers them as a hit (fetch.py). A request the
+        handler will refuse is left to it."""
+        mt = self.models.get(request.model)
+        if mt is None or self.closed:
+            return
+        engine = mt.engine
+        try:
+            key = decode_key(request.token_ids, request.token_width,
+                             request.extra_key if request.HasField("extra_key") else None,
+                             engine.config.vocab_size,
+                             request_tokens(self.service.limits, engine.config))
+        except Exception:
+            return
+        await prefetch(self, mt, key)
+
+    # ------------------------------------------------------------ store calls
+
+    def available(self) -> str | None:
+        """Why a store call would not be made now (a metric label), or None."""
+        if not self.ready:
+            return "unavailable"
+        if time.monotonic() < self._open_until:
+            return "breaker_open"
+        if self.inflight >= MAX_INFLIGHT:
+            return "busy"
+        return None
+
+    async def call(self, op: str, fn: Callable[..., list[int]], *args: Any
+                   ) -> tuple[list[int] | None, asyncio.Future[Any] | None]:
+        """Run a store call on the pool for at most ``tier.timeout`` seconds.
+
+        Returns its codes, or None (counted) when it failed or timed out, with the
+        future of the call (None if not made): one that timed out may still be running.
+        """
+        if self.available() is not None:
+            return None, None
+        self.inflight += 1
+        fut = self.loop.run_in_executor(self._pool, fn, *args)
+        fut.add_done_callback(self._landed)
+        try:
+            codes = await asyncio.wait_for(asyncio.shield(fut), self.cfg.timeout)
+        except TimeoutError:
+            self.error(op, "TIMEOUT")
+            self.trip()
+            return None, fut
+        except Exception as exc:
+            self.error(op, type(exc).__name__)
+            return None, fut
+        if RPC_FAIL in codes:
+            self.trip()
+        return codes, fut
+
+    def _landed(self, fut: asyncio.Future[Any]) -> None:
+        self.inflight -= 1
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a late failure is counted where it is awaited
+
+    def trip(self) -> None:
+        """Skip store calls for a while: the store is slow or unreachable."""
+        self._open_until = time.monotonic() + self.cooldown
+
+    def error(self, op: str, code: str) -> None:
+        self.errors[(op, code)] = self.errors.get((op, code), 0) + 1
+
+    # --------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Stop the threads and leave the store (its segment, and what it holds, go)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        if self.puts is not None:
+            for job in self.puts.close():
+                job.done([])
+        for mt in self.models.values():
+            mt.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        backend, self.backend = self.backend, None
+        if backend is not None:  # leaving the store waits on it (about 1 s): bounded
+            closer = threading.Thread(target=_close_quietly, args=(backend,), daemon=True)
+            closer.start()
+            closer.join(CLOSE_SECONDS)
+        if not self.session.closed:
+            self.service.close_session(self.session)
+
+
+def _close_quietly(backend: TierBackend) -> None:
+    try:
+        backend.close()
+    except Exception:
+        log.exception("tier close failed")
+
+
+def start_tier(cfg: TierConfig | None, service: Any) -> Tier | None:
+    """The server's tier, connecting in the background; None when ``server.tier`` is off
+    or no model takes part. Call on the service's event loop."""
+    if cfg is None:
+        return None
+    tier = Tier(cfg, service, asyncio.get_running_loop())
+    if not tier.models:
+        tier.close()
+        log.warning("server.tier is on but no model uses it (radix models only; "
+                    "models[].tier: false opts out)")
+        return None
+    tier.start()
+    return tier

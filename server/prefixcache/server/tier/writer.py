@@ -1,0 +1,112 @@
+"""The put queue: pages on their way to the store, written by one thread of their own.
+
+Nothing waits on a write: the event loop hands a job over (``offer``) and goes on; a
+full queue refuses the job, and the caller counts the drop. The thread takes up to
+``batch_jobs`` jobs at once and stores all their pages in one batch call, then hands
+each job's answer back to the loop (``done``, called there), which releases the pages
+the job pinned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backend import Parts
+
+log = logging.getLogger("prefixcache.server")
+
+
+@dataclass(slots=True)
+class PutJob:
+    """Pages to store: keys and parts, and what to call on the loop once stored
+    (with one code per key; an empty list when the call itself failed)."""
+
+    keys: list[str]
+    ptrs: Parts
+    sizes: Parts
+    done: Callable[[list[int]], None]
+    nbytes: int = 0
+    extra: Any = field(default=None)
+
+
+class PutQueue:
+    """A bounded queue of put jobs and the thread that stores them.
+
+    Args:
+        put: The backend's batch put (blocking), or raise.
+        call_soon: Runs a callable on the event loop (``loop.call_soon_threadsafe``).
+        max_jobs: Jobs waiting at most; one more is refused.
+        batch_jobs: Jobs stored by one batch call at most.
+    """
+
+    def __init__(self, put: Callable[[list[str], Parts, Parts], list[int]],
+                 call_soon: Callable[..., Any], max_jobs: int = 64,
+                 batch_jobs: int = 16) -> None:
+        self._put = put
+        self._call_soon = call_soon
+        self.max_jobs = max_jobs
+        self._batch = batch_jobs
+        self._jobs: deque[PutJob] = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self.busy = 0  # jobs taken by the thread, not yet answered
+        self._thread = threading.Thread(target=self._run, name="prefixcache-tier-put",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Jobs waiting or being written."""
+        return len(self._jobs) + self.busy
+
+    def offer(self, job: PutJob) -> bool:
+        """Queue ``job``; False (nothing queued) when the queue is full or closed."""
+        with self._cv:
+            if self._closed or len(self._jobs) >= self.max_jobs:
+                return False
+            self._jobs.append(job)
+            self._cv.notify()
+        return True
+
+    def close(self, timeout: float = 5.0) -> list[PutJob]:
+        """Stop the thread (after the batch in hand); returns the jobs never written."""
+        with self._cv:
+            self._closed = True
+            left = list(self._jobs)
+            self._jobs.clear()
+            self._cv.notify()
+        self._thread.join(timeout)
+        return left
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                batch = [self._jobs.popleft() for _ in range(min(self._batch, len(self._jobs)))]
+                self.busy = len(batch)
+            keys = [k for job in batch for k in job.keys]
+            ptrs = [p for job in batch for p in job.ptrs]
+            sizes = [s for job in batch for s in job.sizes]
+            try:
+                codes = self._put(keys, ptrs, sizes)
+            except Exception:  # a backend bug must not end the thread
+                log.exception("tier put failed")
+                codes = []
+            at = 0
+            for job in batch:
+                n = len(job.keys)
+                mine = codes[at:at + n] if len(codes) == len(keys) else []
+                at += n
+                with contextlib.suppress(RuntimeError):  # the loop is closed: server gone
+                    self._call_soon(job.done, mine)
+            with self._cv:
+                self.busy = 0

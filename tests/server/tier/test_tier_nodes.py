@@ -1,0 +1,184 @@
+"""The tier across "nodes": a real mooncake_master and two `prefixcache serve` processes.
+
+A prompt cached on node A, its KV written through the client, is a hit on node B with
+byte-identical KV (ReadKV); namespaces never read each other's pages; a master killed
+mid-run leaves both serving locally within their deadlines, and a restarted master is
+an empty tier: counted misses, nothing else.
+
+One master and one pair of servers per module (CI has 2 cores); the tests run in file
+order, the master's death last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tier_harness import Master, Node, needs_mooncake, tier_config
+
+from prefixcache.client import PrefixCacheClient
+
+MODEL = "m"
+PAGE = 4
+ROW = (2, 8)  # k_heads, k_head_dim
+TIMEOUT = 0.5
+# A call's deadline plus margin while the master is dead (2 cores, other jobs).
+WORST = TIMEOUT * 2 + 1.5
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    needs_mooncake()
+    tmp = tmp_path_factory.mktemp("tier")
+    master = Master(tmp)
+    master.start()
+    nodes: list[Node] = []
+    try:
+        for name in ("a", "b"):
+            nodes.append(Node(tmp, name, tier_config(master.address, timeout=TIMEOUT)))
+        for node in nodes:
+            node.wait(r"prefixcache_tier_connected", 1)
+        yield {"master": master, "a": nodes[0], "b": nodes[1]}
+    finally:
+        codes = [node.stop() for node in nodes]
+        master.stop()
+    assert codes == [0] * len(nodes), [n.stderr[-2000:] for n in nodes]
+
+
+def _tokens(seed: int, n: int = 16) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 30000, n).tolist()
+
+
+def _cache(node: Node, tokens: list[int], seed: int, extra_key: str | None = None
+           ) -> list[torch.Tensor]:
+    """Cache ``tokens`` on ``node`` with KV written through the client; returns the KV
+    (k layers, then v layers)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = [torch.randn(len(tokens), *ROW, generator=gen).half() for _ in range(4)]
+    with PrefixCacheClient(node.address, timeout=10) as client, client.session() as s:
+        slots = client.alloc(MODEL, len(tokens), session=s).slots
+        client.write_kv(MODEL, slots, kv[:2], kv[2:], session=s)
+        client.insert(MODEL, tokens, slots, session=s, extra_key=extra_key)
+    return kv
+
+
+def _read(node: Node, tokens: list[int], extra_key: str | None = None
+          ) -> tuple[int, list[torch.Tensor]]:
+    """Match on ``node`` (timed), then ReadKV of the hit under the match's lock."""
+    with PrefixCacheClient(node.address, timeout=10) as client, client.session() as s:
+        reply = client.match(MODEL, tokens, session=s, lock=True, extra_key=extra_key)
+        if not reply.prefix_len:
+            return 0, []
+        data = client.read_kv(MODEL, reply.slots, session=s)
+        return reply.prefix_len, [*data.k, *data.v]
+
+
+def _put_pages(node: Node) -> float:
+    return node.metric(r"prefixcache_tier_put_pages_total\{.*\}")
+
+
+def test_b_hits_what_a_cached_with_identical_kv(cluster: dict[str, Any]) -> None:
+    a, b = cluster["a"], cluster["b"]
+    tokens = _tokens(1)
+    before = _put_pages(a)
+    kv = _cache(a, tokens, seed=1)
+    a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(tokens) // PAGE)
+    hit, got = _read(b, tokens)
+    assert hit == len(tokens)
+    assert all(torch.equal(x, y) for x, y in zip(got, kv, strict=True))
+    assert b.metric(r'prefixcache_tier_hit_tokens_total\{.*tier="remote".*\}') == len(tokens)
+    # Node B now holds the pages itself: the next lookup is local, and B wrote nothing back.
+    assert _read(b, tokens)[0] == len(tokens)
+    assert b.metric(r'prefixcache_tier_lookups_total\{.*result="local".*\}') >= 1
+    assert _put_pages(b) == 0
+
+
+def test_b_fetches_only_what_follows_its_local_hit(cluster: dict[str, Any]) -> None:
+    a, b = cluster["a"], cluster["b"]
+    head = _tokens(2, 8)
+    tokens = head + _tokens(3, 12)
+    _cache(b, head, seed=4)  # B has the first two pages, with its own KV
+    before = _put_pages(a)
+    kv = _cache(a, tokens, seed=5)
+    a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(tokens) // PAGE)
+    remote = b.metric(r'prefixcache_tier_hit_tokens_total\{.*tier="remote".*\}')
+    hit, got = _read(b, tokens)
+    assert hit == len(tokens)
+    # The tail came from A, the head is B's own.
+    assert all(torch.equal(x[8:], y[8:]) for x, y in zip(got, kv, strict=True))
+    assert b.metric(r'prefixcache_tier_hit_tokens_total\{.*tier="remote".*\}') == remote + 12
+
+
+def test_namespaces_never_read_each_others_pages(cluster: dict[str, Any]) -> None:
+    a, b = cluster["a"], cluster["b"]
+    tokens = _tokens(6)
+    before = _put_pages(a)
+    kv = _cache(a, tokens, seed=6, extra_key="tenant-1/")
+    a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(tokens) // PAGE)
+    for other in ("tenant-2/", "", None):
+        assert _read(b, tokens, extra_key=other)[0] == 0
+    hit, got = _read(b, tokens, extra_key="tenant-1/")
+    assert hit == len(tokens)
+    assert all(torch.equal(x, y) for x, y in zip(got, kv, strict=True))
+
+
+def test_master_killed_then_restarted(cluster: dict[str, Any]) -> None:
+    a, b, master = cluster["a"], cluster["b"], cluster["master"]
+    before = _put_pages(a)
+    stored = _tokens(7)
+    _cache(a, stored, seed=7)
+    a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(stored) // PAGE)
+    master.kill()
+    # Both keep serving locally; no call takes longer than its deadline plus a margin.
+    worst = 0.0
+    for i in range(6):
+        tokens = _tokens(100 + i)
+        start = time.monotonic()
+        _cache(a, tokens, seed=100 + i)
+        hit_a = _read(a, tokens)[0]
+        hit_b = _read(b, tokens)[0]
+        worst = max(worst, time.monotonic() - start)
+        assert hit_a == len(tokens)
+        assert hit_b == 0
+    assert worst < 3 * WORST, worst  # three calls in each round
+    assert b.metric(r"prefixcache_tier_errors_total\{.*\}") + \
+        b.metric(r'prefixcache_tier_lookups_total\{.*result="(breaker_open|busy|error)".*\}') > 0
+    # Restarted: an empty tier. What A stored before is a counted miss on B...
+    master.start()
+    misses = b.metric(r'prefixcache_tier_lookups_total\{.*result="miss".*\}')
+    deadline = time.monotonic() + 30
+    while b.metric(r'prefixcache_tier_lookups_total\{.*result="miss".*\}') <= misses:
+        assert time.monotonic() < deadline, b.stderr[-3000:]
+        assert _read(b, stored)[0] == 0
+        time.sleep(0.5)
+    # ... and the tier works again for what is written after.
+    fresh = _tokens(8)
+    kv = _cache(a, fresh, seed=8)
+    deadline = time.monotonic() + 30
+    while True:
+        hit, got = _read(b, fresh)
+        if hit:
+            break
+        assert time.monotonic() < deadline, a.stderr[-3000:]
+        time.sleep(0.5)
+        _cache(a, fresh, seed=8)  # a write dropped while the client reconnected: again
+    assert hit == len(fresh)
+    assert all(torch.equal(x, y) for x, y in zip(got, kv, strict=True))
+
+
+def test_config_refuses_bad_tier_settings(tmp_path: Path) -> None:
+    from prefixcache.server.config import ConfigError, load_config
+
+    cases = {"protocol": "udp", "write": "sometimes", "timeout": 0, "min_hits": -1,
+             "segment_bytes": 10, "master": "nohost", "metadata": "etcd://x",
+             "backend": "redis", "colour": "blue"}
+    for key, value in cases.items():
+        path = tmp_path / f"{key}.yaml"
+        path.write_text(f"server:\n  tier:\n    {key}: {value!r}\n")
+        with pytest.raises(ConfigError, match=f"server.tier.{key}"):
+            load_config(path, env={})

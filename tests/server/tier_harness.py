@@ -1,0 +1,183 @@
+"""Real parts for the tier's tests: a ``mooncake_master`` on free loopback ports, and
+``prefixcache serve`` subprocesses with ``server.tier`` pointing at it.
+
+Tests that use these skip (with the reason) only when the Mooncake wheel of the
+``tier`` extra cannot be imported (not installed, or libibverbs1 missing).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-c", "from prefixcache.server.cli import main; raise SystemExit(main())"]
+
+
+def mooncake_missing() -> str | None:
+    """Why the Mooncake client cannot run here, or None."""
+    if shutil.which("mooncake_master") is None:
+        return "mooncake_master is not installed (pip install '.[tier]')"
+    probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True,
+                           text=True, timeout=60)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return f"mooncake.store does not import ({last}); needs libibverbs1"
+    return None
+
+
+def needs_mooncake() -> None:
+    reason = mooncake_missing()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[Any], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"mooncake_master did not listen on {port}")
+
+
+class Master:
+    """A ``mooncake_master`` on loopback; ``kill`` and ``start`` again on the same port."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.log_path = tmp / "master.log"
+        self.proc: subprocess.Popen[Any] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = {**os.environ, "GLOG_minloglevel": "1"}
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                ["mooncake_master", f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
+                 f"--metrics_port={self.metrics_port}", "--metrics_host=127.0.0.1",
+                 "--enable_metric_reporting=false", "--client_ttl=2"],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        _wait_port(self.port, self.proc)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def tier_config(master: str, *, timeout: float = 0.5, models: list[dict[str, Any]] | None = None,
+                **server: Any) -> dict[str, Any]:
+    """A small config with the tier on: private pools, tiny segments."""
+    return {
+        "server": {"shm_dir": "off", "check_integrity": True,
+                   "tier": {"master": master, "segment_bytes": 32 << 20,
+                            "timeout": timeout}, **server},
+        "models": models or [{"name": "m", "kind": "radix", "page_size": 4,
+                              "pool": {"size": 256, "layers": 2, "k_heads": 2,
+                                       "k_head_dim": 8, "dtype": "float16"}}],
+    }
+
+
+class Node:
+    """One ``prefixcache serve`` with the tier on: a "node" of the cluster."""
+
+    def __init__(self, tmp: Path, name: str, config: dict[str, Any]) -> None:
+        self.dir = tmp / name
+        self.dir.mkdir()
+        (self.dir / "pc.yaml").write_text(yaml.safe_dump(config))
+        self.address = f"unix:{self.dir / 'pc.sock'}"
+        self.metrics_port = free_port()
+        self.stderr_path = self.dir / "stderr"
+        self._stderr: IO[str] = open(self.stderr_path, "w")  # noqa: SIM115 (closed in stop)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
+        env.update(PYTHONPATH=f"{REPO / 'server'}:{REPO / 'client'}", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [*CLI, "serve", "--config", str(self.dir / "pc.yaml"), "--listen", self.address,
+             "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
+             "--grace-period", "1"],
+            cwd=self.dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=self._stderr)
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def metrics(self) -> dict[str, float]:
+        """The scrape, as ``{"name{labels}": value}``."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=5) as reply:
+            text = reply.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def metric(self, pattern: str) -> float:
+        """The sum of the samples whose ``name{labels}`` matches ``pattern``."""
+        return sum(v for k, v in self.metrics().items() if re.fullmatch(pattern, k))
+
+    def wait(self, pattern: str, minimum: float, timeout: float = 30.0) -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                value = self.metric(pattern)
+            except OSError:
+                value = float("nan")
+            if value >= minimum:
+                return value
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.stderr}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{pattern} stayed at {value} (< {minimum}):\n"
+                                   f"{self.stderr[-3000:]}")
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(10)
+        self._stderr.close()
+        return code
