@@ -42,6 +42,7 @@ from .config import ConfigError, ModelConfig
 from .engine_base import EngineBase, needs_session
 from .engine_slots import SlotOwnership
 from .errors import PreconditionError
+from .opaque_ids import OpaqueIds
 from .quotas import prefix_tokens
 from .sessions import Session
 from .slot_checks import check_distinct
@@ -90,10 +91,10 @@ class ModelEngine(SlotOwnership, EngineBase):
     """
 
     def __init__(self, config: ModelConfig, next_lock_id: Any,
-                 buffer_factory: BufferFactory | None = None, handle_base: int = 0,
-                 *, change_log: bool = False,
+                 buffer_factory: BufferFactory | None = None,
+                 handles: OpaqueIds | None = None, *, change_log: bool = False,
                  change_log_capacity: int = DEFAULT_CAPACITY) -> None:
-        super().__init__(config, next_lock_id, handle_base)
+        super().__init__(config, next_lock_id, handles)
         # The page set's change log (KV events, shadow indexes); chunk caches no pages.
         self.change_log = (ChangeLog(change_log_capacity)
                            if change_log and config.kind != "chunk" else None)

@@ -15,6 +15,7 @@ from prefixcache.cache import RadixKey
 
 from .config import ModelConfig
 from .errors import NotFoundError, PreconditionError
+from .opaque_ids import OpaqueIds
 from .quotas import NO_QUOTA, Quota, prefix_tokens
 from .sessions import HeldLock, Session
 
@@ -32,12 +33,13 @@ class EngineBase:
     Args:
         config: The model's configuration.
         next_lock_id: Hands out service-wide lock ids.
-        handle_base: Added to node ids to make their handles; the service draws it
-            per start, so a handle from before a restart names no node now.
+        handles: Makes node handles from node ids (opaque_ids.py): the service's, with
+            a key drawn per start, so a handle is unguessable and one from before a
+            restart names no node now (None: a fresh key).
     """
 
     def __init__(self, config: ModelConfig, next_lock_id: Callable[[], int],
-                 handle_base: int = 0) -> None:
+                 handles: OpaqueIds | None = None) -> None:
         self.config = config
         self.name = config.name
         self.kind = config.kind
@@ -45,7 +47,7 @@ class EngineBase:
         # simply gone, and a later call naming it gets NOT_FOUND.
         self._nodes: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._next_lock_id = next_lock_id
-        self._handle_base = handle_base
+        self._handles = OpaqueIds() if handles is None else handles
         self.num_locks = 0
         self.session_slots = 0
         self.match_tokens = 0
@@ -66,7 +68,7 @@ class EngineBase:
         """The opaque id a client may name ``node`` by (0 for none)."""
         if node is None:
             return 0
-        handle = self._handle_base + node.id
+        handle = self._handles.node(node.id)
         self._nodes[handle] = node
         return handle
 

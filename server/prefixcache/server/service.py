@@ -19,6 +19,7 @@ from .config import ModelConfig
 from .engine import ModelEngine
 from .errors import NotFoundError, PreconditionError, StaleEpochError
 from .limits import Limits, limits_of
+from .opaque_ids import OpaqueIds
 from .quotas import Quota
 from .sessions import Session, SessionRegistry, expiry_summary
 from .shared_pool import SharedPools
@@ -26,10 +27,6 @@ from .slot_engine import SlotEngine
 from .write_fence import WriteFences
 
 log = logging.getLogger("prefixcache.server")
-
-# Handles are id_base + a counter: 2**40 ids per start, 2**23 - 1 bases.
-_ID_BITS = 40
-_BASE_MASK = (1 << 23) - 1
 
 
 class CacheService:
@@ -52,11 +49,12 @@ class CacheService:
                  change_log_capacity: int = DEFAULT_CAPACITY) -> None:
         # A client that sees this change knows every handle it holds is gone.
         self.epoch = secrets.randbits(63) or 1
-        # Node and lock ids start at a base drawn per start, so an id kept from
-        # before a restart names nothing now (instead of somebody else's node or lock).
-        self.id_base = ((self.epoch & _BASE_MASK) or 1) << _ID_BITS
+        # Node handles and lock ids are keyed permutations of counters, with a key drawn
+        # per start (opaque_ids.py): unguessable, and an id kept from before a restart
+        # names nothing now (instead of somebody else's node or lock).
+        self.ids = OpaqueIds()
         self.limits = limits_of() if limits is None else limits
-        self.sessions = SessionRegistry(self._release, clock, self.id_base,
+        self.sessions = SessionRegistry(self._release, clock, self.ids,
                                         self.limits.max_sessions)
         # CPU pools in shared memory under shm_dir (None: private), for attach.
         self.shared = SharedPools(shm_dir, self.epoch, shm_mode)
@@ -69,7 +67,7 @@ class CacheService:
                          } if kind is ModelEngine else {}
                 self.engines[model.name] = kind(
                     model, self.sessions.next_lock_id,
-                    self.shared.factory(model.name, model.pool.device), self.id_base, **extra)
+                    self.shared.factory(model.name, model.pool.device), self.ids, **extra)
                 self.engines[model.name].quota = Quota.of(self.limits, self.engines[model.name])
         except BaseException:
             self.shared.close()

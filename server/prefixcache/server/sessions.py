@@ -24,6 +24,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Any
 
 from .errors import NotFoundError, OverLimitError
+from .opaque_ids import OpaqueIds
 
 if TYPE_CHECKING:
     from prefixcache.cache import TreeNode
@@ -126,7 +127,7 @@ class SessionRegistry:
         release: Called with a session when it ends, to hand back its locks and slots;
             returns ``(locks_released, slots_freed)``.
         clock: Monotonic seconds (injectable for tests).
-        id_base: Lock ids are ``id_base + 1``, ``+ 2``, ... (see ``CacheService``).
+        ids: Makes lock ids from a counter (opaque_ids.py; None: a fresh key).
         max_sessions: Open sessions (leased and streams) beyond which ``open`` refuses.
 
     Attributes:
@@ -134,7 +135,7 @@ class SessionRegistry:
     """
 
     def __init__(self, release: Callable[[Session], tuple[int, int]],
-                 clock: Callable[[], float] = time.monotonic, id_base: int = 0,
+                 clock: Callable[[], float] = time.monotonic, ids: OpaqueIds | None = None,
                  max_sessions: int = 10000) -> None:
         self._sessions: dict[str, Session] = {}
         self._release = release
@@ -147,9 +148,10 @@ class SessionRegistry:
         self._heap: list[tuple[float, int, Session]] = []
         # Tag 0 means "no session" in the owner arrays.
         self._tags = count(1)
-        # Lock ids are id_base + 1, + 2, ...: see CacheService.id_base.
-        self._first_lock_id = id_base + 1
-        self.last_lock_id = id_base
+        # Lock ids are the keyed permutation of 1, 2, ...: unguessable, yet the counter
+        # behind an id tells whether it was issued (opaque_ids.py).
+        self._ids = OpaqueIds() if ids is None else ids
+        self._locks_issued = 0
         self.expired_total = 0
 
     def __len__(self) -> int:
@@ -218,12 +220,12 @@ class SessionRegistry:
         return session
 
     def next_lock_id(self) -> int:
-        self.last_lock_id += 1
-        return self.last_lock_id
+        self._locks_issued += 1
+        return self._ids.lock(self._locks_issued)
 
     def issued(self, lock_id: int) -> bool:
         """Whether this registry has handed out ``lock_id`` (held or not)."""
-        return self._first_lock_id <= lock_id <= self.last_lock_id
+        return 1 <= self._ids.lock_counter(lock_id) <= self._locks_issued
 
     def close(self, session: Session) -> tuple[int, int]:
         """End ``session`` and hand back what it holds."""

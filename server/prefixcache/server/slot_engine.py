@@ -27,6 +27,7 @@ from .config import ModelConfig
 from .engine import _EMPTY, InsertOutcome, MatchOutcome
 from .engine_base import EngineBase, needs_session
 from .errors import PoolExhaustedError, PreconditionError
+from .opaque_ids import OpaqueIds
 from .sessions import Session
 
 
@@ -34,8 +35,9 @@ class SlotEngine(EngineBase):
     """The slot allocator, KV tensors and slot prefix cache of one model."""
 
     def __init__(self, config: ModelConfig, next_lock_id: Any,
-                 buffer_factory: BufferFactory | None = None, handle_base: int = 0) -> None:
-        super().__init__(config, next_lock_id, handle_base)
+                 buffer_factory: BufferFactory | None = None,
+                 handles: OpaqueIds | None = None) -> None:
+        super().__init__(config, next_lock_id, handles)
         self.page_size = 1
         pool = config.pool
         self.max_seq_len = config.max_seq_len
