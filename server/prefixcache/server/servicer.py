@@ -98,6 +98,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
         self._steps = StepExecutor(service, self.limits, self._refusal)
         # ReadKV and WriteKV streams in flight per session (quotas.py).
         self.streams = StreamQuota(self.limits.max_session_streams)
+        # KeepAlives that renew no lease (unknown ids) share one pace (keepalive.py).
+        self._unleased = keepalive.Unleased()
 
     # ------------------------------------------------------------- unary RPCs
 
@@ -219,12 +221,12 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
         # Paced per session (keepalive.py): a renewal storm waits instead of spinning.
         sessions = self.service.sessions
         session = None if isinstance(request, Refused) else sessions.find(request.session_id)
-        wait = keepalive.wait(session, time.monotonic())
+        wait = keepalive.wait(session, time.monotonic(), self._unleased)
         if wait > 0:
             try:
                 await asyncio.sleep(wait)
             except asyncio.CancelledError:
-                keepalive.give_back(session)
+                keepalive.give_back(session, self._unleased)
                 raise
         return await self._unary("KeepAlive", context, self._keep_alive, request)
 
