@@ -114,7 +114,8 @@ def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:
 _LIMIT_INTS = {"min_chunk_bytes": 1, "max_read_bytes": 0, "max_inflight_write_bytes": 1,
                "max_inflight_write_bytes_total": 1, "max_evict_tokens": 0,
                "max_extra_key_bytes": 1, "max_client_name_bytes": 1, "max_session_id_bytes": 1,
-               "max_request_tokens": 0, "max_sessions": 1, "max_step_items": 1,
+               "max_request_tokens": 0, "max_sessions": 1,
+               "max_sessions_per_client": 0, "max_step_items": 1,
                "max_step_bytes": 0, "max_request_bytes": 0, "log_queue_lines": 1,
                "max_session_slots": 0, "max_session_state_slots": 0,
                "max_session_locked_tokens": 0, "max_session_streams": 1}

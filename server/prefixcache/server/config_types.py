@@ -117,6 +117,11 @@ class ServerConfig:
     max_request_tokens: int = 0
     # Open sessions, leased and streams together (RESOURCE_EXHAUSTED beyond it).
     max_sessions: int = 10000
+    # Open sessions of one client, checked before max_sessions, so that one client
+    # cannot lock the others out (RESOURCE_EXHAUSTED beyond it; 0: off). A client is a
+    # tenant's token, else the peer's address, else (unix socket, loopback) the
+    # client_name (tenants.client_identity).
+    max_sessions_per_client: int = 1000
     # Per-session quotas (quotas.py), per model, checked before anything changes
     # (RESOURCE_EXHAUSTED beyond them). Slots one session holds (allocated, not yet
     # inserted or freed; 0: the model's pool size, so no cap but the pool, as the one

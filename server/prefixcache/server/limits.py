@@ -19,7 +19,8 @@ from .errors import OverLimitError, TooLargeError
 
 # The `limit` label values of prefixcache_refusals_total that this module's checks use.
 LIMIT_NAMES = ("max_extra_key_bytes", "max_client_name_bytes", "max_session_id_bytes",
-               "max_request_tokens", "max_sessions", "max_step_items", "max_step_bytes",
+               "max_request_tokens", "max_sessions", "max_sessions_per_client",
+               "max_step_items", "max_step_bytes",
                # request_caps.py: a request's bytes, checked before it is parsed.
                "max_request_bytes",
                # kv_access.py and evict_policy.py; tenant_namespaces is tenants.py's refusal.

@@ -24,6 +24,7 @@ from .quotas import Quota
 from .sessions import Session, SessionRegistry, expiry_summary
 from .shared_pool import SharedPools
 from .slot_engine import SlotEngine
+from .tenants import CALLER, PEER, client_identity
 from .write_fence import WriteFences
 
 log = logging.getLogger("prefixcache.server")
@@ -55,7 +56,8 @@ class CacheService:
         self.ids = OpaqueIds()
         self.limits = limits_of() if limits is None else limits
         self.sessions = SessionRegistry(self._release, clock, self.ids,
-                                        self.limits.max_sessions)
+                                        self.limits.max_sessions,
+                                        self.limits.max_sessions_per_client)
         # CPU pools in shared memory under shm_dir (None: private), for attach.
         self.shared = SharedPools(shm_dir, self.epoch, shm_mode)
         self.engines: dict[str, ModelEngine | SlotEngine] = {}
@@ -101,9 +103,13 @@ class CacheService:
                 "restarted, and the sessions, nodes, locks and slots from before are gone",
                 self.epoch)
 
-    def open_session(self, ttl: float, name: str = "") -> Session:
+    def open_session(self, ttl: float, name: str = "", client: str | None = None) -> Session:
+        """A leased session of ``client`` (None: the calling client, from the call's
+        caller and peer, ``tenants.client_identity``)."""
         granted = min(max(ttl or self.session_ttl, self.ttl_min), self.ttl_max)
-        session = self.sessions.open(granted, name)
+        if client is None:
+            client = client_identity(CALLER.get(), PEER.get(), name)
+        session = self.sessions.open(granted, name, client=client)
         log.info("session opened", extra={"session": session.id[:8], "client": name,
                                           "ttl": granted})
         return session
@@ -111,7 +117,8 @@ class CacheService:
     def open_stream_session(self, name: str = "") -> Session:
         """A Session stream's session: its lease (``stream_ttl``) is renewed by every
         message on the stream (``sessions.touch``)."""
-        return self.sessions.open(self.limits.stream_ttl, name, stream=True)
+        client = client_identity(CALLER.get(), PEER.get(), name)
+        return self.sessions.open(self.limits.stream_ttl, name, stream=True, client=client)
 
     def close_session(self, session: Session) -> tuple[int, int]:
         return self.sessions.close(session)

@@ -36,7 +36,7 @@ from .sessions import Session
 from .status import status_for, trailers_for
 from .step import StepExecutor
 from .subscriptions import Subscriptions
-from .tenants import ANYONE, Caller, Callers, check_request
+from .tenants import ANYONE, PEER, Caller, Callers, check_request
 
 log = logging.getLogger("prefixcache.server")
 
@@ -149,6 +149,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
         """Who this call comes from (tenants.py), made known to its handlers."""
         caller = self.callers.of(context.invocation_metadata()) if self._identify else ANYONE
         CALLER.set(caller)
+        if self._identify:  # an Evict without a session is charged to its peer
+            PEER.set(context.peer())
         return caller
 
     def _session_of(self, session_id: str) -> Session | None:
@@ -214,6 +216,7 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
 
     async def OpenSession(self, request: pb.OpenSessionRequest,
                           context: Any) -> pb.OpenSessionResponse:
+        PEER.set(context.peer())  # sessions are counted per client (tenants.client_identity)
         return await self._unary("OpenSession", context, self._open_session, request)
 
     async def KeepAlive(self, request: pb.KeepAliveRequest,
@@ -340,6 +343,9 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
                       context: Any) -> AsyncIterator[pb.SessionResponse]:
         if self.service.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
+        # Its operations are the caller's (tenants, Evict's cap), and so is its session.
+        self._enter(context)
+        PEER.set(context.peer())
         try:
             session = self.service.open_stream_session(
                 truncate(context.peer(), self.limits.max_client_name_bytes))
@@ -347,7 +353,6 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
             await context.abort(self._refusal(exc, "Session"), str(exc))
         # The stream's lease lapsing (reaper.py) cancels this handler, ending the stream.
         session.on_lapse = asyncio.current_task().cancel
-        self._enter(context)  # its operations are the caller's (tenants, Evict's cap)
         try:
             async for request in request_iterator:
                 self.service.sessions.touch(session)

@@ -8,7 +8,6 @@ on the event loop, so a model stays single-writer without locks (DESIGN §3).
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable
 from typing import Any
 
@@ -25,11 +24,7 @@ from .service import CacheService
 from .sessions import Session
 from .shared_pool import describe_buffers
 from .step import StepExecutor, model_stats
-from .tenants import ANYONE, Caller
-
-# Who the call being handled comes from (tenants.py): each RPC runs in its own task, and
-# an entry point sets this before any handler runs, so handlers need no extra argument.
-CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("caller", default=ANYONE)
+from .tenants import CALLER  # who the call comes from (set by the entry points)
 
 _KINDS = {
     "radix": pb.CACHE_KIND_RADIX,

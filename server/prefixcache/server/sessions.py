@@ -72,6 +72,8 @@ class Session:
         streams: ReadKV and WriteKV streams of this session in flight.
         keepalive_slot: When its latest KeepAlive is (or was) answered, monotonic
             seconds (keepalive.py paces them).
+        client: Who it belongs to (``tenants.client_identity``), for
+            ``max_sessions_per_client`` and the Evict budget.
     """
 
     id: str
@@ -91,6 +93,7 @@ class Session:
     locked_tokens: dict[str, int] = field(default_factory=dict)
     streams: int = 0
     keepalive_slot: float = float("-inf")
+    client: str = ""
 
     def renew(self, now: float) -> None:
         if self.ttl is not None:
@@ -129,6 +132,9 @@ class SessionRegistry:
         clock: Monotonic seconds (injectable for tests).
         ids: Makes lock ids from a counter (opaque_ids.py; None: a fresh key).
         max_sessions: Open sessions (leased and streams) beyond which ``open`` refuses.
+        max_per_client: Open sessions of one client (``Session.client``) beyond which
+            ``open`` refuses, checked first, so that one client cannot take every
+            session and lock the others out (0: no cap but ``max_sessions``).
 
     Attributes:
         stalled: Seconds the loop could not run on schedule, credited to every lease.
@@ -136,8 +142,12 @@ class SessionRegistry:
 
     def __init__(self, release: Callable[[Session], tuple[int, int]],
                  clock: Callable[[], float] = time.monotonic, ids: OpaqueIds | None = None,
-                 max_sessions: int = 10000) -> None:
+                 max_sessions: int = 10000, max_per_client: int = 0) -> None:
         self._sessions: dict[str, Session] = {}
+        self.max_per_client = max_per_client
+        # Open sessions per client; a client with none has no entry (bounded by the
+        # open sessions).
+        self._per_client: dict[str, int] = {}
         self._release = release
         self.clock = clock
         self.max_sessions = max_sessions
@@ -169,12 +179,21 @@ class SessionRegistry:
         if seconds > 0:
             self.stalled += seconds
 
-    def open(self, ttl: float | None, name: str = "", stream: bool = False) -> Session:
-        """A new session; ``ttl=None`` gives it no lease (it ends only when closed).
+    def open(self, ttl: float | None, name: str = "", stream: bool = False,
+             client: str = "") -> Session:
+        """A new session of ``client``; ``ttl=None`` gives it no lease (it ends only
+        when closed).
 
         Raises:
-            OverLimitError: ``max_sessions`` sessions are open already.
+            OverLimitError: ``client`` has ``max_per_client`` sessions open, or
+                ``max_sessions`` sessions are open already.
         """
+        held = self._per_client.get(client, 0)
+        if self.max_per_client and held >= self.max_per_client:
+            raise OverLimitError(
+                f"this client ({_shown(client)}) has {held} sessions open, the most one "
+                "client may have (server.max_sessions_per_client): close some, or reuse "
+                "one session for many requests", "max_sessions_per_client")
         if len(self._sessions) >= self.max_sessions:
             raise OverLimitError(f"{len(self._sessions)} sessions are open, the limit "
                                  "server.max_sessions", "max_sessions")
@@ -185,8 +204,10 @@ class SessionRegistry:
             ttl=ttl,
             expires_at=float("inf") if ttl is None else self.now() + ttl,
             stream=stream,
+            client=client,
         )
         self._sessions[session.id] = session
+        self._per_client[client] = held + 1
         if len(self._heap) > 2 * len(self._sessions) + 64:
             # Closed sessions wait in the heap until their deadline; rebuilding now and
             # then keeps it in proportion to the open ones.
@@ -196,6 +217,10 @@ class SessionRegistry:
         elif ttl is not None:
             heapq.heappush(self._heap, (session.expires_at, session.tag, session))
         return session
+
+    def count_of(self, client: str) -> int:
+        """Open sessions of ``client``."""
+        return self._per_client.get(client, 0)
 
     def touch(self, session: Session) -> None:
         """Renew ``session``'s lease (a stream renews on every message)."""
@@ -233,6 +258,11 @@ class SessionRegistry:
             return 0, 0
         session.closed = True
         self._sessions.pop(session.id, None)
+        left = self._per_client.get(session.client, 0) - 1
+        if left > 0:
+            self._per_client[session.client] = left
+        else:
+            self._per_client.pop(session.client, None)
         session.replies.clear()  # it may wait in the heap a while yet
         return self._release(session)
 
@@ -264,6 +294,12 @@ class SessionRegistry:
         while heap and heap[0][2].closed:
             heapq.heappop(heap)
         return max(0.0, heap[0][0] - self.now()) if heap else float("inf")
+
+
+def _shown(client: str) -> str:
+    """A client identity as a refusal names it: kind and the start of its name."""
+    kind, _, who = client.partition(":")
+    return f"{kind} {who[:64]!r}" if who else kind or "anonymous"
 
 
 # Sessions and clients named in one expiry log line; the rest are only counted.

@@ -21,11 +21,14 @@ call without a known token is UNAUTHENTICATED. Refusals count in
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import hmac
+import ipaddress
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from .config import TenantConfig
 from .errors import DeniedError
@@ -60,6 +63,53 @@ class Caller:
 
 ANYONE = Caller()
 ADMIN = Caller(admin=True)
+
+# Who the call being handled comes from, and its gRPC peer: each RPC runs in its own
+# task, and an entry point (servicer.py) sets these before any handler runs, so
+# handlers need no extra argument.
+CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("caller", default=ANYONE)
+PEER: contextvars.ContextVar[str] = contextvars.ContextVar("peer", default="")
+
+
+def peer_host(peer: str) -> str | None:
+    """The address of a gRPC peer (``ipv4:10.0.0.7:51234`` -> ``10.0.0.7``), without
+    its port, which changes with every connection; None for a unix socket or an
+    unknown form."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6") or not rest:
+        return None
+    host = unquote(rest).rpartition(":")[0]
+    return host.strip("[]") or None
+
+
+def client_identity(caller: Caller, peer: str, name: str) -> str:
+    """Who a session belongs to, for ``max_sessions_per_client`` and the Evict budget.
+
+    A client_name is self-asserted, so it tells clients apart only where nothing better
+    can: a tenant is its token (``tenant:acme``, however many peers it calls from), the
+    admin token is ``admin``, and any other caller is its peer's address
+    (``host:10.0.0.7``; the port is left out, since each connection has its own). All
+    unix-socket peers look alike, as do loopback ones, and they are the pod's own
+    workers, inside the trust boundary of the socket's file mode: there a peer is
+    ``local:`` plus its client_name, which sets apart honest workers (and a buggy one
+    that leaks sessions), though not a local client that changes its name each time;
+    ``max_sessions`` still bounds all of them together.
+    """
+    if caller.tenant is not None:
+        return f"tenant:{caller.tenant}"
+    if caller.admin:
+        return "admin"
+    host = peer_host(peer)
+    if host is not None:
+        try:
+            address = ipaddress.ip_address(host)
+            mapped = getattr(address, "ipv4_mapped", None)
+            local = (mapped or address).is_loopback
+        except ValueError:
+            local = False
+        if not local:
+            return f"host:{host}"
+    return f"local:{name}"
 
 
 def bearer(metadata: Iterable[tuple[str, Any]] | None) -> str:
