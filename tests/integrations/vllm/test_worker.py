@@ -4,6 +4,7 @@ another's blocks) and load failures reported block by block."""
 
 from __future__ import annotations
 
+import logging
 from array import array
 from pathlib import Path
 
@@ -12,7 +13,10 @@ import torch
 from harness import ServerThread, running
 from integrations.vllm.vllm_support import (
     BLOCK,
+    DIM,
+    LATENT,
     MODELS,
+    backend_for,
     make_caches,
     make_scheduler,
     make_worker,
@@ -22,10 +26,10 @@ from integrations.vllm.vllm_support import (
 
 from prefixcache.client import PrefixCacheClient
 from prefixcache.integrations.vllm.keys import RequestInfo
-from prefixcache.integrations.vllm.layout import split_kv
+from prefixcache.integrations.vllm.layout import UnknownLayout, split_kv
 from prefixcache.integrations.vllm.meta import LoadOp, StepMeta
 from prefixcache.integrations.vllm.scheduler import SchedulerCore
-from prefixcache.integrations.vllm.worker import WorkerCore
+from prefixcache.integrations.vllm.worker import LOAD_FAILURE_REASONS, WorkerCore
 
 pytestmark = pytest.mark.usefixtures("quiet")
 
@@ -78,20 +82,22 @@ def load_b(core: SchedulerCore, workers: list[WorkerCore]) -> set[int]:
 
 
 def same_rows(caches: dict[str, torch.Tensor], layout: str) -> bool:
-    views = [split_kv(name, t, layout=layout) for name, t in caches.items()]
+    head = LATENT if layout == "mla" else DIM
+    views = [split_kv(name, t, layout, head) for name, t in caches.items()]
     return all(torch.equal(token_rows(v, A_BLOCKS, 16), token_rows(v, B_BLOCKS, 16))
                for v in views)
 
 
 @pytest.mark.parametrize("transfer", ["attach", "remote"])
-@pytest.mark.parametrize("layout", ["kv_first", "blocks_first", "bhn2d"])
+@pytest.mark.parametrize("layout", ["kv_first", "blocks_first", "bhn2d", "cpu_vec"])
 def test_round_trip_is_byte_exact(server: ServerThread, client: PrefixCacheClient,
                                   layout: str, transfer: str) -> None:
     core = make_scheduler(server.address, transfer=transfer)
-    worker = make_worker(server.address, transfer=transfer)
+    worker = make_worker(server.address, transfer=transfer, kv_layout="auto")
     try:
         caches = make_caches(layout)
-        worker.register(caches)
+        worker.register(caches, backend_for(layout))
+        assert [v.layout for v in worker.layers] == [layout] * len(caches)
         assert not same_rows(caches, layout)
         save_a(core, [worker])
         assert client.match("v", PROMPT).prefix_len == 16
@@ -152,6 +158,7 @@ def test_a_reset_between_lookup_and_load_fails_every_block(
         step(core, [worker])
         assert worker.take_load_errors() == set(B_BLOCKS[:4])
         assert worker.take_load_errors() == set()  # reported once
+        assert worker.load_failures == {"moved": 1}
         core.finished(b, [], 0)
         step(core, [worker])
     finally:
@@ -177,6 +184,7 @@ def test_a_load_with_only_part_to_copy_fails_only_its_blocks(server: ServerThrea
         assert worker.take_load_errors() == set(B_BLOCKS[1:4])
         worker.start_step(StepMeta([LoadOp("C", array("q", B_BLOCKS), 8, 4, fail=True)]))
         assert worker.take_load_errors() == {B_BLOCKS[2]}
+        assert worker.load_failures == {"restarted": 1, "scheduler": 1}
         core.finished(b, [], 0)
         step(core, [worker])
     finally:
@@ -185,8 +193,8 @@ def test_a_load_with_only_part_to_copy_fails_only_its_blocks(server: ServerThrea
 
 
 @pytest.mark.parametrize("transfer", ["attach", "remote"])
-def test_a_killed_service_fails_the_load_and_nothing_raises(tmp_path: Path,
-                                                            transfer: str) -> None:
+def test_a_killed_service_fails_the_load_and_nothing_raises(
+        tmp_path: Path, transfer: str, caplog: pytest.LogCaptureFixture) -> None:
     with running(tmp_path, MODELS) as srv:
         core = make_scheduler(srv.address, transfer=transfer, timeout=0.5)
         worker = make_worker(srv.address, transfer=transfer, timeout=0.5)
@@ -200,8 +208,16 @@ def test_a_killed_service_fails_the_load_and_nothing_raises(tmp_path: Path,
             worker._pool()  # describe the pool while the service is up
     try:
         core.allocated("B", B_BLOCKS, 16)
-        step(core, [worker])
+        with caplog.at_level(logging.WARNING, "prefixcache.integrations.vllm"):
+            step(core, [worker])
         assert worker.take_load_errors() == set(B_BLOCKS[:4])
+        # Said as it is: the service could not be reached, or (the mapped pool
+        # outlives the service) the check that the slots still hold the tokens got no
+        # answer; never "the slots no longer hold these tokens".
+        reason = {"attach": "unverified", "remote": "unavailable"}[transfer]
+        assert worker.load_failures == {reason: 1}
+        assert LOAD_FAILURE_REASONS[reason] in caplog.text
+        assert "no longer hold" not in caplog.text
         assert core.finished(b, B_BLOCKS, 18)  # a save starts, and is skipped
         for _ in range(3):
             step(core, [worker], {"B"})
@@ -256,6 +272,7 @@ def test_the_service_down_at_start_loads_nothing_and_saves_nothing(tmp_path: Pat
         worker.start_step(StepMeta([LoadOp("C", array("q", B_BLOCKS), 0, 8,
                                            array("q", range(8)), 1, "nobody")]))
         assert worker.take_load_errors() == set(B_BLOCKS[:2])
+        assert worker.load_failures == {"unavailable": 1}
         save_a(core, [worker])  # finishes: the request is reported done
     finally:
         core.close()
@@ -272,16 +289,19 @@ def test_a_pool_that_does_not_fit_disables_the_connector(server: ServerThread) -
                                            array("q", range(1, 5)), 1, "nobody")]))
         assert worker.take_load_errors() == {B_BLOCKS[0]}
         assert "layers" in (worker._disabled or "")
+        assert worker.load_failures == {"disabled": 1}
     finally:
         worker.close()
 
 
 def test_unknown_layouts_are_refused() -> None:
-    with pytest.raises(ValueError, match="no known layout"):
-        split_kv("odd", torch.zeros(4, BLOCK * 16))
-    with pytest.raises(ValueError, match="no known layout"):
-        split_kv("odd", torch.zeros(4, BLOCK, 16), layout="kv_first")
-    view = split_kv("x", torch.zeros(2, 2, BLOCK, 2, 8))  # both 2: kv_first wins
-    assert view.layout == "kv_first"
-    assert split_kv("y", torch.zeros(2, 2, BLOCK, 2, 8), layout="blocks_first").layout == \
-        "blocks_first"
+    with pytest.raises(UnknownLayout, match="not"):
+        split_kv("odd", torch.zeros(4, BLOCK * 16), "bhn2d", 8)
+    with pytest.raises(UnknownLayout, match="not"):
+        split_kv("odd", torch.zeros(4, BLOCK, 16), "kv_first", 8)
+    with pytest.raises(UnknownLayout, match="not one of"):
+        split_kv("odd", torch.zeros(4, 2, BLOCK, 16), "guess", 8)
+    # The same tensor in two layouts: the name decides, never the shape.
+    t = torch.zeros(2, 2, BLOCK, 2, 8)
+    assert split_kv("x", t, "kv_first", 8).layout == "kv_first"
+    assert split_kv("y", t, "blocks_first", 8).layout == "blocks_first"

@@ -5,6 +5,7 @@ which rank 0 alone saves; a model and a pool of different kinds refused."""
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 
 import pytest
@@ -14,6 +15,7 @@ from integrations.vllm.test_worker import A_BLOCKS, B_BLOCKS, PROMPT, load_b, sa
 from integrations.vllm.vllm_support import (
     BLOCK,
     LATENT,
+    backend_for,
     make_caches,
     make_scheduler,
     make_worker,
@@ -30,7 +32,8 @@ pytestmark = pytest.mark.usefixtures("quiet")
 
 def latent_rows(caches: dict[str, torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
     """Each layer's latent bytes of a request's first 16 tokens."""
-    return [token_rows(split_kv(name, t), block_ids, 16) for name, t in caches.items()]
+    return [token_rows(split_kv(name, t, "mla", LATENT), block_ids, 16)
+            for name, t in caches.items()]
 
 
 def assert_pool_holds(client: PrefixCacheClient, model: str, rows: list[torch.Tensor]) -> None:
@@ -57,10 +60,10 @@ def test_mla_round_trip_is_byte_exact(server: ServerThread, client: PrefixCacheC
                                       model: str, dtype: str, kernel_block: int,
                                       transfer: str) -> None:
     core = make_scheduler(server.address, model, transfer=transfer)
-    worker = make_worker(server.address, model, transfer=transfer)
+    worker = make_worker(server.address, model, transfer=transfer, kv_layout="auto")
     try:
         caches = make_caches("mla", kernel_block=kernel_block, dtype=dtype)
-        worker.register(caches)
+        worker.register(caches, backend_for("mla"))
         assert all(view.mla and view.layout == "mla" for view in worker.layers)
         saved = latent_rows(caches, A_BLOCKS)
         assert not any(torch.equal(a, b) for a, b in zip(saved, latent_rows(caches, B_BLOCKS),
@@ -83,8 +86,8 @@ def test_mla_ranks_all_load_and_rank_0_alone_saves(server: ServerThread,
                                                    client: PrefixCacheClient,
                                                    transfer: str) -> None:
     core = make_scheduler(server.address, "mla", transfer=transfer)
-    workers = [make_worker(server.address, "mla", tp_rank=r, tp_size=2, transfer=transfer)
-               for r in range(2)]
+    workers = [make_worker(server.address, "mla", tp_rank=r, tp_size=2, transfer=transfer,
+                           kv_layout="mla") for r in range(2)]
     try:
         # Ranks hold the same latent in vLLM; here they differ, so that what the pool
         # got shows who wrote it. WriteKV writes whole rows: remote saves work at TP 2.
@@ -115,7 +118,7 @@ def test_a_model_and_pool_of_different_kinds_are_refused(
         server: ServerThread, client: PrefixCacheClient, model: str, layout: str,
         dtype: str, why: str) -> None:
     core = make_scheduler(server.address, model)
-    worker = make_worker(server.address, model)
+    worker = make_worker(server.address, model, kv_layout=layout)
     try:
         kw = {"heads": 1} if layout == "kv_first" else {}
         worker.register(make_caches(layout, dtype=dtype, **kw))
@@ -132,10 +135,11 @@ def test_a_model_and_pool_of_different_kinds_are_refused(
 
 
 def test_a_latent_of_another_size_is_refused(server: ServerThread) -> None:
-    worker = make_worker(server.address, "mla")
+    worker = make_worker(server.address, "mla", kv_layout="auto")
     try:
         worker.register({"l0": torch.zeros(8, BLOCK, LATENT + 4, dtype=torch.bfloat16),
-                         "l1": torch.zeros(8, BLOCK, LATENT + 4, dtype=torch.bfloat16)})
+                         "l1": torch.zeros(8, BLOCK, LATENT + 4, dtype=torch.bfloat16)},
+                        dataclasses.replace(backend_for("mla"), head_size=LATENT + 4))
         assert worker._pool() is None
         assert "k_head_dim: 16" in (worker._disabled or "")
     finally:
@@ -144,11 +148,14 @@ def test_a_latent_of_another_size_is_refused(server: ServerThread) -> None:
 
 def test_the_mla_layout_is_a_view_of_the_latent() -> None:
     latent = torch.zeros(4, BLOCK, LATENT)
-    view = split_kv("l", latent)
+    view = split_kv("l", latent, "mla", LATENT)
     assert view.mla and view.v is None and (view.heads, view.head_dim) == (1, LATENT)
-    view.k[1, 2, 0, 3] = 7.0
+    view.k[1, 2, 0, 0, 3, 0] = 7.0
     assert latent[1, 2, 3] == 7.0  # the same memory
-    assert split_kv("l", latent, layout="mla").layout == "mla"
-    with pytest.raises(ValueError, match="no known layout"):
-        split_kv("l", torch.zeros(2, 4, BLOCK, 1, LATENT), layout="mla")
+    # vLLM 0.32's [blocks, 1, block, head_size] view: the same.
+    flat = torch.zeros(4, 1, BLOCK, LATENT)
+    split_kv("l", flat, "mla", LATENT).k[1, 2, 0, 0, 3, 0] = 7.0
+    assert flat[1, 0, 2, 3] == 7.0
+    with pytest.raises(ValueError, match="is not"):
+        split_kv("l", torch.zeros(2, 4, BLOCK, 1, LATENT), "mla", LATENT)
     assert ConnectorConfig(model="m", kv_layout="mla").kv_layout == "mla"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
+from prefixcache.integrations.vllm.attn_backends import BackendInfo
 from prefixcache.integrations.vllm.backend import RpcBackend
 from prefixcache.integrations.vllm.config import ConnectorConfig
 from prefixcache.integrations.vllm.scheduler import SchedulerCore
@@ -43,10 +44,10 @@ class Clock:
         return self.now
 
 
-def make_scheduler(address: str, model: str = "v", clock: Clock | None = None,
-                   **settings: object) -> SchedulerCore:
+def make_scheduler(address: str, model: str = "v", clock: Clock | None = None, *,
+                   block: int = BLOCK, **settings: object) -> SchedulerCore:
     config = ConnectorConfig(model=model, target=address, **settings)  # type: ignore[arg-type]
-    return SchedulerCore(RpcBackend(config), config, BLOCK, clock or Clock())
+    return SchedulerCore(RpcBackend(config), config, block, clock or Clock())
 
 
 def settle(core: SchedulerCore) -> None:
@@ -56,9 +57,30 @@ def settle(core: SchedulerCore) -> None:
 
 
 def make_worker(address: str, model: str = "v", *, tp_rank: int = 0, tp_size: int = 1,
-                **settings: object) -> WorkerCore:
+                block: int = BLOCK, **settings: object) -> WorkerCore:
+    """A worker core; ``kv_layout`` defaults to ``kv_first`` (``make_caches``' usual
+    layout) for tests that register caches without a backend."""
+    settings.setdefault("kv_layout", "kv_first")
     config = ConnectorConfig(model=model, target=address, **settings)  # type: ignore[arg-type]
-    return WorkerCore(config, BLOCK, tp_rank=tp_rank, tp_size=tp_size)
+    return WorkerCore(config, block, tp_rank=tp_rank, tp_size=tp_size)
+
+
+# The backend (vLLM 0.32 class) whose layout each test layout is.
+_V1 = "vllm.v1.attention.backends."
+BACKEND_OF = {
+    "kv_first": _V1 + "flash_attn.FlashAttentionBackend",      # 5-D, before 0.32
+    "blocks_first": _V1 + "flashinfer.FlashInferBackend",      # 5-D, before 0.32
+    "bhn2d": _V1 + "flash_attn.FlashAttentionBackend",         # 0.32's 4-D view
+    "cpu_vec": _V1 + "cpu_attn.CPUAttentionBackend",
+    "cpu_amx": _V1 + "cpu_attn.CPUAttentionBackend",
+    "mla": _V1 + "mla.triton_mla.TritonMLABackend",
+}
+
+
+def backend_for(layout: str, head_size: int = DIM) -> BackendInfo:
+    """What vLLM would report for a layer in ``layout``."""
+    isa = {"cpu_vec": "vec", "cpu_amx": "amx"}.get(layout)
+    return BackendInfo(BACKEND_OF[layout], LATENT if layout == "mla" else head_size, isa)
 
 
 def make_caches(layout: str, num_blocks: int = 16, *, heads: int = HEADS,
@@ -71,6 +93,7 @@ def make_caches(layout: str, num_blocks: int = 16, *, heads: int = HEADS,
     shape = {"kv_first": (2, n, kernel_block, heads, DIM),
              "blocks_first": (n, 2, kernel_block, heads, DIM),
              "bhn2d": (n, heads, kernel_block, 2 * DIM),
+             "cpu_vec": (n, heads, kernel_block, 2 * DIM),
              "mla": (n, kernel_block, LATENT)}[layout]
     torch_dtype = getattr(torch, dtype)
     size = torch.empty((), dtype=torch_dtype).element_size()
@@ -86,10 +109,10 @@ def token_rows(view: Any, block_ids: list[int], num_tokens: int) -> Any:
     (MLA: the latent's, ``[1, n, 1, dim]``)."""
     import torch
 
-    from prefixcache.integrations.vllm.layout import block_positions, byte_view
+    from prefixcache.integrations.vllm.layout import block_positions, gather_blocks
 
     blocks, offsets = block_positions(array("q", block_ids), 0, num_tokens, BLOCK,
                                       view.kernel_block_size)
     parts = (view.k,) if view.v is None else (view.k, view.v)
-    rows = torch.stack([byte_view(part)[blocks, offsets] for part in parts])
+    rows = torch.stack([gather_blocks(part, blocks, offsets) for part in parts])
     return rows.contiguous().view(torch.uint8)  # bytes: random bits hold NaNs

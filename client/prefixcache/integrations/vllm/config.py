@@ -13,7 +13,9 @@ from typing import Any
 
 SAVE_MODES = ("prompt", "all", "off")
 TRANSFERS = ("auto", "attach", "remote")
-LAYOUTS = ("auto", "kv_first", "blocks_first", "bhn2d", "mla")
+# "auto": the layout of the attention backend vLLM reports (attn_backends); the others
+# force one of layout.KNOWN_LAYOUTS.
+LAYOUTS = ("auto", "kv_first", "blocks_first", "bhn2d", "cpu_vec", "cpu_amx", "mla")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +42,9 @@ class ConnectorConfig:
             "remote" streams through ReadKV / WriteKV, "auto" attaches when it can.
         verify_loads: after copying, check with one Match that the tree still maps
             the tokens to the slots copied from (catches a Reset or a lapsed lock).
-        kv_layout: vLLM's per-layer KV tensor layout; "auto" recognises the known ones
-            (MLA's 3-D latent cache included; its pool must be an MLA pool).
+        kv_layout: vLLM's per-layer KV tensor layout: "auto" takes it from the
+            attention backend vLLM reports for each layer (an unknown backend disables
+            the connector); a layout name forces that layout (``layout`` lists them).
         max_inflight: calls to the service in flight at once (a thread each).
     """
 

@@ -12,7 +12,12 @@ Loads. Each request's tokens are copied from their pool slots into its blocks, t
 slots: the reservation's lock keeps them there, unless the service was Reset or the
 lock lapsed, and then what was copied may be somebody else's KV. A load that fails in
 any way, the service being down included, reports every block it was to fill, so that
-vLLM (``kv_load_failure_policy``) recomputes them.
+vLLM (``kv_load_failure_policy``) recomputes them; it is logged and counted under its
+reason (``LOAD_FAILURE_REASONS``).
+
+Layouts. ``register`` takes each layer's attention backend (``attn_backends``) and
+views the layer through the layout that backend reads; a layer whose layout is not
+known disables the connector, with one log line (vLLM then computes everything).
 
 Saves. A finished request's new tokens are copied from its blocks into the slots the
 scheduler side allocated; the request is then reported done (vLLM frees its blocks and
@@ -31,13 +36,29 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
-from prefixcache.client import PrefixCacheClient, PrefixCacheError
+from prefixcache.client import (
+    DeadlineExceeded,
+    PrefixCacheClient,
+    PrefixCacheError,
+    StaleEpoch,
+    Unavailable,
+)
 from prefixcache.client.results import PoolInfo
 
+from .attn_backends import BackendInfo, layout_for
 from .config import ConnectorConfig
-from .layout import LayerView, block_positions, gather_blocks, scatter_blocks, split_kv
+from .layout import (
+    LayerView,
+    UnknownLayout,
+    block_positions,
+    gather_blocks,
+    scatter_blocks,
+    split_kv,
+)
 from .layout import unique_layers as _unique_layers
 from .meta import LoadOp, SaveOp, StepMeta
 from .pool_access import PoolAccess, open_access
@@ -78,14 +99,26 @@ class WorkerCore:
         self.saved_tokens = 0
         self.failed_loads = 0
         self.failed_saves = 0
+        # Failed loads by reason (LOAD_FAILURE_REASONS).
+        self.load_failures: Counter[str] = Counter()
 
     # ------------------------------------------------------------ vLLM's calls
 
-    def register(self, kv_caches: dict[str, Any]) -> None:
-        """``register_kv_caches``: the engine's KV tensors, one per attention layer."""
-        layout = self.config.kv_layout
-        self.layers = [split_kv(name, t, layout=layout) for name, t in
-                       _unique_layers(kv_caches)]
+    def register(self, kv_caches: dict[str, Any],
+                 backends: Mapping[str, BackendInfo] | BackendInfo | None = None) -> None:
+        """``register_kv_caches``: the engine's KV tensors, one per attention layer, and
+        the attention backend of each (a mapping by layer name, or one for all)."""
+        layers = []
+        try:
+            for name, tensor in _unique_layers(kv_caches):
+                info = backends.get(name) if isinstance(backends, Mapping) else backends
+                layout = layout_for(info, tensor, self.config.kv_layout)
+                head = info.head_size if info is not None else _head_size(tensor, layout)
+                layers.append(split_kv(name, tensor, layout, head))
+        except UnknownLayout as err:
+            self._disable(f"layer {name!r}: {err}")
+            return
+        self.layers = layers
 
     def start_step(self, meta: StepMeta | None) -> None:
         """``start_load_kv``: every load and save of the step, done on return."""
@@ -138,11 +171,14 @@ class WorkerCore:
             return None
         problem = self._check(access)
         if problem is not None:
-            self._disabled = problem
-            log.error("prefixcache connector disabled: %s", problem)
+            self._disable(problem)
             return None
         self._access = access
         return access
+
+    def _disable(self, problem: str) -> None:
+        self._disabled = problem
+        log.error("prefixcache connector disabled: %s", problem)
 
     def _check(self, access: PoolAccess) -> str | None:
         """Why the pool cannot hold these layers' KV, or None (and set the heads)."""
@@ -155,16 +191,16 @@ class WorkerCore:
             return (f"the pool of {info.model!r} has {info.layer_num} layers, vLLM "
                     f"{len(self.layers)}")
         first = self.layers[0]
-        if not _same_dtype(info.dtype, first.k.dtype):
-            return f"the pool's dtype is {info.dtype}, vLLM's {first.k.dtype}"
+        if not _same_dtype(info.dtype, first.dtype):
+            return f"the pool's dtype is {info.dtype}, vLLM's {first.dtype}"
         if any(view.mla != first.mla for view in self.layers):
             return "vLLM's layers mix MLA and K/V caches"
         if first.mla or info.mla:
             return self._check_mla(info, first)
         local = first.heads
-        if (info.k_head_dim, info.v_head_dim) != (first.head_dim, first.v.shape[3]):
+        if (info.k_head_dim, info.v_head_dim) != (first.head_dim, first.v_head_dim):
             return (f"the pool's head dims are {info.k_head_dim}/{info.v_head_dim}, "
-                    f"vLLM's {first.head_dim}/{first.v.shape[3]}")
+                    f"vLLM's {first.head_dim}/{first.v_head_dim}")
         total, rank, size = info.k_head_num, self.tp_rank, self.tp_size
         if info.v_head_num != total:
             return "K and V head counts differ in the pool"
@@ -202,21 +238,28 @@ class WorkerCore:
 
     # ------------------------------------------------------------------ copies
 
-    def _fail(self, op: LoadOp, why: str) -> None:
+    def _fail(self, op: LoadOp, reason: str, detail: str = "") -> None:
+        """Report the load's blocks failed, logged with ``reason``'s words and counted
+        under it."""
         self.failed_loads += 1
+        self.load_failures[reason] += 1
         first = op.start // self.block_size
         last = -(-op.end // self.block_size)
         self._load_errors.update(op.block_ids[first:last])
+        why = LOAD_FAILURE_REASONS[reason] + (f": {detail}" if detail else "")
         log.warning("prefixcache load of request %s failed (%s): %d blocks recomputed",
                     op.req_id, why, max(last - first, 0))
 
     def _load(self, op: LoadOp) -> None:
         if op.fail:
-            self._fail(op, "the scheduler side could not serve it")
+            self._fail(op, "scheduler")
             return
         access = self._pool(op.server_epoch)
         if access is None:
-            self._fail(op, self._disabled or "pool unavailable")
+            if self._disabled is not None:
+                self._fail(op, "disabled", self._disabled)
+            else:
+                self._fail(op, "unavailable")
             return
         try:
             rows = access.reader(op.slots, op.server_epoch, op.session_id)
@@ -228,20 +271,32 @@ class WorkerCore:
                 scatter_blocks(view.k, blocks, offsets, k[:, self._heads])
                 if view.v is not None:
                     scatter_blocks(view.v, blocks, offsets, v[:, self._heads])
-            if self.config.verify_loads and not self._still_mapped(op):
-                self._fail(op, "the slots no longer hold these tokens")
+            problem = self._still_mapped(op) if self.config.verify_loads else None
+            if problem is not None:
+                self._fail(op, problem)
                 return
+        except StaleEpoch as err:
+            self._fail(op, "restarted", str(err))
+            return
+        except (Unavailable, DeadlineExceeded) as err:
+            self._fail(op, "unavailable", str(err))
+            return
         except (PrefixCacheError, ValueError, RuntimeError) as err:
-            self._fail(op, str(err))
+            self._fail(op, "copy", str(err))
             return
         self.loaded_tokens += op.num_tokens
 
-    def _still_mapped(self, op: LoadOp) -> bool:
+    def _still_mapped(self, op: LoadOp) -> str | None:
+        """Why the tree may no longer map the loaded tokens to the slots copied from
+        (a ``LOAD_FAILURE_REASONS`` key), or None when it still does."""
         reply = self.client.match(self.config.model, op.tokens, extra_key=op.extra_key)
-        if reply.skipped or reply.server_epoch != op.server_epoch:
-            return False
-        return (reply.prefix_len >= op.end
-                and reply.slots[op.start:op.end] == op.slots)
+        if reply.skipped:
+            return "unverified"  # the check got no answer: nothing is known
+        if reply.server_epoch != op.server_epoch:
+            return "restarted"
+        if reply.prefix_len >= op.end and reply.slots[op.start:op.end] == op.slots:
+            return None
+        return "moved"
 
     def _save(self, op: SaveOp) -> None:
         try:
@@ -279,6 +334,26 @@ class WorkerCore:
                              server_epoch=op.server_epoch)
         except PrefixCacheError as err:
             log.warning("could not give back the slots of a failed save: %s", err)
+
+
+# Why a load failed: the key counts it (``load_failures``), the words log it.
+LOAD_FAILURE_REASONS = {
+    "scheduler": "the scheduler side could not serve it",
+    "disabled": "the connector is disabled",
+    "unavailable": "the service could not be reached",
+    "restarted": "the service restarted: the slots are gone",
+    "unverified": "the service did not answer the check that the slots still hold "
+                  "these tokens",
+    "moved": "the slots no longer hold these tokens",
+    "copy": "the copy failed",
+}
+
+
+def _head_size(tensor: Any, layout: str) -> int:
+    """A layer's K head size as its layout puts it (``kv_layout`` named, no backend
+    reported): the last dimension, halved where it holds K then V."""
+    last = int(tensor.shape[-1])
+    return last if layout in ("kv_first", "blocks_first", "mla") else last // 2
 
 
 def _same_dtype(pool: str, vllm: Any) -> bool:
