@@ -88,9 +88,11 @@ def _request(cls: Any, model: str, page_hashes: PageHashes, extra_key: str | Non
 
 
 def op_exists(model: str, page_hashes: PageHashes, extra_key: str | None,
-              token_width: int, before_set: bool = False) -> Op:
+              token_width: int, before_set: bool = False,
+              session: SessionLike = None) -> Op:
+    # The session is needed where the service has tenants or quotas configured.
     request = _request(pb.ExistsPagesRequest, model, page_hashes, extra_key, token_width,
-                       before_set=before_set)
+                       before_set=before_set, session_id=session_id_of(session))
     return Op("ExistsPages", request, lambda m: ExistsPagesReply(
         m.leading_pages, tuple(bool(b) for b in m.present)), True)
 

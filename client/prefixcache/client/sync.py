@@ -349,12 +349,13 @@ class PrefixCacheClient(ClientBase):
 
     def exists_pages(self, model: str, page_hashes: pages.PageHashes, *,
                      extra_key: str | None = None, token_width: int = 1,
-                     before_set: bool = False,
+                     before_set: bool = False, session: SessionLike = None,
                      timeout: float | None = None) -> pages.ExistsPagesReply:
         """Which pages of a chain of page hashes ``model`` holds (leading run, and each);
-        ``before_set``: a check before storing them, not counted as a lookup."""
+        ``before_set``: a check before storing them, not counted as a lookup.
+        ``session``: required where the service has tenants or quotas configured."""
         return self._run(pages.op_exists(model, page_hashes, extra_key, token_width,
-                                         before_set), timeout)
+                                         before_set, session), timeout)
 
     def get_pages(self, model: str, page_hashes: pages.PageHashes, *,
                   extra_key: str | None = None, token_width: int = 1,

@@ -86,14 +86,21 @@ class HashPages:
                lookup: bool = True) -> tuple[int, bytes]:
         """The number of pages held from the first, and one byte (1/0) per page;
         ``lookup``: count it in the model's query and hit tokens."""
-        present = bytes(self._locate(namespace, h) is not None for h in page_hashes)
+        return self.count(self.presence(namespace, page_hashes), lookup)
+
+    def presence(self, namespace: Namespace, page_hashes: list[str]) -> bytes:
+        """One byte per page: 1 where it is held, 0 where not (nothing counted)."""
+        return bytes(self._locate(namespace, h) is not None for h in page_hashes)
+
+    def count(self, present: bytes, lookup: bool = True) -> tuple[int, bytes]:
+        """``exists``' answer from ``presence``' bytes (of one chain, in order)."""
         leading = present.find(0)
         leading = len(present) if leading < 0 else leading
         if not lookup:
             return leading, present
         engine = self.engine
         engine.ops["match"] += 1
-        engine.match_tokens += len(page_hashes) * self.page_size
+        engine.match_tokens += len(present) * self.page_size
         engine.hit_tokens += leading * self.page_size
         return leading, present
 

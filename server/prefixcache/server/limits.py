@@ -53,6 +53,14 @@ def request_tokens(limits: ServerConfig, model: ModelConfig) -> int:
     return limits.max_request_tokens or max(model.pool.size, model.max_seq_len)
 
 
+def sessions_required(limits: ServerConfig) -> bool:
+    """Whether calls that may go without a session (ExistsPages) must name one: where
+    tenants or per-session quotas are configured, every call should be some session's,
+    so that its cost can be told apart and bounded."""
+    return bool(limits.tenants or limits.max_session_slots or limits.max_session_state_slots
+                or limits.max_session_locked_tokens)
+
+
 # Per message type: its string fields that have a limit (found once, from the descriptor).
 _LIMITED_FIELDS: dict[str, tuple[tuple[str, str], ...]] = {}
 

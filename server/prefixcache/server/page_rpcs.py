@@ -3,11 +3,22 @@
 
 The wire layouts: page hashes are 32 raw bytes each, slots packed little-endian int64
 (codec.py), per-page answers one byte each. A request may name at most
-``max_request_tokens / page_size`` pages, like any request's tokens.
+``max_request_tokens / page_size`` pages, like any request's tokens, and at most a
+1M-token prompt's pages (``MAX_PROMPT_TOKENS / page_size``): more is no prompt's.
+
+ExistsPages is the one page RPC without a session of its own, and the cheapest to
+flood with (eight parallel calls of 1M hashes once stalled every other client for
+4.6 s). So it needs a session where tenants or per-session quotas are configured
+(FAILED_PRECONDITION without one), and it decodes and looks its hashes up in slices
+of ``SLICE`` pages, with the loop free to serve other calls between them. A page stored
+or evicted meanwhile may or may not be counted: the answer is a hint of what the next
+GetPages will find, never a promise. GetPages and SetPages lock and store, and run
+whole.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from prefixcache.cache import InvalidInputError
@@ -16,19 +27,26 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from . import replays, reply_caps
 from .codec import MAX_TOKEN_WIDTH, decode_slots, encode_slots
+from .errors import NotFoundError, PreconditionError
 from .hash_pages import HashPages
-from .limits import Limits, check_count, request_tokens
+from .limits import Limits, check_count, request_tokens, sessions_required
 from .sessions import Session
 
+# Pages one call may name at most: a 1M-token prompt's (at the model's page size).
+MAX_PROMPT_TOKENS = 1 << 20
+# ExistsPages' pages per slice: a few milliseconds of lookups between two loop turns.
+SLICE = 4096
 
-def decode_hashes(data: bytes, field: str = "page_hashes", max_count: int = 0) -> list[str]:
+
+def decode_hashes(data: bytes | memoryview, field: str = "page_hashes",
+                  max_count: int = 0) -> list[str]:
     """Packed 32-byte digests as hex strings (the form the page index keys them by)."""
     if len(data) % DIGEST_BYTES:
         raise InvalidInputError(f"{field} has {len(data)} bytes, not a multiple of "
                                 f"{DIGEST_BYTES} (one SHA-256 digest per page)")
     count = len(data) // DIGEST_BYTES
     check_count(field, count, max_count)
-    return [data[i:i + DIGEST_BYTES].hex() for i in range(0, len(data), DIGEST_BYTES)]
+    return [bytes(data[i:i + DIGEST_BYTES]).hex() for i in range(0, len(data), DIGEST_BYTES)]
 
 
 def _namespace(req: Any) -> tuple[str | None, int]:
@@ -38,18 +56,40 @@ def _namespace(req: Any) -> tuple[str | None, int]:
     return (req.extra_key if req.HasField("extra_key") else None), width
 
 
+def max_pages(limits: Limits, engine: Any) -> int:
+    """Pages one request may name for ``engine`` (see the module docstring)."""
+    tokens = min(request_tokens(limits, engine.config), MAX_PROMPT_TOKENS)
+    return max(-(-tokens // engine.page_size), 1)
+
+
 def _opened(service: Any, limits: Limits, req: Any) -> tuple[HashPages, Any, list[str]]:
     engine = service.engine(req.model)
     pages = HashPages(engine)
-    cap = request_tokens(limits, engine.config) // engine.page_size
-    return pages, _namespace(req), decode_hashes(req.page_hashes, max_count=max(cap, 1))
+    return pages, _namespace(req), decode_hashes(req.page_hashes,
+                                                 max_count=max_pages(limits, engine))
 
 
-def exists(service: Any, limits: Limits, req: pb.ExistsPagesRequest,
-           session: Session | None = None) -> pb.ExistsPagesResponse:
-    pages, namespace, hashes = _opened(service, limits, req)
-    leading, present = pages.exists(namespace, hashes, lookup=not req.before_set)
-    return pb.ExistsPagesResponse(leading_pages=leading, present=present)
+async def exists(service: Any, limits: Limits, req: pb.ExistsPagesRequest,
+                 session: Session | None = None) -> pb.ExistsPagesResponse:
+    if session is None and sessions_required(limits):
+        if req.session_id:  # not open (any more): as every call that needs one answers
+            raise NotFoundError("ExistsPages: the session is not open (closed, expired or "
+                                "never opened)")
+        raise PreconditionError("ExistsPages needs a session_id where the service has "
+                                "tenants or per-session quotas (OpenSession first)")
+    engine = service.engine(req.model)
+    pages, namespace, data = HashPages(engine), _namespace(req), req.page_hashes
+    if len(data) % DIGEST_BYTES:
+        decode_hashes(data)  # refuses it, naming the field
+    check_count("page_hashes", len(data) // DIGEST_BYTES, max_pages(limits, engine))
+    view, step = memoryview(data), SLICE * DIGEST_BYTES
+    present = bytearray()
+    for start in range(0, len(data), step):
+        if start:
+            await asyncio.sleep(0)  # the other calls' turn
+        present += pages.presence(namespace, decode_hashes(view[start:start + step]))
+    leading, present_bytes = pages.count(bytes(present), lookup=not req.before_set)
+    return pb.ExistsPagesResponse(leading_pages=leading, present=present_bytes)
 
 
 def get(service: Any, limits: Limits, req: pb.GetPagesRequest,

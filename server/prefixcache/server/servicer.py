@@ -12,6 +12,7 @@ makes each model single-writer without locks (DESIGN §3).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -136,6 +137,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
             if prepare is not None:  # awaits (the tier's fetch), then the handler runs whole
                 await prepare(args[0])
             reply = handler(*args)
+            if inspect.isawaitable(reply):  # a handler that yields between slices
+                reply = await reply
             if self.check_integrity and (mutates or (args and _mutates(args[0]))):
                 self.service.check_integrity()
             return reply
@@ -324,8 +327,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
 
     async def ExistsPages(self, request: pb.ExistsPagesRequest,
                           context: Any) -> pb.ExistsPagesResponse:
-        return await self._unary("ExistsPages", context, self._pages(page_rpcs.exists),
-                                 request, None)
+        return await self._unary("ExistsPages", context,
+                                 self._attributed(self._pages(page_rpcs.exists)), request)
 
     async def GetPages(self, request: pb.GetPagesRequest, context: Any) -> pb.GetPagesResponse:
         return await self._unary("GetPages", context,

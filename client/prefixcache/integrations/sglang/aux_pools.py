@@ -206,11 +206,13 @@ class AuxPools:
 
     def _exists(self, hashes: list[str]) -> list[bool]:
         settings, held = self.core.settings, []
+        session = self.core._ready()[0]  # needed where the service has tenants or quotas
         for i in range(0, len(hashes), BATCH_PARTS):
             # before_set: a probe of the state is no lookup (the KV probe counted it).
             held += self.core.client.exists_pages(
                 settings.model, hashes[i:i + BATCH_PARTS], extra_key=settings.namespace,
-                token_width=settings.token_width, before_set=True).present
+                token_width=settings.token_width, before_set=True,
+                session=session).present
         return held
 
     def _parts(self, name: str) -> _Parts | None:

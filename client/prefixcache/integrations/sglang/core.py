@@ -127,7 +127,7 @@ class HiCacheCore:
             return 0
         reply = self._guard("exists", lambda: self.client.exists_pages(
             self.settings.model, hashes, extra_key=self.settings.namespace,
-            token_width=self.settings.token_width))
+            token_width=self.settings.token_width, session=self._ready()[0]))
         found = 0 if reply is None else reply.leading_pages
         self._count(exists_calls=1, pages_asked=len(keys), pages_found=found)
         return found
@@ -191,12 +191,12 @@ class HiCacheCore:
             prior = None
         model, ns, width = self.settings.model, self.settings.namespace, \
             self.settings.token_width
+        session, io = self._ready()
         present = self.client.exists_pages(model, hashes, extra_key=ns, token_width=width,
-                                           before_set=True).present
+                                           before_set=True, session=session).present
         missing = [i for i, held in enumerate(present) if not held]
         if not missing:
             return [True] * len(keys)
-        session, io = self._ready()
         size = self._host().page_size
         alloc = self.client.alloc(model, len(missing) * size, session=session)
         slots = _as_long(alloc.slots)
