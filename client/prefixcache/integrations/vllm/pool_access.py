@@ -5,6 +5,18 @@ WriteKV from anywhere else. torch is imported inside the functions only.
 A reader hands out one layer at a time (``rows(layer) -> (k, v)``, ``[n, heads, dim]``
 each), so a copy holds one layer's rows at most on the mapped path. An MLA pool has no
 V: its rows are ``(latent, None)``, both ways.
+
+Saves through the mapped pool hold the session's write fence for the whole copy
+(``prefixcache.client.write_fence``; the service's ``write_fence.py`` has the
+protocol). A lease alone cannot keep them safe: a worker frozen (SIGSTOP, a debugger)
+past its scheduler's lease, between the scheduler's last look at the session and the
+end of the copy, would resume and write rows of slots the service has handed to
+another session since. Under the fence the service frees none of the session's slots
+while the copy may still run, however long the worker is stopped, and the worker
+copies nothing once the session has ended; a session that ended during the copy fails
+the save (``SessionLost``), so its rows are never inserted. A service without shared
+memory for the fence (or an older one) gets the rows through WriteKV instead, which
+checks the session's hold on every slot as it writes.
 """
 
 from __future__ import annotations
@@ -16,13 +28,18 @@ from prefixcache.client import (
     FailedPrecondition,
     PrefixCacheClient,
     PrefixCacheError,
+    SessionLost,
     StaleEpoch,
 )
+from prefixcache.client.errors import ResourceExhausted
 from prefixcache.client.results import PoolInfo
+from prefixcache.client.write_fence import WriteFence, open_fence
 
 from .layout import byte_view
 
 Rows = Callable[[int], tuple[Any, Any | None]]
+# Sessions whose fences a worker keeps open (the scheduler's: one, a new one after a loss).
+_FENCES = 4
 
 
 class PoolAccess(Protocol):
@@ -43,12 +60,44 @@ class MappedAccess:
     mapped = True
 
     def __init__(self, client: PrefixCacheClient, model: str) -> None:
+        self.client = client
+        self.model = model
         self.pool = client.attach_pool(model)
         self.info = self.pool.info
+        self._fences: dict[str, WriteFence] = {}
+        self._no_fence = False  # the service has none: saves go through WriteKV
 
     def close(self) -> None:
-        """Drop the mapping (of a service that restarted)."""
+        """Drop the mapping (of a service that restarted) and the fences."""
         self.pool.close()
+        for fence in self._fences.values():
+            fence.close()
+        self._fences.clear()
+
+    def _fence(self, session_id: str, server_epoch: int) -> WriteFence | None:
+        """``session_id``'s write fence, or None to write through WriteKV."""
+        fence = self._fences.get(session_id)
+        if fence is not None or self._no_fence:
+            return fence
+        try:
+            fence = open_fence(self.client, session_id, server_epoch)
+        except ResourceExhausted:
+            return None  # every record is taken: this copy goes through WriteKV
+        except StaleEpoch:
+            raise
+        except PrefixCacheError as err:
+            # No shared memory for a fence here, or a service older than fences: every
+            # save through WriteKV. Anything else (the session gone, the service down)
+            # fails the save.
+            unimplemented = err.code is not None and err.code.name == "UNIMPLEMENTED"
+            if not (isinstance(err, FailedPrecondition) or unimplemented):
+                raise
+            self._no_fence = True
+            return None
+        while len(self._fences) >= _FENCES:
+            self._fences.pop(next(iter(self._fences))).close()
+        self._fences[session_id] = fence
+        return fence
 
     def _index(self, slots: Any, server_epoch: int) -> Any:
         import torch
@@ -70,7 +119,27 @@ class MappedAccess:
 
     def write(self, slots: Any, source: Rows, heads: slice, session_id: str,
               server_epoch: int) -> None:
+        """Copy ``source``'s rows into ``slots`` under the session's write fence.
+
+        Raises:
+            SessionLost: the session ended before or during the copy (the save fails).
+        """
         index = self._index(slots, server_epoch)
+        fence = self._fence(session_id, server_epoch)
+        if fence is None:
+            _write_kv(self.client, self.model, self.info, slots, source, heads,
+                      session_id, server_epoch)
+            return
+        try:
+            with fence.held():
+                self._copy(index, source, heads)
+                fence.check()  # ended mid-copy: the rows went into slots it lost
+        except SessionLost:
+            self._fences.pop(session_id, None)
+            fence.close()
+            raise
+
+    def _copy(self, index: Any, source: Rows, heads: slice) -> None:
         for layer in range(self.info.layer_num):
             k, v = source(layer)
             pairs = [(self.pool.k_buffer[layer], k)]
@@ -82,8 +151,9 @@ class MappedAccess:
         if self.pool.device.startswith("cuda"):
             import torch
 
-            # The scheduler inserts once every worker says it is done: the copies must
-            # have landed by then, not merely be queued on a stream.
+            # The scheduler inserts once every worker says it is done, and the fence is
+            # let go after this: the copies must have landed by then, not merely be
+            # queued on a stream.
             torch.cuda.synchronize(self.pool.device)
 
 
@@ -106,20 +176,28 @@ class RemoteAccess:
 
     def write(self, slots: Any, source: Rows, heads: slice, session_id: str,
               server_epoch: int) -> None:
-        if heads != slice(None):
-            raise FailedPrecondition("WriteKV writes whole rows: a tensor-parallel "
-                                     "worker can only save through the mapped pool")
-        import torch
+        _write_kv(self.client, self.model, self.info, slots, source, heads, session_id,
+                  server_epoch)
 
-        ks, vs = [], []
-        dtype = getattr(torch, self.info.dtype)
-        for layer in range(self.info.layer_num):
-            k, v = source(layer)
-            ks.append(k.view(dtype) if k.dtype != dtype else k)
-            if not self.info.mla:
-                vs.append(v.view(dtype) if v.dtype != dtype else v)
-        self.client.write_kv(self.model, slots, ks, None if self.info.mla else vs,
-                             session=session_id, server_epoch=server_epoch)
+
+def _write_kv(client: PrefixCacheClient, model: str, info: PoolInfo, slots: Any,
+              source: Rows, heads: slice, session_id: str, server_epoch: int) -> None:
+    """Write ``source``'s rows into ``slots`` through WriteKV (whole rows only)."""
+    if heads != slice(None):
+        raise FailedPrecondition("WriteKV writes whole rows: a tensor-parallel worker "
+                                 "can only save through the mapped pool (with its write "
+                                 "fence)")
+    import torch
+
+    ks, vs = [], []
+    dtype = getattr(torch, info.dtype)
+    for layer in range(info.layer_num):
+        k, v = source(layer)
+        ks.append(k.view(dtype) if k.dtype != dtype else k)
+        if not info.mla:
+            vs.append(v.view(dtype) if v.dtype != dtype else v)
+    client.write_kv(model, slots, ks, None if info.mla else vs, session=session_id,
+                    server_epoch=server_epoch)
 
 
 def open_access(client: PrefixCacheClient, model: str, transfer: str) -> PoolAccess:
