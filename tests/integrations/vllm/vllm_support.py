@@ -28,6 +28,11 @@ MODELS = (
     ModelConfig(name="mla", page_size=2,
                 pool=PoolConfig(size=128, layers=LAYERS, k_heads=1, k_head_dim=LATENT,
                                 dtype="bfloat16", mla=True)),
+    # The layout tests' model: pages of 8 under blocks of 16 and 32 (the CPU backend's
+    # AMX layout needs blocks and dims in multiples of 16).
+    ModelConfig(name="c", page_size=8,
+                pool=PoolConfig(size=256, layers=LAYERS, k_heads=HEADS, k_head_dim=16,
+                                dtype="bfloat16")),
     ModelConfig(name="mla8", page_size=4,
                 pool=PoolConfig(size=128, layers=LAYERS, k_heads=1, k_head_dim=LATENT,
                                 dtype="float8_e4m3fn", mla=True)),

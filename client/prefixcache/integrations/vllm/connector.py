@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from .attn_backends import BackendInfo
 from .backend import RpcBackend
 from .config import ConnectorConfig
 from .keys import RequestInfo
@@ -139,7 +140,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     # --------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._work.register(kv_caches)
+        self._work.register(kv_caches, attention_backends(self._vllm_config, kv_caches))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -163,11 +164,37 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.take_load_errors()
 
+    def has_pending_push_work(self) -> bool:
+        # Keep vLLM stepping until every finished request's save is through.
+        return self._scheduler is not None and self._scheduler.has_pending_saves()
+
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
         if self._worker is not None:
             self._worker.close()
+
+
+def attention_backends(vllm_config: Any, kv_caches: dict[str, Any]
+                       ) -> dict[str, BackendInfo]:
+    """The attention backend of each layer of ``kv_caches``, as vLLM reports it (the
+    layer's ``get_attn_backend``), with what picks the layout: the head size and, on
+    CPU, the kernel ISA its metadata builder set on the layer."""
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    except ImportError:  # another vLLM: no backend known, the connector is disabled
+        return {}
+    out = {}
+    for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase,
+                                                   list(kv_caches)).items():
+        backend = layer.get_attn_backend()
+        head_size = getattr(layer, "head_size", None)
+        if head_size is None:
+            continue
+        out[name] = BackendInfo(f"{backend.__module__}.{backend.__qualname__}",
+                                int(head_size), getattr(layer, "isa", None))
+    return out
 
 
 def _tp_rank() -> int:

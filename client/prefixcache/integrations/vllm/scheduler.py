@@ -22,6 +22,11 @@ Saves. A finished request's whole blocks are stored with one locking, allocating
 (what the tree already has is not copied again), a copy by every worker, then an Insert
 that releases the lock once all workers are done; the service frees what another
 request inserted meanwhile. vLLM keeps the request's blocks until then.
+
+Shutdown. vLLM steps on while finished requests hold blocks for a save, so a save
+normally completes before the engine stops. ``close`` sends the inserts still queued
+and waits for the calls in flight; a save that cannot complete then (its copy never
+ran, or its insert failed) is logged as lost, with the count (``saves_lost``).
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ class SchedulerStats:
     save_tokens: int = 0
     saves_skipped: int = 0
     saves_failed: int = 0
+    saves_lost: int = 0
 
 
 class SchedulerCore:
@@ -263,7 +269,25 @@ class SchedulerCore:
         self._flush()
 
     def close(self) -> None:
-        """Stop: the backend closes the session, which releases every lock and slot."""
+        """Stop: send what is queued, finish the calls in flight, then the backend
+        closes the session, which releases every lock and slot. Saves that did not
+        complete are logged as lost (see the module docstring)."""
+        self._absorb()
+        self._flush()
+        wait_idle = getattr(self.backend, "wait_idle", None)
+        if wait_idle is not None and not wait_idle(max(self.config.timeout * 2, 1.0)):
+            log.warning("prefixcache: calls to the service still in flight at shutdown")
+        failed = self.stats.saves_failed
+        self._absorb()  # inserts that landed, or failed, while waiting
+        lost = len(self._saves) + self.stats.saves_failed - failed
+        if lost:
+            self.stats.saves_lost += lost
+            tokens = sum(len(s.tokens) for s in self._saves.values())
+            log.warning("prefixcache: %d save(s) in flight at shutdown were lost "
+                        "(%d tokens of unfinished copies); the next engine recomputes "
+                        "them", lost, tokens)
+        self._saves.clear()
+        self._queued.clear()  # the session's close releases the locks and slots
         close = getattr(self.backend, "close", None)
         if close is not None:
             close()
