@@ -26,6 +26,10 @@ KV_EVENTS_ENV = ENV_PREFIX + "KV_EVENTS_"
 KV_EVENTS_PUBLISHERS = ("zmq", "null")
 KV_EVENTS_HASH_FORMATS = ("vllm", "sglang")
 KV_EVENTS_ENCODINGS = ("map", "array")
+# What the events show of tenants' namespaces (server.tenants): "refuse" (the default)
+# fails the start when tenants are configured; "hashed" publishes hashed namespace
+# names and no token ids; "all" publishes everything, an explicit opt-in.
+KV_EVENTS_TENANT_POLICIES = ("refuse", "hashed", "all")
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
@@ -55,6 +59,11 @@ class KvEventsConfig:
     hash_format: str = "vllm"
     # "map": events are maps tagged with "type"; "array": the legacy positional arrays.
     encoding: str = "map"
+    # Events go to any ZMQ subscriber, unauthenticated. With server.tenants set they
+    # would show every tenant's token ids and namespaces: "refuse" (the default) fails
+    # the start; "hashed": token_ids empty and lora_name a hash of the namespace, in
+    # every namespace; "all": publish everything (trusted network only).
+    tenants: str = "refuse"
 
 
 def kv_events_settings(server: Any, env: Mapping[str, str],
@@ -100,7 +109,7 @@ def parse_kv_events(value: Any, default: Any, where: str) -> KvEventsConfig:
             base = ""
         cfg = replace(cfg, **{name: coerce(item, base, f"{where}.{name}")})
     choices = {"publisher": KV_EVENTS_PUBLISHERS, "hash_format": KV_EVENTS_HASH_FORMATS,
-               "encoding": KV_EVENTS_ENCODINGS}
+               "encoding": KV_EVENTS_ENCODINGS, "tenants": KV_EVENTS_TENANT_POLICIES}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{where}.{name}: one of {', '.join(allowed)}, "
@@ -116,3 +125,20 @@ def parse_kv_events(value: Any, default: Any, where: str) -> KvEventsConfig:
     if cfg.enable_kv_cache_events and cfg.replay_endpoint == cfg.endpoint:
         raise ConfigError(f"{where}.replay_endpoint: must differ from endpoint")
     return cfg
+
+
+def check_kv_events_tenants(cfg: KvEventsConfig, tenants: Any, where: str) -> None:
+    """Refuse to publish tenants' prompts by accident: with ``server.tenants`` set and
+    events on, ``kv_events.tenants`` must say ``hashed`` or ``all``.
+
+    Raises:
+        ConfigError: tenants are configured and the policy is ``refuse``.
+    """
+    if not tenants or not cfg.enable_kv_cache_events or cfg.publisher == "null":
+        return
+    if cfg.tenants == "refuse":
+        raise ConfigError(
+            f"{where}.tenants: server.tenants is set, and KV events go to any ZMQ "
+            "subscriber unauthenticated, with every tenant's token_ids and namespace; "
+            "set it to 'hashed' (no token ids, hashed namespace names) or 'all' "
+            "(publish everything, on a trusted network only)")

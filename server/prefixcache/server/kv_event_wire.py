@@ -24,6 +24,14 @@ which we do not have). llm-d and Dynamo fold ``lora_name`` into the keys they co
 from ``token_ids``, so two namespaces never share keys there. The key never goes into
 ``extra_keys``, which llm-d reads as multimodal hashes.
 
+Tenants (``kv_events.tenants``, for servers with ``server.tenants``): ``hashed`` publishes
+every ``BlockStored`` with ``token_ids`` empty (``[]``) and ``lora_name`` the namespace's
+hash, ``"h:"`` and the first 32 hex digits of ``SHA256(b"prefixcache-kv-events-ns-v1\0"
++ K)`` (nil stays nil). Block hashes, parents and block sizes are unchanged, so a router
+that keys by ``block_hashes`` still follows the tree; one that derives keys from
+``token_ids`` (llm-d, Dynamo) learns nothing. The hashes still let whoever guesses a
+prompt and its namespace confirm the guess. ``all`` publishes everything.
+
 Hashes are 64 bits of a SHA-256 page chain, the same chain in stored, removed and
 parent fields:
 
@@ -59,6 +67,7 @@ from prefixcache.cache.change_log import AllCleared, Change, PagesRemoved, Pages
 
 SALT_DOMAIN = b"sglang-cache-salt-v1\0"
 WIDTH_DOMAIN = b"prefixcache-namespace-v1\0"
+HIDDEN_NS_DOMAIN = b"prefixcache-kv-events-ns-v1\0"
 DATA_PARALLEL_RANK = 0
 
 Namespace = tuple[str | None, int]
@@ -72,6 +81,13 @@ def namespace_seed(extra_key: str | None, token_width: int) -> bytes | None:
         return hashlib.sha256(SALT_DOMAIN + extra_key.encode("utf-8")).digest()
     key = b"\0" if extra_key is None else b"\1" + extra_key.encode("utf-8")
     return hashlib.sha256(WIDTH_DOMAIN + token_width.to_bytes(4, "little") + key).digest()
+
+
+def hidden_namespace(extra_key: str | None) -> str | None:
+    """The ``lora_name`` published for a namespace under ``kv_events.tenants: hashed``."""
+    if extra_key is None:
+        return None
+    return "h:" + hashlib.sha256(HIDDEN_NS_DOMAIN + extra_key.encode("utf-8")).hexdigest()[:32]
 
 
 def wire_hashes(hex_hashes: list[str], hash_format: str) -> list[int]:
@@ -130,14 +146,17 @@ class EventEncoder:
         hash_format: ``"vllm"`` or ``"sglang"``.
         encoding: ``"map"`` or ``"array"``.
         medium: ``"GPU"`` or ``"CPU"``, where the model's pool lives.
+        hide_tenants: publish no token ids and hashed namespace names (``hashed``).
     """
 
-    def __init__(self, hash_format: str, encoding: str, medium: str) -> None:
+    def __init__(self, hash_format: str, encoding: str, medium: str, *,
+                 hide_tenants: bool = False) -> None:
         if hash_format not in ("vllm", "sglang") or encoding not in ("map", "array"):
             raise ValueError(f"unknown hash_format {hash_format!r} or encoding {encoding!r}")
         self.hash_format = hash_format
         self.encoding = encoding
         self.medium = medium
+        self.hide_tenants = hide_tenants
         self.chains = WireChains()
 
     def event(self, change: Change) -> Any:
@@ -180,10 +199,13 @@ class EventEncoder:
         fmt = self.hash_format
         hashes = wire_hashes(digests, fmt)
         parent_hash = None if parent is None else wire_hashes([parent], fmt)[0]
-        lora_name = rec.extra_key
+        if self.hide_tenants:
+            lora_name, tokens = hidden_namespace(rec.extra_key), []
+        else:
+            lora_name, tokens = rec.extra_key, rec.token_ids()
         if self.encoding == "array":
-            return ["BlockStored", hashes, parent_hash, rec.token_ids(), rec.page_size, None,
+            return ["BlockStored", hashes, parent_hash, tokens, rec.page_size, None,
                     self.medium, lora_name]
         return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent_hash,
-                "token_ids": rec.token_ids(), "block_size": rec.page_size, "lora_id": None,
+                "token_ids": tokens, "block_size": rec.page_size, "lora_id": None,
                 "medium": self.medium, "lora_name": lora_name}

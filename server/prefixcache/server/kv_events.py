@@ -42,7 +42,7 @@ import logging
 import os
 import socket
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
@@ -51,6 +51,7 @@ import zmq
 from prefixcache.cache.change_log import Change, ChangeLog
 
 from .config import ConfigError, KvEventsConfig
+from .config_kv_events import check_kv_events_tenants
 from .kv_event_wire import EventEncoder
 
 log = logging.getLogger("prefixcache.server")
@@ -112,7 +113,8 @@ class KvEventPublisher:
         self._cfg = cfg
         self._log = change_log
         self._ctx = context
-        self._encoder = EventEncoder(cfg.hash_format, cfg.encoding, medium)
+        self._encoder = EventEncoder(cfg.hash_format, cfg.encoding, medium,
+                                     hide_tenants=cfg.tenants == "hashed")
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._seq = 0
         self._pending: list[Change] = []
@@ -380,10 +382,18 @@ class KvEventPublishers:
         self.context.destroy(linger=0)
 
 
-def start_kv_events(cfg: KvEventsConfig, engines: Mapping[str, Any]) -> KvEventPublishers | None:
-    """The running publishers, or None when ``server.kv_events`` leaves them off."""
+def start_kv_events(cfg: KvEventsConfig, engines: Mapping[str, Any],
+                    tenants: Sequence[Any] = ()) -> KvEventPublishers | None:
+    """The running publishers, or None when ``server.kv_events`` leaves them off.
+
+    Raises:
+        ConfigError: an endpoint is unusable, or ``tenants`` are configured and
+            ``kv_events.tenants`` is ``refuse`` (checked here too, for configs built
+            without load_config: nothing is published by accident).
+    """
     if not cfg.enable_kv_cache_events or cfg.publisher == "null":
         return None
+    check_kv_events_tenants(cfg, tenants, "server.kv_events")
     publishers = KvEventPublishers(cfg, engines)
     publishers.start(asyncio.get_running_loop())
     return publishers
