@@ -27,8 +27,10 @@ MODEL = "m"
 PAGE = 4
 ROW = (2, 8)  # k_heads, k_head_dim
 TIMEOUT = 0.5
-# A call's deadline plus margin while the master is dead (2 cores, other jobs).
-WORST = TIMEOUT * 2 + 1.5
+# What a few RPCs may take on a loaded 2-core machine, beyond the tier's deadline.
+MARGIN = 1.5
+# tier/service.py: how long the breaker skips the store after a failure.
+COOLDOWN = max(1.0, 4 * TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -134,20 +136,35 @@ def test_master_killed_then_restarted(cluster: dict[str, Any]) -> None:
     _cache(a, stored, seed=7)
     a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(stored) // PAGE)
     master.kill()
-    # Both keep serving locally; no call takes longer than its deadline plus a margin.
-    worst = 0.0
+    # Both keep serving locally; no lookup takes longer than its deadline plus a margin,
+    # and nothing else waits on the tier at all.
+    slowest = {"cache on A": 0.0, "lookup on A": 0.0, "lookup on B": 0.0}
     for i in range(6):
         tokens = _tokens(100 + i)
+        for what, call in (("cache on A", lambda t=tokens, i=i: _cache(a, t, seed=100 + i)),
+                           ("lookup on A", lambda t=tokens: _read(a, t)),
+                           ("lookup on B", lambda t=tokens: _read(b, t))):
+            start = time.monotonic()
+            out = call()
+            slowest[what] = max(slowest[what], time.monotonic() - start)
+            if what == "lookup on A":
+                assert out[0] == len(tokens)
+            if what == "lookup on B":
+                assert out[0] == 0
+    # Past the breaker's cooldown a lookup meets the dead master again (a call that
+    # blocks for seconds there): it still answers within its deadline.
+    for i in range(2):
+        time.sleep(COOLDOWN + 0.2)
+        tokens = _tokens(200 + i)
         start = time.monotonic()
-        _cache(a, tokens, seed=100 + i)
-        hit_a = _read(a, tokens)[0]
-        hit_b = _read(b, tokens)[0]
-        worst = max(worst, time.monotonic() - start)
-        assert hit_a == len(tokens)
-        assert hit_b == 0
-    assert worst < 3 * WORST, worst  # three calls in each round
-    assert b.metric(r"prefixcache_tier_errors_total\{.*\}") + \
-        b.metric(r'prefixcache_tier_lookups_total\{.*result="(breaker_open|busy|error)".*\}') > 0
+        assert _read(b, tokens)[0] == 0
+        slowest["lookup on B"] = max(slowest["lookup on B"], time.monotonic() - start)
+    print(slowest, b.metrics())
+    assert slowest["lookup on B"] < TIMEOUT + MARGIN, slowest
+    assert slowest["cache on A"] < MARGIN and slowest["lookup on A"] < MARGIN, slowest
+    failed = b.metric(r"prefixcache_tier_errors_total\{.*\}") + b.metric(
+        r'prefixcache_tier_lookups_total\{.*result="(breaker_open|busy|error)".*\}')
+    assert failed >= 6
     # Restarted: an empty tier. What A stored before is a counted miss on B...
     master.start()
     misses = b.metric(r'prefixcache_tier_lookups_total\{.*result="miss".*\}')

@@ -12,7 +12,7 @@
    after the local hit, as the session's slots, and the rest freed. The lookup that
    follows finds it in the tree, so it is answered as a hit like any local one.
 
-Each store call is bounded by ``tier.timeout`` (service.py); a failure, a timeout or
+The lookup's store calls together are bounded by ``tier.timeout``; a failure, a timeout or
 anything short counts as a miss and leaves the tree as it was. A fetch that timed out
 keeps its slots until its thread is done writing into them, then frees them. A Reset
 in between (``generation``) voids the fetch: the Reset took the session's slots and
@@ -65,13 +65,18 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any) -> int:
     hashes = _hashes_after(cache, hit.last_node if local else None, local, want, packed,
                            width, ps)
     keys = mt.keys.keys(key.extra_key, width, hashes)
-    codes, _ = await tier.call("exists", tier.backend.exists, keys)
+    # One deadline for the whole lookup: the caller waits tier.timeout at most.
+    deadline = time.monotonic() + tier.cfg.timeout
+    codes, _ = await tier.call("exists", tier.backend.exists, keys, deadline=deadline)
     found = _leading(codes, lambda c: c == 1)
-    if codes is None or found == 0:
+    failed = codes is None or (found < len(codes) and codes[found] < 0)
+    if failed and codes is not None:
+        tier.error("exists", code_name(codes[found]))
+    if found == 0:
         mt.hit_tokens["local"] += local
-        mt.count(mt.lookups, "error" if codes is None else "miss")
+        mt.count(mt.lookups, "error" if failed else "miss")
         return 0
-    got = await _fetch(tier, mt, key, local, keys[:found])
+    got = await _fetch(tier, mt, key, local, keys[:found], deadline)
     mt.hit_tokens["local"] += local
     mt.hit_tokens["remote"] += got
     mt.count(mt.lookups, "remote" if got else "miss")
@@ -99,7 +104,8 @@ def _leading(codes: list[int] | None, ok: Any) -> int:
     return len(codes)
 
 
-async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]) -> int:
+async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str],
+                 deadline: float) -> int:
     """Steps 3 to 5 of the module doc for the pages ``keys`` that follow ``local``."""
     engine, ps, session = mt.engine, mt.page_size, tier.session
     cache = engine.cache
@@ -134,7 +140,8 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]
 
     ptrs, sizes = mt.layout.parts(slots)
     start = time.perf_counter()
-    codes, fut = await tier.call("get", tier.backend.get_into, keys, ptrs, sizes)
+    codes, fut = await tier.call("get", tier.backend.get_into, keys, ptrs, sizes,
+                                 deadline=deadline)
     if codes is None:
         if fut is not None and not fut.done():
             # 4 timed out: the thread may still write into the slots; free them after.

@@ -155,20 +155,26 @@ class Tier:
             return "busy"
         return None
 
-    async def call(self, op: str, fn: Callable[..., list[int]], *args: Any
+    async def call(self, op: str, fn: Callable[..., list[int]], *args: Any,
+                   deadline: float | None = None
                    ) -> tuple[list[int] | None, asyncio.Future[Any] | None]:
-        """Run a store call on the pool for at most ``tier.timeout`` seconds.
+        """Run a store call on the pool until ``deadline`` (monotonic seconds; default
+        ``tier.timeout`` from now).
 
         Returns its codes, or None (counted) when it failed or timed out, with the
         future of the call (None if not made): one that timed out may still be running.
         """
+        timeout = self.cfg.timeout if deadline is None else deadline - time.monotonic()
         if self.available() is not None:
+            return None, None
+        if timeout <= 0:
+            self.error(op, "TIMEOUT")
             return None, None
         self.inflight += 1
         fut = self.loop.run_in_executor(self._pool, fn, *args)
         fut.add_done_callback(self._landed)
         try:
-            codes = await asyncio.wait_for(asyncio.shield(fut), self.cfg.timeout)
+            codes = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
             self.error(op, "TIMEOUT")
             self.trip()
