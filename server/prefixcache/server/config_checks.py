@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from prefixcache.cache import EVICTION_POLICIES
 
-from .config_kv_events import parse_kv_events
+from .config_kv_events import check_kv_events_tenants, parse_kv_events
 from .config_tenants import check_tenant_tokens, parse_tenants
 from .config_tier import parse_tier
 from .config_types import (
@@ -108,6 +108,7 @@ def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:
     token = read_secret(cfg.token, cfg.token_file, f"{where}.token_file")
     admin = read_secret(cfg.admin_token, cfg.admin_token_file, f"{where}.admin_token_file")
     check_tenant_tokens(cfg.tenants, (token, admin), f"{where}.tenants")
+    check_kv_events_tenants(cfg.kv_events, cfg.tenants, f"{where}.kv_events")
     return replace(cfg, token=token, admin_token=admin)
 
 
