@@ -164,9 +164,14 @@ class ServerConfig:
     max_read_bytes: int = 0
     max_inflight_write_bytes: int = 256 * 1024 * 1024
     max_inflight_write_bytes_total: int = 1024 * 1024 * 1024
-    # Evict (evict_policy.py): tokens one call may ask for without the admin token
-    # (PERMISSION_DENIED beyond it); 0 lets every caller evict any amount.
+    # Evict (evict_policy.py): tokens one client may evict per evict_interval without
+    # the admin token (a token bucket; RESOURCE_EXHAUSTED while it is empty,
+    # PERMISSION_DENIED for one call over the whole of it); 0 lets every caller evict
+    # any amount.
     max_evict_tokens: int = 0
+    # The seconds in which a client's Evict budget refills from empty to
+    # max_evict_tokens: a client may evict max_evict_tokens per evict_interval.
+    evict_interval: float = 1.0
     # Mode of the shared-memory pool files; None (the default) takes the socket's owner
     # and group bits only, so a looser socket_mode never makes the pool world-writable.
     shm_mode: int | None = None

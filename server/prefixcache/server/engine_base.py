@@ -18,6 +18,7 @@ from .errors import NotFoundError, PreconditionError
 from .opaque_ids import OpaqueIds
 from .quotas import NO_QUOTA, Quota, prefix_tokens
 from .sessions import HeldLock, Session
+from .tenant_stats import TenantCounts
 
 OPERATIONS = ("match", "insert", "evict", "lock", "unlock", "alloc")
 # Why tokens left the cache: an Evict call, room for an allocation, or an admin Reset.
@@ -58,11 +59,15 @@ class EngineBase:
         # Per-session caps (quotas.py), checked before a call changes anything; the
         # service sets each model's from its limits.
         self.quota: Quota = NO_QUOTA
+        # Lookups by tenant, where tenants are configured (tenant_stats.py).
+        self.tenant_counts: TenantCounts | None = None
 
     def _count_match(self, key: RadixKey, hit: int) -> None:
         self.ops["match"] += 1
         self.match_tokens += len(key)
         self.hit_tokens += hit
+        if self.tenant_counts is not None:
+            self.tenant_counts.count(key.extra_key, len(key), hit)
 
     def _handle(self, node: Any) -> int:
         """The opaque id a client may name ``node`` by (0 for none)."""

@@ -24,6 +24,7 @@ from .quotas import Quota
 from .sessions import Session, SessionRegistry, expiry_summary
 from .shared_pool import SharedPools
 from .slot_engine import SlotEngine
+from .tenant_stats import TenantCounts
 from .tenants import CALLER, PEER, client_identity
 from .write_fence import WriteFences
 
@@ -71,6 +72,8 @@ class CacheService:
                     model, self.sessions.next_lock_id,
                     self.shared.factory(model.name, model.pool.device), self.ids, **extra)
                 self.engines[model.name].quota = Quota.of(self.limits, self.engines[model.name])
+                if self.limits.tenants:  # Stats shows a tenant its namespaces' lookups
+                    self.engines[model.name].tenant_counts = TenantCounts(self.limits.tenants)
         except BaseException:
             self.shared.close()
             raise

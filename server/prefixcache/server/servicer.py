@@ -77,7 +77,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
         self.callers = Callers() if callers is None else callers
         # Reading the caller's token costs a little per call: only when it matters.
         self._identify = self.callers.has_tenants or self.limits.max_evict_tokens > 0
-        self.evict_policy = EvictPolicy(self.limits.max_evict_tokens, list(service.engines))
+        self.evict_policy = EvictPolicy(self.limits.max_evict_tokens, list(service.engines),
+                                        self.limits.evict_interval)
         if metrics is not None:
             metrics.registry.register(EvictCollector(self.evict_policy))
         self.write_budget = kv_access.WriteBudget(self.limits.max_inflight_write_bytes,

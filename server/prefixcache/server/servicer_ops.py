@@ -15,7 +15,7 @@ from prefixcache.cache import IntegrityError, InvalidInputError
 from prefixcache.cache.pages import to_page_ids
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from . import holdings, replays, reply_caps
+from . import holdings, replays, reply_caps, tenant_stats
 from .codec import decode_key, decode_slots, encode_slots
 from .errors import DeniedError, PreconditionError
 from .evict_policy import EvictPolicy
@@ -133,7 +133,7 @@ class CacheOps:
     def _evict(self, req: pb.EvictRequest, session: Session | None) -> pb.EvictResponse:
         engine = self.service.engine(req.model)
         caller = CALLER.get()
-        self.evict_policy.check(req, caller)
+        self.evict_policy.check(req, caller, session)
         result = engine.evict(req.num_tokens, req.swa_num_tokens, req.mamba_num)
         self.evict_policy.record(engine, req, result.full_evicted, caller, session)
         return pb.EvictResponse(evicted_tokens=result.full_evicted,
@@ -195,7 +195,7 @@ class CacheOps:
             sessions = self.service.sessions
             top = holdings.top_sessions(sessions, engines, req.top_sessions, sessions.now())
         return pb.StatsResponse(models=[model_stats(e) for e in engines],
-                                sessions=len(self.service.sessions),
+                                sessions=tenant_stats.sessions_seen(self.service.sessions),
                                 server_epoch=self.service.epoch, top_sessions=top)
 
     def _step(self, req: pb.StepRequest, session: Session | None) -> pb.StepResponse:

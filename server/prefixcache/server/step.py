@@ -37,6 +37,7 @@ from .limits import Limits, check_fields, request_tokens
 from .sessions import Session
 from .slot_checks import check_distinct
 from .slot_engine import SlotEngine
+from .tenant_stats import tenant_view
 
 Engine = ModelEngine | SlotEngine
 # Classifies (and logs, counts) a failed item's exception: the servicer's ``_refusal``.
@@ -48,7 +49,7 @@ _REPLAY_OP = "step"
 def model_stats(engine: Engine) -> pb.ModelStats:
     """One model's counters, as Stats and every Step reply carry them."""
     sizes = engine.sizes()
-    return pb.ModelStats(
+    return tenant_view(pb.ModelStats(
         model=engine.name, evictable_tokens=sizes["evictable"],
         protected_tokens=sizes["protected"], free_slots=sizes["free_slots"],
         match_tokens_total=engine.match_tokens, hit_tokens_total=engine.hit_tokens,
@@ -59,7 +60,7 @@ def model_stats(engine: Engine) -> pb.ModelStats:
         mamba_evictable_slots=sizes["mamba_evictable"],
         mamba_protected_slots=sizes["mamba_protected"],
         free_state_slots=sizes["free_state_slots"],
-        session_state_slots=engine.session_state_slots)
+        session_state_slots=engine.session_state_slots), engine)  # a tenant's: its own
 
 
 def fill_match(out: pb.MatchResponse, m: MatchOutcome) -> None:
