@@ -36,8 +36,9 @@ TESTS = Path(__file__).resolve().parents[2]
 PROMPT = list(range(700, 718))  # 18 tokens: 16 (4 blocks of 4) are saved
 TTL = 1.0  # the engine's session lease, in seconds
 
-# The engine: one request saved through the mapped pool; it stops itself (SIGSTOP) at
-# the point argv[2] names and says so on stdout, then finishes the step once resumed.
+# The engine: two requests saved through the mapped pool; in the second save it stops
+# itself (SIGSTOP) at the point argv[2] names and says so on stdout, then finishes the
+# step once resumed.
 ENGINE = r"""
 import json, os, signal, sys
 from integrations.vllm.vllm_support import make_caches, make_scheduler, make_worker, settle
@@ -55,7 +56,11 @@ def stop():
     os.kill(os.getpid(), signal.SIGSTOP)
 
 write = MappedAccess.write
+writes = []
 def frozen_write(self, slots, source, heads, session_id, server_epoch):
+    writes.append(len(slots))
+    if len(writes) == 1:  # the first request's save goes through
+        return write(self, slots, source, heads, session_id, server_epoch)
     if where == "before":
         stop()
         return write(self, slots, source, heads, session_id, server_epoch)
@@ -69,15 +74,23 @@ MappedAccess.write = frozen_write
 core = make_scheduler(address, session_ttl=ttl)
 worker = make_worker(address)
 worker.register(make_caches("kv_first"))
-assert core.finished(RequestInfo("A", prompt, len(prompt)), [2, 5, 7, 9, 11], 18)
-worker.start_step(core.build_meta())
-settle(core)
-meta = core.build_meta()
-assert len(meta.saves) == 1 and len(meta.saves[0].slots), meta
-say(session=meta.saves[0].session_id, slots=list(meta.saves[0].slots))
-worker.start_step(meta)
-core.sends_done(worker.finished_sends({"A"}))
-settle(core)
+
+def save(req_id, tokens, blocks):
+    # Request req_id finishes; its 16 tokens are saved. Stops in the second save.
+    assert core.finished(RequestInfo(req_id, tokens, len(tokens)), blocks, 18)
+    worker.start_step(core.build_meta())
+    settle(core)
+    meta = core.build_meta()
+    assert len(meta.saves) == 1 and len(meta.saves[0].slots), meta
+    if writes:
+        say(session=meta.saves[0].session_id, slots=list(meta.saves[0].slots))
+    worker.start_step(meta)
+    core.sends_done(worker.finished_sends({req_id}))
+    settle(core)
+
+# A first save, so that the engine's fence is open long before (as in a running engine).
+save("W", list(range(900, 918)), [1, 3, 4, 6, 8])
+save("A", prompt, [2, 5, 7, 9, 11])
 say(failed_saves=worker.failed_saves, saved_tokens=worker.saved_tokens,
     mapped=isinstance(worker._access, MappedAccess))
 worker.close()
@@ -201,7 +214,7 @@ def _victim(client: PrefixCacheClient, frozen: Engine, victim: object, where: st
         assert torch.equal(got.k[layer].view(torch.uint8), k[layer].view(torch.uint8)), layer
         assert torch.equal(got.v[layer].view(torch.uint8), v[layer].view(torch.uint8)), layer
     # The save failed cleanly: reported failed, and nothing of it cached.
-    assert report == {"failed_saves": 1, "saved_tokens": 0, "mapped": True}
+    assert report == {"failed_saves": 1, "saved_tokens": 16, "mapped": True}
     assert client.match("v", PROMPT[:16]).prefix_len == 0
 
 
