@@ -113,3 +113,29 @@ def test_a_fence_file_that_cannot_be_opened_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(FailedPrecondition):
         WriteFence(WriteFenceInfo(str(tmp_path / "none"), 0, 1))
+
+
+def test_a_worker_without_a_fence_record_writes_through_writekv(tmp_path: Path) -> None:
+    import torch
+
+    from prefixcache.integrations.vllm.pool_access import MappedAccess
+
+    with running(tmp_path, MODELS, session_ttl_min=0.1, max_sessions=1) as srv, \
+            PrefixCacheClient(srv.address, timeout=5) as client:
+        first = client.open_session(60)
+        held = open_fence(client, first.session_id)  # the only record
+        with held.held():
+            client.close_session(first)  # its record waits for this writer
+            second = client.open_session(60)
+            slots = client.alloc("m", 4, session=second).slots
+            access = MappedAccess(client, "m")
+            rows = torch.arange(4 * 4, dtype=torch.float16).view(4, 1, 4)
+            # No record left for the second session: the rows go through WriteKV.
+            access.write(slots, lambda layer: (rows, rows + 1), slice(None),
+                         second.session_id, second.server_epoch)
+            got = client.read_kv("m", slots, session=second)
+            assert torch.equal(got.k[0], rows) and torch.equal(got.v[0], rows + 1)
+            assert not access._fences
+            client.close_session(second)
+        srv.run(srv.service.settle_fences)
+        srv.check_integrity()

@@ -14,9 +14,10 @@ end of the copy, would resume and write rows of slots the service has handed to
 another session since. Under the fence the service frees none of the session's slots
 while the copy may still run, however long the worker is stopped, and the worker
 copies nothing once the session has ended; a session that ended during the copy fails
-the save (``SessionLost``), so its rows are never inserted. A service without shared
-memory for the fence (or an older one) gets the rows through WriteKV instead, which
-checks the session's hold on every slot as it writes.
+the save (``SessionLost``), so its rows are never inserted. Where there is no fence (a
+service without shared memory for it, a fence file this host cannot open, an older
+service, every record taken) the rows go through WriteKV instead, which checks the
+session's hold on every slot as it writes.
 """
 
 from __future__ import annotations
