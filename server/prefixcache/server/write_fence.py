@@ -120,6 +120,7 @@ class WriteFences:
             record, self._next = self._next, self._next + 1
             if self._set(fd, record, token):
                 return record
+            self._free.append(record)  # somebody locks records at random: try it later
         raise OverLimitError(f"all {self.capacity} write fences are taken (one per "
                              "session that writes through the mapped pool, up to "
                              "server.max_sessions); write through WriteKV",
