@@ -329,7 +329,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
     async def ExistsPages(self, request: pb.ExistsPagesRequest,
                           context: Any) -> pb.ExistsPagesResponse:
         return await self._unary("ExistsPages", context,
-                                 self._attributed(self._pages(page_rpcs.exists)), request)
+                                 self._attributed(self._pages(page_rpcs.exists)), request,
+                                 prepare=self.tier.before_exists_pages if self.tier else None)
 
     async def GetPages(self, request: pb.GetPagesRequest, context: Any) -> pb.GetPagesResponse:
         return await self._unary("GetPages", context,

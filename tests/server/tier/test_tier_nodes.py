@@ -11,6 +11,7 @@ order, the master's death last.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,12 @@ import pytest
 import torch
 from tier_harness import Master, Node, needs_mooncake, tier_config
 
+from prefixcache.cache import hash_token_ids
 from prefixcache.client import PrefixCacheClient
+
+# SGLang's host pools and backend core, as tests/integrations/sglang drives them.
+sys.path.insert(0, str(Path(__file__).parents[2] / "integrations" / "sglang"))
+from hicache_hosts import HostPool, host_indices, make_core
 
 MODEL = "m"
 PAGE = 4
@@ -42,7 +48,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     nodes: list[Node] = []
     try:
         for name in ("a", "b"):
-            nodes.append(Node(tmp, name, tier_config(master.address, timeout=TIMEOUT)))
+            nodes.append(Node(tmp, name, tier_config(master.address, timeout=TIMEOUT,
+                                                     change_log_capacity=1024)))
         for node in nodes:
             node.wait(r"prefixcache_tier_connected", 1)
         yield {"master": master, "a": nodes[0], "b": nodes[1]}
@@ -78,6 +85,14 @@ def _read(node: Node, tokens: list[int], extra_key: str | None = None
             return 0, []
         data = client.read_kv(MODEL, reply.slots, session=s)
         return reply.prefix_len, [*data.k, *data.v]
+
+
+def _chain(tokens: list[int]) -> list[str]:
+    """SGLang's page keys for ``tokens`` (whole pages)."""
+    keys: list[str] = []
+    for i in range(0, len(tokens) - PAGE + 1, PAGE):
+        keys.append(hash_token_ids(tokens[i:i + PAGE], keys[-1] if keys else None))
+    return keys
 
 
 def _put_pages(node: Node) -> float:
@@ -127,6 +142,36 @@ def test_namespaces_never_read_each_others_pages(cluster: dict[str, Any]) -> Non
     hit, got = _read(b, tokens, extra_key="tenant-1/")
     assert hit == len(tokens)
     assert all(torch.equal(x, y) for x, y in zip(got, kv, strict=True))
+
+
+def test_sglang_cores_across_nodes(cluster: dict[str, Any]) -> None:
+    """SGLang's HiCache backend core on each node: pages node A's core stores
+    (``batch_set_v1``) are found (``batch_exists``) and loaded (``batch_get_v1``) by
+    node B's core, byte for byte, in another host layout; and pages cached on A by
+    tokens are found by hash on B."""
+    a, b = cluster["a"], cluster["b"]
+    a_pool, b_pool = HostPool("page_first", seed=11), HostPool("layer_first", seed=12)
+    a_core = make_core(a.address, a_pool, model=MODEL)
+    b_core = make_core(b.address, b_pool, model=MODEL)
+    try:
+        keys = _chain(_tokens(9, 12))
+        before = _put_pages(a)
+        assert b_core.exists(keys) == 0
+        assert a_core.set(keys, host_indices([3, 0, 7])) == [True] * 3
+        a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + 3)
+        assert b_core.exists(keys) == 3
+        assert b_core.get(keys, host_indices([9, 4, 2])) == [True] * 3
+        for pa, pb in zip([3, 0, 7], [9, 4, 2], strict=True):
+            assert b_pool.page_bytes(pb * PAGE) == a_pool.page_bytes(pa * PAGE)
+        # Token pages written on A are the same objects by hash.
+        tokens = _tokens(10)
+        before = _put_pages(a)
+        _cache(a, tokens, seed=10)
+        a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(tokens) // PAGE)
+        assert b_core.exists(_chain(tokens)) == len(tokens) // PAGE
+    finally:
+        a_core.close()
+        b_core.close()
 
 
 def test_master_killed_then_restarted(cluster: dict[str, Any]) -> None:

@@ -68,7 +68,7 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any) -> int:
     # One deadline for the whole lookup: the caller waits tier.timeout at most.
     deadline = time.monotonic() + tier.cfg.timeout
     codes, _ = await tier.call("exists", tier.backend.exists, keys, deadline=deadline)
-    found = _leading(codes, lambda c: c == 1)
+    found = leading_run(codes, lambda c: c == 1)
     failed = codes is None or (found < len(codes) and codes[found] < 0)
     if failed and codes is not None:
         tier.error("exists", code_name(codes[found]))
@@ -95,7 +95,8 @@ def _hashes_after(cache: Any, node: Any, local: int, pages: int, packed: bytes, 
     return hash_pages(tail, ps * token_bytes, prior)
 
 
-def _leading(codes: list[int] | None, ok: Any) -> int:
+def leading_run(codes: list[int] | None, ok: Any) -> int:
+    """How many codes from the first pass ``ok``."""
     if not codes:
         return 0
     for i, code in enumerate(codes):
@@ -145,19 +146,19 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]
     if codes is None:
         if fut is not None and not fut.done():
             # 4 timed out: the thread may still write into the slots; free them after.
-            fut.add_done_callback(lambda _f: _safely(release))
+            fut.add_done_callback(lambda _f: safely(release))
         else:
-            _safely(release)
+            safely(release)
         return 0
     mt.fetch_seconds += time.perf_counter() - start
-    whole = _leading(codes, lambda c: c == mt.layout.page_bytes)
+    whole = leading_run(codes, lambda c: c == mt.layout.page_bytes)
     for code in codes[whole:whole + 1]:
         if code < 0:
             tier.error("get", code_name(code))
         elif code != mt.layout.page_bytes:
             tier.error("get", "SIZE_MISMATCH")
     if generation != mt.generation or whole == 0:
-        _safely(release)
+        safely(release)
         return 0
     mt.fetch_bytes += whole * mt.layout.page_bytes
     # 5. Insert the run read whole after the (locked, so unchanged) local hit.
@@ -176,11 +177,11 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]
         got = 0
     finally:
         mt.suppressed = False
-    _safely(release, inserted)
+    safely(release, inserted)
     return got
 
 
-def _safely(fn: Any, *args: Any) -> None:
+def safely(fn: Any, *args: Any) -> None:
     try:
         fn(*args)
     except Exception:

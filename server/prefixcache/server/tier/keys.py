@@ -12,6 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 from functools import lru_cache
+from typing import Any
+
+from prefixcache.cache.page_index import DIGEST_BYTES, HASH_NAMESPACE_PREFIX, is_hash_namespace
 
 from ..config_types import ModelConfig
 
@@ -47,3 +50,25 @@ class KeyMaker:
     def keys(self, extra_key: str | None, token_width: int, page_hashes: list[str]) -> list[str]:
         prefix = self._prefix(extra_key, token_width)
         return [prefix + h for h in page_hashes]
+
+
+def page_names(node: Any) -> tuple[str | None, int, list[str]]:
+    """A tree node's pages as the tier names them: ``(extra_key, token width, page
+    hashes)``. A token node's pages are its chained page hashes; a *hash page* node
+    (pages SGLang stored by hash alone, page_index.py) holds each page's hash in its
+    "tokens", under a hidden namespace named after the token namespace it stands for,
+    so its pages get the keys the same pages have as token pages."""
+    ns = node.require_namespace()
+    if not is_hash_namespace(ns.extra_key):
+        return ns.extra_key, ns.token_width, list(node.hash_values or ())
+    extra_key, width = token_namespace(ns.extra_key)
+    data, step = node.key_bytes, ns.page_bytes
+    return extra_key, width, [data[i:i + DIGEST_BYTES].hex() for i in range(0, len(data), step)]
+
+
+def token_namespace(hidden: str) -> tuple[str | None, int]:
+    """The token namespace ``(extra_key, width)`` whose hash pages live in ``hidden``
+    (the inverse of ``page_index.hash_namespace``)."""
+    rest = hidden[len(HASH_NAMESPACE_PREFIX) + 2:]  # past "/w"
+    width, sep, extra_key = rest.partition("=")
+    return (extra_key if sep else None), int(width)

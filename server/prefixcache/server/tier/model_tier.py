@@ -27,7 +27,7 @@ import numpy as np
 from prefixcache.cache.allocator import host_indices
 
 from .backend import OBJECT_ALREADY_EXISTS, code_name
-from .keys import KeyMaker
+from .keys import KeyMaker, page_names
 from .layout import PageLayout
 from .writer import PutJob
 
@@ -112,9 +112,9 @@ class ModelTier:
         self._flush_scheduled = False
         nodes, self._pending = self._pending, []
         for node in nodes:
-            if node.evicted or not node.hash_values:
+            if node.evicted or not node.key_len:
                 continue
-            pages = len(node.hash_values)
+            pages = node.key_len // self.page_size
             why = self.tier.available()
             if why is not None or self.tier.puts is None:
                 self.count(self.drops, why or "unavailable", pages)
@@ -126,10 +126,9 @@ class ModelTier:
 
     def _queue(self, node: Any) -> None:
         engine, tier = self.engine, self.tier
-        ns = node.require_namespace()
-        hashes = list(node.hash_values)
+        extra_key, width, hashes = page_names(node)
         slots = host_indices(node.value)
-        keys = self.keys.keys(ns.extra_key, ns.token_width, hashes)
+        keys = self.keys.keys(extra_key, width, hashes)
         lock_id = engine.lock(tier.session, engine._handle(node))
         generation = self.generation
         jobs = []

@@ -23,11 +23,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..codec import decode_key
+from prefixcache.cache.page_index import DIGEST_BYTES
+
+from ..codec import MAX_TOKEN_WIDTH, decode_key
 from ..config_tier import TierConfig
 from ..limits import request_tokens
+from ..page_rpcs import max_pages
 from .backend import RPC_FAIL, TierBackend, TierUnavailable
 from .fetch import prefetch
+from .fetch_pages import prefetch_pages
 from .model_tier import ModelTier
 from .writer import PutQueue
 
@@ -142,6 +146,22 @@ class Tier:
         except Exception:
             return
         await prefetch(self, mt, key)
+
+    async def before_exists_pages(self, request: Any) -> None:
+        """An ExistsPages' tier step (SGLang's ``batch_exists``): the pages after its
+        local leading run, from the store, as hash pages (fetch_pages.py). Not for the
+        check before a SetPages (``before_set``): the caller is about to store them."""
+        mt = self.models.get(request.model)
+        if mt is None or self.closed or request.before_set \
+                or getattr(mt.engine, "page_index", None) is None:
+            return
+        data = bytes(request.page_hashes)
+        width = request.token_width or 1
+        if not data or len(data) % DIGEST_BYTES or width > MAX_TOKEN_WIDTH \
+                or len(data) // DIGEST_BYTES > max_pages(self.service.limits, mt.engine):
+            return  # the handler refuses it
+        extra_key = request.extra_key if request.HasField("extra_key") else None
+        await prefetch_pages(self, mt, (extra_key, width), data)
 
     # ------------------------------------------------------------ store calls
 

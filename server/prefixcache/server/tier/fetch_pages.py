@@ -1,0 +1,132 @@
+"""The read path of the page RPCs (SGLang's HiCache backend): ExistsPages by hash.
+
+SGLang names pages by their chained page hash and never sends their tokens, so the
+pages the store has after the local leading run are brought in as *hash pages*
+(hash_pages.py, page_index.py): fetched into fresh slots of the tier's session, then
+stored with ``HashPages.set`` as SetPages would, so that the ExistsPages handler that
+follows counts them and a GetPages finds them. The keys are those of the same pages as
+token pages (keys.py), so what a vLLM or token-level client cached on another node is
+found by hash here, and the other way round.
+
+As in fetch.py: one deadline for the lookup's store calls, the tier's session owns
+what is in flight, a timed-out fetch frees its slots when its thread is done, and a
+Reset in between voids the fetch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from prefixcache.cache.page_index import DIGEST_BYTES
+
+from ..hash_pages import HashPages
+from .backend import code_name
+from .fetch import MAX_FETCH_PAGES, MAX_POOL_SHARE, leading_run, safely
+from .model_tier import ModelTier
+
+log = logging.getLogger("prefixcache.server")
+
+# Local pages looked up between two turns of the loop (as ExistsPages does).
+SLICE = 4096
+
+
+def _hash(data: bytes, i: int) -> str:
+    return data[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES].hex()
+
+
+async def prefetch_pages(tier: Any, mt: ModelTier, namespace: tuple[str | None, int],
+                         data: bytes) -> int:
+    """Bring the pages after the local leading run of the packed page hashes ``data``
+    in from the store as hash pages; returns the pages brought in (0 on any miss)."""
+    engine, ps = mt.engine, mt.page_size
+    pages = HashPages(engine)
+    count = len(data) // DIGEST_BYTES
+    local = 0
+    while local < count:
+        if local and local % SLICE == 0:
+            await asyncio.sleep(0)  # a long local run: the other calls' turn
+        if pages._locate(namespace, _hash(data, local)) is None:
+            break
+        local += 1
+    if local == count:
+        mt.hit_tokens["local"] += local * ps
+        mt.count(mt.lookups, "local")
+        return 0
+    why = tier.available()
+    if why is not None:
+        mt.hit_tokens["local"] += local * ps
+        mt.count(mt.lookups, why)
+        return 0
+    limit = min(MAX_FETCH_PAGES, int(engine.pool_size * MAX_POOL_SHARE) // ps)
+    wanted = [_hash(data, i) for i in range(local, min(local + limit, count))]
+    keys = mt.keys.keys(namespace[0], namespace[1], wanted)
+    deadline = time.monotonic() + tier.cfg.timeout
+    codes, _ = await tier.call("exists", tier.backend.exists, keys, deadline=deadline)
+    found = leading_run(codes, lambda c: c == 1)
+    if codes is not None and found < len(codes) and codes[found] < 0:
+        tier.error("exists", code_name(codes[found]))
+    got = 0
+    if found:
+        prior = _hash(data, local - 1) if local else None
+        got = await _fetch_pages(tier, mt, pages, namespace, prior, wanted[:found],
+                                 keys[:found], deadline)
+    mt.hit_tokens["local"] += local * ps
+    mt.hit_tokens["remote"] += got * ps
+    mt.count(mt.lookups, "remote" if got else ("miss" if codes is not None else "error"))
+    return got
+
+
+async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
+                       namespace: tuple[str | None, int], prior: str | None,
+                       hashes: list[str], keys: list[str], deadline: float) -> int:
+    engine, ps, session = mt.engine, mt.page_size, tier.session
+    generation = mt.generation
+    try:
+        slots, _ = engine.alloc(session, len(keys) * ps)
+    except Exception as exc:  # no room, a quota: a miss
+        tier.error("fetch", type(exc).__name__)
+        return 0
+
+    def release(kept: int = 0) -> None:
+        if generation != mt.generation or session.closed:
+            return  # a Reset took the slots already
+        rest = slots[kept:]
+        if len(rest):
+            engine.free(session, rest)
+
+    ptrs, sizes = mt.layout.parts(slots)
+    start = time.perf_counter()
+    codes, fut = await tier.call("get", tier.backend.get_into, keys, ptrs, sizes,
+                                 deadline=deadline)
+    if codes is None:
+        if fut is not None and not fut.done():
+            fut.add_done_callback(lambda _f: safely(release))
+        else:
+            safely(release)
+        return 0
+    mt.fetch_seconds += time.perf_counter() - start
+    whole = leading_run(codes, lambda c: c == mt.layout.page_bytes)
+    if whole < len(codes):
+        code = codes[whole]
+        tier.error("get", code_name(code) if code < 0 else "SIZE_MISMATCH")
+    if generation != mt.generation or whole == 0:
+        safely(release)
+        return 0
+    mt.fetch_bytes += whole * mt.layout.page_bytes
+    kept = 0
+    mt.suppressed = True
+    try:
+        # Stored pages take their slots, pages held meanwhile free theirs (set's rules).
+        pages.set(namespace, prior, hashes[:whole], slots[:whole * ps], session)
+        kept = whole * ps
+    except Exception:
+        log.exception("tier fetch of hash pages failed to store them")
+        tier.error("fetch", "INSERT")
+        whole = 0
+    finally:
+        mt.suppressed = False
+    safely(release, kept)
+    return whole
