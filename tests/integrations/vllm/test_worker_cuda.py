@@ -9,7 +9,14 @@ import pytest
 import torch
 from harness import serve_process
 from integrations.vllm.test_worker import A_BLOCKS, B_BLOCKS, load_b, save_a
-from integrations.vllm.vllm_support import make_caches, make_scheduler, make_worker, token_rows
+from integrations.vllm.vllm_support import (
+    DIM,
+    backend_for,
+    make_caches,
+    make_scheduler,
+    make_worker,
+    token_rows,
+)
 
 from prefixcache.integrations.vllm.layout import split_kv
 
@@ -29,16 +36,16 @@ def test_cuda_round_trip(tmp_path: Path, transfer: str) -> None:
     # in a child process.
     with serve_process(tmp_path, CONFIG) as (_, address):
         core = make_scheduler(address, transfer=transfer)
-        worker = make_worker(address, transfer=transfer)
+        worker = make_worker(address, transfer=transfer, kv_layout="auto")
         try:
             caches = {n: t.cuda() for n, t in make_caches("bhn2d").items()}
-            worker.register(caches)
+            worker.register(caches, backend_for("bhn2d"))  # FlashAttention, vLLM 0.32
             save_a(core, [worker])
             assert load_b(core, [worker]) == set()
             if transfer == "attach":
                 assert worker._access is not None and worker._access.mapped
             torch.cuda.synchronize()
-            views = [split_kv(n, t.cpu()) for n, t in caches.items()]
+            views = [split_kv(n, t.cpu(), "bhn2d", DIM) for n, t in caches.items()]
             assert all(torch.equal(token_rows(v, A_BLOCKS, 16), token_rows(v, B_BLOCKS, 16))
                        for v in views)
         finally:

@@ -33,6 +33,10 @@ MODELS = (
     ModelConfig(name="c", page_size=8,
                 pool=PoolConfig(size=256, layers=LAYERS, k_heads=HEADS, k_head_dim=16,
                                 dtype="bfloat16")),
+    # vLLM's CPU backend through its own cache-write op (test_layouts_vllm.py).
+    ModelConfig(name="cpu", page_size=16,
+                pool=PoolConfig(size=512, layers=LAYERS, k_heads=HEADS, k_head_dim=32,
+                                dtype="bfloat16")),
     ModelConfig(name="mla8", page_size=4,
                 pool=PoolConfig(size=128, layers=LAYERS, k_heads=1, k_head_dim=LATENT,
                                 dtype="float8_e4m3fn", mla=True)),
