@@ -285,7 +285,7 @@ class ModelEngine(SlotOwnership, EngineBase):
             if len(freed):
                 self.allocator.free(freed)
         self._set_owner(new, runs, 0)
-        self._count_pages(session, new, -1)
+        self._count_pages(session, new, -1, runs)
         self._disown(session, len(new))
         state_exist = bool(getattr(result, "mamba_exist", False))
         if state_slot is not None:  # the tree took it, or had a state there already

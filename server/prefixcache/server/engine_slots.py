@@ -108,12 +108,25 @@ class SlotOwnership:
         ps = self.page_size
         self.quota.check_slots(session, -(-n // ps) * ps, self._held_slots(session))
 
-    def _count_pages(self, session: Session | None, slots: np.ndarray, sign: int) -> None:
-        """``session`` now holds (``sign`` 1) or no longer holds (-1) ``slots``: update
-        the pages it holds slots on."""
-        if self.page_size == 1 or session is None or not len(slots):
+    def _count_pages(self, session: Session | None, slots: np.ndarray, sign: int,
+                     runs: list[tuple[int, int]] | None = None) -> None:
+        """``session`` now holds (``sign`` 1) or no longer holds (-1) ``slots``, whose
+        runs of consecutive slots are ``runs`` (None: not known): update the pages it
+        holds slots on."""
+        ps = self.page_size
+        if ps == 1 or session is None or not len(slots):
             return  # with one-slot pages, pages are slots (session.slots)
-        pages, counts = np.unique(slots // self.page_size, return_counts=True)
+        if runs is not None and len(runs) == 1:
+            # One run (the usual allocation or insert): its pages and their counts by
+            # arithmetic, in O(pages) rather than a sort of the slots.
+            lo, end = runs[0]
+            first, last = lo // ps, (end - 1) // ps
+            pages = np.arange(first, last + 1)
+            counts = np.full(len(pages), ps, dtype=self._page_held.dtype)
+            counts[0] -= lo - first * ps
+            counts[-1] -= (last + 1) * ps - end
+        else:
+            pages, counts = np.unique(slots // ps, return_counts=True)
         before = self._page_held[pages]
         after = before + sign * counts.astype(self._page_held.dtype)
         self._page_held[pages] = after
@@ -182,7 +195,7 @@ class SlotOwnership:
                 raise self._exhausted(n)
             out, runs = host_indices(slots), None
         self._set_owner(out, runs, session.tag)
-        self._count_pages(session, out, 1)
+        self._count_pages(session, out, 1, runs)
         self._track(session.tag, n, runs)
         session.slots[self.name] = session.slots.get(self.name, 0) + n
         self.session_slots += n
