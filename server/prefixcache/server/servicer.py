@@ -199,7 +199,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
         return await self._unary("Free", context, self._with_session(self._free), request)
 
     async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
-        return await self._unary("Step", context, self._with_session(self._step), request)
+        return await self._unary("Step", context, self._with_session(self._step), request,
+                                 prepare=self.tier.before_step if self.tier else None)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         return await self._unary("Stats", context, self._stats, request, None)

@@ -24,10 +24,13 @@ from tier_harness import Master, Node, needs_mooncake, tier_config
 
 from prefixcache.cache import hash_token_ids
 from prefixcache.client import PrefixCacheClient
+from prefixcache.client.step import Admit
+from prefixcache.integrations.vllm.keys import RequestInfo
 
 # SGLang's host pools and backend core, as tests/integrations/sglang drives them.
 sys.path.insert(0, str(Path(__file__).parents[2] / "integrations" / "sglang"))
 from hicache_hosts import HostPool, host_indices, make_core
+from integrations.vllm.vllm_support import make_scheduler, settle
 
 MODEL = "m"
 PAGE = 4
@@ -142,6 +145,42 @@ def test_namespaces_never_read_each_others_pages(cluster: dict[str, Any]) -> Non
     hit, got = _read(b, tokens, extra_key="tenant-1/")
     assert hit == len(tokens)
     assert all(torch.equal(x, y) for x, y in zip(got, kv, strict=True))
+
+
+def test_step_admits_see_remote_pages(cluster: dict[str, Any]) -> None:
+    a, b = cluster["a"], cluster["b"]
+    tokens = _tokens(12)
+    before = _put_pages(a)
+    kv = _cache(a, tokens, seed=12)
+    a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(tokens) // PAGE)
+    with PrefixCacheClient(b.address, timeout=10) as client, client.session() as s:
+        reply = client.step(MODEL, admits=[Admit([*tokens, 7], allocate=False)], session=s)
+        admit = reply.admits[0]
+        assert admit.prefix_len == len(tokens)
+        got = client.read_kv(MODEL, admit.slots, session=s)
+    assert all(torch.equal(x, y) for x, y in zip([*got.k, *got.v], kv, strict=True))
+
+
+def test_vllm_scheduler_core_sees_remote_pages(cluster: dict[str, Any]) -> None:
+    """The vLLM connector's scheduler on node B: its lookup (a locking Match) answers
+    the blocks node A cached."""
+    a, b = cluster["a"], cluster["b"]
+    tokens = _tokens(13)
+    before = _put_pages(a)
+    _cache(a, tokens, seed=13)
+    a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(tokens) // PAGE)
+    core = make_scheduler(b.address, model=MODEL, block=PAGE)
+    try:
+        req = RequestInfo("r1", [*tokens, 5], len(tokens) + 1)
+        assert core.probe(req, 0) == (None, False)  # asks again once the lookup lands
+        core.build_meta()
+        settle(core)
+        assert core.probe(req, 0) == (len(tokens), False)
+        core.finished(req, [], 0)
+        core.build_meta()
+        settle(core)
+    finally:
+        core.close()
 
 
 def test_sglang_cores_across_nodes(cluster: dict[str, Any]) -> None:

@@ -41,9 +41,10 @@ MAX_FETCH_PAGES = 2048
 MAX_POOL_SHARE = 0.5
 
 
-async def prefetch(tier: Any, mt: ModelTier, key: Any) -> int:
+async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: float | None = None) -> int:
     """Bring the pages after ``key``'s local hit in from the store; returns the tokens
-    fetched (0 on any miss). Never raises for a store failure."""
+    fetched (0 on any miss). Never raises for a store failure. ``deadline``: of the
+    lookup's store calls (monotonic; default ``tier.timeout`` from now)."""
     engine, ps = mt.engine, mt.page_size
     cache = engine.cache
     packed, width = key.packed()
@@ -66,7 +67,8 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any) -> int:
                            width, ps)
     keys = mt.keys.keys(key.extra_key, width, hashes)
     # One deadline for the whole lookup: the caller waits tier.timeout at most.
-    deadline = time.monotonic() + tier.cfg.timeout
+    if deadline is None:
+        deadline = time.monotonic() + tier.cfg.timeout
     codes, _ = await tier.call("exists", tier.backend.exists, keys, deadline=deadline)
     found = leading_run(codes, lambda c: c == 1)
     failed = codes is None or (found < len(codes) and codes[found] < 0)

@@ -147,6 +147,27 @@ class Tier:
             return
         await prefetch(self, mt, key)
 
+    async def before_step(self, request: Any) -> None:
+        """A Step's tier step: each admission's pages after its local hit, from the
+        store, before the Step runs (so the admissions see them as hits). One deadline,
+        ``tier.timeout``, for all of them."""
+        mt = self.models.get(request.model)
+        if mt is None or self.closed or not request.admits:
+            return
+        engine = mt.engine
+        deadline = time.monotonic() + self.cfg.timeout
+        cap = request_tokens(self.service.limits, engine.config)
+        for item in request.admits:
+            if time.monotonic() >= deadline or self.closed:
+                return
+            try:
+                key = decode_key(item.token_ids, item.token_width,
+                                 item.extra_key if item.HasField("extra_key") else None,
+                                 engine.config.vocab_size, cap)
+            except Exception:
+                continue  # the Step refuses it
+            await prefetch(self, mt, key, deadline)
+
     async def before_exists_pages(self, request: Any) -> None:
         """An ExistsPages' tier step (SGLang's ``batch_exists``): the pages after its
         local leading run, from the store, as hash pages (fetch_pages.py). Not for the
