@@ -58,12 +58,11 @@ def test_commands_name_the_objects_the_manifests_create() -> None:
     assert f"kubectl rollout status deployment/{name}" in section
     assert f"kubectl logs deployment/{name} -c {pod_spec(docs)['containers'][0]['name']}" \
         in section
-    secrets = {e["valueFrom"]["secretKeyRef"]["name"]
-               for e in sidecar(docs)["env"] if "valueFrom" in e}
-    (secret,) = secrets
+    refs = [e["valueFrom"]["secretKeyRef"] for e in sidecar(docs)["env"]
+            if "secretKeyRef" in e.get("valueFrom", {})]
+    (secret,) = {ref["name"] for ref in refs}
     assert f"kubectl create secret generic {secret}" in section
-    keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in sidecar(docs)["env"]
-            if "valueFrom" in e}
+    keys = {ref["key"] for ref in refs}
     for key in keys:
         assert f"--from-literal={key}=" in section
     # docker run shares the socket directory the image listens in.

@@ -145,7 +145,7 @@ def test_tls_and_auth_values_render_valid_objects(tmp_path: Path) -> None:
     assert {p["name"] for p in service["spec"]["ports"]} == {"metrics", "grpc"}
     secrets = {e["valueFrom"]["secretKeyRef"]["name"]
                for c in [container, *spec["containers"]]
-               for e in c["env"] if "valueFrom" in e}
+               for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
     assert secrets == {"pc-tokens"}
     assert env_of(spec["containers"][0])["PREFIXCACHE_TARGET"] == "localhost:50051"
     assert one(rendered, "ServiceMonitor")["metadata"]["labels"]["release"] == \
@@ -176,3 +176,30 @@ def test_notes_tell_how_to_check_the_sidecar() -> None:
     notes = render()[f"{RELEASE}/templates/NOTES.txt"]
     assert "prefixcache stats --target unix:/run/prefixcache/prefixcache.sock" in notes
     assert "http://prefixcache.default.svc:9470/metrics" in notes
+
+
+def test_metrics_bind_the_pod_ip_with_an_optional_token() -> None:
+    """The server binds /metrics to 127.0.0.1 by default; the chart sets the pod's IP
+    (Prometheus scrapes it there), and with auth.metricsTokenKey a token from the auth
+    Secret that the ServiceMonitor sends."""
+    container = sidecar(objects(render()))
+    names = [e["name"] for e in container["env"]]
+    assert names.index("POD_IP") < names.index("PREFIXCACHE_METRICS_HOST")  # $(POD_IP)
+    (pod_ip,) = [e for e in container["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    env = env_of(container)
+    assert env["PREFIXCACHE_METRICS_HOST"] == "$(POD_IP)"
+    assert "PREFIXCACHE_METRICS_TOKEN" not in names
+    pod_env = {k: v.replace("$(POD_IP)", "10.1.2.3") for k, v in env.items()}
+    assert load_config(env=pod_env).server.metrics_host == "10.1.2.3"
+
+    rendered = objects(render(MONITORING, {"metricsHost": "0.0.0.0",
+                                           "auth": {"metricsTokenKey": "metrics-token"}}))
+    container = sidecar(rendered)
+    assert env_of(container)["PREFIXCACHE_METRICS_HOST"] == "0.0.0.0"
+    (token,) = [e for e in container["env"] if e["name"] == "PREFIXCACHE_METRICS_TOKEN"]
+    ref = token["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == ("prefixcache-auth", "metrics-token")
+    (endpoint,) = one(rendered, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "prefixcache-auth", "key": "metrics-token"}}

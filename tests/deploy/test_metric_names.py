@@ -108,6 +108,9 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
 
     env = {**_base_env(), **{k: move(v) for k, v in env_of(container).items()}}
     env["PREFIXCACHE_METRICS_PORT"] = "0"
+    # The kubelet expands $(POD_IP) (a fieldRef, left out of env_of); this host's "pod
+    # IP" is loopback, where the scrapes below go.
+    env = {k: v.replace("$(POD_IP)", "127.0.0.1") for k, v in env.items()}
     inference = spec["containers"][0]
     inference_env = {**_base_env(), **{k: move(v) for k, v in env_of(inference).items()}}
     assert container["command"][0] == "prefixcache"

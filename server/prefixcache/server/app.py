@@ -159,7 +159,7 @@ class PrefixCacheServer:
     def _serve_metrics(self) -> int:
         cfg = self.config.server
         try:
-            return self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+            return self.metrics.serve(cfg.metrics_host, cfg.metrics_port, cfg.metrics_token)
         except OSError as exc:  # in use, or a host that is not ours
             raise ConfigError(f"server.metrics_port: cannot listen on {cfg.metrics_host}:"
                               f"{cfg.metrics_port}: {exc.strerror or exc}") from exc

@@ -68,7 +68,8 @@ def _add_serve(commands: Any) -> None:
                      help="unix:PATH (default unix:/tmp/prefixcache.sock) or HOST:PORT")
     net.add_argument("--metrics-port", type=int, metavar="N",
                      help="Prometheus /metrics port (default 9470; 0 = any free, -1 = off)")
-    net.add_argument("--metrics-host", metavar="HOST", help="address for /metrics")
+    net.add_argument("--metrics-host", metavar="HOST",
+                     help="address for /metrics (default 127.0.0.1; 0.0.0.0 = every one)")
     sec = serve.add_argument_group("security")
     sec.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM) for TCP")
     sec.add_argument("--tls-key", metavar="FILE", help="server private key (PEM)")
@@ -77,6 +78,9 @@ def _add_serve(commands: Any) -> None:
     sec.add_argument("--token-file", metavar="FILE",
                      help="file holding the bearer token every call must carry "
                      "(or set PREFIXCACHE_TOKEN)")
+    sec.add_argument("--metrics-token-file", metavar="FILE",
+                     help="file holding a bearer token every /metrics scrape must carry "
+                     "(or set PREFIXCACHE_METRICS_TOKEN)")
     sec.add_argument("--admin-token-file", metavar="FILE",
                      help="file holding the token admin calls (Reset) must carry "
                      "(or set PREFIXCACHE_ADMIN_TOKEN)")
@@ -120,8 +124,8 @@ def _serve(args: argparse.Namespace) -> int:
                          f"(pip install 'prefixcache[server]'): {exc}") from exc
     overrides = {name: getattr(args, name) for name in (
         "listen", "metrics_port", "metrics_host", "tls_cert", "tls_key", "tls_client_ca",
-        "token_file", "admin_token_file", "insecure", "log_format", "log_level",
-        "grace_period", "shm_dir", "check_integrity", "kv_events")}
+        "token_file", "admin_token_file", "metrics_token_file", "insecure", "log_format",
+        "log_level", "grace_period", "shm_dir", "check_integrity", "kv_events")}
     try:
         config = load_config(args.config, overrides=overrides)
     except ConfigError as exc:

@@ -109,7 +109,9 @@ def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:
     admin = read_secret(cfg.admin_token, cfg.admin_token_file, f"{where}.admin_token_file")
     check_tenant_tokens(cfg.tenants, (token, admin), f"{where}.tenants")
     check_kv_events_tenants(cfg.kv_events, cfg.tenants, f"{where}.kv_events")
-    return replace(cfg, token=token, admin_token=admin)
+    metrics_token = read_secret(cfg.metrics_token, cfg.metrics_token_file,
+                                f"{where}.metrics_token_file")
+    return replace(cfg, token=token, admin_token=admin, metrics_token=metrics_token)
 
 
 _LIMIT_INTS = {"min_chunk_bytes": 1, "max_read_bytes": 0, "max_inflight_write_bytes": 1,

@@ -81,9 +81,14 @@ class ServerConfig:
     listen: str = "unix:/tmp/prefixcache.sock"
     # Octal mode of the unix socket file; 0o600 keeps other users out.
     socket_mode: int = 0o600
-    metrics_host: str = "0.0.0.0"
+    # Loopback by default: /metrics tells the cache's size and traffic to whoever can
+    # reach it. A pod sets its own IP (the Helm chart does); "0.0.0.0" is every address.
+    metrics_host: str = "127.0.0.1"
     # 0 picks a free port (logged at start); -1 turns the metrics endpoint off.
     metrics_port: int = 9470
+    # A bearer token every scrape must carry (401 without it); None: open.
+    metrics_token: str | None = None
+    metrics_token_file: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None

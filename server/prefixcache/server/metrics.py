@@ -20,7 +20,6 @@ from prometheus_client import (
     Histogram,
     Info,
     ProcessCollector,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -28,10 +27,9 @@ from prometheus_client.registry import Collector
 from .errors import PoolExhaustedError
 from .limits import LIMIT_NAMES
 from .logs import dropped_records
+from .metrics_http import MetricsHttpServer
 
 if TYPE_CHECKING:
-    from http.server import HTTPServer
-
     from .service import CacheService
 
 # Unix-socket RPCs take ~0.3-3 ms here; the low buckets resolve the cache's own cost.
@@ -84,7 +82,7 @@ class Metrics:
         Info("prefixcache_build", "The running prefixcache's version and Python.",
              registry=self.registry).info(build_info())
         self._children: dict[tuple[str, grpc.StatusCode], tuple[Counter, Histogram]] = {}
-        self._httpd: HTTPServer | None = None
+        self._httpd: MetricsHttpServer | None = None
         self.port = 0
 
     def observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
@@ -107,16 +105,16 @@ class Metrics:
         """Export the KV-event publishers' counters (``server.kv_events``), per model."""
         self.registry.register(_KvEventsCollector(publishers))
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the HTTP endpoint (a daemon thread); returns the bound port."""
-        self._httpd, _ = start_http_server(port, host, registry=self.registry)
-        self.port = self._httpd.server_port
+    def serve(self, host: str, port: int, token: str | None = None) -> int:
+        """Start the HTTP endpoint (one thread, metrics_http.py); returns the bound port.
+        With ``token``, a scrape must carry it as a bearer token."""
+        self._httpd = MetricsHttpServer(self.registry, host, port, token)
+        self.port = self._httpd.start()
         return self.port
 
     def close(self) -> None:
         if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+            self._httpd.close()
             self._httpd = None
 
 
@@ -209,6 +207,15 @@ class _KvEventsCollector(Collector):
          "KV events (BlockStored, BlockRemoved, AllBlocksCleared) in the batches sent."),
         ("prefixcache_kv_event_replays", "replays_served",
          "KV-event replay requests answered in full."),
+        ("prefixcache_kv_event_replays_refused", "replays_refused",
+         "KV-event replay requests refused: max_replays or max_replays_per_peer in flight."),
+        ("prefixcache_kv_event_replays_dropped", "replays_dropped",
+         "KV-event replay answers dropped: the requester read nothing for replay_timeout "
+         "or left."),
+        ("prefixcache_kv_event_replay_requests_invalid", "replay_requests_invalid",
+         "Malformed KV-event replay requests ignored."),
+        ("prefixcache_kv_event_replay_snapshots", "replay_snapshots",
+         "Page-set snapshots built for replay requests older than the buffer (shared)."),
     )
 
     def __init__(self, publishers: Mapping[str, Any]) -> None:
