@@ -101,3 +101,13 @@ def test_client_identity() -> None:
     assert client_identity(ANYONE, "unix:/tmp/pc.sock", "w1") == "local:w1"
     assert client_identity(ANYONE, "ipv4:127.0.0.1:5", "w2") == "local:w2"
     assert client_identity(ANYONE, "ipv6:%5B::1%5D:5", "w3") == "local:w3"
+
+
+def test_the_settings_are_checked(tmp_path) -> None:
+    from prefixcache.server.config import ConfigError, load_config
+
+    for bad in ("max_sessions_per_client: -1", "evict_interval: 0", "evict_interval: .nan"):
+        path = tmp_path / "c.yaml"
+        path.write_text(f"server:\n  {bad}\nmodels:\n  - name: m\n    pool: {{size: 64}}\n")
+        with pytest.raises(ConfigError, match=bad.split(":")[0]):
+            load_config(path)
