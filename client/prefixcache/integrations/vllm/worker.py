@@ -101,6 +101,7 @@ class WorkerCore:
         self.failed_saves = 0
         # Failed loads by reason (LOAD_FAILURE_REASONS).
         self.load_failures: Counter[str] = Counter()
+        self._failures_reported: Counter[str] = Counter()
 
     # ------------------------------------------------------------ vLLM's calls
 
@@ -141,6 +142,12 @@ class WorkerCore:
         """``get_block_ids_with_load_errors``: blocks not loaded since the last call."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_load_failures(self) -> dict[str, int]:
+        """Failed loads by reason since the last call (vLLM's connector stats)."""
+        new = self.load_failures - self._failures_reported
+        self._failures_reported = self.load_failures.copy()
+        return dict(new)
 
     def close(self) -> None:
         if self._own_client:
