@@ -25,6 +25,7 @@ from prefixcache.integrations.vllm.config import LAYOUTS, ConnectorConfig
 from prefixcache.integrations.vllm.keys import RequestInfo
 from prefixcache.integrations.vllm.layout import KNOWN_LAYOUTS, UnknownLayout
 from prefixcache.integrations.vllm.meta import LoadOp, StepMeta
+from prefixcache.integrations.vllm.worker import WorkerCore
 
 pytestmark = pytest.mark.usefixtures("quiet")
 
@@ -305,3 +306,15 @@ def test_a_save_that_cannot_finish_at_shutdown_is_reported_lost(
         assert "1 save(s) in flight at shutdown were lost" in caplog.text
     finally:
         saver.close()
+
+
+def test_a_cpu_cache_whose_strides_do_not_fit_is_refused_not_raised() -> None:
+    """vLLM's CPU backend reads head-major blocks (KVCacheLayout LBHNC); a cache laid
+    out otherwise cannot be viewed so and is refused, not an exception in vLLM."""
+    token_major = torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16).transpose(1, 2)
+    worker = WorkerCore(ConnectorConfig(model="c", target="unix:/nonexistent"), 16)
+    try:
+        worker.register({"l0": token_major}, backend_for("cpu_vec", 16))
+        assert worker.layers == [] and "strides" in (worker._disabled or "")
+    finally:
+        worker.close()

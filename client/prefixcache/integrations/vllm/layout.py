@@ -169,6 +169,10 @@ def split_kv(name: str, tensor: Any, layout: str, head_dim: int) -> LayerView:
         k, v = build(tensor, int(head_dim))
     except UnknownLayout as err:
         raise UnknownLayout(f"KV cache of layer {name!r} ({layout}): {err}") from None
+    except RuntimeError as err:  # a view the tensor's strides do not allow
+        raise UnknownLayout(f"KV cache of layer {name!r} ({layout}): shape "
+                            f"{list(tensor.shape)}, strides {list(tensor.stride())}: "
+                            f"{err}") from None
     return LayerView(name, k, v, layout)
 
 
