@@ -136,3 +136,30 @@ def _read_reply(conn: socket.socket) -> bytes:
     while len(body) < length:
         body += conn.recv(65536)
     return head + b"\r\n\r\n" + body
+
+
+def test_bad_requests_and_a_broken_collector_get_an_answer_not_a_dead_endpoint() -> None:
+    class Broken:
+        def collect(self):  # type: ignore[no-untyped-def]
+            raise RuntimeError("a collector's bug")
+
+    registry = CollectorRegistry()
+    httpd = MetricsHttpServer(registry, "127.0.0.1", 0)
+    port = httpd.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(b"POST /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_reply(conn).startswith(b"HTTP/1.1 405 ")
+            conn.sendall(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = conn.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n")
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(b"nonsense\r\n\r\n")
+            assert _read_reply(conn).startswith(b"HTTP/1.1 400 ")
+        broken = Broken()
+        registry.register(broken)  # type: ignore[arg-type]
+        assert get(port)[0] == 500
+        registry.unregister(broken)  # type: ignore[arg-type]
+        assert get(port)[0] == 200
+    finally:
+        httpd.close()

@@ -188,7 +188,12 @@ class MetricsHttpServer:
             await self._send(writer, 404, b"not found; try /metrics\n", "text/plain", keep)
             return keep
         encoder, content_type = choose_encoder(headers.get("accept", ""))
-        body = encoder(self.registry)
+        try:
+            body = encoder(self.registry)
+        except Exception:  # a collector's bug: the scrape fails, the endpoint stays up
+            log.exception("metrics: collecting failed")
+            await self._send(writer, 500, b"collecting failed\n", "text/plain", False)
+            return False
         await self._send(writer, 200, b"" if method == "HEAD" else body, content_type, keep,
                          length=len(body))
         return keep
@@ -205,7 +210,7 @@ class MetricsHttpServer:
                     content_type: str, keep: bool, extra: str = "",
                     length: int | None = None) -> None:
         reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-                  405: "Method Not Allowed"}[status]
+                  405: "Method Not Allowed", 500: "Internal Server Error"}[status]
         head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
                 f"Content-Length: {len(body) if length is None else length}\r\n{extra}"
                 f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n")
