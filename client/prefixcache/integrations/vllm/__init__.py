@@ -7,8 +7,9 @@
                                       "model": "llama-8b"}}'
 
 The engine-free core holds all the logic: ``scheduler`` (asynchronous batched lookups,
-leased reservations, whole-request saves), ``worker`` with ``layout`` and
-``pool_access`` (copies between the pool and vLLM's blocks), ``keys`` and ``config``.
+leased reservations, whole-request saves), ``worker`` with ``attn_backends`` (each
+attention backend's KV layout), ``layout`` and ``pool_access`` (per-token copies
+between the pool and vLLM's blocks), ``keys`` and ``config``.
 ``connector`` is the thin vLLM adapter and the only module that imports vLLM; importing
 this package does not.
 """

@@ -269,9 +269,8 @@ class SchedulerCore:
         self._flush()
 
     def close(self) -> None:
-        """Stop: send what is queued, finish the calls in flight, then the backend
-        closes the session, which releases every lock and slot. Saves that did not
-        complete are logged as lost (see the module docstring)."""
+        """Stop (see the module docstring); the backend's session close releases
+        every lock and slot left."""
         self._absorb()
         self._flush()
         wait_idle = getattr(self.backend, "wait_idle", None)
