@@ -93,7 +93,7 @@ class Namespace:
 class Server:
     """One start of ``prefixcache serve`` inside the namespace, its log in a file."""
 
-    def __init__(self, ns: Namespace, tmp: Path, n: int) -> None:
+    def __init__(self, ns: Namespace, tmp: Path, n: int, wait: bool = True) -> None:
         (tmp / "pc.yaml").write_text(CONFIG)
         self.address = f"unix:{tmp / 'pc.sock'}"
         self.log = tmp / f"serve-{n}.log"
@@ -102,6 +102,8 @@ class Server:
                 sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
                 str(tmp / "pc.yaml"), "--listen", self.address, "--metrics-port", "-1",
                 "--shm-dir", str(ns.shm)), env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+        if not wait:
+            return
         try:
             wait_serving(self.proc, self.address, timeout=60)
         except RuntimeError as exc:
@@ -178,3 +180,24 @@ def test_restart_while_a_worker_still_maps_a_dead_pool(tmp_path: Path) -> None:
         servers[2].stop()
         assert servers[2].proc.returncode == 0
         assert ns.files() == [] and ns.used_mib() < 1
+
+
+def test_a_restart_that_cannot_fit_beside_a_mapped_dead_pool_says_so(tmp_path: Path) -> None:
+    """Over half of shm_dir, with the dead pool still mapped: the memory really is
+    taken, so the start is refused (exit 2), naming what holds it."""
+    with namespace(tmp_path, 24) as (ns, servers):
+        servers.append(Server(ns, tmp_path, 0))
+        servers[0].kill()
+        worker = subprocess.Popen(ns.argv(sys.executable, "-c", MAPPER, str(ns.shm)),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert worker.stdout is not None and int(worker.stdout.readline()) == 2
+            refused = Server(ns, tmp_path, 1, wait=False)
+            assert refused.proc.wait(60) == 2
+            log = refused.log.read_text()
+            assert "server.shm_dir: the CPU pools need 13.0 MiB" in log, log
+            assert "still maps" in log, log
+            assert ns.files() == []  # the dead pool's names are gone all the same
+        finally:
+            worker.communicate("", timeout=30)
+        assert ns.used_mib() < 1  # and its memory once the worker let go

@@ -70,11 +70,17 @@ class PrefixCacheServer:
         self.check_integrity = check_integrity or cfg.check_integrity
         # Dead services' pool files go first: the check counts only what this start adds
         # (a killed server's files would otherwise refuse its own restart).
-        if cfg.shm_dir:
-            sweep(cfg.shm_dir)
+        pinned = sweep(cfg.shm_dir) if cfg.shm_dir else 0
         # Every pool added up before any is allocated: a pool larger than the host would
         # otherwise fill /dev/shm, or wake the OOM killer, instead of failing here.
-        check_fits(config.models, cfg.shm_dir or None)
+        try:
+            check_fits(config.models, cfg.shm_dir or None)
+        except ConfigError as exc:
+            if not pinned:
+                raise
+            raise ConfigError(f"{exc}; {pinned / 2**20:.1f} MiB of what is taken is a dead "
+                              "server's pool that a process (a worker?) still maps: it is "
+                              "freed when that process unmaps it or exits") from exc
         try:
             self.service = CacheService(config.models, cfg.session_ttl, cfg.session_ttl_min,
                                         cfg.session_ttl_max, shm_dir=cfg.shm_dir or None,

@@ -215,8 +215,9 @@ def _take_lock(directory: Path, mode: int, epoch: int) -> tuple[str, tuple[Path,
                       f"{_CLAIM_TRIES} tries")
 
 
-def sweep(directory: str | Path) -> None:
-    """Check that ``directory`` can hold pool files and remove dead services' files.
+def sweep(directory: str | Path) -> int:
+    """Check that ``directory`` can hold pool files and remove dead services' files;
+    returns the bytes of those that another process still maps (not freed yet).
 
     The service runs this before it sizes its pools (sizing.check_fits): the files of a
     server that was killed hold as much shared memory as the pools about to replace
@@ -227,7 +228,7 @@ def sweep(directory: str | Path) -> None:
     if not path.is_dir():
         raise ConfigError(f"server.shm_dir: {path} is not a directory")
     try:
-        remove_stale(path)
+        return _remove_stale(path)[1]
     except OSError as exc:  # e.g. a directory we may not list
         raise ConfigError(f"server.shm_dir: {path}: {exc.strerror or exc}") from exc
 
@@ -244,13 +245,18 @@ def remove_stale(directory: Path) -> int:
     the new epoch, or exits). The log says how much is pinned so, measured as the
     removed files' bytes that the filesystem's free space did not get back.
     """
+    return _remove_stale(directory)[0]
+
+
+def _remove_stale(directory: Path) -> tuple[int, int]:
+    """(files removed, bytes of them still mapped elsewhere)."""
     owners: dict[str, list[Path]] = {}
     for path in directory.glob(f"{PREFIX}*"):
         match = _NAME.match(path.name)
         if match is not None:
             owners.setdefault(match.group(1), []).append(path)
     before = _free_bytes(directory)
-    removed = nbytes = 0
+    removed = nbytes = pinned = 0
     for owner, paths in owners.items():
         files, size = _remove_if_gone(directory / f"{owner}{LOCK_SUFFIX}", paths)
         removed += files
@@ -258,12 +264,13 @@ def remove_stale(directory: Path) -> int:
     if removed:
         after = _free_bytes(directory)
         freed = after - before if before is not None and after is not None else nbytes
+        # Still mapped by another process (a worker of the dead service): freed when it
+        # unmaps; until then the free space does not include it.
+        pinned = max(0, nbytes - max(0, freed))
         log.warning("removed shared-memory files of dead services", extra={
             "files": removed, "dir": str(directory), "bytes": nbytes,
-            # Still mapped by another process (a worker of the dead service): freed when
-            # it unmaps; until then the free space does not include it.
-            "pinned_bytes": max(0, nbytes - max(0, freed))})
-    return removed
+            "pinned_bytes": pinned})
+    return removed, pinned
 
 
 def _free_bytes(directory: Path) -> int | None:
