@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def _stopped(pid: int) -> bool:
 
 
 class Engine:
-    """The engine process, stopped inside its save once ``start`` returns."""
+    """The engine process, stopped inside its save once constructed."""
 
     def __init__(self, server: ServerThread, where: str) -> None:
         env = dict(os.environ)
@@ -121,18 +122,29 @@ class Engine:
         self.server = server
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ENGINE, server.address, where, str(TTL)],
-            stdout=subprocess.PIPE, text=True, env=env)
+            stdout=subprocess.PIPE, env=env)
+        self._buf = b""
         save = self._read()
         self.session, self.slots = save["session"], save["slots"]
         assert self._read() == {"stopping": True}
         _wait(lambda: _stopped(self.proc.pid), 10, "the engine to stop")
 
-    def _read(self) -> dict:
+    def _read(self, timeout: float = 60.0) -> dict:
+        """The engine's next line (raw reads: a buffered reader may hold a line that
+        select no longer sees)."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(10)
-            raise AssertionError(f"the engine exited with {self.proc.returncode}")
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise AssertionError(f"the engine said nothing for {timeout} s")
+            data = os.read(fd, 65536)
+            if not data:
+                self.proc.wait(10)
+                raise AssertionError(f"the engine exited with {self.proc.returncode}")
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
 
     def lapse(self) -> None:
