@@ -1,0 +1,74 @@
+"""A second vLLM engine process loads what the first saved, and its output (fp32, greedy,
+with logprobs) is vLLM's own prefix-cache hit's.
+
+Engines: ``a`` and ``b`` (block 32) and ``c`` (block 64) on the page-16 model; ``d``
+(block 32) and ``e`` (block 64) on the page-32 model. The reference is always an
+engine's own hit on KV it computed itself (a hit on loaded blocks would repeat a wrong
+load). Prompt lengths are and are not multiples of both block sizes; every test uses
+fresh prompts, so no engine has them cached locally before it loads them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from e2e.e2e_support import TOL, Engine, Sidecar, expected_hit, mismatches, prompts
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+LENGTHS = (77, 96, 128, 160, 257, 300)
+
+
+def saved_then_loaded(sidecar: Sidecar, saver: Engine, loader: Engine, model: str,
+                      batch: list[list[int]]) -> list[dict]:
+    """``saver`` computes ``batch`` (saving it), ``loader`` then runs it: its outputs,
+    after checking that it loaded every prompt's whole blocks from the sidecar."""
+    saver.generate(batch)
+    sidecar.wait_cached(model, batch, unit=saver.block_size)
+    got = loader.generate(batch)
+    hits = [o["cached"] for o in got]
+    want = [min(expected_hit(len(p), loader.block_size),
+                len(p) // saver.block_size * saver.block_size // loader.block_size
+                * loader.block_size) for p in batch]
+    assert hits == want, (f"{loader.name} loaded {hits} tokens, expected {want}:\n"
+                          f"{loader.log_tail()}")
+    return got
+
+
+@pytest.mark.parametrize(("saver_key", "loader_key", "model", "seed"), [
+    ((32, "p16", "a"), (32, "p16", "b"), "p16", 1),   # the same engine configuration
+    ((32, "p16", "a"), (64, "p16", "c"), "p16", 2),   # a bigger block, pages of 16
+    ((64, "p16", "c"), (32, "p16", "b"), "p16", 3),   # a smaller block
+    ((32, "p32", "d"), (64, "p32", "e"), "p32", 4),   # pages of 32
+    ((64, "p32", "e"), (32, "p32", "d"), "p32", 5),
+], ids=["b32-to-b32-p16", "b32-to-b64-p16", "b64-to-b32-p16", "b32-to-b64-p32",
+        "b64-to-b32-p32"])
+def test_loaded_output_is_vllms_own_hit(
+        sidecar: Sidecar, engines: dict, saver_key: tuple, loader_key: tuple, model: str,
+        seed: int) -> None:
+    saver, loader = engines[saver_key], engines[loader_key]
+    batch = prompts(seed, LENGTHS)
+    got = saved_then_loaded(sidecar, saver, loader, model, batch)
+    own = saver.generate(batch)  # the saver's own prefix-cache hit on its computed KV
+    assert [o["cached"] for o in own] == [expected_hit(len(p), saver.block_size)
+                                           for p in batch]
+    assert not (bad := mismatches(got, own, TOL)), "\n".join(bad)
+
+
+def test_block_filled_from_two_saves(sidecar: Sidecar, engines: dict) -> None:
+    """Two prompts share 208 tokens: pages of 16 end their common cached prefix in the
+    middle of a 32-token block, so the loaded block's first page comes from the first
+    prompt's save and its second page from the second's."""
+    a, b = engines[32, "p16", "a"], engines[32, "p16", "b"]
+    shared, tail_x, tail_y, suffix = prompts(6, (208, 40, 40, 30))
+    x, y = shared + tail_x, shared + tail_y
+    a.generate([x])
+    sidecar.wait_cached("p16", [x], unit=32)
+    a.generate([y])
+    sidecar.wait_cached("p16", [y], unit=32)
+    assert sidecar.cached_len("p16", x[:208] + tail_y[:16]) == 224  # two saves' pages
+    longer = y + suffix
+    got = b.generate([longer])
+    assert got[0]["cached"] == 224, b.log_tail()
+    own = a.generate([longer])  # a computed y's blocks itself, x's too
+    assert own[0]["cached"] == 224
+    assert not (bad := mismatches(got, own, TOL)), "\n".join(bad)

@@ -1,0 +1,75 @@
+"""A tiny Llama and its tokenizer, built locally with a fixed seed (nothing downloaded,
+no weights committed).
+
+The e2e tests and ``bench/e2e_vllm.py`` load it in vLLM and in transformers. Its KV
+geometry (``LAYERS`` x ``KV_HEADS`` x ``HEAD_DIM``) is what the sidecar's pool must hold.
+The initializer range is wider than Llama's 0.02 so that attention is peaked: with
+near-uniform attention, wrong K/V would barely move the logits and the correctness
+checks could not fail.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+LAYERS = 2
+HIDDEN = 256
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 64
+VOCAB = 512  # words w0 .. w(VOCAB - 4), then the special tokens
+SEED = 1234
+INIT_RANGE = 0.1
+SPECIALS = ("<unk>", "<s>", "</s>")
+
+
+def build(path: str | Path, *, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS,
+          kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, dtype: str = "float32") -> Path:
+    """Write the model and tokenizer to ``path`` (created) and return it; idempotent.
+    The defaults are the tests' model; ``bench/e2e_vllm.py`` builds a bigger one."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(path)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+
+    words = [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
+    vocab = {w: i for i, w in enumerate([*SPECIALS, *words])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(out)
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=False,
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+        torch_dtype=dtype,
+    )
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    # Greedy runs must not stop at a random EOS: vLLM reads generation_config.json.
+    (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True}))
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(build(sys.argv[1]))
