@@ -366,7 +366,8 @@ class SchedulerCore:
             return
         res.state, res.touched = _State.READY, self.clock()
         if done.error is not None or reply is None or reply.skipped:
-            self.stats.lookup_errors += done.error is not None
+            # A skipped reply is the client failing open: the service did not answer.
+            self.stats.lookup_errors += done.error is not None or reply is not None
             return
         hit = reply.prefix_len // self.block_size * self.block_size
         if hit == 0:
