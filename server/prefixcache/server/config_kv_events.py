@@ -49,6 +49,12 @@ class KvEventsConfig:
     topic: str = ""
     # Batches kept for replay.
     buffer_steps: int = 10_000
+    # Replay answers in flight, in total and per requester (ZMQ identity); a request
+    # over either cap is refused with a "busy" end marker (kv_event_replay.py).
+    max_replays: int = 16
+    max_replays_per_peer: int = 2
+    # Seconds a replay answer may wait on a requester that reads nothing; then dropped.
+    replay_timeout: float = 10.0
     # Batches ZMQ queues per subscriber; past it that subscriber's copy is dropped (it
     # sees a seq gap and replays), never waited on. It bounds what a stuck subscriber
     # pins: hwm batches. vLLM's default is 100,000 (+165 MiB for one stopped peer).
@@ -122,6 +128,11 @@ def parse_kv_events(value: Any, default: Any, where: str) -> KvEventsConfig:
     check_int(cfg.buffer_steps, f"{where}.buffer_steps", 1)
     check_int(cfg.hwm, f"{where}.hwm", 1)  # 0 is unbounded in ZMQ: a stuck peer would pin all
     check_int(cfg.max_queue_size, f"{where}.max_queue_size", 0)
+    check_int(cfg.max_replays, f"{where}.max_replays", 1)
+    check_int(cfg.max_replays_per_peer, f"{where}.max_replays_per_peer", 1)
+    if not 0 < cfg.replay_timeout <= 3600:  # nan and inf fail this too
+        raise ConfigError(f"{where}.replay_timeout: seconds in (0, 3600], "
+                          f"got {cfg.replay_timeout}")
     if cfg.enable_kv_cache_events and cfg.replay_endpoint == cfg.endpoint:
         raise ConfigError(f"{where}.replay_endpoint: must differ from endpoint")
     return cfg

@@ -194,6 +194,23 @@ class EventEncoder:
         return msgpack.packb([time.time() if ts is None else ts, events, DATA_PARALLEL_RANK],
                              use_bin_type=True)
 
+    @staticmethod
+    def pack_event(event: Any) -> bytes:
+        """One event packed alone, for ``batch_of_packed`` (a batch built in slices)."""
+        return msgpack.packb(event, use_bin_type=True)
+
+    @staticmethod
+    def batch_of_packed(packed: list[bytes], ts: float | None = None) -> bytes:
+        """The payload ``batch`` makes, from events already packed one by one."""
+        head = msgpack.packb(time.time() if ts is None else ts)
+        count = msgpack.Packer().pack_array_header(len(packed))
+        return b"".join((b"\x93", head, count, *packed,
+                         msgpack.packb(DATA_PARALLEL_RANK)))
+
+    def stored_event(self, rec: PagesStored, chains: WireChains) -> Any:
+        """The ``BlockStored`` of one snapshot record, chained in ``chains``."""
+        return self._stored(rec, chains)
+
     def _stored(self, rec: PagesStored, chains: WireChains) -> Any:
         digests, parent = chains.stored(rec)
         fmt = self.hash_format

@@ -25,10 +25,12 @@ Per model one publisher (``server.kv_events``, off by default):
 * Replay: a ROUTER socket on ``replay_endpoint``. A request ``[identity, b"", start
   (8 bytes BE)]`` gets ``[identity, b"", seq, payload]`` for every buffered batch from
   ``start``, then ``[identity, b"", -1 (8 bytes, signed), b""]``. If ``start`` is older
-  than the buffer (the last ``buffer_steps`` batches), the answer is one batch stamped
-  with the newest seq: ``AllBlocksCleared`` and every cached page, the state at that seq,
-  so a subscriber that fell too far behind resynchronises instead of missing changes.
-  Answers go out a few hundred messages per loop turn, so a long one never stalls RPCs.
+  than the buffer (the last ``buffer_steps`` batches), the answer starts with a snapshot:
+  one batch stamped with the seq ``S`` it reflects (``AllBlocksCleared`` and every cached
+  page), then the batches after ``S``, so a subscriber that fell too far behind
+  resynchronises instead of missing changes. Over a cap the answer is ``[identity, b"",
+  -1, b"busy"]``. Shared snapshots, the caps and requesters that do not read:
+  kv_event_replay.py.
 
 Runs on the service's event loop, like the engines it reads (``loop.add_reader`` on the
 sockets' ZMQ file descriptors, which are edge-triggered: every handler drains until
@@ -42,8 +44,7 @@ import logging
 import os
 import socket
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from itertools import islice
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -52,12 +53,12 @@ from prefixcache.cache.change_log import Change, ChangeLog
 
 from .config import ConfigError, KvEventsConfig
 from .config_kv_events import check_kv_events_tenants
+from .kv_event_replay import END_SEQ, ReplayServer
 from .kv_event_wire import EventEncoder
 
 log = logging.getLogger("prefixcache.server")
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_REPLY_BURST = 256  # replay messages sent per loop turn
+__all__ = ["END_SEQ", "KvEventPublisher", "KvEventPublishers", "start_kv_events"]
 
 
 def endpoint_for(endpoint: str, index: int) -> str:
@@ -97,7 +98,9 @@ class KvEventPublisher:
     """One model's PUB (and optional ROUTER replay) socket, fed by its change log.
 
     Counters (read by the metrics collector): ``batches_published``,
-    ``events_published``, ``replays_served``.
+    ``events_published`` and the replay server's (``replays_served``,
+    ``replays_refused``, ``replays_dropped``, ``replay_requests_invalid``,
+    ``replay_snapshots``).
     """
 
     def __init__(self, model: str, change_log: ChangeLog, cfg: KvEventsConfig, *,
@@ -109,7 +112,6 @@ class KvEventPublisher:
         self.topic = ""
         self.batches_published = 0
         self.events_published = 0
-        self.replays_served = 0
         self._cfg = cfg
         self._log = change_log
         self._ctx = context
@@ -119,16 +121,37 @@ class KvEventPublisher:
         self._seq = 0
         self._pending: list[Change] = []
         self._flush_scheduled = False
-        self._replies: deque[_Reply] = deque()
-        self._pump_scheduled = False
         self._pub: zmq.Socket[bytes] | None = None
-        self._replay: zmq.Socket[bytes] | None = None
+        self.replay: ReplayServer | None = None  # with a replay_endpoint, once started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._unwatch: Any = None
 
     @property
     def next_seq(self) -> int:
         return self._seq
+
+    def _replay_count(self, name: str) -> int:
+        return 0 if self.replay is None else getattr(self.replay, name)
+
+    @property
+    def replays_served(self) -> int:
+        return self._replay_count("served")
+
+    @property
+    def replays_refused(self) -> int:
+        return self._replay_count("refused")
+
+    @property
+    def replays_dropped(self) -> int:
+        return self._replay_count("dropped")
+
+    @property
+    def replay_requests_invalid(self) -> int:
+        return self._replay_count("invalid")
+
+    @property
+    def replay_snapshots(self) -> int:
+        return self._replay_count("snapshots")
 
     def start(self, loop: asyncio.AbstractEventLoop, topic_host: str) -> None:
         """Bind (or connect) the sockets and publish the first batch.
@@ -146,14 +169,14 @@ class KvEventPublisher:
         self._pub = pub
         if self.replay_endpoint is not None:
             replay = self._ctx.socket(zmq.ROUTER)
-            replay.setsockopt(zmq.LINGER, 0)
-            replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full peer fails, never drops
-            # Room for a whole answer (the buffer and the end marker) per requester.
-            replay.setsockopt(zmq.SNDHWM, self._cfg.buffer_steps + 2)
+            ReplayServer.configure(replay)
             self.replay_endpoint = _open(replay, self.replay_endpoint, "replay_endpoint",
                                          bind=True)
-            self._replay = replay
-            loop.add_reader(replay.getsockopt(zmq.FD), self._serve_replays)
+            self.replay = ReplayServer(
+                self.model, replay, self._cfg, buffer=self._buffer,
+                newest=lambda: self._seq - 1, flush=self.flush, walk=self._log.snapshot,
+                encoder=self._encoder, loop=loop)
+            self.replay.start()
         loop.add_reader(pub.getsockopt(zmq.FD), self._drain_subscriptions)
         port = self.endpoint.rpartition(":")[2] if self.endpoint.startswith("tcp://") else "0"
         template = self._cfg.topic or "kv@{host}:{port}@{model}"
@@ -173,14 +196,13 @@ class KvEventPublisher:
             self._unwatch = None
         if self._pub is not None:
             self.flush()
-        for sock in (self._pub, self._replay):
-            if sock is None:
-                continue
+        if self.replay is not None:
+            self.replay.close()
+        if self._pub is not None:
             if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(sock.getsockopt(zmq.FD))
-            sock.close(linger=0)
-        self._pub = self._replay = None
-        self._replies.clear()
+                self._loop.remove_reader(self._pub.getsockopt(zmq.FD))
+            self._pub.close(linger=0)
+        self._pub = None
 
     # ----------------------------------------------------------- publishing
 
@@ -220,6 +242,8 @@ class KvEventPublisher:
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))  # kept for replay: a slow peer's copy drops
+        if self.replay is not None:
+            self.replay.published(seq, payload)
         # A plain XPUB never fails a send for a full peer (it drops that peer's copy);
         # NOBLOCK is belt and braces so the loop can never wait here.
         try:
@@ -240,86 +264,6 @@ class KvEventPublisher:
                 pub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-
-    # -------------------------------------------------------------- replay
-
-    def _serve_replays(self) -> None:
-        replay = self._replay
-        while replay is not None and replay.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            try:
-                frames = replay.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                log.warning("ignoring a malformed KV-event replay request",
-                            extra={"model": self.model, "frames": len(frames)})
-                continue
-            self.flush()  # so the buffer (or a snapshot) is current
-            start = int.from_bytes(frames[2], "big")
-            self._replies.append(_Reply(frames[0], self._answer(start)))
-        self._pump()
-
-    def _answer(self, start: int) -> Iterator[tuple[bytes, bytes]]:
-        """(seq, payload) of each batch from ``start``, or a snapshot if it is gone."""
-        oldest = self._buffer[0][0] if self._buffer else self._seq
-        if start < oldest:
-            newest = self._seq - 1
-            payload = self._encoder.batch(
-                self._encoder.snapshot_events(self._log.snapshot(), restart=False))
-            return iter([(newest.to_bytes(8, "big"), payload)])
-        if start >= self._seq:
-            return iter(())
-        batches = list(islice(self._buffer, start - oldest, None))
-        return ((seq.to_bytes(8, "big"), payload) for seq, payload in batches)
-
-    def _pump(self) -> None:
-        self._pump_scheduled = False
-        replay = self._replay
-        budget = _REPLY_BURST
-        while replay is not None and self._replies and budget > 0:
-            reply = self._replies[0]
-            try:
-                for seq, payload in reply.take(budget):
-                    replay.send_multipart((reply.identity, b"", seq, payload), zmq.NOBLOCK)
-                    reply.sent()
-                    budget -= 1
-                if not reply.done:
-                    break
-                replay.send_multipart((reply.identity, b"", END_SEQ, b""), zmq.NOBLOCK)
-                self.replays_served += 1
-            except zmq.ZMQError as exc:  # the requester left, or reads nothing
-                log.warning("KV-event replay abandoned", extra={
-                    "model": self.model, "reason": exc.strerror})
-            self._replies.popleft()
-        if self._replies and not self._pump_scheduled and self._loop is not None:
-            self._pump_scheduled = True
-            self._loop.call_soon(self._pump)
-        # Sending may have consumed the FD's edge for a request that came meanwhile.
-        if replay is not None and replay.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._loop.call_soon(self._serve_replays)  # type: ignore[union-attr]
-
-
-class _Reply:
-    """One replay answer being sent, resumable across loop turns."""
-
-    def __init__(self, identity: bytes, batches: Iterator[tuple[bytes, bytes]]) -> None:
-        self.identity = identity
-        self._batches = batches
-        self._next: tuple[bytes, bytes] | None = next(batches, None)
-
-    @property
-    def done(self) -> bool:
-        return self._next is None
-
-    def take(self, budget: int) -> Iterator[tuple[bytes, bytes]]:
-        """Up to ``budget`` batches; call ``sent()`` after each one went out."""
-        for _ in range(budget):
-            if self._next is None:
-                return
-            yield self._next
-
-    def sent(self) -> None:
-        self._next = next(self._batches, None)
 
 
 def _open(sock: zmq.Socket[bytes], endpoint: str, name: str, bind: bool | None = None) -> str:
