@@ -207,6 +207,15 @@ class _KvEventsCollector(Collector):
          "KV events (BlockStored, BlockRemoved, AllBlocksCleared) in the batches sent."),
         ("prefixcache_kv_event_replays", "replays_served",
          "KV-event replay requests answered in full."),
+        ("prefixcache_kv_event_replays_refused", "replays_refused",
+         "KV-event replay requests refused: max_replays or max_replays_per_peer in flight."),
+        ("prefixcache_kv_event_replays_dropped", "replays_dropped",
+         "KV-event replay answers dropped: the requester read nothing for replay_timeout "
+         "or left."),
+        ("prefixcache_kv_event_replay_requests_invalid", "replay_requests_invalid",
+         "Malformed KV-event replay requests ignored."),
+        ("prefixcache_kv_event_replay_snapshots", "replay_snapshots",
+         "Page-set snapshots built for replay requests older than the buffer (shared)."),
     )
 
     def __init__(self, publishers: Mapping[str, Any]) -> None:
