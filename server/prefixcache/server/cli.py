@@ -98,6 +98,11 @@ def _add_serve(commands: Any) -> None:
     ops.add_argument("--check-integrity", action="store_const", const=True,
                      help="invariant mode, for staging: check the caches' integrity after "
                      "every call that changes them (slower; a failure answers INTERNAL)")
+    _add_every_setting(serve)
+    serve.add_argument("--check-config", action="store_true",
+                       help="check the configuration as serve would read it, allocate and "
+                       "bind nothing, and exit: 0 valid and fits this host, 1 valid but "
+                       "not for this host (a file it names, a device, memory), 2 invalid")
     events = serve.add_argument_group("KV events (server.kv_events)")
     events.add_argument("--kv-events-config", dest="kv_events", metavar="JSON",
                         help="KV-event publisher settings as vLLM's flag takes them, e.g. "
@@ -105,6 +110,67 @@ def _add_serve(commands: Any) -> None:
                         "; also hash_format (vllm|sglang) and encoding (map|array). "
                         "Or PREFIXCACHE_KV_EVENTS_<KEY>")
     serve.set_defaults(run=_serve)
+
+
+# Settings with no flag of their own: structured ones (the config file, or their own
+# environment variables) and secrets, which belong in files (their *_file flags).
+_NO_FLAG = frozenset({"kv_events", "tenants", "tier", "token", "admin_token",
+                      "metrics_token"})
+
+
+def _add_every_setting(serve: argparse.ArgumentParser) -> None:
+    """A ``--setting-name`` flag for every scalar ``server:`` setting that has none
+    above, so that every key works on the command line (values as the environment
+    gives them: coerced and checked by the config loader, which names the key)."""
+    from dataclasses import fields
+
+    from .config_types import ServerConfig
+
+    taken = {a.dest for a in serve._actions}
+    group = serve.add_argument_group(
+        "other server settings", "every other key of the config file's 'server:' section; "
+        "see the README's configuration reference")
+    for f in fields(ServerConfig):
+        if f.name in taken or f.name in _NO_FLAG:
+            continue
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, metavar="VALUE",
+                           help=f"server.{f.name}")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The server settings given on the command line (None: not given)."""
+    from dataclasses import fields
+
+    from .config_types import ServerConfig
+
+    names = [f.name for f in fields(ServerConfig) if f.name not in _NO_FLAG]
+    return {name: getattr(args, name) for name in (*names, "kv_events")}
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    """``serve --check-config``: see its help."""
+    from .config import ConfigError, load_config
+    from .config_values import files_read_later
+    from .sizing import check_fits
+
+    try:
+        with files_read_later() as unread:
+            config = load_config(args.config, overrides=_overrides(args))
+    except ConfigError as exc:
+        print(f"prefixcache: config error: {exc}", file=sys.stderr)
+        return 2
+    notes = list(unread)
+    try:
+        check_fits(config.models, config.server.shm_dir or None)
+    except ConfigError as exc:
+        notes.append(str(exc))
+    for model in config.models:
+        print(f"model {model.name}: {model.kind}, page_size {model.page_size}, pool "
+              f"{model.pool.size} slots on {model.pool.device}")
+    for note in notes:
+        print(f"not for this host: {note}")
+    print("config OK" + (" (but not for this host)" if notes else ""))
+    return 1 if notes else 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -122,12 +188,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise SystemExit(f"prefixcache serve needs the server extra "
                          f"(pip install 'prefixcache[server]'): {exc}") from exc
-    overrides = {name: getattr(args, name) for name in (
-        "listen", "metrics_port", "metrics_host", "tls_cert", "tls_key", "tls_client_ca",
-        "token_file", "admin_token_file", "metrics_token_file", "insecure", "log_format",
-        "log_level", "grace_period", "shm_dir", "check_integrity", "kv_events")}
+    if args.check_config:
+        return _check_config(args)
     try:
-        config = load_config(args.config, overrides=overrides)
+        config = load_config(args.config, overrides=_overrides(args))
     except ConfigError as exc:
         print(f"prefixcache: config error: {exc}", file=sys.stderr)
         return 2

@@ -6,7 +6,9 @@ the config (config_checks.py, config_kv_events.py, config_tenants.py) reads them
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,23 @@ def file_mode(value: Any, default: int, where: str) -> int:
     return coerce(value, default, where)
 
 
+# Set by files_read_later: where secret files that cannot be read here are noted
+# instead of refused (a config checked on another machine than the one it is for).
+_UNREAD: ContextVar[list[str] | None] = ContextVar("unread_files", default=None)
+
+
+@contextmanager
+def files_read_later() -> Iterator[list[str]]:
+    """Within this block, a secret file that cannot be read is noted in the list
+    yielded (and stands for a placeholder token) instead of refusing the config."""
+    notes: list[str] = []
+    reset = _UNREAD.set(notes)
+    try:
+        yield notes
+    finally:
+        _UNREAD.reset(reset)
+
+
 def read_secret(value: str | None, path: str | None, where: str) -> str | None:
     if value:
         return value
@@ -57,6 +76,10 @@ def read_secret(value: str | None, path: str | None, where: str) -> str | None:
     try:
         secret = Path(path).read_text().strip()
     except OSError as exc:
+        notes = _UNREAD.get()
+        if notes is not None:
+            notes.append(f"{where}: cannot read {path}: {exc.strerror or exc}")
+            return f"<{path}>"
         raise ConfigError(f"{where}: cannot read {path}: {exc.strerror or exc}") from exc
     if not secret:
         raise ConfigError(f"{where}: {path} is empty")
