@@ -47,8 +47,10 @@ class Layer(AttentionLayerBase):
     """What the connector reads of one of vLLM's attention layers (a real one needs a
     model): its backend, as the layer reports it, and its head size."""
 
-    def __init__(self, backend: type, head_size: int) -> None:
+    def __init__(self, backend: type, head_size: int, isa: str | None = None) -> None:
         self.backend, self.head_size = backend, head_size
+        if isa is not None:
+            self.isa = isa  # what the CPU backend's metadata builder sets
 
     def get_attn_backend(self) -> type:
         return self.backend
@@ -57,14 +59,16 @@ class Layer(AttentionLayerBase):
         return None
 
 
-def vllm_config(address: str, backend: type = FlashAttentionBackend, **extra: Any) -> Any:
+def vllm_config(address: str, backend: type = FlashAttentionBackend, isa: str | None = None,
+                head_size: int = DIM, **extra: Any) -> Any:
     """What the connector reads of a VllmConfig (a real one needs a model)."""
     transfer = KVTransferConfig(
         kv_connector="PrefixCacheConnector",
         kv_connector_module_path="prefixcache.integrations.vllm.connector",
         kv_role="kv_both",
         kv_connector_extra_config={"model": "v", "target": address, **extra})
-    layers = {f"model.layers.{n}.self_attn.attn": Layer(backend, DIM) for n in range(LAYERS)}
+    layers = {f"model.layers.{n}.self_attn.attn": Layer(backend, head_size, isa)
+              for n in range(LAYERS)}
     return SimpleNamespace(kv_transfer_config=transfer,
                            compilation_config=SimpleNamespace(static_forward_context=layers),
                            cache_config=SimpleNamespace(block_size=BLOCK),
@@ -196,5 +200,26 @@ def test_failed_loads_reach_vllms_stats_and_prometheus_by_reason(
         prom.observe(total.data, 0)
         assert ('vllm:prefixcache_load_failures_total{engine="0",model_name="m",'
                 'reason="scheduler"} 2.0') in generate_latest().decode()
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(("isa", "kv_layout", "refused"), [
+    ("vec", "auto", False), ("amx", "auto", False),
+    ("vec", "bhn2d", True),     # the old guess, forced: vLLM's op disagrees
+    ("amx", "cpu_vec", True),
+])
+def test_the_cpu_layout_is_checked_against_vllms_own_write(
+        server: ServerThread, isa: str, kv_layout: str, refused: bool) -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = vllm_config(server.address, CPUAttentionBackend, isa, 32, kv_layout=kv_layout)
+    worker = KVConnectorFactory.create_connector(config, Role.WORKER, None)
+    try:
+        worker.register_kv_caches({f"model.layers.{n}.self_attn.attn":
+                                   torch.zeros(4, HEADS, 32, 64, dtype=torch.bfloat16)
+                                   for n in range(LAYERS)})
+        disabled = worker._work._disabled or ""
+        assert ("does not write K/V the way" in disabled) == refused, disabled
     finally:
         worker.shutdown()

@@ -185,7 +185,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     # --------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._work.register(kv_caches, attention_backends(self._vllm_config, kv_caches))
+        backends = attention_backends(self._vllm_config, kv_caches)
+        self._work.register(kv_caches, backends)
+        problem = check_cpu_layout(self._work, kv_caches, backends)
+        if problem is not None:
+            self._work.disable(problem)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -259,6 +263,45 @@ def attention_backends(vllm_config: Any, kv_caches: dict[str, Any]
         out[name] = BackendInfo(f"{backend.__module__}.{backend.__qualname__}",
                                 int(head_size), getattr(layer, "isa", None))
     return out
+
+
+def check_cpu_layout(work: WorkerCore, kv_caches: dict[str, Any],
+                     backends: dict[str, BackendInfo]) -> str | None:
+    """On vLLM's CPU backend, one block of known K/V written through vLLM's own
+    cache-write op (the op its layers write every token with) must read back through
+    the layout the connector took: why not, or None (also where there is nothing to
+    check)."""
+    view = work.layers[0] if work.layers else None
+    info = backends.get(view.name) if view is not None else None
+    if view is None or info is None or info.isa is None \
+            or not info.cls_name.endswith("cpu_attn.CPUAttentionBackend") \
+            or view.layout not in ("bhn2d", "cpu_vec", "cpu_amx"):  # kv_layout may force
+        return None
+    try:
+        import torch
+        from vllm import _custom_ops as ops
+
+        from .layout import gather_blocks, split_kv
+    except ImportError:
+        return None
+    if not hasattr(ops, "cpu_attn_reshape_and_cache"):
+        return None
+    tensor = kv_caches[view.name]
+    _, heads, block, _ = (int(d) for d in tensor.shape)
+    dim = view.head_dim
+    scratch = torch.zeros((1, heads, block, 2 * dim), dtype=tensor.dtype)
+    k = torch.randn(block, heads, dim).to(tensor.dtype)
+    v = torch.randn(block, heads, dim).to(tensor.dtype)
+    key_cache, value_cache = scratch.view(1, heads, 2 * block, dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache,
+                                   torch.arange(block, dtype=torch.int64), info.isa)
+    probe = split_kv("probe", scratch, view.layout, dim)
+    blocks, offsets = torch.zeros(block, dtype=torch.int64), torch.arange(block)
+    if torch.equal(gather_blocks(probe.k, blocks, offsets), k) and \
+            torch.equal(gather_blocks(probe.v, blocks, offsets), v):
+        return None
+    return (f"vLLM's CPU backend (ISA {info.isa}) does not write K/V the way the "
+            f"{view.layout} layout reads them")
 
 
 def _tp_rank() -> int:

@@ -117,7 +117,7 @@ class WorkerCore:
                 head = info.head_size if info is not None else _head_size(tensor, layout)
                 layers.append(split_kv(name, tensor, layout, head))
         except UnknownLayout as err:
-            self._disable(f"layer {name!r}: {err}")
+            self.disable(f"layer {name!r}: {err}")
             return
         self.layers = layers
 
@@ -178,12 +178,13 @@ class WorkerCore:
             return None
         problem = self._check(access)
         if problem is not None:
-            self._disable(problem)
+            self.disable(problem)
             return None
         self._access = access
         return access
 
-    def _disable(self, problem: str) -> None:
+    def disable(self, problem: str) -> None:
+        """Load and save nothing from now on (vLLM computes everything), said once."""
         self._disabled = problem
         log.error("prefixcache connector disabled: %s", problem)
 
