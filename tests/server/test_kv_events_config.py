@@ -73,6 +73,11 @@ def test_off_by_default_and_configured_like_the_other_keys(tmp_path: Path) -> No
     ({"PREFIXCACHE_KV_EVENTS_BUFFER_STEPS": "0"}, "buffer_steps"),
     ({"PREFIXCACHE_KV_EVENTS": "{nope"}, "PREFIXCACHE_KV_EVENTS"),
     ({"PREFIXCACHE_KV_EVENTS": '{"enable": true}'}, "enable"),
+    ({"PREFIXCACHE_KV_EVENTS_HWM": "0"}, "hwm"),  # 0 is unbounded in ZMQ
+    ({"PREFIXCACHE_KV_EVENTS_MAX_REPLAYS": "0"}, "max_replays"),
+    ({"PREFIXCACHE_KV_EVENTS_MAX_REPLAYS_PER_PEER": "0"}, "max_replays_per_peer"),
+    ({"PREFIXCACHE_KV_EVENTS_REPLAY_TIMEOUT": "nan"}, "replay_timeout"),
+    ({"PREFIXCACHE_KV_EVENTS_REPLAY_TIMEOUT": "0"}, "replay_timeout"),
 ])
 def test_bad_settings_name_their_key(env: dict[str, str], message: str) -> None:
     from prefixcache.server.config import ConfigError

@@ -105,7 +105,7 @@ def test_a_replay_storm_never_stalls_other_clients(tmp_path: Path, ctx: zmq.Cont
         # 1.2 MB): more than its queue (64 messages) and the socket buffers hold.
         stuck = dealer(ctx, publisher.replay_endpoint, RCVHWM=1, RCVBUF=4096)
         socks.append(stuck)
-        for _ in range(2):
+        for _ in range(3):  # the third is over max_replays_per_peer (2): refused
             stuck.send_multipart([b"", oldest.to_bytes(8, "big")])
         time.sleep(0.2)
         victim.start()
@@ -155,10 +155,10 @@ def test_a_replay_storm_never_stalls_other_clients(tmp_path: Path, ctx: zmq.Cont
         assert publisher.replays_dropped == 2
         assert srv.run(lambda: publisher.replay.in_flight) == 0
         assert publisher.replays_served == len(full)
-        assert publisher.replays_refused == len(refused)
+        assert publisher.replays_refused == len(refused) + 1  # and the stuck one's third
         assert publisher.replay_requests_invalid == 500
         sample = srv.server.metrics.registry.get_sample_value
-        for name, value in (("replays", len(full)), ("replays_refused", len(refused)),
+        for name, value in (("replays", len(full)), ("replays_refused", len(refused) + 1),
                             ("replays_dropped", 2), ("replay_requests_invalid", 500),
                             ("replay_snapshots", 1)):
             assert sample(f"prefixcache_kv_event_{name}_total", {"model": "r"}) == value, name
