@@ -33,6 +33,9 @@ class RadixEviction:
     _evictable: int
     _protected: int
     _gone_nodes: list[TreeNode]
+    # Told of each node as it leaves the tree (its key and parents still readable), to
+    # remember evicted pages (page_ids.EvictionRecorder); must be cheap and not raise.
+    eviction_observer: Callable[[TreeNode], None] | None = None
 
     def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
         """Free at least ``num_tokens`` tokens (whole leaves, so possibly more) if possible.
@@ -124,6 +127,8 @@ class RadixEviction:
         node.value = None
         if self.listener is not None:  # told in _notify_evicted, with on_node_evict
             self._gone_nodes.append(node)
+        if self.eviction_observer is not None:
+            self.eviction_observer(node)
         if parent.key_len == 0 and not parent.children:
             self._drop_namespace(parent)
 

@@ -34,6 +34,7 @@ from prefixcache.cache import (
 from prefixcache.cache.allocator import host_indices
 from prefixcache.cache.change_log import DEFAULT_CAPACITY, ChangeLog
 from prefixcache.cache.kv_pool import BufferFactory
+from prefixcache.cache.lookup_outcomes import CAPACITY
 from prefixcache.cache.mamba_radix_cache import MambaRadixCache
 from prefixcache.cache.page_index import PageIndex
 from prefixcache.cache.pages import whole_pages
@@ -41,7 +42,7 @@ from prefixcache.cache.pages import whole_pages
 from .config import ConfigError, ModelConfig
 from .engine_base import EngineBase, needs_session
 from .engine_slots import SlotOwnership
-from .errors import PreconditionError
+from .errors import PoolExhaustedError, PreconditionError
 from .opaque_ids import OpaqueIds
 from .quotas import prefix_tokens
 from .sessions import Session
@@ -145,6 +146,8 @@ class ModelEngine(SlotOwnership, EngineBase):
                                         eviction_policy=config.eviction_policy,
                                         listener=self.change_log if self.page_index is None
                                         else self.page_index)
+        if config.kind != "chunk":  # remember evicted pages (lookups.py)
+            self.lookups.attach(self.cache)
         self.pool_size = pool.size
         self.num_rows = self.kv_pool.num_rows
         self._owner = np.zeros(self.num_rows, dtype=np.int64)
@@ -215,12 +218,17 @@ class ModelEngine(SlotOwnership, EngineBase):
                 allocated, states = self.alloc(owner, len(key) - result.prefix_len,
                                                1 if self.states else 0)
                 state = int(states[0]) if len(states) else None
+        except PoolExhaustedError:
+            if node is not None:
+                self.cache.dec_lock_ref(node, boundary)
+            self.lookups.add(CAPACITY, len(key))  # refused whole: no other outcome
+            raise
         except BaseException:
             if node is not None:
                 self.cache.dec_lock_ref(node, boundary)
             raise
         if node is not None and lock and owner is not None:
-            lock_id = self._hold(owner, node, boundary, tokens)
+            lock_id = self._hold(owner, node, boundary, tokens, lookup=True)
         elif node is not None and allocate:
             self.cache.dec_lock_ref(node, boundary)
         # Counted once answered: a refused match (no room to allocate) changes nothing.
@@ -231,6 +239,14 @@ class ModelEngine(SlotOwnership, EngineBase):
         return MatchOutcome(result.prefix_len, host_indices(result.indices), node_id,
                             lock_id, allocated, state_slot, result.mamba_branching_seqlen,
                             state)
+
+    def _count_outcomes(self, key: RadixKey, hit: int) -> None:
+        if self.kind == "chunk":
+            super()._count_outcomes(key, hit)
+            return
+        classified = self.lookups.classify(self.cache, key, hit,
+                                           check_same=self.kind != "radix")
+        self.lookups.count(classified, len(key) // self.page_size)
 
     def insert(self, key: RadixKey, slots: np.ndarray, session: Session | None,
                lock: bool = False, release_lock_id: int = 0,

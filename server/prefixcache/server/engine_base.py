@@ -12,9 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 from prefixcache.cache import RadixKey
+from prefixcache.cache.lookup_outcomes import LEASE_EXPIRED
 
 from .config import ModelConfig
 from .errors import NotFoundError, PreconditionError
+from .lookups import Lookups
 from .opaque_ids import OpaqueIds
 from .quotas import NO_QUOTA, Quota, prefix_tokens
 from .sessions import HeldLock, Session
@@ -61,6 +63,8 @@ class EngineBase:
         self.quota: Quota = NO_QUOTA
         # Lookups by tenant, where tenants are configured (tenant_stats.py).
         self.tenant_counts: TenantCounts | None = None
+        # Lookups by outcome, and the hit-rate ceiling (lookups.py).
+        self.lookups = Lookups(config.page_size)
 
     def _count_match(self, key: RadixKey, hit: int) -> None:
         self.ops["match"] += 1
@@ -68,6 +72,11 @@ class EngineBase:
         self.hit_tokens += hit
         if self.tenant_counts is not None:
             self.tenant_counts.count(key.extra_key, len(key), hit)
+        self._count_outcomes(key, hit)
+
+    def _count_outcomes(self, key: RadixKey, hit: int) -> None:
+        """Count an answered lookup by outcome (lookups.py); tree models classify it."""
+        self.lookups.count_plain(len(key), hit)
 
     def _handle(self, node: Any) -> int:
         """The opaque id a client may name ``node`` by (0 for none)."""
@@ -86,12 +95,14 @@ class EngineBase:
         return node
 
     def _hold(self, session: Session, node: Any, boundary: Any = None,
-              tokens: int | None = None) -> int:
+              tokens: int | None = None, lookup: bool = False) -> int:
         """Record a lock the caller just took on ``node`` as ``session``'s; ``tokens``,
-        the prefix it protects, when the caller already knows it."""
+        the prefix it protects, when the caller already knows it; ``lookup``: taken by
+        a lookup (a lapsed lease counts it as ``lease_expired``)."""
         lock_id = self._next_lock_id()
         tokens = prefix_tokens(node) if tokens is None else tokens
-        session.locks[lock_id] = HeldLock(self, node, boundary, tokens)  # type: ignore[arg-type]
+        session.locks[lock_id] = HeldLock(self, node, boundary, tokens,  # type: ignore[arg-type]
+                                          lookup)
         session.locked_tokens[self.name] = session.locked_tokens.get(self.name, 0) + tokens
         self.num_locks += 1
         self.ops["lock"] += 1
@@ -123,6 +134,8 @@ class EngineBase:
     def _drop(self, session: Session, lock_id: int) -> None:
         """Forget one of ``session``'s locks, once the cache has released it."""
         held = session.locks.pop(lock_id)
+        if held.lookup and session.lapsed:  # a reservation that lapsed before use
+            self.lookups.add(LEASE_EXPIRED, held.tokens)
         self._unlocked_tokens(session, held.tokens)
         self.num_locks -= 1
         self.ops["unlock"] += 1

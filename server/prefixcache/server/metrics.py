@@ -150,6 +150,23 @@ class _CacheCollector(Collector):
                                      "Usable KV pool slots.", labels=["model"])
         locks = GaugeMetricFamily("prefixcache_locks", "Locks held by sessions.",
                                   labels=["model"])
+        outcomes = CounterMetricFamily(
+            "prefixcache_lookup_tokens",
+            "Looked-up tokens by outcome (Match, Step admissions, ExistsPages): hit, "
+            "miss_cold, miss_evicted, miss_namespace, below_page sum to the tokens "
+            "answered; capacity counts refused lookups; lease_expired and load_failed "
+            "count hits whose lock went unused.", labels=["model", "outcome"])
+        requested = CounterMetricFamily(
+            "prefixcache_lookup_pages", "Whole pages looked up (the ceiling's "
+            "denominator).", labels=["model"])
+        distinct = GaugeMetricFamily(
+            "prefixcache_lookup_distinct_pages",
+            "Distinct pages among those looked up (a HyperLogLog estimate).",
+            labels=["model"])
+        ceiling = GaugeMetricFamily(
+            "prefixcache_hit_ratio_ceiling",
+            "The hit ratio an infinite pool would reach: 1 - distinct / looked-up pages.",
+            labels=["model"])
         for engine in list(svc.engines.values()):
             m = engine.name
             query.add_metric([m], engine.match_tokens)
@@ -169,7 +186,15 @@ class _CacheCollector(Collector):
             slots.add_metric([m, "session"], engine.session_slots)
             capacity.add_metric([m], engine.pool_size)
             locks.add_metric([m], engine.num_locks)
-        yield from (query, hit, ops, evicted, cached, slots, capacity, locks)
+            lookups = engine.lookups
+            for outcome, n in list(lookups.tokens.items()):
+                outcomes.add_metric([m, outcome], n)
+            requested.add_metric([m], lookups.pages_requested)
+            seen, best = lookups.ceiling()
+            distinct.add_metric([m], seen)
+            ceiling.add_metric([m], best)
+        yield from (query, hit, ops, evicted, cached, slots, capacity, locks, outcomes,
+                    requested, distinct, ceiling)
         yield GaugeMetricFamily("prefixcache_sessions", "Open sessions (leased and streams).",
                                 value=len(svc.sessions))
         yield CounterMetricFamily("prefixcache_leases_expired",

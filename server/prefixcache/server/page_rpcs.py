@@ -89,6 +89,8 @@ async def exists(service: Any, limits: Limits, req: pb.ExistsPagesRequest,
             await asyncio.sleep(0)  # the other calls' turn
         present += pages.presence(namespace, decode_hashes(view[start:start + step]))
     leading, present_bytes = pages.count(bytes(present), lookup=not req.before_set)
+    if not req.before_set:  # by outcome, beyond the leading run (lookups.py)
+        engine.lookups.count_pages(pages.index, namespace, data, leading)
     return pb.ExistsPagesResponse(leading_pages=leading, present=present_bytes)
 
 

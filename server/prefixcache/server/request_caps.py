@@ -59,7 +59,8 @@ def derive(limits: Limits, models: Iterable[ModelConfig]) -> dict[str, int]:
     ids, slots, hashes = tokens * 4 * MAX_TOKEN_WIDTH, tokens * _SLOT_BYTES, \
         tokens * _HASH_BYTES
     caps = dict.fromkeys(_CONTROL, base)
-    caps.update(MatchRequest=base + ids, InsertRequest=base + ids + slots,
+    caps.update(MatchRequest=base + ids, ExplainRequest=base + ids,
+                InsertRequest=base + ids + slots,
                 FreeRequest=base + 2 * slots, ReadKVRequest=base + 2 * slots,
                 ExistsPagesRequest=base + hashes, GetPagesRequest=base + hashes,
                 SetPagesRequest=base + hashes + _HASH_BYTES + slots,

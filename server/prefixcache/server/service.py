@@ -145,8 +145,9 @@ class CacheService:
                      extra={"session": session.id[:8], "slots_freed": slots})
         return freed
 
-    def unlock(self, session: Session, lock_id: int) -> None:
-        """Release ``lock_id`` whichever model it is on."""
+    def unlock(self, session: Session, lock_id: int, unused: str | None = None) -> None:
+        """Release ``lock_id`` whichever model it is on; ``unused``: the lookup outcome
+        its tokens are counted under (lookups.CLIENT_REASONS), once released."""
         if not lock_id:
             return
         held = session.locks.get(lock_id)
@@ -157,6 +158,8 @@ class CacheService:
             raise PreconditionError(f"lock {lock_id} is not held by this session "
                                     "(already released, or never taken by it)")
         held.engine.unlock(session, lock_id)
+        if unused is not None:
+            held.engine.lookups.add(unused, held.tokens)
 
     def reset(self, name: str) -> tuple[int, int]:
         engine = self.engine(name)

@@ -24,7 +24,7 @@ from prefixcache.cache import InvalidInputError
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
-from . import keepalive, kv_access, kv_transfer, page_rpcs, write_fence
+from . import explain, keepalive, kv_access, kv_transfer, page_rpcs, write_fence
 from .errors import DeniedError, DrainingError, LimitError, NotFoundError, PoolExhaustedError
 from .evict_policy import EvictCollector, EvictPolicy
 from .limits import Limits, truncate
@@ -342,6 +342,10 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
         return await self._unary("SetPages", context,
                                  self._with_session(self._pages(page_rpcs.set_pages)),
                                  request, mutates=True)
+
+    async def Explain(self, request: pb.ExplainRequest, context: Any) -> pb.ExplainResponse:
+        return await self._unary("Explain", context, lambda req: explain.explain(
+            self.service, self.limits, req), request)
 
     # ---------------------------------------------------------- Session stream
 

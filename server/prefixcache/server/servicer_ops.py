@@ -20,6 +20,7 @@ from .codec import decode_key, decode_slots, encode_slots
 from .errors import DeniedError, PreconditionError
 from .evict_policy import EvictPolicy
 from .limits import Limits, request_tokens
+from .lookups import unused_reason, with_lookups
 from .service import CacheService
 from .sessions import Session
 from .shared_pool import describe_buffers
@@ -153,7 +154,7 @@ class CacheOps:
         session = _needs(session, "Unlock")
         if reply := replays.replayed(session, "unlock", req):
             return reply
-        self.service.unlock(session, req.lock_id)
+        self.service.unlock(session, req.lock_id, unused_reason(req.unused_outcome))
         reply = pb.UnlockResponse()
         replays.remember(session, "unlock", req, reply)
         return reply
@@ -194,7 +195,7 @@ class CacheOps:
                                   "tenant's token", "tenant_namespaces")
             sessions = self.service.sessions
             top = holdings.top_sessions(sessions, engines, req.top_sessions, sessions.now())
-        return pb.StatsResponse(models=[model_stats(e) for e in engines],
+        return pb.StatsResponse(models=[with_lookups(model_stats(e), e) for e in engines],
                                 sessions=tenant_stats.sessions_seen(self.service.sessions),
                                 server_epoch=self.service.epoch, top_sessions=top)
 

@@ -48,6 +48,8 @@ class HeldLock:
     node: TreeNode
     boundary: Any = None
     tokens: int = 0
+    # Taken by a lookup (Match or Step admission with lock): a reservation.
+    lookup: bool = False
 
 
 @dataclass(eq=False)

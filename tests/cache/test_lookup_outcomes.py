@@ -1,0 +1,145 @@
+"""Lookup outcomes in the cache layer: page ids, the evicted-page record, the
+distinct-page sketch and the classification of a lookup, on real caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.cache import RadixCache, RadixKey, TokenToKVPoolAllocator
+from prefixcache.cache.hyperloglog import HyperLogLog
+from prefixcache.cache.lookup_outcomes import classify
+from prefixcache.cache.page_ids import (
+    EvictedPages,
+    EvictionRecorder,
+    PrefixIds,
+    namespace_salt,
+)
+
+
+def _cache(page_size: int = 2, size: int = 64) -> tuple[RadixCache, EvictedPages, PrefixIds]:
+    allocator = TokenToKVPoolAllocator(size, "cpu", page_size)
+    cache = RadixCache(page_size, None, allocator)
+    record, ids = EvictedPages(1024), PrefixIds()
+    cache.eviction_observer = EvictionRecorder(record, ids).observe
+    return cache, record, ids
+
+
+def _insert(cache: RadixCache, tokens: list[int], extra_key: str | None = None) -> None:
+    slots = cache.token_to_kv_pool_allocator.alloc(len(tokens))
+    result = cache.insert(RadixKey(tokens, extra_key), slots)
+    cache.token_to_kv_pool_allocator.free(slots[:result.prefix_len])
+
+
+def _lookup(cache, record, ids, tokens, extra_key=None) -> list[tuple[str, int, int]]:
+    key = RadixKey(tokens, extra_key)
+    hit = cache.match_prefix(key).prefix_len
+    return classify(cache, key, hit, record, ids).ranges
+
+
+def test_page_ids_name_prefixes() -> None:
+    ids = PrefixIds()
+    words = np.arange(1, 33, dtype="<u4").tobytes()
+    whole = ids.pages(words, 4, 7)
+    assert len(whole) == 8 and len(set(whole.tolist())) == 8
+    assert (ids.pages(words[:40], 4, 7) == whole[:2]).all()   # a prefix's pages: the same
+    assert (ids.pages(words, 4, 7, first=3) == whole[3:]).all()
+    assert (ids.pages(words, 4, 8) != whole).all()             # another namespace
+    other = np.arange(2, 34, dtype="<u4").tobytes()             # another prefix, same page
+    assert ids.pages(other, 4, 7)[-1] != whole[-1]
+    zeros = np.zeros(8, dtype="<u4").tobytes()                  # leading zeros count
+    assert ids.pages(zeros, 4, 7)[1] != ids.pages(zeros[:16], 4, 7)[0]
+    assert namespace_salt(None, 1) != namespace_salt("", 1) != namespace_salt("", 2)
+
+
+def test_outcomes_of_a_lookup() -> None:
+    cache, record, ids = _cache()
+    _insert(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    _insert(cache, [1, 2, 3, 4, 9, 9], "lora")
+    assert _lookup(cache, record, ids, [1, 2, 3, 4, 5, 6, 7]) == [
+        ("hit", 0, 6), ("below_page", 6, 7)]
+    # Beyond the hit in its own namespace, another namespace has two more tokens.
+    assert _lookup(cache, record, ids, [1, 2, 3, 4, 9, 9, 5, 5]) == [
+        ("hit", 0, 4), ("miss_namespace", 4, 6), ("miss_cold", 6, 8)]
+    cache.evict(100)  # everything goes: the record has every page
+    assert len(record) == 4 + 3
+    assert _lookup(cache, record, ids, [1, 2, 3, 4, 5, 6, 7, 8, 1, 1]) == [
+        ("miss_evicted", 0, 8), ("miss_cold", 8, 10)]
+    assert _lookup(cache, record, ids, [1, 2, 3, 4, 9, 9], "lora") == [
+        ("miss_evicted", 0, 6)]
+    assert _lookup(cache, record, ids, [1, 2, 3, 4, 9, 9], "other") == [
+        ("miss_cold", 0, 6)]
+    # Cached again up to a point: a hit, then the evicted rest, then cold.
+    _insert(cache, [1, 2, 3, 4])
+    assert _lookup(cache, record, ids, [1, 2, 3, 4, 5, 6, 7, 8, 1, 1, 3]) == [
+        ("hit", 0, 4), ("miss_evicted", 4, 8), ("miss_cold", 8, 10), ("below_page", 10, 11)]
+
+
+def test_a_full_hit_feeds_no_page_ids() -> None:
+    cache, record, ids = _cache()
+    _insert(cache, [1, 2, 3, 4])
+    key = RadixKey([1, 2, 3, 4, 5])
+    assert classify(cache, key, 4, record, ids).page_ids is None
+    key = RadixKey([1, 2, 3, 4, 5, 6])
+    assert len(classify(cache, key, 4, record, ids).page_ids) == 1
+
+
+def test_namespaces_filter() -> None:
+    cache, record, ids = _cache()
+    _insert(cache, [1, 2, 3, 4], "tenant-b/x")
+    key = RadixKey([1, 2, 3, 4], "tenant-a/x")
+    assert classify(cache, key, 0, record, ids).ranges == [("miss_namespace", 0, 4)]
+    mine = classify(cache, key, 0, record, ids,
+                    namespaces=lambda ek: (ek or "").startswith("tenant-a/"))
+    assert mine.ranges == [("miss_cold", 0, 4)] and mine.namespace is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.lists(st.lists(st.integers(0, 20), max_size=6), max_size=40))
+def test_evicted_pages_is_a_bounded_lru(capacity: int, batches: list[list[int]]) -> None:
+    """Against a plain list model: the last ``capacity`` distinct ids added, re-adding
+    one making it the youngest."""
+    record, model = EvictedPages(capacity), []
+    for batch in batches:
+        record.add(batch)
+        for page_id in batch:
+            if page_id in model:
+                model.remove(page_id)
+            model.append(page_id)
+        del model[:-capacity]
+        assert len(record) == len(model)
+        assert all(page_id in record for page_id in model)
+        assert not any(page_id in record for page_id in range(21) if page_id not in model)
+
+
+def test_evicted_pages_refuses_a_bad_capacity() -> None:
+    with pytest.raises(ValueError):
+        EvictedPages(0)
+
+
+@pytest.mark.parametrize("n", [1, 50, 3000, 200000])
+def test_hyperloglog_estimates(n: int) -> None:
+    sketch = HyperLogLog()
+    ids = PrefixIds().pages(np.arange(n, dtype="<u4").tobytes(), 1, 1)
+    sketch.add(ids)
+    sketch.add(ids[: n // 2])  # seen again: not counted twice
+    assert sketch.estimate() == pytest.approx(n, rel=0.05, abs=1)
+
+
+def test_eviction_record_matches_lookup_ids_on_every_tree_kind() -> None:
+    """The ids the eviction path records are those a lookup computes, on SWA too."""
+    from prefixcache.cache import SWARadixCache, SWATokenToKVPoolAllocator
+
+    allocator = SWATokenToKVPoolAllocator(64, 64, "cpu", 2)
+    cache = SWARadixCache(2, 4, allocator)
+    record, ids = EvictedPages(), PrefixIds()
+    cache.eviction_observer = EvictionRecorder(record, ids).observe
+    tokens = [5, 6, 7, 8, 9, 10]
+    slots = allocator.alloc(len(tokens))
+    cache.insert(RadixKey(tokens), torch.as_tensor(slots))
+    cache.evict(100)
+    key = RadixKey(tokens)
+    assert classify(cache, key, 0, record, ids).ranges == [("miss_evicted", 0, 6)]

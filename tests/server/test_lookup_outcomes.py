@@ -1,0 +1,193 @@
+"""Lookup outcomes and the hit-rate ceiling (issue 23), through a real gRPC server and a
+real scrape of /metrics: each outcome caused on purpose, then counted and explained.
+
+Model ``p``: page size 4, 64 slots. Prompt A (16 tokens, 4 pages) is cached under the
+namespace ``tenant-a`` and looked up from the default namespace (miss_namespace),
+evicted and asked again (miss_evicted), asked with an unaligned tail (below_page),
+locked by a session whose lease then lapses (lease_expired), released unused with a
+connector's reason (load_failed), and a lookup is refused once a session holds every
+slot (capacity).
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from harness import pb, running, stub_for, toks
+from test_metrics import scrape, value
+
+from prefixcache.cache.hashing import hash_token_ids
+from prefixcache.server.config import ModelConfig, PoolConfig
+from prefixcache.server.lookups import OUTCOMES
+
+MODEL = ModelConfig(name="p", page_size=4, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4))
+A = list(range(1, 17))
+C = list(range(200, 216))
+NS = "tenant-a"
+OUT = pb.LookupOutcome
+
+
+def _outcomes(samples: dict) -> dict[str, float]:
+    return {o: value(samples, "prefixcache_lookup_tokens_total", model="p", outcome=o)
+            for o in OUTCOMES}
+
+
+def _explain(stub, tokens, extra_key=None) -> pb.ExplainResponse:
+    req = pb.ExplainRequest(model="p", token_ids=toks(tokens))
+    if extra_key is not None:
+        req.extra_key = extra_key
+    return stub.Explain(req)
+
+
+def _ranges(reply: pb.ExplainResponse) -> list[tuple[str, int, int]]:
+    return [(OUT.Name(r.outcome), r.start, r.end) for r in reply.ranges]
+
+
+def _cache(stub, sid: str, tokens: list[int], extra_key: str) -> None:
+    m = stub.Match(pb.MatchRequest(model="p", token_ids=toks(tokens), extra_key=extra_key,
+                                   session_id=sid, lock=True, allocate=True))
+    stub.Insert(pb.InsertRequest(model="p", token_ids=toks(tokens), extra_key=extra_key,
+                                 session_id=sid,
+                                 slot_indices=m.slot_indices + m.allocated_slots,
+                                 release_lock_id=m.lock_id))
+
+
+def test_each_outcome_counted_and_explained(tmp_path) -> None:
+    with running(tmp_path, [MODEL], metrics_host="127.0.0.1", metrics_port=0,
+                 session_ttl_min=0.1) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            s0 = scrape(srv.server.metrics_port)
+            assert _outcomes(s0) == dict.fromkeys(OUTCOMES, 0)  # every outcome from 0
+            assert value(s0, "prefixcache_hit_ratio_ceiling", model="p") == 0
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+
+            _cache(stub, sid, A, NS)                                     # miss_cold 16
+            stub.Match(pb.MatchRequest(model="p", token_ids=toks([*A, 7, 7]),
+                                       extra_key=NS))                    # hit 16, tail 2
+            stub.Match(pb.MatchRequest(model="p", token_ids=toks(A)))    # miss_namespace 16
+            why = _explain(stub, A)
+            assert _ranges(why) == [("LOOKUP_OUTCOME_MISS_NAMESPACE", 0, 16)]
+            assert why.stop == OUT.LOOKUP_OUTCOME_MISS_NAMESPACE and why.prefix_len == 0
+            assert why.other_extra_key == NS
+
+            assert stub.Evict(pb.EvictRequest(model="p", num_tokens=64)).evicted_tokens == 16
+            stub.Match(pb.MatchRequest(model="p", token_ids=toks(A),
+                                       extra_key=NS))                    # miss_evicted 16
+            why = _explain(stub, [*A, 1], NS)
+            assert _ranges(why) == [("LOOKUP_OUTCOME_MISS_EVICTED", 0, 16),
+                                    ("LOOKUP_OUTCOME_BELOW_PAGE", 16, 17)]
+            assert why.stop == OUT.LOOKUP_OUTCOME_MISS_EVICTED and why.num_tokens == 17
+            stub.Match(pb.MatchRequest(model="p", token_ids=toks(C),
+                                       extra_key=NS))                    # miss_cold 16
+            assert _ranges(_explain(stub, C, NS)) == [("LOOKUP_OUTCOME_MISS_COLD", 0, 16)]
+
+            _cache(stub, sid, A, NS)                                     # miss_evicted 16
+            why = _explain(stub, A + C[:5], NS)
+            assert _ranges(why) == [("LOOKUP_OUTCOME_HIT", 0, 16),
+                                    ("LOOKUP_OUTCOME_MISS_COLD", 16, 20),
+                                    ("LOOKUP_OUTCOME_BELOW_PAGE", 20, 21)]
+            assert why.prefix_len == 16 and why.stop == OUT.LOOKUP_OUTCOME_MISS_COLD
+
+            # A reservation whose lease lapses before it is used: lease_expired 16.
+            short = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=0.1)).session_id
+            held = stub.Match(pb.MatchRequest(model="p", token_ids=toks(A), extra_key=NS,
+                                              session_id=short, lock=True))  # hit 16
+            assert held.lock_id and held.prefix_len == 16
+            deadline = time.monotonic() + 10
+            while _outcomes(scrape(srv.server.metrics_port))["lease_expired"] < 16:
+                assert time.monotonic() < deadline, "the lease never lapsed"
+                time.sleep(0.05)
+
+            # A connector that could not load its hit says so as it lets go: load_failed.
+            held = stub.Match(pb.MatchRequest(model="p", token_ids=toks(A), extra_key=NS,
+                                              session_id=sid, lock=True))  # hit 16
+            stub.Unlock(pb.UnlockRequest(session_id=sid, lock_id=held.lock_id,
+                                         unused_outcome=OUT.LOOKUP_OUTCOME_LOAD_FAILED))
+            with pytest.raises(grpc.RpcError) as bad:  # not a reason a client gives
+                stub.Unlock(pb.UnlockRequest(session_id=sid, lock_id=1,
+                                             unused_outcome=OUT.LOOKUP_OUTCOME_HIT))
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+            # Every slot held by a session: a lookup that allocates is refused (capacity 8).
+            while True:
+                try:
+                    stub.Alloc(pb.AllocRequest(model="p", num_slots=4, session_id=sid))
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    break
+            other = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Match(pb.MatchRequest(model="p", token_ids=toks(C[:8]), session_id=other,
+                                           allocate=True))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "cannot supply" in refused.value.details()  # the pool's, not a quota's
+
+            s = scrape(srv.server.metrics_port)
+            got = _outcomes(s)
+            assert got == {"hit": 48, "miss_cold": 32, "miss_evicted": 32,
+                           "miss_namespace": 16, "below_page": 2, "load_failed": 16,
+                           "lease_expired": 16, "capacity": 8}
+            answered = sum(got[o] for o in ("hit", "miss_cold", "miss_evicted",
+                                            "miss_namespace", "below_page"))
+            assert answered == value(s, "prefixcache_query_tokens_total", model="p")
+            # 8 lookups of 4 whole pages; 12 distinct pages (A in two namespaces, C).
+            assert value(s, "prefixcache_lookup_pages_total", model="p") == 32
+            assert value(s, "prefixcache_lookup_distinct_pages", model="p") == \
+                pytest.approx(12, abs=0.5)
+            assert value(s, "prefixcache_hit_ratio_ceiling", model="p") == \
+                pytest.approx(1 - 12 / 32, abs=0.02)
+
+            stats = stub.Stats(pb.StatsRequest(model="p")).models[0]
+            assert dict(stats.lookup_tokens_total) == {k: int(v) for k, v in got.items()}
+            assert stats.pages_requested_total == 32
+            assert stats.hit_ratio_ceiling == pytest.approx(1 - 12 / 32, abs=0.02)
+        srv.check_integrity()
+
+
+def test_page_hash_lookups_and_explain(tmp_path) -> None:
+    """ExistsPages (SGLang's batch_exists) misses by outcome, and Explain by prompt_hash."""
+    with running(tmp_path, [MODEL], metrics_host="127.0.0.1", metrics_port=0) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            _cache(stub, sid, A, NS)
+            chain, prior = [], None
+            for i in range(0, 16, 4):
+                prior = hash_token_ids(A[i:i + 4], prior)
+                chain.append(prior)
+            packed = b"".join(bytes.fromhex(h) for h in chain)
+
+            def exists(extra_key=None) -> int:
+                req = pb.ExistsPagesRequest(model="p", page_hashes=packed)
+                if extra_key is not None:
+                    req.extra_key = extra_key
+                return stub.ExistsPages(req).leading_pages
+
+            def by_hash(extra_key=None) -> pb.ExplainResponse:
+                req = pb.ExplainRequest(model="p", prompt_hash=chain[-1])
+                if extra_key is not None:
+                    req.extra_key = extra_key
+                return stub.Explain(req)
+
+            assert exists(NS) == 4                                   # hit 16
+            assert exists() == 0                                     # miss_namespace 16
+            why = by_hash()
+            assert _ranges(why) == [("LOOKUP_OUTCOME_MISS_NAMESPACE", 0, 16)]
+            assert why.other_extra_key == NS
+            assert _ranges(by_hash(NS)) == [("LOOKUP_OUTCOME_HIT", 0, 16)]
+            stub.Evict(pb.EvictRequest(model="p", num_tokens=64))
+            assert exists(NS) == 0                                   # miss_evicted 16
+            assert _ranges(by_hash(NS)) == [("LOOKUP_OUTCOME_MISS_EVICTED", 0, 4)]
+            assert _ranges(by_hash("elsewhere")) == [("LOOKUP_OUTCOME_MISS_COLD", 0, 4)]
+            with pytest.raises(grpc.RpcError) as bad:
+                stub.Explain(pb.ExplainRequest(model="p", prompt_hash="xyz"))
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+            s = scrape(srv.server.metrics_port)
+            got = _outcomes(s)
+            assert (got["hit"], got["miss_namespace"], got["miss_evicted"]) == (16, 16, 16)
+            assert got["miss_cold"] == 16  # the first Match of A, when it was cached
+        srv.check_integrity()
