@@ -366,6 +366,8 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
         try:
             async for request in request_iterator:
                 self.service.sessions.touch(session)
+                if self.tier is not None:  # the tier's fetch for a match or step (tier/)
+                    await self.tier.before_stream_op(request)
                 yield self._stream_op(request, session)
         except asyncio.CancelledError:
             if not session.lapsed:

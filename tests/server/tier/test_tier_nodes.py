@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from harness import pb, stub_for, toks
 from tier_harness import Master, Node, needs_mooncake, tier_config
 
 from prefixcache.cache import hash_token_ids
@@ -159,6 +160,20 @@ def test_step_admits_see_remote_pages(cluster: dict[str, Any]) -> None:
         assert admit.prefix_len == len(tokens)
         got = client.read_kv(MODEL, admit.slots, session=s)
     assert all(torch.equal(x, y) for x, y in zip([*got.k, *got.v], kv, strict=True))
+
+
+def test_session_stream_match_sees_remote_pages(cluster: dict[str, Any]) -> None:
+    a, b = cluster["a"], cluster["b"]
+    tokens = _tokens(14)
+    before = _put_pages(a)
+    _cache(a, tokens, seed=14)
+    a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(tokens) // PAGE)
+    channel, stub = stub_for(b.address)
+    with channel:
+        request = pb.SessionRequest(seq=1, match=pb.MatchRequest(model=MODEL,
+                                                                 token_ids=toks(tokens)))
+        replies = list(stub.Session(iter([request]), timeout=10))
+    assert replies[0].match.prefix_len == len(tokens)
 
 
 def test_vllm_scheduler_core_sees_remote_pages(cluster: dict[str, Any]) -> None:

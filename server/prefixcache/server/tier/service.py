@@ -24,11 +24,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefixcache.cache.page_index import DIGEST_BYTES
+from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from ..codec import MAX_TOKEN_WIDTH, decode_key
 from ..config_tier import TierConfig
 from ..limits import request_tokens
 from ..page_rpcs import max_pages
+from ..servicer_ops import CALLER
+from ..tenants import check_request
 from .backend import RPC_FAIL, TierBackend, TierUnavailable
 from .fetch import prefetch
 from .fetch_pages import prefetch_pages
@@ -146,6 +149,21 @@ class Tier:
         except Exception:
             return
         await prefetch(self, mt, key)
+
+    async def before_stream_op(self, request: Any) -> None:
+        """A Session stream operation's tier step (a match or a step, as their unary
+        calls have); only in namespaces the caller may use (tenants.py)."""
+        op = request.WhichOneof("op") if isinstance(request, pb.SessionRequest) else None
+        if op not in ("match", "step") or self.closed:
+            return
+        body = getattr(request, op)
+        caller = CALLER.get()
+        if caller.bound:
+            try:
+                check_request(caller, body, self.service)
+            except Exception:
+                return  # the operation is refused
+        await (self.before_match(body) if op == "match" else self.before_step(body))
 
     async def before_step(self, request: Any) -> None:
         """A Step's tier step: each admission's pages after its local hit, from the
