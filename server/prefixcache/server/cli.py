@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from . import cli_explain
+
 # A system prompt that both demo requests start with, then each one's own tail.
 _SHARED_PREFIX = [101, 2023, 2003, 1037, 2291, 25732, 1012, 102]
 _DEMO_PROMPTS = {
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_serve(commands)
     _add_stats(commands)
+    cli_explain.add_explain(commands, _add_target_options, _explain)
     _add_health(commands)
 
     demo = commands.add_parser(
@@ -294,6 +297,7 @@ def _stats(args: argparse.Namespace) -> int:
                      str(m.protected_tokens), str(m.free_slots), str(m.pool_size),
                      str(m.locks)))
     _print_table(rows)
+    cli_explain.print_outcomes(reply.models)
     if args.sessions:
         print(f"\ntop {len(reply.top_sessions)} sessions by holdings:")
         rows = [("session", "client", "slots", "state slots", "locks", "locked tokens",
@@ -303,6 +307,26 @@ def _stats(args: argparse.Namespace) -> int:
                   "stream" if h.stream else "leased", f"{h.lease_left_seconds:.1f}s")
                  for h in reply.top_sessions]
         _print_table(rows)
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    import grpc
+
+    from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
+
+    req = cli_explain.request(args)
+    target = _target(args)
+    channel, metadata = _connect(args, target)
+    with channel:
+        try:
+            reply = pb_grpc.PrefixCacheStub(channel).Explain(req, timeout=args.timeout,
+                                                             metadata=metadata)
+        except grpc.RpcError as exc:
+            print(f"prefixcache: {target}: {exc.code().name}: {exc.details()}",
+                  file=sys.stderr)
+            return 1
+    cli_explain.print_explained(args, reply)
     return 0
 
 
