@@ -79,6 +79,11 @@ def parse_tier(value: Any, default: Any, where: str) -> TierConfig | None:
             or any(c.isspace() for c in cfg.local_hostname):
         raise ConfigError(f"{where}.local_hostname: auto, or the address peers reach this "
                           f"host at, got {cfg.local_hostname!r}")
+    if cfg.write == "on_evict":
+        # Eviction frees a page's slots as it leaves the tree, before a put could read
+        # them; write-back needs a staging copy that is not built yet.
+        raise ConfigError(f"{where}.write: on_evict (write-back) is not available yet; "
+                          "use on_insert")
     check_int(cfg.segment_bytes, f"{where}.segment_bytes", MIN_SEGMENT_BYTES)
     check_int(cfg.min_hits, f"{where}.min_hits", 0)
     if not (math.isfinite(cfg.timeout) and 0 < cfg.timeout <= MAX_TIER_TIMEOUT):

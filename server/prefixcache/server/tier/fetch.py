@@ -52,6 +52,8 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: float | None = 
     aligned = n - n % ps
     hit = cache.match_prefix(key)
     local = hit.prefix_len
+    if local:
+        mt.hit(hit.last_node)
     if local >= aligned:
         mt.hit_tokens["local"] += local
         mt.count(mt.lookups, "local")

@@ -13,6 +13,8 @@ to the store with no hook in those paths:
   rows that mean nothing now, so its result is dropped (and a put's objects removed).
 * Pages fetched from the store are inserted with ``suppressed`` set: they came from
   there, and are not written back.
+* With ``tier.min_hits`` > 0 a node is written only once lookups that consult the tier
+  (Match, Step admits, the Session stream's) hit it that many times (``hit``).
 
 Not thread-safe: the loop's, like the engine.
 """
@@ -20,6 +22,7 @@ Not thread-safe: the loop's, like the engine.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import numpy as np
@@ -70,6 +73,9 @@ class ModelTier:
         self.keys = KeyMaker(engine.config)
         self.layout = PageLayout(engine.kv_pool, engine.page_size)
         self.generation = 0
+        # Admission (tier.min_hits): hits per node, written once they reach it.
+        self.min_hits = tier.cfg.min_hits
+        self._hits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self.suppressed = False
         self._pending: list[Any] = []
         self._flush_scheduled = False
@@ -100,12 +106,29 @@ class ModelTier:
     # ------------------------------------------------------------ write path
 
     def stored(self, node: Any) -> None:
-        if self.suppressed or self.tier.closed:
+        if self.suppressed or self.tier.closed or self.min_hits:
             return
+        self._note(node)
+
+    def _note(self, node: Any) -> None:
         self._pending.append(node)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self.tier.loop.call_soon(self.flush)
+
+    def hit(self, node: Any) -> None:
+        """A lookup's local hit ended at ``node`` (``tier.min_hits`` admission): every
+        node on its path was hit once more; one that reaches ``min_hits`` is written.
+        Counts live as long as their node (weakly held), so a split's new upper part
+        starts again from zero."""
+        if not self.min_hits or self.tier.closed:
+            return
+        while node is not None and node.key_len:
+            n = self._hits.get(node, 0) + 1
+            self._hits[node] = n
+            if n == self.min_hits:
+                self._note(node)
+            node = node.parent
 
     def flush(self) -> None:
         """Queue a put of every noted node still in the tree (see the module doc)."""
