@@ -191,3 +191,31 @@ def test_page_hash_lookups_and_explain(tmp_path) -> None:
             assert (got["hit"], got["miss_namespace"], got["miss_evicted"]) == (16, 16, 16)
             assert got["miss_cold"] == 16  # the first Match of A, when it was cached
         srv.check_integrity()
+
+
+def test_the_client_reports_an_unused_hit(tmp_path) -> None:
+    """``unlock(unused=...)`` of the sync and asyncio clients reaches the counters."""
+    import asyncio
+
+    from prefixcache.client import AsyncPrefixCacheClient, PrefixCacheClient
+
+    with running(tmp_path, [MODEL]) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel, PrefixCacheClient(srv.address) as client:
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            _cache(stub, sid, A, None)
+
+            def locked() -> int:
+                return stub.Match(pb.MatchRequest(model="p", token_ids=toks(A),
+                                                  session_id=sid, lock=True)).lock_id
+
+            client.unlock(locked(), session=sid, unused="load_failed")
+            with pytest.raises(ValueError, match="unused"):
+                client.unlock(locked(), session=sid, unused="hit")
+
+            async def release() -> None:
+                async with AsyncPrefixCacheClient(srv.address) as aio:
+                    await aio.unlock(locked(), session=sid, unused="lease_expired")
+            asyncio.run(release())
+            counts = stub.Stats(pb.StatsRequest(model="p")).models[0].lookup_tokens_total
+            assert (counts["load_failed"], counts["lease_expired"]) == (16, 16)

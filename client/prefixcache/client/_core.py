@@ -355,11 +355,12 @@ class ClientBase:
                   bool(rid), lambda: LockReply(skipped=True))
 
     def _op_unlock(self, lock_id: int, session: SessionLike, request_id: int | None,
-                   server_epoch: int | None = None) -> Op:
+                   server_epoch: int | None = None, unused: str | None = None) -> Op:
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid))
         request = pb.UnlockRequest(lock_id=int(lock_id), session_id=sid, request_id=rid,
-                                   server_epoch=self._fence(session, server_epoch))
+                                   server_epoch=self._fence(session, server_epoch),
+                                   unused_outcome=unused_outcome(unused))
         return Op("Unlock", request, lambda m: UnlockReply(), bool(rid),
                   lambda: UnlockReply(skipped=True))
 
@@ -411,3 +412,15 @@ def _extra_key(tokens: Any, extra_key: str | None) -> str | None:
     if not isinstance(extra_key, str):
         raise InvalidArgument(f"extra_key must be a str or None, not {type(extra_key)!r}")
     return extra_key
+
+
+def unused_outcome(unused: str | None) -> int:
+    """``unlock``'s ``unused`` ("load_failed", "lease_expired", or None) as the
+    UnlockRequest's ``unused_outcome``: the service counts the lock's tokens under it
+    in prefixcache_lookup_tokens_total."""
+    if unused is None:
+        return 0
+    if unused not in ("load_failed", "lease_expired"):
+        raise ValueError(f"unused must be 'load_failed', 'lease_expired' or None, not "
+                         f"{unused!r}")
+    return pb.LookupOutcome.Value("LOOKUP_OUTCOME_" + unused.upper())

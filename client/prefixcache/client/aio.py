@@ -269,10 +269,10 @@ class AsyncPrefixCacheClient(ClientBase):
 
     async def unlock(self, lock_id: int, *, session: SessionLike = None,
                      request_id: int | None = None, server_epoch: int | None = None,
-                     fail_open: bool | None = None,
-                     timeout: float | None = None) -> UnlockReply:
-        return await self._run(self._op_unlock(lock_id, session, request_id, server_epoch),
-                               timeout, fail_open)
+                     fail_open: bool | None = None, timeout: float | None = None,
+                     unused: str | None = None) -> UnlockReply:
+        return await self._run(self._op_unlock(lock_id, session, request_id, server_epoch,
+                                               unused), timeout, fail_open)
 
     async def alloc(self, model: str, num_slots: int, *, num_state_slots: int = 0,
                     session: SessionLike = None, timeout: float | None = None,

@@ -321,10 +321,13 @@ class PrefixCacheClient(ClientBase):
 
     def unlock(self, lock_id: int, *, session: SessionLike = None,
                request_id: int | None = None, server_epoch: int | None = None,
-               fail_open: bool | None = None, timeout: float | None = None) -> UnlockReply:
-        """Release a lock taken by ``lock``, ``match`` or ``insert``."""
-        return self._run(self._op_unlock(lock_id, session, request_id, server_epoch),
-                         timeout, fail_open)
+               fail_open: bool | None = None, timeout: float | None = None,
+               unused: str | None = None) -> UnlockReply:
+        """Release a lock taken by ``lock``, ``match`` or ``insert``. ``unused``: the
+        lock's hit went unused, and why ("load_failed", "lease_expired"), for the
+        service's lookup outcomes."""
+        return self._run(self._op_unlock(lock_id, session, request_id, server_epoch,
+                                         unused), timeout, fail_open)
 
     def alloc(self, model: str, num_slots: int, *, num_state_slots: int = 0,
               session: SessionLike = None, timeout: float | None = None,

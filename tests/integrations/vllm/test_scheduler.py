@@ -5,7 +5,7 @@ and saves."""
 from __future__ import annotations
 
 import pytest
-from harness import ServerThread
+from harness import ServerThread, pb, stub_for
 from integrations.vllm.vllm_support import BLOCK, Clock, make_scheduler, settle
 
 from prefixcache.client import PrefixCacheClient
@@ -32,6 +32,14 @@ def answer(core: SchedulerCore, req: RequestInfo, num_computed: int = 0
     core.build_meta()
     settle(core)
     return core.probe(req, num_computed)
+
+
+def lapsed_tokens(server: ServerThread) -> int:
+    """The service's lease_expired lookup tokens of the model, read with a Stats call."""
+    channel, stub = stub_for(server.address)
+    with channel:
+        stats = stub.Stats(pb.StatsRequest(model="v")).models[0]
+    return stats.lookup_tokens_total["lease_expired"]
 
 
 def quiesce(core: SchedulerCore) -> None:
@@ -166,10 +174,12 @@ def test_an_unclaimed_reservation_lapses_after_its_lease(
         core.build_meta()
         settle(core)
         assert locks(client) == 1
+        before = lapsed_tokens(server)
         clock.now += 5.1  # vLLM counted the hit and never came back
         core.build_meta()
         settle(core)
         assert locks(client) == 0 and core.stats.leases_expired == 1
+        assert lapsed_tokens(server) == before + 16  # the service counts it, by outcome
         assert core.probe(r, 0) == (None, False)  # asked again: a fresh lookup
         core.finished(r, [], 0)
         core.build_meta()

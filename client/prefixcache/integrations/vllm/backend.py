@@ -46,10 +46,12 @@ class Lookup:
 
 @dataclass(slots=True)
 class Release:
-    """Release a reservation's lock."""
+    """Release a reservation's lock; ``unused``: why its hit went unused, for the
+    service's lookup outcomes ("lease_expired"), None when it was used or dropped."""
 
     lock_id: int
     server_epoch: int
+    unused: str | None = None
 
 
 @dataclass(slots=True)
@@ -237,7 +239,8 @@ class RpcBackend:
         if isinstance(op, Lookup):
             return session.match(self.model, op.tokens, extra_key=op.extra_key, lock=True)
         if isinstance(op, Release):
-            return session.unlock(op.lock_id, server_epoch=op.server_epoch)
+            return session.unlock(op.lock_id, server_epoch=op.server_epoch,
+                                  unused=op.unused)
         if isinstance(op, SaveAlloc):
             n = len(op.tokens) // self.page_size() * self.page_size()
             if n == 0:

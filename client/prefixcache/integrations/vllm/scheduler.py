@@ -313,13 +313,14 @@ class SchedulerCore:
                       res.slots[res.local:end], res.epoch, res.session_id, res.tokens[:end],
                       res.extra_key)
 
-    def _drop(self, req_id: str) -> None:
+    def _drop(self, req_id: str, unused: str | None = None) -> None:
         """Forget a request's reservation and release its lock (a lookup still out is
-        released when it lands: its generation is gone)."""
+        released when it lands: its generation is gone); ``unused``: why its hit was
+        never used, for the service's lookup outcomes."""
         res = self._res.pop(req_id, None)
         if res is None or not res.lock_id:
             return
-        release = Release(res.lock_id, res.epoch)
+        release = Release(res.lock_id, res.epoch, unused)
         if res.state is _State.LOADING:
             # The load went out with a step that may not have run yet (vLLM schedules
             # the next step while the last one runs): keep the slots two steps more.
@@ -332,7 +333,7 @@ class SchedulerCore:
         for req_id in [k for k, r in self._res.items()
                        if r.state is _State.READY and r.touched < deadline]:
             self.stats.leases_expired += 1
-            self._drop(req_id)
+            self._drop(req_id, "lease_expired")
 
     def _flush(self) -> None:
         ops, self._queued = self._queued, []
