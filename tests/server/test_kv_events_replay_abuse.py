@@ -208,3 +208,34 @@ models:
              if "malformed KV-event replay request" in line]
     assert 1 <= len(lines) <= 2, lines[:5]
     assert "count=1 " in lines[0]  # the first at once; the rest in the next interval's
+
+
+def test_snapshots_are_rebuilt_at_most_once_a_second(tmp_path: Path, ctx: zmq.Context) -> None:
+    kv = KvEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/ev",
+                        replay_endpoint=f"ipc://{tmp_path}/replay", buffer_steps=2)
+    small = ModelConfig(name="r", page_size=4, pool=PoolConfig(size=256, k_heads=1,
+                                                               k_head_dim=4))
+    srv = ServerThread(make_config(tmp_path, (small,), kv_events=kv))
+    publisher = srv.server.kv_events.publishers["r"]
+    worker = Worker(srv)
+    sock = dealer(ctx, publisher.replay_endpoint)
+    try:
+        for i in range(4):
+            worker.insert("r", [i, 1, 2, 3])
+        t0 = time.monotonic()
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert read_answer(sock)[-1] == (END_SEQ, b"")
+        # Churn past the buffer: the kept snapshot is stale, and a peer asks again.
+        for i in range(4):
+            worker.insert("r", [10 + i, 1, 2, 3])
+        newest = quiet_seq(srv, "r")
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        answer = read_answer(sock)
+        assert time.monotonic() - t0 >= 0.95  # the second walk waited for its turn
+        assert publisher.replay_snapshots == 2
+        seqs = [int.from_bytes(s, "big") for s, _ in answer[:-1]]
+        assert seqs == [newest]  # fresh: the state at the newest batch
+    finally:
+        sock.close(linger=0)
+        worker.close()
+        srv.stop()

@@ -16,10 +16,12 @@ Wire (vLLM's replay protocol, plus a refusal; every seq 8 bytes big-endian):
 What one unauthenticated peer can cost (issue 21 #1, #13):
 
 * Snapshots are shared. Requesters behind the buffer all get the same one, reused until
-  more than ``buffer_steps`` batches followed it; at most one is built per
-  ``_SNAPSHOT_INTERVAL`` seconds. Building it walks the tree once on the loop (the walk
-  must see one state; it collects references to immutable page records), then encodes
-  the records in slices of a few milliseconds with the loop free between them.
+  more than ``buffer_steps`` batches followed it. Building it walks the tree once on the
+  loop (the walk must see one state; it collects references to immutable page records),
+  then encodes the records in slices of a few milliseconds with the loop free between
+  them. The next build waits ``_SNAPSHOT_INTERVAL`` seconds, or ``_WALK_SPACING`` times
+  as long as the last walk took if that is longer, so walks take at most a tenth of the
+  loop however large the tree and however fast a peer churns it.
 * Answers in flight are capped per requester and in total (above), each request answered
   or refused in one loop turn's reading budget; a request frame over
   ``_MAX_REQUEST_BYTES`` disconnects its sender (ZMQ_MAXMSGSIZE).
@@ -60,6 +62,7 @@ _PER_ANSWER = 32  # of which one answer sends at most this many before the next 
 _RECV_BURST = 256  # requests read per loop turn
 _ENCODE_SECONDS = 0.004  # snapshot encoding per loop turn
 _SNAPSHOT_INTERVAL = 1.0
+_WALK_SPACING = 10.0
 _LOG_INTERVAL = 60.0
 _RETRY_DELAY = 0.02  # after every answer in flight found its peer full
 
@@ -176,7 +179,7 @@ class ReplayServer:
         self._ready: _Snapshot | None = None
         self._building: _Snapshot | None = None
         self._build_timer: asyncio.TimerHandle | None = None
-        self._last_walk = -_SNAPSHOT_INTERVAL
+        self._next_walk = 0.0  # monotonic time before which no snapshot is built
         self._pump_handle: asyncio.Handle | None = None
         self._serve_handle: asyncio.Handle | None = None
         self._bad = _Throttled("ignoring malformed KV-event replay requests", model)
@@ -274,7 +277,7 @@ class ReplayServer:
     def _want_snapshot(self) -> None:
         if self._building is not None or self._build_timer is not None:
             return
-        delay = self._last_walk + _SNAPSHOT_INTERVAL - time.monotonic()
+        delay = self._next_walk - time.monotonic()
         if delay > 0:
             self._build_timer = self._loop.call_later(delay, self._build)
         else:
@@ -285,8 +288,10 @@ class ReplayServer:
         if self._sock is None:
             return
         self._flush()
-        self._last_walk = time.monotonic()
+        started = time.monotonic()
         self._building = _Snapshot(self._newest(), self._walk(), self._encoder)
+        took = time.monotonic() - started
+        self._next_walk = started + max(_SNAPSHOT_INTERVAL, _WALK_SPACING * took)
         self._loop.call_soon(self._encode)
 
     def _encode(self) -> None:
