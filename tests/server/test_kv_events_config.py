@@ -6,6 +6,7 @@ collide or cannot bind fail the start.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,3 +108,27 @@ def test_endpoints_that_collide_or_cannot_bind_fail_the_start(tmp_path: Path,
         assert not (tmp_path / "pc.sock").exists()  # the failed start left nothing
     finally:
         busy.close()
+
+
+def test_the_bind_or_connect_rule_is_logged_at_start(tmp_path: Path, ctx: zmq.Context,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A concrete address is connected to (vLLM's rule): the start says so, with the way
+    to bind instead; a wildcard is bound, and says that."""
+    relay = ctx.socket(zmq.SUB)  # what a concrete endpoint connects to
+    port = relay.bind_to_random_port("tcp://127.0.0.1")
+    relay.setsockopt(zmq.SUBSCRIBE, b"")
+    caplog.set_level(logging.INFO, logger="prefixcache.server")
+    for endpoint, said in ((f"tcp://127.0.0.1:{port}", "connecting to"),
+                           ("tcp://*:0", "bound to")):
+        caplog.clear()
+        cfg = KvEventsConfig(enable_kv_cache_events=True, endpoint=endpoint)
+        thread = ServerThread(make_config(tmp_path, MODELS[:1], kv_events=cfg))
+        try:
+            lines = [r.getMessage() for r in caplog.records
+                     if r.getMessage().startswith("publishing KV events")]
+            assert len(lines) == 1 and said in lines[0], lines
+            if said == "connecting to":
+                assert "bind with tcp://*:PORT" in lines[0]
+        finally:
+            thread.stop()
+    relay.close(linger=0)

@@ -107,6 +107,7 @@ class KvEventPublisher:
                  index: int, medium: str, context: zmq.Context) -> None:
         self.model = model
         self.endpoint = endpoint_for(cfg.endpoint, index)
+        self.bound = binds(self.endpoint)  # vLLM's rule (see start)
         self.replay_endpoint = (endpoint_for(cfg.replay_endpoint, index)
                                 if cfg.replay_endpoint else None)
         self.topic = ""
@@ -185,9 +186,14 @@ class KvEventPublisher:
         self._topic = self.topic.encode("utf-8")
         self._resync()
         self._unwatch = self._log.watch(self._on_change)
-        log.info("publishing KV events", extra={
-            "model": self.model, "endpoint": self.endpoint, "topic": self.topic,
-            "replay_endpoint": self.replay_endpoint})
+        # vLLM's rule, said out loud: a concrete address is connected to (a relay or a
+        # router's bound SUB must be listening there), not bound.
+        log.info("publishing KV events: %s %s", "bound to" if self.bound else
+                 "connecting to (a concrete address; bind with tcp://*:PORT)",
+                 self.endpoint, extra={
+                     "model": self.model, "endpoint": self.endpoint, "topic": self.topic,
+                     "mode": "bind" if self.bound else "connect",
+                     "replay_endpoint": self.replay_endpoint})
 
     def close(self) -> None:
         """Publish what is pending, stop listening to the log and close the sockets."""
