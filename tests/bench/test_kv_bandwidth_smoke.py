@@ -1,0 +1,44 @@
+"""Smoke test of the KV bandwidth bench: tiny sizes, every path, real servers. The bench
+checks once that the bytes arrived byte-identical (vLLM save and load, SGLang set then
+get, WriteKV then ReadKV) and exits non-zero if they did not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_REPO = Path(__file__).resolve().parents[2]
+BENCH = _REPO / "bench" / "kv_bandwidth.py"
+PATHS = {"vllm_load", "vllm_save", "sglang_get", "sglang_set", "readkv", "writekv"}
+
+
+def test_kv_bandwidth_rows_and_bytes(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "kv.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(_REPO / "server"), str(_REPO / "client"),
+         *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--layers", "2", "--tokens", "64", "--pages", "16",
+         "--repeat", "1", "--json", str(out)],
+        cwd=_REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert {r["path"] for r in rows} == PATHS
+    # 64 tokens x 2 layers x (K + V) x 8 heads x 128 dims x 2 bytes (bfloat16).
+    want = 64 * 2 * 2 * 8 * 128 * 2
+    for r in rows:
+        assert set(r) >= {"path", "bytes", "gb_per_s", "ceiling_gb_per_s", "ratio"}, r
+        assert r["bytes"] == want, r
+        assert r["gb_per_s"] > 0 and r["ceiling_gb_per_s"] > 0, r
+        assert r["ratio"] == pytest.approx(r["gb_per_s"] / r["ceiling_gb_per_s"], rel=0.01,
+                                           abs=0.002), r
+    # vLLM: both layouts; ReadKV / WriteKV: unix socket and TCP.
+    assert {r["layout"] for r in rows if r["path"] == "vllm_load"} == {"bhn2d", "cpu_vec"}
+    assert {r["transport"] for r in rows if r["path"] == "readkv"} == {"unix", "tcp"}
+    assert "| vllm_load | bhn2d |" in proc.stdout
