@@ -133,17 +133,18 @@ def test_each_outcome_counted_and_explained(tmp_path) -> None:
             answered = sum(got[o] for o in ("hit", "miss_cold", "miss_evicted",
                                             "miss_namespace", "below_page"))
             assert answered == value(s, "prefixcache_query_tokens_total", model="p")
-            # 8 lookups of 4 whole pages; 12 distinct pages (A in two namespaces, C).
-            assert value(s, "prefixcache_lookup_pages_total", model="p") == 32
+            # 8 lookups of one 16-token block (4 pages); 3 distinct blocks (A in two
+            # namespaces, C).
+            assert value(s, "prefixcache_lookup_pages_total", model="p") == 8
             assert value(s, "prefixcache_lookup_distinct_pages", model="p") == \
-                pytest.approx(12, abs=0.5)
+                pytest.approx(3, abs=0.1)
             assert value(s, "prefixcache_hit_ratio_ceiling", model="p") == \
-                pytest.approx(1 - 12 / 32, abs=0.02)
+                pytest.approx(1 - 3 / 8, abs=0.02)
 
             stats = stub.Stats(pb.StatsRequest(model="p")).models[0]
             assert dict(stats.lookup_tokens_total) == {k: int(v) for k, v in got.items()}
-            assert stats.pages_requested_total == 32
-            assert stats.hit_ratio_ceiling == pytest.approx(1 - 12 / 32, abs=0.02)
+            assert stats.pages_requested_total == 8
+            assert stats.hit_ratio_ceiling == pytest.approx(1 - 3 / 8, abs=0.02)
         srv.check_integrity()
 
 

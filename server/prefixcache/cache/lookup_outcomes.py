@@ -97,7 +97,7 @@ def cached_bytes(ns_root: TreeNode | None, packed: bytes, end: int, page_bytes: 
 
 def classify(cache: Any, key: RadixKey, hit: int, record: EvictedPages | None,
              ids: PrefixIds, *, check_same: bool = False,
-             namespaces: Any = None) -> Classified:
+             namespaces: Any = None, block: int = 1) -> Classified:
     """The outcome of each range of ``key``, which a lookup hit for ``hit`` tokens.
 
     Args:
@@ -108,6 +108,8 @@ def classify(cache: Any, key: RadixKey, hit: int, record: EvictedPages | None,
             (SWA and Mamba: cached, but not usable by a match).
         namespaces: Which other namespaces may be named (a predicate on an
             ``extra_key``); None: any.
+        block: Pages per id, as the record was fed (``page_ids.block_pages``): an
+            evicted range then ends at a block's end, and ``page_ids`` are blocks'.
     """
     out = Classified()
     n = len(key)
@@ -142,17 +144,19 @@ def classify(cache: Any, key: RadixKey, hit: int, record: EvictedPages | None,
                     break
             out.add(MISS_NAMESPACE, pos, best)
             pos = best
-        first = hit // page
-        out.page_ids = ids.pages(packed, page * width,
-                                 namespace_salt(key.extra_key, width), first)
+        size = page * block  # tokens per id
+        first = hit // size
+        out.page_ids = ids.pages(packed, size * width, namespace_salt(key.extra_key, width),
+                                 first)
         if pos < end and record is not None and len(record):
-            page_no = pos // page
-            known = out.page_ids[page_no - first:].tolist()
+            start = pos // size  # the first block that ends beyond pos
+            known = out.page_ids[start - first:].tolist()
             run = 0
             while run < len(known) and known[run] in record:
                 run += 1
-            out.add(MISS_EVICTED, pos, pos + run * page)
-            pos += run * page
+            if run:
+                out.add(MISS_EVICTED, pos, (start + run) * size)
+                pos = (start + run) * size
         out.add(MISS_COLD, pos, end)
     out.add(BELOW_PAGE, end, n)
     return out

@@ -34,6 +34,15 @@ _U64 = np.uint64
 _MULT = _U64(0x9E3779B97F4A7C15)  # odd, so its powers never vanish modulo 2**64
 _LEN = _U64(0xD6E8FEB86659FD93)
 DEFAULT_RECORD_PAGES = 1 << 16
+# Pages are named in blocks of at least this many tokens: at page size 1 a page per
+# token made a long prompt's eviction and cold lookup cost milliseconds of per-page
+# Python work; a block of 16 keeps it to a few hundred microseconds.
+BLOCK_TOKENS = 16
+
+
+def block_pages(page_size: int) -> int:
+    """Pages per block: the unit the record and the distinct-page count name."""
+    return max(1, BLOCK_TOKENS // page_size)
 
 
 @lru_cache(maxsize=4096)
@@ -77,7 +86,8 @@ class PrefixIds:
     def pages(self, packed: bytes | memoryview, page_words: int, salt: int,
               first: int = 0) -> np.ndarray:
         """Ids of the whole pages of ``packed`` (uint32 words, from the namespace
-        root), from page ``first`` on; ``page_words`` words a page."""
+        root), from page ``first`` on; ``page_words`` words a page (or a block of
+        pages: an id names everything up to its end)."""
         count = len(packed) // 4 // page_words
         if first >= count:
             return np.zeros(0, dtype=_U64)
@@ -91,30 +101,43 @@ class PrefixIds:
 
 
 class EvictedPages:
-    """The ids of the last ``capacity`` pages evicted (re-adding one refreshes it).
+    """The ids of the last ``capacity`` distinct pages evicted: a ring, oldest out
+    first, and a set to look ids up in. A page evicted again while the ring still
+    holds it keeps its place (it is not added twice).
 
     Args:
-        capacity: ids kept; the least recently added go first.
+        capacity: ids kept (about 80 bytes each, set entry included).
     """
 
     def __init__(self, capacity: int = DEFAULT_RECORD_PAGES) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
         self.capacity = capacity
-        self._ids: dict[int, None] = {}
-        self.added = 0
+        self._ring = np.zeros(capacity, dtype=_U64)
+        self._next = 0  # ids ever added; the ring's write position is this % capacity
+        self._ids: set[int] = set()
 
     def add(self, ids: Iterable[int]) -> None:
-        table = self._ids
-        for page_id in ids:
-            if page_id in table:
-                del table[page_id]  # to the young end
-            table[page_id] = None
-            self.added += 1
-        excess = len(table) - self.capacity
-        if excess > 0:
-            for old in list(_first(table, excess)):
-                del table[old]
+        # Bulk set operations and one slice assignment: a Python loop of dict updates
+        # per page cost milliseconds for a long prompt's eviction at page size 1.
+        known = self._ids
+        fresh = list(dict.fromkeys(i for i in ids if i not in known))
+        if not fresh:
+            return
+        if len(fresh) > self.capacity:
+            fresh = fresh[-self.capacity:]
+        n, cap = len(fresh), self.capacity
+        at = self._next % cap
+        first = min(n, cap - at)
+        parts = ((at, fresh[:first]), (0, fresh[first:])) if first < n else ((at, fresh),)
+        filled = min(self._next, cap)
+        for start, chunk in parts:
+            stop = start + len(chunk)
+            if start < filled:  # these slots hold older ids: they go
+                known.difference_update(self._ring[start:min(stop, filled)].tolist())
+            self._ring[start:stop] = chunk
+        known.update(fresh)
+        self._next += n
 
     def __contains__(self, page_id: object) -> bool:
         return page_id in self._ids
@@ -124,12 +147,7 @@ class EvictedPages:
 
     def clear(self) -> None:
         self._ids.clear()
-
-
-def _first(table: dict[int, None], n: int) -> Iterable[int]:
-    it = iter(table)
-    for _ in range(n):
-        yield next(it)
+        self._next = 0
 
 
 class EvictionRecorder:
@@ -141,9 +159,10 @@ class EvictionRecorder:
     by SetPages) by the digest it holds, under its token namespace's salt.
     """
 
-    def __init__(self, record: EvictedPages, ids: PrefixIds) -> None:
+    def __init__(self, record: EvictedPages, ids: PrefixIds, block: int = 1) -> None:
         self.record = record
         self.ids = ids
+        self.block = block  # pages per id (block_pages)
         self.pages = 0
 
     def observe(self, node: TreeNode) -> None:
@@ -160,9 +179,9 @@ class EvictionRecorder:
             parts.append(above.key_bytes)
             above = above.parent
         before = sum(len(p) for p in parts[1:])
-        page_bytes = ns.page_bytes
-        ids = self.ids.pages(b"".join(reversed(parts)), page_bytes // 4, salt,
-                             before // page_bytes)
+        block_bytes = ns.page_bytes * self.block  # the blocks that end in this node
+        ids = self.ids.pages(b"".join(reversed(parts)), block_bytes // 4, salt,
+                             before // block_bytes)
         self.record.add(ids.tolist())
         if node.hash_values:
             self.record.add(sha_page_id(h, salt) for h in node.hash_values)

@@ -246,7 +246,7 @@ class ModelEngine(SlotOwnership, EngineBase):
             return
         classified = self.lookups.classify(self.cache, key, hit,
                                            check_same=self.kind != "radix")
-        self.lookups.count(classified, len(key) // self.page_size)
+        self.lookups.count(classified, len(key))
 
     def insert(self, key: RadixKey, slots: np.ndarray, session: Session | None,
                lock: bool = False, release_lock_id: int = 0,
