@@ -220,3 +220,46 @@ def test_the_client_reports_an_unused_hit(tmp_path) -> None:
             asyncio.run(release())
             counts = stub.Stats(pb.StatsRequest(model="p")).models[0].lookup_tokens_total
             assert (counts["load_failed"], counts["lease_expired"]) == (16, 16)
+
+
+def test_every_kind_counts_its_lookups(tmp_path) -> None:
+    """Each cache kind's lookups (Match and Step admissions) add up: hit + misses +
+    below_page = the tokens looked up; Explain answers tree kinds and refuses the rest."""
+    from harness import EVERY_KIND
+
+    with running(tmp_path, EVERY_KIND) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            for model in EVERY_KIND:
+                name = model.name
+                prompt = [3, 1, 4, 1, 5, 9, 2, 6]  # whole pages of every kind
+                m = stub.Match(pb.MatchRequest(model=name, token_ids=toks(prompt),
+                                               session_id=sid, allocate=True))
+                ins = pb.InsertRequest(model=name, token_ids=toks(prompt), session_id=sid,
+                                       slot_indices=m.allocated_slots)
+                if m.HasField("allocated_state_slot"):
+                    ins.state_slot = m.allocated_state_slot
+                if m.HasField("allocated_slot_version"):
+                    ins.slot_version = m.allocated_slot_version
+                stub.Insert(ins)
+                step = stub.Step(pb.StepRequest(model=name, session_id=sid, admits=[
+                    pb.StepAdmit(token_ids=toks([*prompt, 7]))]))
+                assert step.admits[0].HasField("admit"), step.admits[0].error
+                stub.Match(pb.MatchRequest(model=name, token_ids=toks([8, *prompt])))
+                stats = stub.Stats(pb.StatsRequest(model=name)).models[0]
+                counts = stats.lookup_tokens_total
+                answered = sum(counts[o] for o in ("hit", "miss_cold", "miss_evicted",
+                                                   "miss_namespace", "below_page"))
+                assert answered == stats.match_tokens_total, name
+                assert counts["hit"] == stats.hit_tokens_total, name
+                if model.kind in ("radix", "swa", "mamba"):
+                    why = stub.Explain(pb.ExplainRequest(model=name,
+                                                         token_ids=toks([*prompt, 7])))
+                    assert why.num_tokens == len(prompt) + 1
+                    assert sum(r.end - r.start for r in why.ranges) == why.num_tokens
+                else:
+                    with pytest.raises(grpc.RpcError) as refused:
+                        stub.Explain(pb.ExplainRequest(model=name, token_ids=toks(prompt)))
+                    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        srv.check_integrity()

@@ -125,7 +125,7 @@ class HashPages:
                     tokens = prefix_tokens(node)
                     engine.quota.check_lock(owner, tokens)  # quotas.py; undone below
                     lock_ids.append(engine._hold(owner, node, cache.inc_lock_ref(node),
-                                                 tokens))
+                                                 tokens, lookup=True))
                     first = (depth - count) * size
                     parts.append(host_indices(result.indices)[first:first + usable * size])
                     found += usable
