@@ -10,14 +10,15 @@ import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server.harness import EVERY_KIND, SMALL_POOL, ServerThread, pb, running, stub_for
+from server.harness import EVERY_KIND, ServerThread, pb, running, stub_for
 
 from prefixcache.client import PrefixCacheClient
 from prefixcache.server.config import ModelConfig, PoolConfig
 from prefixcache.server.subscriptions import Bound, _batches
 
 MODELS = (
-    ModelConfig(name="m", page_size=1, pool=SMALL_POOL),
+    ModelConfig(name="m", page_size=1,
+                pool=PoolConfig(size=1024, layers=1, k_heads=1, k_head_dim=4)),
     ModelConfig(name="p", page_size=4, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4)),
 )
 TIMEOUT = 10.0
@@ -98,14 +99,18 @@ def test_snapshot_then_changes(server: ServerThread, client: PrefixCacheClient) 
 
 
 def test_large_changes_are_split(server: ServerThread, client: PrefixCacheClient) -> None:
-    events = client.subscribe("m", max_pages_per_event=3)
-    start = read_snapshot(events)[-1].seq
-    cache(client, "m", list(range(10)))
-    split = [next(events) for _ in range(4)]
-    assert [len(e.changes.runs[0].page_hashes) // 32 for e in split] == [3, 3, 3, 1]
-    assert [e.seq for e in split] == [start, start, start, start + 1]
-    assert len(hashes(split, "changes")) == 10
-    events.close()
+    """Split into events of max_pages_per_event, which is at least 256 (a smaller value
+    is raised to it: events of a page or three cost ten times the CPU per page)."""
+    for asked in (3, 256):
+        events = client.subscribe("m", max_pages_per_event=asked)
+        start = read_snapshot(events)[-1].seq
+        cache(client, "m", list(range(asked, asked + 600)))
+        split = [next(events) for _ in range(3)]
+        assert [len(e.changes.runs[0].page_hashes) // 32 for e in split] == [256, 256, 88]
+        assert [e.seq for e in split] == [start, start, start + 1]
+        assert len(hashes(split, "changes")) == 600
+        events.close()
+        client.reset("m")
 
 
 def test_resume_without_snapshot(server: ServerThread, client: PrefixCacheClient) -> None:

@@ -121,7 +121,9 @@ _LIMIT_INTS = {"min_chunk_bytes": 1, "max_read_bytes": 0, "max_inflight_write_by
                "max_sessions_per_client": 0, "max_step_items": 1,
                "max_step_bytes": 0, "max_request_bytes": 0, "log_queue_lines": 1,
                "max_session_slots": 0, "max_session_state_slots": 0,
-               "max_session_locked_tokens": 0, "max_session_streams": 1}
+               "max_session_locked_tokens": 0, "max_session_streams": 1,
+               "max_subscribe_streams": 1, "max_session_subscribes": 1,
+               "max_subscriber_pending_bytes": 0}
 _LIMIT_SECONDS = ("stream_ttl", "evict_interval", "keepalive_time", "keepalive_timeout",
                   "keepalive_min_client_interval")
 

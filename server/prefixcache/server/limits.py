@@ -30,7 +30,10 @@ LIMIT_NAMES = ("max_extra_key_bytes", "max_client_name_bytes", "max_session_id_b
                "max_session_slots", "max_session_state_slots", "max_session_locked_tokens",
                "max_session_streams",
                # reply_caps.py: a reply that could not be sent is refused before the work.
-               "max_message_bytes")
+               "max_message_bytes",
+               # subscriptions.py: Subscribe streams, and how far behind one may fall.
+               "max_subscribe_streams", "max_session_subscribes",
+               "max_subscriber_pending_bytes")
 
 # String fields with a size limit, by field name: the setting that bounds them.
 STRING_LIMITS = {"extra_key": "max_extra_key_bytes", "client_name": "max_client_name_bytes",

@@ -36,7 +36,7 @@ from .servicer_ops import CALLER, CacheOps
 from .sessions import Session
 from .status import status_for, trailers_for
 from .step import StepExecutor
-from .subscriptions import Subscriptions
+from .subscriptions import DROP_WAIT, Subscriptions
 from .tenants import ANYONE, PEER, Caller, Callers, check_request
 
 log = logging.getLogger("prefixcache.server")
@@ -307,8 +307,9 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
 
     # --------------------------------------------------------------- Subscribe
 
-    async def Subscribe(self, request: pb.SubscribeRequest,
-                        context: Any) -> AsyncIterator[pb.SubscribeEvent]:
+    async def Subscribe(self, request: pb.SubscribeRequest, context: Any) -> None:
+        # Written with context.write, not yielded: a subscriber the watchdog drops is
+        # cancelled in this handler's own await, so it can end with its status.
         start = time.perf_counter()
         code = _OK
         try:
@@ -316,12 +317,17 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
                 raise DeniedError("Subscribe follows every namespace: not for a tenant's "
                                   "token", "tenant_namespaces")
             # Checked before the first event: a refusal starts nothing.
-            events = self.subscriptions.stream(parsed(request))
-            async for event in events:
-                yield event
+            opened = self.subscriptions.stream(parsed(request))
+            await self.subscriptions.run(opened, context.write)
         except Exception as exc:
             code = self._refusal(exc, "Subscribe")
-            await context.abort(code, str(exc), trailers_for(exc))
+            # A dropped subscriber may not be reading: its status waits behind the events
+            # it has not read, so the call ends without waiting long for it.
+            try:
+                await asyncio.wait_for(context.abort(code, str(exc), trailers_for(exc)),
+                                       DROP_WAIT)
+            except TimeoutError:
+                raise asyncio.CancelledError from None
         finally:
             self._observe("Subscribe", code, start)
 

@@ -1,122 +1,125 @@
 """Subscribe: a model's change log streamed to the workers' shadow indexes.
 
-A stream is a snapshot of the cached pages (``ChangeLog.snapshot``), then the log's
-records after it (``ChangeLog.since``), each event stamped with the seq the replica
-reaches by applying it. The wire shapes are documented in the proto (SubscribeEvent).
+A stream is a snapshot of the cached pages, then the log's records after it
+(``ChangeLog.since``), each event stamped with the seq the replica reaches by applying
+it. The wire shapes are documented in the proto (SubscribeEvent).
 
-Bounded per subscriber, never blocking the loop:
+Bounded per subscriber and in all, never blocking the loop:
 
+* Snapshots come from the model's ``ChangeFeed`` (change_feed.py): copied from a page
+  set kept up to date from the log, packed in slices that yield to the loop, and shared
+  by every stream at the same change-log position.
 * A subscriber owns no queue. It keeps a cursor (the last seq it sent) and reads the
-  change log's own bounded buffer from there, so a slow subscriber costs nothing while
-  it lags. Each ``yield`` waits for gRPC's flow control (a few MiB in flight at most),
-  so a subscriber that reads slowly, or not at all, stops this generator instead of
-  piling events up in memory. When it is further behind than the log reaches
-  (``since`` answers None) it gets a fresh snapshot: never a silent gap.
-* Events carry at most 8192 page hashes (32 bytes each) and stay within half of
-  ``server.max_message_bytes``, so each is built in bounded time and fits any client
-  that accepts the service's message size; the loop serves other calls between events.
-* The snapshot walk itself runs in one go (its page set must be one instant's), costing
-  a pass over the tree's nodes; encoding it is spread over its events.
-
-One ``ChangeFeed`` per model (made on the first Subscribe) watches the log once for all
-its subscribers: it wakes the idle ones and notes when each change was made, which
-events report as ``made_unix_ns`` (the subscriber's lag in milliseconds).
+  change log's own bounded buffer from there, at most ``CHANGES_PER_PASS`` records at a
+  time. When it is further behind than the log reaches (``since`` answers None) it gets
+  a fresh snapshot: never a silent gap.
+* Events carry at most 8192 page hashes (32 bytes each), and at least
+  ``MIN_PAGES_PER_EVENT`` (a smaller ``max_pages_per_event`` is raised to it: tiny
+  events cost about ten times the CPU per page), and stay within half of
+  ``server.max_message_bytes``.
+* Streams are counted: at most ``server.max_subscribe_streams`` in all and
+  ``server.max_session_subscribes`` per session (a request names its session_id to
+  count against it), RESOURCE_EXHAUSTED beyond either.
+* A subscriber that is more than ``server.max_subscriber_pending_bytes`` behind (32
+  bytes per page hash of its snapshot not yet sent and of the changes after its
+  cursor) and has not taken an event for a whole watchdog period (``WATCH_EVERY``
+  seconds) is dropped: the watchdog cancels its stream, which ends RESOURCE_EXHAUSTED.
+  One that never reads stops at its first blocked write (once gRPC's buffers are full)
+  and is dropped once the tree has changed by that much since; until then it pins at
+  most its snapshot, shared. One that reads is never dropped for a burst of changes.
+  A stream whose session ends is ended too (NOT_FOUND).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 from prefixcache.cache import InvalidInputError
-from prefixcache.cache.change_log import AllCleared, Change, ChangeLog, PagesStored, Snapshot
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
+from .change_feed import ChangeFeed
 from .codec import MAX_TOKEN_WIDTH
-from .errors import DrainingError, PreconditionError, TooLargeError
+from .errors import (
+    DrainingError,
+    NotFoundError,
+    OverLimitError,
+    PreconditionError,
+    TooLargeError,
+)
 from .limits import Limits
 from .service import CacheService
+from .sessions import Session
+from .subscribe_events import (  # noqa: F401 - _batches: tests check the batcher itself
+    HASH_BYTES,
+    Bound,
+    Namespace,
+    _batches,
+    _change_events,
+    _snapshot_events,
+    _stamp,
+)
 
 MAX_PAGES_PER_EVENT = 8192
+MIN_PAGES_PER_EVENT = 256
 MAX_NAMESPACES = 1024
-HASH_BYTES = 32
-# What a run costs in an event besides its hashes and extra_key (an estimate on the high
-# side); events stay within half of server.max_message_bytes, leaving room for one run's
-# namespace past the estimate.
-_RUN_BYTES = 32
-
-
-class Bound(NamedTuple):
-    """How much one event may carry: page hashes, and bytes (estimated)."""
-
-    pages: int
-    bytes: int
+# Change records a stream takes from the log at a time (and so may pin, if it stalls).
+CHANGES_PER_PASS = 1024
+# The watchdog's period, and how long a dropped stream's status may wait to be sent
+# (behind the events its subscriber has not read) before the call is cancelled.
+WATCH_EVERY = 0.5
+DROP_WAIT = 1.0
+# max_subscriber_pending_bytes 0: this, or twice the largest model's pages, if more.
+DEFAULT_PENDING_BYTES = 64 << 20
 # An idle subscriber looks at the draining flag this often, so shutdown ends it
 # (UNAVAILABLE) instead of waiting out the grace period.
 IDLE_POLL = 0.25
 
-Namespace = tuple[str | None, int]
-# One change as the batcher takes it: seq, op, namespace and hex page hashes. op None
-# is a change left out (another namespace): it only advances the seq.
-_Item = tuple[int, "int | None", "Namespace | None", "tuple[str, ...]"]
 
 
-class ChangeFeed:
-    """One model's change log, watched once for all its subscribers.
+class Stream:
+    """One open Subscribe stream: what the watchdog needs to judge it."""
 
-    Args:
-        log: the model's change log.
-        clock: wall-clock nanoseconds, stamped on each change as it is made.
-    """
+    def __init__(self, feed: ChangeFeed, session: Session | None, seq: int) -> None:
+        self.feed = feed
+        self.session = session
+        self.seq = seq  # the seq of the last event written
+        self.snapshot_left = 0  # bytes of its snapshot's page hashes not yet written
+        self.task: asyncio.Task[Any] | None = None
+        self.dropped: Exception | None = None
+        self.events: AsyncIterator[pb.SubscribeEvent] | None = None
+        self.writes = 0  # events written
+        self.watched = -1  # ``writes`` when the watchdog last looked
 
-    def __init__(self, log: ChangeLog, clock: Callable[[], int] = time.time_ns) -> None:
-        self.log = log
-        self._clock = clock
-        self._made: deque[int] = deque(maxlen=log.capacity)
-        self._last_made = -1  # the seq of the newest stamp
-        self._waiter: asyncio.Future[None] | None = None
-        self.subscribers = 0
-        self._unwatch = log.watch(self._on_change)
+    def stalled(self) -> bool:
+        """Whether no event was written since the watchdog last looked (it notes now)."""
+        stalled, self.watched = self.writes == self.watched, self.writes
+        return stalled
 
-    def close(self) -> None:
-        self._unwatch()
-        self._wake()
+    def pending(self) -> int:
+        """Bytes of page hashes this subscriber has yet to be sent."""
+        return self.snapshot_left + HASH_BYTES * self.feed.pages_after(self.seq)
 
-    def _on_change(self, change: Change) -> None:
-        # Runs inside a cache operation: a stamp and a wake-up, nothing more.
-        self._made.append(self._clock())
-        self._last_made = change.seq
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def made_ns(self, seq: int) -> int:
-        """When change ``seq`` was made (Unix ns), or 0 if that is no longer known."""
-        index = seq - (self._last_made - len(self._made) + 1)
-        return self._made[index] if 0 <= index < len(self._made) else 0
-
-    async def wait_after(self, seq: int, timeout: float) -> None:
-        """Return once the log holds a change after ``seq``, or after ``timeout``."""
-        if self.log.last_seq > seq:
-            return
-        if self._waiter is None or self._waiter.done():
-            self._waiter = asyncio.get_running_loop().create_future()
-        # wait() leaves the shared future alone on timeout (the others still wait on it).
-        await asyncio.wait((self._waiter,), timeout=timeout)
+    def written(self, event: pb.SubscribeEvent) -> None:
+        self.writes += 1
+        self.seq = event.seq
+        body = event.WhichOneof("body")
+        if body == "snapshot_begin":
+            self.snapshot_left = HASH_BYTES * event.snapshot_begin.pages
+        elif body == "snapshot_pages":
+            self.snapshot_left -= sum(len(run.page_hashes) for run in event.snapshot_pages.runs)
+        elif body == "snapshot_end":
+            self.snapshot_left = 0
 
 
 class Subscriptions:
     """Validates Subscribe requests and runs their streams (see the module docstring).
 
     Args:
-        service: the models (their engines' ``change_log``) and the draining flag.
-        limits: ``max_extra_key_bytes`` bounds a namespace filter's keys.
+        service: the models (their engines' ``change_log``), sessions, draining flag.
+        limits: ``max_extra_key_bytes`` bounds a namespace filter's keys; the stream
+            caps and ``max_subscriber_pending_bytes``.
         max_message_bytes: events stay below it.
     """
 
@@ -125,19 +128,32 @@ class Subscriptions:
         self.limits = limits
         self.max_bytes = max(max_message_bytes // 2, 1024)
         self.max_pages = max(1, min(MAX_PAGES_PER_EVENT, self.max_bytes // HASH_BYTES))
+        self.min_pages = min(MIN_PAGES_PER_EVENT, self.max_pages)
         self.feeds: dict[str, ChangeFeed] = {}
+        self.streams: set[Stream] = set()
+        self.per_session: dict[str, int] = {}
+        self.dropped = 0  # streams the watchdog ended
+        self._watch: asyncio.TimerHandle | None = None
+        pages = max((e.pool_size // max(e.page_size, 1) for e in service.engines.values()),
+                    default=0)
+        self.max_pending = limits.max_subscriber_pending_bytes or \
+            max(DEFAULT_PENDING_BYTES, 2 * HASH_BYTES * pages)
 
     def close(self) -> None:
         for feed in self.feeds.values():
             feed.close()
         self.feeds.clear()
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
 
-    def stream(self, request: pb.SubscribeRequest) -> AsyncIterator[pb.SubscribeEvent]:
-        """The events for ``request``; every check runs here, before the first event.
+    def stream(self, request: pb.SubscribeRequest) -> Stream:
+        """Open a stream for ``request`` (counted until ``run`` ends it); every check runs
+        here, before the first event.
 
         Raises:
             DrainingError, NotFoundError, PreconditionError, InvalidInputError,
-            TooLargeError: refusals, with nothing started.
+            TooLargeError, OverLimitError: refusals, with nothing started.
         """
         if self.service.draining:
             raise DrainingError("the service is shutting down")
@@ -161,12 +177,93 @@ class Subscriptions:
                                         f"({log.last_seq}) of model {engine.name!r}")
             else:  # a snapshot only if the log no longer reaches back to it
                 reason = pb.SNAPSHOT_REASON_BEHIND
+        session = self.service.session(request.session_id) if request.session_id else None
+        self._check_caps(session)
         feed = self.feeds.get(engine.name)
         if feed is None:
             feed = self.feeds[engine.name] = ChangeFeed(log)
-        bound = Bound(min(request.max_pages_per_event or self.max_pages, self.max_pages),
-                      self.max_bytes)
-        return self._events(feed, engine.page_size, epoch, after, reason, wanted, bound)
+        asked = request.max_pages_per_event or self.max_pages
+        bound = Bound(max(min(asked, self.max_pages), self.min_pages), self.max_bytes)
+        opened = Stream(feed, session, log.last_seq if after is None else after)
+        opened.events = self._events(feed, engine.page_size, epoch, after, reason, wanted,
+                                     bound)
+        self._count(opened, 1)
+        return opened
+
+    def _check_caps(self, session: Session | None) -> None:
+        cap = self.limits.max_subscribe_streams
+        if len(self.streams) >= cap:
+            raise OverLimitError(f"{len(self.streams)} Subscribe streams are open, the {cap} "
+                                 "the service allows (server.max_subscribe_streams)",
+                                 "max_subscribe_streams")
+        cap = self.limits.max_session_subscribes
+        if session is not None and self.per_session.get(session.id, 0) >= cap:
+            raise OverLimitError(f"this session has {cap} Subscribe streams open, the most "
+                                 "one session may (server.max_session_subscribes)",
+                                 "max_session_subscribes")
+
+    def _count(self, opened: Stream, step: int) -> None:
+        feed, session = opened.feed, opened.session
+        feed.subscribers += step
+        if step > 0:
+            self.streams.add(opened)
+        else:
+            self.streams.discard(opened)
+        if session is not None:
+            left = self.per_session.get(session.id, 0) + step
+            if left > 0:
+                self.per_session[session.id] = left
+            else:
+                self.per_session.pop(session.id, None)
+        if self.streams and self._watch is None:
+            self._watch = asyncio.get_running_loop().call_later(WATCH_EVERY, self._watchdog)
+
+    async def run(self, opened: Stream,
+                  write: Callable[[pb.SubscribeEvent], Awaitable[None]]) -> None:
+        """Write ``opened``'s events until it ends: the client goes, the service drains,
+        or the watchdog drops it (its reason raised here)."""
+        events = opened.events
+        if events is None:
+            raise RuntimeError("a stream runs once")
+        opened.events = None
+        opened.task = asyncio.current_task()
+        try:
+            async for event in events:
+                await write(event)
+                opened.written(event)
+        except asyncio.CancelledError:
+            if opened.dropped is None:
+                raise
+            if opened.task is not None:
+                opened.task.uncancel()  # the drop is an answer, not a cancellation
+            raise opened.dropped from None
+        finally:
+            self._count(opened, -1)
+            await events.aclose()
+
+    def _watchdog(self) -> None:
+        """Drop the streams too far behind, or whose session ended."""
+        self._watch = None
+        sessions = self.service.sessions
+        for opened in list(self.streams):
+            if opened.dropped is not None or opened.task is None:
+                continue
+            session = opened.session
+            if session is not None and sessions.find(session.id) is not session:
+                opened.dropped = NotFoundError("the session this Subscribe stream counted "
+                                               "against has ended (closed or expired)")
+            elif opened.stalled() and (pending := opened.pending()) > self.max_pending:
+                opened.dropped = OverLimitError(
+                    f"this subscriber is {pending} bytes of page hashes behind, more than "
+                    f"the {self.max_pending} allowed (server.max_subscriber_pending_bytes): "
+                    "dropped; read faster, or subscribe again for a fresh snapshot",
+                    "max_subscriber_pending_bytes")
+            else:
+                continue
+            self.dropped += 1
+            opened.task.cancel()
+        if self.streams:
+            self._watch = asyncio.get_running_loop().call_later(WATCH_EVERY, self._watchdog)
 
     def _namespaces(self, entries: Iterable[pb.PageNamespace]) -> frozenset[Namespace] | None:
         entries = list(entries)
@@ -194,140 +291,25 @@ class Subscriptions:
                       reason: int, wanted: frozenset[Namespace] | None,
                       bound: Bound) -> AsyncIterator[pb.SubscribeEvent]:
         log = feed.log
-        feed.subscribers += 1
-        try:
-            while True:
-                if cursor is None:
-                    snapshot = log.snapshot()
-                    for event in _snapshot_events(snapshot, reason, page_size, wanted,
-                                                  bound):
-                        _stamp(event, log, epoch)
-                        yield event
-                    cursor, reason = snapshot.seq, pb.SNAPSHOT_REASON_BEHIND
-                changes = log.since(cursor)
-                if changes is None:  # fell behind the log: start over from the tree
-                    cursor = None
-                    continue
-                if not changes:
-                    if self.service.draining:
-                        raise DrainingError("the service is shutting down")
-                    await feed.wait_after(cursor, IDLE_POLL)
-                    continue
-                for event in _change_events(changes, cursor, wanted, bound, feed):
+        while True:
+            if cursor is None:
+                snapshot = await feed.snapshot()
+                for event in _snapshot_events(snapshot, reason, page_size, wanted, bound):
                     _stamp(event, log, epoch)
                     yield event
-                cursor = changes[-1].seq
-        finally:
-            feed.subscribers -= 1
-
-
-def _stamp(event: pb.SubscribeEvent, log: ChangeLog, epoch: int) -> None:
-    event.head_seq = max(log.last_seq, 0)
-    event.server_epoch = epoch
-
-
-def _namespace(ns: Namespace) -> pb.PageNamespace:
-    message = pb.PageNamespace(token_width=ns[1])
-    if ns[0] is not None:
-        message.extra_key = ns[0]
-    return message
-
-
-def _snapshot_events(snapshot: Snapshot, reason: int, page_size: int,
-                     wanted: frozenset[Namespace] | None,
-                     bound: Bound) -> Iterator[pb.SubscribeEvent]:
-    records = [r for r in snapshot.pages if wanted is None or r.namespace in wanted]
-    seq = max(snapshot.seq, 0)
-    yield pb.SubscribeEvent(seq=seq, snapshot_begin=pb.SnapshotBegin(
-        reason=reason, pages=sum(len(r.page_hashes) for r in records), page_size=page_size))
-    items = ((seq, pb.PAGE_OP_STORED, r.namespace, r.page_hashes) for r in records)
-    for runs, _, _ in _batches(items, seq, bound):
-        yield pb.SubscribeEvent(seq=seq, snapshot_pages=pb.PageRuns(runs=runs))
-    yield pb.SubscribeEvent(seq=seq, snapshot_end=pb.SnapshotEnd())
-
-
-def _change_events(changes: list[Change], before: int, wanted: frozenset[Namespace] | None,
-                   bound: Bound, feed: ChangeFeed) -> Iterator[pb.SubscribeEvent]:
-    def items() -> Iterator[_Item]:
-        for change in changes:
-            if isinstance(change, AllCleared):
-                yield change.seq, pb.PAGE_OP_CLEARED, None, ()
-            elif wanted is not None and change.namespace not in wanted:
-                yield change.seq, None, None, ()
-            else:
-                op = pb.PAGE_OP_STORED if isinstance(change, PagesStored) else pb.PAGE_OP_REMOVED
-                yield change.seq, op, change.namespace, change.page_hashes
-
-    for runs, seq, first in _batches(items(), before, bound):
-        yield pb.SubscribeEvent(seq=seq, made_unix_ns=feed.made_ns(first),
-                                changes=pb.PageRuns(runs=runs))
-
-
-def _batches(items: Iterable[_Item], before: int,
-             bound: Bound) -> Iterator[tuple[list[pb.PageRun], int, int]]:
-    """Group changes into events of at most ``bound.pages`` hashes and about
-    ``bound.bytes`` bytes (one run's namespace may go over).
-
-    Yields ``(runs, seq, first)``: the event's runs (consecutive changes of one op and
-    namespace merged into one run), the seq of the last change wholly in this event or
-    before it (``before`` if none), and the seq of the first change it touches. A change
-    larger than an event is split over several.
-    """
-    runs: list[pb.PageRun] = []
-    hexes: list[str] = []  # the open run's hashes
-    open_run: tuple[Any, Any] | None = None  # (op, namespace) of the open run
-    pages = size = 0
-    done, first, sent = before, None, before
-
-    def close_run() -> None:
-        nonlocal open_run
-        if open_run is not None:
-            op, ns = open_run
-            run = pb.PageRun(op=op, page_hashes=bytes.fromhex("".join(hexes)))
-            if ns is not None:
-                run.namespace.CopyFrom(_namespace(ns))
-            runs.append(run)
-            hexes.clear()
-            open_run = None
-
-    def flush() -> tuple[list[pb.PageRun], int, int]:
-        nonlocal runs, pages, size, first, sent
-        close_run()
-        out = (runs, done, first if first is not None else done)
-        runs, pages, size, first, sent = [], 0, 0, None, done
-        return out
-
-    for seq, op, ns, hashes in items:
-        if first is None:
-            first = seq
-        if op == pb.PAGE_OP_CLEARED:
-            close_run()
-            if size + _RUN_BYTES > bound.bytes:
-                yield flush()
-                first = seq
-            runs.append(pb.PageRun(op=op))
-            size += _RUN_BYTES
-        elif op is not None:
-            start = 0
-            while start < len(hashes):
-                if open_run != (op, ns):
-                    close_run()
-                    cost = _RUN_BYTES + len((ns[0] or "").encode())
-                    if size and size + cost + HASH_BYTES > bound.bytes:
-                        yield flush()
-                        first = seq
-                    open_run = (op, ns)
-                    size += cost
-                room = min(bound.pages - pages, (bound.bytes - size) // HASH_BYTES)
-                if room <= 0 and pages:  # full: the rest of this change goes on
-                    yield flush()
-                    first = seq
-                    continue
-                take = hashes[start:start + max(room, 1)]
-                hexes.extend(take)
-                pages += len(take)
-                size += HASH_BYTES * len(take)
-                start += len(take)
-        done = seq
-    if runs or open_run is not None or done != sent:
-        yield flush()
+                cursor, reason = snapshot.seq, pb.SNAPSHOT_REASON_BEHIND
+                del snapshot  # pinned no longer than it is sent
+            changes = log.since(cursor)
+            if changes is None:  # fell behind the log: start over from a snapshot
+                cursor = None
+                continue
+            if not changes:
+                if self.service.draining:
+                    raise DrainingError("the service is shutting down")
+                await feed.wait_after(cursor, IDLE_POLL)
+                continue
+            changes = changes[:CHANGES_PER_PASS]
+            for event in _change_events(changes, cursor, wanted, bound, feed):
+                _stamp(event, log, epoch)
+                yield event
+            cursor = changes[-1].seq

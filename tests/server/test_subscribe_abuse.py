@@ -1,0 +1,231 @@
+"""Subscribe under abuse (issue 21, item 6): a storm of Subscribes, subscribers that never
+read, too many streams. Against a real server:
+
+* a storm of Subscribes leaves other clients served (the snapshot is no longer a tree
+  walk on the loop per Subscribe; one snapshot per change-log position, shared);
+* streams are capped per session and in total (RESOURCE_EXHAUSTED), and end with
+  their session;
+* a subscriber that stops reading is dropped once it is too far behind, with a clear
+  status, and the service forgets it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from harness import pb, running, stub_for, toks
+
+from prefixcache.server.config import ModelConfig, PoolConfig
+
+CODE = grpc.StatusCode
+POOL = PoolConfig(size=40000, layers=1, k_heads=1, k_head_dim=4)
+MODELS = (ModelConfig(name="m", page_size=1, vocab_size=100000, pool=POOL),)
+# A client that reads only what it asks for: no window growth (BDP probing), so a
+# subscriber that stops reading stalls the server's writes after ~100 KiB.
+STINGY = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 65536)]
+
+
+def fill(stub, first: int, prompts: int, width: int = 2) -> None:
+    """Cache ``prompts`` prompts of ``width`` tokens, each its own node(s)."""
+    for start in range(0, prompts, 4096):
+        count = min(4096, prompts - start)
+        grown = stub.Step(pb.StepRequest(model="m", session_id=SESSION[0],
+                                         decodes=[width] * count))
+        finishes = []
+        for i, d in enumerate(grown.decodes):
+            n = first + start + i
+            finishes.append(pb.StepFinish(
+                token_ids=toks([n // 128 + 1, *(n % 128 + 1 + k for k in range(width - 1))]),
+                slot_indices=d.decode.slot_indices))
+        done = stub.Step(pb.StepRequest(model="m", session_id=SESSION[0], finishes=finishes))
+        assert not any(f.HasField("error") for f in done.finishes)
+
+
+SESSION: list[str] = [""]
+
+
+@pytest.fixture
+def srv(tmp_path, request) -> Iterator:
+    # The drop test lets a subscriber fall only 64 KiB behind; the others keep the
+    # default (which a snapshot of the whole pool fits in).
+    pending = 64 * 1024 if "dropped" in request.node.name else 0
+    with running(tmp_path, MODELS, max_subscribe_streams=12, max_session_subscribes=2,
+                 max_subscriber_pending_bytes=pending) as server:
+        yield server
+
+
+@pytest.fixture
+def stub(srv) -> Iterator:
+    channel, stub = stub_for(srv.address)
+    with channel:
+        SESSION[0] = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60)).session_id
+        yield stub
+
+
+def read_snapshot(call) -> int:
+    pages = 0
+    for event in call:
+        pages += sum(len(r.page_hashes) for r in event.snapshot_pages.runs) // 32
+        if event.HasField("snapshot_end"):
+            return pages
+    raise AssertionError("the stream ended inside its snapshot")
+
+
+def open_streams(srv) -> int:
+    return srv.run(lambda: len(srv.server.servicer.subscriptions.streams))
+
+
+def test_a_subscribe_storm_leaves_other_clients_served(srv, stub) -> None:
+    fill(stub, 0, 16384)  # 128 + 16384 nodes
+    stop = threading.Event()
+    snapshots: list[int] = []
+    refusals: list[grpc.StatusCode] = []
+
+    def storm() -> None:
+        channel, own = stub_for(srv.address)
+        with channel:
+            while not stop.is_set():
+                call = own.Subscribe(pb.SubscribeRequest(model="m"), timeout=60)
+                try:
+                    snapshots.append(read_snapshot(call))
+                except grpc.RpcError as exc:  # over max_subscribe_streams (12)
+                    refusals.append(exc.code())
+                    time.sleep(0.01)
+                call.cancel()
+
+    threads = [threading.Thread(target=storm) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    worst, deadline = 0.0, time.monotonic() + 4.0
+    while time.monotonic() < deadline:
+        start = time.perf_counter()
+        stub.Stats(pb.StatsRequest(model="m"), timeout=60)
+        worst = max(worst, time.perf_counter() - start)
+        time.sleep(0.02)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert len(snapshots) >= 10 and set(snapshots) == {128 + 16384}
+    assert set(refusals) <= {CODE.RESOURCE_EXHAUSTED}
+    print(f"worst Stats call during the storm: {worst:.3f} s")
+    assert worst < 1.0, f"a Stats call waited {worst:.2f} s behind the Subscribe storm"
+    feed = srv.server.servicer.subscriptions.feeds["m"]
+    # The tree was walked once; the tree did not change, so one snapshot served them all.
+    assert (feed.walks, feed.built) == (1, 1)
+    srv.check_integrity()
+
+
+def test_streams_are_capped_per_session_and_in_all(srv, stub) -> None:
+    def subscribe(**kw):
+        call = stub.Subscribe(pb.SubscribeRequest(model="m", **kw), timeout=30)
+        read_snapshot(call)
+        return call
+
+    def refused(code, **kw) -> str:
+        with pytest.raises(grpc.RpcError) as err:
+            next(stub.Subscribe(pb.SubscribeRequest(model="m", **kw), timeout=30))
+        assert err.value.code() == code, err.value.details()
+        return err.value.details()
+
+    mine = [subscribe(session_id=SESSION[0]) for _ in range(2)]
+    assert "server.max_session_subscribes" in refused(CODE.RESOURCE_EXHAUSTED,
+                                                      session_id=SESSION[0])
+    refused(CODE.NOT_FOUND, session_id="no-such-session")
+    others = [subscribe() for _ in range(10)]
+    assert open_streams(srv) == 12
+    assert "server.max_subscribe_streams" in refused(CODE.RESOURCE_EXHAUSTED)
+    others.pop().cancel()
+    deadline = time.monotonic() + 10
+    while open_streams(srv) > 11 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    others.append(subscribe())
+    # Closing the session ends its streams, NOT_FOUND.
+    stub.CloseSession(pb.CloseSessionRequest(session_id=SESSION[0]))
+    for call in mine:
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == CODE.NOT_FOUND
+    for call in others:
+        call.cancel()
+
+
+def test_a_subscriber_that_stops_reading_is_dropped(srv, stub) -> None:
+    fill(stub, 0, 1000)
+    channel, lazy = stub_for(srv.address, options=STINGY)
+    with channel:
+        call = lazy.Subscribe(pb.SubscribeRequest(model="m"), timeout=120)
+        read_snapshot(call)  # then it reads no more
+        subs = srv.server.servicer.subscriptions
+        before = subs.dropped
+        # Changes: far more than the 64 KiB of page hashes it may fall behind by, as the
+        # tree churns (insert, evict) while it does not read.
+        deadline = time.monotonic() + 60
+        cycle = 0
+        while open_streams(srv) and time.monotonic() < deadline:
+            fill(stub, 100000 + 2048 * cycle, 2048, width=4)
+            stub.Evict(pb.EvictRequest(model="m", num_tokens=40000))
+            cycle += 1
+        assert open_streams(srv) == 0 and subs.dropped == before + 1
+        codes = []
+        try:
+            for _ in call:  # what it had been sent, then its status
+                pass
+        except grpc.RpcError as exc:
+            codes.append((exc.code(), exc.details()))
+        assert codes and codes[0][0] == CODE.RESOURCE_EXHAUSTED
+        assert "server.max_subscriber_pending_bytes" in codes[0][1]
+    # A reading subscriber is not dropped by the same churn.
+    call = stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=120)
+    read_snapshot(call)
+    received = [0]
+
+    def reader() -> None:
+        try:
+            for _ in call:
+                received[0] += 1
+        except grpc.RpcError as exc:
+            received.append(exc.code())
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for cycle in range(2):
+        fill(stub, 300000 + 4096 * cycle, 4096, width=4)
+        stub.Evict(pb.EvictRequest(model="m", num_tokens=40000))
+    time.sleep(1.0)
+    assert open_streams(srv) == 1 and subs.dropped == before + 1
+    call.cancel()
+    thread.join()
+    assert received[0] > 0 and received[1:] in ([], [CODE.CANCELLED])
+    srv.check_integrity()
+
+
+def test_snapshots_kept_from_the_log_match_the_tree(srv, stub) -> None:
+    """The page set a snapshot is copied from is kept up to date from the log, not
+    walked: after inserts, evictions, a reset and more inserts it is still the tree's."""
+    follower = stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=60)
+    read_snapshot(follower)  # the feed exists (its page set filled once)
+    fill(stub, 0, 3000)
+    stub.Evict(pb.EvictRequest(model="m", num_tokens=2500))
+    stub.Reset(pb.ResetRequest(model="m"))
+    fill(stub, 5000, 2000, width=3)
+    stub.Evict(pb.EvictRequest(model="m", num_tokens=1000))
+
+    def walked() -> set[bytes]:
+        log = srv.service.engine("m").change_log
+        return {bytes.fromhex(h) for r in log.snapshot().pages for h in r.page_hashes}
+
+    call = stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=60)
+    got: set[bytes] = set()
+    for event in call:
+        for run in event.snapshot_pages.runs:
+            got.update(run.page_hashes[i:i + 32] for i in range(0, len(run.page_hashes), 32))
+        if event.HasField("snapshot_end"):
+            break
+    assert got == srv.run(walked) and len(got) > 1000
+    assert srv.server.servicer.subscriptions.feeds["m"].walks == 1
+    call.cancel()
+    follower.cancel()
