@@ -36,10 +36,11 @@ from .reaper import reap_leases
 from .registration import add_to_server
 from .service import CacheService
 from .servicer import PrefixCacheServicer
-from .shared_pool import shm_file_mode, sweep
+from .shared_pool import AdoptError, shm_file_mode, sweep
 from .signals import STOP_SIGNALS, SignalLatch
 from .sizing import check_fits, is_out_of_memory
 from .tenants import Callers
+from .warm_restart import Takeover, WarmRestart, WarmRestartCollector
 
 log = logging.getLogger("prefixcache.server")
 
@@ -68,33 +69,20 @@ class PrefixCacheServer:
         cfg = config.server
         # Invariant mode: from the config (server.check_integrity), or forced by tests.
         self.check_integrity = check_integrity or cfg.check_integrity
-        # Dead services' pool files go first: the check counts only what this start adds
-        # (a killed server's files would otherwise refuse its own restart).
-        pinned = sweep(cfg.shm_dir) if cfg.shm_dir else 0
-        # Every pool added up before any is allocated: a pool larger than the host would
-        # otherwise fill /dev/shm, or wake the OOM killer, instead of failing here.
+        # Warm restart (warm_restart.py): the snapshot is read, and the files it names
+        # claimed, before the sweep, which would remove them as a dead service's.
+        self.warm = WarmRestart(config) if cfg.warm_restart else None
+        takeover = self.warm.prepare() if self.warm is not None else None
         try:
-            check_fits(config.models, cfg.shm_dir or None)
-        except ConfigError as exc:
-            if not pinned:
-                raise
-            raise ConfigError(f"{exc}; {pinned / 2**20:.1f} MiB of what is taken is a dead "
-                              "server's pool that a process (a worker?) still maps: it is "
-                              "freed when that process unmaps it or exits") from exc
-        try:
-            self.service = CacheService(config.models, cfg.session_ttl, cfg.session_ttl_min,
-                                        cfg.session_ttl_max, shm_dir=cfg.shm_dir or None,
-                                        shm_mode=shm_file_mode(cfg), limits=limits_of(cfg),
-                                        change_logs=(cfg.kv_events.enable_kv_cache_events
-                                                     or cfg.change_log_capacity > 0),
-                                        change_log_capacity=cfg.change_log_capacity
-                                        or DEFAULT_CAPACITY)
-        except (MemoryError, RuntimeError) as exc:
-            if not is_out_of_memory(exc):  # the check's backstop: memory taken meanwhile
-                raise
-            raise ConfigError(f"models: the pools could not be allocated ("
-                              f"{str(exc).splitlines()[0]}); make them smaller") from exc
+            self.service = self._build(takeover)
+        except BaseException:
+            if takeover is not None:
+                takeover.release()
+            raise
+        if takeover is not None and self.warm is not None and self.warm.outcome is None:
+            self.warm.restore(self.service, takeover)
         self.metrics = Metrics(self.service)
+        self.metrics.registry.register(WarmRestartCollector(self.warm))
         self.servicer = PrefixCacheServicer(self.service, self.metrics, self.check_integrity,
                                             cfg.max_message_bytes,
                                             callers=Callers(cfg.admin_token, cfg.tenants))
@@ -111,6 +99,43 @@ class PrefixCacheServer:
         self.kv_events: KvEventPublishers | None = None
         # The shared cross-node KV tier (server.tier, tier/), or None.
         self.tier: Any = None
+
+    def _build(self, takeover: Takeover | None) -> CacheService:
+        cfg = self.config.server
+        # Dead services' pool files go first: the check counts only what this start adds
+        # (a killed server's files would otherwise refuse its own restart).
+        pinned = sweep(cfg.shm_dir) if cfg.shm_dir else 0
+        # Every pool added up before any is allocated: a pool larger than the host would
+        # otherwise fill /dev/shm, or wake the OOM killer, instead of failing here.
+        try:
+            check_fits(self.config.models, cfg.shm_dir or None,
+                       takeover.budget() if takeover is not None else None)
+        except ConfigError as exc:
+            if not pinned:
+                raise
+            raise ConfigError(f"{exc}; {pinned / 2**20:.1f} MiB of what is taken is a dead "
+                              "server's pool that a process (a worker?) still maps: it is "
+                              "freed when that process unmaps it or exits") from exc
+        try:
+            return CacheService(self.config.models, cfg.session_ttl, cfg.session_ttl_min,
+                                cfg.session_ttl_max, shm_dir=cfg.shm_dir or None,
+                                shm_mode=shm_file_mode(cfg), limits=limits_of(cfg),
+                                change_logs=(cfg.kv_events.enable_kv_cache_events
+                                             or cfg.change_log_capacity > 0),
+                                change_log_capacity=cfg.change_log_capacity
+                                or DEFAULT_CAPACITY,
+                                adopt=takeover.files if takeover is not None else None)
+        except AdoptError as exc:  # a file changed between the check and the rename
+            if takeover is None or self.warm is None:
+                raise
+            takeover.release()
+            self.warm.cold("stale", str(exc))
+            return self._build(None)
+        except (MemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):  # the check's backstop: memory taken meanwhile
+                raise
+            raise ConfigError(f"models: the pools could not be allocated ("
+                              f"{str(exc).splitlines()[0]}); make them smaller") from exc
 
     async def start(self) -> None:
         cfg = self.config.server
@@ -281,7 +306,10 @@ class PrefixCacheServer:
         self._close_kv_events()  # after the last call: its changes go out first
         self._close_tier()
         self.metrics.close()
-        self.service.close()
+        # Warm restart: every session ends, the trees are written down and the pool
+        # files stay for the next start (none when it is not safe; logged).
+        keep = self.warm.save(self.service) if self.warm is not None else frozenset()
+        self.service.close(keep)
         if self._socket_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._socket_path)

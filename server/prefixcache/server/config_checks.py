@@ -105,6 +105,9 @@ def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:
     check_int(cfg.change_log_capacity, f"{where}.change_log_capacity", 0)
     if cfg.shm_dir.lower() == "off":
         cfg = replace(cfg, shm_dir="")
+    if cfg.warm_restart and not cfg.shm_dir:
+        raise ConfigError(f"{where}.warm_restart: needs shm_dir, where the pools outlive "
+                          "the process (they are private memory with shm_dir off)")
     token = read_secret(cfg.token, cfg.token_file, f"{where}.token_file")
     admin = read_secret(cfg.admin_token, cfg.admin_token_file, f"{where}.admin_token_file")
     check_tenant_tokens(cfg.tenants, (token, admin), f"{where}.tenants")

@@ -111,6 +111,11 @@ class ServerConfig:
     # Invariant mode (staging): check the caches' integrity after every mutating call;
     # a failure answers INTERNAL and is logged.
     check_integrity: bool = False
+    # Warm restart (warm_restart.py): a clean stop (SIGTERM) keeps the CPU pools' files
+    # under shm_dir and writes a checksummed snapshot of the trees beside them; the next
+    # start with the same models takes both over, so cached prompts hit again. Radix
+    # models only (others start cold, logged); needs shm_dir. After a crash: cold.
+    warm_restart: bool = False
     # Limits: what one client may take of a service that others share. Each is generous
     # by default; a refusal names its setting and counts in prefixcache_refusals_total.
     # Sizes of request fields, in UTF-8 bytes (INVALID_ARGUMENT beyond them).

@@ -10,6 +10,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from prefixcache.cache import IntegrityError
 from prefixcache.cache.change_log import DEFAULT_CAPACITY
@@ -41,6 +42,7 @@ class CacheService:
         limits: ``max_sessions`` and ``stream_ttl`` (see limits.py); the defaults if None.
         change_logs: give each tree model a ``ChangeLog`` (``engine.change_log``).
         change_log_capacity: the changes each change log keeps (for Subscribe).
+        adopt: pool files a warm restart takes over (``SharedPools``).
     """
 
     def __init__(self, models: tuple[ModelConfig, ...] | list[ModelConfig],
@@ -48,7 +50,8 @@ class CacheService:
                  clock: Callable[[], float] = time.monotonic,
                  shm_dir: str | None = None, shm_mode: int = 0o600,
                  limits: Limits | None = None, change_logs: bool = False,
-                 change_log_capacity: int = DEFAULT_CAPACITY) -> None:
+                 change_log_capacity: int = DEFAULT_CAPACITY,
+                 adopt: dict[str, tuple[Path, int]] | None = None) -> None:
         # A client that sees this change knows every handle it holds is gone.
         self.epoch = secrets.randbits(63) or 1
         # Node handles and lock ids are keyed permutations of counters, with a key drawn
@@ -60,7 +63,7 @@ class CacheService:
                                         self.limits.max_sessions,
                                         self.limits.max_sessions_per_client)
         # CPU pools in shared memory under shm_dir (None: private), for attach.
-        self.shared = SharedPools(shm_dir, self.epoch, shm_mode)
+        self.shared = SharedPools(shm_dir, self.epoch, shm_mode, adopt)
         self.engines: dict[str, ModelEngine | SlotEngine] = {}
         try:
             for model in models:
@@ -83,10 +86,11 @@ class CacheService:
         # session's slots while they copy (write_fence.py).
         self.fences = WriteFences(self.shared, self.limits.max_sessions)
 
-    def close(self) -> None:
-        """Release what outlives the process otherwise: the shared-memory files."""
+    def close(self, keep: frozenset[str] = frozenset()) -> None:
+        """Release what outlives the process otherwise: the shared-memory files, but
+        the pool files in ``keep`` (a warm restart's snapshot names them)."""
         self.fences.close()
-        self.shared.close()
+        self.shared.close(keep)
 
     def engine(self, name: str) -> ModelEngine | SlotEngine:
         try:

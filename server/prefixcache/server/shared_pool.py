@@ -16,6 +16,10 @@ dies, however it dies, so a sweep that can take the lock knows the owner is gone
 any namespace; the random part keeps names unique across namespaces. Files named the
 old way (``prefixcache-<pid>-<epoch>-...``) are left alone: nothing proves them dead.
 
+A warm restart (warm_restart.py) keeps a stopped service's buffer files: ``close``
+may keep them, and the next start takes them over (``adopt``), renaming each to its
+own owner name and mapping it as it is, instead of creating it zeroed.
+
 CUDA buffers need no files: ``DescribePool`` carries the fields of torch's
 ``_share_cuda_()`` as plain proto fields, and a worker opens them with
 ``UntypedStorage._new_shared_cuda``. Nothing is pickled either way.
@@ -32,6 +36,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,9 +65,13 @@ class SharedPools:
             (workers then use ReadKV / WriteKV).
         epoch: The service's epoch, written into its lock file (for people).
         mode: File mode of the buffers and the lock file (``shm_file_mode``).
+        adopt: A warm restart's files to take over, by the part of their name after
+            the owner (``<model>-<n>``), with the byte size each must have; a buffer
+            whose name is there is that file, renamed, instead of a new one.
     """
 
-    def __init__(self, directory: str | None, epoch: int, mode: int = 0o600) -> None:
+    def __init__(self, directory: str | None, epoch: int, mode: int = 0o600,
+                 adopt: dict[str, tuple[Path, int]] | None = None) -> None:
         self.directory = Path(directory) if directory else None
         self.mode = mode
         self.epoch = epoch
@@ -72,6 +81,8 @@ class SharedPools:
         # data_ptr of each file's mapping -> (path, bytes), to find where a view lives.
         self._maps: dict[int, tuple[str, int]] = {}
         self._cuda: dict[int, tuple[Any, ...]] = {}
+        self._adopt = dict(adopt or {})
+        self.adopted: list[Path] = []  # the files taken over, under their new names
         if self.directory is not None:
             sweep(self.directory)
 
@@ -88,9 +99,14 @@ class SharedPools:
             raise RuntimeError("shared buffers need a directory")
         numel = math.prod(shape)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        path = self.directory / f"{self._claim(self.directory)}-{tag}-{len(self._files)}"
-        fd = _create(path, self.mode)
+        suffix = f"{tag}-{len(self._files)}"
+        path = self.directory / f"{self._claim(self.directory)}-{suffix}"
+        old = self._adopt.pop(suffix, None)
+        fd = _create(path, self.mode) if old is None else _take_over(old[0], path, nbytes,
+                                                                     self.mode)
         self._files.append(path)
+        if old is not None:
+            self.adopted.append(path)
         try:
             # Reserve the memory now: on a full tmpfs the service fails at start with a
             # clear error, instead of dying of SIGBUS when a page is first touched.
@@ -105,7 +121,8 @@ class SharedPools:
                               ) from exc
         finally:
             os.close(fd)
-        # A new file reads as zeros, which is what a pool starts as.
+        # A new file reads as zeros, which is what a pool starts as; an adopted one
+        # holds the KV of the tree the warm restart brings back.
         flat = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
         self._maps[flat.data_ptr()] = (str(path), nbytes)
         return flat.view(shape)
@@ -151,12 +168,24 @@ class SharedPools:
             self._owner, self._lock = _take_lock(directory, self.mode, self.epoch)
         return self._owner
 
-    def close(self) -> None:
-        """Unlink this service's files (workers' mappings stay valid until unmapped)."""
+    @property
+    def owner(self) -> str | None:
+        """This service's owner name (``prefixcache-<pid>.<random>``), once it has files."""
+        return self._owner
+
+    def close(self, keep: frozenset[str] = frozenset()) -> None:
+        """Unlink this service's files (workers' mappings stay valid until unmapped),
+        but those in ``keep`` (paths, for a warm restart): then the lock file stays too,
+        unlocked, so the next start knows whose they were and that the owner is gone."""
         for path in self._files:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            if str(path) not in keep:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
         self._files.clear()
+        if self._lock is not None and keep:
+            os.close(self._lock[1])
+            self._lock = None
+            self._owner = None
         if self._lock is not None:
             # The lock file goes last, while still locked: until it is gone, a sweep
             # sees a live owner and leaves the files above alone.
@@ -191,6 +220,34 @@ def _create(path: Path, mode: int) -> int:
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+class AdoptError(ConfigError):
+    """A file a warm restart meant to take over is not what its snapshot said."""
+
+
+def _take_over(old: Path, path: Path, nbytes: int, mode: int) -> int:
+    """Rename ``old`` to ``path`` and open it, checked to be a regular file of ours of
+    exactly ``nbytes`` bytes (the warm restart checked it already; this is the last
+    look, after the rename, so that what is mapped is what was checked)."""
+    try:
+        os.rename(old, path)
+    except OSError as exc:
+        raise AdoptError(f"cannot take over {old}: {exc.strerror or exc}") from exc
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise AdoptError(f"cannot open {path}: {exc.strerror or exc}") from exc
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes or st.st_uid != os.geteuid():
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise AdoptError(f"{old} is not a {nbytes}-byte pool file of this user")
+    os.fchmod(fd, mode)
     return fd
 
 

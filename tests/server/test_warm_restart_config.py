@@ -1,0 +1,67 @@
+"""server.warm_restart: the setting's checks, and the kinds that are not restored (in
+process; tests/reliability/test_warm_restart.py restarts real `prefixcache serve`s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from harness import SMALL_POOL, running
+
+from prefixcache.client import PrefixCacheClient
+from prefixcache.server.config import ConfigError, ModelConfig, PoolConfig, load_config
+
+RADIX = ModelConfig(name="m", page_size=2, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4))
+SWA = ModelConfig(name="w", kind="swa", page_size=1, sliding_window_size=4, pool=SMALL_POOL)
+
+
+def test_off_by_default_and_refused_without_shared_memory(tmp_path: Path) -> None:
+    path = tmp_path / "pc.yaml"
+    path.write_text("models: [{name: m}]\n")
+    assert load_config(path).server.warm_restart is False
+    path.write_text("server: {warm_restart: true, shm_dir: 'off'}\nmodels: [{name: m}]\n")
+    with pytest.raises(ConfigError, match=r"server\.warm_restart: needs shm_dir"):
+        load_config(path)
+    path.write_text(f"server: {{warm_restart: true, shm_dir: {tmp_path}}}\n"
+                    "models: [{name: m}]\n")
+    assert load_config(path).server.warm_restart is True
+
+
+def test_a_kind_that_is_not_restored_starts_cold_and_writes_nothing(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for _ in range(2):
+        with running(tmp_path, (RADIX, SWA), shm_dir=str(shm), warm_restart=True) as srv:
+            assert srv.server.warm.outcome == "unsupported"
+        assert list(shm.iterdir()) == []  # no snapshot; the pool files removed as usual
+
+
+def test_a_restored_cache_passes_the_integrity_check_and_evicts(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    keys = [list(range(1, 11)), [*range(1, 5), 70, 71], [5, 6, 7, 8]]
+    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
+            PrefixCacheClient(srv.address, timeout=10) as client, client.session(10) as s:
+        for key in keys:
+            have = s.match("m", key)
+            new = list(s.alloc("m", len(key) - have.prefix_len).slots)
+            s.write_kv("m", new, torch.ones((1, len(new), 1, 4)).half(),
+                       torch.ones((1, len(new), 1, 4)).half())
+            s.insert("m", key, [*have.slots, *new])
+        before = {tuple(k): list(client.match("m", k).slots) for k in keys}
+        used = srv.service.engines["m"].allocator.num_allocated()
+    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv:
+        assert srv.server.warm.outcome == "restored"
+        srv.check_integrity()
+        engine = srv.service.engines["m"]
+        assert engine.allocator.num_allocated() == used == engine.cache.evictable_size()
+        assert engine.cache.protected_size() == 0 and len(srv.service.sessions) == 0
+        with PrefixCacheClient(srv.address, timeout=10) as client:
+            assert {tuple(k): list(client.match("m", k).slots) for k in keys} == before
+            # New allocations never get a restored slot.
+            with client.session(10) as s:
+                fresh = set(s.alloc("m", engine.allocator.available_size()).slots)
+                assert not fresh & {x for v in before.values() for x in v}
+            assert client.evict("m", used).evicted_tokens == used
+        srv.check_integrity()
