@@ -48,8 +48,8 @@ from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 # `prefixcache` as the console script runs it, whether or not the project is installed.
 CLI = [sys.executable, "-c", "from prefixcache.server.cli import main; raise SystemExit(main())"]
 START_TIMEOUT = 60.0
-# Labels whose every value the server exports from the start.
-ENUMERATED = ("state", "reason", "operation")
+# Labels whose every value the server exports from the start (outcome: lookups.py).
+ENUMERATED = ("state", "reason", "operation", "outcome")
 STATUS_CODES = frozenset(code.name for code in grpc.StatusCode)
 
 
