@@ -28,6 +28,7 @@ import torch
 from harness import REPO, wait_serving
 
 from prefixcache.client import PrefixCacheClient, StaleEpoch
+from prefixcache.client.write_fence import open_fence
 
 ENV = {**os.environ, "PYTHONPATH": f"{REPO / 'server'}:{REPO / 'client'}",
        "OMP_NUM_THREADS": "1", "PREFIXCACHE_LOG_FORMAT": "json"}
@@ -275,6 +276,31 @@ def test_files_that_changed_hands_start_cold(tmp_path: Path, shm: Path, change: 
     finally:
         if holder is not None:
             holder.communicate("", timeout=30)
+
+
+def test_a_worker_inside_a_copy_at_the_stop_means_no_snapshot(tmp_path: Path,
+                                                              shm: Path) -> None:
+    """A worker holding its write fence (mid-copy through the mapped pool) when the
+    service stops could finish its copy into slots the next run hands out: the stop
+    writes no snapshot, and the next start is cold (the old files swept)."""
+    first = Server(tmp_path, config(shm))
+    cached = cache_prompts(first.address, 15)
+    with PrefixCacheClient(first.address, timeout=10) as client:
+        session = client.session(30)
+        session.alloc("m", 8)
+        fence = open_fence(client, session.info.session_id)
+        with fence.held():  # the worker's copy is under way
+            first.stop()
+        fence.close()
+    lines = first.records("warm restart: no snapshot written; the next start is cold")
+    assert len(lines) == 1 and "still copying" in lines[0]["reason"], lines
+    assert not list(shm.glob("*.snapshot"))
+    second = Server(tmp_path, config(shm))
+    try:
+        cold_reason(second, "no_snapshot")
+        assert misses(second.address, cached)
+    finally:
+        second.stop()
 
 
 def test_off_by_default_the_stop_removes_everything(tmp_path: Path, shm: Path) -> None:
