@@ -263,3 +263,37 @@ def test_every_kind_counts_its_lookups(tmp_path) -> None:
                         stub.Explain(pb.ExplainRequest(model=name, token_ids=toks(prompt)))
                     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         srv.check_integrity()
+
+
+def test_a_tenant_learns_nothing_of_another_tenants_cache(tmp_path) -> None:
+    """Explain names only the tenant's own namespaces, and a tenant's Stats carry no
+    outcome counts (they sum every tenant's lookups); the operator sees both."""
+    from prefixcache.server.config import TenantConfig
+
+    tenants = (TenantConfig("acme", "tok-acme", namespaces=("acme/",)),
+               TenantConfig("beta", "tok-beta", namespaces=("beta/",)))
+    acme, beta = (("authorization", "Bearer tok-acme"),), (("authorization", "Bearer tok-beta"),)
+    operator = (("authorization", "Bearer t0k"),)
+    with running(tmp_path, [MODEL], token="t0k", tenants=tenants) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            sid = stub.OpenSession(pb.OpenSessionRequest(), metadata=beta).session_id
+            m = stub.Match(pb.MatchRequest(model="p", token_ids=toks(A), extra_key="beta/x",
+                                           session_id=sid, allocate=True), metadata=beta)
+            stub.Insert(pb.InsertRequest(model="p", token_ids=toks(A), extra_key="beta/x",
+                                         session_id=sid, slot_indices=m.allocated_slots),
+                        metadata=beta)
+            ask = pb.ExplainRequest(model="p", token_ids=toks(A), extra_key="acme/x")
+            assert _ranges(stub.Explain(ask, metadata=acme)) == [
+                ("LOOKUP_OUTCOME_MISS_COLD", 0, 16)]
+            why = stub.Explain(ask, metadata=operator)
+            assert _ranges(why) == [("LOOKUP_OUTCOME_MISS_NAMESPACE", 0, 16)]
+            assert why.other_extra_key == "beta/x"
+            with pytest.raises(grpc.RpcError) as denied:  # not its namespace to ask of
+                stub.Explain(pb.ExplainRequest(model="p", token_ids=toks(A),
+                                               extra_key="beta/x"), metadata=acme)
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            mine = stub.Stats(pb.StatsRequest(model="p"), metadata=acme).models[0]
+            assert not mine.lookup_tokens_total and mine.pages_requested_total == 0
+            assert stub.Stats(pb.StatsRequest(model="p"), metadata=operator).models[0] \
+                .lookup_tokens_total["miss_cold"] == 16
