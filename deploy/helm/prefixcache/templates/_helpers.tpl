@@ -62,3 +62,33 @@ exec:
     {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* The tier's master address: the one given, else this chart's mooncake_master. */}}
+{{- define "prefixcache.tierMaster" -}}
+{{- if .Values.tier.address -}}
+{{- .Values.tier.address -}}
+{{- else -}}
+{{- printf "%s-mooncake-master:%v" (include "prefixcache.fullname" .) .Values.tier.master.rpcPort -}}
+{{- end -}}
+{{- end }}
+
+{{/* server.tier as JSON for PREFIXCACHE_TIER. */}}
+{{- define "prefixcache.tier" -}}
+{{- $tier := merge (dict "backend" "mooncake" "master" (include "prefixcache.tierMaster" .) "local_hostname" "$(POD_IP)") .Values.tier.settings -}}
+{{- toJson $tier -}}
+{{- end }}
+
+{{/* The master's own labels: never the sidecar's selector, so neither's Deployment or
+Service selects the other's pods. */}}
+{{- define "prefixcache.masterSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "prefixcache.name" . }}-mooncake-master
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "prefixcache.masterLabels" -}}
+{{ include "prefixcache.masterSelectorLabels" . }}
+app.kubernetes.io/component: mooncake-master
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end }}

@@ -61,8 +61,11 @@ class MooncakeBackend:
         if rc != 0:
             raise TierUnavailable(f"Mooncake setup against master {cfg.master} failed "
                                   f"({rc}): is mooncake_master running there?")
+        # Pages are written into this sidecar's own segment: a put is a local copy and
+        # never crosses the network; readers on other nodes pull them from here.
         self._config = ReplicateConfig()
         self._config.replica_num = 1
+        self._config.preferred_segment = self._store.get_hostname()
 
     def exists(self, keys: list[str]) -> list[int]:
         return list(self._store.batch_is_exist(keys))
