@@ -58,18 +58,25 @@ def stop():
 
 write = MappedAccess.write
 writes = []
-def frozen_write(self, slots, source, heads, session_id, server_epoch):
+def frozen_write(self, slots, source, heads, session_id, server_epoch, fill=None):
     writes.append(len(slots))
     if len(writes) == 1:  # the first request's save goes through
-        return write(self, slots, source, heads, session_id, server_epoch)
+        return write(self, slots, source, heads, session_id, server_epoch, fill)
     if where == "before":
         stop()
-        return write(self, slots, source, heads, session_id, server_epoch)
+        return write(self, slots, source, heads, session_id, server_epoch, fill)
+    # Rows come from source (a gather) or go straight in through fill (one run of
+    # slots): either way the engine stops before layer 1.
     def rows(layer):
         if layer == 1:  # layer 0 is in the pool already
             stop()
         return source(layer)
-    return write(self, slots, rows, heads, session_id, server_epoch)
+    def filled(layer, k, v):
+        if layer == 1:
+            stop()
+        return fill(layer, k, v)
+    return write(self, slots, rows, heads, session_id, server_epoch,
+                 None if fill is None else filled)
 MappedAccess.write = frozen_write
 
 core = make_scheduler(address, session_ttl=ttl)

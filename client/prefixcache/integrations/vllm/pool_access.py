@@ -36,9 +36,12 @@ from prefixcache.client.errors import ResourceExhausted
 from prefixcache.client.results import PoolInfo
 from prefixcache.client.write_fence import WriteFence, open_fence
 
+from .block_copy import slot_run
 from .layout import byte_view
 
 Rows = Callable[[int], tuple[Any, Any | None]]
+# Writes one layer's rows straight into the pool's rows given (K, V: views of the pool).
+Fill = Callable[[int, Any, Any | None], None]
 # Sessions whose fences a worker keeps open (the scheduler's: one, a new one after a loss).
 _FENCES = 4
 
@@ -52,7 +55,7 @@ class PoolAccess(Protocol):
     def reader(self, slots: Any, server_epoch: int, session_id: str) -> Rows: ...
 
     def write(self, slots: Any, source: Rows, heads: slice, session_id: str,
-              server_epoch: int) -> None: ...
+              server_epoch: int, fill: Fill | None = None) -> None: ...
 
 
 class MappedAccess:
@@ -103,24 +106,45 @@ class MappedAccess:
     def _index(self, slots: Any, server_epoch: int) -> Any:
         import torch
 
+        self._check_epoch(server_epoch)
+        return torch.frombuffer(slots, dtype=torch.int64).to(self.pool.k_buffer[0].device)
+
+    def _check_epoch(self, server_epoch: int) -> None:
         if server_epoch != self.info.server_epoch:
             # The slots belong to another start of the service than the mapped pool.
             raise StaleEpoch(f"slots of epoch {server_epoch}, the mapped pool is of "
                              f"epoch {self.info.server_epoch}",
                              server_epoch=self.info.server_epoch)
-        return torch.frombuffer(slots, dtype=torch.int64).to(self.pool.k_buffer[0].device)
+
+    def _run(self, slots: Any) -> int | None:
+        """The first slot of ``slots`` when they are one run inside the pool."""
+        first = slot_run(slots)
+        if first is None or first < 0 or first + len(slots) > self.pool.k_buffer[0].shape[0]:
+            return None  # not a run, or out of range: the index path says so
+        return first
 
     def reader(self, slots: Any, server_epoch: int, session_id: str) -> Rows:
-        index = self._index(slots, server_epoch)
+        first = self._run(slots)
         k, v = self.pool.k_buffer, self.pool.v_buffer
+        if first is not None:
+            # One run of slots: the pool's own rows, no copy (the caller copies them once).
+            self._check_epoch(server_epoch)
+            end = first + len(slots)
+            if self.info.mla:
+                return lambda layer: (byte_view(k[layer][first:end]), None)
+            return lambda layer: (byte_view(k[layer][first:end]),
+                                  byte_view(v[layer][first:end]))
+        index = self._index(slots, server_epoch)
         if self.info.mla:
             return lambda layer: (byte_view(k[layer]).index_select(0, index), None)
         return lambda layer: (byte_view(k[layer]).index_select(0, index),
                               byte_view(v[layer]).index_select(0, index))
 
     def write(self, slots: Any, source: Rows, heads: slice, session_id: str,
-              server_epoch: int) -> None:
-        """Copy ``source``'s rows into ``slots`` under the session's write fence.
+              server_epoch: int, fill: Fill | None = None) -> None:
+        """Copy ``source``'s rows into ``slots`` under the session's write fence; when
+        the slots are one run, ``fill`` (if given) writes each layer's rows straight
+        into the pool's (one copy, not a gather and a scatter).
 
         Raises:
             SessionLost: the session ended before or during the copy (the save fails).
@@ -133,12 +157,24 @@ class MappedAccess:
             return
         try:
             with fence.held():
-                self._copy(index, source, heads)
+                first = self._run(slots) if fill is not None else None
+                if first is not None and fill is not None:
+                    self._fill(first, len(slots), fill, heads)
+                else:
+                    self._copy(index, source, heads)
                 fence.check()  # ended mid-copy: the rows went into slots it lost
         except SessionLost:
             self._fences.pop(session_id, None)
             fence.close()
             raise
+
+    def _fill(self, first: int, count: int, fill: Fill, heads: slice) -> None:
+        end = first + count
+        for layer in range(self.info.layer_num):
+            k = self.pool.k_buffer[layer][first:end, heads]
+            fill(layer, k, None if self.info.mla else
+                 self.pool.v_buffer[layer][first:end, heads])
+        self._synchronize()
 
     def _copy(self, index: Any, source: Rows, heads: slice) -> None:
         for layer in range(self.info.layer_num):
@@ -148,7 +184,14 @@ class MappedAccess:
                 pairs.append((self.pool.v_buffer[layer], v))
             for buf, rows in pairs:
                 target = byte_view(buf)
-                target[index, heads] = byte_view(rows).to(target.device)
+                rows = byte_view(rows).to(target.device)
+                if heads == slice(None):
+                    target.index_copy_(0, index, rows)  # faster than an index_put
+                else:
+                    target[index, heads] = rows
+        self._synchronize()
+
+    def _synchronize(self) -> None:
         if self.pool.device.startswith("cuda"):
             import torch
 
@@ -176,7 +219,7 @@ class RemoteAccess:
         return lambda layer: (byte_view(data.k[layer]), byte_view(data.v[layer]))
 
     def write(self, slots: Any, source: Rows, heads: slice, session_id: str,
-              server_epoch: int) -> None:
+              server_epoch: int, fill: Fill | None = None) -> None:
         _write_kv(self.client, self.model, self.info, slots, source, heads, session_id,
                   server_epoch)
 

@@ -50,13 +50,13 @@ from prefixcache.client import (
 from prefixcache.client.results import PoolInfo
 
 from .attn_backends import BackendInfo, layout_for
+from .block_copy import Span, load_span, save_span, spans
 from .config import ConnectorConfig
 from .layout import (
     LayerView,
     UnknownLayout,
     block_positions,
     gather_blocks,
-    scatter_blocks,
     split_kv,
 )
 from .layout import unique_layers as _unique_layers
@@ -271,14 +271,15 @@ class WorkerCore:
             return
         try:
             rows = access.reader(op.slots, op.server_epoch, op.session_id)
+            memo: dict[tuple[int, str], list[Span]] = {}
             for layer, view in enumerate(self.layers):
-                blocks, offsets = block_positions(op.block_ids, op.start, op.num_tokens,
-                                                  self.block_size, view.kernel_block_size,
-                                                  view.k.device)
+                # Whole kernel blocks in one copy per layer and side (block_copy.py).
+                parts = self._spans(view, op.block_ids, op.start, op.num_tokens, memo)
                 k, v = rows(layer)
-                scatter_blocks(view.k, blocks, offsets, k[:, self._heads])
-                if view.v is not None:
-                    scatter_blocks(view.v, blocks, offsets, v[:, self._heads])
+                for span in parts:
+                    load_span(view.k, span, k[span.lo:span.hi, self._heads])
+                    if view.v is not None:
+                        load_span(view.v, span, v[span.lo:span.hi, self._heads])
             problem = self._still_mapped(op) if self.config.verify_loads else None
             if problem is not None:
                 self._fail(op, problem)
@@ -332,7 +333,28 @@ class WorkerCore:
             k = gather_blocks(view.k, blocks, offsets)
             return k, None if view.v is None else gather_blocks(view.v, blocks, offsets)
 
-        access.write(op.slots, source, self._heads, op.session_id, op.server_epoch)
+        memo: dict[tuple[int, str], list[Span]] = {}
+
+        def fill(layer: int, k: Any, v: Any | None) -> None:
+            # The slots are one run: straight into the pool's rows, a copy per span.
+            view = self.layers[layer]
+            for span in self._spans(view, op.block_ids, op.start, len(op.slots), memo):
+                save_span(view.k, span, k[span.lo:span.hi])
+                if view.v is not None and v is not None:
+                    save_span(view.v, span, v[span.lo:span.hi])
+
+        access.write(op.slots, source, self._heads, op.session_id, op.server_epoch, fill)
+
+    def _spans(self, view: LayerView, block_ids: Any, start: int, count: int,
+               memo: dict[tuple[int, str], list[Span]]) -> list[Span]:
+        """The spans of one copy in ``view``'s kernel blocks: the same for every layer of
+        one kernel block size and device, so ``memo`` (one per copy) keeps them."""
+        key = (view.kernel_block_size, str(view.k.device))
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = spans(block_ids, start, count, self.block_size,
+                                      view.kernel_block_size, view.k.device)
+        return found
 
     def _give_back(self, op: SaveOp) -> None:
         """Free a failed save's slots in the scheduler's session: its Insert is then

@@ -1,0 +1,148 @@
+"""Copies between pool rows and vLLM's blocks in as few, as wide, copies as the layout
+allows (issue 24 item 2).
+
+A request's tokens ``start .. end`` fall into up to three spans: a partial kernel block
+at each edge, and the whole kernel blocks between them. The whole blocks move with one
+``index_copy_`` (load) or one ``index_select`` into the pool's rows (save) per layer and
+side, over all of the request's blocks; the edges with one indexing copy of their few
+tokens (layout.py's ``scatter_blocks`` / ``gather_blocks``). When the pool slots are one
+run (the allocator hands out whole pages, so they usually are) the pool side is a view
+of the pool itself, and a layer's K or V moves in one copy, not two.
+
+Each element is as wide as both sides allow (16 bytes where the rows' strides permit):
+torch's index kernels copy element by element, so a row of 128 bfloat16 values moves as
+16 elements rather than 128. torch is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+from .layout import block_positions, byte_view, gather_blocks, scatter_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Tokens ``lo .. hi`` of a copy (indices into its slots and rows): whole kernel
+    blocks ``kernel`` (one id each), or single tokens at ``(blocks, offsets)``."""
+
+    lo: int
+    hi: int
+    kernel: Any = None
+    blocks: Any = None
+    offsets: Any = None
+
+
+def spans(block_ids: array, start: int, num_tokens: int, block_size: int,
+          kernel_block_size: int, device: Any = None) -> list[Span]:
+    """The spans of tokens ``start .. start + num_tokens`` of a request whose vLLM
+    blocks are ``block_ids`` (see the module docstring).
+
+    Raises:
+        ValueError: as ``block_positions``.
+    """
+
+    kb = kernel_block_size
+    end = start + num_tokens
+    first = min(-(-start // kb) * kb, end)  # the first whole kernel block's first token
+    last = max(end // kb * kb, first)
+    out = []
+    for lo, hi in ((start, first), (last, end)):
+        if hi > lo:
+            blocks, offsets = block_positions(block_ids, lo, hi - lo, block_size, kb, device)
+            out.append(Span(lo - start, hi - start, blocks=blocks, offsets=offsets))
+    if last > first:
+        blocks, _ = block_positions(block_ids, first, last - first, block_size, kb)
+        kernel = blocks[::kb].contiguous().to(device)
+        out.insert(1 if start < first else 0, Span(first - start, last - start, kernel))
+    return out
+
+
+def whole_blocks(view: Any) -> Any | None:
+    """A six-dimensional layer view (layout.py) as ``[kernel blocks, block, heads, dim]``,
+    or None where a block's tokens or a head's dims are not one dimension each."""
+    if int(view.shape[2]) != 1 or int(view.shape[5]) != 1:
+        return None
+    return view[:, :, 0, :, :, 0]
+
+
+def _wide(a: Any, b: Any) -> tuple[Any, Any]:
+    """``a`` and ``b`` as the widest element type both can be viewed as (bytes kept)."""
+    import torch
+
+    a, b = byte_view(a), byte_view(b)
+    if a.dtype != b.dtype:
+        return a, b
+    for dtype in (torch.complex128, torch.int64, torch.int32):
+        if dtype.itemsize <= a.element_size():
+            break
+        try:
+            return a.view(dtype), b.view(dtype)
+        except RuntimeError:  # a stride or size the wider type cannot view
+            continue
+    return a, b
+
+
+def load_span(view: Any, span: Span, rows: Any) -> None:
+    """Write ``rows`` (``[hi - lo, heads, dim]``, a view of the pool's rows or a copy of
+    them) into ``span`` of a layer view."""
+    if span.kernel is None:
+        scatter_blocks(view, span.blocks, span.offsets, rows)
+        return
+    blocks = whole_blocks(view)
+    if blocks is None:
+        kernel_block = int(view.shape[1]) * int(view.shape[2])
+        scatter_blocks(view, *_tokens(span, kernel_block, view.device), rows)
+        return
+    kb = int(view.shape[1])
+    src = rows.to(blocks.device, non_blocking=blocks.is_cuda)
+    dst, src = _wide(blocks, src.reshape(-1, kb, *src.shape[1:]))
+    dst.index_copy_(0, span.kernel, src)
+
+
+def save_span(view: Any, span: Span, out: Any) -> None:
+    """Copy ``span`` of a layer view into ``out`` (``[hi - lo, heads, dim]``: the pool's
+    own rows, written in place)."""
+    import torch
+
+    blocks = whole_blocks(view) if span.kernel is not None else None
+    if blocks is None:
+        kernel_block = int(view.shape[1]) * int(view.shape[2])
+        where = (span.blocks, span.offsets) if span.kernel is None else \
+            _tokens(span, kernel_block, view.device)
+        rows = gather_blocks(view, *where)
+        byte_view(out).copy_(rows.reshape(byte_view(out).shape).to(out.device))
+        return
+    kb = int(view.shape[1])
+    target = out.view(-1, kb, *out.shape[1:]) if out.is_contiguous() else None
+    if target is not None and target.device == blocks.device:
+        src, dst = _wide(blocks, target)
+        torch.index_select(src, 0, span.kernel, out=dst)
+        return
+    rows = byte_view(blocks).index_select(0, span.kernel)
+    byte_view(out).copy_(rows.reshape(byte_view(out).shape).to(out.device))
+
+
+def _tokens(span: Span, kernel_block: int, device: Any) -> tuple[Any, Any]:
+    """A whole-block span's (kernel block, offset) of each token."""
+    import torch
+
+    n = span.hi - span.lo
+    pos = torch.arange(n, device=span.kernel.device)
+    return (span.kernel[pos // kernel_block].to(device),
+            (pos % kernel_block).to(device))
+
+
+def slot_run(slots: array) -> int | None:
+    """The first slot when ``slots`` are consecutive (one run of the pool), else None."""
+    import numpy as np
+
+    if not len(slots):
+        return None
+    values = np.frombuffer(slots, dtype=np.int64)
+    first = int(values[0])
+    if int(values[-1]) - first != len(values) - 1:
+        return None
+    return first if bool((np.diff(values) == 1).all()) else None

@@ -1,0 +1,99 @@
+"""block_copy: whole kernel blocks in one wide copy, partial blocks at the edges, against
+the token-by-token copies of layout.py (the reference), for every layout, kernel blocks
+smaller than vLLM's, unaligned starts and ends, fp8 bytes."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+import torch
+
+from prefixcache.integrations.vllm.block_copy import (
+    load_span,
+    save_span,
+    slot_run,
+    spans,
+    whole_blocks,
+)
+from prefixcache.integrations.vllm.layout import block_positions, gather_blocks, split_kv
+
+HEADS, DIM, BLOCK = 2, 32, 16
+SHAPES = {"kv_first": lambda n, kb: (2, n, kb, HEADS, DIM),
+          "blocks_first": lambda n, kb: (n, 2, kb, HEADS, DIM),
+          "bhn2d": lambda n, kb: (n, HEADS, kb, 2 * DIM),
+          "cpu_vec": lambda n, kb: (n, HEADS, kb, 2 * DIM),
+          "cpu_amx": lambda n, kb: (n, HEADS, kb, 2 * DIM),
+          "mla": lambda n, kb: (n, kb, DIM)}
+# (start, tokens): aligned, unaligned start, unaligned end, inside one block, empty middle.
+CASES = [(0, 64), (16, 48), (5, 60), (0, 37), (3, 9), (17, 14), (32, 1)]
+
+
+def cache(layout: str, kernel_block: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    n = 12 * (BLOCK // kernel_block)
+    shape = SHAPES[layout](n, kernel_block)
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), dtype=torch.uint8,
+                        generator=g)
+    return raw.view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kernel_block", [16, 8])
+@pytest.mark.parametrize("layout", list(SHAPES))
+def test_spans_copy_what_the_token_copies_copy(layout: str, kernel_block: int,
+                                               dtype: torch.dtype) -> None:
+    if layout == "cpu_amx" and (kernel_block % 16 or dtype.itemsize != 2):
+        pytest.skip("AMX packs 16-bit types in tiles of 16 tokens")
+    view = split_kv("l", cache(layout, kernel_block, dtype, 1), layout, DIM)
+    sides = [view.k] + ([] if view.v is None else [view.v])
+    block_ids = array("q", [7, 2, 9, 0, 4, 11])
+    for start, count in CASES:
+        parts = spans(block_ids, start, count, BLOCK, kernel_block)
+        assert [(p.lo, p.hi) for p in parts] == sorted((p.lo, p.hi) for p in parts)
+        assert sum(p.hi - p.lo for p in parts) == count
+        assert sum(p.kernel is not None for p in parts) <= 1
+        blocks, offsets = block_positions(block_ids, start, count, BLOCK, kernel_block)
+        for side in sides:
+            g = torch.Generator().manual_seed(start * 100 + count)
+            heads = 1 if view.v is None else HEADS
+            rows = torch.randint(0, 256, (count, heads, DIM * dtype.itemsize),
+                                 dtype=torch.uint8, generator=g).view(dtype)
+            for part in parts:
+                load_span(side, part, rows[part.lo:part.hi])
+            got = gather_blocks(side, blocks, offsets)  # the reference, token by token
+            assert torch.equal(got.view(torch.uint8), rows.view(torch.uint8))
+            out = torch.zeros_like(rows)
+            for part in parts:
+                save_span(side, part, out[part.lo:part.hi])
+            assert torch.equal(out.view(torch.uint8), rows.view(torch.uint8))
+
+
+def test_whole_blocks_only_where_a_block_is_one_dimension() -> None:
+    t = cache("cpu_amx", 16, torch.bfloat16, 0)
+    assert whole_blocks(split_kv("l", t, "cpu_amx", DIM).k) is None
+    for layout in ("kv_first", "bhn2d", "cpu_vec"):
+        view = split_kv("l", cache(layout, 16, torch.bfloat16, 0), layout, DIM)
+        assert tuple(whole_blocks(view.k).shape) == (12, 16, HEADS, DIM)
+
+
+def test_save_into_rows_of_a_head_slice() -> None:
+    """A tensor-parallel rank writes its heads only: the pool's rows are not contiguous
+    there, and the copy still lands in them alone."""
+    view = split_kv("l", cache("bhn2d", 16, torch.bfloat16, 3), "bhn2d", DIM)
+    pool = torch.zeros(40, 2 * HEADS, DIM, dtype=torch.bfloat16)
+    parts = spans(array("q", [3, 1]), 0, 32, BLOCK, 16)
+    for part in parts:
+        save_span(view.k, part, pool[part.lo:part.hi, HEADS:])
+    blocks, offsets = block_positions(array("q", [3, 1]), 0, 32, BLOCK, 16)
+    want = gather_blocks(view.k, blocks, offsets)
+    assert torch.equal(pool[:32, HEADS:].contiguous().view(torch.uint8), want.view(torch.uint8))
+    assert not pool[:, :HEADS].view(torch.uint8).any() and not pool[32:].view(torch.uint8).any()
+
+
+def test_slot_run() -> None:
+    assert slot_run(array("q", [5, 6, 7, 8])) == 5
+    assert slot_run(array("q", [9])) == 9
+    assert slot_run(array("q")) is None
+    assert slot_run(array("q", [5, 7, 6, 8])) is None  # same span, not one run
+    assert slot_run(array("q", [5, 6, 8, 9])) is None
