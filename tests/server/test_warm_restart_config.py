@@ -14,6 +14,7 @@ from prefixcache.server.config import ConfigError, ModelConfig, PoolConfig, load
 
 RADIX = ModelConfig(name="m", page_size=2, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4))
 SWA = ModelConfig(name="w", kind="swa", page_size=1, sliding_window_size=4, pool=SMALL_POOL)
+CHUNK = ModelConfig(name="c", kind="chunk", page_size=1, pool=SMALL_POOL)
 
 
 def test_off_by_default_and_refused_without_shared_memory(tmp_path: Path) -> None:
@@ -41,7 +42,8 @@ def test_a_restored_cache_passes_the_integrity_check_and_evicts(tmp_path: Path) 
     shm = tmp_path / "shm"
     shm.mkdir()
     keys = [list(range(1, 11)), [*range(1, 5), 70, 71], [5, 6, 7, 8]]
-    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
+    # A chunk model beside it holds nothing to restore; its pool is taken over too.
+    with running(tmp_path, (RADIX, CHUNK), shm_dir=str(shm), warm_restart=True) as srv, \
             PrefixCacheClient(srv.address, timeout=10) as client, client.session(10) as s:
         for key in keys:
             have = s.match("m", key)
@@ -51,8 +53,9 @@ def test_a_restored_cache_passes_the_integrity_check_and_evicts(tmp_path: Path) 
             s.insert("m", key, [*have.slots, *new])
         before = {tuple(k): list(client.match("m", k).slots) for k in keys}
         used = srv.service.engines["m"].allocator.num_allocated()
-    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv:
+    with running(tmp_path, (RADIX, CHUNK), shm_dir=str(shm), warm_restart=True) as srv:
         assert srv.server.warm.outcome == "restored"
+        assert len(srv.service.shared.adopted) == 4  # K and V of each model
         srv.check_integrity()
         engine = srv.service.engines["m"]
         assert engine.allocator.num_allocated() == used == engine.cache.evictable_size()

@@ -114,7 +114,8 @@ class ServerConfig:
     # Warm restart (warm_restart.py): a clean stop (SIGTERM) keeps the CPU pools' files
     # under shm_dir and writes a checksummed snapshot of the trees beside them; the next
     # start with the same models takes both over, so cached prompts hit again. Radix
-    # models only (others start cold, logged); needs shm_dir. After a crash: cold.
+    # and chunk models only (others start cold, logged); needs shm_dir. After a crash:
+    # cold.
     warm_restart: bool = False
     # Limits: what one client may take of a service that others share. Each is generous
     # by default; a refusal names its setting and counts in prefixcache_refusals_total.

@@ -16,7 +16,8 @@ Anything that does not add up starts cold, with one log line saying why, counted
 - ``config_changed``: another model list, kind, page size or pool geometry or dtype.
 - ``foreign``: another user's files, or an owner that is still alive.
 - ``stale``: pool files gone, replaced or written since the snapshot.
-- ``unsupported``: a model whose kind is not restored (only radix is).
+- ``unsupported``: a model whose kind is not restored (radix is; chunk models hold
+  nothing to restore, and their pools are taken over all the same).
 
 After a SIGKILL (or an OOM kill, a node crash) the start is cold. A start consumes
 the snapshot it reads (removes it first thing), and only a clean stop writes one, after
@@ -67,7 +68,8 @@ log = logging.getLogger("prefixcache.server")
 
 OUTCOMES = ("restored", "no_snapshot", "corrupt", "config_changed", "foreign", "stale",
             "unsupported")
-SUPPORTED_KINDS = ("radix",)
+# Chunk models keep nothing between requests: their pool is taken over, with no tree.
+SUPPORTED_KINDS = ("radix", "chunk")
 
 
 def snapshot_path(shm_dir: str, listen: str) -> Path:
@@ -154,8 +156,8 @@ class WarmRestart:
         unsupported = [f"{m.name} ({m.kind})" for m in self.config.models
                        if m.kind not in SUPPORTED_KINDS]
         if unsupported:
-            raise Refused("unsupported", f"only radix models are restored warm, not "
-                                         f"{', '.join(unsupported)}")
+            raise Refused("unsupported", f"only radix (and chunk) models are restored "
+                                         f"warm, not {', '.join(unsupported)}")
         if read is None:
             raise Refused("no_snapshot", f"no snapshot at {self.path}: the last run did "
                           "not stop cleanly (or this is the first start)")
@@ -171,7 +173,7 @@ class WarmRestart:
             written = int(manifest["written_ns"])
         except (KeyError, TypeError, ValueError) as exc:
             raise Refused("corrupt", f"the snapshot's manifest lacks {exc}") from exc
-        if names != [m.name for m in self.config.models] or len(blobs) != len(names):
+        if names != _tree_models(self.config) or len(blobs) != len(names):
             raise Refused("corrupt", "the snapshot's trees are not its models'")
         directory = Path(self.config.server.shm_dir)
         lock_fd = _hold_lock(directory, owner)
@@ -234,7 +236,7 @@ class WarmRestart:
             log.warning("warm restart: no snapshot written; the next start is cold",
                         extra={"reason": why})
             return frozenset()
-        names = [m.name for m in self.config.models]
+        names = _tree_models(self.config)
         images = [take(service.engines[name].cache) for name in names]
         paths = sorted({h.shm_path for e in service.engines.values()
                         for h in describe_buffers(e, service.shared)})
@@ -263,7 +265,8 @@ class WarmRestart:
     def _unsafe(self, service: Any) -> str | None:
         unsupported = [m.name for m in self.config.models if m.kind not in SUPPORTED_KINDS]
         if unsupported:
-            return f"only radix models are restored warm, not {', '.join(unsupported)}"
+            return (f"only radix (and chunk) models are restored warm, not "
+                    f"{', '.join(unsupported)}")
         if service.fences.waiting():
             return (f"{len(service.fences.waiting())} ended sessions' workers were still "
                     "copying into the mapped pool")
@@ -277,6 +280,10 @@ class WarmRestart:
         except Exception as exc:  # never persist a cache that fails its own check
             return f"the integrity check failed: {exc}"
         return None
+
+
+def _tree_models(config: Config) -> list[str]:
+    return [m.name for m in config.models if m.kind == "radix"]
 
 
 def _hold_lock(directory: Path, owner: str) -> int:
