@@ -161,3 +161,19 @@ def test_eviction_record_matches_lookup_ids_on_every_tree_kind() -> None:
     cache.evict(100)
     key = RadixKey(tokens)
     assert classify(cache, key, 0, record, ids).ranges == [("miss_evicted", 0, 6)]
+
+
+def test_namespaces_looked_into_are_bounded() -> None:
+    """A model with many namespaces: a miss looks into the oldest MAX_EXAMINED only."""
+    from prefixcache.cache.lookup_outcomes import MAX_EXAMINED
+
+    cache, record, ids = _cache(page_size=1, size=4096)
+    for i in range(MAX_EXAMINED + 5):
+        _insert(cache, [i + 100, 7], f"ns{i}")
+    _insert(cache, [1, 2, 3], "late")  # created after the first MAX_EXAMINED
+    _insert(cache, [5, 6], "ns3")
+    key = RadixKey([5, 6, 9])
+    assert classify(cache, key, 0, record, ids).ranges == [("miss_namespace", 0, 2),
+                                                           ("miss_cold", 2, 3)]
+    assert classify(cache, RadixKey([1, 2, 3]), 0, record, ids).ranges == [
+        ("miss_cold", 0, 3)]

@@ -47,9 +47,11 @@ LEASE_EXPIRED = "lease_expired"
 CAPACITY = "capacity"
 OUTCOMES = (HIT, MISS_COLD, MISS_EVICTED, MISS_NAMESPACE, BELOW_PAGE, LOAD_FAILED,
             LEASE_EXPIRED, CAPACITY)
-# Other namespaces looked into for a miss, at most: bounds a lookup's cost where a
-# model has many (one per LoRA adapter or tenant).
+# Other namespaces looked into for a miss, at most, and namespaces examined to find
+# them: bounds a lookup's cost where a model has many (one per LoRA adapter, tenant or
+# salt), the oldest first.
 MAX_OTHER_NAMESPACES = 8
+MAX_EXAMINED = 64
 
 
 @dataclass(slots=True)
@@ -130,7 +132,9 @@ def classify(cache: Any, key: RadixKey, hit: int, record: EvictedPages | None,
                 pos = same
         if pos < end and roots:
             best, looked = pos, 0
-            for (extra_key, token_width), root in list(roots.items()):
+            for examined, ((extra_key, token_width), root) in enumerate(roots.items()):
+                if examined >= MAX_EXAMINED:
+                    break
                 if token_width != width or extra_key == key.extra_key \
                         or is_hash_namespace(extra_key) \
                         or (namespaces is not None and not namespaces(extra_key)):

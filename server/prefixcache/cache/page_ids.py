@@ -33,6 +33,8 @@ from .page_index import DIGEST_BYTES, hash_namespace, is_hash_namespace
 _U64 = np.uint64
 _MULT = _U64(0x9E3779B97F4A7C15)  # odd, so its powers never vanish modulo 2**64
 _LEN = _U64(0xD6E8FEB86659FD93)
+# Powers kept between calls, at most (8 MiB): a longer key computes its own.
+_MAX_KEPT = 1 << 20
 DEFAULT_RECORD_PAGES = 1 << 16
 # Pages are named in blocks of at least this many tokens: at page size 1 a page per
 # token made a long prompt's eviction and cold lookup cost milliseconds of per-page
@@ -76,10 +78,12 @@ class PrefixIds:
 
     def _table(self, n: int) -> np.ndarray:
         if len(self._powers) < n:
-            size = max(n, 2 * len(self._powers))
+            size = max(n, min(2 * len(self._powers), _MAX_KEPT))
             powers = np.empty(size, dtype=_U64)
             powers[0] = 1
             powers[1:] = np.cumprod(np.full(size - 1, _MULT, dtype=_U64), dtype=_U64)
+            if size > _MAX_KEPT:  # one long key's: not kept
+                return powers[:n]
             self._powers = powers
         return self._powers[:n]
 

@@ -43,6 +43,7 @@ from prefixcache.cache.lookup_outcomes import (
     HIT,
     LEASE_EXPIRED,
     LOAD_FAILED,
+    MAX_EXAMINED,
     MISS_COLD,
     MISS_EVICTED,
     MISS_NAMESPACE,
@@ -167,7 +168,9 @@ def _other_run(index: Any, namespace: tuple[str | None, int], data: bytes, pos: 
     first = _hex(data, pos)
     best = 0
     looked = 0
-    for extra_key, width in list(index._pages):
+    for examined, (extra_key, width) in enumerate(index._pages):
+        if examined >= MAX_EXAMINED:
+            break
         if width != namespace[1] and not is_hash_namespace(extra_key):
             continue
         owner = _owner(extra_key, width)
