@@ -224,6 +224,29 @@ def _chunks(header: pb.WriteKVHeader, todo: list[tuple[_Part, Any]],
                              data=bytes(data[i:i + chunk_bytes]))
 
 
+def wide_pair(a: Any, b: Any) -> tuple[Any, Any]:
+    """Tensors ``a`` and ``b`` of one element size, viewed (bytes kept) as the widest
+    element type both allow, for copies between them: torch's index kernels copy
+    element by element, so a row of 128 bfloat16 values moves faster as 16 elements of
+    16 bytes. Unchanged when their element sizes differ or no wider view fits."""
+    import torch
+
+    if a.element_size() != b.element_size():
+        return a, b
+    if a.element_size() == 1:  # fp8 has no indexing kernels on the CPU: as bytes
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    for dtype in (torch.complex128, torch.int64, torch.int32):
+        if dtype.itemsize <= a.element_size():
+            break
+        try:
+            return a.view(dtype), b.view(dtype)
+        except RuntimeError:  # a stride or size the wider type cannot view
+            continue
+    if a.dtype != b.dtype:  # one size, two types (fp8 and uint8): as the same one
+        return a, b.view(a.dtype)
+    return a, b
+
+
 def _label(part: _Part) -> str:
     name = {K: "k", V: "v", CONV: "conv", TEMPORAL: "temporal"}[part.role]
     return f"{name}[{part.layer}]"

@@ -126,6 +126,29 @@ class HostLayout:
         return buf[start // size, :, :, layer].transpose(0, 1)  # page_head: [heads, page, dim]
 
 
+    def pages_view(self, part: str, layer: int) -> Any | None:
+        """Every page of ``layer`` of component ``part`` as ``[pages, page_size, heads,
+        dim]`` (a view: page ``i`` starts at host position ``i * page_size``), so that a
+        batch of pages moves with one indexing copy; None for an MLA pool's V, or a
+        buffer whose size is not whole pages."""
+        buf = self.k if part == K else self.v
+        if buf is None:
+            return None
+        size = self.page_size
+        if self.layout == "layer_first":
+            rows = buf[layer]
+        elif self.layout == "page_first":
+            rows = buf[:, layer]
+        elif self.layout == "page_first_direct":
+            return buf[:, layer]
+        else:
+            return buf[:, :, :, layer].transpose(1, 2)  # page_head: [pages, heads, page, dim]
+        if rows.shape[0] % size:
+            return None
+        return rows.view(rows.shape[0] // size, size, *rows.shape[1:]) \
+            if rows.is_contiguous() else rows.unflatten(0, (rows.shape[0] // size, size))
+
+
 def _geometry(layout: str, page_size: int, buf: Any, what: str) -> tuple[int, int, int]:
     """(layers, heads, dim) of one component buffer; checks its rank and page dim."""
     shape = tuple(buf.shape)

@@ -5,8 +5,11 @@ per page, the host page they go to or come from: a ``HostLayout`` and the host t
 position where the page starts (a flat page is a one-page ``HostLayout`` at 0).
 
 ``AttachedIO`` copies through the pool mapped into this process (shared memory for a
-CPU pool, CUDA IPC for a GPU pool): no RPC, and one slice copy per page and layer
-(pool pages are runs of slots, so rows are copied as blocks, not gathered one by one).
+CPU pool, CUDA IPC for a GPU pool), with no RPC. Pages of the host pool move with one
+indexing copy per layer and part over all of them (``HostLayout.pages_view``: a page
+is one element), straight from or into the pool's rows when the slots are one run (the
+allocator hands out whole pages, so they usually are); flat pages, one slice copy per
+page and layer.
 ``RemoteIO`` streams the rows with ReadKV and WriteKV, for a sidecar whose pool this
 process cannot map. Rows cross bit for bit (``bitcast``), so fp8 KV that one side keeps
 as uint8 arrives unchanged; an MLA host pool has no V, so V is neither read nor
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from prefixcache.client.kv import wide_pair
 from prefixcache.client.results import PoolInfo
 
 from .host_layout import HostLayout, K, V, bitcast
@@ -55,6 +59,10 @@ class AttachedIO:
 
     def load(self, slots: Any, pages: list[HostPage], layers: list[int],
              session: Any) -> None:
+        batch = _batch(pages, self.pool.k_buffer[0])
+        if batch is not None:
+            self._load_batch(slots, batch, layers, pages)
+            return
         runs = _Runs(slots, self.info.page_size, self.pool.k_buffer[0].device)
         for layer in layers:
             for part in _parts(pages):
@@ -65,6 +73,10 @@ class AttachedIO:
 
     def store(self, slots: Any, pages: list[HostPage], layers: list[int],
               session: Any) -> None:
+        batch = _batch(pages, self.pool.k_buffer[0])
+        if batch is not None:
+            self._store_batch(slots, batch, layers, pages)
+            return
         runs = _Runs(slots, self.info.page_size, self.pool.k_buffer[0].device)
         for layer in layers:
             for part in _parts(pages):
@@ -72,11 +84,77 @@ class AttachedIO:
                 for i, (host, start) in enumerate(pages):
                     runs.put(buf, i, host.page_view(part, layer, start))
 
+    # Pages of one host pool: one indexing copy per layer and part, over all the pages
+    # (a page-sized element each), straight from or into the pool's rows when the slots
+    # are one run.
+
+    def _load_batch(self, slots: Any, batch: tuple[HostLayout, Any], layers: list[int],
+                    pages: list[HostPage]) -> None:
+        host, page_ids = batch
+        first = _run(slots, self.pool.k_buffer[0].shape[0])
+        index = None if first is not None else slots.to(self.pool.k_buffer[0].device)
+        count = len(pages)
+        for layer in layers:
+            for part in _parts(pages):
+                buf = self._buffers(part)[layer]
+                dst = host.pages_view(part, layer)
+                rows = buf[first:first + len(slots)] if index is None else \
+                    buf.index_select(0, index)
+                rows = rows.view(count, -1, *rows.shape[1:]).to(dst.device)
+                d, r = wide_pair(dst, rows)
+                d.index_copy_(0, page_ids, r)
+
+    def _store_batch(self, slots: Any, batch: tuple[HostLayout, Any], layers: list[int],
+                     pages: list[HostPage]) -> None:
+        import torch
+
+        host, page_ids = batch
+        first = _run(slots, self.pool.k_buffer[0].shape[0])
+        device = self.pool.k_buffer[0].device
+        count = len(pages)
+        for layer in layers:
+            for part in _parts(pages):
+                buf = self._buffers(part)[layer]
+                src = host.pages_view(part, layer)
+                if first is not None and src.device == device:
+                    out = buf[first:first + len(slots)]
+                    s, o = wide_pair(src, out.view(count, -1, *out.shape[1:]))
+                    torch.index_select(s, 0, page_ids, out=o)
+                    continue
+                rows = src.index_select(0, page_ids).to(device)
+                rows = bitcast(rows.reshape(len(slots), *rows.shape[2:]), buf.dtype)
+                buf.index_copy_(0, slots.to(device), rows)
+
     def _buffers(self, part: str) -> list[Any]:
         return self.pool.k_buffer if part == K else self.pool.v_buffer
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _batch(pages: list[HostPage], pool_rows: Any) -> tuple[HostLayout, Any] | None:
+    """The host pool of ``pages`` and their page numbers, when they are all pages of
+    one host pool (not flat pages) with the pool's element size; else None."""
+    import torch
+
+    host = pages[0][0] if pages else None
+    if host is None or any(h is not host for h, _ in pages) or \
+            host.dtype.itemsize != pool_rows.element_size() or \
+            host.pages_view(K, 0) is None:
+        return None
+    size = host.page_size
+    return host, torch.tensor([start // size for _, start in pages], dtype=torch.int64,
+                              device=host.k.device)
+
+
+def _run(slots: Any, rows: int) -> int | None:
+    """The first slot when ``slots`` (int64) are consecutive and inside ``rows``."""
+    if not len(slots):
+        return None
+    first = int(slots[0])
+    if first < 0 or first + len(slots) > rows or int(slots[-1]) - first != len(slots) - 1:
+        return None
+    return first if bool((slots[1:] - slots[:-1] == 1).all()) else None
 
 
 class _Runs:

@@ -20,6 +20,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+from prefixcache.client.kv import wide_pair
+
 from .layout import block_positions, byte_view, gather_blocks, scatter_blocks
 
 
@@ -69,20 +71,7 @@ def whole_blocks(view: Any) -> Any | None:
 
 
 def _wide(a: Any, b: Any) -> tuple[Any, Any]:
-    """``a`` and ``b`` as the widest element type both can be viewed as (bytes kept)."""
-    import torch
-
-    a, b = byte_view(a), byte_view(b)
-    if a.dtype != b.dtype:
-        return a, b
-    for dtype in (torch.complex128, torch.int64, torch.int32):
-        if dtype.itemsize <= a.element_size():
-            break
-        try:
-            return a.view(dtype), b.view(dtype)
-        except RuntimeError:  # a stride or size the wider type cannot view
-            continue
-    return a, b
+    return wide_pair(byte_view(a), byte_view(b))
 
 
 def load_span(view: Any, span: Span, rows: Any) -> None:
