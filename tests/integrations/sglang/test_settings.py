@@ -65,6 +65,22 @@ def test_page_views_match_sglang_indexing(layout: str) -> None:
         host.page_view("k", 0, 2)
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct",
+                                    "page_head"])
+def test_pages_views_are_every_page_view(layout: str) -> None:
+    """pages_view (one copy over a batch of pages) is page_view of each page, and a view."""
+    pool = HostPool(layout, pages=3, seed=6)
+    host = HostLayout.of_pool(pool)
+    for part in ("k", "v"):
+        for layer in range(2):
+            pages = host.pages_view(part, layer)
+            assert pages.shape[:2] == (3, 4)
+            for page in range(3):
+                assert torch.equal(pages[page], host.page_view(part, layer, 4 * page))
+            pages[1].zero_()
+            assert not pool.row(part, layer, 5).any()
+
+
 def test_unsupported_layouts_are_refused() -> None:
     pool = HostPool("page_first")
     with pytest.raises(ValueError, match="not supported"):
