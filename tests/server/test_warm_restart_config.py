@@ -68,3 +68,18 @@ def test_a_restored_cache_passes_the_integrity_check_and_evicts(tmp_path: Path) 
                 assert not fresh & {x for v in before.values() for x in v}
             assert client.evict("m", used).evicted_tokens == used
         srv.check_integrity()
+
+
+def test_a_pool_on_a_gpu_starts_cold(tmp_path: Path) -> None:
+    """Device memory does not outlive the process: such a model is unsupported (the
+    check runs before any pool is made, so no GPU is needed here)."""
+    from dataclasses import replace
+
+    from prefixcache.server.config import Config, ServerConfig
+    from prefixcache.server.warm_restart import WarmRestart
+
+    gpu = replace(RADIX, pool=replace(RADIX.pool, device="cuda:0"))
+    warm = WarmRestart(Config(ServerConfig(shm_dir=str(tmp_path), warm_restart=True),
+                              (RADIX, gpu)))
+    assert warm.prepare() is None and warm.outcome == "unsupported"
+    assert warm.counts["unsupported"] == 1

@@ -153,11 +153,9 @@ class WarmRestart:
 
     def _prepare(self) -> Takeover:
         read = warm_snapshot.consume(self.path)
-        unsupported = [f"{m.name} ({m.kind})" for m in self.config.models
-                       if m.kind not in SUPPORTED_KINDS]
-        if unsupported:
-            raise Refused("unsupported", f"only radix (and chunk) models are restored "
-                                         f"warm, not {', '.join(unsupported)}")
+        why = _unsupported(self.config)
+        if why is not None:
+            raise Refused("unsupported", why)
         if read is None:
             raise Refused("no_snapshot", f"no snapshot at {self.path}: the last run did "
                           "not stop cleanly (or this is the first start)")
@@ -263,23 +261,35 @@ class WarmRestart:
         return frozenset(paths)
 
     def _unsafe(self, service: Any) -> str | None:
-        unsupported = [m.name for m in self.config.models if m.kind not in SUPPORTED_KINDS]
-        if unsupported:
-            return (f"only radix (and chunk) models are restored warm, not "
-                    f"{', '.join(unsupported)}")
+        why = _unsupported(self.config)
+        if why is not None:
+            return why
         if service.fences.waiting():
             return (f"{len(service.fences.waiting())} ended sessions' workers were still "
                     "copying into the mapped pool")
         if service.shared.owner is None:
             return "the pools are not in shared memory"
         for engine in service.engines.values():
-            if not describe_buffers(engine, service.shared):
+            handles = describe_buffers(engine, service.shared)
+            if not handles or not all(h.shm_path for h in handles):
                 return f"model {engine.config.name}'s pool is not in shared memory files"
         try:
             service.check_integrity()
         except Exception as exc:  # never persist a cache that fails its own check
             return f"the integrity check failed: {exc}"
         return None
+
+
+def _unsupported(config: Config) -> str | None:
+    """Why these models cannot restart warm, or None."""
+    kinds = [f"{m.name} ({m.kind})" for m in config.models if m.kind not in SUPPORTED_KINDS]
+    if kinds:
+        return f"only radix (and chunk) models are restored warm, not {', '.join(kinds)}"
+    devices = [f"{m.name} ({m.pool.device})" for m in config.models
+               if m.pool.device != "cpu"]
+    if devices:  # device memory does not outlive the process
+        return f"only CPU pools outlive a restart, not {', '.join(devices)}"
+    return None
 
 
 def _tree_models(config: Config) -> list[str]:
