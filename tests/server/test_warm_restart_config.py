@@ -3,13 +3,17 @@ process; tests/reliability/test_warm_restart.py restarts real `prefixcache serve
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from harness import SMALL_POOL, running
 
+from prefixcache.cache.tree_snapshot import decode, encode
 from prefixcache.client import PrefixCacheClient
+from prefixcache.server import warm_snapshot
 from prefixcache.server.config import ConfigError, ModelConfig, PoolConfig, load_config
 
 RADIX = ModelConfig(name="m", page_size=2, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4))
@@ -73,8 +77,6 @@ def test_a_restored_cache_passes_the_integrity_check_and_evicts(tmp_path: Path) 
 def test_a_pool_on_a_gpu_starts_cold(tmp_path: Path) -> None:
     """Device memory does not outlive the process: such a model is unsupported (the
     check runs before any pool is made, so no GPU is needed here)."""
-    from dataclasses import replace
-
     from prefixcache.server.config import Config, ServerConfig
     from prefixcache.server.warm_restart import WarmRestart
 
@@ -83,3 +85,66 @@ def test_a_pool_on_a_gpu_starts_cold(tmp_path: Path) -> None:
                               (RADIX, gpu)))
     assert warm.prepare() is None and warm.outcome == "unsupported"
     assert warm.counts["unsupported"] == 1
+
+
+def _cached_then_stopped(tmp_path: Path, shm: Path) -> list[list[int]]:
+    keys = [list(range(1, 9)), [1, 2, 3, 4, 60, 61]]
+    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
+            PrefixCacheClient(srv.address, timeout=10) as client, client.session(10) as s:
+        for key in keys:
+            have = s.match("m", key)
+            new = list(s.alloc("m", len(key) - have.prefix_len).slots)
+            s.insert("m", key, [*have.slots, *new])
+    return keys
+
+
+def _rewrite(shm: Path, edit: Any) -> None:
+    """Read the snapshot, change it with ``edit(manifest, trees)``, write it back
+    whole and checksummed: a well-formed snapshot that must still be refused."""
+    (path,) = shm.glob("*.snapshot")
+    read = warm_snapshot.consume(path)
+    assert read is not None
+    manifest, trees = read
+    trees = edit(manifest, trees)
+    warm_snapshot.write(path, manifest, trees, 0o600)
+
+
+def test_another_snapshot_format_starts_cold(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    keys = _cached_then_stopped(tmp_path, shm)
+
+    def newer(manifest: dict[str, Any], trees: list[bytes]) -> list[bytes]:
+        manifest["version"] = warm_snapshot.VERSION + 1
+        return trees
+
+    _rewrite(shm, newer)
+    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
+            PrefixCacheClient(srv.address, timeout=10) as client:
+        assert srv.server.warm.outcome == "config_changed"
+        assert all(client.match("m", k).prefix_len == 0 for k in keys)
+
+
+def test_a_tree_that_does_not_rebuild_leaves_every_model_empty(tmp_path: Path) -> None:
+    """Checksummed, decodable, but two nodes name one slot: refused at the rebuild
+    (corrupt); the pools were taken over already, so the models are emptied."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    keys = _cached_then_stopped(tmp_path, shm)
+
+    def twice(manifest: dict[str, Any], trees: list[bytes]) -> list[bytes]:
+        image = decode(trees[0])
+        slots = image.slots.copy()
+        slots[-1] = slots[0]
+        return [encode(replace(image, slots=slots))]
+
+    _rewrite(shm, twice)
+    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
+            PrefixCacheClient(srv.address, timeout=10) as client:
+        assert srv.server.warm.outcome == "corrupt"
+        engine = srv.service.engines["m"]
+        assert engine.cache.total_size() == 0 and engine.allocator.num_allocated() == 0
+        srv.check_integrity()
+        assert all(client.match("m", k).prefix_len == 0 for k in keys)
+        with client.session(10) as s:  # the whole pool is usable again
+            assert len(s.alloc("m", engine.allocator.available_size()).slots) == 64

@@ -56,7 +56,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixcache.cache.tree_snapshot import SnapshotError, decode, encode, restore, take
+from prefixcache.cache import CacheError
+from prefixcache.cache.tree_snapshot import decode, encode, restore, take
 
 from . import warm_snapshot
 from .config import Config
@@ -160,6 +161,9 @@ class WarmRestart:
             raise Refused("no_snapshot", f"no snapshot at {self.path}: the last run did "
                           "not stop cleanly (or this is the first start)")
         manifest, blobs = read
+        if manifest.get("version") != warm_snapshot.VERSION:
+            raise Refused("config_changed", f"snapshot format {manifest.get('version')!r}, "
+                          f"this version reads {warm_snapshot.VERSION}")
         why = warm_snapshot.changed(manifest.get("models"),
                                     warm_snapshot.fingerprint(self.config.models))
         if why is not None:
@@ -201,7 +205,7 @@ class WarmRestart:
                 tokens += restore(engine.cache, engine.allocator, image)
                 nodes += image.nodes
             service.check_integrity()
-        except (SnapshotError, KeyError) as exc:
+        except (CacheError, KeyError) as exc:  # SnapshotError, IntegrityError
             self._empty(service)
             self.cold("corrupt", f"a tree does not rebuild: {exc}")
             return
