@@ -76,7 +76,8 @@ class Lookups:
 
     Args:
         page_size: the model's tokens per page.
-        record_pages: evicted pages remembered (8 bytes and a dict entry each).
+        record_pages: evicted blocks remembered (page_ids.EvictedPages: about 80 bytes
+            each).
     """
 
     def __init__(self, page_size: int, record_pages: int = DEFAULT_RECORD_PAGES) -> None:
