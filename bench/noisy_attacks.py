@@ -1,4 +1,5 @@
-"""The attacks of issue 13, one function each, for the noisy-neighbour bench.
+"""The attacks of issue 13, one function each, for the noisy-neighbour bench (and, from
+noisy_surfaces.py, issue 21's on the newer surfaces).
 
 Each runs in the attacker's own process (so its client-side work does not take the
 victim's GIL) against a real server, until ``stop`` is set, and counts its calls by
@@ -22,6 +23,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from bench import noisy_auth
+from bench.noisy_surfaces import SURFACES
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
@@ -52,14 +55,17 @@ class Ctx:
     """What an attack gets: the server, the pool shape, a stop flag and its counters."""
 
     def __init__(self, target: str, pool_size: int, stop: Any, armed: Any,
-                 huge: int = 50 << 20) -> None:
+                 huge: int = 50 << 20, extras: dict[str, Any] | None = None) -> None:
         self.target = target
+        # What the newer surfaces' attacks need (noisy_surfaces.py): the replay
+        # endpoint, a tenant's token.
+        self.extras = extras or {}
         self.pool_size = pool_size
         self.huge = huge  # the "huge extra_key" size (the issue's: 50 MiB)
         self.stop = stop
         self.armed = armed
         self.codes: Codes[str] = Counter()
-        self.channel = grpc.insecure_channel(target, options=_BIG)
+        self.channel = noisy_auth.channel(target, self.extras.get("token"), options=_BIG)
         self.stub = pb_grpc.PrefixCacheStub(self.channel)
         self.sessions: list[str] = []
         self._lock = threading.Lock()
@@ -186,7 +192,7 @@ def half_sent_writekv(ctx: Ctx, streams: int = 16) -> None:
     row = _row_bytes(ctx)
 
     async def one(i: int) -> None:
-        async with grpc.aio.insecure_channel(ctx.target, options=_BIG) as channel:
+        async with noisy_auth.aio_channel(ctx.target, ctx.extras.get("token"), _BIG) as channel:
             stub = pb_grpc.PrefixCacheStub(channel)
             while ctx.running():
                 call = stub.WriteKV()
@@ -258,7 +264,7 @@ def keepalive_storm(ctx: Ctx, concurrency: int = 64) -> None:
     sid = ctx.session()
 
     async def main() -> None:
-        async with grpc.aio.insecure_channel(ctx.target) as channel:
+        async with noisy_auth.aio_channel(ctx.target, ctx.extras.get("token")) as channel:
             stub = pb_grpc.PrefixCacheStub(channel)
             request = pb.KeepAliveRequest(session_id=sid)
 
@@ -305,15 +311,16 @@ ATTACKS: dict[str, Callable[[Ctx], None]] = {
     "KeepAlive storm": keepalive_storm,
     "half-sent WriteKV": half_sent_writekv,
     "session flood": session_flood,
+    **SURFACES,  # issue 21: replay requests, Subscribe churn, page RPCs, tenant probes
 }
 
 
 def attacker(target: str, pool_size: int, huge: int, commands: Any, stop: Any, armed: Any,
-             out: Any) -> None:
+             out: Any, extras: dict[str, Any] | None = None) -> None:
     """The attacker process: for each attack name on ``commands`` (None: done), run it
     until ``stop``, clean up, and put its counters (or its failure) on ``out``."""
     while (name := commands.get()) is not None:
-        ctx = Ctx(target, pool_size, stop, armed, huge)
+        ctx = Ctx(target, pool_size, stop, armed, huge, extras)
         error = ""
         try:
             ATTACKS[name](ctx)

@@ -1,16 +1,19 @@
 """Noisy neighbour: does one hostile client hurt another? (issue 13)
 
 A fresh ``prefixcache serve`` (unix socket, one small radix model, 64 MiB of KV, the
-limits and per-session quotas of ``SERVER`` below) serves a *victim*: a client with a
+limits and per-session quotas of ``SERVER`` below, KV events with a replay socket, one
+tenant) serves a *victim*: a client with a
 1 s lease that it renews every quarter second, running prefills back to back (Match
 with lock and allocate of a prompt that shares a system prompt with the others and
 has its own suffix, then Insert handing the lock over). First alone (the quiet
 baseline), then while an *attacker* process runs each attack of ``noisy_attacks.py``
 in turn: pool grab, lock everything, huge extra_key, huge client names, max-size
 Match, ReadKV amplification, tiny chunks, KeepAlive storm, half-sent WriteKV and
-session flood. Per row: the victim's prefills, their p50 and p99 latency, its errors,
-whether its lease held through the attack, the attacker's calls by status code, and
-the server's RSS at the end of the attack.
+session flood; then issue 21's (noisy_surfaces.py): KV-event replay requests,
+Subscribe churn (and subscribers that never read), the page RPCs, and a tenant's
+token probing for other tenants' nodes. Per row: the victim's prefills, their p50
+and p99 latency, its errors, whether its lease held through the attack, the
+attacker's calls by status code, and the server's RSS at the end of the attack.
 
     python bench/noisy_neighbour.py --duration 5 --json bench/out/noisy.json
     python bench/noisy_neighbour.py --duration 1 --attacks "pool grab,KeepAlive storm"
@@ -41,6 +44,7 @@ sys.path += [p for p in map(str, (_REPO, _REPO / "server", _REPO / "client")) if
 
 import grpc  # noqa: E402
 
+from bench import noisy_auth  # noqa: E402
 from bench.grpc_servers import _SERVE, ServerProcess  # noqa: E402
 from bench.noisy_attacks import ATTACKS, MODEL, attacker, toks, victim_prompt  # noqa: E402
 from prefixcache.v1 import prefix_cache_pb2 as pb  # noqa: E402
@@ -52,13 +56,28 @@ SERVER = {
     "max_sessions": 256, "max_session_slots": POOL // 4,
     "max_session_locked_tokens": POOL // 4, "max_session_streams": 8,
     "max_inflight_write_bytes": 16 << 20, "max_inflight_write_bytes_total": 64 << 20,
+    # The newer surfaces (noisy_surfaces.py): a change log (Subscribe, page RPCs), an
+    # evict cap, and a tenant; KV events with a replay socket are added per run.
+    "change_log_capacity": 65536, "max_evict_tokens": 4096,
+    "tenants": [{"name": "t1", "token": "noisy-tenant-token", "namespaces": ["t1/"]}],
+    "token": "noisy-token",  # with a tenant, every call needs a token (noisy_auth.py)
 }
+TENANT_TOKEN = "noisy-tenant-token"
+TOKEN = "noisy-token"
 SHARED, UNIQUE, SUFFIX = 256, 192, 64  # victim prompt: system prompt, own part, per call
 VICTIM_TTL = 1.0
 
 
+def kv_events(tmp: Path) -> dict[str, Any]:
+    """KV events on ipc sockets under ``tmp``, with a replay socket; tenants' namespaces
+    hashed (the bench server has a tenant)."""
+    return {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp}/kv-events",
+            "replay_endpoint": f"ipc://{tmp}/kv-replay", "tenants": "hashed"}
+
+
 def start_server(tmp: Path) -> ServerProcess:
-    server = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in SERVER.items())
+    settings = {**SERVER, "kv_events": kv_events(tmp)}
+    server = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in settings.items())
     (tmp / "noisy.yaml").write_text(
         f"server:\n{server}models:\n  - name: {MODEL}\n    kind: radix\n    page_size: 1\n"
         f"    pool: {{size: {POOL}, layers: 4, k_heads: 2, k_head_dim: 64, "
@@ -72,7 +91,7 @@ class Victim:
     """An innocent client: a leased session kept alive by a thread, and prefills."""
 
     def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target)
+        self.channel = noisy_auth.channel(target, TOKEN)
         self.stub = pb_grpc.PrefixCacheStub(self.channel)
         self.sid = self.stub.OpenSession(pb.OpenSessionRequest(
             ttl_seconds=VICTIM_TTL, client_name="victim"), timeout=10).session_id
@@ -148,12 +167,12 @@ class Attacker:
     """The attacker's process (spawned once, so its imports are paid once), running one
     attack of noisy_attacks.py at a time."""
 
-    def __init__(self, target: str, huge: int) -> None:
+    def __init__(self, target: str, huge: int, extras: dict[str, Any]) -> None:
         ctx = mp.get_context("spawn")
         self.commands, self.out = ctx.Queue(), ctx.Queue()
         self.stop, self.armed = ctx.Event(), ctx.Event()
         self.proc = ctx.Process(target=attacker, daemon=True, args=(
-            target, POOL, huge, self.commands, self.stop, self.armed, self.out))
+            target, POOL, huge, self.commands, self.stop, self.armed, self.out, extras))
         self.proc.start()
 
     def start(self, name: str) -> bool:
@@ -218,7 +237,9 @@ def run(attacks: list[str], duration: float, warmup: float = 0.5,
             try:
                 rows = [run_one(None, server, victim, None, duration, warmup)]
                 if attacks:
-                    attacker = Attacker(server.target, huge)
+                    extras = {"replay": kv_events(Path(tmp))["replay_endpoint"],
+                              "tenant_token": TENANT_TOKEN, "token": TOKEN}
+                    attacker = Attacker(server.target, huge, extras)
                 for name in attacks:
                     rows.append(run_one(name, server, victim, attacker, duration, warmup))
             finally:
