@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -301,6 +302,39 @@ def test_a_worker_inside_a_copy_at_the_stop_means_no_snapshot(tmp_path: Path,
         assert misses(second.address, cached)
     finally:
         second.stop()
+
+
+def test_a_stop_during_start_up_keeps_what_was_restored(tmp_path: Path, shm: Path) -> None:
+    """SIGTERM while a warm start makes its pools (before it serves): it stops before
+    start, and, having served nothing, writes the restored tree back."""
+    first = Server(tmp_path, config(shm))
+    cached = cache_prompts(first.address, 17)
+    first.stop()
+    (old_lock,) = shm.glob("*.lock")
+    log = tmp_path / "serve-interrupted.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
+             str(tmp_path / "pc.yaml"), "--listen", first.address, "--metrics-port", "-1"],
+            env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        while not [p for p in shm.glob("*.lock") if p != old_lock]:  # its pools begin
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "stopped before start" in text and "warm restart: snapshot written" in text, text
+    third = Server(tmp_path, config(shm))
+    try:
+        assert third.records("warm restart: cache restored")
+        check_hits(third.address, cached)
+    finally:
+        third.stop()
 
 
 def test_off_by_default_the_stop_removes_everything(tmp_path: Path, shm: Path) -> None:

@@ -388,7 +388,10 @@ async def _serve(config: Config, latch: SignalLatch) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
     if latch.received is not None:
         on_signal(latch.received)
-        server.service.close()  # nothing bound yet: only the pools to free
+        # Nothing bound yet: only the pools to free (or, warm, to keep: nothing was
+        # served, so what was restored is still exactly what the snapshot said).
+        keep = server.warm.save(server.service) if server.warm is not None else frozenset()
+        server.service.close(keep)
         log.info("stopped before start")
         return 0
     await server.start()
