@@ -44,9 +44,10 @@ class MooncakeBackend:
     """
 
     def __init__(self, cfg: TierConfig) -> None:
-        # Before the import: the client reads these once. Few setup retries (the
-        # default, 20, takes about 90 s against a master that is down); quiet logs.
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
+        # Before the import: the client reads these once. One setup try (the default,
+        # 20, takes about 90 s against a master that is down, holding the GIL all along:
+        # service.py calls setup only once the master's port answers); quiet logs.
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig

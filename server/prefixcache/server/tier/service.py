@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -43,9 +44,10 @@ log = logging.getLogger("prefixcache.server")
 # Store calls in flight from lookups at most; more answer a miss at once ("busy").
 MAX_INFLIGHT = 4
 # Seconds between attempts to reach a store that could not be set up.
-RECONNECT_SECONDS = 5.0
-# Seconds a stopping server waits for the store client to leave.
-CLOSE_SECONDS = 5.0
+RECONNECT_SECONDS = 2.0
+# Seconds a stopping server waits for the put thread and then the store client to
+# leave (each; a dead master holds either for seconds).
+CLOSE_SECONDS = 2.0
 
 
 def _open_backend(cfg: TierConfig) -> TierBackend:
@@ -100,7 +102,18 @@ class Tier:
     def _connect(self) -> None:
         """Set the store client up (retrying while the master is down), register every
         model's pool with it, then start the put queue. On its own thread."""
+        warned = False
         while not self._stop.is_set():
+            # Mooncake's setup holds the GIL (the whole event loop) while it retries an
+            # unreachable master, about 4 s a try: call it only once the master's port
+            # answers.
+            if not _reachable(self.cfg.master):
+                if not warned:
+                    log.warning("tier master unreachable, retrying", extra={
+                        "master": self.cfg.master, "retry_seconds": RECONNECT_SECONDS})
+                    warned = True
+                self._stop.wait(RECONNECT_SECONDS)
+                continue
             try:
                 backend = self._open_backend(self.cfg)
                 for mt in self.models.values():
@@ -266,18 +279,31 @@ class Tier:
         self.closed = True
         self._stop.set()
         if self.puts is not None:
-            for job in self.puts.close():
+            for job in self.puts.close(CLOSE_SECONDS):
                 job.done([])
         for mt in self.models.values():
             mt.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         backend, self.backend = self.backend, None
-        if backend is not None:  # leaving the store waits on it (about 1 s): bounded
+        # Leaving the store takes about 1 s, and Mooncake's close holds the GIL all along
+        # (7 s against a dead master): skipped when the master is gone, which then drops
+        # this client's segment itself once its client_ttl lapses.
+        if backend is not None and _reachable(self.cfg.master):
             closer = threading.Thread(target=_close_quietly, args=(backend,), daemon=True)
             closer.start()
             closer.join(CLOSE_SECONDS)
         if not self.session.closed:
             self.service.close_session(self.session)
+
+
+def _reachable(address: str, timeout: float = 1.0) -> bool:
+    """Whether ``HOST:PORT`` accepts a TCP connection."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _close_quietly(backend: TierBackend) -> None:
