@@ -69,10 +69,10 @@ def replay_requests(ctx: Any, peers: int = 24, lazy: int = 8) -> None:
         zctx.term()
 
 
-def subscribe_churn(ctx: Any, readers: int = 6, idle: int = 4) -> None:
+def subscribe_churn(ctx: Any, readers: int = 6, idle: int = 10) -> None:
     """Subscribe, read the snapshot, hang up, again, on ``readers`` threads; and ``idle``
-    subscribers (of the attacker's session) that never read, opened again as the server
-    drops them."""
+    subscribers (of the attacker's session: more than max_session_subscribes) that
+    never read, opened again as the server refuses or drops them."""
     sid = ctx.session()
     channel = noisy_auth.channel(ctx.target, ctx.extras.get("token"), options=STINGY)
     stub_idle = _stub(channel)
@@ -93,12 +93,15 @@ def subscribe_churn(ctx: Any, readers: int = 6, idle: int = 4) -> None:
 
     def never_read() -> None:
         while ctx.running():
+            for call in held:
+                if not call.is_active():  # refused (over the session's cap) or dropped
+                    ctx.count(call.code().name)
             held[:] = [c for c in held if c.is_active()]
             while len(held) < idle:
                 held.append(stub_idle.Subscribe(pb.SubscribeRequest(
                     model=MODEL, session_id=sid), timeout=600))
                 ctx.count("idle stream")
-            ctx.stop.wait(0.5)
+            ctx.stop.wait(0.05)
 
     keeper = threading.Thread(target=never_read, daemon=True)
     keeper.start()
@@ -107,6 +110,8 @@ def subscribe_churn(ctx: Any, readers: int = 6, idle: int = 4) -> None:
     finally:
         keeper.join()
         for call in held:
+            if not call.is_active():
+                ctx.count(call.code().name)
             call.cancel()
         channel.close()
 

@@ -1,4 +1,4 @@
-"""A victim's lease holds while one client runs each attack of issue 13.
+"""A victim's lease holds while one client runs each attack of issues 13 and 21.
 
 The noisy-neighbour bench (bench/noisy_neighbour.py) run short: a real server process,
 a victim with a 1 s lease renewed every quarter second running prefills, and an
@@ -30,6 +30,11 @@ REFUSED = {
     "ReadKV amplification": "RESOURCE_EXHAUSTED",  # max_request_bytes (8 MB, unparsed)
     "half-sent WriteKV": "RESOURCE_EXHAUSTED",  # max_session_streams
     "session flood": "RESOURCE_EXHAUSTED",  # max_sessions
+    # issue 21 (bench/noisy_surfaces.py)
+    "replay requests": "busy",  # kv_events.max_replays / max_replays_per_peer
+    "Subscribe churn": "RESOURCE_EXHAUSTED",  # max_session_subscribes
+    "page RPCs": "FAILED_PRECONDITION",  # ExistsPages without a session, quotas on
+    "tenant probes": "PERMISSION_DENIED",  # the victim's namespace
 }
 
 
