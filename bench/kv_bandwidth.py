@@ -16,7 +16,9 @@ For a model geometry (default: 32 layers, 8 KV heads, head dim 128, bfloat16), p
 
 Ceilings, in the same run: a plain torch copy of the same bytes between the same two
 buffers (pool and vLLM cache, pool and host pool), and a raw socket transfer of the same
-bytes (ReadKV's and WriteKV's). Each number is the best of ``--repeat`` runs (the
+bytes (ReadKV's and WriteKV's). Beside ReadKV on the unix socket, the gRPC floor: the
+same bytes streamed by a bare grpc.aio server in 1 MiB messages (``grpc_stream_floor.py``),
+what Python gRPC itself allows. Each number is the best of ``--repeat`` runs (the
 machine is shared). The servers are ``prefixcache serve`` subprocesses.
 
     python bench/kv_bandwidth.py --quick --json kv.json
@@ -48,6 +50,7 @@ sys.path += [p for p in map(str, (_REPO, _REPO / "server", _REPO / "client")) if
 import torch  # noqa: E402
 
 from bench.grpc_servers import _SERVE, _SERVER_PATHS, ServerProcess  # noqa: E402
+from bench.grpc_stream_floor import reader as grpc_floor_reader  # noqa: E402
 from bench.kv_ceilings import RawSocket, flat_copy, paired_seconds  # noqa: E402
 from prefixcache.client import PrefixCacheClient  # noqa: E402
 from prefixcache.integrations.sglang import HiCacheCore, HostLayout, Settings  # noqa: E402
@@ -119,7 +122,7 @@ def _layer_pairs(pool: Any, layers: int, first: int, n: int, other: list[Any],
 
 
 def bench_vllm(client: PrefixCacheClient, target: str, model: str, page: int, n: int,
-               layers: int, repeat: int, verify: bool) -> list[dict]:
+               layers: int, repeat: int, verify: bool, floor: Any = None) -> list[dict]:
     rows = []
     session = client.session(60, name="kv-bandwidth")
     alloc = client.alloc(model, n, session=session)
@@ -168,7 +171,7 @@ def bench_vllm(client: PrefixCacheClient, target: str, model: str, page: int, n:
             worker.close()
             del caches, tensors
         rows += bench_rpc(client, model, slots, session, layers, n, repeat, "unix", pool,
-                          verify)
+                          verify, floor)
     finally:
         pool.close()
         client.free(model, slots, session=session, server_epoch=alloc.server_epoch)
@@ -193,15 +196,19 @@ def _verify_vllm(worker: WorkerCore, pool: Any, slots: array, block_ids: array, 
 
 def bench_rpc(client: PrefixCacheClient, model: str, slots: array, session: Any,
               layers: int, n: int, repeat: int, transport: str, pool: Any | None,
-              verify: bool) -> list[dict]:
+              verify: bool, floor: Any = None) -> list[dict]:
     nbytes = n * layers * 2 * HEADS * DIM * DTYPE.itemsize
     ks = [torch.randn(n, HEADS, DIM).to(DTYPE) for _ in range(layers)]
     vs = [torch.randn(n, HEADS, DIM).to(DTYPE) for _ in range(layers)]
     def write() -> None:
         client.write_kv(model, slots, ks, vs, session=session)
 
+    staging: list[Any] = [None]
+
     def read() -> Any:
-        return client.read_kv(model, slots, session=session)
+        # As a worker reads: into its staging buffers (the raw socket's sink is reused too).
+        staging[0] = client.read_kv(model, slots, session=session, out=staging[0])
+        return staging[0]
 
     if verify:
         write()
@@ -218,11 +225,17 @@ def bench_rpc(client: PrefixCacheClient, model: str, slots: array, session: Any,
     try:
         t_read, c_read = paired_seconds(read, raw.transfer(nbytes), repeat)
         t_write, c_write = paired_seconds(write, raw.transfer(nbytes), repeat)
+        floor_gbs = None
+        if floor is not None:  # Python gRPC's own ceiling: bytes streamed, nothing else
+            t_floor, _ = paired_seconds(lambda: floor(nbytes, 1 << 20), read, repeat)
+            floor_gbs = round(nbytes / t_floor / 1e9, 3)
     finally:
         raw.close()
     extra = {"transport": transport, "tokens": n, "layers": layers}
-    return [_row("readkv", nbytes, t_read, c_read, **extra),
-            _row("writekv", nbytes, t_write, c_write, **extra)]
+    read_row = _row("readkv", nbytes, t_read, c_read, **extra)
+    if floor_gbs is not None:
+        read_row["grpc_floor_gb_per_s"] = floor_gbs
+    return [read_row, _row("writekv", nbytes, t_write, c_write, **extra)]
 
 
 def bench_sglang(client: PrefixCacheClient, target: str, model: str, page: int, n: int,
@@ -302,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         server = start_server(tmp, "unix", f"unix:{tmp / 'pc.sock'}", models)
         port = _free_port()
         tcp = start_server(tmp, "tcp", f"127.0.0.1:{port}", _pool_yaml("tcp", 16, size, layers))
+        floor_server = ServerProcess("gRPC floor", [sys.executable, str(_REPO / "bench" /
+                                     "grpc_stream_floor.py"), f"unix:{tmp / 'floor.sock'}"],
+                                     tmp / "floor.sock", tmp / "floor.log")
+        floor_channel, floor = grpc_floor_reader(floor_server.target)
         try:
             with PrefixCacheClient(server.target, timeout=60) as client, \
                     PrefixCacheClient(tcp.target, timeout=60) as tcp_client:
@@ -310,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                     for page in pages:
                         model = f"p{page}"
                         rows += bench_vllm(client, server.target, model, page, n, layers,
-                                           repeat, verify)
+                                           repeat, verify, floor)
                         rows += bench_sglang(client, server.target, model, page, n,
                                              layers, repeat, verify)
                         client.reset(model)
@@ -320,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                                       repeat, "tcp", None, verify)
                     session.close()
         finally:
+            floor_channel.close()
+            floor_server.stop()
             server.stop()
             tcp.stop()
     _print(rows)
@@ -339,13 +358,13 @@ def _free_port() -> int:
 def _print(rows: list[dict]) -> None:
     if not rows:
         return
-    print("| path | where | page | tokens | MB | GB/s | ceiling GB/s | ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| path | where | page | tokens | MB | GB/s | ceiling GB/s | ratio | gRPC floor |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         where = r.get("layout") or r.get("transport")
         print(f"| {r['path']} | {where} | {r.get('page_size', '')} | {r['tokens']} | "
               f"{r['bytes'] / 1e6:.1f} | {r['gb_per_s']:.2f} | {r['ceiling_gb_per_s']:.2f} | "
-              f"{r['ratio']:.2f} |")
+              f"{r['ratio']:.2f} | {r.get('grpc_floor_gb_per_s') or ''} |")
 
 
 if __name__ == "__main__":

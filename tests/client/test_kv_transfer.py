@@ -46,6 +46,28 @@ def test_round_trip_in_chunks(client: PrefixCacheClient, chunk: int | None) -> N
         back = s.read_kv("m", slots[::-1], chunk_bytes=chunk)
         assert back.layers == (0,)
         assert _same(back.k[0], k[0].flip(0)) and _same(back.v[0], v[0].flip(0))
+        # In order: one run of slots is sliced from the pool, not gathered.
+        ahead = s.read_kv("m", sorted(slots), chunk_bytes=chunk)
+        order = sorted(range(7), key=slots.__getitem__)
+        assert _same(ahead.k[0], k[0][order]) and _same(ahead.v[0], v[0][order])
+        s.free("m", slots)
+
+
+def test_read_into_staging_buffers(client: PrefixCacheClient) -> None:
+    """read_kv(out=...) fills an earlier result in place (a worker's staging buffers)."""
+    with client.session(5.0) as s:
+        slots = list(s.alloc("m", 5).slots)
+        first = [_random((5, 1, 4), torch.float16, 8)], [_random((5, 1, 4), torch.float16, 9)]
+        s.write_kv("m", slots, *first)
+        staging = s.read_kv("m", slots, chunk_bytes=6)
+        pointers = [t.data_ptr() for t in staging.k + staging.v]
+        second = [_random((5, 1, 4), torch.float16, 10)], [_random((5, 1, 4), torch.float16, 11)]
+        s.write_kv("m", slots, *second)
+        back = s.read_kv("m", slots, chunk_bytes=6, out=staging)
+        assert [t.data_ptr() for t in back.k + back.v] == pointers
+        assert _same(back.k[0], second[0][0]) and _same(back.v[0], second[1][0])
+        with pytest.raises(InvalidArgument, match="needs a contiguous CPU"):
+            s.read_kv("m", slots[:4], out=staging)
         s.free("m", slots)
 
 

@@ -144,10 +144,12 @@ class AsyncPrefixCacheClient(ClientBase):
     async def read_kv(self, model: str, slots: Any = (), *, session: SessionLike = None,
                       layers: Any = None, state_slots: Any = (),
                       chunk_bytes: int | None = None, server_epoch: int | None = None,
-                      timeout: float | None = None) -> kv.KVData:
+                      timeout: float | None = None, out: kv.KVData | None = None
+                      ) -> kv.KVData:
         """See ``PrefixCacheClient.read_kv``."""
         reader = kv.Reader(await self._pool_info(model, timeout), slots, layers,
-                           state_slots, kv.chunk_limit(chunk_bytes, self.max_message_bytes))
+                           state_slots, kv.chunk_limit(chunk_bytes, self.max_message_bytes),
+                           out)
         reader.request.session_id = session_id_of(session)
         reader.request.server_epoch = self._fence(session, server_epoch)
         try:

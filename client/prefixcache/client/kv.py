@@ -108,21 +108,54 @@ def chunk_limit(requested: int | None, max_message_bytes: int) -> int:
 
 
 class Reader:
-    """Builds a ReadKVRequest and assembles the chunks that answer it."""
+    """Builds a ReadKVRequest and assembles the chunks that answer it.
+
+    ``out``: a ``KVData`` of an earlier read of the same slots count, layers and pool,
+    whose tensors are filled in place (a worker's staging buffers: no new memory, whose
+    first touch costs more than the copy itself).
+    """
 
     def __init__(self, info: PoolInfo, slots: Any, layers: Sequence[int] | None,
-                 state_slots: Any, chunk_bytes: int) -> None:
+                 state_slots: Any, chunk_bytes: int, out: KVData | None = None) -> None:
         self._slots, self._states = pack_slots(slots), pack_slots(state_slots)
         self._layers, parts = plan(info, len(self._slots) // 8, layers,
                                    len(self._states) // 8)
         self._parts = {(p.role, p.layer): p for p in parts}
         self._order = parts
-        self._data = {key: bytearray(p.nbytes) for key, p in self._parts.items()}
+        self._tensors = self._destinations(parts, out)
+        self._data = {key: memoryview(_bytes_of(t)) for key, t in self._tensors.items()}
         self._got = dict.fromkeys(self._parts, 0)
         self.request = pb.ReadKVRequest(model=info.model, slot_indices=self._slots,
                                         layers=list(self._layers) if layers else [],
                                         state_slots=self._states,
                                         max_chunk_bytes=chunk_bytes)
+
+    def _destinations(self, parts: list[_Part], out: KVData | None) -> dict[Any, Any]:
+        import torch
+
+        given: dict[int, list[Any]] = {} if out is None else {
+            K: list(out.k), V: list(out.v), CONV: list(out.conv),
+            TEMPORAL: list(out.temporal)}
+        seen: dict[int, int] = {}
+        tensors = {}
+        for part in parts:
+            dtype = getattr(torch, part.dtype)
+            shape = (part.rows, *part.row_shape)
+            i = seen[part.role] = seen.get(part.role, -1) + 1
+            mine = given.get(part.role, [])
+            tensor = mine[i] if i < len(mine) else None
+            if tensor is not None and (tuple(tensor.shape) != shape or tensor.dtype != dtype
+                                       or tensor.device.type != "cpu"
+                                       or not tensor.is_contiguous()):
+                raise InvalidArgument(f"out's {_label(part)} is {tuple(tensor.shape)} "
+                                      f"{tensor.dtype} on {tensor.device}; this read "
+                                      f"needs a contiguous CPU {shape} {dtype}")
+            if tensor is None:
+                if out is not None:
+                    raise InvalidArgument(f"out has no tensor for {_label(part)}")
+                tensor = torch.empty(shape, dtype=dtype)  # every byte is written
+            tensors[(part.role, part.layer)] = tensor
+        return tensors
 
     def add(self, chunk: pb.KVChunk) -> None:
         key = (chunk.role, chunk.layer)
@@ -135,22 +168,22 @@ class Reader:
         self._got[key] = end
 
     def result(self) -> KVData:
-        import torch
-
         out: dict[int, list[Any]] = {K: [], V: [], CONV: [], TEMPORAL: []}
         for part in self._order:
             key = (part.role, part.layer)
             if self._got[key] != part.nbytes:
                 raise InvalidArgument(f"ReadKV ended early: buffer {key} has "
                                       f"{self._got[key]} of {part.nbytes} bytes")
-            dtype = getattr(torch, part.dtype)
-            if part.nbytes:
-                flat = torch.frombuffer(self._data[key], dtype=torch.uint8).view(dtype)
-                tensor = flat.view(part.rows, *part.row_shape)
-            else:
-                tensor = torch.empty((part.rows, *part.row_shape), dtype=dtype)
-            out[part.role].append(tensor)
+            out[part.role].append(self._tensors[key])
         return KVData(self._layers, out[K], out[V], out[CONV], out[TEMPORAL])
+
+
+def _bytes_of(tensor: Any) -> Any:
+    """A contiguous CPU tensor's bytes, writable (a flat uint8 numpy view)."""
+    import torch
+
+    return tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else \
+        bytearray()
 
 
 def _per_layer(values: Any, count: int, row_dims: int, what: str) -> list[Any]:

@@ -158,14 +158,17 @@ class PrefixCacheClient(ClientBase):
 
     def read_kv(self, model: str, slots: Any = (), *, session: SessionLike = None,
                 layers: Any = None, state_slots: Any = (), chunk_bytes: int | None = None,
-                server_epoch: int | None = None, timeout: float | None = None) -> kv.KVData:
+                server_epoch: int | None = None, timeout: float | None = None,
+                out: kv.KVData | None = None) -> kv.KVData:
         """Copies of the K/V rows of ``slots`` (every layer, or ``layers``) and the
         Mamba state of ``state_slots``, streamed in chunks. Each slot must be held by
         ``session`` or lie under one of its locks (no session: only on a model with
         ``open_reads``). ``server_epoch``: the epoch the slots come from (default: the
-        session's, else the newest seen). Imports torch."""
+        session's, else the newest seen). ``out``: the result of an earlier read of
+        as many slots and the same layers, filled in place and returned (staging
+        buffers reused: no new memory to fault in). Imports torch."""
         reader = kv.Reader(self._pool_info(model, timeout), slots, layers, state_slots,
-                           kv.chunk_limit(chunk_bytes, self.max_message_bytes))
+                           kv.chunk_limit(chunk_bytes, self.max_message_bytes), out)
         reader.request.session_id = session_id_of(session)
         reader.request.server_epoch = self._fence(session, server_epoch)
         try:

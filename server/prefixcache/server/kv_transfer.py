@@ -18,6 +18,7 @@ the session may have freed, inserted or unlocked them while the stream waited.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,9 @@ class Part:
     row_shape: tuple[int, ...]
     row_bytes: int
     host: np.ndarray
+    # The first row when ``host`` is one run of consecutive rows (the allocator hands out
+    # whole pages, so a request's usually are): then rows are sliced, not gathered.
+    first: int | None = None
 
     @property
     def is_state(self) -> bool:
@@ -73,15 +77,27 @@ def _row_bytes(view: torch.Tensor) -> int:
 
 
 def _part(role: int, layer: int, view: torch.Tensor, rows: np.ndarray,
-          index: torch.Tensor | None = None) -> Part:
+          index: torch.Tensor | None = None, first: int | None = None) -> Part:
     """The part of ``view`` at ``rows``; ``index``, the rows on the view's device, is
-    made from them when not given (plan() shares one among its parts)."""
+    made from them when not given (plan() shares one among its parts); ``first``: the
+    first row when the rows are one run (``run_start``)."""
     # One-byte types (fp8) as uint8: the copies are bytewise anyway, and torch has no
     # CPU index_copy_ for float8.
     view = byte_view(view)
     if index is None:
         index = torch.from_numpy(rows).to(view.device)
-    return Part(role, layer, view, index, tuple(view.shape[1:]), _row_bytes(view), rows)
+    return Part(role, layer, view, index, tuple(view.shape[1:]), _row_bytes(view), rows,
+                first)
+
+
+def run_start(rows: np.ndarray) -> int | None:
+    """``rows[0]`` when ``rows`` are consecutive (``rows[i] == rows[0] + i``), else None."""
+    if not len(rows):
+        return None
+    first = int(rows[0])
+    if int(rows[-1]) - first != len(rows) - 1:
+        return None
+    return first if bool((np.diff(rows) == 1).all()) else None
 
 
 def _buffers(engine: Any, layers: Sequence[int],
@@ -158,6 +174,7 @@ def plan(engine: Any, slots: np.ndarray, layers: Sequence[int],
             raise InvalidInputError(f"state slot outside model {engine.name!r}'s "
                                     f"[0, {num_states})")
     indexes: dict[tuple[bool, torch.device], torch.Tensor] = {}
+    runs = {False: run_start(slots), True: run_start(states)}
     parts = []
     for role, layer, view in buffers:
         is_state = role in STATE_ROLES
@@ -165,7 +182,7 @@ def plan(engine: Any, slots: np.ndarray, layers: Sequence[int],
         index = indexes.get((is_state, view.device))
         if index is None:
             index = indexes[is_state, view.device] = torch.from_numpy(rows).to(view.device)
-        parts.append(_part(role, layer, view, rows, index))
+        parts.append(_part(role, layer, view, rows, index, runs[is_state]))
     return parts
 
 
@@ -182,6 +199,14 @@ def check_held(engine: Any, session: Session, slots: np.ndarray, states: np.ndar
 
 def _as_bytes(rows: torch.Tensor) -> bytes:
     return rows.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+def _rows(part: Part, start: int, end: int) -> torch.Tensor:
+    """Rows ``start .. end`` of a part: a slice of the pool when its rows are one run
+    (copied once, into the chunk's bytes), else gathered."""
+    if part.first is not None:
+        return part.view[part.first + start:part.first + end]
+    return part.view.index_select(0, part.index[start:end])
 
 
 def read_chunks(parts: list[Part], chunk_bytes: int,
@@ -202,8 +227,7 @@ def read_chunks(parts: list[Part], chunk_bytes: int,
             end = min(start + rows_per, count)
             if check is not None:
                 check(part, start, end)
-            rows = part.view.index_select(0, part.index[start:end])
-            data = _as_bytes(rows)
+            data = _as_bytes(_rows(part, start, end))
             for i in range(0, len(data), chunk_bytes):
                 yield pb.KVChunk(role=part.role, layer=part.layer,
                                  offset_bytes=offset + i, data=data[i:i + chunk_bytes])
@@ -265,10 +289,11 @@ class Writer:
         self.held += grow
         if last > first:
             self._check(part, first, last)
-            data = carry + chunk.data[:len(chunk.data) - keep] if carry else \
-                bytearray(chunk.data[:len(chunk.data) - keep])
+            payload = chunk.data  # one copy out of the message; sliced without copying
+            whole = memoryview(payload)[:len(payload) - keep]
+            data = carry + whole if carry else whole
             self._write(part, first, last, data)
-            carry = bytearray(chunk.data[len(chunk.data) - keep:]) if keep else bytearray()
+            carry = bytearray(payload[len(payload) - keep:]) if keep else bytearray()
         else:
             carry += chunk.data
         if grow < 0 and self._hold is not None:
@@ -297,11 +322,17 @@ class Writer:
             self._hold(-self.held)
         self.held = 0
 
-    def _write(self, part: Part, first: int, last: int, data: bytearray) -> None:
+    def _write(self, part: Part, first: int, last: int, data: bytearray | memoryview) -> None:
         view = part.view
-        rows = torch.frombuffer(data, dtype=torch.uint8).view(view.dtype)
+        with warnings.catch_warnings():
+            # The message's bytes are read-only: they are only read here.
+            warnings.simplefilter("ignore", UserWarning)
+            rows = torch.frombuffer(data, dtype=torch.uint8).view(view.dtype)
         rows = rows.view(last - first, *part.row_shape).to(view.device)
-        view.index_copy_(0, part.index[first:last], rows)
+        if part.first is not None:  # one run of rows: a slice copy
+            view[part.first + first:part.first + last].copy_(rows)
+        else:
+            view.index_copy_(0, part.index[first:last], rows)
         self.bytes_written += len(data)
 
 
