@@ -177,3 +177,59 @@ def test_namespaces_looked_into_are_bounded() -> None:
                                                            ("miss_cold", 2, 3)]
     assert classify(cache, RadixKey([1, 2, 3]), 0, record, ids).ranges == [
         ("miss_cold", 0, 3)]
+
+
+_NS = st.sampled_from([None, "a", "b"])
+_TOKENS = st.lists(st.integers(1, 3), max_size=9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("insert"), _NS, _TOKENS),
+    st.tuples(st.just("evict"), st.integers(1, 12), st.none()),
+    st.tuples(st.just("lookup"), _NS, _TOKENS)), max_size=30))
+def test_classification_against_a_model(ops: list) -> None:
+    """Every lookup's ranges against a brute-force model of the tree's history: hit
+    (cached now), then miss_namespace (cached now under another namespace), then
+    miss_evicted (cached at some point, not now), then miss_cold, then below_page."""
+    page = 2
+    cache, record, ids = _cache(page_size=page, size=256)
+    ever: set = set()
+    for op, arg, tokens in ops:
+        if op == "evict":
+            cache.evict(arg)
+            continue
+        ns, tokens = arg, tokens or []
+        end = len(tokens) - len(tokens) % page
+        if op == "insert":
+            _insert(cache, tokens, ns)
+            ever.update((ns, tuple(tokens[:k])) for k in range(page, end + 1, page))
+            continue
+
+        def cached(name, k, tokens=tokens) -> bool:
+            return len(cache.peek_prefix(RadixKey(tokens[:k], name))) >= k
+
+        expected, pos = [], 0
+        for k in range(page, end + 1, page):
+            if cached(ns, k):
+                outcome = "hit"
+            elif any(cached(other, k) for other in (None, "a", "b") if other != ns):
+                outcome = "miss_namespace"
+            elif (ns, tuple(tokens[:k])) in ever:
+                outcome = "miss_evicted"
+            else:
+                outcome = "miss_cold"
+            expected.append((outcome, k - page, k))
+            pos = k
+        if pos < len(tokens):
+            expected.append(("below_page", pos, len(tokens)))
+        merged: list = []
+        for outcome, a, b in expected:
+            if merged and merged[-1][0] == outcome:
+                merged[-1] = (outcome, merged[-1][1], b)
+            else:
+                merged.append((outcome, a, b))
+        key = RadixKey(tokens, ns)
+        hit = cache.match_prefix(key).prefix_len
+        assert classify(cache, key, hit, record, ids).ranges == merged
+        cache.check_integrity()
