@@ -83,3 +83,55 @@ def test_explain_and_stats_from_the_command_line(tmp_path: Path) -> None:
             # The first Match of A (cold) and the one from the default namespace.
             assert table[2].split() == ["p", "0", "16", "0", "16", "0", "0", "0", "0",
                                         "0.000"]
+
+
+def test_outcomes_of_a_served_process(tmp_path: Path) -> None:
+    """`prefixcache serve` as a process: every outcome at 0 from the start, then a
+    namespace miss, an eviction, an unaligned tail counted on /metrics and explained."""
+    import signal
+    import socket
+
+    from harness import wait_serving
+    from test_metrics import scrape, value
+
+    (tmp_path / "pc.yaml").write_text(
+        'server:\n  shm_dir: "off"\nmodels:\n  - name: p\n    page_size: 4\n'
+        '    pool: {size: 64, layers: 1, k_heads: 1, k_head_dim: 4}\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"unix:{tmp_path / 'pc.sock'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
+    proc = subprocess.Popen([*CLI, "serve", "--config", str(tmp_path / "pc.yaml"),
+                             "--listen", address, "--metrics-host", "127.0.0.1",
+                             "--metrics-port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_serving(proc, address)
+        names = ("hit", "miss_cold", "miss_evicted", "miss_namespace", "below_page",
+                 "load_failed", "lease_expired", "capacity")
+
+        def outcomes() -> dict[str, float]:
+            s = scrape(port)
+            return {o: value(s, "prefixcache_lookup_tokens_total", model="p", outcome=o)
+                    for o in names}
+
+        assert outcomes() == dict.fromkeys(names, 0)
+        channel, stub = stub_for(address)
+        with channel:
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            _cache(stub, sid, A, NS)                                          # cold 16
+            stub.Match(pb.MatchRequest(model="p", token_ids=toks(A)))         # namespace 16
+            stub.Evict(pb.EvictRequest(model="p", num_tokens=64))
+            stub.Match(pb.MatchRequest(model="p", token_ids=toks([*A, 1, 2]),
+                                       extra_key=NS))                         # evicted, tail
+        assert outcomes() == {**dict.fromkeys(names, 0), "miss_cold": 16,
+                              "miss_namespace": 16, "miss_evicted": 16, "below_page": 2}
+        tokens = tmp_path / "a.json"
+        tokens.write_text(json.dumps(A))
+        out = _cli("explain", "--target", address, "--model", "p", "--tokens-file",
+                   str(tokens), "--extra-key", NS)
+        assert out.returncode == 0 and "stops at token 0: miss_evicted" in out.stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
