@@ -34,12 +34,13 @@ def answer(core: SchedulerCore, req: RequestInfo, num_computed: int = 0
     return core.probe(req, num_computed)
 
 
-def lapsed_tokens(server: ServerThread) -> int:
-    """The service's lease_expired lookup tokens of the model, read with a Stats call."""
+def lapsed_tokens(server: ServerThread, outcome: str = "lease_expired") -> int:
+    """The service's lookup tokens of the model with ``outcome``, read with a Stats
+    call."""
     channel, stub = stub_for(server.address)
     with channel:
         stats = stub.Stats(pb.StatsRequest(model="v")).models[0]
-    return stats.lookup_tokens_total["lease_expired"]
+    return stats.lookup_tokens_total[outcome]
 
 
 def quiesce(core: SchedulerCore) -> None:
@@ -184,6 +185,26 @@ def test_an_unclaimed_reservation_lapses_after_its_lease(
         core.finished(r, [], 0)
         core.build_meta()
         settle(core)
+    finally:
+        core.close()
+
+
+def test_a_load_vllm_counts_beyond_the_reservation_fails_and_is_counted(
+        server: ServerThread, client: PrefixCacheClient) -> None:
+    """vLLM counts more external tokens than the reservation holds: the load fails (its
+    blocks are recomputed) and the release tells the service why (load_failed)."""
+    cache(client, PROMPT[:8])
+    core = make_scheduler(server.address)
+    try:
+        r = info("f")
+        assert answer(core, r) == (8, False)
+        before = lapsed_tokens(server, "load_failed")
+        core.allocated("f", [1, 2, 3, 4], 16)
+        assert [load.fail for load in core.build_meta().loads] == [True]
+        core.finished(r, [1, 2, 3, 4], 0)
+        quiesce(core)
+        assert locks(client) == 0
+        assert lapsed_tokens(server, "load_failed") == before + 8
     finally:
         core.close()
 

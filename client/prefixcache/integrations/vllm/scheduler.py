@@ -80,6 +80,8 @@ class _Reservation:
     local: int = 0
     block_ids: array = field(default_factory=lambda: array("q"))
     num_external: int = 0
+    # Why its hit goes unused, told to the service when it is released.
+    unused: str | None = None
 
 
 @dataclass(slots=True)
@@ -306,6 +308,7 @@ class SchedulerCore:
             log.warning("request %s: vLLM counts %d external tokens from %d, the "
                         "reservation has %d; they will be recomputed", res.req_id,
                         res.num_external, res.local, res.hit)
+            res.unused = "load_failed"  # the service counts the reserved hit so
             return LoadOp(res.req_id, res.block_ids, res.local, res.num_external, fail=True)
         self.stats.loads += 1
         self.stats.load_tokens += res.num_external
@@ -320,7 +323,7 @@ class SchedulerCore:
         res = self._res.pop(req_id, None)
         if res is None or not res.lock_id:
             return
-        release = Release(res.lock_id, res.epoch, unused)
+        release = Release(res.lock_id, res.epoch, unused or res.unused)
         if res.state is _State.LOADING:
             # The load went out with a step that may not have run yet (vLLM schedules
             # the next step while the last one runs): keep the slots two steps more.
