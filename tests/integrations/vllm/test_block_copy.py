@@ -97,3 +97,11 @@ def test_slot_run() -> None:
     assert slot_run(array("q")) is None
     assert slot_run(array("q", [5, 7, 6, 8])) is None  # same span, not one run
     assert slot_run(array("q", [5, 6, 8, 9])) is None
+
+
+def test_a_block_outside_the_cache_fails_the_copy() -> None:
+    """The worker counts a ValueError as a failed load ("copy"), not a crash."""
+    view = split_kv("l", cache("bhn2d", 16, torch.bfloat16, 4), "bhn2d", DIM)
+    (span,) = spans(array("q", [40]), 0, 16, BLOCK, 16)
+    with pytest.raises(ValueError, match="out of"):
+        load_span(view.k, span, torch.zeros(16, HEADS, DIM, dtype=torch.bfloat16))
