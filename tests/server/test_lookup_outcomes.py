@@ -297,3 +297,35 @@ def test_a_tenant_learns_nothing_of_another_tenants_cache(tmp_path) -> None:
             assert not mine.lookup_tokens_total and mine.pages_requested_total == 0
             assert stub.Stats(pb.StatsRequest(model="p"), metadata=operator).models[0] \
                 .lookup_tokens_total["miss_cold"] == 16
+
+
+def test_mamba_kv_without_state_is_not_a_hit(tmp_path) -> None:
+    """A Mamba model's cached KV with no state to resume from (the split point of two
+    prompts) is miss_evicted, not hit: a match cannot use it."""
+    from harness import EVERY_KIND
+
+    mamba = [m for m in EVERY_KIND if m.kind == "mamba"]
+    with running(tmp_path, mamba, metrics_host="127.0.0.1", metrics_port=0) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+
+            def cache(tokens: list[int]) -> None:
+                m = stub.Match(pb.MatchRequest(model="h", token_ids=toks(tokens),
+                                               session_id=sid, allocate=True))
+                stub.Insert(pb.InsertRequest(model="h", token_ids=toks(tokens),
+                                             session_id=sid,
+                                             slot_indices=m.slot_indices + m.allocated_slots,
+                                             state_slot=m.allocated_state_slot))
+
+            cache([1, 2, 3, 4, 5, 6, 7, 8])
+            cache([1, 2, 3, 4, 9, 9])  # splits at 4: no state there
+            ask = toks([1, 2, 3, 4, 10, 10])
+            assert _ranges(stub.Explain(pb.ExplainRequest(model="h", token_ids=ask))) == [
+                ("LOOKUP_OUTCOME_MISS_EVICTED", 0, 4), ("LOOKUP_OUTCOME_MISS_COLD", 4, 6)]
+            assert stub.Match(pb.MatchRequest(model="h", token_ids=ask)).prefix_len == 0
+            got = scrape(srv.server.metrics_port)
+            # 4 for this Match, 4 for the second cache()'s (the state was at 8 then).
+            assert value(got, "prefixcache_lookup_tokens_total", model="h",
+                         outcome="miss_evicted") == 8
+        srv.check_integrity()
