@@ -233,3 +233,21 @@ def test_classification_against_a_model(ops: list) -> None:
         hit = cache.match_prefix(key).prefix_len
         assert classify(cache, key, hit, record, ids).ranges == merged
         cache.check_integrity()
+
+
+def test_a_failing_record_never_breaks_an_eviction() -> None:
+    """The recorder runs inside the eviction: a failure there is counted, never raised
+    (the tree would be left half evicted)."""
+    cache, record, ids = _cache()
+    recorder = EvictionRecorder(record, ids)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in the record")
+
+    record.add = broken  # type: ignore[method-assign]
+    cache.eviction_observer = recorder.observe
+    _insert(cache, [1, 2, 3, 4])
+    _insert(cache, [5, 6])
+    assert cache.evict(100).full_evicted == 6
+    assert recorder.errors == 2
+    cache.check_integrity()

@@ -168,8 +168,18 @@ class EvictionRecorder:
         self.ids = ids
         self.block = block  # pages per id (block_pages)
         self.pages = 0
+        self.errors = 0
 
     def observe(self, node: TreeNode) -> None:
+        """Record ``node``'s pages. Called inside the cache's eviction, so it never
+        raises: a failure here would leave the tree half evicted. Failures are counted
+        (``errors``) and the node's pages go unrecorded (they will read as cold)."""
+        try:
+            self._observe(node)
+        except Exception:
+            self.errors += 1
+
+    def _observe(self, node: TreeNode) -> None:
         ns = node.namespace
         if ns is None or not node.key_len:
             return
