@@ -27,11 +27,19 @@ from prefixcache.cache import hash_token_ids
 from prefixcache.client import PrefixCacheClient
 from prefixcache.client.step import Admit
 from prefixcache.integrations.vllm.keys import RequestInfo
+from prefixcache.integrations.vllm.layout import split_kv
 
 # SGLang's host pools and backend core, as tests/integrations/sglang drives them.
 sys.path.insert(0, str(Path(__file__).parents[2] / "integrations" / "sglang"))
 from hicache_hosts import HostPool, host_indices, make_core
-from integrations.vllm.vllm_support import make_scheduler, settle
+from integrations.vllm.vllm_support import (
+    backend_for,
+    make_caches,
+    make_scheduler,
+    make_worker,
+    settle,
+    token_rows,
+)
 
 MODEL = "m"
 PAGE = 4
@@ -196,6 +204,58 @@ def test_vllm_scheduler_core_sees_remote_pages(cluster: dict[str, Any]) -> None:
         settle(core)
     finally:
         core.close()
+
+
+def _engine_step(core: Any, workers: list[Any], finished: frozenset[str] = frozenset()
+                 ) -> Any:
+    """One vLLM engine step (as tests/integrations/vllm/test_worker.py drives it)."""
+    meta = core.build_meta()
+    done = None
+    for worker in workers:
+        worker.start_step(meta)
+        sent = worker.finished_sends(set(finished))
+        done = sent if done is None else done & sent
+    core.sends_done(done or ())
+    settle(core)
+    return meta
+
+
+def test_vllm_connector_cores_across_nodes(cluster: dict[str, Any]) -> None:
+    """vLLM's connector on each node (scheduler and worker cores, KV through the
+    service): a request saved on node A is loaded on node B into other blocks, byte for
+    byte."""
+    a, b = cluster["a"], cluster["b"]
+    cores = [make_scheduler(n.address, model=MODEL, block=PAGE, transfer="remote")
+             for n in (a, b)]
+    workers = [make_worker(n.address, model=MODEL, block=PAGE, transfer="remote")
+               for n in (a, b)]
+    a_blocks, b_blocks = [2, 5, 7, 9, 11], [1, 3, 4, 6, 8]
+    prompt = _tokens(15, 18)
+    try:
+        caches = [make_caches("kv_first"), make_caches("kv_first")]
+        for worker, cache in zip(workers, caches, strict=True):
+            worker.register(cache, backend_for("kv_first"))
+        before = _put_pages(a)
+        assert cores[0].finished(RequestInfo("A", prompt, 18), a_blocks, 18)
+        for _ in range(3):
+            _engine_step(cores[0], workers[:1], frozenset({"A"}))
+        a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + 4)
+        req = RequestInfo("B", prompt, 18)
+        assert cores[1].probe(req, 0) == (None, False)
+        _engine_step(cores[1], workers[1:])
+        assert cores[1].probe(req, 0) == (16, False)
+        cores[1].allocated("B", b_blocks, 16)
+        assert len(_engine_step(cores[1], workers[1:]).loads) == 1
+        assert workers[1].take_load_errors() == set()
+        views = [[split_kv(name, t, "kv_first", ROW[1]) for name, t in cache.items()]
+                 for cache in caches]
+        for va, vb in zip(*views, strict=True):
+            assert torch.equal(token_rows(va, a_blocks, 16), token_rows(vb, b_blocks, 16))
+        cores[1].finished(req, b_blocks, 17)
+        _engine_step(cores[1], workers[1:], frozenset({"B"}))
+    finally:
+        for closable in (*cores, *workers):
+            closable.close()
 
 
 def test_sglang_cores_across_nodes(cluster: dict[str, Any]) -> None:
