@@ -6,7 +6,7 @@ builds malformed and adversarial versions of every request message, mixing the l
 of that state with garbage (odd-length token bytes, tokens out of the vocabulary, width
 mismatches, huge and negative numbers, unknown models, nodes, locks and sessions,
 unbalanced unlocks, double frees, oversized messages), and also sends raw random bytes to
-every method. For each case:
+every method (Step, the page RPCs and Subscribe included). For each case:
 
 * the answer is OK or a status code the proto documents for client mistakes (never
   INTERNAL or UNKNOWN, and the server stays up);
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +41,7 @@ from fuzz_requests import (
     UNARY_BUILDERS,
     _pick,
     read_request,
+    subscribe_request,
     write_chunks,
 )
 from fuzz_world import ALLOWED_VALUES, CODE, MAX_MESSAGE, MODELS, SERVICE, TIMEOUT, UNARY, World
@@ -137,10 +139,44 @@ def stream_case(draw: Any, world: World) -> None:
     world.settle("Session close", CODE.OK)
 
 
+def _first_events(call: Any) -> list[Any]:
+    """A Subscribe's events up to its snapshot's end (at most 50), read within a second;
+    a stream that would wait for changes is cancelled (an OK outcome)."""
+    timer = threading.Timer(1.0, call.cancel)
+    timer.start()
+    events: list[Any] = []
+    try:
+        for event in call:
+            events.append(event)
+            if len(events) >= 50 or (isinstance(event, pb.SubscribeEvent)
+                                     and event.HasField("snapshot_end")):
+                break
+    except grpc.RpcError as err:
+        if err.code() != CODE.CANCELLED:
+            raise
+    finally:
+        timer.cancel()
+        call.cancel()
+    return events
+
+
+def subscribe_case(draw: Any, world: World) -> None:
+    request = subscribe_request(draw, world)
+    if request.server_epoch == 1:  # the live epoch, so that after_seq is judged
+        request.server_epoch = world.stats().server_epoch
+    code, detail, _ = _code(lambda: _first_events(
+        world.stub.Subscribe(request, timeout=TIMEOUT)))
+    world.settle(f"Subscribe({request})"[:2000], code, detail)
+
+
 def raw_case(draw: Any, world: World) -> None:
-    method = draw(st.sampled_from([*UNARY, "ReadKV", "WriteKV", "Session"]))
+    method = draw(st.sampled_from([*UNARY, "ReadKV", "WriteKV", "Session", "Subscribe"]))
     path = SERVICE + method
-    if method in UNARY:
+    if method == "Subscribe":
+        data = draw(RAW)
+        code, detail, _ = _code(lambda: _first_events(
+            world.channel.unary_stream(path)(data, timeout=TIMEOUT)))
+    elif method in UNARY:
         data = draw(RAW)
         code, detail, reply = _code(
             lambda: world.channel.unary_unary(path)(data, timeout=TIMEOUT))
@@ -245,7 +281,7 @@ def workflow_case(draw: Any, world: World) -> None:
 
 
 CASES = {"unary": unary_case, "read": read_case, "write": write_case, "stream": stream_case,
-         "workflow": workflow_case}
+         "workflow": workflow_case, "subscribe": subscribe_case}
 
 
 def run_case(data: Any, world: World, raw: bool) -> None:
@@ -254,7 +290,7 @@ def run_case(data: Any, world: World, raw: bool) -> None:
     if raw:
         raw_case(draw, world)
     else:
-        kind = draw(st.sampled_from(["unary"] * 6 + ["read", "write", "stream"]
+        kind = draw(st.sampled_from(["unary"] * 6 + ["read", "write", "stream", "subscribe"]
                                     + ["workflow"] * 2))
         CASES[kind](draw, world)
 

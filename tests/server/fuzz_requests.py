@@ -7,9 +7,11 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from fuzz_world import MAX_MESSAGE, NAMES, World
+from fuzz_world import MAX_MESSAGE, MODELS, NAMES, World
 from harness import pack_slots, pb, toks
 from hypothesis import strategies as st
+
+from prefixcache.cache import hash_token_ids
 
 EDGES = (0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1000, 1024,
          2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53, 2**63 - 1, 2**63, 2**64 - 1)
@@ -30,6 +32,7 @@ HUGE = b"\x01\x00\x00\x00" * (MAX_MESSAGE // 4 + 16)
 # Draws never depend on the world's state (hypothesis requires the same choices to give
 # the same draws): a live id is drawn as an index, and its fallback is always drawn too.
 INDEX = st.integers(0, 2**16)
+PAGE_SIZES = {m.name: m.page_size for m in MODELS}
 
 
 def _pick(draw: Any, items: list[Any], fallback: st.SearchStrategy[Any]) -> Any:
@@ -172,13 +175,118 @@ def stats_request(draw: Any, world: World) -> pb.StatsRequest:
     return pb.StatsRequest(model=draw(MODEL))
 
 
+def step_request(draw: Any, world: World) -> pb.StepRequest:
+    """A Step of a few items of each kind, each as malformed as its unary call's."""
+    model = draw(MODEL)
+
+    def width() -> int:
+        return draw(WIDTH) if draw(st.integers(0, 3)) == 0 else 0
+
+    admits = []
+    for _ in range(draw(st.integers(0, 3))):
+        admit = pb.StepAdmit(token_ids=token_bytes(draw, world, model), token_width=width(),
+                             lock=draw(st.booleans()), allocate=draw(st.booleans()),
+                             **_extra(draw))
+        if draw(st.integers(0, 3)) == 0:
+            admit.expected_prefix_len = draw(U32)
+        admits.append(admit)
+    finishes = []
+    for _ in range(draw(st.integers(0, 2))):
+        finish = pb.StepFinish(
+            token_ids=token_bytes(draw, world, model), token_width=width(),
+            slot_indices=slot_bytes(draw, world, model), lock=draw(st.booleans()),
+            release_lock_id=lock_id(draw, world) if draw(st.booleans()) else 0,
+            keep_tail=draw(st.booleans()),
+            slot_version=_pick(draw, world.versions, U64) if draw(st.booleans()) else 0,
+            **_extra(draw))
+        if draw(st.integers(0, 3)) == 0:
+            finish.state_slot = state_slot(draw, world)
+        finishes.append(finish)
+    frees = [pb.StepFree(slot_indices=slot_bytes(draw, world, model),
+                         state_slots=slot_bytes(draw, world, model, states=True)
+                         if draw(st.booleans()) else b"")
+             for _ in range(draw(st.integers(0, 2)))]
+    return pb.StepRequest(
+        model=model, session_id=session_id(draw, world),
+        request_id=draw(st.sampled_from([0, 0, 0, 7])), admits=admits, finishes=finishes,
+        frees=frees, unlocks=[lock_id(draw, world) for _ in range(draw(st.integers(0, 2)))],
+        decodes=draw(st.lists(st.one_of(st.integers(0, 8), U64), max_size=3)))
+
+
+def page_hashes(draw: Any, world: World, model: str) -> bytes:
+    """Packed page hashes: a cached sequence's chain (so pages are found), random
+    digests, bytes that are not whole digests, none, or more than a message holds."""
+    kind = draw(st.integers(0, 7))
+    if kind <= 3:
+        seq = _pick(draw, world.seqs.get(model) or world.seqs["m"], st.just([1, 2, 3, 4]))
+        size = PAGE_SIZES.get(model, 1)
+        chain, prior = [], None
+        for start in range(0, len(seq) - len(seq) % size, size):
+            prior = hash_token_ids(seq[start:start + size], prior)
+            chain.append(bytes.fromhex(prior))
+        return b"".join(chain[:draw(INDEX) % (len(chain) + 1)])
+    if kind == 4:
+        return draw(st.binary(min_size=32, max_size=32)) * draw(st.integers(1, 3))
+    if kind == 5:
+        return draw(st.binary(max_size=70))
+    if kind == 6:
+        return b""
+    return b"\x07" * 32 * (MAX_MESSAGE // 32 + 1)
+
+
+def _page_fields(draw: Any, world: World) -> dict[str, Any]:
+    model = draw(MODEL)
+    fields = {"model": model, "page_hashes": page_hashes(draw, world, model),
+              "token_width": draw(WIDTH) if draw(st.integers(0, 3)) == 0 else 0}
+    return {**fields, **_extra(draw)}
+
+
+def exists_pages_request(draw: Any, world: World) -> pb.ExistsPagesRequest:
+    return pb.ExistsPagesRequest(**_page_fields(draw, world), before_set=draw(st.booleans()),
+                                 session_id=session_id(draw, world)
+                                 if draw(st.booleans()) else "")
+
+
+def get_pages_request(draw: Any, world: World) -> pb.GetPagesRequest:
+    return pb.GetPagesRequest(**_page_fields(draw, world), session_id=session_id(draw, world),
+                              request_id=draw(st.sampled_from([0, 0, 8])))
+
+
+def set_pages_request(draw: Any, world: World) -> pb.SetPagesRequest:
+    fields = _page_fields(draw, world)
+    prior = draw(st.sampled_from([b"", b"", b"\x05" * 32, b"\x05" * 31, b"\x05" * 64]))
+    return pb.SetPagesRequest(**fields, prior_hash=prior,
+                              slot_indices=slot_bytes(draw, world, fields["model"]),
+                              session_id=session_id(draw, world),
+                              request_id=draw(st.sampled_from([0, 0, 9])))
+
+
+def subscribe_request(draw: Any, world: World) -> pb.SubscribeRequest:
+    """A Subscribe; ``server_epoch`` 1 is replaced by the live epoch when sent."""
+    namespaces = [pb.PageNamespace(**_extra(draw), token_width=draw(WIDTH))
+                  for _ in range(draw(st.integers(0, 2)))]
+    if draw(st.integers(0, 9)) == 0:
+        namespaces = [pb.PageNamespace(extra_key=str(i)) for i in range(1025)]
+    request = pb.SubscribeRequest(model=draw(MODEL), namespaces=namespaces,
+                                  server_epoch=draw(st.sampled_from([0, 1, 1, 2**64 - 1])),
+                                  max_pages_per_event=draw(U32),
+                                  session_id=session_id(draw, world)
+                                  if draw(st.booleans()) else "")
+    after = draw(st.one_of(st.none(), st.integers(0, 40), U64))
+    if after is not None:
+        request.after_seq = after
+    return request
+
+
 STREAM_OPS = {"match": match_request, "insert": insert_request, "evict": evict_request,
               "lock": lock_request, "unlock": unlock_request, "alloc": alloc_request,
-              "free": free_request, "stats": stats_request}
+              "free": free_request, "stats": stats_request, "step": step_request}
 UNARY_BUILDERS = {
     "Match": match_request, "Insert": insert_request, "Evict": evict_request,
     "Lock": lock_request, "Unlock": unlock_request, "Alloc": alloc_request,
-    "Free": free_request, "Stats": stats_request,
+    "Free": free_request, "Stats": stats_request, "Step": step_request,
+    "ExistsPages": exists_pages_request, "GetPages": get_pages_request,
+    "SetPages": set_pages_request,
     "DescribePool": lambda draw, w: pb.DescribePoolRequest(model=draw(MODEL)),
     "ListModels": lambda draw, w: pb.ListModelsRequest(),
     "OpenSession": lambda draw, w: pb.OpenSessionRequest(
