@@ -8,8 +8,8 @@ what makes a reply large (8 bytes each, where a request's token ids are 4), so t
 calls whose reply can outgrow their request are checked here, from the size the
 request implies, before they change anything:
 
-* Match with ``lock`` or ``allocate``: its prefix's and its new slots, at most one per
-  token plus a page of rounding (a plain Match changes nothing, and is left to gRPC);
+* Match with ``lock`` or ``allocate``: its prefix's and its new slots, one per token
+  rounded up to a page (a plain Match changes nothing, and is left to gRPC);
 * Alloc: the slots asked for (whole pages), their versions (kind slot), state slots;
 * Step: each admission as a Match, each decode as an Alloc, each finish its freed tail
   (at most the slots it sends), ``ITEM`` bytes per item besides (ids, flags, an error);
@@ -28,8 +28,9 @@ from typing import Any
 from .errors import OverLimitError
 from .limits import Limits
 
-# A reply's scalars, counters and short repeated fields beyond the slots counted here.
-BASE = 64 * 1024
+# A reply's scalars, counters, field tags and short repeated fields beyond the slots
+# counted here (a Match or Alloc reply's are under 100 bytes, a Step's counters 200).
+BASE = 1024
 # A Step item's reply besides its slots: ids, lengths, flags, or an error's message.
 ITEM = 256
 SLOT = 8  # a packed int64 slot index, version or lock id (as a varint, at most 10)
@@ -64,11 +65,11 @@ def _slots(engine: Any, count: int) -> int:
 
 
 def match_size(engine: Any, req: Any) -> int:
-    """A Match reply's slot bytes (0 when it locks nothing and allocates nothing)."""
+    """A Match reply's slot bytes (0 when it locks nothing and allocates nothing): the
+    prefix's slots and the new ones together cover the tokens, rounded up to a page."""
     if not (req.lock or req.allocate):
         return 0
-    tokens = _tokens(req)
-    return _slots(engine, tokens) + (_slots(engine, tokens) if req.allocate else 0)
+    return _slots(engine, _tokens(req))
 
 
 def alloc_size(engine: Any, num_slots: int, num_state_slots: int) -> int:
