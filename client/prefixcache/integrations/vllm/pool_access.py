@@ -33,6 +33,7 @@ from prefixcache.client import (
     StaleEpoch,
 )
 from prefixcache.client.errors import ResourceExhausted
+from prefixcache.client.kv import KVData
 from prefixcache.client.results import PoolInfo
 from prefixcache.client.write_fence import WriteFence, open_fence
 
@@ -210,10 +211,32 @@ class RemoteAccess:
         self.client = client
         self.model = model
         self.info = client.describe_pool(model)
+        # Staging rows the reads land in, kept between loads: fresh memory costs more
+        # to fault in than the copy into it (issue 24's profile). A load's rows are
+        # consumed before the next read.
+        self._staging: tuple[list[Any], list[Any]] | None = None
+
+    def _out(self, count: int) -> KVData:
+        import torch
+
+        info = self.info
+        have = self._staging
+        if have is None or have[0][0].shape[0] < count:
+            rows = max(count, 2 * have[0][0].shape[0]) if have else count
+            dtype = getattr(torch, info.dtype)
+            layers = range(info.layer_num)
+            have = self._staging = (
+                [torch.empty(rows, info.k_head_num, info.k_head_dim, dtype=dtype)
+                 for _ in layers],
+                [] if info.mla else
+                [torch.empty(rows, info.v_head_num, info.v_head_dim, dtype=dtype)
+                 for _ in layers])
+        return KVData(tuple(range(info.layer_num)), [t[:count] for t in have[0]],
+                      [t[:count] for t in have[1]])
 
     def reader(self, slots: Any, server_epoch: int, session_id: str) -> Rows:
         data = self.client.read_kv(self.model, slots, session=session_id,
-                                   server_epoch=server_epoch)
+                                   server_epoch=server_epoch, out=self._out(len(slots)))
         if self.info.mla:
             return lambda layer: (byte_view(data.k[layer]), None)
         return lambda layer: (byte_view(data.k[layer]), byte_view(data.v[layer]))
