@@ -11,9 +11,10 @@ as SGLang keeps it. A backend that put a host page's rows into the pool in anoth
 order (a layout's axes swapped, K and V crossed, pages shifted) round-trips through
 itself but fails here.
 
-The stores go through ``PrefixCacheStorage`` loaded by SGLang's own backend factory
-where the ``sglang`` package imports (CI's e2e venv installs it without its CUDA
-dependencies), else through ``HiCacheCore``, the logic its ``batch_*_v1`` calls.
+The stores go through ``PrefixCacheStorage`` loaded by SGLang's own backend factory,
+with SGLang's page hashes, where the ``sglang`` package is installed (CI's e2e venv
+installs its storage API without its CUDA dependencies, and checks that it imports),
+else through ``HiCacheCore``, the logic its ``batch_*_v1`` calls.
 """
 
 from __future__ import annotations
@@ -119,17 +120,19 @@ class Backend:
             self.impl = make_core(target, pool, model=model, transfer=transfer)
 
     def keys(self, tokens: list[int]) -> list[str]:
-        """SGLang's page keys (its ``get_hash_str``; prefixcache's chain, byte for byte,
-        as tests/integrations/sglang/test_real_sglang.py checks)."""
-        if HAS_SGLANG:
-            from sglang.srt.mem_cache.utils import get_hash_str
-
-            return get_hash_str(tokens, None, page_size=self.page)
+        """The page keys of ``tokens`` (whole pages): prefixcache's chain, which must be
+        SGLang's ``get_hash_str`` byte for byte (else SGLang never finds the pages that
+        workers cached under their tokens)."""
         from prefixcache.cache import hash_token_ids
 
         keys: list[str] = []
         for i in range(0, len(tokens) - len(tokens) % self.page, self.page):
             keys.append(hash_token_ids(tokens[i:i + self.page], keys[-1] if keys else None))
+        if HAS_SGLANG:
+            from sglang.srt.mem_cache.utils import get_hash_str
+
+            theirs = get_hash_str(tokens, None, page_size=self.page)
+            assert theirs == keys, "SGLang's page hashes are not prefixcache's chain"
         return keys
 
     def set(self, keys: list[str], host: Any, prefix: list[str]) -> list[bool]:
