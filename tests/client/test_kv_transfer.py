@@ -179,3 +179,31 @@ def test_async_round_trip(server: ServerThread) -> None:
             assert _same(pool.k_buffer[0][slots], k[0])
             await s.free("p", slots)
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("role", "layer", "offset", "data"), [
+    (pb.BUFFER_ROLE_K, 0, 0, b"abc"), (pb.BUFFER_ROLE_V, 31, 2**40 + 5, bytes(range(256)) * 3),
+    (pb.BUFFER_ROLE_CONV, 5, 0, b""), (pb.BUFFER_ROLE_TEMPORAL, 0, 7, b"\x00")])
+def test_chunks_by_hand_are_protobufs(role: int, layer: int, offset: int, data: bytes) -> None:
+    """The server's hand-serialized ReadKV chunks are byte for byte protobuf's, and the
+    client's parser reads protobuf's (data as a view) as protobuf does."""
+    from prefixcache.client.kv import parse_chunk
+    from prefixcache.server.kv_transfer import encode_chunk
+
+    wire = pb.KVChunk(role=role, layer=layer, offset_bytes=offset, data=data).SerializeToString()
+    assert encode_chunk(role, layer, offset, memoryview(data)) == wire
+    got = parse_chunk(wire)
+    assert (got.role, got.layer, got.offset_bytes, bytes(got.data)) == (role, layer, offset,
+                                                                        data)
+
+
+def test_malformed_chunks_are_refused() -> None:
+    from prefixcache.client.kv import parse_chunk
+
+    wire = pb.KVChunk(role=1, layer=2, offset_bytes=3, data=b"x" * 50).SerializeToString()
+    for bad in (wire[:-1], wire[:5], b"\x80", b"\x07"):
+        with pytest.raises(InvalidArgument, match="malformed ReadKV chunk"):
+            parse_chunk(bad)
+    # A field the parser does not know (a header) is skipped, as protobuf skips it.
+    header = pb.KVChunk(header=pb.WriteKVHeader(model="m")).SerializeToString()
+    assert bytes(parse_chunk(header + wire).data) == b"x" * 50

@@ -82,6 +82,10 @@ class PrefixCacheClient(ClientBase):
         else:
             self._channel = grpc.insecure_channel(self.target, self._options)
         self._stub = pb_grpc.PrefixCacheStub(self._channel)
+        # ReadKV's chunks read without protobuf: their data stays a view of the message.
+        self._read_kv = self._channel.unary_stream(
+            kv.READ_KV_METHOD, request_serializer=pb.ReadKVRequest.SerializeToString,
+            response_deserializer=kv.parse_chunk)
         self._closed = False
         self._followers: list[ShadowFollower] = []  # shadow(): closed with the client
 
@@ -172,8 +176,8 @@ class PrefixCacheClient(ClientBase):
         reader.request.session_id = session_id_of(session)
         reader.request.server_epoch = self._fence(session, server_epoch)
         try:
-            for chunk in self._stub.ReadKV(reader.request, timeout=timeout or self.timeout,
-                                           metadata=self._metadata):
+            for chunk in self._read_kv(reader.request, timeout=timeout or self.timeout,
+                                       metadata=self._metadata):
                 reader.add(chunk)
         except grpc.RpcError as exc:
             raise self._error(exc) from exc

@@ -197,10 +197,6 @@ def check_held(engine: Any, session: Session, slots: np.ndarray, states: np.ndar
         engine._states().check(session, states)
 
 
-def _as_bytes(rows: torch.Tensor) -> bytes:
-    return rows.contiguous().view(torch.uint8).cpu().numpy().tobytes()
-
-
 def _rows(part: Part, start: int, end: int) -> torch.Tensor:
     """Rows ``start .. end`` of a part: a slice of the pool when its rows are one run
     (copied once, into the chunk's bytes), else gathered."""
@@ -210,8 +206,10 @@ def _rows(part: Part, start: int, end: int) -> torch.Tensor:
 
 
 def read_chunks(parts: list[Part], chunk_bytes: int,
-                check: RowCheck | None = None) -> Iterator[pb.KVChunk]:
-    """The transfer's bytes as chunks of at most ``chunk_bytes`` of data each.
+                check: RowCheck | None = None) -> Iterator[bytes]:
+    """The transfer's bytes as serialized ``KVChunk`` messages of at most
+    ``chunk_bytes`` of data each (``encode_chunk``: the rows are copied once, into the
+    message; registration.py sends them as they are).
 
     Rows are copied out one chunk's worth at a time (a row larger than a chunk alone),
     so the caller may yield to the event loop between chunks; ``check`` runs before
@@ -227,11 +225,39 @@ def read_chunks(parts: list[Part], chunk_bytes: int,
             end = min(start + rows_per, count)
             if check is not None:
                 check(part, start, end)
-            data = _as_bytes(_rows(part, start, end))
+            data = _byte_rows(_rows(part, start, end))
             for i in range(0, len(data), chunk_bytes):
-                yield pb.KVChunk(role=part.role, layer=part.layer,
-                                 offset_bytes=offset + i, data=data[i:i + chunk_bytes])
+                yield encode_chunk(part.role, part.layer, offset + i,
+                                   data[i:i + chunk_bytes])
             offset += len(data)
+
+
+def _byte_rows(rows: torch.Tensor) -> memoryview:
+    """Rows as a flat byte view (a copy only where they are not contiguous on the host)."""
+    host = rows.contiguous().cpu()
+    return memoryview(host.view(torch.uint8).reshape(-1).numpy())
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_chunk(role: int, layer: int, offset: int, data: memoryview | bytes) -> bytes:
+    """A ``KVChunk`` (role, layer, offset_bytes, data) serialized by hand, byte for byte
+    what protobuf writes: the data is copied once, into the message, instead of into a
+    bytes object, a message and its serialization."""
+    head = bytearray()
+    for field, value in ((2, role), (3, layer), (4, offset)):
+        if value:  # proto3: zero is the default and is not written
+            head += _varint(field << 3) + _varint(value)
+    if len(data):
+        head += _varint(5 << 3 | 2) + _varint(len(data))
+    return b"".join((head, data))
 
 
 class Writer:

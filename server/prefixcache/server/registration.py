@@ -64,6 +64,12 @@ def _lenient(cls: Any, limits: Limits | None,
     return parse
 
 
+def _chunks(reply: Any) -> bytes:
+    """ReadKV's replies: serialized already (kv_transfer.encode_chunk: the rows copied
+    once, into the message), or a KVChunk."""
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()
+
+
 def parsed(request: Any) -> Any:
     """``request``, or its refusal raised (INVALID_ARGUMENT for bytes that did not parse,
     TooLargeError for a field over its limit)."""
@@ -92,6 +98,7 @@ def add_to_server(servicer: Any, server: Any, limits: Limits | None = None,
             getattr(servicer, method.name),
             request_deserializer=_lenient(getattr(pb, method.input_type.name), limits,
                                           caps),
-            response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+            response_serializer=_chunks if method.name == "ReadKV" else
+            getattr(pb, method.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),))
