@@ -13,7 +13,8 @@ flood with (eight parallel calls of 1M hashes once stalled every other client fo
 of ``SLICE`` pages (a millisecond or two each), with the loop free to serve other
 calls between them. A page stored or evicted meanwhile may or may not be counted:
 the answer is a hint of what the next GetPages will find, never a promise. GetPages
-and SetPages lock and store, and run whole.
+decodes its hashes in slices too, then looks up and locks in one go; SetPages runs
+whole.
 """
 
 from __future__ import annotations
@@ -96,11 +97,28 @@ async def exists(service: Any, limits: Limits, req: pb.ExistsPagesRequest,
     return pb.ExistsPagesResponse(leading_pages=leading, present=present_bytes)
 
 
-def get(service: Any, limits: Limits, req: pb.GetPagesRequest,
-        session: Session | None) -> pb.GetPagesResponse:
+async def _decoded(data: bytes, cap: int) -> list[str]:
+    """``decode_hashes`` in slices of ``SLICE`` pages, the loop free between them."""
+    if len(data) % DIGEST_BYTES:
+        decode_hashes(data)  # refuses it, naming the field
+    check_count("page_hashes", len(data) // DIGEST_BYTES, cap)
+    view, step, out = memoryview(data), SLICE * DIGEST_BYTES, []
+    for start in range(0, len(data), step):
+        if start:
+            await asyncio.sleep(0)
+        out += decode_hashes(view[start:start + step])
+    return out
+
+
+async def get(service: Any, limits: Limits, req: pb.GetPagesRequest,
+              session: Session | None) -> pb.GetPagesResponse:
+    engine = service.engine(req.model)
+    pages, namespace = HashPages(engine), _namespace(req)
+    # Decoded in slices (the hashes are only bytes yet); from the replay check on, the
+    # call runs whole, so a retry racing its first try is answered from the window.
+    hashes = await _decoded(req.page_hashes, max_pages(limits, engine))
     if (reply := replays.replayed(session, "get_pages", req)):
         return reply
-    pages, namespace, hashes = _opened(service, limits, req)
     reply_caps.check(limits, "GetPages", reply_caps.get_pages_size(pages.engine, len(hashes)))
     out = pages.get(namespace, hashes, session)
     reply = pb.GetPagesResponse(found_pages=out.found, slot_indices=encode_slots(out.slots),
