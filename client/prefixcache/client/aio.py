@@ -172,9 +172,14 @@ class AsyncPrefixCacheClient(ClientBase):
                                  conv, temporal,
                                  kv.chunk_limit(chunk_bytes, self.max_message_bytes),
                                  self._fence(session, server_epoch))
+        self._stub  # noqa: B018 - opens the channel
+        # Data chunks go out serialized already (kv.encode_chunk).
+        write = self._channel.stream_unary(
+            kv.WRITE_KV_METHOD, request_serializer=kv.serialize_chunk,
+            response_deserializer=pb.WriteKVResponse.FromString)
         try:
-            reply = await self._stub.WriteKV(chunks, timeout=timeout or self.timeout,
-                                             metadata=self._metadata)
+            reply = await write(chunks, timeout=timeout or self.timeout,
+                                metadata=self._metadata)
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
         return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)

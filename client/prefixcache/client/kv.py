@@ -22,6 +22,7 @@ from .results import PoolInfo
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 READ_KV_METHOD = "/prefixcache.v1.PrefixCache/ReadKV"
+WRITE_KV_METHOD = "/prefixcache.v1.PrefixCache/WriteKV"
 # Room for a KVChunk's other fields within a message of max_message_bytes.
 CHUNK_OVERHEAD = 1024
 
@@ -239,6 +240,34 @@ def parse_chunk(message: bytes) -> RawChunk:
     return RawChunk(role, layer, offset, data)
 
 
+def encode_chunk(role: int, layer: int, offset: int, data: memoryview | bytes) -> bytes:
+    """A data ``KVChunk`` serialized by hand, byte for byte what protobuf writes (the
+    server's kv_transfer.encode_chunk is the same; a test holds both to protobuf's): the
+    data is copied once, into the message, instead of into bytes, a message and its
+    serialization."""
+    head = bytearray()
+    for number, value in ((2, role), (3, layer), (4, offset)):
+        if value:  # proto3: zero is the default and is not written
+            head += _put_varint(number << 3) + _put_varint(value)
+    if len(data):
+        head += _put_varint(5 << 3 | 2) + _put_varint(len(data))
+    return b"".join((head, data))
+
+
+def serialize_chunk(chunk: pb.KVChunk | bytes) -> bytes:
+    """WriteKV's request serializer: chunks from ``encode_chunk`` as they are."""
+    return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
+
+
+def _put_varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def _varint(view: memoryview, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
@@ -266,8 +295,9 @@ def _per_layer(values: Any, count: int, row_dims: int, what: str) -> list[Any]:
 
 def write_chunks(info: PoolInfo, session_id: str, slots: Any, k: Any, v: Any,
                  layers: Sequence[int] | None, state_slots: Any, conv: Any, temporal: Any,
-                 chunk_bytes: int, server_epoch: int = 0) -> Iterator[pb.KVChunk]:
-    """The header chunk, then the tensors as data chunks.
+                 chunk_bytes: int, server_epoch: int = 0) -> Iterator[pb.KVChunk | bytes]:
+    """The header chunk (a KVChunk), then the tensors as data chunks, serialized
+    already (``encode_chunk``; ``serialize_chunk`` sends both).
 
     Every shape is checked here, before the first chunk is sent; each tensor is turned
     into bytes only when its chunks are due, so a write holds one buffer's copy at most.
@@ -311,7 +341,7 @@ def write_chunks(info: PoolInfo, session_id: str, slots: Any, k: Any, v: Any,
 
 
 def _chunks(header: pb.WriteKVHeader, todo: list[tuple[_Part, Any]],
-            chunk_bytes: int) -> Iterator[pb.KVChunk]:
+            chunk_bytes: int) -> Iterator[pb.KVChunk | bytes]:
     import torch
 
     yield pb.KVChunk(header=header)
@@ -319,8 +349,7 @@ def _chunks(header: pb.WriteKVHeader, todo: list[tuple[_Part, Any]],
         host = tensor.detach().to(device="cpu", dtype=getattr(torch, part.dtype))
         data = memoryview(host.contiguous().view(torch.uint8).reshape(-1).numpy())
         for i in range(0, len(data), chunk_bytes):
-            yield pb.KVChunk(role=part.role, layer=part.layer, offset_bytes=i,
-                             data=bytes(data[i:i + chunk_bytes]))
+            yield encode_chunk(part.role, part.layer, i, data[i:i + chunk_bytes])
 
 
 def wide_pair(a: Any, b: Any) -> tuple[Any, Any]:

@@ -86,6 +86,10 @@ class PrefixCacheClient(ClientBase):
         self._read_kv = self._channel.unary_stream(
             kv.READ_KV_METHOD, request_serializer=pb.ReadKVRequest.SerializeToString,
             response_deserializer=kv.parse_chunk)
+        # WriteKV's data chunks go out serialized already (kv.encode_chunk).
+        self._write_kv = self._channel.stream_unary(
+            kv.WRITE_KV_METHOD, request_serializer=kv.serialize_chunk,
+            response_deserializer=pb.WriteKVResponse.FromString)
         self._closed = False
         self._followers: list[ShadowFollower] = []  # shadow(): closed with the client
 
@@ -197,7 +201,7 @@ class PrefixCacheClient(ClientBase):
                                  kv.chunk_limit(chunk_bytes, self.max_message_bytes),
                                  self._fence(session, server_epoch))
         try:
-            reply = self._stub.WriteKV(chunks, timeout=timeout or self.timeout,
+            reply = self._write_kv(chunks, timeout=timeout or self.timeout,
                                        metadata=self._metadata)
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
