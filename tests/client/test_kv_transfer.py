@@ -185,13 +185,16 @@ def test_async_round_trip(server: ServerThread) -> None:
     (pb.BUFFER_ROLE_K, 0, 0, b"abc"), (pb.BUFFER_ROLE_V, 31, 2**40 + 5, bytes(range(256)) * 3),
     (pb.BUFFER_ROLE_CONV, 5, 0, b""), (pb.BUFFER_ROLE_TEMPORAL, 0, 7, b"\x00")])
 def test_chunks_by_hand_are_protobufs(role: int, layer: int, offset: int, data: bytes) -> None:
-    """The server's hand-serialized ReadKV chunks are byte for byte protobuf's, and the
-    client's parser reads protobuf's (data as a view) as protobuf does."""
+    """The hand-serialized chunks (the server's ReadKV replies, the client's WriteKV data)
+    are byte for byte protobuf's, and the client's parser reads protobuf's (data as a
+    view) as protobuf does."""
+    from prefixcache.client.kv import encode_chunk as client_encode
     from prefixcache.client.kv import parse_chunk
     from prefixcache.server.kv_transfer import encode_chunk
 
     wire = pb.KVChunk(role=role, layer=layer, offset_bytes=offset, data=data).SerializeToString()
     assert encode_chunk(role, layer, offset, memoryview(data)) == wire
+    assert client_encode(role, layer, offset, memoryview(data)) == wire  # WriteKV's
     got = parse_chunk(wire)
     assert (got.role, got.layer, got.offset_bytes, bytes(got.data)) == (role, layer, offset,
                                                                         data)
