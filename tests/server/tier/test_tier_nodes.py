@@ -75,14 +75,17 @@ def _tokens(seed: int, n: int = 16) -> list[int]:
     return np.random.default_rng(seed).integers(1, 30000, n).tolist()
 
 
-def _cache(node: Node, tokens: list[int], seed: int, extra_key: str | None = None
-           ) -> list[torch.Tensor]:
+def _cache(node: Node, tokens: list[int], seed: int, extra_key: str | None = None,
+           scattered: bool = False) -> list[torch.Tensor]:
     """Cache ``tokens`` on ``node`` with KV written through the client; returns the KV
-    (k layers, then v layers)."""
+    (k layers, then v layers). ``scattered``: in slots given in reverse, so no page's
+    slots are one run."""
     gen = torch.Generator().manual_seed(seed)
     kv = [torch.randn(len(tokens), *ROW, generator=gen).half() for _ in range(4)]
     with PrefixCacheClient(node.address, timeout=10) as client, client.session() as s:
         slots = client.alloc(MODEL, len(tokens), session=s).slots
+        if scattered:
+            slots = slots[::-1]
         client.write_kv(MODEL, slots, kv[:2], kv[2:], session=s)
         client.insert(MODEL, tokens, slots, session=s, extra_key=extra_key)
     return kv
@@ -125,6 +128,19 @@ def test_b_hits_what_a_cached_with_identical_kv(cluster: dict[str, Any]) -> None
     assert _read(b, tokens)[0] == len(tokens)
     assert b.metric(r'prefixcache_tier_lookups_total\{.*result="local".*\}') >= 1
     assert _put_pages(b) == 0
+
+
+def test_pages_in_scattered_slots_arrive_whole(cluster: dict[str, Any]) -> None:
+    """A page written from slots that are not one run (a part per row) is read back
+    into one run of fresh slots, byte for byte."""
+    a, b = cluster["a"], cluster["b"]
+    tokens = _tokens(16)
+    before = _put_pages(a)
+    kv = _cache(a, tokens, seed=16, scattered=True)
+    a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(tokens) // PAGE)
+    hit, got = _read(b, tokens)
+    assert hit == len(tokens)
+    assert all(torch.equal(x, y) for x, y in zip(got, kv, strict=True))
 
 
 def test_b_fetches_only_what_follows_its_local_hit(cluster: dict[str, Any]) -> None:
