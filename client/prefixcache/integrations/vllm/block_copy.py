@@ -46,6 +46,7 @@ def spans(block_ids: array, start: int, num_tokens: int, block_size: int,
     Raises:
         ValueError: as ``block_positions``.
     """
+    import torch
 
     kb = kernel_block_size
     end = start + num_tokens
@@ -57,9 +58,18 @@ def spans(block_ids: array, start: int, num_tokens: int, block_size: int,
             blocks, offsets = block_positions(block_ids, lo, hi - lo, block_size, kb, device)
             out.append(Span(lo - start, hi - start, blocks=blocks, offsets=offsets))
     if last > first:
-        blocks, _ = block_positions(block_ids, first, last - first, block_size, kb)
-        kernel = blocks[::kb].contiguous().to(device)
-        out.insert(1 if start < first else 0, Span(first - start, last - start, kernel))
+        # One id per whole kernel block, from the first token of each.
+        if block_size % kb:
+            raise ValueError(f"kernel block size {kb} does not divide the block size "
+                             f"{block_size}")
+        if last > len(block_ids) * block_size:
+            raise ValueError(f"tokens {start}..{end} are not covered by "
+                             f"{len(block_ids)} blocks of {block_size}")
+        pos = torch.arange(first, last, kb, dtype=torch.int64)
+        ids = torch.frombuffer(block_ids, dtype=torch.int64)
+        kernel = ids[pos // block_size] * (block_size // kb) + (pos % block_size) // kb
+        out.insert(1 if start < first else 0,
+                   Span(first - start, last - start, kernel.to(device)))
     return out
 
 

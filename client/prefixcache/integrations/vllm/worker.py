@@ -324,12 +324,16 @@ class WorkerCore:
             raise RuntimeError(self._disabled or "pool unavailable")
         if not self._write_heads:
             return
-        positions = [block_positions(op.block_ids, op.start, len(op.slots),
-                                     self.block_size, view.kernel_block_size,
-                                     view.k.device) for view in self.layers]
+        positions: dict[int, tuple[Any, Any]] = {}
 
         def source(layer: int) -> tuple[Any, Any | None]:
-            view, (blocks, offsets) = self.layers[layer], positions[layer]
+            # Token by token: only where ``fill`` cannot be used (slots not one run).
+            view = self.layers[layer]
+            if layer not in positions:
+                positions[layer] = block_positions(op.block_ids, op.start, len(op.slots),
+                                                   self.block_size, view.kernel_block_size,
+                                                   view.k.device)
+            blocks, offsets = positions[layer]
             k = gather_blocks(view.k, blocks, offsets)
             return k, None if view.v is None else gather_blocks(view.v, blocks, offsets)
 
