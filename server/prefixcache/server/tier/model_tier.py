@@ -29,7 +29,7 @@ import numpy as np
 
 from prefixcache.cache.allocator import host_indices
 
-from .backend import OBJECT_ALREADY_EXISTS, code_name
+from .backend import OBJECT_ALREADY_EXISTS, RPC_FAIL, code_name
 from .keys import KeyMaker, page_names
 from .layout import PageLayout
 from .writer import PutJob
@@ -51,6 +51,7 @@ class _Listener:
         if self.forward is not None:
             self.forward.cleared(cache)
         self.owner.generation += 1
+        self.owner.pinned = 0  # the Reset dropped every lock
 
     def pages_stored(self, node: Any) -> None:
         if self.forward is not None:
@@ -73,6 +74,9 @@ class ModelTier:
         self.keys = KeyMaker(engine.config)
         self.layout = PageLayout(engine.kv_pool, engine.page_size)
         self.generation = 0
+        # Tokens pinned by writes in flight, at most a quarter of the pool.
+        self.pinned = 0
+        self.max_pinned = max(engine.pool_size // 4, engine.page_size)
         # Admission (tier.min_hits): hits per node, written once they reach it.
         self.min_hits = tier.cfg.min_hits
         self._hits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -152,7 +156,14 @@ class ModelTier:
         extra_key, width, hashes = page_names(node)
         slots = host_indices(node.value)
         keys = self.keys.keys(extra_key, width, hashes)
+        tokens = node.key_len
+        if self.pinned and self.pinned + tokens > self.max_pinned:
+            # A slow store must not pin the pool: past the cap the write is dropped (one
+            # write of any size may go when nothing is pinned, or no long prompt would).
+            self.count(self.drops, "pin_limit", len(keys))
+            return
         lock_id = engine.lock(tier.session, engine._handle(node))
+        self.pinned += tokens
         generation = self.generation
         jobs = []
         for at in range(0, len(keys), MAX_JOB_PAGES):
@@ -166,16 +177,15 @@ class ModelTier:
             self._put_done(job, codes, generation)
             left[0] -= 1
             if left[0] == 0:
-                self._unlock(lock_id, generation)
+                self._unlock(lock_id, generation, tokens)
 
         for i, job in enumerate(jobs):
             job.done = lambda codes, job=job: done(job, codes)
             if tier.puts is None or not tier.puts.offer(job):
-                self.count(self.drops, "queue_full", len(job.keys))
-                for _ in jobs[i:]:
-                    left[0] -= 1
+                self.count(self.drops, "queue_full", sum(len(j.keys) for j in jobs[i:]))
+                left[0] -= len(jobs) - i  # those never queued; the others answer later
                 if left[0] == 0:
-                    self._unlock(lock_id, generation)
+                    self._unlock(lock_id, generation, tokens)
                 return
 
     def _put_done(self, job: PutJob, codes: list[int], generation: int) -> None:
@@ -198,12 +208,13 @@ class ModelTier:
             elif code != OBJECT_ALREADY_EXISTS:
                 self.put_failed += 1
                 tier.error("put", code_name(code))
-                if code == -900:
+                if code == RPC_FAIL:
                     tier.trip()
 
-    def _unlock(self, lock_id: int, generation: int) -> None:
+    def _unlock(self, lock_id: int, generation: int, tokens: int) -> None:
         if generation != self.generation or self.tier.session.closed:
-            return  # a Reset already dropped the lock
+            return  # a Reset already dropped the lock (and zeroed ``pinned``)
+        self.pinned -= tokens
         try:
             self.engine.unlock(self.tier.session, lock_id)
         except Exception:  # released by a Reset in between: nothing to do

@@ -1,0 +1,47 @@
+"""A frozen master (SIGSTOP): its store calls hang. Lookups still answer within their
+deadline, and writes waiting on it pin at most a share of the pool, so the sidecar's
+workers go on caching (and evicting) without running out of room."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+from tier_harness import Master, Node, needs_mooncake, tier_config
+
+from prefixcache.client import PrefixCacheClient
+
+POOL = {"size": 256, "layers": 1, "k_heads": 1, "k_head_dim": 8}
+
+
+def test_a_frozen_master_pins_no_more_than_a_share_of_the_pool(tmp_path: Path) -> None:
+    needs_mooncake()
+    master = Master(tmp_path)
+    master.start()
+    node = Node(tmp_path, "a", tier_config(master.address, models=[
+        {"name": "m", "page_size": 4, "pool": POOL}]))
+    try:
+        node.wait(r"prefixcache_tier_connected", 1)
+        assert master.proc is not None
+        master.proc.send_signal(signal.SIGSTOP)
+        slowest = 0.0
+        with PrefixCacheClient(node.address, timeout=10) as client:
+            for i in range(24):  # 24 prompts of 16 tokens: 1.5 pools
+                tokens = (np.arange(16) + 100 * i + 1).tolist()
+                start = time.monotonic()
+                with client.session() as s:
+                    slots = client.alloc("m", len(tokens), session=s).slots
+                    client.insert("m", tokens, slots, session=s)
+                assert client.match("m", tokens).prefix_len == len(tokens)
+                slowest = max(slowest, time.monotonic() - start)
+        assert slowest < 2.0, slowest
+        assert node.metric(r'prefixcache_tier_put_dropped_pages_total\{.*reason="pin_limit".*\}'
+                           ) > 0
+    finally:
+        if master.proc is not None and master.proc.poll() is None:
+            master.proc.send_signal(signal.SIGCONT)
+        code = node.stop()
+        master.stop()
+    assert code == 0, node.stderr[-2000:]
