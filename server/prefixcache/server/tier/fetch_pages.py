@@ -99,7 +99,11 @@ async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
 
     ptrs, sizes = mt.layout.parts(slots)
     start = time.perf_counter()
-    codes, fut = await tier.call("get", tier.backend.get_into, keys, ptrs, sizes,
+    backend = tier.backend
+    if backend is None:  # closed while we asked
+        safely(release)
+        return 0
+    codes, fut = await tier.call("get", backend.get_into, keys, ptrs, sizes,
                                  deadline=deadline)
     if codes is None:
         if fut is not None and not fut.done():

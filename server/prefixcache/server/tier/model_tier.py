@@ -169,8 +169,7 @@ class ModelTier:
         for at in range(0, len(keys), MAX_JOB_PAGES):
             part = slots[at * self.page_size:(at + MAX_JOB_PAGES) * self.page_size]
             ptrs, sizes = self.layout.parts(np.ascontiguousarray(part))
-            jobs.append(PutJob(keys[at:at + MAX_JOB_PAGES], ptrs, sizes, lambda c: None,
-                               len(ptrs) * self.layout.page_bytes))
+            jobs.append(PutJob(keys[at:at + MAX_JOB_PAGES], ptrs, sizes, lambda c: None))
         left = [len(jobs)]
 
         def done(job: PutJob, codes: list[int]) -> None:

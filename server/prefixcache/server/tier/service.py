@@ -16,6 +16,7 @@ costs misses (and dropped writes), never a failed start or a failed call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import threading
@@ -54,6 +55,20 @@ def _open_backend(cfg: TierConfig) -> TierBackend:
     from .mooncake_backend import MooncakeBackend
 
     return MooncakeBackend(cfg)
+
+
+def _guarded(step: Callable[..., Any]) -> Callable[..., Any]:
+    """A lookup's tier step never fails the call: anything unexpected is logged and
+    counted (``prefixcache_tier_errors_total{code="INTERNAL"}``), and the lookup is
+    answered from the local pool."""
+    @functools.wraps(step)
+    async def run(self: Tier, request: Any) -> None:
+        try:
+            await step(self, request)
+        except Exception:
+            log.exception("tier lookup step failed")
+            self.error("lookup", "INTERNAL")
+    return run
 
 
 class Tier:
@@ -146,6 +161,7 @@ class Tier:
 
     # ----------------------------------------------------------------- lookups
 
+    @_guarded
     async def before_match(self, request: Any) -> None:
         """A Match's tier step: bring the pages after its local hit in from the store,
         so the handler that follows answers them as a hit (fetch.py). A request the
@@ -178,6 +194,7 @@ class Tier:
                 return  # the operation is refused
         await (self.before_match(body) if op == "match" else self.before_step(body))
 
+    @_guarded
     async def before_step(self, request: Any) -> None:
         """A Step's tier step: each admission's pages after its local hit, from the
         store, before the Step runs (so the admissions see them as hits). One deadline,
@@ -199,6 +216,7 @@ class Tier:
                 continue  # the Step refuses it
             await prefetch(self, mt, key, deadline)
 
+    @_guarded
     async def before_exists_pages(self, request: Any) -> None:
         """An ExistsPages' tier step (SGLang's ``batch_exists``): the pages after its
         local leading run, from the store, as hash pages (fetch_pages.py). Not for the

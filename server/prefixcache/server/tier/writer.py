@@ -14,7 +14,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .backend import Parts
@@ -31,8 +31,6 @@ class PutJob:
     ptrs: Parts
     sizes: Parts
     done: Callable[[list[int]], None]
-    nbytes: int = 0
-    extra: Any = field(default=None)
 
 
 class PutQueue:
