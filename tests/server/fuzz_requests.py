@@ -50,7 +50,7 @@ def token_bytes(draw: Any, world: World, model: str) -> bytes:
     seqs = world.seqs.get(model) or world.seqs["m"]
     if kind <= 3:  # a cached sequence, cut and maybe extended
         seq = _pick(draw, seqs, st.just([1, 2, 3]))
-        cut = draw(st.integers(0, len(seq)))
+        cut = draw(INDEX) % (len(seq) + 1)  # not integers(0, len(seq)): its range is state
         tail = draw(st.lists(st.integers(0, 50), max_size=6))
         return toks(seq[:cut] + tail)
     if kind <= 5:
