@@ -2,8 +2,9 @@
 
 A lock on a node protects it and every ancestor; the lock counts move tokens between
 the evictable and protected sizes and nodes in and out of the eviction queue.
-Eviction takes unlocked leaves from that queue, frees their slots and tells the
-listener and ``on_node_evict``. ``RadixCache`` (radix_cache.py) mixes this in; the
+Eviction takes unlocked leaves from that queue, shows each to ``before_free`` (its
+slots still hold its KV), frees their slots and tells the listener and
+``on_node_evict``. ``RadixCache`` (radix_cache.py) mixes this in; the
 SWA and Mamba caches override parts of it.
 """
 
@@ -36,6 +37,13 @@ class RadixEviction:
     # Told of each node as it leaves the tree (its key and parents still readable), to
     # remember evicted pages (page_ids.EvictionRecorder); must be cheap and not raise.
     eviction_observer: Callable[[TreeNode], None] | None = None
+    # Told of each node that eviction takes, with its slots, while it is still in the
+    # tree (its namespace, key and hash_values readable) and before the slots go back
+    # to the allocator, so their rows still hold the node's KV: a write-back tier
+    # copies them out here. Runs inside the eviction, so it must be quick; whatever it
+    # raises is counted in ``before_free_errors`` and the eviction goes on.
+    before_free: Callable[[TreeNode, torch.Tensor], None] | None = None
+    before_free_errors = 0
 
     def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
         """Free at least ``num_tokens`` tokens (whole leaves, so possibly more) if possible.
@@ -53,10 +61,16 @@ class RadixEviction:
         if type(swa_num_tokens) is not int or swa_num_tokens < 0:
             check_count(swa_num_tokens, "swa_num_tokens")
         evicted, freed, gone = 0, [], []
+        before_free = self.before_free
         while evicted < num_tokens:
             node = self._leaves.pop()
             if node is None:
                 break
+            if before_free is not None:
+                try:
+                    before_free(node, node.value)
+                except Exception:  # a hook's failure must not leave the tree half evicted
+                    self.before_free_errors += 1
             freed.append(node.value)
             gone.append(node.id)
             evicted += node.key_len
