@@ -210,3 +210,21 @@ def test_malformed_chunks_are_refused() -> None:
     # A field the parser does not know (a header) is skipped, as protobuf skips it.
     header = pb.KVChunk(header=pb.WriteKVHeader(model="m")).SerializeToString()
     assert bytes(parse_chunk(header + wire).data) == b"x" * 50
+
+
+def test_write_chunks_parsed_by_hand_on_the_server() -> None:
+    """WriteKV's data chunks are read by hand (data a view of the message) as protobuf
+    reads them; a header, an unknown field or malformed bytes go to protobuf instead."""
+    from prefixcache.server.kv_transfer import parse_data_chunk
+
+    for chunk in (pb.KVChunk(role=2, layer=7, offset_bytes=2**33, data=b"y" * 300),
+                  pb.KVChunk(role=1), pb.KVChunk()):
+        got = parse_data_chunk(chunk.SerializeToString())
+        assert got is not None and not got.HasField("header")
+        assert (got.role, got.layer, got.offset_bytes, bytes(got.data)) == \
+            (chunk.role, chunk.layer, chunk.offset_bytes, chunk.data)
+    header = pb.KVChunk(header=pb.WriteKVHeader(model="m")).SerializeToString()
+    data = pb.KVChunk(role=1, data=b"abc").SerializeToString()
+    for other in (header, header + data, data[:-1], b"\x80", data + b"\x30\x01",
+                  pb.KVChunk(role=-1).SerializeToString()):
+        assert parse_data_chunk(other) is None

@@ -260,6 +260,69 @@ def encode_chunk(role: int, layer: int, offset: int, data: memoryview | bytes) -
     return b"".join((head, data))
 
 
+@dataclass(frozen=True, slots=True)
+class DataChunk:
+    """A WriteKV data chunk read by ``parse_data_chunk``: ``data`` a view of the
+    message's bytes, no header."""
+
+    role: int
+    layer: int
+    offset_bytes: int
+    data: memoryview
+    header: None = None
+
+    def HasField(self, name: str) -> bool:  # as a protobuf message's
+        return False
+
+
+def parse_data_chunk(message: bytes) -> DataChunk | None:
+    """A serialized ``KVChunk`` with no header read without protobuf (its data a view,
+    not two copies), or None for anything else (a header, an unknown field, malformed
+    bytes): protobuf parses those, and refuses what it cannot parse."""
+    view = memoryview(message)
+    role = layer = offset = 0
+    data = view[:0]
+    pos, end = 0, len(view)
+    try:
+        while pos < end:
+            tag, pos = _get_varint(view, pos)
+            number, wire = tag >> 3, tag & 7
+            if wire == 0 and number in (2, 3, 4):
+                value, pos = _get_varint(view, pos)
+                if number == 2:
+                    role = value
+                elif number == 3:
+                    layer = value
+                else:
+                    offset = value
+            elif wire == 2 and number == 5:
+                size, pos = _get_varint(view, pos)
+                if pos + size > end:
+                    return None
+                data = view[pos:pos + size]
+                pos += size
+            else:
+                return None
+    except IndexError:
+        return None
+    if role > 0x7FFFFFFF or layer > 0xFFFFFFFF:  # out of the fields' ranges
+        return None
+    return DataChunk(role, layer, offset, data)
+
+
+def _get_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
+
+
 class Writer:
     """Writes a WriteKV stream's chunks into the pool as they arrive.
 

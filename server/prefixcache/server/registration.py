@@ -23,6 +23,7 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from . import request_caps
 from .config import ModelConfig
 from .errors import LimitError, TooLargeError
+from .kv_transfer import parse_data_chunk
 from .limits import Limits, check_fields
 
 
@@ -41,6 +42,7 @@ class Refused:
 def _lenient(cls: Any, limits: Limits | None,
              caps: dict[str, int] | None = None) -> Callable[[bytes], Any]:
     session = cls.DESCRIPTOR.name == "SessionRequest"
+    chunk = cls is pb.KVChunk
     cap = None if caps is None else caps.get(cls.DESCRIPTOR.name)
 
     def parse(data: bytes) -> Any:
@@ -51,6 +53,10 @@ def _lenient(cls: Any, limits: Limits | None,
                 request_caps.check(cls, data, size_cap, limits)
             except LimitError as exc:
                 return Refused(exc, seq)
+        if chunk:  # WriteKV's data chunks: their bytes stay a view of the message
+            raw = parse_data_chunk(data)
+            if raw is not None:
+                return raw
         try:
             message = cls.FromString(data)
         except DecodeError as exc:
