@@ -190,7 +190,7 @@ def test_chunks_by_hand_are_protobufs(role: int, layer: int, offset: int, data: 
     view) as protobuf does."""
     from prefixcache.client.kv import encode_chunk as client_encode
     from prefixcache.client.kv import parse_chunk
-    from prefixcache.server.kv_transfer import encode_chunk
+    from prefixcache.server.kv_wire import encode_chunk
 
     wire = pb.KVChunk(role=role, layer=layer, offset_bytes=offset, data=data).SerializeToString()
     assert encode_chunk(role, layer, offset, memoryview(data)) == wire
@@ -215,7 +215,7 @@ def test_malformed_chunks_are_refused() -> None:
 def test_write_chunks_parsed_by_hand_on_the_server() -> None:
     """WriteKV's data chunks are read by hand (data a view of the message) as protobuf
     reads them; a header, an unknown field or malformed bytes go to protobuf instead."""
-    from prefixcache.server.kv_transfer import parse_data_chunk
+    from prefixcache.server.kv_wire import parse_data_chunk
 
     for chunk in (pb.KVChunk(role=2, layer=7, offset_bytes=2**33, data=b"y" * 300),
                   pb.KVChunk(role=1), pb.KVChunk()):

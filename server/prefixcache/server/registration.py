@@ -23,7 +23,7 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from . import request_caps
 from .config import ModelConfig
 from .errors import LimitError, TooLargeError
-from .kv_transfer import parse_data_chunk
+from .kv_wire import parse_data_chunk
 from .limits import Limits, check_fields
 
 
