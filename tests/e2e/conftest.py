@@ -79,6 +79,11 @@ class EngineCache(dict[tuple[int, str, str], Engine]):
         super().__init__()
         self.tmp, self.model_dir, self.sidecar = tmp, model_dir, sidecar
 
+    def close(self, pc_model: str | None = None) -> None:
+        """Close the engines on ``pc_model``, or all (each holds about 2 GB)."""
+        for key in [key for key in self if pc_model in (None, key[1])]:
+            self.pop(key).close()
+
     def __missing__(self, key: tuple[int, str, str]) -> Engine:
         block, pc_model, name = key
         engine = Engine(self.tmp, f"{name}-b{block}-{pc_model}", self.model_dir, block,

@@ -145,8 +145,8 @@ class Engine:
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(HERE / "engine_proc.py"), json.dumps(options)],
-                # The engine core in its own process (vLLM's default), as in a server:
-                # its loop keeps stepping while saves are in flight after the replies.
+                # vLLM's default: the engine core in a process of its own, its loop
+                # stepping while the connector has saves in flight after the replies.
                 env=engine_env(),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
         self._lines: queue.Queue[str | None] = queue.Queue()

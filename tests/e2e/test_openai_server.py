@@ -85,6 +85,21 @@ class OpenAIServer:
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())
 
+    def complete_streamed(self, prompt: list[int], max_tokens: int = 4) -> None:
+        """Return as soon as the last token arrives (its chunk has a finish_reason),
+        before vLLM has necessarily processed the step after it."""
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0, "stream": True}).encode()
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                if not line.startswith(b"data: {"):
+                    continue
+                if json.loads(line[len(b"data: "):])["choices"][0].get("finish_reason"):
+                    return
+        raise AssertionError("the stream ended without a finish_reason")
+
     def counter(self, name: str) -> float:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             text = r.read().decode()
@@ -117,8 +132,9 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory, model_dir: Path,
-        sidecar: Sidecar) -> Iterator[Run]:
+def run(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, sidecar: Sidecar,
+        engines: dict) -> Iterator[Run]:
+    engines.close()  # the offline engines' modules ran before this one: free their memory
     tmp = tmp_path_factory.mktemp("openai")
     shared, stopped = prompts(31, (300, 260))
     first = OpenAIServer(tmp, "first", model_dir, sidecar)
@@ -126,9 +142,9 @@ def run(tmp_path_factory: pytest.TempPathFactory, model_dir: Path,
         first.complete(shared)
         sidecar.wait_cached("p16", [shared], unit=BLOCK)
         first_hits = first.counter(HITS)
-        first.complete(stopped)
+        first.complete_streamed(stopped)
     finally:
-        first.stop()  # right after the reply: its save may still be in flight
+        first.stop()  # right after the last token: its save may still be in flight
     stopped_saved = sidecar.cached_len("p16", stopped)
     second = OpenAIServer(tmp, "second", model_dir, sidecar)
     try:
