@@ -31,13 +31,18 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PREFIXCACHE_LISTEN=unix:/run/prefixcache/prefixcache.sock
+# The tier extra's Mooncake wheel links libibverbs.so.1, even over TCP.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libibverbs1 \
+    && rm -rf /var/lib/apt/lists/*
 # torch goes first, pinned, so that the wheel's `torch>=2.1` can never pull another build.
 RUN pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
 COPY --from=build /dist/ /tmp/dist/
 # A local wheel: its version is the one just built.
 # hadolint ignore=DL3013
 RUN wheel="$(ls /tmp/dist/prefixcache-*.whl)" \
-    && pip install "${wheel}[server]" \
+    && pip install "${wheel}[server,tier]" \
     && rm -rf /tmp/dist
 # A numeric user, so that Kubernetes' runAsNonRoot can verify it. The socket directory
 # belongs to it: mount a volume there to share the socket with the inference container.

@@ -124,7 +124,7 @@ def test_wheel_is_installed_with_the_extras_ci_installs_less_dev() -> None:
     (run,) = [r for r in _runs(stages()[1]) if "/tmp/dist/prefixcache-" in r]
     extras = re.search(r'pip install "\$\{wheel\}\[([\w,]+)\]"', run)
     assert extras, run
-    assert set(extras[1].split(",")) == ci_extras == {"server"}
+    assert set(extras[1].split(",")) == ci_extras == {"server", "tier"}
 
 
 def test_starts_prefixcache_serve_like_the_readme_and_the_pod() -> None:
