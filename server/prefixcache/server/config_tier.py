@@ -40,7 +40,7 @@ class TierConfig:
     # Memory this sidecar lends to the cluster's pool of stored pages.
     segment_bytes: int = 1 << 30
     # on_insert: a page is written when it enters the tree (write-through); on_evict:
-    # when it leaves it (write-back).
+    # when eviction takes it (write-back, from a bounded staging copy: staging.py).
     write: str = "on_insert"
     # Admission: a page is stored once it was hit this many times (0: at once).
     min_hits: int = 0
@@ -79,11 +79,6 @@ def parse_tier(value: Any, default: Any, where: str) -> TierConfig | None:
             or any(c.isspace() for c in cfg.local_hostname):
         raise ConfigError(f"{where}.local_hostname: auto, or the address peers reach this "
                           f"host at, got {cfg.local_hostname!r}")
-    if cfg.write == "on_evict":
-        # Eviction frees a page's slots as it leaves the tree, before a put could read
-        # them; write-back needs a staging copy that is not built yet.
-        raise ConfigError(f"{where}.write: on_evict (write-back) is not available yet; "
-                          "use on_insert")
     check_int(cfg.segment_bytes, f"{where}.segment_bytes", MIN_SEGMENT_BYTES)
     check_int(cfg.min_hits, f"{where}.min_hits", 0)
     if not (math.isfinite(cfg.timeout) and 0 < cfg.timeout <= MAX_TIER_TIMEOUT):

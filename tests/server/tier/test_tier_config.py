@@ -29,7 +29,7 @@ server:
     protocol: rdma
     local_hostname: 10.0.0.7
     segment_bytes: 2147483648
-    write: on_insert
+    write: on_evict
     min_hits: 2
     timeout: 0.25
 models:
@@ -39,8 +39,9 @@ models:
 """)
     tier = cfg.server.tier
     assert (tier.master, tier.metadata, tier.protocol, tier.local_hostname, tier.segment_bytes,
-            tier.min_hits, tier.timeout) == ("10.0.0.5:50051", "http://10.0.0.5:8080/metadata",
-                                             "rdma", "10.0.0.7", 2 << 30, 2, 0.25)
+            tier.write, tier.min_hits, tier.timeout) == (
+        "10.0.0.5:50051", "http://10.0.0.5:8080/metadata", "rdma", "10.0.0.7", 2 << 30,
+        "on_evict", 2, 0.25)
     assert [m.tier for m in cfg.models] == [True, False]
 
 
@@ -51,7 +52,7 @@ def test_the_env_carries_the_section_as_json() -> None:
 
 
 @pytest.mark.parametrize(("key", "value"), [
-    ("protocol", "udp"), ("write", "sometimes"), ("write", "on_evict"), ("timeout", 0),
+    ("protocol", "udp"), ("write", "sometimes"), ("timeout", 0),
     ("timeout", ".nan"), ("timeout", 61), ("min_hits", -1), ("segment_bytes", 10),
     ("master", "nohost"), ("metadata", "etcd://x"), ("backend", "redis"),
     ("local_hostname", "a b"), ("colour", "blue")])

@@ -9,7 +9,8 @@ bounded by ``tier.timeout`` (service.py).
 
 Modules: backend.py (the store interface and its error codes), mooncake_backend.py (the
 Mooncake Store client), keys.py (object keys), layout.py (a page's bytes in the pool),
-writer.py (the put queue), model_tier.py (one model's hooks: new pages in, reset),
+writer.py (the put queue), staging.py (write-back's copies of evicted pages),
+model_tier.py (one model's hooks: new pages in, reset),
 fetch.py (the read path), service.py (the tier of one server), metrics.py (its
 Prometheus collector).
 """

@@ -15,6 +15,12 @@ to the store with no hook in those paths:
   there, and are not written back.
 * With ``tier.min_hits`` > 0 a node is written only once lookups that consult the tier
   (Match, Step admits, the Session stream's) hit it that many times (``hit``).
+* With ``tier.write: on_evict`` (write-back) nothing is written at insert: the cache's
+  ``before_free`` hook (``evicting``) shows each node eviction takes while its slots
+  still hold its KV; its rows are copied into a bounded staging buffer (staging.py)
+  at once, if the put queue and the staging buffer have room (else a counted drop),
+  and put from there in the background. A Reset frees no node through eviction, so
+  writes nothing back.
 
 Not thread-safe: the loop's, like the engine.
 """
@@ -32,6 +38,7 @@ from prefixcache.cache.allocator import host_indices
 from .backend import OBJECT_ALREADY_EXISTS, RPC_FAIL, code_name
 from .keys import KeyMaker, page_names
 from .layout import PageLayout
+from .staging import Staging
 from .writer import PutJob
 
 log = logging.getLogger("prefixcache.server")
@@ -89,6 +96,11 @@ class ModelTier:
         # computes them then (about 2 us a page).
         cache.listener = self._listener
         cache.eager_page_hashes = True
+        self.write_back = tier.cfg.write == "on_evict"
+        self.staging: Staging | None = None
+        if self.write_back:
+            self.staging = Staging.for_pool(self.layout, engine.pool_size)
+            cache.before_free = self.evicting
         # Counters (read by metrics.py at scrape time).
         self.hit_tokens = {"local": 0, "remote": 0}
         self.lookups: dict[str, int] = {}
@@ -104,13 +116,21 @@ class ModelTier:
 
     def close(self) -> None:
         """Give the cache its listener back."""
-        if self.engine.cache.listener is self._listener:
-            self.engine.cache.listener = self._listener.forward
+        cache = self.engine.cache
+        if cache.listener is self._listener:
+            cache.listener = self._listener.forward
+        if getattr(cache, "before_free", None) == self.evicting:
+            cache.before_free = None
+
+    def regions(self) -> list[tuple[int, int]]:
+        """The memory puts and fetches use, to register with the store."""
+        staged = self.staging.regions() if self.staging is not None else []
+        return self.layout.regions() + staged
 
     # ------------------------------------------------------------ write path
 
     def stored(self, node: Any) -> None:
-        if self.suppressed or self.tier.closed or self.min_hits:
+        if self.suppressed or self.tier.closed or self.min_hits or self.write_back:
             return
         self._note(node)
 
@@ -130,7 +150,7 @@ class ModelTier:
         while node is not None and node.key_len:
             n = self._hits.get(node, 0) + 1
             self._hits[node] = n
-            if n == self.min_hits:
+            if n == self.min_hits and not self.write_back:
                 self._note(node)
             node = node.parent
 
@@ -186,6 +206,43 @@ class ModelTier:
                 if left[0] == 0:
                     self._unlock(lock_id, generation, tokens)
                 return
+
+    def evicting(self, node: Any, slots: Any) -> None:
+        """The cache's ``before_free`` (write-back): stage ``node``'s pages and queue
+        their put, or count a drop. Inside an eviction: a copy, never a store call."""
+        tier, ps = self.tier, self.page_size
+        pages = node.key_len // ps
+        if tier.closed or not pages or self.staging is None:
+            return
+        if self.min_hits and self._hits.get(node, 0) < self.min_hits:
+            return  # not admitted
+        why = tier.available()
+        if why not in (None, "busy") or tier.puts is None:  # lookups in flight: no matter
+            self.count(self.drops, why or "unavailable", pages)
+            return
+        jobs = -(-pages // MAX_JOB_PAGES)
+        if not tier.puts.has_room(jobs):
+            self.count(self.drops, "queue_full", pages)
+            return
+        taken = self.staging.copy(host_indices(slots)[:pages * ps])
+        if taken is None:
+            self.count(self.drops, "staging_full", pages)
+            return
+        extra_key, width, hashes = page_names(node)
+        keys = self.keys.keys(extra_key, width, hashes[:pages])
+        staging = self.staging
+        for at in range(0, pages, MAX_JOB_PAGES):
+            mine = taken[at:at + MAX_JOB_PAGES]
+            ptrs, sizes = staging.parts(mine)
+            job = PutJob(keys[at:at + MAX_JOB_PAGES], ptrs, sizes, lambda c: None)
+
+            def done(codes: list[int], job: PutJob = job, mine: list[int] = mine) -> None:
+                staging.release(mine)
+                # Staged bytes are the page's whatever a Reset did since: no generation.
+                self._put_done(job, codes, self.generation)
+
+            job.done = done
+            tier.puts.offer(job)  # room checked above; only the loop offers
 
     def _put_done(self, job: PutJob, codes: list[int], generation: int) -> None:
         tier = self.tier

@@ -132,7 +132,7 @@ class Tier:
             try:
                 backend = self._open_backend(self.cfg)
                 for mt in self.models.values():
-                    for ptr, size in mt.layout.regions():
+                    for ptr, size in mt.regions():
                         backend.register(ptr, size)
             except TierUnavailable as exc:
                 log.warning("tier unavailable, retrying", extra={"reason": str(exc),

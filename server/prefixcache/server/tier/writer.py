@@ -63,6 +63,11 @@ class PutQueue:
         """Jobs waiting or being written."""
         return len(self._jobs) + self.busy
 
+    def has_room(self, jobs: int = 1) -> bool:
+        """Whether ``jobs`` more would be queued now (only the loop offers, so the
+        answer holds until it offers: the thread only takes jobs out)."""
+        return not self._closed and len(self._jobs) + jobs <= self.max_jobs
+
     def offer(self, job: PutJob) -> bool:
         """Queue ``job``; False (nothing queued) when the queue is full or closed."""
         with self._cv:
