@@ -24,7 +24,7 @@ import grpc
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from . import step
-from ._wire import pack_slots, pack_tokens
+from ._wire import extra_key_of, pack_slots, pack_tokens
 from .errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -306,7 +306,7 @@ class ClientBase:
                                   session_id=sid, lock=lock, allocate=allocate,
                                   request_id=rid, as_pages=bool(as_pages),
                                   server_epoch=self._fence(session, None) if sid else 0)
-        key = _extra_key(tokens, extra_key)
+        key = extra_key_of(tokens, extra_key)
         if key is not None:
             request.extra_key = key
         # An allocation cannot fail open: the worker needs real slots.
@@ -326,7 +326,7 @@ class ClientBase:
                                    release_lock_id=int(release_lock_id), request_id=rid,
                                    slot_version=int(slot_version),
                                    server_epoch=self._fence(session, server_epoch))
-        key = _extra_key(tokens, extra_key)
+        key = extra_key_of(tokens, extra_key)
         if key is not None:
             request.extra_key = key
         if state_slot is not None:
@@ -399,19 +399,6 @@ class ClientBase:
         # The request id makes a retry replay the first answer instead of redoing it.
         return Op("Step", request, parse, bool(rid),
                   fallback_for=partial(step.failed_open, items))
-
-
-def _extra_key(tokens: Any, extra_key: str | None) -> str | None:
-    """The namespace: ``extra_key``, or the one a RadixKey-like ``tokens`` carries."""
-    own = getattr(tokens, "extra_key", None) if hasattr(tokens, "packed") else None
-    if extra_key is None:
-        return own
-    if own is not None and own != extra_key:
-        raise InvalidArgument(f"extra_key {extra_key!r} disagrees with the key's own "
-                              f"{own!r}")
-    if not isinstance(extra_key, str):
-        raise InvalidArgument(f"extra_key must be a str or None, not {type(extra_key)!r}")
-    return extra_key
 
 
 def unused_outcome(unused: str | None) -> int:

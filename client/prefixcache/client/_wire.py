@@ -370,3 +370,16 @@ def concat(*parts: array) -> array:
     for part in parts:
         out.extend(part)
     return out
+
+
+def extra_key_of(tokens: Any, extra_key: str | None) -> str | None:
+    """The namespace: ``extra_key``, or the one a RadixKey-like ``tokens`` carries."""
+    own = getattr(tokens, "extra_key", None) if hasattr(tokens, "packed") else None
+    if extra_key is None:
+        return own
+    if own is not None and own != extra_key:
+        raise InvalidArgument(f"extra_key {extra_key!r} disagrees with the key's own "
+                              f"{own!r}")
+    if not isinstance(extra_key, str):
+        raise InvalidArgument(f"extra_key must be a str or None, not {type(extra_key)!r}")
+    return extra_key

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from ._wire import pack_slots, pack_tokens
+from ._wire import extra_key_of, pack_slots, pack_tokens
 from .errors import InvalidArgument, PrefixCacheError, StaleEpoch, Unavailable, error_for
 from .results import AllocReply, InsertReply, MatchReply, ModelStats, UnlockReply, _slots
 
@@ -169,12 +169,6 @@ def _count(n: Any) -> int:
     return n.__index__()
 
 
-def _extra_key(tokens: Any, extra_key: str | None) -> str | None:
-    from ._core import _extra_key as resolve  # one rule for every call
-
-    return resolve(tokens, extra_key)
-
-
 def build_request(model: str, items: StepItems, session_id: str, request_id: int,
                   server_epoch: int) -> pb.StepRequest:
     """The wire request of a step."""
@@ -187,7 +181,7 @@ def build_request(model: str, items: StepItems, session_id: str, request_id: int
                                    slot_indices=pack_slots(f.slots),
                                    release_lock_id=int(f.release_lock_id), lock=f.lock,
                                    keep_tail=f.keep_tail, slot_version=int(f.slot_version))
-        if (key := _extra_key(f.tokens, f.extra_key)) is not None:
+        if (key := extra_key_of(f.tokens, f.extra_key)) is not None:
             out.extra_key = key
         if f.state_slot is not None:
             out.state_slot = int(f.state_slot)
@@ -198,7 +192,7 @@ def build_request(model: str, items: StepItems, session_id: str, request_id: int
         data, width = pack_tokens(a.tokens, a.token_width)
         out = request.admits.add(token_ids=data, token_width=width, lock=a.lock,
                                  allocate=a.allocate)
-        if (key := _extra_key(a.tokens, a.extra_key)) is not None:
+        if (key := extra_key_of(a.tokens, a.extra_key)) is not None:
             out.extra_key = key
         if a.hint is not None:
             out.expected_prefix_len = int(a.hint)
