@@ -10,9 +10,10 @@ import weakref
 from collections.abc import Generator
 from functools import partial
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import kv, step
+from ._client_protocol import AsyncClient
 from ._core import FAIL_OPEN_ERRORS, log
 from ._session_state import SessionState, stand_in, take_fail_open
 from .errors import NotFound, PrefixCacheError, SessionLost, StaleEpoch
@@ -27,14 +28,11 @@ from .results import (
     UnlockReply,
 )
 
-if TYPE_CHECKING:
-    from .aio import AsyncPrefixCacheClient
-
 
 class _SessionCalls:
     """The cache calls of a session object, passing the session for the caller."""
 
-    client: AsyncPrefixCacheClient
+    client: AsyncClient
     fail_open: bool | None
 
     async def match(self, model: str, tokens: Any, **kwargs: Any) -> MatchReply:
@@ -67,7 +65,7 @@ class AsyncClientSession(_SessionCalls):
     """A leased session renewed by an asyncio task; like ``ClientSession`` it outlives
     its service-side session (restart, lapsed lease) and refuses stale handles."""
 
-    def __init__(self, client: AsyncPrefixCacheClient, ttl: float | None, *,
+    def __init__(self, client: AsyncClient, ttl: float | None, *,
                  name: str | None = None, renew: bool = True, fail_open: bool | None = None,
                  timeout: float | None = None) -> None:
         self.client = client
@@ -268,7 +266,7 @@ class AsyncClientSession(_SessionCalls):
         return await self.client.evict(model, num_tokens, session=self, **kwargs)
 
 
-async def _renew(ref: weakref.ref[AsyncClientSession], client: AsyncPrefixCacheClient,
+async def _renew(ref: weakref.ref[AsyncClientSession], client: AsyncClient,
                  session_id: str, epoch: int, ttl: float) -> None:
     """As the sync client's renewal thread: holds the session weakly."""
     interval = ttl / 3

@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
+from ._client_protocol import AsyncStreamClient
 from ._core import FAIL_OPEN_ERRORS, Op
 from .aio_session import _SessionCalls
 from .errors import DeadlineExceeded, PrefixCacheError, Unavailable, error_for, from_rpc_error
 from .results import EvictReply, StatsReply
 from .step import StepItems, StepReply
-
-if TYPE_CHECKING:
-    from .aio import AsyncPrefixCacheClient
-
 
 _STREAM_OPS = {"Match": "match", "Insert": "insert", "Evict": "evict", "Lock": "lock",
                "Unlock": "unlock", "Alloc": "alloc", "Free": "free", "Stats": "stats",
@@ -48,7 +45,7 @@ class AsyncStreamSession(_SessionCalls):
 
     session_id = ""
 
-    def __init__(self, client: AsyncPrefixCacheClient, *, fail_open: bool | None = None,
+    def __init__(self, client: AsyncStreamClient, *, fail_open: bool | None = None,
                  timeout: float | None = None, keep_alive: bool = True) -> None:
         self.client = client
         self.fail_open = fail_open

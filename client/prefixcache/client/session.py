@@ -7,9 +7,10 @@ import threading
 import weakref
 from functools import partial
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import kv, step
+from ._client_protocol import BlockingClient
 from ._core import FAIL_OPEN_ERRORS, log
 from ._session_state import SessionState, stand_in, take_fail_open
 from .errors import NotFound, PrefixCacheError, StaleEpoch
@@ -23,9 +24,6 @@ from .results import (
     SessionInfo,
     UnlockReply,
 )
-
-if TYPE_CHECKING:
-    from .sync import PrefixCacheClient
 
 
 class ClientSession:
@@ -46,7 +44,7 @@ class ClientSession:
         renewals: successful keep-alives so far.
     """
 
-    def __init__(self, client: PrefixCacheClient, info: SessionInfo | SessionState, *,
+    def __init__(self, client: BlockingClient, info: SessionInfo | SessionState, *,
                  renew: bool = True, fail_open: bool | None = None,
                  name: str | None = None) -> None:
         self.client = client
@@ -251,7 +249,7 @@ class ClientSession:
         return self.client.evict(model, num_tokens, session=self, **kwargs)
 
 
-def _renew(ref: weakref.ref[ClientSession], client: PrefixCacheClient, session_id: str,
+def _renew(ref: weakref.ref[ClientSession], client: BlockingClient, session_id: str,
            epoch: int, ttl: float, stop: threading.Event) -> None:
     """Keep a session's lease alive every ``ttl / 3`` until it is closed or lost.
 

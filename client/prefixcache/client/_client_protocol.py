@@ -1,0 +1,96 @@
+"""What a session object needs of its client, as Protocols.
+
+The clients (``sync.PrefixCacheClient``, ``aio.AsyncPrefixCacheClient``) create their
+sessions, so they import the session modules; the sessions call back into the client.
+Naming the client classes here would make that a cycle, so the sessions name these
+Protocols instead, and the clients satisfy them by their shape.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from . import kv, step
+from ._core import Op, SessionLike
+from .errors import PrefixCacheError
+from .results import CloseReply, EvictReply, SessionInfo
+
+
+class ClientCalls(Protocol):
+    """The request building and fail-open rules both clients share (``ClientBase``)."""
+
+    timeout: float
+    fail_open: bool
+    _sessions: weakref.WeakSet[Any]
+
+    def _stand_in(self, what: str, fallback: Callable[[], Any] | None, err: PrefixCacheError,
+                  fail_open: bool | None) -> Any: ...
+
+    def _op_step(self, model: str, items: step.StepItems, session: SessionLike,
+                 request_id: int | None, server_epoch: int | None = None) -> Op: ...
+
+    def _op_keep_alive(self, session: SessionLike, server_epoch: int | None = None) -> Op: ...
+
+
+class BlockingClient(ClientCalls, Protocol):
+    """What a ``ClientSession`` calls on its ``PrefixCacheClient``."""
+
+    def _run(self, op: Op, timeout: float | None = None,
+             fail_open: bool | None = None) -> Any: ...
+
+    def open_session(self, ttl: float | None = None, name: str | None = None, *,
+                     timeout: float | None = None) -> SessionInfo: ...
+
+    def keep_alive(self, session: SessionLike, *, timeout: float | None = None) -> float: ...
+
+    def close_session(self, session: SessionLike, *,
+                      timeout: float | None = None) -> CloseReply: ...
+
+    def read_kv(self, model: str, slots: Any = (), **kwargs: Any) -> kv.KVData: ...
+
+    def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
+                 **kwargs: Any) -> Any: ...
+
+    def evict(self, model: str, num_tokens: int = 0, **kwargs: Any) -> EvictReply: ...
+
+
+class AsyncClient(ClientCalls, Protocol):
+    """What an ``AsyncClientSession`` calls on its ``AsyncPrefixCacheClient``."""
+
+    async def _run(self, op: Op, timeout: float | None = None,
+                   fail_open: bool | None = None) -> Any: ...
+
+    async def open_session(self, ttl: float | None = None, name: str | None = None, *,
+                           timeout: float | None = None) -> SessionInfo: ...
+
+    async def keep_alive(self, session: SessionLike, *,
+                         timeout: float | None = None) -> float: ...
+
+    async def close_session(self, session: SessionLike, *,
+                            timeout: float | None = None) -> CloseReply: ...
+
+    async def read_kv(self, model: str, slots: Any = (), **kwargs: Any) -> kv.KVData: ...
+
+    async def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
+                       **kwargs: Any) -> Any: ...
+
+    async def evict(self, model: str, num_tokens: int = 0, **kwargs: Any) -> EvictReply: ...
+
+
+class AsyncStreamClient(AsyncClient, Protocol):
+    """What an ``AsyncStreamSession`` also uses: the stub, to open its stream, and the
+    reply handling the unary calls go through."""
+
+    _stub: Any
+    _metadata: Any
+
+    def _failed_open(self, op: Op, err: PrefixCacheError, fail_open: bool | None) -> Any: ...
+
+    def _parse(self, op: Op, reply: Any) -> Any: ...
+
+    def _op_evict(self, model: str, num_tokens: int, swa_num_tokens: int, mamba_num: int,
+                  session: SessionLike = None) -> Op: ...
+
+    def _op_stats(self, model: str) -> Op: ...
