@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .errors import IntegrityError
 from .inspection import _check_node, _check_slots, _nodes, walk
 from .node import Namespace, TreeNode
-
-if TYPE_CHECKING:
-    from .mamba_radix_cache import MambaRadixCache
 
 
 class MambaTreeNode(TreeNode):
@@ -260,7 +257,33 @@ class LRUList:
         setattr(after, self._prev, node)
 
 
-def check_mamba_cache(cache: MambaRadixCache) -> None:
+class MambaCacheView(Protocol):
+    """What the check and the printed tree read of a ``MambaRadixCache``. That class
+    imports this module (its node and lists live here), so they name its shape instead."""
+
+    root_node: TreeNode
+    page_size: int
+    eager_page_hashes: bool
+    token_to_kv_pool_allocator: Any
+    mamba_pool: Any
+    full_lru_list: LRUList
+    mamba_lru_list: LRUList
+    _state_owner: dict[int, MambaTreeNode]
+
+    def total_size(self) -> int: ...
+
+    def evictable_size(self) -> int: ...
+
+    def protected_size(self) -> int: ...
+
+    def mamba_total_size(self) -> int: ...
+
+    def mamba_evictable_size(self) -> int: ...
+
+    def mamba_protected_size(self) -> int: ...
+
+
+def check_mamba_cache(cache: MambaCacheView) -> None:
     """Recompute a Mamba cache's bookkeeping from its tree; raise IntegrityError on any mismatch.
 
     On top of the tree's shape, locks, page hashes and KV slots (as for ``RadixCache``):
@@ -307,7 +330,7 @@ def check_mamba_cache(cache: MambaRadixCache) -> None:
         raise IntegrityError("; ".join(problems[:12]))
 
 
-def _check_state(cache: MambaRadixCache, node: MambaTreeNode,
+def _check_state(cache: MambaCacheView, node: MambaTreeNode,
                  stateful: dict[int, MambaTreeNode], problems: list[str]) -> None:
     if node.mamba_lock_ref > node.lock_ref:
         problems.append(f"node {node.id}: mamba_lock_ref {node.mamba_lock_ref} > "
@@ -328,7 +351,7 @@ def _check_state(cache: MambaRadixCache, node: MambaTreeNode,
                         f"locks {node.own_lock_ref}")
 
 
-def format_mamba_tree(cache: MambaRadixCache) -> str:
+def format_mamba_tree(cache: MambaCacheView) -> str:
     """The tree, one node a line: length, both locks, state slot (or tombstone), tokens."""
     lines = [f"root  total={cache.total_size()} evictable={cache.evictable_size()} "
              f"states={cache.mamba_total_size()} "
