@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import NotFoundError, OverLimitError
 from .opaque_ids import OpaqueIds
@@ -29,7 +29,7 @@ from .opaque_ids import OpaqueIds
 if TYPE_CHECKING:
     from prefixcache.cache import TreeNode
 
-    from .engine import ModelEngine
+    from .lookups import Lookups
 
 # Replies kept per session for idempotent retries (request_id); a retry arrives within a
 # few calls of the original. Match replies carry slot vectors (8 bytes a token), so the
@@ -39,12 +39,22 @@ REPLAY_WINDOW = 32
 REPLAY_BYTES = 1 << 20
 
 
+class LockEngine(Protocol):
+    """The engine a lock was taken on, as a ``HeldLock`` names it: a ``ModelEngine``,
+    which imports this module (its calls take sessions), so it is named by its shape."""
+
+    name: str
+    lookups: Lookups
+
+    def unlock(self, session: Session, lock_id: int) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class HeldLock:
     """One lock a session holds on a node; ``boundary`` is the SWA unlock token;
     ``tokens`` the prefix it protects (root to node), counted in the session's quota."""
 
-    engine: ModelEngine
+    engine: LockEngine
     node: TreeNode
     boundary: Any = None
     tokens: int = 0
