@@ -4,17 +4,38 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import pairwise
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from .errors import IntegrityError
+from .eviction import EvictionQueue
 from .hashing import hash_pages
 from .node import Namespace, TreeNode
+from .slot_tree import SlotNode, SlotTree
 
-if TYPE_CHECKING:
-    from .radix_cache import RadixCache
-    from .slot_cache import SlotNode, SlotPrefixCache
+
+class RadixView(Protocol):
+    """What the checks and the printed tree read of a ``RadixCache`` (or one of its
+    subclasses). Those import this module to check themselves, so they are named here
+    by their shape rather than imported."""
+
+    root_node: TreeNode
+    page_size: int
+    sliding_window_size: int | None
+    eager_page_hashes: bool
+    token_to_kv_pool_allocator: Any
+    _leaves: EvictionQueue
+
+    def total_size(self) -> int: ...
+
+    def evictable_size(self) -> int: ...
+
+    def protected_size(self) -> int: ...
+
+    def swa_evictable_size(self) -> int: ...
+
+    def swa_protected_size(self) -> int: ...
 
 
 def walk(start: TreeNode, depth: int = 0) -> Iterator[tuple[TreeNode, int]]:
@@ -26,7 +47,7 @@ def walk(start: TreeNode, depth: int = 0) -> Iterator[tuple[TreeNode, int]]:
         stack.extend((child, d + 1) for child in node.children.values())
 
 
-def format_tree(cache: RadixCache) -> str:
+def format_tree(cache: RadixView) -> str:
     """The tree, one node a line, with lengths, locks and the first tokens."""
     lines = [f"root  total={cache.total_size()} evictable={cache.evictable_size()} "
              f"protected={cache.protected_size()}"]
@@ -42,7 +63,7 @@ def format_tree(cache: RadixCache) -> str:
     return "\n".join(lines)
 
 
-def check_radix_cache(cache: RadixCache) -> None:
+def check_radix_cache(cache: RadixView) -> None:
     """Recompute a cache's bookkeeping from its tree; raise IntegrityError on any mismatch.
 
     Checks the tree's shape (parent links, child keys, page-aligned lengths, no empty
@@ -79,7 +100,7 @@ def check_radix_cache(cache: RadixCache) -> None:
         raise IntegrityError("; ".join(problems[:12]))
 
 
-def _nodes(cache: RadixCache, problems: list[str]) -> Iterator[TreeNode]:
+def _nodes(cache: RadixView, problems: list[str]) -> Iterator[TreeNode]:
     root = cache.root_node
     for (extra_key, width), ns_root in root.children.items():
         ns = ns_root.namespace
@@ -95,7 +116,7 @@ def _nodes(cache: RadixCache, problems: list[str]) -> Iterator[TreeNode]:
             yield node
 
 
-def _check_node(cache: RadixCache, node: TreeNode, problems: list[str]) -> None:
+def _check_node(cache: RadixView, node: TreeNode, problems: list[str]) -> None:
     ns = node.namespace
     if ns is None:
         problems.append(f"node {node.id} has no namespace")
@@ -118,7 +139,7 @@ def _check_node(cache: RadixCache, node: TreeNode, problems: list[str]) -> None:
             problems.append(f"node {node.id}: page hashes do not chain from its parent")
 
 
-def _check_slots(cache: RadixCache, slots: list[torch.Tensor], problems: list[str]) -> None:
+def _check_slots(cache: RadixView, slots: list[torch.Tensor], problems: list[str]) -> None:
     if not slots:
         return
     every = torch.cat(slots)
@@ -129,7 +150,7 @@ def _check_slots(cache: RadixCache, slots: list[torch.Tensor], problems: list[st
         problems.append("a slot in the tree is free in the allocator")
 
 
-def _check_swa(cache: RadixCache, problems: list[str]) -> None:
+def _check_swa(cache: RadixView, problems: list[str]) -> None:
     evictable = protected = 0
     candidates = set()
     live, dead = [], []
@@ -163,7 +184,7 @@ def _check_swa(cache: RadixCache, problems: list[str]) -> None:
             problems.append("a tombstone's slot still holds SWA KV")
 
 
-def check_slot_cache(cache: SlotPrefixCache) -> None:
+def check_slot_cache(cache: SlotTree) -> None:
     """``SlotPrefixCache.check_integrity``: recompute everything from the tree."""
     problems: list[str] = []
     evictable = protected = nodes = pins = 0
@@ -206,7 +227,7 @@ def check_slot_cache(cache: SlotPrefixCache) -> None:
         raise IntegrityError("; ".join(problems[:12]))
 
 
-def _check_slot_node(cache: SlotPrefixCache, node: SlotNode, ns: Namespace,
+def _check_slot_node(cache: SlotTree, node: SlotNode, ns: Namespace,
                      problems: list[str]) -> None:
     parent = node.parent
     if node.evicted or node.namespace is not ns or parent is None \

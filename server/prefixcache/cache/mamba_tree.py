@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from .errors import IntegrityError
-from .inspection import _check_node, _check_slots, _nodes, walk
+from .inspection import RadixView, _check_node, _check_slots, _nodes, walk
 from .node import Namespace, TreeNode
 
 
@@ -257,24 +257,14 @@ class LRUList:
         setattr(after, self._prev, node)
 
 
-class MambaCacheView(Protocol):
+class MambaCacheView(RadixView, Protocol):
     """What the check and the printed tree read of a ``MambaRadixCache``. That class
     imports this module (its node and lists live here), so they name its shape instead."""
 
-    root_node: TreeNode
-    page_size: int
-    eager_page_hashes: bool
-    token_to_kv_pool_allocator: Any
     mamba_pool: Any
     full_lru_list: LRUList
     mamba_lru_list: LRUList
     _state_owner: dict[int, MambaTreeNode]
-
-    def total_size(self) -> int: ...
-
-    def evictable_size(self) -> int: ...
-
-    def protected_size(self) -> int: ...
 
     def mamba_total_size(self) -> int: ...
 

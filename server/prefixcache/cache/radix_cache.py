@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from .base import BasePrefixCache, InsertResult, MatchResult
 from .change_log import PageListener
-from .errors import InvalidInputError
+from .errors import CacheError, InvalidInputError
 from .eviction import EvictionQueue, get_eviction_policy
 from .hashing import hash_pages
 from .inspection import check_radix_cache, format_tree
@@ -73,12 +73,22 @@ class RadixCache(RadixEviction, BasePrefixCache):
             change_log.py for the protocol). Attaching one turns on eager hashes.
     """
 
+    # The class a RadixCache with a sliding window is built as: SWARadixCache, which
+    # names itself with ``class SWARadixCache(RadixCache, windowed=True)``. It subclasses
+    # this class, so this module cannot import it; the package's __init__ loads it.
+    _windowed: ClassVar[type[RadixCache] | None] = None
+
+    def __init_subclass__(cls, *, windowed: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if windowed:
+            RadixCache._windowed = cls
+
     def __new__(cls, page_size: int = 1, sliding_window_size: int | None = None,
                 *args: Any, **kwargs: Any) -> RadixCache:
         if cls is RadixCache and sliding_window_size is not None:
-            from .swa_radix_cache import SWARadixCache
-
-            return super().__new__(SWARadixCache)
+            if RadixCache._windowed is None:  # prefixcache.cache is still loading
+                raise CacheError("SWARadixCache is not loaded yet: import prefixcache.cache")
+            return super().__new__(RadixCache._windowed)
         return super().__new__(cls)
 
     def __init__(

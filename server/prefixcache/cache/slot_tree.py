@@ -6,6 +6,7 @@ from __future__ import annotations
 from .errors import IntegrityError
 from .eviction import EvictionQueue
 from .node import Namespace, TreeNode
+from .slot_allocator import SlotAllocator
 
 
 class SlotNode(TreeNode):
@@ -31,11 +32,17 @@ class SlotNode(TreeNode):
 class SlotTree:
     """Mixin of ``SlotPrefixCache``: the tree's nodes and the counts kept over them."""
 
+    # Set by SlotPrefixCache.__init__.
+    allocator: SlotAllocator
+    capacity: int
+    max_seq_len: int | None
     # Set by SlotPrefixCache.reset.
     root_node: SlotNode
     _clock: int
     _evictable: int
+    _protected: int
     _nodes: int
+    _pins: int
     _leaves: EvictionQueue
     _tips: dict[tuple[int, int], SlotNode]
 

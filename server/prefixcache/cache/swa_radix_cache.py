@@ -15,7 +15,7 @@ from .node import TreeNode
 from .radix_cache import RadixCache
 
 
-class SWARadixCache(RadixCache):
+class SWARadixCache(RadixCache, windowed=True):
     """Radix cache whose nodes hold full-attention KV and, unless tombstoned, SWA KV.
 
     Follows SGLang's ``SWARadixCache``; where pymllm's SWA mode differs we fix it
