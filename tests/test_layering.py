@@ -107,6 +107,66 @@ def _check(
     return problems
 
 
+def import_graph(roots: list[Path]) -> dict[str, set[str]]:
+    """Module name -> the product modules it imports, for every module under ``roots``.
+
+    Every import statement is an edge, wherever it stands: at module level, inside a
+    function, or under ``if TYPE_CHECKING:`` (a cycle hidden in one is still a cycle).
+    Generated protobuf code (``v1``) is left out. A package's ``__init__`` is never a
+    target: ``from . import x`` names the package, and every package's ``__init__``
+    imports its own modules, so counting those edges would make each package one cycle.
+    """
+    files: dict[str, tuple[Path, str]] = {}
+    for root in roots:
+        for path in sorted((root / "prefixcache").rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if "v1" in parts or "__pycache__" in parts or "_pb2" in path.name:
+                continue
+            package = ".".join(parts[:-1])
+            name = package if parts[-1] == "__init__" else ".".join(parts)
+            files[name] = (path, package)
+    targets = {n for n, (path, _) in files.items() if path.name != "__init__.py"}
+    return {
+        name: (imported_modules(path.read_text(), package) & targets) - {name}
+        for name, (path, package) in files.items()
+    }
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
 def test_cache_imports_nothing_above_it() -> None:
     """prefixcache.cache imports the standard library and torch, never the service stack."""
     assert _check(REPO / "server", "prefixcache/cache", CACHE_FORBIDDEN) == []
@@ -203,3 +263,34 @@ def test_importing_an_integration_loads_no_engine(tmp_path: Path) -> None:
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_no_import_cycles() -> None:
+    """No import cycle anywhere in server/ or client/, counting every import statement
+    (module level, in a function or under TYPE_CHECKING): a layer's modules import
+    downward, and shared names live below both users."""
+    graph = import_graph([REPO / "server", REPO / "client"])
+    # Not vacuous: the walk found the packages and their imports.
+    assert {"prefixcache.cache.radix_cache", "prefixcache.server.engine",
+            "prefixcache.client.sync"} <= set(graph)
+    assert "prefixcache.cache.inspection" in graph["prefixcache.cache.radix_cache"]
+    assert import_cycles(graph) == []
+
+
+def test_cycle_finder_sees_hidden_cycles(tmp_path: Path) -> None:
+    """The cycle check itself can fail: cycles through a function-level import and a
+    TYPE_CHECKING import are found; importing a package's __init__ is not a cycle."""
+    pkg = tmp_path / "prefixcache" / "demo"
+    pkg.mkdir(parents=True)
+    (tmp_path / "prefixcache" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from .a import A\nfrom .c import C\n")
+    (pkg / "a.py").write_text("from .b import B\nA = 1\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import A\n    return A\nB = 2\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nfrom . import d\n"
+                              "if TYPE_CHECKING:\n    from prefixcache.demo.e import E\nC = 3\n")
+    (pkg / "d.py").write_text("from prefixcache.demo import A\n")
+    (pkg / "e.py").write_text("import prefixcache.demo.c\nE = 4\n")
+    graph = import_graph([tmp_path])
+    assert graph["prefixcache.demo.d"] == set()  # the package's __init__ is no target
+    assert import_cycles(graph) == [["prefixcache.demo.a", "prefixcache.demo.b"],
+                                    ["prefixcache.demo.c", "prefixcache.demo.e"]]
