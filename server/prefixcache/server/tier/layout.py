@@ -26,6 +26,9 @@ class PageLayout:
         self.row_bytes = [int(b[0].numel() * b.element_size()) for b in self.buffers]
         self.page_size = page_size
         self.page_bytes = page_size * sum(self.row_bytes)
+        self._bases = np.array(self.bases, dtype=np.int64)
+        self._rows = np.array(self.row_bytes, dtype=np.int64)
+        self._page_parts = [page_size * rb for rb in self.row_bytes]
 
     def regions(self) -> list[tuple[int, int]]:
         """``(pointer, bytes)`` of every buffer, to register with the store."""
@@ -33,23 +36,19 @@ class PageLayout:
                 for base, b in zip(self.bases, self.buffers, strict=True)]
 
     def parts(self, slots: np.ndarray) -> tuple[Parts, Parts]:
-        """The parts (pointers, sizes) of each page of ``slots`` (whole pages)."""
+        """The parts (pointers, sizes) of each page of ``slots`` (whole pages).
+
+        Vectorized (it runs on the loop, for up to thousands of pages a lookup): every
+        page's pointers in one array op; pages whose slots are not one run are redone
+        one by one. Pages share one sizes list (read only)."""
         ps = self.page_size
         pages = slots.reshape(-1, ps)
-        ptrs: Parts = []
-        sizes: Parts = []
-        consecutive = (np.diff(pages, axis=1) == 1).all(axis=1) if ps > 1 else \
-            np.ones(len(pages), dtype=bool)
-        firsts = pages[:, 0].tolist()
-        for i, first in enumerate(firsts):
-            if consecutive[i]:
-                ptrs.append([base + first * rb for base, rb in zip(self.bases, self.row_bytes,
-                                                                   strict=True)])
-                sizes.append([ps * rb for rb in self.row_bytes])
-            else:
-                p, s = self._scattered(pages[i])
-                ptrs.append(p)
-                sizes.append(s)
+        firsts = pages[:, 0].astype(np.int64)
+        ptrs: Parts = (self._bases[None, :] + firsts[:, None] * self._rows[None, :]).tolist()
+        sizes: Parts = [self._page_parts] * len(pages)
+        if ps > 1:
+            for i in np.flatnonzero((np.diff(pages, axis=1) != 1).any(axis=1)).tolist():
+                ptrs[i], sizes[i] = self._scattered(pages[i])
         return ptrs, sizes
 
     def _scattered(self, page: np.ndarray) -> tuple[list[int], list[int]]:
