@@ -15,8 +15,10 @@ Printed, from the same run:
 - our fetch throughput (``prefixcache_tier_fetch_bytes_total`` over
   ``..._fetch_seconds_total``: the store calls of the lookups that fetched, thread
   pool and loop included), beside Mooncake's own ``batch_get_into`` of the same pages
-  (same parts per page, same batch size, one client reading what another process put)
-  and a memcpy of the same bytes (target: ours >= 0.8 x Mooncake's).
+  (same parts per page, the same batches as our lookups fetched, one client reading
+  what another process put; only its calls timed), the two in alternate rounds so that
+  both see the same load, and a memcpy of the same bytes (target: ours >= 0.8 x
+  Mooncake's).
 
     python bench/tier.py --limit 200 --json tier.json
 
@@ -170,15 +172,32 @@ class Sidecar:
                 time.sleep(0.1)
 
     def stop(self) -> None:
+        self.signal()
+        self.join()
+
+    def signal(self) -> None:
+        """Ask the sidecar to stop (``join`` waits for it): several stop at once."""
         if self.client is not None:
             self.client.close()
-        self.proc.send_signal(signal.SIGTERM)
+            self.client = None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def join(self) -> None:
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
         self.stderr.close()
+
+
+def _stop_all(nodes: list[Sidecar]) -> None:
+    """Stop sidecars together (each takes a second or more to leave the store)."""
+    for node in nodes:
+        node.signal()
+    for node in nodes:
+        node.join()
 
 
 def _model(args: argparse.Namespace, pool_tokens: int) -> dict[str, Any]:
@@ -211,87 +230,121 @@ def replay(nodes: list[Sidecar], keys: list[Any], page_size: int, tiered: bool) 
     return hit / total if total else 0.0
 
 
-def fetch_rounds(node: Sidecar, keys: list[Any], rounds: int) -> dict[str, Any]:
-    """``node`` (empty) looks every prompt up, ``rounds`` times with a Reset between:
-    the bytes one round fetched, its pages per fetching lookup, and the best round's
-    GB/s (fetch bytes over fetch seconds, as the metrics count them)."""
+def fetch_batches(node: Sidecar, keys: list[Any]) -> list[int]:
+    """A warm-up round of ``node`` (empty) looking every prompt up: the pages each
+    lookup fetched (those that fetched), scraped between lookups. Later rounds, a Reset
+    before each, fetch the same batches."""
     client = node.connect()
-    best, fetched, lookups = 0.0, 0.0, 0.0
-    for _ in range(rounds):
-        client.reset(MODEL)
-        b0 = node.metric(r"prefixcache_tier_fetch_bytes_total\{.*\}")
-        s0 = node.metric(r"prefixcache_tier_fetch_seconds_total\{.*\}")
-        n0 = node.metric(r'prefixcache_tier_lookups_total\{.*result="remote".*\}')
-        with client.session(600) as session:
-            for key in keys:
-                client.match(MODEL, key, session=session)
-        fetched = node.metric(r"prefixcache_tier_fetch_bytes_total\{.*\}") - b0
-        seconds = node.metric(r"prefixcache_tier_fetch_seconds_total\{.*\}") - s0
-        lookups = node.metric(r'prefixcache_tier_lookups_total\{.*result="remote".*\}') - n0
-        if seconds:
-            best = max(best, fetched / seconds / 1e9)
-    return {"fetch_bytes": fetched, "fetch_gbps": best,
-            "fetch_pages_per_lookup": max(1, round(fetched / lookups / _page_bytes(node)))
-            if lookups else 1}
+    client.reset(MODEL)
+    batches = []
+    with client.session(600) as session:
+        for key in keys:
+            b0 = node.metric(r"prefixcache_tier_fetch_bytes_total\{.*\}")
+            client.match(MODEL, key, session=session)
+            got = node.metric(r"prefixcache_tier_fetch_bytes_total\{.*\}") - b0
+            if got:
+                batches.append(round(got / node.page_bytes))
+    return batches
 
 
-def _page_bytes(node: Sidecar) -> int:
-    return node.page_bytes
+def fetch_round(node: Sidecar, keys: list[Any]) -> tuple[float, float]:
+    """One round of ``node`` looking every prompt up after a Reset: the bytes fetched
+    and the GB/s (fetch bytes over fetch seconds, as the metrics count them: each
+    fetch from before its store call is handed to a worker thread until the loop has
+    its answer)."""
+    client = node.connect() if node.client is None else node.client
+    client.reset(MODEL)
+    b0 = node.metric(r"prefixcache_tier_fetch_bytes_total\{.*\}")
+    s0 = node.metric(r"prefixcache_tier_fetch_seconds_total\{.*\}")
+    with client.session(600) as session:
+        for key in keys:
+            client.match(MODEL, key, session=session)
+    fetched = node.metric(r"prefixcache_tier_fetch_bytes_total\{.*\}") - b0
+    seconds = node.metric(r"prefixcache_tier_fetch_seconds_total\{.*\}") - s0
+    return fetched, fetched / seconds / 1e9 if seconds else 0.0
 
 
-def mooncake_get_gbps(master: str, page_bytes_parts: list[int], pages: int,
-                      batch: int, rounds: int = 3) -> tuple[float, float]:
-    """Mooncake's own ``batch_get_into_multi_buffers`` of ``pages`` pages of these
-    parts, ``batch`` a call, read by this process from another process's segment; and a
-    memcpy of the same bytes. GB/s each, best of ``rounds``."""
-    page_bytes = sum(page_bytes_parts)
-    prefix = f"bench/{len(page_bytes_parts)}x{page_bytes_parts[0]}/"
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, master, str(pages),
-                               json.dumps(page_bytes_parts), prefix],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env(),
-                              text=True)
-    try:
-        line = writer.stdout.readline() if writer.stdout else ""
-        if line.strip() != "ready":
-            raise RuntimeError(f"the Mooncake writer did not start: {line!r}")
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-        from mooncake.store import MooncakeDistributedStore
+class MooncakeReader:
+    """Mooncake's own ``batch_get_into_multi_buffers``: this process reads ``pages``
+    pages of these parts that another process put into its own segment (the baseline
+    of our fetch path). Only the calls are timed; their arguments are built before."""
 
-        store = MooncakeDistributedStore()
-        if store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master):
-            raise RuntimeError("Mooncake setup failed")
-        buf = np.zeros(pages * page_bytes, np.uint8)
-        store.register_buffer(buf.ctypes.data, buf.nbytes)
-        keys = [f"{prefix}{i}" for i in range(pages)]
+    def __init__(self, master: str, parts: list[int], pages: int) -> None:
+        self.parts, self.pages = parts, pages
+        self.page_bytes = sum(parts)
+        prefix = f"bench/{len(parts)}x{parts[0]}/"
+        self.writer = subprocess.Popen([sys.executable, "-c", _WRITER, master, str(pages),
+                                        json.dumps(parts), prefix],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       env=_env(), text=True)
+        self.store: Any = None
+        try:
+            line = self.writer.stdout.readline() if self.writer.stdout else ""
+            if line.strip() != "ready":
+                raise RuntimeError(f"the Mooncake writer did not start: {line!r}")
+            os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+            from mooncake.store import MooncakeDistributedStore
+
+            self.store = MooncakeDistributedStore()
+            if self.store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "",
+                                master):
+                raise RuntimeError("Mooncake setup failed")
+            self.buf = np.zeros(pages * self.page_bytes, np.uint8)
+            self.store.register_buffer(self.buf.ctypes.data, self.buf.nbytes)
+            self.keys = [f"{prefix}{i}" for i in range(pages)]
+        except BaseException:
+            self.close()
+            raise
+
+    def round(self, batches: list[int]) -> float:
+        """Read the pages, ``batches[i]`` pages in call ``i``: GB/s."""
+        calls, at = [], 0
+        for n in batches:
+            ptrs = [[self.buf.ctypes.data + i * self.page_bytes + sum(self.parts[:j])
+                     for j in range(len(self.parts))] for i in range(at, at + n)]
+            calls.append((self.keys[at:at + n], ptrs, [self.parts] * n))
+            at += n
+        seconds = 0.0
+        for keys, ptrs, sizes in calls:
+            start = time.perf_counter()
+            codes = self.store.batch_get_into_multi_buffers(keys, ptrs, sizes)
+            seconds += time.perf_counter() - start
+            if any(c != self.page_bytes for c in codes):
+                raise RuntimeError(f"Mooncake get failed: {codes[:4]}")
+        return at * self.page_bytes / seconds / 1e9
+
+    def memcpy(self, rounds: int) -> float:
+        """A memcpy of the same bytes, a page at a time: GB/s, best of ``rounds``."""
+        buf, step = self.buf, self.page_bytes
+        dst = np.empty_like(buf)
         best = float("inf")
         for _ in range(rounds):
             start = time.perf_counter()
-            for at in range(0, pages, batch):
-                ptrs, sizes = [], []
-                for i in range(at, min(at + batch, pages)):
-                    base, parts = buf.ctypes.data + i * page_bytes, []
-                    for size in page_bytes_parts:
-                        parts.append(base)
-                        base += size
-                    ptrs.append(parts)
-                    sizes.append(page_bytes_parts)
-                codes = store.batch_get_into_multi_buffers(keys[at:at + batch], ptrs, sizes)
-                if any(c != page_bytes for c in codes):
-                    raise RuntimeError(f"Mooncake get failed: {codes[:4]}")
+            for i in range(0, buf.nbytes, step):
+                np.copyto(dst[i:i + step], buf[i:i + step])
             best = min(best, time.perf_counter() - start)
-        store.close()
-        dst = np.empty_like(buf)
-        copy = float("inf")
-        for _ in range(rounds):
-            start = time.perf_counter()
-            for i in range(0, buf.nbytes, page_bytes):
-                np.copyto(dst[i:i + page_bytes], buf[i:i + page_bytes])
-            copy = min(copy, time.perf_counter() - start)
-        return buf.nbytes / best / 1e9, buf.nbytes / copy / 1e9
+        return buf.nbytes / best / 1e9
+
+    def close(self) -> None:
+        if self.writer.stdin and not self.writer.stdin.closed:
+            self.writer.stdin.close()  # the writer leaves the store meanwhile
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        self.writer.wait(30)
+
+
+def mooncake_get_gbps(master: str, parts: list[int], pages: int, batch: int,
+                      rounds: int = 3) -> float:
+    """Mooncake's own reads of ``pages`` pages of these parts, ``batch`` a call: GB/s,
+    best of ``rounds`` (after one to warm up)."""
+    reader = MooncakeReader(master, parts, pages)
+    try:
+        batches = [min(batch, pages - at) for at in range(0, pages, batch)]
+        reader.round(batches)
+        return max(reader.round(batches) for _ in range(rounds))
     finally:
-        if writer.stdin:
-            writer.stdin.close()
-        writer.wait(30)
+        reader.close()
 
 
 # The other process of mooncake_get_gbps: puts the pages into its own segment and holds
@@ -343,9 +396,9 @@ def trace_keys(args: argparse.Namespace, page_size: int, limit: int) -> list[Any
 def fetch_phase(args: argparse.Namespace, keys: list[Any], tmp: Path) -> dict[str, Any]:
     """The fetch path alone, at a realistic page size (``--fetch-*``): a sidecar caches
     ``keys`` and writes them to the store, then another, empty, looks every prompt up,
-    so everything it fetches crosses from the first one's segment (best of ``--rounds``
-    rounds, a Reset between); then Mooncake's own reads of as many pages, as many a
-    call, from another process's segment."""
+    so everything it fetches crosses from the first one's segment (a warm-up round,
+    then ``--rounds`` rounds, a Reset before each); in alternate rounds, Mooncake's own
+    reads of as many pages, in the same batches, from another process's segment."""
     page_size = args.fetch_page_size
     unique = _unique_pages(keys, page_size)
     geometry = argparse.Namespace(page_size=page_size, layers=args.fetch_layers,
@@ -356,27 +409,76 @@ def fetch_phase(args: argparse.Namespace, keys: list[Any], tmp: Path) -> dict[st
     master = Master(tmp)
     tier = {"master": master.address, "timeout": 10.0,
             "segment_bytes": max(64 << 20, 2 * unique * sum(parts))}
-    nodes = [Sidecar(tmp, "fetch-writer", model, tier)]
+    # The reader starts beside the writer (it looks nothing up until the writer is done).
+    nodes = [Sidecar(tmp, "fetch-writer", model, tier), Sidecar(tmp, "fetch-reader", model, tier)]
     out: dict[str, Any] = {"fetch_page_bytes": sum(parts), "fetch_requests": len(keys)}
+    reader: MooncakeReader | None = None
     try:
-        nodes[0].wait(r"prefixcache_tier_connected", 1)
+        for node in nodes:
+            node.wait(r"prefixcache_tier_connected", 1)
         replay(nodes[:1], keys, page_size, True)
-        nodes.append(Sidecar(tmp, "fetch-reader", model, tier))
-        nodes[1].wait(r"prefixcache_tier_connected", 1)
-        out.update(fetch_rounds(nodes[1], keys, args.rounds))
-        pages = int(out["fetch_bytes"] // sum(parts))
-        if pages:
-            batch = out["fetch_pages_per_lookup"]
-            mc, memcpy = mooncake_get_gbps(master.address, parts, pages, batch, args.rounds)
-            out["mooncake_get_gbps"], out["memcpy_gbps"] = mc, memcpy
+        batches = fetch_batches(nodes[1], keys)
+        pages = sum(batches)
+        if not pages:
+            return out
+        out["fetch_bytes"] = pages * sum(parts)
+        out["fetch_pages_per_lookup"] = round(pages / len(batches))
+        # Ours and Mooncake's in alternate rounds, the same batches of the same pages,
+        # so that both see the same load of the machine (which swings either by 2x).
+        reader = MooncakeReader(master.address, parts, pages)
+        reader.round(batches)  # warm-up: its buffer's first touch
+        ours, theirs = [], []
+        for _ in range(args.rounds):
+            ours.append(fetch_round(nodes[1], keys)[1])
+            theirs.append(reader.round(batches))
+        out["fetch_gbps"], out["mooncake_get_gbps"] = max(ours), max(theirs)
+        out["fetch_vs_mooncake_rounds"] = [o / t for o, t in zip(ours, theirs, strict=True)]
+        out["memcpy_gbps"] = reader.memcpy(args.rounds)
+        for node in nodes:  # they leave the store while the reader does
+            node.signal()
+        reader.close()
+        reader = None
+        _stop_all(nodes)
+        if args.split:
             # The other split (README, "Across nodes"): an object per page and buffer
             # (layer, K or V), the same bytes in len(parts) times the objects.
-            split, _ = mooncake_get_gbps(master.address, parts[:1], pages * len(parts),
-                                         batch * len(parts), args.rounds)
-            out["mooncake_get_gbps_object_per_buffer"] = split
+            batch = out["fetch_pages_per_lookup"]
+            out["mooncake_get_gbps_object_per_buffer"] = mooncake_get_gbps(
+                master.address, parts[:1], pages * len(parts), batch * len(parts),
+                args.rounds)
     finally:
-        for node in nodes:
-            node.stop()
+        if reader is not None:
+            reader.close()
+        _stop_all(nodes)
+        master.stop()
+    return out
+
+
+def hit_ratios(args: argparse.Namespace, keys: list[Any], model: dict[str, Any], unique: int,
+               page_bytes: int, tmp: Path) -> dict[str, Any]:
+    """The three replays: one sidecar, two without the tier, two with it (the sidecars
+    without the tier start together, and so do those with it)."""
+    out: dict[str, Any] = {}
+    plain = [Sidecar(tmp, name, model, None) for name in ("one", "plain0", "plain1")]
+    try:
+        out["single_hit_ratio"] = replay(plain[:1], keys, args.page_size, False)
+        out["two_nodes_no_tier_hit_ratio"] = replay(plain[1:], keys, args.page_size, False)
+    finally:
+        _stop_all(plain)
+    master = Master(tmp)
+    tier = {"master": master.address, "timeout": 5.0,
+            "segment_bytes": max(64 << 20, 2 * unique * page_bytes)}
+    pair = [Sidecar(tmp, f"tier{i}", model, tier) for i in range(2)]
+    try:
+        for node in pair:
+            node.wait(r"prefixcache_tier_connected", 1)
+        out["two_nodes_tier_hit_ratio"] = replay(pair, keys, args.page_size, True)
+        fetched = sum(n.metric(r"prefixcache_tier_fetch_bytes_total\{.*\}") for n in pair)
+        seconds = sum(n.metric(r"prefixcache_tier_fetch_seconds_total\{.*\}") for n in pair)
+        out["replay_fetch_bytes"] = fetched
+        out["replay_fetch_gbps"] = fetched / seconds / 1e9 if seconds else 0.0
+    finally:
+        _stop_all(pair)
         master.stop()
     return out
 
@@ -399,6 +501,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--fetch-head-dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of the fetch measurements (the best counts)")
+    parser.add_argument("--fetch-only", action="store_true",
+                        help="only the fetch measurement (no hit-ratio runs)")
+    parser.add_argument("--no-split", dest="split", action="store_false",
+                        help="skip Mooncake's reads of an object per page and buffer")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     path = None if args.synthetic or not args.trace.exists() else args.trace
@@ -415,43 +521,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "page_bytes": page_bytes, "pool_tokens": pool_tokens}
     with tempfile.TemporaryDirectory(prefix="tier-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        # One sidecar, the whole trace.
-        one = Sidecar(tmp, "one", model, None)
-        try:
-            out["single_hit_ratio"] = replay([one], keys, args.page_size, False)
-        finally:
-            one.stop()
-        # Two nodes, no tier.
-        pair = [Sidecar(tmp, f"plain{i}", model, None) for i in range(2)]
-        try:
-            out["two_nodes_no_tier_hit_ratio"] = replay(pair, keys, args.page_size, False)
-        finally:
-            for node in pair:
-                node.stop()
-        # Two nodes with the tier.
-        master = Master(tmp)
-        tier = {"master": master.address, "timeout": 5.0,
-                "segment_bytes": max(64 << 20, 2 * unique * page_bytes)}
-        pair = [Sidecar(tmp, f"tier{i}", model, tier) for i in range(2)]
-        try:
-            for node in pair:
-                node.wait(r"prefixcache_tier_connected", 1)
-            out["two_nodes_tier_hit_ratio"] = replay(pair, keys, args.page_size, True)
-            fetched = sum(n.metric(r"prefixcache_tier_fetch_bytes_total\{.*\}") for n in pair)
-            seconds = sum(n.metric(r"prefixcache_tier_fetch_seconds_total\{.*\}") for n in pair)
-            out["replay_fetch_bytes"] = fetched
-            out["replay_fetch_gbps"] = fetched / seconds / 1e9 if seconds else 0.0
-        finally:
-            for node in pair:
-                node.stop()
-            master.stop()
+        if not args.fetch_only:
+            out.update(hit_ratios(args, keys, model, unique, page_bytes, tmp))
         if args.fetch_requests:
             out.update(fetch_phase(args, trace_keys(args, args.fetch_page_size,
                                                     args.fetch_requests), tmp))
-    single = out["single_hit_ratio"]
-    out["tier_vs_single"] = out["two_nodes_tier_hit_ratio"] / single if single else None
+    single = out.get("single_hit_ratio")
+    if single is not None:
+        out["tier_vs_single"] = out["two_nodes_tier_hit_ratio"] / single if single else None
     if out.get("mooncake_get_gbps"):
         out["fetch_vs_mooncake"] = out["fetch_gbps"] / out["mooncake_get_gbps"]
+        out["fetch_vs_mooncake_median"] = float(np.median(out["fetch_vs_mooncake_rounds"]))
     _print(out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
@@ -461,11 +541,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _print(out: dict[str, Any]) -> None:
     print(f"trace {out['trace']}: {out['requests']} requests, {out['tokens']} tokens, "
           f"pages of {out['page_size']} tokens ({out['page_bytes']} bytes)")
-    print("| run | token hit ratio |")
-    print("|---|---|")
-    print(f"| one sidecar, whole trace | {out['single_hit_ratio']:.4f} |")
-    print(f"| two nodes, no tier | {out['two_nodes_no_tier_hit_ratio']:.4f} |")
-    print(f"| two nodes, tier | {out['two_nodes_tier_hit_ratio']:.4f} |")
+    if "single_hit_ratio" in out:
+        print("| run | token hit ratio |")
+        print("|---|---|")
+        print(f"| one sidecar, whole trace | {out['single_hit_ratio']:.4f} |")
+        print(f"| two nodes, no tier | {out['two_nodes_no_tier_hit_ratio']:.4f} |")
+        print(f"| two nodes, tier | {out['two_nodes_tier_hit_ratio']:.4f} |")
     if out.get("tier_vs_single") is not None:
         print(f"two nodes with the tier / one sidecar: {out['tier_vs_single']:.3f} "
               "(target >= 0.95)")
@@ -476,14 +557,19 @@ def _print(out: dict[str, Any]) -> None:
         print("|---|---|")
         print(f"| ours (Match's fetch, {out['fetch_pages_per_lookup']} pages a lookup) | "
               f"{out['fetch_gbps']:.3f} |")
-        print(f"| ours, during the two-node replay ({out['page_bytes']}-byte pages) | "
-              f"{out['replay_fetch_gbps']:.3f} |")
-        print(f"| Mooncake batch_get_into, same pages and batch | {out['mooncake_get_gbps']:.3f} |")
+        if "replay_fetch_gbps" in out:
+            print(f"| ours, during the two-node replay ({out['page_bytes']}-byte pages) | "
+                  f"{out['replay_fetch_gbps']:.3f} |")
+        print(f"| Mooncake batch_get_into, same pages and batches | "
+              f"{out['mooncake_get_gbps']:.3f} |")
         print(f"| memcpy, same bytes | {out['memcpy_gbps']:.3f} |")
         if out.get("mooncake_get_gbps_object_per_buffer"):
             print("| Mooncake batch_get_into, an object per page and K/V buffer | "
                   f"{out['mooncake_get_gbps_object_per_buffer']:.3f} |")
-        print(f"ours / Mooncake's: {out['fetch_vs_mooncake']:.3f} (target >= 0.8)")
+        rounds = ", ".join(f"{r:.2f}" for r in out["fetch_vs_mooncake_rounds"])
+        print(f"ours / Mooncake's: {out['fetch_vs_mooncake']:.3f} best over best, "
+              f"{out['fetch_vs_mooncake_median']:.3f} median of the rounds ({rounds}); "
+              "target >= 0.8")
 
 
 if __name__ == "__main__":
