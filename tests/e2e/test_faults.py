@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from e2e.e2e_support import TOL, Sidecar, expected_hit, mismatches, prompts
+from e2e.e2e_support import TOL, Engine, Sidecar, expected_hit, mismatches, prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -24,6 +24,27 @@ def wait_for_locks(sidecar: Sidecar, model: str, timeout: float = 120.0) -> None
         if time.monotonic() > deadline:
             raise TimeoutError("no engine locked a hit")
         time.sleep(0.01)
+
+
+def saved_after_restart(sidecar: Sidecar, engine: Engine, timeout: float = 60.0
+                        ) -> list[list[int]]:
+    """Fresh prompts that ``engine`` saved into the restarted sidecar. Its first saves
+    may be skipped: its channel reconnects with gRPC's backoff, and the connector does
+    not ask a service that did not answer lately (saves are skipped, never queued)."""
+    deadline = time.monotonic() + timeout
+    tries = 0
+    while True:
+        tries += 1
+        again = prompts(1000 + tries, (150, 230))
+        engine.generate(again)
+        try:
+            sidecar.wait_cached("p16", again, unit=32, timeout=5.0)
+            return again
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{engine.name} saved nothing in {timeout} s after the "
+                                   f"restart ({tries} tries):\n{engine.log_tail()}"
+                                   ) from None
 
 
 def test_sidecar_killed_mid_batch_then_restarted(sidecar: Sidecar, engines: dict) -> None:
@@ -42,9 +63,7 @@ def test_sidecar_killed_mid_batch_then_restarted(sidecar: Sidecar, engines: dict
     assert not (bad := mismatches(got, own, TOL)), "\n".join(bad)
 
     sidecar.start()  # a new pool, empty: a saves, and b hits, with no restart of either
-    again = prompts(22, (150, 230))
-    a.generate(again)
-    sidecar.wait_cached("p16", again, unit=32)
+    again = saved_after_restart(sidecar, a)
     loaded = b.generate(again)
     assert [o["cached"] for o in loaded] == [expected_hit(len(p), 32) for p in again], \
         b.log_tail()

@@ -42,11 +42,20 @@ def readme_kv_transfer_config(target: str, model: str) -> dict[str, Any]:
     return config
 
 
+def readme_shutdown_flags() -> list[str]:
+    """``--shutdown-timeout N`` where the README's server command sets it. vLLM's
+    default (0) aborts: the engine core is SIGKILLed at once, and no connector can
+    finish or report a save then."""
+    found = re.search(r"--shutdown-timeout[ =](\d+)", (REPO / "README.md").read_text())
+    return ["--shutdown-timeout", found.group(1)] if found else []
+
+
 class OpenAIServer:
     """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script of the CPU
     wheel does not start: PackageNotFoundError)."""
 
-    def __init__(self, tmp: Path, name: str, model_dir: Path, sidecar: Sidecar) -> None:
+    def __init__(self, tmp: Path, name: str, model_dir: Path, sidecar: Sidecar,
+                 extra: list[str] | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -61,7 +70,8 @@ class OpenAIServer:
                  "--block-size", str(BLOCK), "--dtype", "float32", "--enforce-eager",
                  "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20),
                  "--distributed-executor-backend", "uni",
-                 "--kv-transfer-config", json.dumps(config)],
+                 "--kv-transfer-config", json.dumps(config),
+                 *(readme_shutdown_flags() if extra is None else extra)],
                 env=engine_env(), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while not self._healthy():
