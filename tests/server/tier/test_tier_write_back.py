@@ -101,3 +101,20 @@ def test_eviction_under_allocation_pressure_writes_back_too(nodes: tuple[Node, N
     assert _same(got, kv)
     assert a.metric(r"prefixcache_tier_put_dropped_pages_total\{.*\}") == 0
     assert a.metric(r"prefixcache_tier_errors_total\{.*\}") == 0
+
+
+def test_a_node_longer_than_the_staging_buffer_writes_its_leading_pages(
+        nodes: tuple[Node, Node]) -> None:
+    a, b = nodes
+    staging_pages = POOL // 4 // PAGE  # staging.py: a quarter of the pool
+    tokens = _tokens(3, (staging_pages + 4) * PAGE)
+    kv = _cache(a, tokens, seed=3)
+    before = a.metric(PUT)
+    with PrefixCacheClient(a.address, timeout=10) as client:
+        client.evict(MODEL, POOL)
+    a.wait(PUT, before + staging_pages)
+    dropped = r'prefixcache_tier_put_dropped_pages_total\{.*reason="staging_full"\}'
+    assert a.metric(dropped) == 4
+    hit, got = _read(b, tokens)
+    assert hit == staging_pages * PAGE  # the leading run the store holds
+    assert _same(got, [t[:hit] for t in kv])

@@ -220,12 +220,19 @@ class ModelTier:
         if why not in (None, "busy") or tier.puts is None:  # lookups in flight: no matter
             self.count(self.drops, why or "unavailable", pages)
             return
-        jobs = -(-pages // MAX_JOB_PAGES)
-        if not tier.puts.has_room(jobs):
+        # As many leading pages as the staging buffer holds (the pages after a missing
+        # one are never found: lookups fetch a leading run).
+        fit = min(pages, self.staging.available)
+        if fit < pages:
+            self.count(self.drops, "staging_full", pages - fit)
+            pages = fit
+        if not pages:
+            return
+        if not tier.puts.has_room(-(-pages // MAX_JOB_PAGES)):
             self.count(self.drops, "queue_full", pages)
             return
         taken = self.staging.copy(host_indices(slots)[:pages * ps])
-        if taken is None:
+        if taken is None:  # cannot be (room checked), but never raise in an eviction
             self.count(self.drops, "staging_full", pages)
             return
         extra_key, width, hashes = page_names(node)
