@@ -1,5 +1,5 @@
-"""`prefixcache serve --check-config`, a real subprocess: the README's config blocks are
-valid as written, and every `server:` key works on the command line."""
+"""`prefixcache serve --check-config`, a real subprocess: the config blocks of the README
+and docs/*.md are valid as written, and every `server:` key works on the command line."""
 
 from __future__ import annotations
 
@@ -9,18 +9,16 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from doc_pages import code_blocks
 from test_cli import _env, _run
 
 from prefixcache.server.cli import _NO_FLAG, build_parser
 from prefixcache.server.config_types import ServerConfig
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-
 
 def _config_blocks() -> list[str]:
-    """The README's YAML blocks that are prefixcache configs (dedented fragments too)."""
-    blocks = [textwrap.dedent(b) for b in
-              re.findall(r"```yaml\n(.*?)```", README.read_text(), re.DOTALL)]
+    """The documents' YAML blocks that are prefixcache configs (dedented fragments too)."""
+    blocks = [textwrap.dedent(b) for _, b in code_blocks("yaml")]
     return [b for b in blocks if re.search(r"^(server|models):", b, re.MULTILINE)]
 
 

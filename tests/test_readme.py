@@ -1,17 +1,20 @@
-"""The README's library example runs as written."""
+"""The documents' python examples (README.md and docs/*.md) run as written."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from doc_pages import DOCS, README, code_blocks
+from harness import serve_process
+
+from prefixcache.client import PrefixCacheClient
 
 
 def test_library_example_runs_and_reuses_prefixes() -> None:
     """The prefill example caches a prompt and a second call with the same prefix hits it."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
-    assert blocks, "README.md has no python example"
+    blocks = [b for _, b in code_blocks("python", DOCS / "clients.md")
+              if "def prefill(token_ids: list[int], lora" in b]
+    assert len(blocks) == 1, "docs/clients.md has no (or two) library prefill examples"
     scope: dict = {}
     exec(blocks[0], scope)
     cache, allocator = scope["cache"], scope["allocator"]
@@ -27,8 +30,31 @@ def test_library_example_runs_and_reuses_prefixes() -> None:
 
 
 def test_every_python_example_runs() -> None:
-    """Each python block of the README runs on its own (the later ones assert themselves)."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    """Each python block of the README and docs/ runs on its own (the later ones assert
+    themselves)."""
+    blocks = code_blocks("python")
     assert len(blocks) >= 3
-    for block in blocks:
-        exec(block, {})
+    for page, block in blocks:
+        try:
+            exec(block, {})
+        except Exception as exc:
+            raise AssertionError(f"a python block of {page.name} fails: {exc!r}\n{block}") \
+                from exc
+
+
+def test_the_readme_client_example_runs_against_a_server(tmp_path: Path) -> None:
+    """The README's ten-line client example, against a real `prefixcache serve` on the
+    default model: its prompt is cached (whole pages) and its session left nothing held."""
+    (block,) = [b for _, b in code_blocks("py", README)]
+    assert len(block.strip().splitlines()) <= 10
+    with serve_process(tmp_path, "server: {shm_dir: 'off'}\n") as (_, address):
+        scope: dict = {}
+        exec(block.replace("unix:/tmp/prefixcache.sock", address), scope)
+        assert scope["client"].fail_open_count == 0  # it really reached the server
+        with PrefixCacheClient(address) as client:
+            hit = client.match("default", scope["token_ids"])
+            assert hit.prefix_len == 96  # 100 tokens, pages of 16: the tail is not cached
+            stats = client.stats("default")
+        scope["client"].close()
+    (model,) = stats.models
+    assert (model.locks, model.protected_tokens, stats.sessions) == (0, 0, 0), stats

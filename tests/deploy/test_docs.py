@@ -1,4 +1,5 @@
-"""The README's "Deploy" section and deploy/README.md name what really exists."""
+"""The "Deploy" section of docs/operations.md (once the README's) and deploy/README.md
+name what really exists."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from deploy.support import (
     sidecar,
 )
 
-README = (REPO / "README.md").read_text()
+OPERATIONS = REPO / "docs" / "operations.md"
 DEPLOY_README = (DEPLOY / "README.md").read_text()
 
 
 def _deploy_section() -> str:
-    match = re.search(r"^## Deploy\n(.*?)^## ", README, re.MULTILINE | re.DOTALL)
-    assert match, 'README.md has no "## Deploy" section followed by another'
+    match = re.search(r"^## Deploy\n(.*?)^## ", OPERATIONS.read_text(),
+                      re.MULTILINE | re.DOTALL)
+    assert match, 'docs/operations.md has no "## Deploy" section followed by another'
     return match[1]
 
 

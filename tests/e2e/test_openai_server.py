@@ -1,5 +1,5 @@
-"""The README's server command: vLLM's OpenAI server with the README's
-``--kv-transfer-config`` (its JSON read from README.md, only the target and the model
+"""The documented server command: vLLM's OpenAI server with docs/vllm.md's
+``--kv-transfer-config`` (its JSON read from docs/vllm.md, only the target and the model
 changed) gets external hits on what another server saved, as its /metrics report.
 
 Then shutdown: a server stopped right after its reply either saves that request
@@ -27,26 +27,28 @@ from e2e.e2e_support import REPO, Sidecar, engine_env, expected_hit, prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-BLOCK = 32  # vLLM's CPU backend has no smaller block than 32 (the README's is 16)
+BLOCK = 32  # vLLM's CPU backend has no smaller block than 32 (the docs' is 16)
 HITS = "vllm:external_prefix_cache_hits_total"
 # How the connector reports saves it could not finish at shutdown.
 LOST_SAVE = re.compile(r"save.*\blost\b", re.IGNORECASE)
+# The page that shows vLLM's command (it was the README's "vLLM" section).
+VLLM_DOC = REPO / "docs" / "vllm.md"
 
 
 def readme_kv_transfer_config(target: str, model: str) -> dict[str, Any]:
-    text = (REPO / "README.md").read_text()
+    text = VLLM_DOC.read_text()
     found = re.search(r"--kv-transfer-config '(\{.*?\})'", text, re.DOTALL)
-    assert found, "README.md no longer shows a --kv-transfer-config '{...}' command"
+    assert found, "docs/vllm.md no longer shows a --kv-transfer-config '{...}' command"
     config = json.loads(found.group(1))
     config["kv_connector_extra_config"].update(target=target, model=model)
     return config
 
 
 def readme_shutdown_flags() -> list[str]:
-    """``--shutdown-timeout N`` where the README's server command sets it. vLLM's
+    """``--shutdown-timeout N`` where the documented server command sets it. vLLM's
     default (0) aborts: the engine core is SIGKILLed at once, and no connector can
     finish or report a save then."""
-    found = re.search(r"--shutdown-timeout[ =](\d+)", (REPO / "README.md").read_text())
+    found = re.search(r"--shutdown-timeout[ =](\d+)", VLLM_DOC.read_text())
     return ["--shutdown-timeout", found.group(1)] if found else []
 
 

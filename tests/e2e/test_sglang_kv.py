@@ -4,7 +4,7 @@ stored with ``batch_set_v1`` into a real `prefixcache serve`, read back through 
 equals transformers' row for row; ``batch_get_v1`` into a fresh host pool (another
 layout, other host pages) returns the same bytes.
 
-SGLang's runtime does not run here (see the README's SGLang section), so no SGLang
+SGLang's runtime does not run here (see docs/sglang.md), so no SGLang
 engine computes the K/V; transformers does, and the host pools are built with SGLang's
 buffer shapes per ``--hicache-mem-layout`` (``hicache_hosts.py``). The K is post-RoPE,
 as SGLang keeps it. A backend that put a host page's rows into the pool in another
@@ -42,7 +42,7 @@ def sg_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 class HiCacheSidecar(Sidecar):
     """The e2e sidecar (models p16 and p32, the tiny Llama's geometry) with the page-hash
-    index SGLang's backend looks pages up in, as the README's SGLang config sets it."""
+    index SGLang's backend looks pages up in, as docs/sglang.md's config sets it."""
 
     def start(self) -> None:
         config = self.config.read_text()

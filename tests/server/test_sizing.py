@@ -25,7 +25,8 @@ from prefixcache.server.sizing import (
 )
 
 GiB = 1 << 30
-README = Path(__file__).resolve().parents[2] / "README.md"
+# The sample config of docs/configuration.md (it was the README's).
+SAMPLE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def budget(memory: int | None = 64 * GiB, shm: int = 32 * GiB, cuda: int = 0,
@@ -119,8 +120,8 @@ def test_unmeasurable_memory_is_not_checked() -> None:
 
 
 def _readme_models(tmp: Path) -> tuple[ModelConfig, ...]:
-    block = re.search(r"```yaml\n(server:\n.*?)```", README.read_text(), re.DOTALL)
-    assert block, "README.md has no sample config"
+    block = re.search(r"```yaml\n(server:\n.*?)```", SAMPLE_PAGE.read_text(), re.DOTALL)
+    assert block, "docs/configuration.md has no sample config"
     data = yaml.safe_load(block[1])
     data.pop("server")  # its token files do not exist here
     (tmp / "readme.yaml").write_text(yaml.safe_dump(data))
@@ -135,7 +136,7 @@ def test_the_readme_sample_fits_the_gpu_it_claims(tmp_path: Path) -> None:
     assert total <= 60 * GiB, total / GiB  # with room for the CUDA context on 80 GB
     check_fits(models, "/dev/shm", budget(memory=4 * GiB, shm=0, cuda=1, cuda_free=79 * GiB))
     assert round(total / GiB) == 55  # what the sample's comment says it takes
-    assert "take 55 GiB of one 80 GB GPU" in README.read_text()
+    assert "take 55 GiB of one 80 GB GPU" in SAMPLE_PAGE.read_text()
 
 
 # ---------------------------------------------------------------------------- cgroups

@@ -1,0 +1,125 @@
+"""The documentation holds together: a short README that links every page under docs/,
+links that resolve, and a configuration reference that matches the config types."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import MISSING, Field, fields
+from pathlib import Path
+
+import pytest
+import yaml
+from doc_pages import DOCS, README, pages
+
+from prefixcache.server.config import (
+    KvEventsConfig,
+    MambaConfig,
+    ModelConfig,
+    PoolConfig,
+    ServerConfig,
+    TenantConfig,
+)
+from prefixcache.server.config_tier import TierConfig
+
+# The configuration reference's sections and the types they document.
+REFERENCE = {
+    "`server`": ServerConfig,
+    "`server.kv_events`": KvEventsConfig,
+    "`server.tier`": TierConfig,
+    "`server.tenants[]`": TenantConfig,
+    "`models[]`": ModelConfig,
+    "`models[].pool`": PoolConfig,
+    "`models[].mamba`": MambaConfig,
+}
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose(text: str) -> str:
+    """`text` without its fenced code blocks."""
+    return re.sub(r"^ *```.*?^ *```", "", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives the page's headings."""
+    out: set[str] = set()
+    for heading in re.findall(r"^#+ (.*)$", _prose(page.read_text()), re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n, anchor = 0, slug
+        while anchor in out:
+            n += 1
+            anchor = f"{slug}-{n}"
+        out.add(anchor)
+    return out
+
+
+def test_the_readme_is_a_short_front_door() -> None:
+    assert len(README.read_text().splitlines()) <= 250
+
+
+def test_the_readme_links_every_docs_page() -> None:
+    linked = {(README.parent / m.split("#")[0]).resolve()
+              for m in LINK.findall(_prose(README.read_text()))}
+    docs = sorted(DOCS.glob("*.md"))
+    assert len(docs) >= 7
+    assert [p.name for p in docs if p.resolve() not in linked] == []
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
+def test_every_link_resolves(page: Path) -> None:
+    """Relative links name files that exist, and their #anchors name headings there."""
+    broken = []
+    for target in LINK.findall(_prose(page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # https://..., mailto:
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists() or (anchor and file.suffix == ".md"
+                                 and anchor not in _anchors(file)):
+            broken.append(target)
+    assert broken == [], f"{page.name}: {broken}"
+
+
+def test_the_link_checker_can_fail(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text("# A `b`: c?\n\n[x](p.md#a-b-c) [y](#nope) [z](gone.md)\n")
+    assert _anchors(page) == {"a-b-c"}
+    with pytest.raises(AssertionError, match=r"\['#nope', 'gone.md'\]"):
+        test_every_link_resolves(page)
+
+
+def _reference() -> dict[str, dict[str, str]]:
+    """The reference tables of docs/configuration.md: section -> {key: default cell}."""
+    text = (DOCS / "configuration.md").read_text()
+    out: dict[str, dict[str, str]] = {}
+    for title, body in re.findall(r"^### (.*?)\n(.*?)(?=^#|\Z)", text, re.DOTALL | re.MULTILINE):
+        rows = re.findall(r"^\| `(\w+)` \| (.*?) \|", body, re.MULTILINE)
+        out[title] = dict(rows)
+    return out
+
+
+def _default(f: Field) -> object:
+    if f.default is not MISSING:
+        value = f.default
+    elif f.default_factory is not MISSING:
+        value = f.default_factory()
+    else:
+        return MISSING
+    return list(value) if isinstance(value, tuple) else value
+
+
+@pytest.mark.parametrize("title", REFERENCE)
+def test_the_configuration_reference_documents_every_key(title: str) -> None:
+    """Every field of the config types is documented, every documented key exists, and
+    a default written as a value is the type's default (a YAML 1.1 reading: `0600` is
+    octal, as in a config file)."""
+    documented = _reference()[title]
+    keys = [f.name for f in fields(REFERENCE[title])]
+    assert sorted(documented) == sorted(keys)
+    for f in fields(REFERENCE[title]):
+        cell = documented[f.name]
+        value = re.match(r"`([^`]*)`", cell)
+        if not value:  # "required", "see below"
+            assert _default(f) is MISSING or not isinstance(_default(f), (int, float, str)), \
+                (f.name, cell)
+            continue
+        assert yaml.safe_load(value[1]) == _default(f), (title, f.name, cell)
