@@ -1,7 +1,7 @@
 """Time to first token in real vLLM engines (the CPU build), with and without the sidecar.
 
 One run, three engine processes on one `prefixcache serve` (all from tests/e2e):
-``plain`` has no connector; ``saver`` and ``loader`` have the README's connector on a
+``plain`` has no connector; ``saver`` and ``loader`` have docs/vllm.md's connector on a
 page-32 model. Every scenario runs its own fresh prompts, one request at a time with
 ``max_tokens=1``, so a request's wall time is its time to first token:
 

@@ -440,7 +440,7 @@ def fetch_phase(args: argparse.Namespace, keys: list[Any], tmp: Path) -> dict[st
         reader = None
         _stop_all(nodes)
         if args.split:
-            # The other split (README, "Across nodes"): an object per page and buffer
+            # The other split (docs/across-nodes.md): an object per page and buffer
             # (layer, K or V), the same bytes in len(parts) times the objects.
             batch = out["fetch_pages_per_lookup"]
             out["mooncake_get_gbps_object_per_buffer"] = mooncake_get_gbps(

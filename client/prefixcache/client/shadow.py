@@ -144,7 +144,7 @@ class ShadowIndex:
     def match(self, request: RequestHashes) -> int:
         """Tokens of ``request`` the replica holds (whole pages), an estimate of what a
         match at the service would find (exact for radix models when the replica is
-        current; SWA and Mamba models may match less there, see the README)."""
+        current; SWA and Mamba models may match less there, see docs/clients.md)."""
         return self.match_pages(request) * request.page_size
 
     def pages(self) -> dict[Namespace, frozenset[int]]:

@@ -132,7 +132,7 @@ def _add_every_setting(serve: argparse.ArgumentParser) -> None:
     taken = {a.dest for a in serve._actions}
     group = serve.add_argument_group(
         "other server settings", "every other key of the config file's 'server:' section; "
-        "see the README's configuration reference")
+        "see docs/configuration.md, which lists every key")
     for f in fields(ServerConfig):
         if f.name in taken or f.name in _NO_FLAG:
             continue

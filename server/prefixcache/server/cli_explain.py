@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 _PREFIX = "LOOKUP_OUTCOME_"
-# What an operator does about each outcome (README, "Why no hit?").
+# What an operator does about each outcome (docs/operations.md, "Why no hit?").
 HINTS = {
     "hit": "cached and answered",
     "miss_cold": "never cached (as far as the record of evicted pages reaches): a first "

@@ -1,9 +1,9 @@
 """``server.tier``: the shared cross-node KV tier below each model's pool (server/tier/).
 
-Off unless the section is given. The keys are the tier's contract (README "Across
-nodes"): backend, master, metadata, protocol, local_hostname, segment_bytes, write,
-min_hits, timeout. ``PREFIXCACHE_TIER`` may carry the section as JSON (Helm does).
-A model opts out with ``models[].tier: false``.
+Off unless the section is given. The keys are the tier's contract (docs/across-nodes.md,
+docs/configuration.md): backend, master, metadata, protocol, local_hostname,
+segment_bytes, write, min_hits, timeout. ``PREFIXCACHE_TIER`` may carry the section as
+JSON (Helm does). A model opts out with ``models[].tier: false``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``backend.PrefixCacheStorage`` is the ``HiCacheStorage`` subclass SGLang loads with
 ``--hicache-storage-backend dynamic`` (it imports SGLang); ``core.HiCacheCore`` holds
 all of its logic and imports neither SGLang nor, until it moves data, torch. See the
-README section "SGLang (HiCache storage backend)" for the command line.
+docs/sglang.md for the command line.
 """
 
 from .aux_pools import AuxPools
