@@ -30,7 +30,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node
     started: list[Node] = []
     try:
         for name in ("a", "b"):
-            config = tier_config(master.address)
+            # Nothing here is about deadlines: room for a loaded machine.
+            config = tier_config(master.address, timeout=5.0)
             config["server"]["tier"]["write"] = "on_evict"
             started.append(Node(tmp, name, config))
         for node in started:
