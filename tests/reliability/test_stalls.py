@@ -26,7 +26,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness import REPO, pb, running, serve_process, stub_for, wait_serving
 
+# One client opens 1500 sessions to fill the log pipe: above max_sessions_per_client's
+# default, which is not under test here.
 CONFIG = ("server:\n  session_ttl_min: 0.5\n  log_queue_lines: 100\n"
+          "  max_sessions_per_client: 0\n"
           "models:\n  - name: m\n    page_size: 1\n"
           "    pool: {size: 1024, layers: 1, k_heads: 1, k_head_dim: 4}\n")
 

@@ -209,6 +209,10 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         return serve(config, latch)
     except ConfigError as exc:  # found while binding: a stale socket, an unreadable cert
+        # Log lines queued before the failure (a TLS warning) go out first, so that the
+        # error is the last line an operator sees.
+        for handler in logging.getLogger().handlers:
+            handler.flush()
         print(f"prefixcache: config error: {exc}", file=sys.stderr)
         return 2
 
