@@ -369,7 +369,7 @@ class ModelEngine(SlotOwnership, EngineBase):
             raise PreconditionError(f"slot {int(slots[bad])} is not held by this session "
                                     "(already freed, inserted, or never allocated to it)")
         check_distinct(slots)
-        if len(slots):
+        if len(slots) and not self._fenced(session, slots):
             self.allocator.free(slots)
             self._owner[slots] = 0
             self._count_pages(session, slots, -1)

@@ -11,6 +11,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from prefixcache.cache import RadixKey
 from prefixcache.cache.lookup_outcomes import LEASE_EXPIRED
 
@@ -65,6 +67,40 @@ class EngineBase:
         self.tenant_counts: TenantCounts | None = None
         # Lookups by outcome, and the hit-rate ceiling (lookups.py).
         self.lookups = Lookups(config.page_size)
+        # Who takes the slots a session frees while one of its workers may still copy
+        # into them through the mapped pool (the service's ``WriteFences.holder``).
+        self.fence_holder: Callable[[Session], Session | None] | None = None
+
+    def _fenced(self, session: Session | None, slots: Any) -> bool:
+        """Hand ``slots`` (``session``'s) to its fence holder if a worker holds its
+        write fence now (write_fence.py): they leave the session but stay out of the
+        free list until the holder is settled. False: nobody holds it; free them."""
+        if self.fence_holder is None or session is None or not len(slots):
+            return False
+        holder = self.fence_holder(session)
+        if holder is None:
+            return False
+        n = len(slots)
+        self._owner[slots] = holder.tag  # type: ignore[attr-defined]
+        for who, change in ((session, -n), (holder, n)):
+            left = who.slots.get(self.name, 0) + change
+            if left:
+                who.slots[self.name] = left
+            else:
+                who.slots.pop(self.name, None)
+        runs = getattr(self, "_alloc_runs", None)
+        if runs is not None and not session.slots.get(self.name):
+            runs.pop(session.tag, None)
+        page_size = getattr(self, "page_size", 1)
+        if page_size > 1:  # pages may now hold slots of both: count each one's again
+            for who in (session, holder):
+                rows = np.flatnonzero(self._owner == who.tag)  # type: ignore[attr-defined]
+                pages = len(np.unique(rows // page_size))
+                if pages:
+                    who.pages[self.name] = pages
+                else:
+                    who.pages.pop(self.name, None)
+        return True
 
     def _count_match(self, key: RadixKey, hit: int) -> None:
         self.ops["match"] += 1

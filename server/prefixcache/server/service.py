@@ -85,6 +85,8 @@ class CacheService:
         # Workers that write through the mapped pool hold off the freeing of their
         # session's slots while they copy (write_fence.py).
         self.fences = WriteFences(self.shared, self.limits.max_sessions)
+        for engine in self.engines.values():  # and of slots it frees while they copy
+            engine.fence_holder = self.fences.holder
 
     def close(self, keep: frozenset[str] = frozenset()) -> None:
         """Release what outlives the process otherwise: the shared-memory files, but
@@ -145,7 +147,7 @@ class CacheService:
         for session in self.fences.settle():
             slots = sum(e.release_session(session)[1] for e in self.engines.values())
             freed += slots
-            log.info("slots of an ended session freed after its writer let go",
+            log.info("fenced slots freed after their writer let go",
                      extra={"session": session.id[:8], "slots_freed": slots})
         return freed
 

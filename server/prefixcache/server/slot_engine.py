@@ -211,7 +211,8 @@ class SlotEngine(EngineBase):
         if len(states):
             raise PreconditionError(f"model {self.name!r} has no Mamba state pool")
         self._check_held(session, slots)
-        self._release_slots(session, slots)
+        if not self._fenced(session, slots):
+            self._release_slots(session, slots)
 
     def release_session(self, session: Session) -> tuple[int, int]:
         locks = self._my_locks(session)

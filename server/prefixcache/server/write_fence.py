@@ -39,9 +39,20 @@ it wrote. A record is reused for another session only once its lock could be tak
 after the 0 was written, and with another token, so a worker of the old session never
 reads its own token again.
 
+A session that frees slots itself (Free, Step's frees, a failed save's give-back) while
+one of its own workers still copies into them (tensor-parallel rank 0 gives a failed
+save's slots back while rank 1 copies) is fenced the same way. An engine's ``free``
+asks ``holder``: for a session with a record, one non-blocking ``F_OFD_GETLK`` (none
+for a session without). Unlocked: the slots are freed at once. Locked: they go to the
+record's holder, a session of its own (tag ``-(record + 2)``, in no registry) that
+holds them out of the free list; ``settle`` frees them once the record is unlocked,
+and ``waiting`` counts them with the ended sessions' slots.
+
 What it does not cover: Reset drops every slot at once, fenced or not (an admin
-action: the workers' saves are lost anyway); and a session that frees slots itself
-(Free) while one of its own workers copies into them is the client's own race.
+action: the workers' saves are lost anyway); a worker that starts its copy after the
+Free was answered (its session still lives, so its record still reads its token: the
+fence is per session, not per slot); slots an Insert gives back because the tree had
+their tokens already; and Mamba state slots, which a Free returns at once.
 """
 
 from __future__ import annotations
@@ -90,6 +101,8 @@ class WriteFences:
         self._free: list[int] = []
         self._of: dict[int, int] = {}  # live session tag -> its record
         self._waiting: dict[int, Session] = {}  # record -> ended session, writer inside
+        # record -> the slots its session freed while a writer was inside (``holder``)
+        self._holders: dict[int, Session] = {}
 
     # ------------------------------------------------------------------ claims
 
@@ -160,10 +173,26 @@ class WriteFences:
                     extra={"session": session.id[:8], "client": session.name})
         return False
 
+    def holder(self, session: Session) -> Session | None:
+        """Who takes the slots ``session`` frees: None (the free list) unless a worker
+        holds its record now; then the record's holder, until ``settle``."""
+        record = self._of.get(session.tag)
+        if record is None or self._fd is None or not self._locked(self._fd, record):
+            return None
+        held = self._holders.get(record)
+        if held is None:
+            held = self._holders[record] = Session(
+                id=f"fenced-{session.id[:8]}", tag=-(record + 2), name=session.name,
+                ttl=None, expires_at=float("inf"), client=session.client)
+            log.warning("a session freed slots a worker may still be copying into "
+                        "through the mapped pool: they are freed once it is done or gone",
+                        extra={"session": session.id[:8], "client": session.name})
+        return held
+
     def settle(self) -> list[Session]:
-        """The ended sessions whose workers let go of their records since the last
-        call: their slots may be freed now."""
-        if not self._waiting or self._fd is None:
+        """The ended sessions and holders whose workers let go of their records since
+        the last call: their slots may be freed now."""
+        if (not self._waiting and not self._holders) or self._fd is None:
             return []
         out = []
         for record, session in list(self._waiting.items()):
@@ -171,11 +200,15 @@ class WriteFences:
                 del self._waiting[record]
                 self._free.append(record)
                 out.append(session)
+        for record, held in list(self._holders.items()):
+            if record not in self._waiting and not self._locked(self._fd, record):
+                del self._holders[record]
+                out.append(held)
         return out
 
     def waiting(self) -> list[Session]:
-        """Ended sessions whose slots wait for a worker."""
-        return list(self._waiting.values())
+        """Ended sessions and holders whose slots wait for a worker."""
+        return [*self._waiting.values(), *self._holders.values()]
 
     def close(self) -> None:
         if self._fd is not None:
@@ -184,6 +217,12 @@ class WriteFences:
             self._fd = None
 
     # --------------------------------------------------------------- records
+
+    @staticmethod
+    def _locked(fd: int, record: int) -> bool:
+        """Whether a worker holds ``record`` now: one ``F_OFD_GETLK``, never waiting."""
+        got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, record * RECORD.size))
+        return struct.unpack_from("@h", got)[0] != fcntl.F_UNLCK
 
     @staticmethod
     def _set(fd: int, record: int, value: int) -> bool:
