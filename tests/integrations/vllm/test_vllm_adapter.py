@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import ServerThread
+from harness import ServerThread, pb, stub_for
 from integrations.vllm.vllm_support import BLOCK, DIM, HEADS, LAYERS, make_caches, token_rows
 
 from prefixcache.client import PrefixCacheClient
@@ -26,6 +26,7 @@ base = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
 
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -33,7 +34,7 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend  # noqa:
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("quiet")]
@@ -97,7 +98,9 @@ def step(scheduler: Any, worker: Any, finished: set[str] = frozenset()  # type: 
     sending, _ = worker.get_finished(out.finished_req_ids)
     errors = worker.get_block_ids_with_load_errors()
     worker.clear_connector_metadata()
-    scheduler.update_connector_output(KVConnectorOutput(finished_sending=sending))
+    scheduler.update_connector_output(KVConnectorOutput(
+        finished_sending=sending, invalid_block_ids=errors,
+        kv_connector_worker_meta=worker.build_connector_worker_meta()))
     scheduler._sched.backend.wait_idle(10.0)
     return meta, errors
 
@@ -202,6 +205,61 @@ def test_failed_loads_reach_vllms_stats_and_prometheus_by_reason(
                 'reason="scheduler"} 2.0') in generate_latest().decode()
     finally:
         worker.shutdown()
+
+
+def test_a_load_failed_in_the_workers_reaches_the_service_as_load_failed(
+        server: ServerThread, client: PrefixCacheClient) -> None:
+    """Two workers fail one load (the slots no longer hold the tokens); vLLM's own
+    aggregator merges their outputs, and the scheduler side's release tells the
+    service: the hit's 16 tokens are counted load_failed once."""
+    config = vllm_config(server.address)
+    scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, None)
+    workers = [KVConnectorFactory.create_connector(config, Role.WORKER, None)
+               for _ in range(2)]
+
+    def outcome_tokens() -> int:
+        channel, stub = stub_for(server.address)
+        with channel:
+            return stub.Stats(pb.StatsRequest(model="v")).models[0] \
+                .lookup_tokens_total["load_failed"]
+
+    try:
+        for worker in workers:
+            worker.register_kv_caches(make_caches("bhn2d"))
+        with client.session(10.0) as s:
+            reply = s.match("v", PROMPT[:16], allocate=True)
+            s.insert("v", PROMPT[:16], reply.all_slots())
+        b = request("B")
+        scheduler.get_num_new_matched_tokens(b, 0)
+        step(scheduler, workers[0])
+        assert scheduler.get_num_new_matched_tokens(b, 0) == (16, False)
+        before = outcome_tokens()
+        scheduler.update_state_after_alloc(b, blocks(B_BLOCKS), 16)
+        meta = scheduler.build_connector_meta(SchedulerOutput.make_empty())
+        (load,) = meta.step.loads
+        load.slots = load.slots[::-1]  # the same locked slots, in another order
+        outputs = []
+        for worker in workers:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            worker.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(
+                req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
+                    invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                    kv_connector_worker_meta=worker.build_connector_worker_meta())))
+        merged = KVOutputAggregator(2).aggregate(outputs).kv_connector_output
+        assert merged.invalid_block_ids == set(B_BLOCKS[:4])
+        scheduler.update_connector_output(merged)
+        b.num_computed_tokens = 17
+        scheduler.request_finished(b, B_BLOCKS)
+        for _ in range(3):
+            step(scheduler, workers[0], {"B"})
+        assert client.stats("v")["v"].locks == 0
+        assert outcome_tokens() == before + 16
+    finally:
+        scheduler.shutdown()
+        for worker in workers:
+            worker.shutdown()
 
 
 @pytest.mark.parametrize(("isa", "kv_layout", "refused"), [

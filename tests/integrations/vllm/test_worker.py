@@ -1,6 +1,7 @@
 """The worker side with the scheduler side, in vLLM's order, on CPU tensors in vLLM's
 layouts, against a real server: byte-exact round trips (save one request, load it into
-another's blocks) and load failures reported block by block."""
+another's blocks), load failures reported block by block, and to the service as the
+lookup outcome load_failed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import ServerThread, running
+from harness import ServerThread, pb, running, stub_for
 from integrations.vllm.vllm_support import (
     BLOCK,
     DIM,
@@ -40,17 +41,34 @@ B_BLOCKS = [1, 3, 4, 6, 8]
 
 def step(core: SchedulerCore, workers: list[WorkerCore],
          finished: set[str] = frozenset()) -> StepMeta:  # type: ignore[assignment]
-    """One engine step: the scheduler's metadata, every worker's copies, and the
-    finished sends vLLM aggregates over the workers back to the scheduler."""
-    meta = core.build_meta()
-    done = None
+    """One engine step: the scheduler's metadata, every worker's copies, and what vLLM
+    aggregates over the workers back to the scheduler."""
+    return run_step(core, workers, core.build_meta(), finished)
+
+
+def run_step(core: SchedulerCore, workers: list[WorkerCore], meta: StepMeta,
+             finished: set[str] = frozenset()) -> StepMeta:  # type: ignore[assignment]
+    """The workers' half of ``step``, on ``meta``: the finished sends (every rank's)
+    and the failed loads (any rank's) go back as vLLM's update_connector_output hands
+    them over (worker metadata first, then the sends)."""
+    done, failed = None, set()
     for worker in workers:
         worker.start_step(meta)
         sent = worker.finished_sends(set(finished))
         done = sent if done is None else done & sent
+        failed |= worker.take_failed_loads()
+    core.loads_failed(failed)
     core.sends_done(done or ())
     settle(core)
     return meta
+
+
+def outcome_tokens(server: ServerThread, outcome: str) -> int:
+    """The service's lookup tokens of model v with ``outcome`` (a Stats call)."""
+    channel, stub = stub_for(server.address)
+    with channel:
+        stats = stub.Stats(pb.StatsRequest(model="v")).models[0]
+    return stats.lookup_tokens_total[outcome]
 
 
 def save_a(core: SchedulerCore, workers: list[WorkerCore], model_tokens: list[int] = PROMPT
@@ -154,16 +172,58 @@ def test_a_reset_between_lookup_and_load_fails_every_block(
         step(core, [worker])
         assert core.probe(b, 0) == (16, False)
         client.reset("v")  # e.g. new weights: the locked slots are freed
+        before = outcome_tokens(server, "load_failed")
         core.allocated("B", B_BLOCKS, 16)
         step(core, [worker])
         assert worker.take_load_errors() == set(B_BLOCKS[:4])
         assert worker.take_load_errors() == set()  # reported once
         assert worker.load_failures == {"moved": 1}
         core.finished(b, [], 0)
-        step(core, [worker])
+        for _ in range(3):
+            step(core, [worker])
+        # The Reset dropped the lock: its release is refused, and the load is counted
+        # by vLLM only (docs/vllm.md).
+        assert outcome_tokens(server, "load_failed") == before
     finally:
         core.close()
         worker.close()
+
+
+def test_a_load_the_workers_fail_reaches_the_service_as_load_failed_once(
+        server: ServerThread, client: PrefixCacheClient) -> None:
+    """Both ranks copy, then find the tree no longer maps the tokens to the slots they
+    copied from (moved): the failure goes back with the step's output and the
+    reservation's release, the call that was due anyway, tells the service; its 16
+    tokens are counted load_failed once, not once per rank or per report."""
+    core = make_scheduler(server.address)
+    workers = [make_worker(server.address, tp_rank=r, tp_size=2) for r in range(2)]
+    try:
+        for worker in workers:
+            worker.register(make_caches("kv_first", heads=1))
+        save_a(core, workers)
+        b = RequestInfo("B", PROMPT, len(PROMPT))
+        core.probe(b, 0)
+        step(core, workers)
+        assert core.probe(b, 0) == (16, False)
+        before = outcome_tokens(server, "load_failed")
+        core.allocated("B", B_BLOCKS, 16)
+        meta = core.build_meta()
+        (load,) = meta.loads
+        load.slots = load.slots[::-1]  # the same locked slots, in another order
+        run_step(core, workers, meta)
+        assert all(w.load_failures == {"moved": 1} for w in workers)
+        assert core.stats.loads_failed == 1
+        core.loads_failed({load.ref})  # reported again (a later step): nothing new
+        assert core.stats.loads_failed == 1
+        core.finished(b, B_BLOCKS, 17)  # saves nothing new: the tree has it all
+        for _ in range(3):
+            step(core, workers, {"B"})
+        assert client.stats("v")["v"].locks == 0
+        assert outcome_tokens(server, "load_failed") == before + 16
+    finally:
+        core.close()
+        for worker in workers:
+            worker.close()
 
 
 def test_a_load_with_only_part_to_copy_fails_only_its_blocks(server: ServerThread) -> None:

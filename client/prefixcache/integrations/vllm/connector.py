@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -48,6 +49,19 @@ class PrefixCacheConnectorMetadata(KVConnectorMetadata):
     """One step's loads and saves, shipped to every worker."""
 
     step: StepMeta = field(default_factory=StepMeta)
+
+
+@dataclass
+class PrefixCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """A step's failed loads, by reservation (``LoadOp.ref``), back to the scheduler
+    side; vLLM aggregates the ranks' reports into one (a union: each load once)."""
+
+    failed_loads: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, PrefixCacheWorkerMetadata):
+            self.failed_loads |= other.failed_loads
+        return self
 
 
 def request_info(request: Request) -> RequestInfo:
@@ -180,6 +194,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return keep, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, PrefixCacheWorkerMetadata):
+            self._sched.loads_failed(meta.failed_loads)
         self._sched.sends_done(connector_output.finished_sending or ())
 
     # --------------------------------------------------------------- worker side
@@ -212,6 +229,10 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        failed = self._work.take_failed_loads()
+        return PrefixCacheWorkerMetadata(failed) if failed else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:

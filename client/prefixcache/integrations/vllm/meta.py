@@ -34,6 +34,9 @@ class LoadOp:
             to these slots.
         fail: load nothing and report the blocks of tokens ``start .. end`` as failed
             (vLLM counted tokens the scheduler side cannot serve).
+        ref: the scheduler side's reservation, handed back to it when the load fails
+            (``WorkerCore.take_failed_loads``) so that the service hears ``load_failed``;
+            0: none to tell.
     """
 
     req_id: str
@@ -46,6 +49,7 @@ class LoadOp:
     tokens: array = field(default_factory=_ints)
     extra_key: str | None = None
     fail: bool = False
+    ref: int = 0
 
     @property
     def end(self) -> int:

@@ -3,9 +3,10 @@
 vLLM calls, on its scheduler thread and in this order for a request: ``probe`` (its
 ``get_num_new_matched_tokens``, maybe many times), ``allocated`` (after it allocated
 blocks for the hit), ``build_meta`` (at the end of every step), ``finished`` (once, when
-the request ends) and ``sends_done`` (when every worker copied a finished request's
-save). Everything here runs on that one thread; the calls to the service run in the
-backend's threads and come back through ``backend.drain``.
+the request ends), ``sends_done`` (when every worker copied a finished request's
+save) and ``loads_failed`` (with a step's output: the loads its workers failed).
+Everything here runs on that one thread; the calls to the service run in the backend's
+threads and come back through ``backend.drain``.
 
 Lookups. A request's first probe queues a lookup and answers ``(None, False)``: "ask
 again later". The step's lookups leave together, as one batch, when the step ends
@@ -17,6 +18,12 @@ repeated probes get the same answer and take no second lock. It is released when
 request finishes, when vLLM preempts it (its blocks are gone; a new attempt looks up
 again), when vLLM allocates without using it, or when its lease lapses: vLLM may count
 a hit and never come back for it (requests that wait for blocks or are dropped).
+
+Failed loads. A load the workers fail (the copy, the check that the tree still maps the
+slots, the pool unavailable) comes back with the step's output as its reservation's
+generation (``LoadOp.ref``): the reservation's release, when it comes, tells the
+service ``load_failed``, so the service counts the hit under that outcome once (the
+ranks' reports are one set; the release is one call, which was due anyway).
 
 Saves. A finished request's whole blocks are stored with one locking, allocating Match
 (what the tree already has is not copied again), a copy by every worker, then an Insert
@@ -113,6 +120,7 @@ class SchedulerStats:
     leases_expired: int = 0
     loads: int = 0
     load_tokens: int = 0
+    loads_failed: int = 0  # by the workers, beyond those the scheduler side failed
     saves: int = 0
     save_tokens: int = 0
     saves_skipped: int = 0
@@ -143,9 +151,10 @@ class SchedulerCore:
         self._saves: dict[str, _Save] = {}
         self._gens = count(1)
         self._queued: list[Op] = []
-        # Locks of loads that may still be running: (step to release at, release).
+        # Locks of loads that may still be running: (step to release at, the
+        # reservation's generation, release).
         self._steps = 0
-        self._later: list[tuple[int, Release]] = []
+        self._later: list[tuple[int, int, Release]] = []
 
     # ------------------------------------------------------------ vLLM's calls
 
@@ -218,8 +227,8 @@ class SchedulerCore:
         for req_id in preempted:
             self._drop(req_id)
         self._expire()
-        due = [r for at, r in self._later if at <= self._steps]
-        self._later = [(at, r) for at, r in self._later if at > self._steps]
+        due = [r for at, _, r in self._later if at <= self._steps]
+        self._later = [entry for entry in self._later if entry[0] > self._steps]
         self._queued.extend(due)
         meta = StepMeta()
         for res in self._res.values():
@@ -270,6 +279,25 @@ class SchedulerCore:
             self.stats.save_tokens += len(save.allocated)
         self._flush()
 
+    def loads_failed(self, refs: Iterable[int]) -> None:
+        """The workers' loads that failed, by ``LoadOp.ref``, summed over the ranks:
+        their reservations are released as ``load_failed`` (see the module docstring),
+        each once however many ranks or steps report it."""
+        refs = set(refs)
+        refs.discard(0)
+        if not refs:
+            return
+        for res in self._res.values():
+            if res.gen in refs and res.state is _State.LOADING:
+                # Still held by the running request: its release, at finish or
+                # preemption, says why.
+                self.stats.loads_failed += res.unused != "load_failed"
+                res.unused = "load_failed"
+        for _, gen, release in self._later:
+            if gen in refs:  # dropped since (the load may run a step late)
+                self.stats.loads_failed += release.unused != "load_failed"
+                release.unused = "load_failed"
+
     def close(self) -> None:
         """Stop (see the module docstring); the backend's session close releases
         every lock and slot left."""
@@ -309,12 +337,13 @@ class SchedulerCore:
                         "reservation has %d; they will be recomputed", res.req_id,
                         res.num_external, res.local, res.hit)
             res.unused = "load_failed"  # the service counts the reserved hit so
-            return LoadOp(res.req_id, res.block_ids, res.local, res.num_external, fail=True)
+            return LoadOp(res.req_id, res.block_ids, res.local, res.num_external, fail=True,
+                          ref=res.gen)
         self.stats.loads += 1
         self.stats.load_tokens += res.num_external
         return LoadOp(res.req_id, res.block_ids, res.local, res.num_external,
                       res.slots[res.local:end], res.epoch, res.session_id, res.tokens[:end],
-                      res.extra_key)
+                      res.extra_key, ref=res.gen)
 
     def _drop(self, req_id: str, unused: str | None = None) -> None:
         """Forget a request's reservation and release its lock (a lookup still out is
@@ -327,7 +356,7 @@ class SchedulerCore:
         if res.state is _State.LOADING:
             # The load went out with a step that may not have run yet (vLLM schedules
             # the next step while the last one runs): keep the slots two steps more.
-            self._later.append((self._steps + 2, release))
+            self._later.append((self._steps + 2, res.gen, release))
         else:
             self._queued.append(release)
 

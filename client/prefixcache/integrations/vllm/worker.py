@@ -3,7 +3,7 @@ blocks, and the failures vLLM must hear about.
 
 vLLM calls, in each model-runner process: ``register`` once with its KV tensors, then
 every step ``start_step`` (its ``start_load_kv``) with the step's metadata, then
-``finished_sends`` and ``take_load_errors``. All copies of a step happen in
+``finished_sends``, ``take_load_errors`` and ``take_failed_loads``. All copies of a step happen in
 ``start_step``, whole requests at a time: a load is complete before the forward that
 reads it, and nothing runs inside the layers (so any CUDA graph mode works).
 
@@ -13,7 +13,9 @@ slots: the reservation's lock keeps them there, unless the service was Reset or 
 lock lapsed, and then what was copied may be somebody else's KV. A load that fails in
 any way, the service being down included, reports every block it was to fill, so that
 vLLM (``kv_load_failure_policy``) recomputes them; it is logged and counted under its
-reason (``LOAD_FAILURE_REASONS``).
+reason (``LOAD_FAILURE_REASONS``), and its reservation (``LoadOp.ref``) goes back to the
+scheduler side with the step's output (vLLM's worker metadata), which releases it as
+``load_failed``: the service counts the hit under that outcome, with no call of its own.
 
 Layouts. ``register`` takes each layer's attention backend (``attn_backends``) and
 views the layer through the layout that backend reads; a layer whose layout is not
@@ -93,6 +95,7 @@ class WorkerCore:
         self._disabled: str | None = None
         self._retry_at = 0.0
         self._load_errors: set[int] = set()
+        self._failed_refs: set[int] = set()
         self._sent: set[str] = set()
         self._finished_seen: set[str] = set()
         self.loaded_tokens = 0
@@ -142,6 +145,12 @@ class WorkerCore:
         """``get_block_ids_with_load_errors``: blocks not loaded since the last call."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> set[int]:
+        """The reservations (``LoadOp.ref``) whose loads failed since the last call, for
+        the scheduler side (``SchedulerCore.loads_failed``)."""
+        refs, self._failed_refs = self._failed_refs, set()
+        return refs
 
     def take_load_failures(self) -> dict[str, int]:
         """Failed loads by reason since the last call (vLLM's connector stats)."""
@@ -254,6 +263,8 @@ class WorkerCore:
         first = op.start // self.block_size
         last = -(-op.end // self.block_size)
         self._load_errors.update(op.block_ids[first:last])
+        if op.ref:
+            self._failed_refs.add(op.ref)
         why = LOAD_FAILURE_REASONS[reason] + (f": {detail}" if detail else "")
         log.warning("prefixcache load of request %s failed (%s): %d blocks recomputed",
                     op.req_id, why, max(last - first, 0))
