@@ -153,6 +153,8 @@ class ModelEngine(SlotOwnership, EngineBase):
         self._owner = np.zeros(self.num_rows, dtype=np.int64)
         self._page_held = np.zeros(-(-self.num_rows // self.page_size), dtype=np.int32)
         self.session_slots = 0
+        self._quarantined = np.zeros(self.num_rows, dtype=np.bool_)  # engine_slots.py
+        self.quarantined = 0
         # Per session tag: [slots, runs] of what it was allocated since it last held
         # nothing (engine_slots.py), or None once too many to follow.
         self._alloc_runs: dict[int, list[Any] | None] = {}
@@ -397,6 +399,7 @@ class ModelEngine(SlotOwnership, EngineBase):
 
     def reset(self, sessions: list[Session]) -> tuple[int, int]:
         dropped = super().reset(sessions)
+        self.keep_quarantine()  # a late store transfer may still fill those slots
         self._page_held[:] = 0
         self._alloc_runs.clear()
         if self.states is not None:
@@ -409,6 +412,9 @@ class ModelEngine(SlotOwnership, EngineBase):
         owned = int(np.count_nonzero(self._owner))
         if owned != self.session_slots:
             raise IntegrityError(f"{owned} slots owned by sessions, {self.session_slots} counted")
+        problems = self.quarantine_problems()
+        if problems:
+            raise IntegrityError("; ".join(problems))
         if self.states is not None:
             self.states.check_integrity()
         if self.page_index is not None:

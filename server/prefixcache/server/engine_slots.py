@@ -2,7 +2,8 @@
 
 One int64 array over the pool rows (slot -> session tag, 0 = not held by any
 session), so checking thousands of slots is a vector compare. A slot is held by at
-most one of: the allocator's free list, a session, the tree. These helpers check an
+most one of: the allocator's free list, a session, the tree, the quarantine (slots a
+store transfer may still write: see ``quarantine``). These helpers check an
 insert's slots against it, allocate (evicting for room) and mark or clear owners;
 ``ModelEngine`` (engine.py) drives them.
 """
@@ -253,3 +254,74 @@ class SlotOwnership:
 
     def _check_range(self, slots: np.ndarray) -> None:
         check_range(slots, 1, self.num_rows, self.name)
+
+    # ------------------------------------------------------------ quarantine
+
+    # Slots a writer the server cannot stop may still fill (a store transfer past its
+    # deadline: Mooncake calls cannot be cancelled). Allocated, held by no session, in
+    # no tree; no free, session close or Reset hands them out (``reset_keeping``) until
+    # ``unquarantine``. ``_quarantined`` marks them per row; ``quarantined`` counts them.
+    _quarantined: np.ndarray
+    quarantined: int
+
+    def quarantine(self, session: Session, slots: np.ndarray) -> None:
+        """Move ``slots`` (held by ``session``) into the quarantine.
+
+        Raises:
+            PreconditionError: a slot is not held by ``session``.
+        """
+        self._check_range(slots)
+        if not (self._owner[slots] == session.tag).all():
+            raise PreconditionError("only a session's own slots can be quarantined")
+        check_distinct(slots)
+        self._owner[slots] = 0
+        self._count_pages(session, slots, -1)
+        self._disown(session, len(slots))
+        self._quarantined[slots] = True
+        self.quarantined += len(slots)
+
+    def unquarantine(self, slots: np.ndarray, session: Session | None = None) -> None:
+        """Take ``slots`` out of the quarantine once their writer is done: back to
+        ``session``'s (as if it allocated them), or freed with no session.
+
+        Raises:
+            PreconditionError: a slot is not quarantined.
+        """
+        self._check_range(slots)
+        if not self._quarantined[slots].all():
+            raise PreconditionError("a slot is not quarantined")
+        check_distinct(slots)
+        if session is None:
+            self.allocator.free(slots)
+        else:
+            self._set_owner(slots, None, session.tag)
+            self._count_pages(session, slots, 1)
+            self._track(session.tag, len(slots), slot_runs(slots))
+            session.slots[self.name] = session.slots.get(self.name, 0) + len(slots)
+            self.session_slots += len(slots)
+        self._quarantined[slots] = False
+        self.quarantined -= len(slots)
+
+    def keep_quarantine(self) -> None:
+        """After a Reset cleared the allocator: the quarantined slots are taken again
+        (their writer may still be filling them), every other slot stays free."""
+        kept = np.flatnonzero(self._quarantined)
+        if not kept.size:
+            return
+        # The pool was just cleared: take every page, give back all but the kept slots.
+        got = self.allocator.alloc_host(self.allocator.available_size())
+        if got is None:  # cannot be: everything is free after a clear
+            raise PreconditionError("the pool is not empty after a reset")
+        self.allocator.free(np.setdiff1d(got[0], kept, assume_unique=True))
+
+    def quarantine_problems(self) -> list[str]:
+        """What the integrity check finds wrong with the quarantine."""
+        kept = np.flatnonzero(self._quarantined)
+        problems = []
+        if kept.size != self.quarantined:
+            problems.append(f"{kept.size} slots quarantined, {self.quarantined} counted")
+        if kept.size and self._owner[kept].any():
+            problems.append("a quarantined slot is held by a session")
+        if kept.size and not bool(self.allocator.is_allocated(kept).all()):
+            problems.append("a quarantined slot is free in the allocator")
+        return problems

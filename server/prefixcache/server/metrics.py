@@ -144,7 +144,7 @@ class _CacheCollector(Collector):
             labels=["model", "state"])
         slots = GaugeMetricFamily(
             "prefixcache_pool_slots",
-            "KV pool slots by state: free, used (tree and sessions), session (held by "
+            "KV pool slots by state: free, used (tree, sessions, tier fetches), session (held by "
             "sessions, not yet cached).", labels=["model", "state"])
         capacity = GaugeMetricFamily("prefixcache_pool_capacity_slots",
                                      "Usable KV pool slots.", labels=["model"])

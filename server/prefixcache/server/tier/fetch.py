@@ -6,17 +6,20 @@
    (chained on the hit's last page, so they are the hashes the writer used).
 2. Off the loop: one ``exists`` over their keys; the leading run found is wanted.
 3. On the loop: the local hit again (the tree may have grown meanwhile), locked for the
-   tier's session; fresh slots for the wanted pages, allocated to that session.
+   tier's session; fresh slots for the wanted pages, allocated to that session and
+   moved at once into the model's quarantine (engine_slots.py).
 4. Off the loop: ``get_into`` those slots' rows straight from the store.
-5. On the loop: the leading run read whole (every byte of every page) is inserted
-   after the local hit, as the session's slots, and the rest freed. The lookup that
-   follows finds it in the tree, so it is answered as a hit like any local one.
+5. On the loop, once that thread has returned: the slots go back to the session, the
+   leading run read whole (every byte of every page) is inserted after the local hit,
+   and the rest freed. The lookup that follows finds it in the tree, so it is answered
+   as a hit like any local one.
 
 The lookup's store calls together are bounded by ``tier.timeout``; a failure, a timeout or
-anything short counts as a miss and leaves the tree as it was. A fetch that timed out
-keeps its slots until its thread is done writing into them, then frees them. A Reset
-in between (``generation``) voids the fetch: the Reset took the session's slots and
-lock already.
+anything short counts as a miss and leaves the tree as it was. The store call cannot be
+cancelled: its thread may write into the slots long after the deadline. So the slots
+stay quarantined, held by no one, until the thread has returned, whatever happens
+meanwhile: a timeout, or a Reset (which frees every other slot, and bumps
+``generation``: the fetch is void, its slots are freed when the thread returns).
 """
 
 from __future__ import annotations
@@ -128,6 +131,7 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]
         if now:
             lock_id = engine.lock(session, engine._handle(result.last_node))
         slots, _ = engine.alloc(session, len(keys) * ps)
+        engine.quarantine(session, slots)
     except Exception as exc:  # no room (all pinned), a quota: a miss
         if lock_id:
             engine.unlock(session, lock_id)
@@ -136,7 +140,7 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]
 
     def release(inserted: int = 0) -> None:
         if generation != mt.generation or session.closed:
-            return  # a Reset took the slots and the lock already
+            return  # a Reset took the lock already (and left the slots quarantined)
         rest = slots[inserted:]
         if len(rest):
             engine.free(session, rest)
@@ -147,17 +151,24 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]
     start = time.perf_counter()
     backend = tier.backend
     if backend is None:  # closed while we asked
-        safely(release)
+        safely(engine.unquarantine, slots)
+        safely(release, len(slots))
         return 0
     codes, fut = await tier.call("get", backend.get_into, keys, ptrs, sizes,
                                  deadline=deadline)
     if codes is None:
+        safely(release, len(slots))  # the lock; the slots wait for the thread
         if fut is not None and not fut.done():
             # 4 timed out: the thread may still write into the slots; free them after.
-            fut.add_done_callback(lambda _f: safely(release))
+            fut.add_done_callback(lambda _f: safely(engine.unquarantine, slots))
         else:
-            safely(release)
+            safely(engine.unquarantine, slots)
         return 0
+    # The thread has returned: nothing writes into the slots any more.
+    if generation != mt.generation or session.closed:
+        safely(engine.unquarantine, slots)  # void (a Reset): freed
+        return 0
+    engine.unquarantine(slots, session)
     mt.fetch_seconds += time.perf_counter() - start
     whole = leading_run(codes, lambda c: c == mt.layout.page_bytes)
     for code in codes[whole:whole + 1]:

@@ -8,9 +8,9 @@ follows counts them and a GetPages finds them. The keys are those of the same pa
 token pages (keys.py), so what a vLLM or token-level client cached on another node is
 found by hash here, and the other way round.
 
-As in fetch.py: one deadline for the lookup's store calls, the tier's session owns
-what is in flight, a timed-out fetch frees its slots when its thread is done, and a
-Reset in between voids the fetch.
+As in fetch.py: one deadline for the lookup's store calls, the slots of a fetch stay
+quarantined until its thread has returned (a timeout or a Reset meanwhile hands none
+of them out), and a Reset in between voids the fetch.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
     generation = mt.generation
     try:
         slots, _ = engine.alloc(session, len(keys) * ps)
+        engine.quarantine(session, slots)  # until the store call's thread returns
     except Exception as exc:  # no room, a quota: a miss
         tier.error("fetch", type(exc).__name__)
         return 0
@@ -101,16 +102,21 @@ async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
     start = time.perf_counter()
     backend = tier.backend
     if backend is None:  # closed while we asked
-        safely(release)
+        safely(engine.unquarantine, slots)
         return 0
     codes, fut = await tier.call("get", backend.get_into, keys, ptrs, sizes,
                                  deadline=deadline)
     if codes is None:
         if fut is not None and not fut.done():
-            fut.add_done_callback(lambda _f: safely(release))
+            # Timed out: the thread may still write into the slots; free them after.
+            fut.add_done_callback(lambda _f: safely(engine.unquarantine, slots))
         else:
-            safely(release)
+            safely(engine.unquarantine, slots)
         return 0
+    if generation != mt.generation or session.closed:
+        safely(engine.unquarantine, slots)  # void (a Reset): freed
+        return 0
+    engine.unquarantine(slots, session)
     mt.fetch_seconds += time.perf_counter() - start
     whole = leading_run(codes, lambda c: c == mt.layout.page_bytes)
     if whole < len(codes):
