@@ -26,6 +26,10 @@ CPU_FILES = ("configmap.yaml", "deployment.yaml", "service.yaml")
 GPU_FILES = ("gpu/configmap.yaml", "gpu/deployment.yaml", "gpu/resourceclaimtemplate.yaml",
              "service.yaml")
 MONITORING_FILES = ("monitoring/servicemonitor.yaml", "monitoring/prometheusrule.yaml")
+# The shared tier: its mooncake_master, and the CPU pod with server.tier on.
+TIER_MASTER_FILE = "tier/mooncake-master.yaml"
+TIER_POD_FILES = ("configmap.yaml", "tier/deployment.yaml", "service.yaml")
+TIER_FILES = (*TIER_POD_FILES, TIER_MASTER_FILE)
 # Native sidecars are on by default from 1.29; DRA's resource.k8s.io/v1 is GA in 1.34.
 MIN_KUBERNETES = "1.29.0"
 MIN_KUBERNETES_GPU = "1.34.0"

@@ -2,8 +2,9 @@
 
 Rendering uses Helm's own Go engine through helm-python-sdk (a ctypes binding of the
 Helm SDK, no cluster needed), which the dev extra installs on Linux x86-64. With release
-name `prefixcache`, the defaults render deploy/kubernetes/ and values-gpu.yaml renders
-deploy/kubernetes/gpu/, up to the labels only Helm adds and the config checksum.
+name `prefixcache`, the defaults render deploy/kubernetes/, values-gpu.yaml renders
+deploy/kubernetes/gpu/ and values-tier.yaml deploy/kubernetes/tier/ (beside the default
+ConfigMap and Service), up to the labels only Helm adds and the config checksum.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from deploy.support import (
     GPU_FILES,
     MIN_KUBERNETES,
     MONITORING_FILES,
+    TIER_FILES,
     docs_of,
     env_of,
     need,
@@ -118,6 +120,12 @@ def test_gpu_values_render_the_gpu_manifests() -> None:
     _assert_same(rendered, docs_of(*GPU_FILES, *MONITORING_FILES))
 
 
+def test_tier_values_render_the_tier_manifests() -> None:
+    rendered = objects(render(MONITORING, values_file="values-tier.yaml"))
+    assert sum(d["kind"] == "Deployment" for d in rendered) == 2  # sidecar pod, master
+    _assert_same(rendered, docs_of(*TIER_FILES, *MONITORING_FILES))
+
+
 def test_tls_and_auth_values_render_valid_objects(tmp_path: Path) -> None:
     kv = need("kubernetes_validate")
     rendered = objects(render({
@@ -165,7 +173,8 @@ def test_tls_without_a_secret_name_fails_to_render() -> None:
 
 def test_helm_lint_is_clean() -> None:
     helm = need("helm_python", in_ci=HELM_IN_CI)
-    for values in ({}, MONITORING):
+    tier = yaml.safe_load((CHART / "values-tier.yaml").read_text())
+    for values in ({}, MONITORING, tier):
         report = helm.lint(str(CHART), values, strict=True, kube_version="v1.34.0")
         assert report["errors"] == [], report
         problems = [m for m in report["messages"] if m["severity"] >= 2]

@@ -24,6 +24,9 @@ from deploy.support import (
     MIN_KUBERNETES,
     MIN_KUBERNETES_GPU,
     MONITORING_FILES,
+    TIER_FILES,
+    TIER_MASTER_FILE,
+    TIER_POD_FILES,
     all_manifest_files,
     docs_of,
     env_of,
@@ -37,6 +40,9 @@ from deploy.support import (
 from prefixcache.server.config import load_config
 
 CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
+# The sidecar's pod, in each variant.
+PODS = pytest.mark.parametrize("files", [CPU_FILES, GPU_FILES, TIER_POD_FILES],
+                               ids=["cpu", "gpu", "tier"])
 DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
 
 
@@ -47,13 +53,14 @@ def _core_docs(names: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
 
 def test_every_manifest_file_is_listed() -> None:
     """A new file under deploy/kubernetes/ must join one of the lists the tests check."""
-    listed = {*CPU_FILES, *GPU_FILES, *MONITORING_FILES}
+    listed = {*CPU_FILES, *GPU_FILES, *TIER_FILES, *MONITORING_FILES}
     found = {str(p.relative_to(KUBERNETES)) for p in all_manifest_files()}
     assert found == listed
 
 
 @pytest.mark.parametrize(("names", "minimum"), [
-    (CPU_FILES, MIN_KUBERNETES), (GPU_FILES, MIN_KUBERNETES_GPU)], ids=["cpu", "gpu"])
+    (CPU_FILES, MIN_KUBERNETES), (GPU_FILES, MIN_KUBERNETES_GPU),
+    (TIER_FILES, MIN_KUBERNETES)], ids=["cpu", "gpu", "tier"])
 def test_core_objects_match_the_kubernetes_schemas(names: tuple[str, ...],
                                                    minimum: str) -> None:
     kv = need("kubernetes_validate")
@@ -82,7 +89,7 @@ def test_the_validator_rejects_a_broken_deployment() -> None:
         kv.validate(good, "1.27.0", strict=True)
 
 
-@pytest.mark.parametrize("files", [CPU_FILES, GPU_FILES], ids=["cpu", "gpu"])
+@PODS
 def test_the_pod_runs_prefixcache_as_a_native_sidecar(files: tuple[str, ...]) -> None:
     docs = docs_of(*files)
     spec = pod_spec(docs)
@@ -112,7 +119,7 @@ def test_the_pod_runs_prefixcache_as_a_native_sidecar(files: tuple[str, ...]) ->
         env_of(container)["PREFIXCACHE_GRACE_PERIOD"]) + 5
 
 
-@pytest.mark.parametrize("files", [CPU_FILES, GPU_FILES], ids=["cpu", "gpu"])
+@PODS
 def test_containers_are_locked_down_and_sized(files: tuple[str, ...]) -> None:
     spec = pod_spec(docs_of(*files))
     pod = spec["securityContext"]
@@ -130,7 +137,7 @@ def test_containers_are_locked_down_and_sized(files: tuple[str, ...]) -> None:
     assert "/tmp" in mounts
 
 
-@pytest.mark.parametrize("files", [CPU_FILES, GPU_FILES], ids=["cpu", "gpu"])
+@PODS
 def test_probes_check_grpc_health_over_the_socket(files: tuple[str, ...]) -> None:
     container = sidecar(docs_of(*files))
     for name in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -149,7 +156,7 @@ def test_probes_check_grpc_health_over_the_socket(files: tuple[str, ...]) -> Non
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
 
 
-@pytest.mark.parametrize("files", [CPU_FILES, GPU_FILES], ids=["cpu", "gpu"])
+@PODS
 def test_the_config_map_is_mounted_and_loads(files: tuple[str, ...], tmp_path: Path) -> None:
     docs = docs_of(*files)
     config_map = one(docs, "ConfigMap")
@@ -164,13 +171,16 @@ def test_the_config_map_is_mounted_and_loads(files: tuple[str, ...], tmp_path: P
     assert directory == mount["mountPath"] and key in config_map["data"]
     path = tmp_path / key
     path.write_text(config_map["data"][key])
-    env = {k: v for k, v in env_of(container).items() if k.startswith("PREFIXCACHE_")}
+    env = {k: v.replace("$(POD_IP)", "10.1.2.3") for k, v in env_of(container).items()
+           if k.startswith("PREFIXCACHE_")}
     config = load_config(path, env=env)  # raises ConfigError naming a bad field
     assert config.server.listen == env["PREFIXCACHE_LISTEN"]
     assert config.server.metrics_port == int(env["PREFIXCACHE_METRICS_PORT"])
     assert config.models
     devices = {m.pool.device for m in config.models}
     assert devices == ({"cuda:0"} if "gpu/deployment.yaml" in files else {"cpu"})
+    # Only the tier variant turns server.tier on.
+    assert (config.server.tier is not None) == ("tier/deployment.yaml" in files)
 
 
 def test_the_gpu_pod_shares_one_claimed_gpu() -> None:
@@ -184,6 +194,93 @@ def test_the_gpu_pod_shares_one_claimed_gpu() -> None:
     (request,) = template["spec"]["spec"]["devices"]["requests"]
     assert request["exactly"]["deviceClassName"]
     assert sidecar(docs)["image"].endswith("-cuda")
+
+
+def _master() -> tuple[dict[str, Any], dict[str, Any]]:
+    docs = docs_of(TIER_MASTER_FILE)
+    return one(docs, "Deployment"), one(docs, "Service")
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_the_tier_master_is_apart_from_the_sidecar_and_its_service_selects_it() -> None:
+    master, master_service = _master()
+    pod = docs_of(*TIER_POD_FILES)
+    sidecar_deployment, sidecar_service = one(pod, "Deployment"), one(pod, "Service")
+    master_labels = master["spec"]["template"]["metadata"]["labels"]
+    sidecar_labels = sidecar_deployment["spec"]["template"]["metadata"]["labels"]
+    assert master_labels["app.kubernetes.io/component"] == "mooncake-master"
+    # Each Deployment and Service selects its own pods and never the other's: the
+    # sidecar's metrics Service (and ServiceMonitor) must not scrape the master, and a
+    # Deployment adopting the other's pods would fight over them.
+    for selector, own, other in (
+            (master["spec"]["selector"]["matchLabels"], master_labels, sidecar_labels),
+            (master_service["spec"]["selector"], master_labels, sidecar_labels),
+            (sidecar_deployment["spec"]["selector"]["matchLabels"], sidecar_labels,
+             master_labels),
+            (sidecar_service["spec"]["selector"], sidecar_labels, master_labels)):
+        assert _selects(selector, own) and not _selects(selector, other), selector
+    (container,) = master["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["mooncake_master"]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for port in master_service["spec"]["ports"]:
+        assert named[port["targetPort"]] == port["port"], port
+    args = dict(a.removeprefix("--").split("=", 1) for a in container["args"])
+    assert int(args["rpc_port"]) == named["mooncake-rpc"]
+    assert int(args["metrics_port"]) == named["mooncake-http"]
+    assert args["rpc_address"] == "0.0.0.0"  # reached through the Service, not localhost
+    # Its metadata lives in memory: one replica, never two at once during a rollout.
+    assert master["spec"]["replicas"] == 1
+    assert master["spec"]["strategy"] == {"type": "Recreate"}
+    # mooncake_master comes with the tier extra, in the sidecar's image.
+    assert container["image"] == sidecar(pod)["image"]
+
+
+def test_the_tier_sidecar_names_the_master_service() -> None:
+    _, master_service = _master()
+    container = sidecar(docs_of(*TIER_POD_FILES))
+    names = [e["name"] for e in container["env"]]
+    # $(POD_IP) expands only when POD_IP is defined earlier in the list.
+    assert names.index("POD_IP") < names.index("PREFIXCACHE_TIER")
+    value = env_of(container)["PREFIXCACHE_TIER"]
+    assert "$(POD_IP)" in value
+    tier = load_config(env={"PREFIXCACHE_TIER": value.replace("$(POD_IP)", "10.1.2.3")}
+                       ).server.tier
+    assert tier is not None
+    (rpc,) = [p for p in master_service["spec"]["ports"] if p["name"] == "mooncake-rpc"]
+    assert tier.master == f"{master_service['metadata']['name']}:{rpc['port']}"
+    assert tier.local_hostname == "10.1.2.3"
+    assert (tier.backend, tier.protocol) == ("mooncake", "tcp")
+    # The segment it lends is its own memory: its limit is the CPU pod's plus that.
+    cpu_limit = sidecar(docs_of(*CPU_FILES))["resources"]["limits"]["memory"]
+    limit = container["resources"]["limits"]["memory"]
+    assert _bytes(limit) >= _bytes(cpu_limit) + tier.segment_bytes
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units \
+        else int(quantity)
+
+
+def test_the_tier_master_is_locked_down_and_sized() -> None:
+    master, _ = _master()
+    spec = master["spec"]["template"]["spec"]
+    pod = spec["securityContext"]
+    assert pod["runAsNonRoot"] is True and pod["runAsUser"] != 0
+    assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = spec["containers"]
+    security = container["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+    assert "memory" in container["resources"]["limits"]
+    # A read-only root: glog must not try to write its files there.
+    assert env_of(container)["GLOG_logtostderr"] == "1"
+    assert {"readinessProbe", "livenessProbe"} <= set(container)
 
 
 def test_the_metrics_service_reaches_the_sidecar() -> None:
@@ -248,9 +345,12 @@ def test_the_prometheus_rule_is_well_formed() -> None:
 
 def test_every_object_carries_the_common_labels() -> None:
     for path in all_manifest_files():
+        # The master's objects are named apart from the sidecar's (see above).
+        master = path == KUBERNETES / TIER_MASTER_FILE
         for doc in load_docs(path):
             labels = doc["metadata"]["labels"]
-            assert labels["app.kubernetes.io/name"] == "prefixcache", path
+            assert labels["app.kubernetes.io/name"] == \
+                ("prefixcache-mooncake-master" if master else "prefixcache"), path
             assert labels["app.kubernetes.io/instance"] == "prefixcache", path
             assert "namespace" not in doc["metadata"], "kubectl -n picks the namespace"
 
