@@ -132,6 +132,72 @@ def test_slots_freed_mid_copy_wait_for_the_writer(server: ServerThread) -> None:
                 worker.wait(10)
 
 
+@pytest.mark.parametrize("how", ["ended", "freed"])
+def test_a_reset_keeps_fenced_slots_from_other_sessions(server: ServerThread,
+                                                        how: str) -> None:
+    """The slots of a session that ended (or freed them) while its writer is stopped
+    mid-copy survive an admin Reset out of the free list: a session that takes every
+    free slot after the Reset and writes its KV keeps its rows when the writer resumes,
+    and the slots come back only once the writer is gone. Before, Reset handed them to
+    the allocator and the writer overwrote the other session's layer 1."""
+    engine = server.service.engines["m"]
+    free = lambda: server.run(engine.allocator.available_size)  # noqa: E731
+    with PrefixCacheClient(server.address, timeout=10) as client:
+        owner = client.open_session(60)
+        slots = [int(s) for s in client.alloc("m", FREED, session=owner).slots]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent),
+                                             env.get("PYTHONPATH", "")])
+        worker = subprocess.Popen(
+            [sys.executable, "-c", WORKER, server.address, owner.session_id,
+             str(owner.server_epoch), str(slots)],
+            stdout=subprocess.PIPE, env=env)
+        try:
+            assert worker.stdout is not None
+            assert worker.stdout.readline().strip() == b"stopping"
+            _wait(lambda: _stopped(worker.pid), 10, "the worker to stop")
+            if how == "ended":
+                client.close_session(owner)
+            else:
+                client.free("m", slots, session=owner)
+            server.check_integrity()
+            client.reset("m")
+            server.check_integrity()
+            pool = engine.pool_size
+            assert free() == pool - FREED  # the fenced slots stay out of the pool
+
+            victim = client.open_session(60)
+            taken = [int(s) for s in client.alloc("m", free(), session=victim).slots]
+            assert not set(taken) & set(slots)
+            k = [torch.arange(len(taken) * 4, dtype=torch.float16).view(-1, 1, 4) + i
+                 for i in range(2)]
+            v = [t + 100 for t in k]
+            client.write_kv("m", taken, k, v, session=victim)
+            assert server.run(server.service.settle_fences) == 0  # still inside
+            server.check_integrity()
+            worker.send_signal(signal.SIGCONT)
+            worker.stdout.readline()  # "wrote", or nothing if the save was refused
+            assert worker.wait(30) in (0, 1)
+
+            got = client.read_kv("m", taken, session=victim)
+            for layer in range(2):
+                assert torch.equal(got.k[layer], k[layer])
+                assert torch.equal(got.v[layer], v[layer])
+            server.run(server.service.settle_fences)
+            assert free() == FREED
+            assert server.run(server.service.fences.waiting) == []
+            server.check_integrity()
+            client.close_session(victim)
+            if how == "freed":
+                client.close_session(owner)
+            assert free() == pool
+            server.check_integrity()
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(10)
+
+
 def test_a_free_without_a_writer_inside_frees_at_once(server: ServerThread) -> None:
     """A fenced session's Free with nobody copying returns the slots immediately."""
     engine = server.service.engines["m"]
@@ -177,6 +243,34 @@ def test_partial_frees_under_a_held_fence_keep_the_accounting_sound(
             assert srv.run(srv.service.settle_fences) == 0
         srv.run(srv.service.settle_fences)
         assert srv.run(lambda: int(engine.session_slots)) == idle
+        assert srv.run(srv.service.fences.waiting) == []
+        srv.check_integrity()
+        fence.close()
+
+
+@pytest.mark.parametrize("model", ["m", "p", "w", "c", "h", "s"])
+def test_a_reset_under_a_held_fence_keeps_the_accounting_sound(
+        tmp_path: Path, model: str) -> None:
+    """Every model kind: slots freed and slots of the ended session, both waiting on a
+    held fence, survive a Reset held (check_integrity holds), and come back once the
+    writer lets go."""
+    from prefixcache.client.write_fence import open_fence
+
+    with running(tmp_path, EVERY_KIND) as srv, \
+            PrefixCacheClient(srv.address, timeout=10) as client:
+        engine = srv.service.engines[model]
+        owner = client.open_session(60)
+        slots = [int(s) for s in client.alloc(model, 3, session=owner).slots]
+        fence = open_fence(client, owner.session_id)
+        with fence.held():
+            client.free(model, slots[:1], session=owner)
+            client.close_session(owner)
+            client.reset(model)
+            srv.check_integrity()
+            assert srv.run(lambda: int(engine.session_slots)) == 3
+            assert srv.run(srv.service.settle_fences) == 0
+        srv.run(srv.service.settle_fences)
+        assert srv.run(lambda: int(engine.session_slots)) == 0
         assert srv.run(srv.service.fences.waiting) == []
         srv.check_integrity()
         fence.close()

@@ -195,6 +195,34 @@ class EngineBase:
         self._owner[:] = 0
         return dropped, locks
 
+    def held_rows(self, sessions: list[Session]) -> list[tuple[Session, np.ndarray]]:
+        """The rows each of ``sessions`` holds here (before a Reset: ``keep_held``)."""
+        owner = self._owner  # type: ignore[attr-defined]
+        return [(s, np.flatnonzero(owner == s.tag)) for s in sessions]
+
+    def keep_held(self, held: list[tuple[Session, np.ndarray]],
+                  window: np.ndarray | None = None) -> None:
+        """After a Reset cleared the allocator: ``held``'s rows (``held_rows``) are
+        taken again and owned by their sessions again (slots a fenced writer may still
+        copy into: write_fence.py); every other slot stays free. ``window``: the SWA
+        slots those rows mapped to before the Reset (``held_window``), kept too."""
+        held = [(s, rows) for s, rows in held if len(rows)]
+        if not held:
+            return
+        self._retake(np.concatenate([rows for _, rows in held]), window)
+        for session, rows in held:
+            self._own(session, rows)
+
+    def held_window(self, held: list[tuple[Session, np.ndarray]]) -> np.ndarray | None:
+        """The SWA slots ``held``'s rows map to (None: not an SWA model)."""
+        return None
+
+    def _retake(self, rows: np.ndarray, window: np.ndarray | None) -> None:
+        raise NotImplementedError
+
+    def _own(self, session: Session, rows: np.ndarray) -> None:
+        raise NotImplementedError
+
     def _forget_sessions(self, sessions: list[Session], dropped_tokens: int) -> int:
         """On reset: every session loses its locks and slots here; returns the locks."""
         locks = 0

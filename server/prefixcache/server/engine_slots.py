@@ -314,6 +314,41 @@ class SlotOwnership:
             raise PreconditionError("the pool is not empty after a reset")
         self.allocator.free(np.setdiff1d(got[0], kept, assume_unique=True))
 
+    def held_window(self, held: list[tuple[Session, np.ndarray]]) -> np.ndarray | None:
+        if isinstance(self.allocator, TokenToKVPoolAllocator) or not held:
+            return None
+        rows = np.concatenate([r for _, r in held])
+        return host_indices(self.allocator.translate_loc_from_full_to_swa(rows))
+
+    def _retake(self, rows: np.ndarray, window: np.ndarray | None) -> None:
+        """Take ``rows`` (and, on an SWA model, the ``window`` slots they mapped to)
+        out of a just-cleared pool (``keep_held``): every page is taken, and all but
+        them given back."""
+        alloc = self.allocator
+        if isinstance(alloc, TokenToKVPoolAllocator):
+            # The quarantine was taken again already (``keep_quarantine``): a page may
+            # hold slots of both, so both are taken again together, in one pass.
+            kept = np.flatnonzero(self._quarantined)
+            if kept.size:
+                alloc.free(kept)
+            _take_only(alloc, np.union1d(rows, kept))
+            return
+        _take_only(alloc.full_attn_allocator, rows)
+        mapped = window is not None and window != 0
+        if window is not None and mapped.any():
+            _take_only(alloc.swa_attn_allocator, window[mapped])
+            alloc._full_to_swa[rows[mapped]] = window[mapped]
+
+    def _own(self, session: Session, rows: np.ndarray) -> None:
+        self._set_owner(rows, None, session.tag)
+        self._count_pages(session, rows, 1)
+        if self.page_size > 1:  # a page may hold slots of two of them (a holder's)
+            pages = len(np.unique(rows // self.page_size))
+            session.pages[self.name] = pages
+        self._track(session.tag, len(rows), None)
+        session.slots[self.name] = session.slots.get(self.name, 0) + len(rows)
+        self.session_slots += len(rows)
+
     def quarantine_problems(self) -> list[str]:
         """What the integrity check finds wrong with the quarantine."""
         kept = np.flatnonzero(self._quarantined)
@@ -325,3 +360,12 @@ class SlotOwnership:
         if kept.size and not bool(self.allocator.is_allocated(kept).all()):
             problems.append("a quarantined slot is free in the allocator")
         return problems
+
+
+def _take_only(alloc: TokenToKVPoolAllocator, rows: np.ndarray) -> None:
+    """Take exactly ``rows`` out of ``alloc``, whose every page is free (a Reset): take
+    every page, give back all but ``rows``."""
+    got = alloc.alloc_host(alloc.available_size())
+    if got is None or not np.isin(rows, got[0]).all():
+        raise PreconditionError("held slots cannot be taken again after a reset")
+    alloc.free(np.setdiff1d(got[0], rows))

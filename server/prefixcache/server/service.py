@@ -169,7 +169,13 @@ class CacheService:
 
     def reset(self, name: str) -> tuple[int, int]:
         engine = self.engine(name)
-        dropped = engine.reset([*self.sessions, *self.fences.waiting()])
+        # Slots a fenced writer may still copy into (write_fence.py) survive the Reset
+        # with their ended sessions and holders, out of the allocator, until settled.
+        waiting = self.fences.waiting()
+        held = engine.held_rows(waiting)
+        window = engine.held_window(held)
+        dropped = engine.reset([*self.sessions, *waiting])
+        engine.keep_held(held, window)
         for session in self.sessions:  # kept replies name locks and slots that are gone
             session.forget_replies()
         log.warning("model reset", extra={"model": name, "dropped_tokens": dropped[0],

@@ -241,6 +241,16 @@ class SlotEngine(EngineBase):
         if len(np.unique(slots)) != len(slots):
             raise InvalidInputError("a slot is named twice")
 
+    def _retake(self, rows: np.ndarray, window: np.ndarray | None) -> None:
+        for slot in rows.tolist():  # free after the clear, each under its version
+            if self.allocator.occupy(slot, self.allocator.version(slot)) is None:
+                raise PreconditionError(f"slot {slot} cannot be taken again after a reset")
+
+    def _own(self, session: Session, rows: np.ndarray) -> None:
+        self._owner[rows] = session.tag
+        self.session_slots += len(rows)
+        session.slots[self.name] = session.slots.get(self.name, 0) + len(rows)
+
     def _release_slots(self, session: Session, slots: np.ndarray) -> None:
         for slot in slots.tolist():
             self.allocator.free(slot)

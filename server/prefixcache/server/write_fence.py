@@ -48,8 +48,12 @@ record's holder, a session of its own (tag ``-(record + 2)``, in no registry) th
 holds them out of the free list; ``settle`` frees them once the record is unlocked,
 and ``waiting`` counts them with the ended sessions' slots.
 
-What it does not cover: Reset drops every slot at once, fenced or not (an admin
-action: the workers' saves are lost anyway); a worker that starts its copy after the
+A Reset keeps the slots that wait for a worker (``waiting``) out of the allocator:
+they are taken again after the clear, still owned by their ended session or holder,
+and freed by ``settle`` as before (a frozen writer that resumes after a Reset copies
+into slots nobody else has; its save is lost anyway, as the session's tree is gone).
+
+What it does not cover: a worker that starts its copy after the
 Free was answered (its session still lives, so its record still reads its token: the
 fence is per session, not per slot); slots an Insert gives back because the tree had
 their tokens already; and Mamba state slots, which a Free returns at once.
