@@ -45,6 +45,10 @@ from .warm_restart import Takeover, WarmRestart, WarmRestartCollector
 log = logging.getLogger("prefixcache.server")
 
 _DISPATCH_WINDOW = 0.2  # seconds
+# grpc's per-call task (cygrpc's _schedule_rpc_coro), and how long a stop waits for those
+# its cancel left running (they end within a few loop turns).
+_GRPC_CALL_TASK = "_schedule_rpc_coro"
+_SETTLE_LIMIT = 2.0  # seconds
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixCache"].full_name
 
@@ -298,6 +302,7 @@ class PrefixCacheServer:
         if self._hurry is not None:
             await self._hurry
             self._hurry = None
+        await _settle_calls()
         self._server = None
         if self._reaper is not None:
             self._reaper.cancel()
@@ -318,6 +323,19 @@ class PrefixCacheServer:
     async def wait(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
+
+
+async def _settle_calls(limit: float = _SETTLE_LIMIT) -> None:
+    """Let the calls grpc's stop cancelled finish on the loop.
+
+    grpc's stop returns once its core has cancelled every call, before each call's own
+    task has run its cancellation. Were the loop to end first, asyncio would cancel
+    those tasks a second time, inside grpc's bookkeeping, which prints a CancelledError
+    traceback for each (a clean shutdown that logs like a crash)."""
+    calls = [t for t in asyncio.all_tasks()
+             if not t.done() and getattr(t.get_coro(), "__name__", "") == _GRPC_CALL_TASK]
+    if calls:
+        await asyncio.wait(calls, timeout=limit)
 
 
 def _keepalive_options(cfg: ServerConfig) -> list[tuple[str, int]]:
