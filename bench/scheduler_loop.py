@@ -46,7 +46,7 @@ from bench.raw_sched import RawScheduler  # noqa: E402
 from bench.sglang_sched import Req, Scheduler, StepResult  # noqa: E402
 from bench.trace import DEFAULT_TRACE, expand, load_trace  # noqa: E402
 from prefixcache.client import PrefixCacheClient, RemoteRadixCache  # noqa: E402
-from prefixcache.client.sglang_local import LocalSGLangCache  # noqa: E402
+from prefixcache.client.worker.sglang_local import LocalSGLangCache  # noqa: E402  # noqa: E402
 
 MODEL = "bench"
 BACKENDS = ("inprocess", "client", "remote_radix_cache")

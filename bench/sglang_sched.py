@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from prefixcache.client.sglang_api import EvictParams, InitLoadBackParams, MatchPrefixParams
+from prefixcache.client.worker.sglang_api import EvictParams, InitLoadBackParams, MatchPrefixParams
 
 OUT_BASE = 1 << 31  # synthetic output token ids sit above every trace token
 CLIP_MAX_NEW_TOKENS = 4096

@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
 from prefixcache.cache import InvalidInputError
-from prefixcache.cache.mamba_pool import MambaPool
-from prefixcache.cache.mamba_radix_cache import MambaRadixCache
+from prefixcache.cache.mamba.mamba_radix_cache import MambaRadixCache
+from prefixcache.cache.pools.mamba_pool import MambaPool
 
 
 class RecordingPool(MambaPool):

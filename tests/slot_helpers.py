@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from prefixcache.cache.inspection import walk
-from prefixcache.cache.slot_allocator import SlotAllocator
-from prefixcache.cache.slot_cache import SlotPrefixCache
+from prefixcache.cache.pools.slot_allocator import SlotAllocator
+from prefixcache.cache.slot.slot_cache import SlotPrefixCache
 
 
 def make(capacity: int = 100, slots: int = 4, **kwargs: Any) -> tuple[SlotAllocator,

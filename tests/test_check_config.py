@@ -13,7 +13,7 @@ from doc_pages import code_blocks
 from test_cli import _env, _run
 
 from prefixcache.server.cli import _NO_FLAG, build_parser
-from prefixcache.server.config_types import ServerConfig
+from prefixcache.server.config.types import ServerConfig
 
 
 def _config_blocks() -> list[str]:

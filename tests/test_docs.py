@@ -19,7 +19,7 @@ from prefixcache.server.config import (
     ServerConfig,
     TenantConfig,
 )
-from prefixcache.server.config_tier import TierConfig
+from prefixcache.server.config.tier import TierConfig
 
 # The configuration reference's sections and the types they document.
 REFERENCE = {

@@ -271,9 +271,9 @@ def test_no_import_cycles() -> None:
     downward, and shared names live below both users."""
     graph = import_graph([REPO / "server", REPO / "client"])
     # Not vacuous: the walk found the packages and their imports.
-    assert {"prefixcache.cache.radix_cache", "prefixcache.server.engine",
+    assert {"prefixcache.cache.radix.radix_cache", "prefixcache.server.engine.model_engine",
             "prefixcache.client.sync"} <= set(graph)
-    assert "prefixcache.cache.inspection" in graph["prefixcache.cache.radix_cache"]
+    assert "prefixcache.cache.inspection" in graph["prefixcache.cache.radix.radix_cache"]
     assert import_cycles(graph) == []
 
 
@@ -294,3 +294,88 @@ def test_cycle_finder_sees_hidden_cycles(tmp_path: Path) -> None:
     assert graph["prefixcache.demo.d"] == set()  # the package's __init__ is no target
     assert import_cycles(graph) == [["prefixcache.demo.a", "prefixcache.demo.b"],
                                     ["prefixcache.demo.c", "prefixcache.demo.e"]]
+
+
+# ------------------------------------------------------------------ package rules
+
+MAX_MODULES_PER_FOLDER = 15
+
+
+def unit_of(module: str, packages: set[str]) -> str:
+    """The unit a module belongs to in the package graph: its subpackage one level below
+    a top package (``prefixcache.server.rpc``), or, for a module directly in a top
+    package (``prefixcache.server.app``), the module itself."""
+    parts = module.split(".")
+    if len(parts) >= 4 and ".".join(parts[:3]) in packages:
+        return ".".join(parts[:3])
+    return module
+
+
+def package_graph(roots: list[Path]) -> dict[str, set[str]]:
+    """``import_graph`` with each subpackage folded into one node (package __init__
+    files left out: a facade re-exports downward by design)."""
+    packages = {
+        ".".join(init.parent.relative_to(root).parts)
+        for root in roots for init in (root / "prefixcache").rglob("__init__.py")
+    }
+    folded: dict[str, set[str]] = {}
+    for name, targets in import_graph(roots).items():
+        if name in packages:
+            continue
+        unit = unit_of(name, packages)
+        folded.setdefault(unit, set()).update(
+            u for u in (unit_of(t, packages) for t in targets) if u != unit)
+    return folded
+
+
+def test_packages_import_one_way() -> None:
+    """Subpackages are layers: no two of them (or a package and a module beside it)
+    import each other, even through others. server: config, access, sessions, engine,
+    memory, events, rpc, then the process modules; cache: pools and index below the
+    tree kinds."""
+    graph = package_graph([REPO / "server", REPO / "client"])
+    assert {"prefixcache.server.rpc", "prefixcache.server.engine", "prefixcache.cache.pools",
+            "prefixcache.client.worker"} <= set(graph)
+    assert "prefixcache.server.sessions" in graph["prefixcache.server.engine"]
+    assert import_cycles(graph) == []
+
+
+def test_package_folding_finds_cycles(tmp_path: Path) -> None:
+    """The package check itself can fail: two subpackages importing each other through
+    different modules form a cycle, though no module cycle exists."""
+    top = tmp_path / "prefixcache" / "top"
+    for sub in ("low", "high"):
+        (top / sub).mkdir(parents=True)
+        (top / sub / "__init__.py").write_text("")
+    (top / "__init__.py").write_text("")
+    (top / "low" / "a.py").write_text("from ..high.c import C\n")
+    (top / "high" / "c.py").write_text("C = 1\n")
+    (top / "high" / "d.py").write_text("from ..low.b import B\n")
+    (top / "low" / "b.py").write_text("B = 2\n")
+    assert import_cycles(import_graph([tmp_path])) == []
+    assert import_cycles(package_graph([tmp_path])) == [["prefixcache.top.high",
+                                                         "prefixcache.top.low"]]
+
+
+def test_no_product_folder_holds_more_than_15_modules() -> None:
+    """Folders whose names are the architecture: none grows into a flat heap."""
+    big = {}
+    for root in (REPO / "server", REPO / "client"):
+        for folder in {p.parent for p in (root / "prefixcache").rglob("*.py")}:
+            if folder.name in ("v1", "__pycache__"):
+                continue
+            modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+            if len(modules) > MAX_MODULES_PER_FOLDER:
+                big[str(folder.relative_to(REPO))] = len(modules)
+    assert big == {}
+
+
+def test_every_package_says_what_it_is() -> None:
+    """Each package's __init__ has a docstring (what it is and what it may import)."""
+    bare = [
+        str(init.relative_to(REPO))
+        for root in (REPO / "server", REPO / "client")
+        for init in (root / "prefixcache").rglob("__init__.py")
+        if "v1" not in init.parts and ast.get_docstring(ast.parse(init.read_text())) is None
+    ]
+    assert bare == []

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache import MambaRadixCache, RadixCache, RadixKey, hash_token_ids
-from prefixcache.cache.change_log import (
+from prefixcache.cache.index.change_log import (
     AllCleared,
     Change,
     ChangeLog,

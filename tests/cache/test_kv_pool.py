@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixcache.cache.allocator import TokenToKVPoolAllocator
 from prefixcache.cache.errors import InvalidInputError, SlotIndexError
-from prefixcache.cache.kv_pool import KVPool
+from prefixcache.cache.pools.allocator import TokenToKVPoolAllocator
+from prefixcache.cache.pools.kv_pool import KVPool
 
 
 def rows(n: int, heads: int, dim: int, start: float = 1.0) -> torch.Tensor:

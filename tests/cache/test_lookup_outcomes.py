@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache import RadixCache, RadixKey, TokenToKVPoolAllocator
-from prefixcache.cache.hyperloglog import HyperLogLog
-from prefixcache.cache.lookup_outcomes import classify
-from prefixcache.cache.page_ids import (
+from prefixcache.cache.index.hyperloglog import HyperLogLog
+from prefixcache.cache.index.page_ids import (
     EvictedPages,
     EvictionRecorder,
     PrefixIds,
     namespace_salt,
 )
+from prefixcache.cache.radix.lookup_outcomes import classify
 
 
 def _cache(page_size: int = 2, size: int = 64) -> tuple[RadixCache, EvictedPages, PrefixIds]:
@@ -165,7 +165,7 @@ def test_eviction_record_matches_lookup_ids_on_every_tree_kind() -> None:
 
 def test_namespaces_looked_into_are_bounded() -> None:
     """A model with many namespaces: a miss looks into the oldest MAX_EXAMINED only."""
-    from prefixcache.cache.lookup_outcomes import MAX_EXAMINED
+    from prefixcache.cache.radix.lookup_outcomes import MAX_EXAMINED
 
     cache, record, ids = _cache(page_size=1, size=4096)
     for i in range(MAX_EXAMINED + 5):

@@ -14,7 +14,7 @@ from prefixcache.cache import (
     RadixKey,
     TokenToKVPoolAllocator,
 )
-from prefixcache.cache.mamba_tree import LRUList, MambaTreeNode
+from prefixcache.cache.mamba.mamba_tree import LRUList, MambaTreeNode
 
 
 def _cache() -> tuple[MambaRadixCache, TokenToKVPoolAllocator, MambaPool]:

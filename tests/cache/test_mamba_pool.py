@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prefixcache.cache import DoubleFreeError, InvalidInputError, SlotIndexError
-from prefixcache.cache.mamba_pool import MambaPool
+from prefixcache.cache.pools.mamba_pool import MambaPool
 
 
 def small_pool(**kwargs: object) -> MambaPool:

@@ -13,9 +13,9 @@ from prefixcache.cache import (
     TokenToKVPoolAllocator,
 )
 from prefixcache.cache.inspection import walk
-from prefixcache.cache.mamba_pool import MambaPool
-from prefixcache.cache.mamba_radix_cache import MambaRadixCache
-from prefixcache.cache.mamba_tree import LRUList, MambaTreeNode
+from prefixcache.cache.mamba.mamba_radix_cache import MambaRadixCache
+from prefixcache.cache.mamba.mamba_tree import LRUList, MambaTreeNode
+from prefixcache.cache.pools.mamba_pool import MambaPool
 
 
 def t(*slots: int) -> torch.Tensor:

@@ -11,8 +11,8 @@ state newest, and state pressure then deleted the deeper leaf, KV included.
 from __future__ import annotations
 
 from prefixcache.cache import RadixKey, TokenToKVPoolAllocator
-from prefixcache.cache.mamba_pool import MambaPool
-from prefixcache.cache.mamba_radix_cache import MambaRadixCache
+from prefixcache.cache.mamba.mamba_radix_cache import MambaRadixCache
+from prefixcache.cache.pools.mamba_pool import MambaPool
 
 
 def _sglang_unittest_tree() -> tuple[MambaRadixCache, TokenToKVPoolAllocator, MambaPool]:

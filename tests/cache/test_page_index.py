@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache import RadixCache, RadixKey, hash_token_ids
-from prefixcache.cache.change_log import ChangeLog, PagesRemoved, PagesStored
-from prefixcache.cache.page_index import (
+from prefixcache.cache.index.change_log import ChangeLog, PagesRemoved, PagesStored
+from prefixcache.cache.index.page_index import (
     PageIndex,
     encode_hash_pages,
     hash_namespace,

@@ -22,8 +22,8 @@ from prefixcache.cache import (
     SWATokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
 )
-from prefixcache.cache.mamba_pool import MambaPool
-from prefixcache.cache.mamba_radix_cache import MambaRadixCache
+from prefixcache.cache.mamba.mamba_radix_cache import MambaRadixCache
+from prefixcache.cache.pools.mamba_pool import MambaPool
 
 
 class Gone(list[int]):

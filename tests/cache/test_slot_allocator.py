@@ -11,7 +11,7 @@ from prefixcache.cache.errors import (
     InvalidInputError,
     SlotIndexError,
 )
-from prefixcache.cache.slot_allocator import SlotAllocator, copy_slot_kv, kv_layout
+from prefixcache.cache.pools.slot_allocator import SlotAllocator, copy_slot_kv, kv_layout
 
 
 def state(alloc: SlotAllocator) -> tuple[list[int], list[int]]:

@@ -17,8 +17,8 @@ from prefixcache.cache.errors import (
     TokenRangeError,
 )
 from prefixcache.cache.key import RadixKey
-from prefixcache.cache.slot_allocator import SlotAllocator, StaleSlotError
-from prefixcache.cache.slot_cache import MISS, SlotMatch, SlotNode, SlotPrefixCache
+from prefixcache.cache.pools.slot_allocator import SlotAllocator, StaleSlotError
+from prefixcache.cache.slot.slot_cache import MISS, SlotMatch, SlotNode, SlotPrefixCache
 
 
 def test_find_returns_the_slot_holding_the_longest_prefix_without_splitting() -> None:

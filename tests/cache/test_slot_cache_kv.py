@@ -11,7 +11,7 @@ from slot_helpers import make, make_stale, snapshot, take
 
 from prefixcache.cache.errors import IntegrityError, InvalidInputError
 from prefixcache.cache.inspection import walk
-from prefixcache.cache.slot_cache import MISS, SlotPrefixCache
+from prefixcache.cache.slot.slot_cache import MISS, SlotPrefixCache
 
 
 def kv(slots: int = 4, positions: int = 8, layers: int = 3) -> tuple[torch.Tensor, torch.Tensor]:

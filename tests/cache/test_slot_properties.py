@@ -55,8 +55,8 @@ from prefixcache.cache.errors import (
     SlotIndexError,
 )
 from prefixcache.cache.key import RadixKey
-from prefixcache.cache.slot_allocator import SlotAllocator, StaleSlotError
-from prefixcache.cache.slot_cache import MISS, SlotMatch, SlotNode, SlotPrefixCache
+from prefixcache.cache.pools.slot_allocator import SlotAllocator, StaleSlotError
+from prefixcache.cache.slot.slot_cache import MISS, SlotMatch, SlotNode, SlotPrefixCache
 
 SLOTS, MAX_LEN, LAYERS = 4, 12, 2
 PosKey = tuple[Any, int, tuple[Any, ...]]

@@ -14,7 +14,7 @@ from prefixcache.cache import (
     TokenToKVPoolAllocator,
 )
 from prefixcache.cache.inspection import walk
-from prefixcache.cache.swa_radix_cache import SWARadixCache
+from prefixcache.cache.radix.swa_radix_cache import SWARadixCache
 
 
 def t(*slots: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prefixcache.cache import RadixCache, RadixKey, TokenToKVPoolAllocator
-from prefixcache.cache.tree_snapshot import SnapshotError, decode, encode, restore, take
+from prefixcache.cache.radix.tree_snapshot import SnapshotError, decode, encode, restore, take
 
 
 def _cache(page_size: int) -> tuple[RadixCache, TokenToKVPoolAllocator]:

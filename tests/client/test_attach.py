@@ -12,7 +12,7 @@ import torch
 from harness import running, serve_process
 
 from prefixcache.client import FailedPrecondition, PrefixCacheClient
-from prefixcache.server.shared_pool import SharedPools, remove_stale
+from prefixcache.server.memory.shared_pool import SharedPools, remove_stale
 
 CONFIG = """
 models:

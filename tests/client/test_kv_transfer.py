@@ -188,9 +188,9 @@ def test_chunks_by_hand_are_protobufs(role: int, layer: int, offset: int, data: 
     """The hand-serialized chunks (the server's ReadKV replies, the client's WriteKV data)
     are byte for byte protobuf's, and the client's parser reads protobuf's (data as a
     view) as protobuf does."""
-    from prefixcache.client.kv import encode_chunk as client_encode
-    from prefixcache.client.kv import parse_chunk
-    from prefixcache.server.kv_wire import encode_chunk
+    from prefixcache.client.transfer.kv import encode_chunk as client_encode
+    from prefixcache.client.transfer.kv import parse_chunk
+    from prefixcache.server.rpc.kv_wire import encode_chunk
 
     wire = pb.KVChunk(role=role, layer=layer, offset_bytes=offset, data=data).SerializeToString()
     assert encode_chunk(role, layer, offset, memoryview(data)) == wire
@@ -201,7 +201,7 @@ def test_chunks_by_hand_are_protobufs(role: int, layer: int, offset: int, data: 
 
 
 def test_malformed_chunks_are_refused() -> None:
-    from prefixcache.client.kv import parse_chunk
+    from prefixcache.client.transfer.kv import parse_chunk
 
     wire = pb.KVChunk(role=1, layer=2, offset_bytes=3, data=b"x" * 50).SerializeToString()
     for bad in (wire[:-1], wire[:5], b"\x80", b"\x07"):
@@ -215,7 +215,7 @@ def test_malformed_chunks_are_refused() -> None:
 def test_write_chunks_parsed_by_hand_on_the_server() -> None:
     """WriteKV's data chunks are read by hand (data a view of the message) as protobuf
     reads them; a header, an unknown field or malformed bytes go to protobuf instead."""
-    from prefixcache.server.kv_wire import parse_data_chunk
+    from prefixcache.server.rpc.kv_wire import parse_data_chunk
 
     for chunk in (pb.KVChunk(role=2, layer=7, offset_bytes=2**33, data=b"y" * 300),
                   pb.KVChunk(role=1), pb.KVChunk()):

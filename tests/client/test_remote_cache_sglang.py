@@ -25,7 +25,7 @@ from harness import ServerThread, running
 
 from prefixcache.client import PrefixCacheClient, RemoteRadixCache
 from prefixcache.client.page_chain import RequestHashes
-from prefixcache.client.sglang_api import (
+from prefixcache.client.worker.sglang_api import (
     DecLockRefParams,
     EvictParams,
     IncLockRefResult,
@@ -33,7 +33,7 @@ from prefixcache.client.sglang_api import (
     InsertParams,
     MatchPrefixParams,
 )
-from prefixcache.client.sglang_local import LocalSGLangCache
+from prefixcache.client.worker.sglang_local import LocalSGLangCache
 from prefixcache.server.config import ModelConfig, PoolConfig
 
 _REPO = Path(__file__).resolve().parents[2]

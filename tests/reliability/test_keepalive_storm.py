@@ -18,7 +18,7 @@ import time
 import grpc
 from harness import REPO, pb, serve_process, stub_for, toks
 
-from prefixcache.server import keepalive
+from prefixcache.server.sessions import keepalive
 
 CONFIG = """\
 models:

@@ -21,7 +21,7 @@ from harness import ServerThread, make_config, pb, stub_for, toks
 
 from prefixcache.cache import hash_to_int64, hash_token_ids
 from prefixcache.server.config import KvEventsConfig, ModelConfig, PoolConfig
-from prefixcache.server.kv_events import END_SEQ
+from prefixcache.server.events.publisher import END_SEQ
 
 POOL = PoolConfig(size=96, k_heads=1, k_head_dim=4)
 MODELS = (
@@ -53,7 +53,7 @@ def wire(hex_hash: str, hash_format: str) -> int:
 
 
 def seed(extra_key: str | None, width: int) -> str | None:
-    """The chain seed our format documents for a namespace (kv_event_wire.py)."""
+    """The chain seed our format documents for a namespace (events/wire.py)."""
     if width == 1:
         if extra_key is None:
             return None

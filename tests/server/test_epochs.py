@@ -13,7 +13,7 @@ import grpc
 import pytest
 from harness import SMALL_POOL, ModelConfig, pb, running, slots, stub_for, toks
 
-from prefixcache.server.status import EPOCH_TRAILER
+from prefixcache.server.rpc.status import EPOCH_TRAILER
 
 CODE = grpc.StatusCode
 MODELS = (ModelConfig(name="m", page_size=1, pool=SMALL_POOL),)

@@ -18,7 +18,7 @@ import pytest
 from harness import pb, running, stub_for
 
 from prefixcache.server.config import ModelConfig, PoolConfig
-from prefixcache.server.page_rpcs import MAX_PROMPT_TOKENS
+from prefixcache.server.rpc.page_rpcs import MAX_PROMPT_TOKENS
 
 POOL = PoolConfig(size=256, layers=1, k_heads=1, k_head_dim=4)
 CODE = grpc.StatusCode

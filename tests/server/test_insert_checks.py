@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from prefixcache.cache import InvalidInputError, RadixKey
 from prefixcache.server.config import ModelConfig, PoolConfig
+from prefixcache.server.engine.slot_checks import MAX_RUNS, runs_fit, slot_runs
 from prefixcache.server.errors import PreconditionError
 from prefixcache.server.service import CacheService
-from prefixcache.server.slot_checks import MAX_RUNS, runs_fit, slot_runs
 
 POOL = PoolConfig(size=400, k_heads=1, k_head_dim=2)
 

@@ -15,8 +15,8 @@ import time
 import grpc
 from harness import pb, running, stub_for
 
-from prefixcache.server import keepalive
-from prefixcache.server.sessions import Session
+from prefixcache.server.sessions import keepalive
+from prefixcache.server.sessions.session import Session
 
 
 def test_keepalives_take_the_next_free_tenth_of_the_ttl_after_a_small_burst() -> None:

@@ -24,9 +24,9 @@ from server.harness import SMALL_POOL, ServerThread, pack_slots, pb, running, st
 
 from prefixcache.cache import RadixKey
 from prefixcache.client import FailedPrecondition, PrefixCacheClient, ResourceExhausted
-from prefixcache.server import kv_access, kv_transfer
 from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig
 from prefixcache.server.errors import PreconditionError as FailedPreconditionError
+from prefixcache.server.rpc import kv_access, kv_transfer
 
 MODELS = (
     ModelConfig(name="m", page_size=1, pool=SMALL_POOL),           # rows of 8 bytes

@@ -16,7 +16,7 @@ from harness import ServerThread, make_config
 from kv_events_harness import MODELS, start
 
 from prefixcache.server.config import KvEventsConfig, ModelConfig, PoolConfig, load_config
-from prefixcache.server.kv_events import endpoint_for
+from prefixcache.server.events.publisher import endpoint_for
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from kv_events_harness import (
 )
 
 from prefixcache.server.config import KvEventsConfig, ModelConfig, PoolConfig
-from prefixcache.server.kv_event_replay import BUSY, END_SEQ
+from prefixcache.server.events.replay import BUSY, END_SEQ
 
 MODEL = ModelConfig(name="r", page_size=4, pool=PoolConfig(size=400_000, k_heads=1,
                                                            k_head_dim=4))

@@ -20,7 +20,7 @@ from kv_events_harness import MODELS, Subscriber, decode_batch, quiet_seq
 
 from prefixcache.client import PrefixCacheClient
 from prefixcache.server.config import ConfigError, KvEventsConfig, TenantConfig, load_config
-from prefixcache.server.kv_event_wire import hidden_namespace
+from prefixcache.server.events.wire import hidden_namespace
 
 TOKENS = [11, 12, 13, 14, 15, 16]
 

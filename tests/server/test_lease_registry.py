@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.server.errors import OverLimitError
-from prefixcache.server.sessions import SessionRegistry
+from prefixcache.server.sessions.session import SessionRegistry
 
 
 class Clock:

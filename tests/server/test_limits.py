@@ -11,8 +11,8 @@ import grpc
 import pytest
 from harness import SMALL_POOL, pack_slots, pb, running, serve_module, stub_for, stub_of, toks
 
+from prefixcache.server.access.limits import LIMIT_NAMES, limits_of, request_tokens
 from prefixcache.server.config import ConfigError, ModelConfig, PoolConfig, load_config
-from prefixcache.server.limits import LIMIT_NAMES, limits_of, request_tokens
 
 CODE = grpc.StatusCode
 MODELS = (ModelConfig(name="m", page_size=1, pool=SMALL_POOL),

@@ -20,7 +20,7 @@ from test_metrics import scrape, value
 
 from prefixcache.cache.hashing import hash_token_ids
 from prefixcache.server.config import ModelConfig, PoolConfig
-from prefixcache.server.lookups import OUTCOMES
+from prefixcache.server.engine.lookups import OUTCOMES
 
 MODEL = ModelConfig(name="p", page_size=4, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4))
 A = list(range(1, 17))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import itertools
 
-from prefixcache.server.opaque_ids import DOMAIN, OpaqueIds
-from prefixcache.server.sessions import SessionRegistry
+from prefixcache.server.sessions.opaque_ids import DOMAIN, OpaqueIds
+from prefixcache.server.sessions.session import SessionRegistry
 
 
 def test_ids_are_unique_nonzero_and_fit_int64() -> None:

@@ -1,4 +1,4 @@
-"""The slot quarantine (engine_slots.py): slots an outside writer may still fill are
+"""The slot quarantine (engine/slots.py): slots an outside writer may still fill are
 held by no session and handed out by nothing, a Reset included, until released."""
 
 from __future__ import annotations

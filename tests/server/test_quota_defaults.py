@@ -22,9 +22,9 @@ from harness import (
     toks,
 )
 
-from prefixcache.server import request_caps
+from prefixcache.server.access.limits import limits_of
 from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig, ServerConfig
-from prefixcache.server.limits import limits_of
+from prefixcache.server.rpc import request_caps
 
 CODE = grpc.StatusCode
 MAMBA = ModelConfig(name="h", kind="mamba", page_size=1, pool=SMALL_POOL,

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from prefixcache.cache import CacheError, RadixKey
+from prefixcache.server.access.limits import limits_of
 from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig, ServerConfig
 from prefixcache.server.errors import OverLimitError, ServiceError
-from prefixcache.server.limits import limits_of
 from prefixcache.server.service import CacheService
 
 POOL = PoolConfig(size=40, k_heads=1, k_head_dim=2)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from harness import EVERY_KIND, pb, running, stub_for, toks
 
-from prefixcache.server.sessions import REPLAY_BYTES, REPLAY_WINDOW, Session
+from prefixcache.server.sessions.session import REPLAY_BYTES, REPLAY_WINDOW, Session
 
 
 def _session() -> Session:

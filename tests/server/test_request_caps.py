@@ -24,7 +24,7 @@ from harness import (
     toks,
 )
 
-from prefixcache.server import kv_access, kv_transfer, request_caps
+from prefixcache.server.access.limits import limits_of
 from prefixcache.server.config import (
     ConfigError,
     MambaConfig,
@@ -33,7 +33,7 @@ from prefixcache.server.config import (
     ServerConfig,
     build_server_config,
 )
-from prefixcache.server.limits import limits_of
+from prefixcache.server.rpc import kv_access, kv_transfer, request_caps
 
 CODE = grpc.StatusCode
 TOKENS = 4096  # max_request_tokens

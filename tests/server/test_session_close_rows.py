@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from prefixcache.cache import RadixKey
 from prefixcache.server.config import ModelConfig, PoolConfig
-from prefixcache.server.engine_slots import MAX_TRACKED_RUNS
+from prefixcache.server.engine.slots import MAX_TRACKED_RUNS
 from prefixcache.server.service import CacheService
 
 POOL = PoolConfig(size=512, k_heads=1, k_head_dim=2)

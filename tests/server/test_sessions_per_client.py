@@ -12,8 +12,8 @@ import grpc
 import pytest
 from harness import SMALL_POOL, pb, running, stub_for
 
+from prefixcache.server.access.tenants import ANYONE, Caller, client_identity, peer_host
 from prefixcache.server.config import ModelConfig, TenantConfig
-from prefixcache.server.tenants import ANYONE, Caller, client_identity, peer_host
 
 MODELS = (ModelConfig(name="m", page_size=1, pool=SMALL_POOL),)
 CAP = 5

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from server.harness import REPO, wait_serving
 
-from prefixcache.server.shared_pool import SharedPools, remove_stale
+from prefixcache.server.memory.shared_pool import SharedPools, remove_stale
 
 # Above the largest pid_max Linux allows (2**22): no process has this pid, here or in
 # any namespace, as the pid of a server in another container would look to us.

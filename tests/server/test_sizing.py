@@ -15,14 +15,14 @@ import yaml
 from server.harness import EVERY_KIND
 
 from prefixcache.server.config import ConfigError, MambaConfig, ModelConfig, PoolConfig, load_config
-from prefixcache.server.service import CacheService
-from prefixcache.server.sizing import (
+from prefixcache.server.memory.sizing import (
     Budget,
     _cgroup_available,
     check_fits,
     is_out_of_memory,
     pool_needs,
 )
+from prefixcache.server.service import CacheService
 
 GiB = 1 << 30
 # The sample config of docs/configuration.md (it was the README's).

@@ -18,8 +18,8 @@ from harness import EVERY_KIND, pack_slots, pb, serve_module, session_of, slots,
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.server.status import EPOCH_TRAILER
-from prefixcache.server.step import _shares_a_slot
+from prefixcache.server.rpc.status import EPOCH_TRAILER
+from prefixcache.server.rpc.step import _shares_a_slot
 
 CODE = grpc.StatusCode
 MAX_ITEMS, MAX_BYTES = 40, 8192

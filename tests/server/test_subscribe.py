@@ -14,7 +14,7 @@ from server.harness import EVERY_KIND, ServerThread, pb, running, stub_for
 
 from prefixcache.client import PrefixCacheClient
 from prefixcache.server.config import ModelConfig, PoolConfig
-from prefixcache.server.subscriptions import Bound, _batches
+from prefixcache.server.events.subscriptions import Bound, _batches
 
 MODELS = (
     ModelConfig(name="m", page_size=1,

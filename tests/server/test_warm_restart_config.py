@@ -11,10 +11,10 @@ import pytest
 import torch
 from harness import SMALL_POOL, running
 
-from prefixcache.cache.tree_snapshot import decode, encode
+from prefixcache.cache.radix.tree_snapshot import decode, encode
 from prefixcache.client import PrefixCacheClient
-from prefixcache.server import warm_snapshot
 from prefixcache.server.config import ConfigError, ModelConfig, PoolConfig, load_config
+from prefixcache.server.memory import warm_snapshot
 
 RADIX = ModelConfig(name="m", page_size=2, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4))
 SWA = ModelConfig(name="w", kind="swa", page_size=1, sliding_window_size=4, pool=SMALL_POOL)
@@ -78,7 +78,7 @@ def test_a_pool_on_a_gpu_starts_cold(tmp_path: Path) -> None:
     """Device memory does not outlive the process: such a model is unsupported (the
     check runs before any pool is made, so no GPU is needed here)."""
     from prefixcache.server.config import Config, ServerConfig
-    from prefixcache.server.warm_restart import WarmRestart
+    from prefixcache.server.memory.warm_restart import WarmRestart
 
     gpu = replace(RADIX, pool=replace(RADIX.pool, device="cuda:0"))
     warm = WarmRestart(Config(ServerConfig(shm_dir=str(tmp_path), warm_restart=True),

@@ -14,7 +14,6 @@ from prefixcache.v1 import prefix_cache_pb2, prefix_cache_pb2_grpc
 
 from ._core import DEFAULT_TARGET, DEFAULT_TIMEOUT
 from .aio import AsyncClientSession, AsyncPrefixCacheClient, AsyncStreamSession
-from .attach import AttachedPool
 from .errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -29,7 +28,6 @@ from .errors import (
     Unauthenticated,
     Unavailable,
 )
-from .kv import KVData, WriteKVReply
 from .page_chain import RequestHashes
 from .results import (
     AllocReply,
@@ -50,13 +48,15 @@ from .results import (
     UnlockReply,
 )
 from .session import ClientSession
-from .shadow import Lag, ShadowIndex
-from .shadow_follow import AsyncShadowFollower, ShadowFollower
+from .shadow.shadow import Lag, ShadowIndex
+from .shadow.shadow_follow import AsyncShadowFollower, ShadowFollower
 from .step import Admit, Finish, Free, FreeReply, StepReply
 from .sync import PrefixCacheClient
+from .transfer.attach import AttachedPool
+from .transfer.kv import KVData, WriteKVReply
 
 if TYPE_CHECKING:
-    from .remote_cache import RemoteAllocator, RemoteNode, RemoteRadixCache
+    from .worker.remote_cache import RemoteAllocator, RemoteNode, RemoteRadixCache
 
 try:
     __version__ = version("prefixcache")
@@ -69,7 +69,7 @@ _LAZY = ("RemoteAllocator", "RemoteNode", "RemoteRadixCache")
 def __getattr__(name: str) -> Any:
     """RemoteRadixCache and friends, loaded on first use (they need torch)."""
     if name in _LAZY:
-        from . import remote_cache
+        from .worker import remote_cache
 
         remote_cache.register_base()
         return getattr(remote_cache, name)

@@ -12,10 +12,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import kv, step
+from . import step
 from ._core import Op, SessionLike
 from .errors import PrefixCacheError
 from .results import CloseReply, EvictReply, SessionInfo
+from .transfer import kv
 
 
 class ClientCalls(Protocol):

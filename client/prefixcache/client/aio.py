@@ -15,11 +15,9 @@ import grpc
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
-from . import kv
 from ._core import DEFAULT_TARGET, FAIL_OPEN_ERRORS, ClientBase, Op, SessionLike, session_id_of
 from .aio_session import AsyncClientSession
 from .aio_stream import AsyncStreamSession
-from .attach import AttachedPool, attach
 from .errors import (
     PrefixCacheError,
     Unavailable,
@@ -38,8 +36,10 @@ from .results import (
     StatsReply,
     UnlockReply,
 )
-from .shadow_follow import AsyncShadowFollower, NamespaceLike, subscribe_request
+from .shadow.shadow_follow import AsyncShadowFollower, NamespaceLike, subscribe_request
 from .step import Admit, Finish, Free, StepItems, StepReply
+from .transfer import kv
+from .transfer.attach import AttachedPool, attach
 
 
 class AsyncPrefixCacheClient(ClientBase):

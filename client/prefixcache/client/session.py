@@ -9,7 +9,7 @@ from functools import partial
 from types import TracebackType
 from typing import Any
 
-from . import kv, step
+from . import step
 from ._client_protocol import BlockingClient
 from ._core import FAIL_OPEN_ERRORS, log
 from ._session_state import SessionState, stand_in, take_fail_open
@@ -24,6 +24,7 @@ from .results import (
     SessionInfo,
     UnlockReply,
 )
+from .transfer import kv
 
 
 class ClientSession:

@@ -13,7 +13,6 @@ import grpc
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
-from . import kv, pages
 from ._core import (
     DEFAULT_TARGET,
     FAIL_OPEN_ERRORS,
@@ -24,7 +23,6 @@ from ._core import (
     session_id_of,
 )
 from ._session_state import SessionState
-from .attach import AttachedPool, attach
 from .errors import PrefixCacheError, Unavailable
 from .results import (
     AllocReply,
@@ -41,8 +39,10 @@ from .results import (
     UnlockReply,
 )
 from .session import ClientSession
-from .shadow_follow import NamespaceLike, ShadowFollower, subscribe_request
+from .shadow.shadow_follow import NamespaceLike, ShadowFollower, subscribe_request
 from .step import Admit, Finish, Free, StepItems, StepReply
+from .transfer import kv, pages
+from .transfer.attach import AttachedPool, attach
 
 
 class PrefixCacheClient(ClientBase):

@@ -4,7 +4,6 @@ Drop-in names for ``pymllm.mem_cache``, with the reference's bugs fixed (see eac
 class's docstring and ``spec/semantics.md`` §10).
 """
 
-from .allocator import TokenToKVPoolAllocator
 from .base import BasePrefixCache, EvictResult, InsertResult, MatchResult
 from .chunk_cache import ChunkCache
 from .errors import (
@@ -19,15 +18,16 @@ from .errors import (
 from .eviction import EVICTION_POLICIES, get_eviction_policy
 from .hashing import hash_bytes, hash_to_int64, hash_token_ids
 from .key import RadixKey
-from .kv_pool import KVPool
-from .mamba_pool import MambaPool
-from .mamba_radix_cache import MambaRadixCache
+from .mamba.mamba_radix_cache import MambaRadixCache
 from .node import TreeNode
-from .radix_cache import RadixCache
-from .slot_allocator import SlotAllocator, StaleSlotError
-from .slot_cache import SlotInsertResult, SlotMatch, SlotNode, SlotPrefixCache
-from .swa_allocator import SWATokenToKVPoolAllocator
-from .swa_radix_cache import SWARadixCache
+from .pools.allocator import TokenToKVPoolAllocator
+from .pools.kv_pool import KVPool
+from .pools.mamba_pool import MambaPool
+from .pools.slot_allocator import SlotAllocator, StaleSlotError
+from .pools.swa_allocator import SWATokenToKVPoolAllocator
+from .radix.radix_cache import RadixCache
+from .radix.swa_radix_cache import SWARadixCache
+from .slot.slot_cache import SlotInsertResult, SlotMatch, SlotNode, SlotPrefixCache
 
 __all__ = [
     "EVICTION_POLICIES",

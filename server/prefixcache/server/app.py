@@ -24,23 +24,23 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from prefixcache.cache.change_log import DEFAULT_CAPACITY
+from prefixcache.cache.index.change_log import DEFAULT_CAPACITY
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from .auth import TokenAuthInterceptor
+from .access.auth import TokenAuthInterceptor
+from .access.limits import limits_of
+from .access.tenants import Callers
 from .config import Config, ConfigError, ServerConfig
-from .kv_events import KvEventPublishers, start_kv_events
-from .limits import limits_of
+from .events.publisher import KvEventPublishers, start_kv_events
+from .memory.shared_pool import AdoptError, shm_file_mode, sweep
+from .memory.sizing import check_fits, is_out_of_memory
+from .memory.warm_restart import Takeover, WarmRestart, WarmRestartCollector
 from .metrics import Metrics
 from .reaper import reap_leases
-from .registration import add_to_server
+from .rpc.registration import add_to_server
+from .rpc.servicer import PrefixCacheServicer
 from .service import CacheService
-from .servicer import PrefixCacheServicer
-from .shared_pool import AdoptError, shm_file_mode, sweep
 from .signals import STOP_SIGNALS, SignalLatch
-from .sizing import check_fits, is_out_of_memory
-from .tenants import Callers
-from .warm_restart import Takeover, WarmRestart, WarmRestartCollector
 
 log = logging.getLogger("prefixcache.server")
 

@@ -127,7 +127,7 @@ def _add_every_setting(serve: argparse.ArgumentParser) -> None:
     gives them: coerced and checked by the config loader, which names the key)."""
     from dataclasses import fields
 
-    from .config_types import ServerConfig
+    from .config.types import ServerConfig
 
     taken = {a.dest for a in serve._actions}
     group = serve.add_argument_group(
@@ -144,7 +144,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The server settings given on the command line (None: not given)."""
     from dataclasses import fields
 
-    from .config_types import ServerConfig
+    from .config.types import ServerConfig
 
     names = [f.name for f in fields(ServerConfig) if f.name not in _NO_FLAG]
     return {name: getattr(args, name) for name in (*names, "kv_events")}
@@ -153,8 +153,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _check_config(args: argparse.Namespace) -> int:
     """``serve --check-config``: see its help."""
     from .config import ConfigError, load_config
-    from .config_values import files_read_later
-    from .sizing import check_fits
+    from .config.values import files_read_later
+    from .memory.sizing import check_fits
 
     try:
         with files_read_later() as unread:

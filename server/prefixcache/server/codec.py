@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 from prefixcache.cache import InvalidInputError, RadixKey
+from prefixcache.cache.index.page_index import is_hash_namespace
 from prefixcache.cache.key import TOKEN_BYTES
-from prefixcache.cache.page_index import is_hash_namespace
 
-from .limits import check_count
+from .access.limits import check_count
 
 # Wider tokens exist only for bigram / EAGLE keys; anything past this is a client bug.
 MAX_TOKEN_WIDTH = 8

@@ -24,8 +24,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .access.limits import LIMIT_NAMES
 from .errors import PoolExhaustedError
-from .limits import LIMIT_NAMES
 from .logs import dropped_records
 from .metrics_http import MetricsHttpServer
 
@@ -223,7 +223,7 @@ class _LivenessCollector(Collector):
 
 
 class _KvEventsCollector(Collector):
-    """The KV-event publishers' counters, read at scrape time (kv_events.py)."""
+    """The KV-event publishers' counters, read at scrape time (events/publisher.py)."""
 
     _COUNTERS = (
         ("prefixcache_kv_event_batches_published", "batches_published",

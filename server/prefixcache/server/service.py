@@ -13,21 +13,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prefixcache.cache import IntegrityError
-from prefixcache.cache.change_log import DEFAULT_CAPACITY
+from prefixcache.cache.index.change_log import DEFAULT_CAPACITY
 
-from . import lock_audit, quotas
+from .access.limits import Limits, limits_of
+from .access.tenant_stats import TenantCounts
+from .access.tenants import CALLER, PEER, client_identity
 from .config import ModelConfig
-from .engine import ModelEngine
+from .engine.model_engine import ModelEngine
+from .engine.slot_engine import SlotEngine
 from .errors import NotFoundError, PreconditionError, StaleEpochError
-from .limits import Limits, limits_of
-from .opaque_ids import OpaqueIds
-from .quotas import Quota
-from .sessions import Session, SessionRegistry, expiry_summary
-from .shared_pool import SharedPools
-from .slot_engine import SlotEngine
-from .tenant_stats import TenantCounts
-from .tenants import CALLER, PEER, client_identity
-from .write_fence import WriteFences
+from .memory.shared_pool import SharedPools
+from .memory.write_fence import WriteFences
+from .sessions import lock_audit, quotas
+from .sessions.opaque_ids import OpaqueIds
+from .sessions.quotas import Quota
+from .sessions.session import Session, SessionRegistry, expiry_summary
 
 log = logging.getLogger("prefixcache.server")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.cache.page_index import hash_namespace
+from prefixcache.cache.index.page_index import hash_namespace
 from prefixcache.server.config import ConfigError, ModelConfig, PoolConfig, load_config
 from prefixcache.server.tier.keys import KeyMaker, token_namespace
 

@@ -9,7 +9,7 @@ import ctypes
 import numpy as np
 import torch
 
-from prefixcache.cache.kv_pool import KVPool
+from prefixcache.cache.pools.kv_pool import KVPool
 from prefixcache.server.tier.layout import PageLayout
 from prefixcache.server.tier.staging import Staging
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from prefixcache.client.kv import wide_pair
 from prefixcache.client.results import PoolInfo
+from prefixcache.client.transfer.kv import wide_pair
 
 from .host_layout import HostLayout, K, V, bitcast
 

@@ -21,7 +21,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from prefixcache.client.kv import wide_pair
+from prefixcache.client.transfer.kv import wide_pair
 
 from .layout import block_positions, byte_view, gather_blocks, scatter_blocks
 

@@ -33,8 +33,8 @@ from prefixcache.client import (
     StaleEpoch,
 )
 from prefixcache.client.errors import ResourceExhausted
-from prefixcache.client.kv import KVData
 from prefixcache.client.results import PoolInfo
+from prefixcache.client.transfer.kv import KVData
 from prefixcache.client.write_fence import WriteFence, open_fence
 
 from .block_copy import slot_run

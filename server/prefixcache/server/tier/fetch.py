@@ -7,7 +7,7 @@
 2. Off the loop: one ``exists`` over their keys; the leading run found is wanted.
 3. On the loop: the local hit again (the tree may have grown meanwhile), locked for the
    tier's session; fresh slots for the wanted pages, allocated to that session and
-   moved at once into the model's quarantine (engine_slots.py).
+   moved at once into the model's quarantine (engine/slots.py).
 4. Off the loop: ``get_into`` those slots' rows straight from the store.
 5. On the loop, once that thread has returned: the slots go back to the session, the
    leading run read whole (every byte of every page) is inserted after the local hit,
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.cache.allocator import host_indices
 from prefixcache.cache.hashing import hash_pages
 from prefixcache.cache.key import TOKEN_BYTES
+from prefixcache.cache.pools.allocator import host_indices
 
 from .backend import code_name
 from .model_tier import ModelTier

@@ -20,9 +20,9 @@ import logging
 import time
 from typing import Any
 
-from prefixcache.cache.page_index import DIGEST_BYTES
+from prefixcache.cache.index.page_index import DIGEST_BYTES
 
-from ..hash_pages import HashPages
+from ..engine.hash_pages import HashPages
 from .backend import code_name
 from .fetch import MAX_FETCH_PAGES, MAX_POOL_SHARE, leading_run, safely
 from .model_tier import ModelTier

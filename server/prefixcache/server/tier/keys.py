@@ -14,9 +14,13 @@ import json
 from functools import lru_cache
 from typing import Any
 
-from prefixcache.cache.page_index import DIGEST_BYTES, HASH_NAMESPACE_PREFIX, is_hash_namespace
+from prefixcache.cache.index.page_index import (
+    DIGEST_BYTES,
+    HASH_NAMESPACE_PREFIX,
+    is_hash_namespace,
+)
 
-from ..config_types import ModelConfig
+from ..config.types import ModelConfig
 
 KEY_PREFIX = "prefixcache/v1"
 

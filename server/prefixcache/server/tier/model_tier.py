@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.cache.allocator import host_indices
+from prefixcache.cache.pools.allocator import host_indices
 
 from .backend import OBJECT_ALREADY_EXISTS, RPC_FAIL, code_name
 from .keys import KeyMaker, page_names

@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Any
 
-from ..config_tier import TierConfig
+from ..config.tier import TierConfig
 from .backend import Parts, TierUnavailable
 
 # Buffer for the store's own copies; every call here uses registered pool memory.

@@ -25,15 +25,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from prefixcache.cache.page_index import DIGEST_BYTES
+from prefixcache.cache.index.page_index import DIGEST_BYTES
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
+from ..access.limits import request_tokens
+from ..access.tenants import check_request
 from ..codec import MAX_TOKEN_WIDTH, decode_key
-from ..config_tier import TierConfig
-from ..limits import request_tokens
-from ..page_rpcs import max_pages
-from ..servicer_ops import CALLER
-from ..tenants import check_request
+from ..config.tier import TierConfig
+from ..rpc.page_rpcs import max_pages
+from ..rpc.servicer_ops import CALLER
 from .backend import RPC_FAIL, TierBackend, TierUnavailable
 from .fetch import prefetch
 from .fetch_pages import prefetch_pages

@@ -1,0 +1,5 @@
+"""The shadow index: a worker's replica of one model's cached page set (shadow), kept
+current from the Subscribe stream in the background (shadow_follow), for ranking
+candidates without a round trip.
+
+Imports the client's errors and page chains; never a session or client class."""

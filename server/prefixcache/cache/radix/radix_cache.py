@@ -1,0 +1,375 @@
+"""RadixCache: an SGLang-style radix tree from namespaced token prefixes to KV-pool slots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from ..base import BasePrefixCache, InsertResult, MatchResult
+from ..errors import CacheError, InvalidInputError
+from ..eviction import EvictionQueue, get_eviction_policy
+from ..hashing import hash_pages
+from ..index.change_log import PageListener
+from ..inspection import check_radix_cache, format_tree
+from ..key import RadixKey
+from ..node import Namespace, TreeNode
+from .radix_eviction import RadixEviction
+
+_INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+def common_prefix(key: bytes, query: bytes, pos: int, end: int, page_bytes: int) -> int:
+    """Bytes of ``key`` equal to ``query[pos:end]``, in whole pages.
+
+    The caller has already matched the first page (it found ``key``'s node by it), so the
+    answer is at least one page. Pages are compared with memcmp, halving the range.
+    """
+    limit = min(len(key), end - pos)
+    if query.startswith(key[:limit], pos):
+        return limit
+    lo, hi = page_bytes, limit  # key[:lo] matches, key[:hi] does not
+    while hi - lo > page_bytes:
+        mid = lo + (hi - lo) // page_bytes // 2 * page_bytes
+        if query.startswith(key[lo:mid], pos + lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class RadixCache(RadixEviction, BasePrefixCache):
+    """Prefix cache over a token-slot allocator, drop-in for ``pymllm.mem_cache.RadixCache``.
+
+    Keys are page-aligned on both match and insert: the unaligned tail of an inserted
+    key is not cached and its slots stay the caller's. Each ``(extra_key, token width)``
+    pair is its own subtree under the root, so namespaces never alias.
+
+    Insert does not free the slots it did not need (the part of ``value`` already in the
+    tree, ``value[cache_protected_len:prefix_len]``); the caller frees them, as with
+    SGLang's RadixCache. SWA mode frees them itself (see ``SWARadixCache``).
+
+    Eviction takes whole unlocked leaves in policy order (``"lru"`` by default) from a
+    queue kept up to date on every change, so ``evict`` never scans the tree; a parent
+    left childless and unlocked is a candidate in the same call (locks and eviction:
+    radix_eviction.py). ``last_access_time`` is a logical clock: every touch gets the
+    next tick, parents before children.
+
+    With ``sliding_window_size`` set, constructing a ``RadixCache`` gives an
+    ``SWARadixCache``, which keeps this signature.
+
+    Args:
+        page_size: tokens per page; matches, inserts and splits are page-aligned.
+        sliding_window_size: SWA window in tokens, or None for full attention.
+        token_to_kv_pool_allocator: receives ``free`` (and ``free_swa``) for evicted
+            slots; may be None for a tree without a pool.
+        on_node_evict: called with the id of each node removed from the tree.
+        eviction_policy: name from ``EVICTION_POLICIES``.
+        eager_page_hashes: compute each new node's chained SHA-256 page hashes at insert
+            (needed for KV events). Off by default because it costs about a microsecond
+            a page; ``compute_node_hash`` still hashes on demand, root-down, either way.
+        listener: told of every change to the cached page set (a ``ChangeLog``; see
+            change_log.py for the protocol). Attaching one turns on eager hashes.
+    """
+
+    # The class a RadixCache with a sliding window is built as: SWARadixCache, which
+    # names itself with ``class SWARadixCache(RadixCache, windowed=True)``. It subclasses
+    # this class, so this module cannot import it; the package's __init__ loads it.
+    _windowed: ClassVar[type[RadixCache] | None] = None
+
+    def __init_subclass__(cls, *, windowed: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if windowed:
+            RadixCache._windowed = cls
+
+    def __new__(cls, page_size: int = 1, sliding_window_size: int | None = None,
+                *args: Any, **kwargs: Any) -> RadixCache:
+        if cls is RadixCache and sliding_window_size is not None:
+            if RadixCache._windowed is None:  # prefixcache.cache is still loading
+                raise CacheError("SWARadixCache is not loaded yet: import prefixcache.cache")
+            return super().__new__(RadixCache._windowed)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        page_size: int = 1,
+        sliding_window_size: int | None = None,
+        token_to_kv_pool_allocator: Any = None,
+        on_node_evict: Callable[[int], None] | None = None,
+        *,
+        eviction_policy: str = "lru",
+        eager_page_hashes: bool = False,
+        listener: PageListener | None = None,
+    ) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise InvalidInputError(f"page_size must be an int >= 1, got {page_size!r}")
+        self.page_size = page_size
+        self.sliding_window_size = sliding_window_size
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.on_node_evict = on_node_evict
+        self.device = torch.device(getattr(token_to_kv_pool_allocator, "device", None) or "cpu")
+        # A listener reports page hashes as nodes come and go, so they must exist then.
+        self.listener = listener
+        self.eager_page_hashes = eager_page_hashes or listener is not None
+        self.eviction_policy = eviction_policy
+        self._leaves = EvictionQueue(get_eviction_policy(eviction_policy))
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every node. Slots are not freed: clear the allocator alongside."""
+        self.root_node = TreeNode(value=self._empty())
+        self.root_node.lock_ref = self.root_node.swa_lock_ref = 1
+        self._clock = 0
+        self._evictable = 0
+        self._protected = 0
+        self._leaves.clear()
+        self._gone_nodes: list[TreeNode] = []  # deleted, not yet told to the listener
+        if self.listener is not None:
+            self.listener.cleared(self)
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def total_size(self) -> int:
+        return self._evictable + self._protected
+
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Longest cached page-aligned prefix of ``key`` in its namespace.
+
+        Splits the last node if the match ends inside it (the split stays). Touches the
+        matched path for eviction order and counts a hit on each node.
+        """
+        packed, width, token_bytes, page_bytes, end = self._aligned(key)
+        ns_root = self.root_node.children.get((key.extra_key, width))
+        if ns_root is None or end == 0:
+            return MatchResult(self._empty(), self.root_node, 0)
+
+        self._touch_roots(ns_root)
+        node, pos, values = ns_root, 0, []
+        while pos < end:
+            child, covered = self._descend(node, packed, pos, end, page_bytes)
+            if child is None:
+                break
+            covered.hit_count += 1
+            values.append(covered.value)
+            pos += len(covered.key_bytes)
+            node = covered
+            if covered is not child:
+                break
+        if not pos:  # a namespace root is internal; a miss ends at the real root
+            return MatchResult(self._empty(), self.root_node, 0)
+        return MatchResult(torch.cat(values), node, pos // token_bytes)
+
+    def peek_prefix(self, key: RadixKey) -> torch.Tensor:
+        """Full-KV slots of the longest cached page-aligned prefix of ``key``, read-only.
+
+        Unlike ``match_prefix`` it neither splits, touches nor counts a hit, and it
+        ignores the SWA window: it answers "which slots would ``insert`` find already in
+        the tree", so a caller can validate an insert before making it.
+        """
+        packed, width, token_bytes, page_bytes, end = self._aligned(key)
+        node = self.root_node.children.get((key.extra_key, width))
+        pos, values = 0, []
+        while node is not None and pos < end:
+            child = node.children.get(packed[pos : pos + page_bytes])
+            if child is None:
+                break
+            if packed.startswith(child.key_bytes, pos):
+                values.append(child.value)
+                pos += len(child.key_bytes)
+            else:
+                matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
+                values.append(child.value[: matched // token_bytes])
+                break
+            node = child
+        return torch.cat(values) if values else self._empty()
+
+    def insert(
+        self,
+        key: RadixKey,
+        value: torch.Tensor | None = None,
+        *,
+        prev_prefix_len: int = 0,
+        swa_evicted_seqlen: int = 0,
+    ) -> InsertResult:
+        """Cache ``key``'s page-aligned part with slots ``value``.
+
+        Nodes already in the tree keep their slots; ``prefix_len`` says how many tokens
+        were there, and the caller still owns (and frees) ``value`` for those and for
+        the unaligned tail. ``prev_prefix_len`` and ``swa_evicted_seqlen`` only matter
+        in SWA mode. ``last_node`` is the node where the key ends. ``value=None``
+        stores the token ids as slots, which only a cache without an allocator allows.
+        """
+        packed, width, token_bytes, page_bytes, end = self._aligned(key)
+        value = self._checked_value(key, value, end // token_bytes)
+        if end == 0:
+            return InsertResult(0, self.root_node)
+
+        ns_root = self._namespace_root(key.extra_key, width)
+        self._touch_roots(ns_root)
+        node, pos = ns_root, 0
+        while pos < end:
+            child, covered = self._descend(node, packed, pos, end, page_bytes)
+            if child is None:
+                break
+            pos += len(covered.key_bytes)
+            node = covered
+            if covered is not child:
+                break
+        prefix_len = pos // token_bytes
+        if pos < end:
+            self._leaves.discard(node)
+            node = self._add_leaf(node, packed[pos:end], value[prefix_len : end // token_bytes])
+        return InsertResult(prefix_len, node)
+
+    def compute_node_hash(self, node: TreeNode) -> list[str]:
+        """The node's chained page hashes, computing any missing ones root-down first."""
+        if node.key_len == 0:
+            return []
+        pending = []
+        top = node
+        while top.key_len and top.hash_values is None:
+            pending.append(top)
+            top = top.parent
+        prior = bytes.fromhex(top.hash_values[-1]) if top.key_len and top.hash_values else None
+        for n in reversed(pending):
+            n.hash_values = hash_pages(n.key_bytes, n.namespace.page_bytes, prior)
+            prior = bytes.fromhex(n.hash_values[-1])
+        return node.hash_values or []
+
+    def pretty_print(self) -> None:
+        """Print the tree, one node a line, with lengths, locks and the first tokens."""
+        print(format_tree(self))
+
+    def check_integrity(self) -> None:
+        """Recompute sizes, locks, eviction candidates and slot ownership from the tree.
+
+        Raises:
+            IntegrityError: naming every disagreement found.
+        """
+        check_radix_cache(self)
+
+    def _aligned(self, key: RadixKey) -> tuple[bytes, int, int, int, int]:
+        """``key`` packed: its bytes, token width, bytes per token and per page, and the
+        end of its last whole page (in bytes)."""
+        packed, width = key.packed()
+        token_bytes = 4 * width
+        page_bytes = token_bytes * self.page_size
+        return packed, width, token_bytes, page_bytes, len(packed) - len(packed) % page_bytes
+
+    def _descend(self, node: TreeNode, packed: bytes, pos: int, end: int, page_bytes: int,
+                 touch: bool = True) -> tuple[TreeNode | None, TreeNode | None]:
+        """Follow ``packed[pos:end]`` one edge down from ``node``.
+
+        Returns ``(child, covered)``: the child the key enters (None if there is none)
+        and the node covering the part that matched, which is the child itself, or its
+        new upper part when the key parts from it inside (split at a page boundary).
+        """
+        child = node.children.get(packed[pos : pos + page_bytes])
+        if child is None:
+            return None, None
+        if touch:
+            self._touch(child)
+        if packed.startswith(child.key_bytes, pos):
+            return child, child
+        matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
+        return child, self._split(child, matched // child.require_namespace().token_bytes)
+
+    def _touch(self, node: TreeNode) -> None:
+        """Make ``node`` the most recently used (the next clock tick)."""
+        self._clock += 1
+        node.last_access_time = self._clock
+        self._leaves.refresh(node)
+
+    def _touch_roots(self, ns_root: TreeNode) -> None:
+        self._clock += 1
+        self.root_node.last_access_time = ns_root.last_access_time = self._clock
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty((0,), dtype=torch.int64, device=self.device)
+
+    def _namespace_root(self, extra_key: str | None, width: int) -> TreeNode:
+        ns_root = self.root_node.children.get((extra_key, width))
+        if ns_root is None:
+            ns = Namespace(extra_key, width, self.page_size)
+            ns_root = TreeNode(ns, b"", self._empty(), self.root_node, self._clock)
+            ns_root.lock_ref = ns_root.swa_lock_ref = 1
+            self.root_node.children[(extra_key, width)] = ns_root
+        return ns_root
+
+    def _checked_value(self, key: RadixKey, value: Any, num_tokens: int) -> torch.Tensor:
+        if value is None:
+            if self.token_to_kv_pool_allocator is not None:
+                # The token ids would be stored as slots the allocator never handed
+                # out, and a later eviction would free them.
+                raise InvalidInputError("value=None is only for a cache without an "
+                                        "allocator: pass the slots of the key's tokens")
+            if key.token_width != 1:
+                raise InvalidInputError("value=None needs int tokens; pass slots for tuple keys")
+            return torch.tensor(list(key.token_ids[:num_tokens]), dtype=torch.int64)
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value, dtype=torch.int64)
+        # A set lookup settles the usual dtypes; the tensor queries cost ~0.3 µs each.
+        if value.dim() != 1 or (value.dtype not in _INT_DTYPES and (
+                value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)):
+            raise InvalidInputError(f"value must be a 1-D integer tensor, got {value.dtype} "
+                                    f"of shape {tuple(value.shape)}")
+        if value.shape[0] < num_tokens:
+            raise InvalidInputError(f"value has {len(value)} slots for {num_tokens} tokens")
+        return value
+
+    def _add_leaf(self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor) -> TreeNode:
+        ns = parent.require_namespace()
+        self._clock += 1
+        leaf = TreeNode(ns, key_bytes, value.clone(), parent, self._clock)
+        parent.children[key_bytes[: ns.page_bytes]] = leaf
+        self._evictable += leaf.key_len
+        self._leaves.push(leaf)
+        if self.eager_page_hashes:
+            self.compute_node_hash(leaf)
+        if self.listener is not None:
+            self.listener.pages_stored(leaf)
+        return leaf
+
+    def _split(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Cut ``child`` after ``split_len`` tokens; the new upper node is returned.
+
+        The lower part keeps the node object and id (so a handle to the sequence end
+        stays valid); the upper part copies the lock counts, since every lock through
+        the child also covers it, and takes the SWA boundary so an unlock walking up
+        still passes it. The hit count is copied too: the upper part was hit as often.
+        """
+        ns = child.require_namespace()
+        cut = split_len * ns.token_bytes
+        parent = child.parent
+        upper = TreeNode(ns, child.key_bytes[:cut], child.value[:split_len].clone(), parent,
+                         child.last_access_time)
+        upper.lock_ref = child.lock_ref
+        upper.swa_lock_ref = child.swa_lock_ref
+        upper.swa_tombstone = child.swa_tombstone
+        upper.hit_count = child.hit_count
+        upper.swa_boundary_id, child.swa_boundary_id = child.swa_boundary_id, None
+        if child.hash_values is not None:
+            pages = split_len // self.page_size
+            upper.hash_values, child.hash_values = (child.hash_values[:pages],
+                                                    child.hash_values[pages:])
+        child.key_bytes = child.key_bytes[cut:]
+        child.key_len -= split_len
+        child.value = child.value[split_len:].clone()
+        parent.children[upper.key_bytes[: ns.page_bytes]] = upper
+        upper.children[child.key_bytes[: ns.page_bytes]] = child
+        child.parent = upper
+        # The lower part ranks as more recent than the upper part, so a policy that may
+        # take inner nodes (SWA tombstoning) frees the older end of a sequence first.
+        self._clock += 1
+        child.last_access_time = self._clock
+        self._leaves.refresh(child)
+        self._after_split(upper, child)
+        return upper
+
+    def _after_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """Hook for subclasses that rank internal nodes too."""

@@ -1,0 +1,245 @@
+"""HashPages: one model's pages looked up, read and stored by chained page hash.
+
+What SGLang's HiCache storage backend asks of an L3 page store (ExistsPages, GetPages,
+SetPages), answered from the model's tree: token pages through the page index (their
+chained hashes, as ``hash_pages`` computes them, byte-identical to SGLang's), and
+*hash pages*, stored by SetPages under a hash namespace of the same tree because SGLang
+hands a page's KV and hash but never its tokens (``prefixcache.cache.index.page_index`` says
+how and why). Every page a request names is looked up in the token namespace first,
+then in its hash namespace.
+
+* ``exists``: the leading run of pages held, and which are. It counts as a lookup in
+  the model's query and hit tokens, so the service's hit ratio covers SGLang's.
+* ``get``: the slots of the leading run, locked for the session with one lock per run
+  of pages that lies on one tree path, so the worker can read them (ReadKV, or its
+  attached pool) and unlock. Reading refreshes the pages' place in the eviction order.
+* ``set``: the session's slots (Alloc, then WriteKV or the attached pool) become the
+  tree's hash pages. A page already held is not stored again and the session's slots
+  for it are freed; a page the caller sends no slots for is reported missing. A run of
+  new pages that follows a hash page is stored under it (one path, one lock, evicted
+  from its end); one that follows a token page or nothing starts a path of its own.
+
+Every check runs before anything changes. Radix models only (the page index needs the
+model's eager page hashes: ``server.change_log_capacity > 0``).
+
+Not thread-safe: called on the service's event loop, like the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from prefixcache.cache import InvalidInputError, RadixKey
+from prefixcache.cache.index.page_index import (
+    PageIndex,
+    encode_hash_pages,
+    hash_namespace,
+    hash_page_width,
+)
+from prefixcache.cache.pools.allocator import host_indices
+
+from ..errors import PreconditionError
+from ..sessions.quotas import prefix_tokens
+from ..sessions.session import Session
+from .base import needs_session
+from .slot_checks import check_distinct, check_range
+
+Namespace = tuple[str | None, int]
+
+# SetPages' answer per page (one byte each on the wire).
+MISSING, STORED, HELD = 0, 1, 2
+
+
+@dataclass(slots=True)
+class GetOutcome:
+    """The leading run of pages found: their slots (``page_size`` each) and the locks
+    that protect them, for the session to release once it has read them."""
+
+    found: int
+    slots: np.ndarray
+    lock_ids: list[int]
+
+
+class HashPages:
+    """The page-hash operations of one radix model (see the module docstring).
+
+    Raises:
+        PreconditionError: the model has no page index (not radix, or no page hashes).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        index = getattr(engine, "page_index", None)
+        if index is None:
+            raise PreconditionError(
+                f"model {engine.name!r} cannot look pages up by hash: that needs a radix "
+                "model with page hashes (server.change_log_capacity > 0)")
+        self.engine = engine
+        self.index: PageIndex = index
+        self.page_size: int = engine.page_size
+
+    # ---------------------------------------------------------------- reads
+
+    def exists(self, namespace: Namespace, page_hashes: list[str],
+               lookup: bool = True) -> tuple[int, bytes]:
+        """The number of pages held from the first, and one byte (1/0) per page;
+        ``lookup``: count it in the model's query and hit tokens."""
+        return self.count(self.presence(namespace, page_hashes), lookup)
+
+    def presence(self, namespace: Namespace, page_hashes: list[str]) -> bytes:
+        """One byte per page: 1 where it is held, 0 where not (nothing counted)."""
+        # _locate's two lookups, with the hash namespace named once for the call.
+        hidden = (hash_namespace(*namespace), hash_page_width(self.page_size))
+        find = self.index.find
+        return bytes(find(namespace, h) is not None or find(hidden, h) is not None
+                     for h in page_hashes)
+
+    def count(self, present: bytes, lookup: bool = True) -> tuple[int, bytes]:
+        """``exists``' answer from ``presence``' bytes (of one chain, in order)."""
+        leading = present.find(0)
+        leading = len(present) if leading < 0 else leading
+        if not lookup:
+            return leading, present
+        engine = self.engine
+        engine.ops["match"] += 1
+        engine.match_tokens += len(present) * self.page_size
+        engine.hit_tokens += leading * self.page_size
+        return leading, present
+
+    def get(self, namespace: Namespace, page_hashes: list[str],
+            session: Session | None) -> GetOutcome:
+        """Lock the leading run of pages for ``session`` and answer their slots."""
+        owner = needs_session(session, "GetPages")
+        runs = self._runs(namespace, page_hashes)
+        engine, cache, size = self.engine, self.engine.cache, self.page_size
+        found, parts, lock_ids = 0, [], []
+        try:
+            for ns, last, count in runs:
+                packed, depth = self.index.path(ns, last)
+                key = RadixKey.from_bytes(packed, ns[1], ns[0])
+                result = cache.match_prefix(key)
+                # A radix match reaches every indexed page; anything short of that ends
+                # the run (and the answer) where the match ended.
+                matched = result.prefix_len // size
+                usable = max(0, count - (depth - matched))
+                if usable:
+                    node = result.last_node
+                    tokens = prefix_tokens(node)
+                    engine.quota.check_lock(owner, tokens)  # quotas.py; undone below
+                    lock_ids.append(engine._hold(owner, node, cache.inc_lock_ref(node),
+                                                 tokens, lookup=True))
+                    first = (depth - count) * size
+                    parts.append(host_indices(result.indices)[first:first + usable * size])
+                    found += usable
+                if usable < count:
+                    break
+        except BaseException:
+            for lock_id in lock_ids:
+                engine.unlock(owner, lock_id)
+            raise
+        slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return GetOutcome(found, slots, lock_ids)
+
+    # --------------------------------------------------------------- writes
+
+    def set(self, namespace: Namespace, prior: str | None, page_hashes: list[str],
+            slots: np.ndarray, session: Session | None) -> bytes:
+        """Store the pages ``slots`` hold (``page_size`` a page; all zero: not sent)
+        under their hashes; one state byte per page (MISSING, STORED, HELD)."""
+        owner = needs_session(session, "SetPages")
+        size = self.page_size
+        pages = self._checked_pages(page_hashes, slots, owner)
+        states = bytearray(len(page_hashes))
+        runs: list[list[int]] = []
+        free: list[np.ndarray] = []
+        for i, page_hash in enumerate(page_hashes):
+            sent = pages[i] is not None
+            if self._locate(namespace, page_hash) is not None:
+                states[i] = HELD
+                if sent:
+                    free.append(pages[i])
+            elif sent:
+                states[i] = STORED
+                if runs and runs[-1][-1] == i - 1:
+                    runs[-1].append(i)
+                else:
+                    runs.append([i])
+        engine = self.engine
+        if free:
+            engine.free(owner, np.concatenate(free))
+        hidden = (hash_namespace(*namespace), hash_page_width(size))
+        for run in runs:
+            start = run[0]
+            parent = page_hashes[start - 1] if start else prior
+            base, base_slots = b"", np.zeros(0, dtype=np.int64)
+            if parent is not None and self.index.find(hidden, parent) is not None:
+                base, depth = self.index.path(hidden, parent)
+                base_slots = host_indices(engine.cache.peek_prefix(
+                    RadixKey.from_bytes(base, hidden[1], hidden[0])))
+                if len(base_slots) != depth * size:
+                    raise PreconditionError(f"hash page {parent[:16]} is indexed but not "
+                                            "cached whole (a bookkeeping bug)")
+            packed = base + encode_hash_pages([page_hashes[i] for i in run], size)
+            value = np.concatenate([base_slots, *(pages[i] for i in run)])
+            engine.insert(RadixKey.from_bytes(packed, hidden[1], hidden[0]), value, owner)
+        return bytes(states)
+
+    # -------------------------------------------------------------- helpers
+
+    def _locate(self, namespace: Namespace, page_hash: str) -> Namespace | None:
+        """Where a page is held: its token namespace, its hash namespace, or nowhere."""
+        if self.index.find(namespace, page_hash) is not None:
+            return namespace
+        hidden = (hash_namespace(*namespace), hash_page_width(self.page_size))
+        if self.index.find(hidden, page_hash) is not None:
+            return hidden
+        return None
+
+    def _runs(self, namespace: Namespace, page_hashes: list[str]
+              ) -> list[tuple[Namespace, str, int]]:
+        """The leading run of held pages as runs along one tree path each:
+        ``(namespace, last page hash, pages)``."""
+        runs: list[tuple[Namespace, str, int]] = []
+        previous: str | None = None
+        for page_hash in page_hashes:
+            ns = self._locate(namespace, page_hash)
+            if ns is None:
+                break
+            entry = self.index.find(ns, page_hash)
+            if runs and runs[-1][0] == ns and entry is not None \
+                    and entry.parent == previous:
+                runs[-1] = (ns, page_hash, runs[-1][2] + 1)
+            else:
+                runs.append((ns, page_hash, 1))
+            previous = page_hash
+        return runs
+
+    def _checked_pages(self, page_hashes: list[str], slots: np.ndarray,
+                       session: Session) -> list[np.ndarray | None]:
+        """Each page's slots (None where all are 0), every rule checked first."""
+        size, engine = self.page_size, self.engine
+        if len(set(page_hashes)) != len(page_hashes):
+            raise InvalidInputError("page_hashes names a page twice (a chain of page hashes "
+                                    "never repeats one)")
+        if len(slots) != len(page_hashes) * size:
+            raise InvalidInputError(f"slot_indices has {len(slots)} slots for {len(page_hashes)} "
+                           f"pages of {size}")
+        per_page = slots.reshape(len(page_hashes), size) if len(page_hashes) else \
+            slots.reshape(0, size)
+        zero = (per_page == 0).all(axis=1)
+        mixed = ~zero & (per_page == 0).any(axis=1)
+        if mixed.any():
+            raise InvalidInputError(f"page {int(np.argmax(mixed))} names slot 0 among its slots: "
+                           "name all of a page's slots, or none (page_size zeros)")
+        sent = per_page[~zero].reshape(-1)
+        check_range(sent, 1, engine.num_rows, engine.name)
+        held = engine._owner[sent] == session.tag
+        if not held.all():
+            bad = int(sent[np.argmin(held)])
+            raise PreconditionError(f"slot {bad} is not held by this session (Alloc it, "
+                                    "and write the page's KV into it, first)")
+        check_distinct(sent)
+        return [None if zero[i] else per_page[i] for i in range(len(page_hashes))]
+
