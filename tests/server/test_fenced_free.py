@@ -18,7 +18,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -75,61 +77,86 @@ def _wait(what, timeout: float, why: str) -> None:  # type: ignore[no-untyped-de
         time.sleep(0.05)
 
 
+@contextmanager
+def stopped_writer(server: ServerThread, client: PrefixCacheClient
+                   ) -> Iterator[tuple[Any, list[int], subprocess.Popen[bytes]]]:
+    """A session holding ``FREED`` fresh slots and its worker (WORKER), stopped inside
+    the session's fence after layer 0 of its copy into them: (session, slots, worker).
+    The worker is killed on the way out if it is still there."""
+    owner = client.open_session(60)
+    slots = [int(s) for s in client.alloc("m", FREED, session=owner).slots]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent),
+                                         env.get("PYTHONPATH", "")])
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER, server.address, owner.session_id,
+         str(owner.server_epoch), str(slots)],
+        stdout=subprocess.PIPE, env=env)
+    try:
+        assert worker.stdout is not None
+        assert worker.stdout.readline().strip() == b"stopping"
+        _wait(lambda: _stopped(worker.pid), 10, "the worker to stop")
+        yield owner, slots, worker
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(10)
+
+
+def _take_the_rest(client: PrefixCacheClient, count: int, fenced: list[int]
+                   ) -> tuple[Any, list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """Another session takes ``count`` slots (every free one), none of them ``fenced``,
+    and writes its KV into them: (session, slots, k, v)."""
+    victim = client.open_session(60)
+    taken = [int(s) for s in client.alloc("m", count, session=victim).slots]
+    assert not set(taken) & set(fenced)
+    k = [torch.arange(len(taken) * 4, dtype=torch.float16).view(-1, 1, 4) + i
+         for i in range(2)]
+    v = [t + 100 for t in k]
+    client.write_kv("m", taken, k, v, session=victim)
+    return victim, taken, k, v
+
+
+def _intact_then_returned(server: ServerThread, client: PrefixCacheClient, victim: Any,
+                          taken: list[int], k: list[torch.Tensor], v: list[torch.Tensor]
+                          ) -> None:
+    """Once the writer is gone: ``victim``'s rows are as it wrote them, and the fenced
+    slots are back (here, or on a reaper tick that settled them already), and only now;
+    then ``victim`` ends."""
+    got = client.read_kv("m", taken, session=victim)
+    for layer in range(2):
+        assert torch.equal(got.k[layer], k[layer])
+        assert torch.equal(got.v[layer], v[layer])
+    server.run(server.service.settle_fences)
+    assert server.run(server.service.engines["m"].allocator.available_size) == FREED
+    assert server.run(server.service.fences.waiting) == []
+    server.check_integrity()
+    client.close_session(victim)
+
+
 def test_slots_freed_mid_copy_wait_for_the_writer(server: ServerThread) -> None:
     engine = server.service.engines["m"]
     free = lambda: server.run(engine.allocator.available_size)  # noqa: E731
-    with PrefixCacheClient(server.address, timeout=10) as client:
-        owner = client.open_session(60)
-        slots = [int(s) for s in client.alloc("m", FREED, session=owner).slots]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent),
-                                             env.get("PYTHONPATH", "")])
-        worker = subprocess.Popen(
-            [sys.executable, "-c", WORKER, server.address, owner.session_id,
-             str(owner.server_epoch), str(slots)],
-            stdout=subprocess.PIPE, env=env)
-        try:
-            assert worker.stdout is not None
-            assert worker.stdout.readline().strip() == b"stopping"
-            _wait(lambda: _stopped(worker.pid), 10, "the worker to stop")
+    with PrefixCacheClient(server.address, timeout=10) as client, \
+            stopped_writer(server, client) as (owner, slots, worker):
+        # Rank 0's give-back, while the stopped worker still holds the fence.
+        before = free()
+        client.free("m", slots, session=owner)
+        assert free() == before  # out of the free list, not back in it
+        server.check_integrity()
 
-            # Rank 0's give-back, while the stopped worker still holds the fence.
-            before = free()
-            client.free("m", slots, session=owner)
-            assert free() == before  # out of the free list, not back in it
-            server.check_integrity()
+        victim, taken, k, v = _take_the_rest(client, free(), slots)
 
-            victim = client.open_session(60)
-            taken = [int(s) for s in client.alloc("m", free(), session=victim).slots]
-            assert not set(taken) & set(slots)
-            k = [torch.arange(len(taken) * 4, dtype=torch.float16).view(-1, 1, 4) + i
-                 for i in range(2)]
-            v = [t + 100 for t in k]
-            client.write_kv("m", taken, k, v, session=victim)
+        assert server.run(server.service.settle_fences) == 0  # still inside
+        server.check_integrity()
+        worker.send_signal(signal.SIGCONT)
+        assert worker.stdout is not None
+        assert worker.stdout.readline().strip() == b"wrote"
+        assert worker.wait(30) == 0
 
-            assert server.run(server.service.settle_fences) == 0  # still inside
-            server.check_integrity()
-            worker.send_signal(signal.SIGCONT)
-            assert worker.stdout.readline().strip() == b"wrote"
-            assert worker.wait(30) == 0
-
-            got = client.read_kv("m", taken, session=victim)
-            for layer in range(2):
-                assert torch.equal(got.k[layer], k[layer])
-                assert torch.equal(got.v[layer], v[layer])
-            # The writer is gone: the freed slots come back (here, or on a reaper tick
-            # that settled them already), and only now.
-            server.run(server.service.settle_fences)
-            assert free() == FREED
-            assert server.run(server.service.fences.waiting) == []
-            server.check_integrity()
-            client.close_session(victim)
-            client.close_session(owner)
-            server.check_integrity()
-        finally:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait(10)
+        _intact_then_returned(server, client, victim, taken, k, v)
+        client.close_session(owner)
+        server.check_integrity()
 
 
 @pytest.mark.parametrize("how", ["ended", "freed"])
@@ -142,60 +169,31 @@ def test_a_reset_keeps_fenced_slots_from_other_sessions(server: ServerThread,
     the allocator and the writer overwrote the other session's layer 1."""
     engine = server.service.engines["m"]
     free = lambda: server.run(engine.allocator.available_size)  # noqa: E731
-    with PrefixCacheClient(server.address, timeout=10) as client:
-        owner = client.open_session(60)
-        slots = [int(s) for s in client.alloc("m", FREED, session=owner).slots]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent),
-                                             env.get("PYTHONPATH", "")])
-        worker = subprocess.Popen(
-            [sys.executable, "-c", WORKER, server.address, owner.session_id,
-             str(owner.server_epoch), str(slots)],
-            stdout=subprocess.PIPE, env=env)
-        try:
-            assert worker.stdout is not None
-            assert worker.stdout.readline().strip() == b"stopping"
-            _wait(lambda: _stopped(worker.pid), 10, "the worker to stop")
-            if how == "ended":
-                client.close_session(owner)
-            else:
-                client.free("m", slots, session=owner)
-            server.check_integrity()
-            client.reset("m")
-            server.check_integrity()
-            pool = engine.pool_size
-            assert free() == pool - FREED  # the fenced slots stay out of the pool
+    with PrefixCacheClient(server.address, timeout=10) as client, \
+            stopped_writer(server, client) as (owner, slots, worker):
+        if how == "ended":
+            client.close_session(owner)
+        else:
+            client.free("m", slots, session=owner)
+        server.check_integrity()
+        client.reset("m")
+        server.check_integrity()
+        pool = engine.pool_size
+        assert free() == pool - FREED  # the fenced slots stay out of the pool
 
-            victim = client.open_session(60)
-            taken = [int(s) for s in client.alloc("m", free(), session=victim).slots]
-            assert not set(taken) & set(slots)
-            k = [torch.arange(len(taken) * 4, dtype=torch.float16).view(-1, 1, 4) + i
-                 for i in range(2)]
-            v = [t + 100 for t in k]
-            client.write_kv("m", taken, k, v, session=victim)
-            assert server.run(server.service.settle_fences) == 0  # still inside
-            server.check_integrity()
-            worker.send_signal(signal.SIGCONT)
-            worker.stdout.readline()  # "wrote", or nothing if the save was refused
-            assert worker.wait(30) in (0, 1)
+        victim, taken, k, v = _take_the_rest(client, free(), slots)
+        assert server.run(server.service.settle_fences) == 0  # still inside
+        server.check_integrity()
+        worker.send_signal(signal.SIGCONT)
+        assert worker.stdout is not None
+        worker.stdout.readline()  # "wrote", or nothing if the save was refused
+        assert worker.wait(30) in (0, 1)
 
-            got = client.read_kv("m", taken, session=victim)
-            for layer in range(2):
-                assert torch.equal(got.k[layer], k[layer])
-                assert torch.equal(got.v[layer], v[layer])
-            server.run(server.service.settle_fences)
-            assert free() == FREED
-            assert server.run(server.service.fences.waiting) == []
-            server.check_integrity()
-            client.close_session(victim)
-            if how == "freed":
-                client.close_session(owner)
-            assert free() == pool
-            server.check_integrity()
-        finally:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait(10)
+        _intact_then_returned(server, client, victim, taken, k, v)
+        if how == "freed":
+            client.close_session(owner)
+        assert free() == pool
+        server.check_integrity()
 
 
 def test_a_free_without_a_writer_inside_frees_at_once(server: ServerThread) -> None:

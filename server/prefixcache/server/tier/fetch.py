@@ -7,7 +7,7 @@
 2. Off the loop: one ``exists`` over their keys; the leading run found is wanted.
 3. On the loop: the local hit again (the tree may have grown meanwhile), locked for the
    tier's session; fresh slots for the wanted pages, allocated to that session and
-   moved at once into the model's quarantine (engine/slots.py).
+   moved at once into the model's quarantine (store_read.py, engine/slots.py).
 4. Off the loop: ``get_into`` those slots' rows straight from the store.
 5. On the loop, once that thread has returned: the slots go back to the session, the
    leading run read whole (every byte of every page) is inserted after the local hit,
@@ -16,10 +16,9 @@
 
 The lookup's store calls together are bounded by ``tier.timeout``; a failure, a timeout or
 anything short counts as a miss and leaves the tree as it was. The store call cannot be
-cancelled: its thread may write into the slots long after the deadline. So the slots
-stay quarantined, held by no one, until the thread has returned, whatever happens
-meanwhile: a timeout, or a Reset (which frees every other slot, and bumps
-``generation``: the fetch is void, its slots are freed when the thread returns).
+cancelled, so its slots stay quarantined until its thread has returned, whatever happens
+meanwhile (a timeout, a Reset: which voids the fetch): store_read.py, shared with the
+hash-page fetch (fetch_pages.py).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from prefixcache.cache.pools.allocator import host_indices
 
 from .backend import code_name
 from .model_tier import ModelTier
+from .store_read import StoreRead, leading_run, safely
 
 log = logging.getLogger("prefixcache.server")
 
@@ -102,16 +102,6 @@ def _hashes_after(cache: Any, node: Any, local: int, pages: int, packed: bytes, 
     return hash_pages(tail, ps * token_bytes, prior)
 
 
-def leading_run(codes: list[int] | None, ok: Any) -> int:
-    """How many codes from the first pass ``ok``."""
-    if not codes:
-        return 0
-    for i, code in enumerate(codes):
-        if not ok(code):
-            return i
-    return len(codes)
-
-
 async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str],
                  deadline: float) -> int:
     """Steps 3 to 5 of the module doc for the pages ``keys`` that follow ``local``."""
@@ -125,61 +115,13 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]
     keys = keys[(now - local) // ps:]
     if not keys:
         return 0
-    generation = mt.generation
-    lock_id = 0
-    try:
-        if now:
-            lock_id = engine.lock(session, engine._handle(result.last_node))
-        slots, _ = engine.alloc(session, len(keys) * ps)
-        engine.quarantine(session, slots)
-    except Exception as exc:  # no room (all pinned), a quota: a miss
-        if lock_id:
-            engine.unlock(session, lock_id)
-        tier.error("fetch", type(exc).__name__)
+    read = StoreRead(tier, mt)
+    if not read.take(len(keys), result.last_node if now else None):
         return 0
-
-    def release(inserted: int = 0) -> None:
-        if generation != mt.generation or session.closed:
-            return  # a Reset took the lock already (and left the slots quarantined)
-        rest = slots[inserted:]
-        if len(rest):
-            engine.free(session, rest)
-        if lock_id:
-            engine.unlock(session, lock_id)
-
-    ptrs, sizes = mt.layout.parts(slots)
-    start = time.perf_counter()
-    backend = tier.backend
-    if backend is None:  # closed while we asked
-        safely(engine.unquarantine, slots)
-        safely(release, len(slots))
+    whole = await read.read(keys, deadline)
+    if whole == 0:
         return 0
-    codes, fut = await tier.call("get", backend.get_into, keys, ptrs, sizes,
-                                 deadline=deadline)
-    if codes is None:
-        safely(release, len(slots))  # the lock; the slots wait for the thread
-        if fut is not None and not fut.done():
-            # 4 timed out: the thread may still write into the slots; free them after.
-            fut.add_done_callback(lambda _f: safely(engine.unquarantine, slots))
-        else:
-            safely(engine.unquarantine, slots)
-        return 0
-    # The thread has returned: nothing writes into the slots any more.
-    if generation != mt.generation or session.closed:
-        safely(engine.unquarantine, slots)  # void (a Reset): freed
-        return 0
-    engine.unquarantine(slots, session)
-    mt.fetch_seconds += time.perf_counter() - start
-    whole = leading_run(codes, lambda c: c == mt.layout.page_bytes)
-    for code in codes[whole:whole + 1]:
-        if code < 0:
-            tier.error("get", code_name(code))
-        elif code != mt.layout.page_bytes:
-            tier.error("get", "SIZE_MISMATCH")
-    if generation != mt.generation or whole == 0:
-        safely(release)
-        return 0
-    mt.fetch_bytes += whole * mt.layout.page_bytes
+    slots = read.slots
     # 5. Insert the run read whole after the (locked, so unchanged) local hit.
     end = now + whole * ps
     head = host_indices(cache.match_prefix(key[:now]).indices)[:now] if now else \
@@ -196,12 +138,6 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]
         got = 0
     finally:
         mt.suppressed = False
-    safely(release, inserted)
+    safely(read.release, inserted)
     return got
 
-
-def safely(fn: Any, *args: Any) -> None:
-    try:
-        fn(*args)
-    except Exception:
-        log.exception("tier fetch cleanup failed")

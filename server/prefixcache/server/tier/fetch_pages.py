@@ -8,9 +8,9 @@ follows counts them and a GetPages finds them. The keys are those of the same pa
 token pages (keys.py), so what a vLLM or token-level client cached on another node is
 found by hash here, and the other way round.
 
-As in fetch.py: one deadline for the lookup's store calls, the slots of a fetch stay
-quarantined until its thread has returned (a timeout or a Reset meanwhile hands none
-of them out), and a Reset in between voids the fetch.
+As in fetch.py: one deadline for the lookup's store calls, and the read's slots kept by
+store_read.py: quarantined until its thread has returned (a timeout or a Reset
+meanwhile hands none of them out), a Reset in between voiding the fetch.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from prefixcache.cache.index.page_index import DIGEST_BYTES
 
 from ..engine.hash_pages import HashPages
 from .backend import code_name
-from .fetch import MAX_FETCH_PAGES, MAX_POOL_SHARE, leading_run, safely
+from .fetch import MAX_FETCH_PAGES, MAX_POOL_SHARE
 from .model_tier import ModelTier
+from .store_read import StoreRead, leading_run, safely
 
 log = logging.getLogger("prefixcache.server")
 
@@ -82,55 +83,19 @@ async def prefetch_pages(tier: Any, mt: ModelTier, namespace: tuple[str | None, 
 async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
                        namespace: tuple[str | None, int], prior: str | None,
                        hashes: list[str], keys: list[str], deadline: float) -> int:
-    engine, ps, session = mt.engine, mt.page_size, tier.session
-    generation = mt.generation
-    try:
-        slots, _ = engine.alloc(session, len(keys) * ps)
-        engine.quarantine(session, slots)  # until the store call's thread returns
-    except Exception as exc:  # no room, a quota: a miss
-        tier.error("fetch", type(exc).__name__)
+    read = StoreRead(tier, mt)
+    if not read.take(len(keys)):
         return 0
-
-    def release(kept: int = 0) -> None:
-        if generation != mt.generation or session.closed:
-            return  # a Reset took the slots already
-        rest = slots[kept:]
-        if len(rest):
-            engine.free(session, rest)
-
-    ptrs, sizes = mt.layout.parts(slots)
-    start = time.perf_counter()
-    backend = tier.backend
-    if backend is None:  # closed while we asked
-        safely(engine.unquarantine, slots)
+    whole = await read.read(keys, deadline)
+    if whole == 0:
         return 0
-    codes, fut = await tier.call("get", backend.get_into, keys, ptrs, sizes,
-                                 deadline=deadline)
-    if codes is None:
-        if fut is not None and not fut.done():
-            # Timed out: the thread may still write into the slots; free them after.
-            fut.add_done_callback(lambda _f: safely(engine.unquarantine, slots))
-        else:
-            safely(engine.unquarantine, slots)
-        return 0
-    if generation != mt.generation or session.closed:
-        safely(engine.unquarantine, slots)  # void (a Reset): freed
-        return 0
-    engine.unquarantine(slots, session)
-    mt.fetch_seconds += time.perf_counter() - start
-    whole = leading_run(codes, lambda c: c == mt.layout.page_bytes)
-    if whole < len(codes):
-        code = codes[whole]
-        tier.error("get", code_name(code) if code < 0 else "SIZE_MISMATCH")
-    if generation != mt.generation or whole == 0:
-        safely(release)
-        return 0
-    mt.fetch_bytes += whole * mt.layout.page_bytes
+    ps = mt.page_size
     kept = 0
     mt.suppressed = True
     try:
         # Stored pages take their slots, pages held meanwhile free theirs (set's rules).
-        pages.set(namespace, prior, hashes[:whole], slots[:whole * ps], session)
+        pages.set(namespace, prior, hashes[:whole], read.slots[:whole * ps],
+                  read.session)
         kept = whole * ps
     except Exception:
         log.exception("tier fetch of hash pages failed to store them")
@@ -138,5 +103,5 @@ async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
         whole = 0
     finally:
         mt.suppressed = False
-    safely(release, kept)
+    safely(read.release, kept)
     return whole
