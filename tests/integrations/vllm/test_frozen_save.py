@@ -93,7 +93,9 @@ def save(req_id, tokens, blocks):
     if writes:
         say(session=meta.saves[0].session_id, slots=list(meta.saves[0].slots))
     worker.start_step(meta)
-    core.sends_done(worker.finished_sends({req_id}))
+    sent = worker.finished_sends({req_id})
+    core.saves_failed(worker.take_failed_saves())
+    core.sends_done(sent)
     settle(core)
 
 # A first save, so that the engine's fence is open long before (as in a running engine).

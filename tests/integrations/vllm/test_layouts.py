@@ -140,6 +140,7 @@ class Engine:
     def step(self, finished: set[str] = frozenset()) -> StepMeta:  # type: ignore[assignment]
         meta = self.core.build_meta()
         self.worker.start_step(meta)
+        self.core.saves_failed(self.worker.take_failed_saves())
         self.core.sends_done(self.worker.finished_sends(set(finished)))
         self.core.backend.wait_idle(10.0)  # type: ignore[attr-defined]
         return meta

@@ -57,6 +57,7 @@ def slots_of(blocks: list[int], block: int, tokens: int) -> Any:
 def step(core: Any, worker: Any, finished: set[str] = frozenset()) -> Any:  # type: ignore[assignment]
     meta = core.build_meta()
     worker.start_step(meta)
+    core.saves_failed(worker.take_failed_saves())
     core.sends_done(worker.finished_sends(set(finished)))
     core.backend.wait_idle(10.0)
     return meta

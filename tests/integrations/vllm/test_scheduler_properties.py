@@ -1,7 +1,8 @@
 """Random sequences of vLLM's scheduler-side calls (probes, allocations, preemptions,
-aborts, finishes with saves, idle time past the lease) against a real server: answers
-are stable within an attempt and never overreach, and once every request has finished
-the connector holds no lock and no slot, and the cache is sound."""
+aborts, finishes with saves, saves the workers fail, idle time past the lease) against
+a real server: answers are stable within an attempt and never overreach, and once
+every request has finished the connector holds no lock and no slot, and the cache is
+sound."""
 
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ ACTIONS = st.lists(st.tuples(st.sampled_from(["probe", "alloc", "preempt", "fini
 
 def engine_step(core: SchedulerCore, preempted: set[str] = frozenset()  # type: ignore[assignment]
                 ) -> None:
-    """A step: its metadata reaches the workers, which report its saves done."""
+    """A step: its metadata reaches the workers, which report its saves done, a save
+    of every other one failed (its slots are given back, not inserted)."""
     meta = core.build_meta(preempted)
     settle(core)
+    core.saves_failed(s.ref for s in meta.saves if s.ref % 2)
     core.sends_done(s.req_id for s in meta.saves)
     settle(core)
 

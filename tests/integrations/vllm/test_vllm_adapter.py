@@ -262,6 +262,57 @@ def test_a_load_failed_in_the_workers_reaches_the_service_as_load_failed(
             worker.shutdown()
 
 
+def test_a_save_failed_on_one_rank_is_given_back_once_every_rank_is_done(
+        server: ServerThread, client: PrefixCacheClient) -> None:
+    """Two workers save one request; one fails its copy (its caches do not fit the
+    pool: disabled). vLLM's own aggregator merges their outputs: the failure reaches
+    the scheduler side with the step that names the request done on every rank, and the
+    slots go back then, not inserted. The failing worker gives nothing back itself
+    (issue 21 item 5: another rank may not have copied yet)."""
+    config = vllm_config(server.address)
+    scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, None)
+    workers = [KVConnectorFactory.create_connector(config, Role.WORKER, None)
+               for _ in range(2)]
+    try:
+        workers[0].register_kv_caches(make_caches("bhn2d"))
+        one_layer = dict(list(make_caches("bhn2d").items())[:1])
+        workers[1].register_kv_caches(one_layer)  # the pool has two: disabled
+        a = request("A")
+        a.num_computed_tokens = 18
+        assert scheduler.request_finished(a, A_BLOCKS)[0]
+        for _ in range(2):  # the save's slots are allocated, then the copies go out
+            meta = scheduler.build_connector_meta(SchedulerOutput.make_empty())
+            scheduler._sched.backend.wait_idle(10.0)
+        (save,) = meta.step.saves
+        outputs = []
+        for worker in workers:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            sending, _ = worker.get_finished({"A"})
+            worker.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(
+                req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
+                    finished_sending=sending,
+                    kv_connector_worker_meta=worker.build_connector_worker_meta())))
+        # The failing worker left the slots to the scheduler side.
+        assert client.stats("v")["v"].session_slots == len(save.slots) == 16
+        merged = KVOutputAggregator(2).aggregate(outputs).kv_connector_output
+        assert merged.finished_sending == {"A"}
+        assert merged.kv_connector_worker_meta.failed_saves == {save.ref}
+        scheduler.update_connector_output(merged)
+        scheduler._sched.backend.wait_idle(10.0)
+        assert scheduler._sched.stats.saves_failed == 1
+        assert scheduler._sched.stats.saves == 0
+        assert not scheduler.has_pending_push_work()
+        assert client.match("v", PROMPT[:16]).prefix_len == 0
+        stats = client.stats("v")["v"]
+        assert (stats.locks, stats.session_slots) == (0, 0)
+    finally:
+        scheduler.shutdown()
+        for worker in workers:
+            worker.shutdown()
+
+
 @pytest.mark.parametrize(("isa", "kv_layout", "refused"), [
     ("vec", "auto", False), ("amx", "auto", False),
     ("vec", "bhn2d", True),     # the old guess, forced: vLLM's op disagrees

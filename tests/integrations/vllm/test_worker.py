@@ -49,15 +49,17 @@ def step(core: SchedulerCore, workers: list[WorkerCore],
 def run_step(core: SchedulerCore, workers: list[WorkerCore], meta: StepMeta,
              finished: set[str] = frozenset()) -> StepMeta:  # type: ignore[assignment]
     """The workers' half of ``step``, on ``meta``: the finished sends (every rank's)
-    and the failed loads (any rank's) go back as vLLM's update_connector_output hands
-    them over (worker metadata first, then the sends)."""
-    done, failed = None, set()
+    and the failed loads and saves (any rank's) go back as vLLM's
+    update_connector_output hands them over (worker metadata first, then the sends)."""
+    done, loads, saves = None, set(), set()
     for worker in workers:
         worker.start_step(meta)
         sent = worker.finished_sends(set(finished))
         done = sent if done is None else done & sent
-        failed |= worker.take_failed_loads()
-    core.loads_failed(failed)
+        loads |= worker.take_failed_loads()
+        saves |= worker.take_failed_saves()
+    core.loads_failed(loads)
+    core.saves_failed(saves)
     core.sends_done(done or ())
     settle(core)
     return meta

@@ -226,11 +226,13 @@ def _engine_step(core: Any, workers: list[Any], finished: frozenset[str] = froze
                  ) -> Any:
     """One vLLM engine step (as tests/integrations/vllm/test_worker.py drives it)."""
     meta = core.build_meta()
-    done = None
+    done, failed = None, set()
     for worker in workers:
         worker.start_step(meta)
         sent = worker.finished_sends(set(finished))
         done = sent if done is None else done & sent
+        failed |= worker.take_failed_saves()
+    core.saves_failed(failed)
     core.sends_done(done or ())
     settle(core)
     return meta

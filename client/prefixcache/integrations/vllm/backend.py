@@ -264,8 +264,8 @@ class RpcBackend:
 
     def _abort(self, session: ClientSession, slots: array, lock_id: int,
                epoch: int) -> None:
-        """Unlock, then free: each is tried even when the other fails (a worker that
-        failed to write the slots may have freed them already)."""
+        """Unlock, then free: each is tried even when the other fails (the lock may be
+        gone with a Reset while the slots are still the session's)."""
         first: BaseException | None = None
         for call in (lambda: lock_id and session.unlock(lock_id, server_epoch=epoch),
                      lambda: len(slots) and session.free(self.model, slots,

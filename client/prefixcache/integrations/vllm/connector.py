@@ -53,14 +53,17 @@ class PrefixCacheConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class PrefixCacheWorkerMetadata(KVConnectorWorkerMetadata):
-    """A step's failed loads, by reservation (``LoadOp.ref``), back to the scheduler
-    side; vLLM aggregates the ranks' reports into one (a union: each load once)."""
+    """A step's failed loads and saves, by reservation (``LoadOp.ref``) and save
+    (``SaveOp.ref``), back to the scheduler side; vLLM aggregates the ranks' reports
+    into one (a union: each once)."""
 
     failed_loads: set[int] = field(default_factory=set)
+    failed_saves: set[int] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, PrefixCacheWorkerMetadata):
             self.failed_loads |= other.failed_loads
+            self.failed_saves |= other.failed_saves
         return self
 
 
@@ -197,6 +200,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, PrefixCacheWorkerMetadata):
             self._sched.loads_failed(meta.failed_loads)
+            self._sched.saves_failed(meta.failed_saves)
         self._sched.sends_done(connector_output.finished_sending or ())
 
     # --------------------------------------------------------------- worker side
@@ -231,8 +235,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return self._work.take_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        failed = self._work.take_failed_loads()
-        return PrefixCacheWorkerMetadata(failed) if failed else None
+        loads, saves = self._work.take_failed_loads(), self._work.take_failed_saves()
+        return PrefixCacheWorkerMetadata(loads, saves) if loads or saves else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:

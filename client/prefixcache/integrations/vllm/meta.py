@@ -60,7 +60,10 @@ class LoadOp:
 class SaveOp:
     """Copy tokens ``start ..`` of a finished request from its blocks into ``slots``,
     which ``session_id`` holds; with no slots, there is nothing to copy and the worker
-    only reports the request done, so that vLLM frees its blocks."""
+    only reports the request done, so that vLLM frees its blocks. ``ref``: the
+    scheduler side's save, handed back to it when the copy fails
+    (``WorkerCore.take_failed_saves``) so that it gives the slots back instead of
+    inserting them."""
 
     req_id: str
     block_ids: array = field(default_factory=_ints)
@@ -68,6 +71,7 @@ class SaveOp:
     slots: array = field(default_factory=_ints)
     server_epoch: int = 0
     session_id: str = ""
+    ref: int = 0
 
 
 @dataclass(slots=True)

@@ -4,7 +4,8 @@ vLLM calls, on its scheduler thread and in this order for a request: ``probe`` (
 ``get_num_new_matched_tokens``, maybe many times), ``allocated`` (after it allocated
 blocks for the hit), ``build_meta`` (at the end of every step), ``finished`` (once, when
 the request ends), ``sends_done`` (when every worker copied a finished request's
-save) and ``loads_failed`` (with a step's output: the loads its workers failed).
+save), and ``loads_failed`` and ``saves_failed`` (with a step's output, before its
+``sends_done``: the loads and saves its workers failed).
 Everything here runs on that one thread; the calls to the service run in the backend's
 threads and come back through ``backend.drain``.
 
@@ -29,6 +30,33 @@ Saves. A finished request's whole blocks are stored with one locking, allocating
 (what the tree already has is not copied again), a copy by every worker, then an Insert
 that releases the lock once all workers are done; the service frees what another
 request inserted meanwhile. vLLM keeps the request's blocks until then.
+
+Failed saves. A save whose copy fails in any worker comes back with the step's output
+as its generation (``SaveOp.ref``); when the request is done (``sends_done``) its slots
+are given back (``SaveAbort``: unlock, free) instead of inserted, so nothing
+half-written is cached. The slots go back then and only then, because that is when no
+rank can still copy into them. With tensor parallelism every rank copies its own heads
+into the mapped pool on its own, under its session's write fence; the fence is per
+session, so it keeps the slots from other sessions only while a rank is inside its copy
+(or after the session ended). vLLM's ``KVOutputAggregator`` names a request in
+``finished_sending`` only once every rank has named it, and a rank names it only after
+its copy returned (the copies run inside ``start_load_kv``; CUDA copies are
+synchronized before the fence is let go). Worker metadata is merged over the ranks of
+each step, and a rank reports a failure in the step that reports the request done, so
+the failure is known by the time the request is (``update_connector_output`` hands the
+metadata over before the sends). A rank stopped (SIGSTOP) before its copy holds up the
+step, and so the give-back, until it resumes, dies or vLLM's execute-model timeout ends
+the engine; if the session ends meanwhile (the engine stops, or its lease lapses), its
+fence makes the late copy write nothing.
+
+Before, the failing worker freed the slots itself at once, so that the Insert would be
+refused; a rank that had not started its copy yet (stopped, or merely slower) then
+wrote into slots another session may have taken meanwhile. The other way to close that
+window, an owner per slot that the service keeps in shared memory and every rank checks
+under its fence before it copies, costs a write on every allocation, free and insert of
+every model kind (every client's hot path) for one connector's window, and new state
+whose every change must be ordered against the fence; waiting for the ranks costs
+nothing new: the Insert waits for them already, and the give-back now waits with it.
 
 Shutdown. vLLM steps on while finished requests hold blocks for a save, so a save
 normally completes before the engine stops. ``close`` sends the inserts still queued
@@ -94,6 +122,7 @@ class _Reservation:
 @dataclass(slots=True)
 class _Save:
     req_id: str
+    gen: int
     tokens: array
     extra_key: str | None
     block_ids: array
@@ -105,6 +134,7 @@ class _Save:
     lock_id: int = 0
     epoch: int = 0
     session_id: str = ""
+    failed: bool = False  # a worker's copy failed: give the slots back, never insert
 
 
 @dataclass(slots=True)
@@ -124,7 +154,7 @@ class SchedulerStats:
     saves: int = 0
     save_tokens: int = 0
     saves_skipped: int = 0
-    saves_failed: int = 0
+    saves_failed: int = 0  # a worker's copy, or the Insert, failed
     saves_lost: int = 0
 
 
@@ -244,7 +274,8 @@ class SchedulerCore:
                     self.stats.saves_skipped += 1
                     save.allocated, save.lock_id = array("q"), 0
                 meta.saves.append(SaveOp(save.req_id, save.block_ids, save.prefix,
-                                         save.allocated, save.epoch, save.session_id))
+                                         save.allocated, save.epoch, save.session_id,
+                                         save.gen))
         self._flush()
         return meta
 
@@ -259,18 +290,23 @@ class SchedulerCore:
             self._flush()
             return False
         tokens = array("q", info.tokens[:n])
-        self._saves[info.req_id] = _Save(info.req_id, tokens, info.extra_key,
-                                         array("q", block_ids))
+        self._saves[info.req_id] = _Save(info.req_id, next(self._gens), tokens,
+                                         info.extra_key, array("q", block_ids))
         self._queued.append(SaveAlloc(info.req_id, tokens, info.extra_key))
         self._flush()
         return True
 
     def sends_done(self, req_ids: Iterable[str]) -> None:
-        """Every worker finished the saves of ``req_ids``: insert what they wrote."""
+        """Every worker finished the saves of ``req_ids``: insert what they wrote, or
+        give the slots back where a worker's copy failed (see the module docstring)."""
         self._absorb()
         for req_id in req_ids:
             save = self._saves.pop(req_id, None)
             if save is None or not save.allocated:
+                continue
+            if save.failed:
+                self.stats.saves_failed += 1
+                self._queued.append(SaveAbort(save.allocated, save.lock_id, save.epoch))
                 continue
             self._queued.append(SaveCommit(save.tokens[:save.prefix + len(save.allocated)],
                                            save.extra_key, save.cached + save.allocated,
@@ -297,6 +333,17 @@ class SchedulerCore:
             if gen in refs:  # dropped since (the load may run a step late)
                 self.stats.loads_failed += release.unused != "load_failed"
                 release.unused = "load_failed"
+
+    def saves_failed(self, refs: Iterable[int]) -> None:
+        """The workers' saves whose copies failed, by ``SaveOp.ref``, summed over the
+        ranks: their slots are given back when ``sends_done`` names their requests,
+        once every rank is done with them (see the module docstring)."""
+        refs = set(refs)
+        if not refs:
+            return
+        for save in self._saves.values():
+            if save.gen in refs:
+                save.failed = True
 
     def close(self) -> None:
         """Stop (see the module docstring); the backend's session close releases

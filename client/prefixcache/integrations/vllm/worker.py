@@ -3,9 +3,10 @@ blocks, and the failures vLLM must hear about.
 
 vLLM calls, in each model-runner process: ``register`` once with its KV tensors, then
 every step ``start_step`` (its ``start_load_kv``) with the step's metadata, then
-``finished_sends``, ``take_load_errors`` and ``take_failed_loads``. All copies of a step happen in
-``start_step``, whole requests at a time: a load is complete before the forward that
-reads it, and nothing runs inside the layers (so any CUDA graph mode works).
+``finished_sends``, ``take_load_errors``, ``take_failed_loads`` and
+``take_failed_saves``. All copies of a step happen in ``start_step``, whole requests at
+a time: a load is complete before the forward that reads it, and nothing runs inside
+the layers (so any CUDA graph mode works).
 
 Loads. Each request's tokens are copied from their pool slots into its blocks, then
 (``verify_loads``) one Match checks that the tree still maps those tokens to those
@@ -23,8 +24,11 @@ known disables the connector, with one log line (vLLM then computes everything).
 
 Saves. A finished request's new tokens are copied from its blocks into the slots the
 scheduler side allocated; the request is then reported done (vLLM frees its blocks and
-the scheduler side inserts). A save that fails gives its slots back, so that the
-scheduler side's Insert is refused and nothing half-written is ever cached.
+the scheduler side inserts). A save that fails is reported done all the same, and its
+save (``SaveOp.ref``) goes back with the step's output like a failed load's: the
+scheduler side then gives the slots back instead of inserting them, once every rank
+has reported the request done. The worker never frees them itself: another rank may
+not have started its copy into them yet (``scheduler.py``, "Failed saves").
 
 MLA. vLLM's MLA cache is one latent per token (``[blocks, block, head_size]``), held by
 an MLA pool (``pool.mla``: K only, one head of ``head_size``); an MLA model with a K/V
@@ -96,6 +100,7 @@ class WorkerCore:
         self._retry_at = 0.0
         self._load_errors: set[int] = set()
         self._failed_refs: set[int] = set()
+        self._failed_saves: set[int] = set()
         self._sent: set[str] = set()
         self._finished_seen: set[str] = set()
         self.loaded_tokens = 0
@@ -150,6 +155,12 @@ class WorkerCore:
         """The reservations (``LoadOp.ref``) whose loads failed since the last call, for
         the scheduler side (``SchedulerCore.loads_failed``)."""
         refs, self._failed_refs = self._failed_refs, set()
+        return refs
+
+    def take_failed_saves(self) -> set[int]:
+        """The saves (``SaveOp.ref``) whose copies failed since the last call, for the
+        scheduler side (``SchedulerCore.saves_failed``)."""
+        refs, self._failed_saves = self._failed_saves, set()
         return refs
 
     def take_load_failures(self) -> dict[str, int]:
@@ -326,7 +337,8 @@ class WorkerCore:
         except (PrefixCacheError, ValueError, RuntimeError) as err:
             self.failed_saves += 1
             log.warning("prefixcache save of request %s failed: %s", op.req_id, err)
-            self._give_back(op)
+            if op.ref:
+                self._failed_saves.add(op.ref)
         self._sent.add(op.req_id)
 
     def _write(self, op: SaveOp) -> None:
@@ -370,15 +382,6 @@ class WorkerCore:
             found = memo[key] = spans(block_ids, start, count, self.block_size,
                                       view.kernel_block_size, view.k.device)
         return found
-
-    def _give_back(self, op: SaveOp) -> None:
-        """Free a failed save's slots in the scheduler's session: its Insert is then
-        refused, so no worker's half-written rows get cached."""
-        try:
-            self.client.free(self.config.model, op.slots, session=op.session_id,
-                             server_epoch=op.server_epoch)
-        except PrefixCacheError as err:
-            log.warning("could not give back the slots of a failed save: %s", err)
 
 
 # Why a load failed: the key counts it (``load_failures``), the words log it.

@@ -40,8 +40,8 @@ after the 0 was written, and with another token, so a worker of the old session 
 reads its own token again.
 
 A session that frees slots itself (Free, Step's frees, a failed save's give-back) while
-one of its own workers still copies into them (tensor-parallel rank 0 gives a failed
-save's slots back while rank 1 copies) is fenced the same way. An engine's ``free``
+one of its own workers still copies into them (one process gives slots back while
+another of its workers is inside its copy) is fenced the same way. An engine's ``free``
 asks ``holder``: for a session with a record, one non-blocking ``F_OFD_GETLK`` (none
 for a session without). Unlocked: the slots are freed at once. Locked: they go to the
 record's holder, a session of its own (tag ``-(record + 2)``, in no registry) that
@@ -55,8 +55,11 @@ into slots nobody else has; its save is lost anyway, as the session's tree is go
 
 What it does not cover: a worker that starts its copy after the
 Free was answered (its session still lives, so its record still reads its token: the
-fence is per session, not per slot); slots an Insert gives back because the tree had
-their tokens already; and Mamba state slots, which a Free returns at once.
+fence is per session, not per slot): a client frees slots only once none of its
+workers will copy into them any more (the vLLM connector gives a failed save's slots
+back only after every tensor-parallel rank reported its copy done: its scheduler.py,
+"Failed saves"); slots an Insert gives back because the tree had their tokens
+already; and Mamba state slots, which a Free returns at once.
 """
 
 from __future__ import annotations
