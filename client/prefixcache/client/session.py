@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from functools import partial
 from types import TracebackType
 from typing import Any
 
-from . import kv, step
+from . import _session_flow as flows
+from . import kv, results, step
 from ._client_protocol import BlockingClient
-from ._core import FAIL_OPEN_ERRORS, log
-from ._session_state import SessionState, stand_in, take_fail_open
-from .errors import NotFound, PrefixCacheError, StaleEpoch
-from .results import (
-    AllocReply,
-    CloseReply,
-    EvictReply,
-    InsertReply,
-    LockReply,
-    MatchReply,
-    SessionInfo,
-    UnlockReply,
-)
+from ._flow import run_blocking
+from ._session_state import SessionState
 
 
 class ClientSession:
@@ -44,13 +33,13 @@ class ClientSession:
         renewals: successful keep-alives so far.
     """
 
-    def __init__(self, client: BlockingClient, info: SessionInfo | SessionState, *,
-                 renew: bool = True, fail_open: bool | None = None,
+    def __init__(self, client: BlockingClient, info: results.SessionInfo | SessionState,
+                 *, renew: bool = True, fail_open: bool | None = None,
                  name: str | None = None) -> None:
         self.client = client
         self._state = info if isinstance(info, SessionState) else SessionState(info)
-        self.info = SessionInfo(self._state.session_id, self._state.ttl,
-                                self._state.server_epoch)
+        self.info = results.SessionInfo(self._state.session_id, self._state.ttl,
+                                        self._state.server_epoch)
         self.name = name
         self.fail_open = fail_open
         self.closed = False
@@ -75,10 +64,11 @@ class ClientSession:
     def _start_renewal(self) -> None:
         if self._renew and self.ttl > 0 and self.session_id:
             self._stop = threading.Event()
+            flow = flows.renewal_flow(weakref.ref(self), self.client, self.session_id,
+                                      self.server_epoch, self.ttl, self._stop.wait)
             self._thread = threading.Thread(
-                target=_renew, args=(weakref.ref(self), self.client, self.session_id,
-                                     self.server_epoch, self.ttl, self._stop),
-                daemon=True, name=f"prefixcache-lease-{self.session_id[:8]}")
+                target=run_blocking, args=(flow,), daemon=True,
+                name=f"prefixcache-lease-{self.session_id[:8]}")
             self._thread.start()
 
     def _stop_renewal(self) -> None:
@@ -90,21 +80,9 @@ class ClientSession:
     def _reopen(self) -> None:
         """Replace the lost service-side session with a new one."""
         with self._reopen_lock:
-            if self._state.lost is None:
-                return  # another thread did it
-            self._stop_renewal()
-            info = self.client.open_session(self.ttl, self.name)
-            self.info = info
-            self._state.replaced_by(info)
-            if self._state.reopened:
-                log.warning("session reopened as %s... after losing the last one",
-                            info.session_id[:8])
-            else:
-                log.info("session %s... opened: the service is reachable again",
-                         info.session_id[:8])
-            self._start_renewal()
+            run_blocking(flows.reopen_flow(self, None))
 
-    def close(self) -> CloseReply | None:
+    def close(self) -> results.CloseReply | None:
         """Stop renewing and close the session (releasing its locks and slots).
 
         Returns what the service released; an empty reply when the service had already
@@ -115,78 +93,42 @@ class ClientSession:
             return None
         self.closed = True
         self._stop_renewal()
-        if self.lost is not None:
-            return CloseReply()
-        try:
-            return self.client.close_session(self)
-        except (NotFound, StaleEpoch):
-            return CloseReply()
-        except FAIL_OPEN_ERRORS:
-            allowed = self.client.fail_open if self.fail_open is None else self.fail_open
-            if allowed:
-                return None
-            raise
+        return run_blocking(flows.close_flow(self))
 
     def __enter__(self) -> ClientSession:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if kind is None:
-            self.close()
-            return
-        try:  # never hide the error that is leaving the block
-            self.close()
-        except PrefixCacheError as err:
-            log.warning("closing session %s... failed: %s", self.session_id[:8], err)
+        run_blocking(flows.exit_flow(self, kind is not None))
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """``client.<name>`` in this session, across a lost service-side session."""
-        fail_open = take_fail_open(name, kwargs, self.fail_open)
-        state = self._state
-        for attempt in range(2):
-            if (refused := state.refusal(name, args, kwargs)) is not None:
-                return self.client._stand_in(name, stand_in(name), refused, fail_open)
-            if state.needs_reopen(name):
-                try:
-                    self._reopen()
-                except FAIL_OPEN_ERRORS as err:  # a match without allocate may fail open
-                    fallback = None if kwargs.get("allocate") else stand_in(name)
-                    return self.client._stand_in(name, fallback, err, fail_open)
-            try:
-                reply = getattr(self.client, name)(*args, session=self, **kwargs)
-            except StaleEpoch as err:
-                if state.again(name, attempt, err=err):
-                    continue  # the service restarted under us
-                raise
-            if state.again(name, attempt, reply):
-                continue
-            state.record(name, args, kwargs, reply)
-            return reply
-        raise AssertionError("unreachable")
+        return run_blocking(flows.call_flow(self, self._state, name, args, kwargs))
 
     # ------------------------------------------ the client's calls, in this session
 
     def keep_alive(self, *, timeout: float | None = None) -> float:
         return self.client.keep_alive(self, timeout=timeout)
 
-    def match(self, model: str, tokens: Any, **kwargs: Any) -> MatchReply:
+    def match(self, model: str, tokens: Any, **kwargs: Any) -> results.MatchReply:
         """``PrefixCacheClient.match`` in this session."""
         return self._call("match", model, tokens, **kwargs)
 
-    def insert(self, model: str, tokens: Any, slots: Any, **kwargs: Any) -> InsertReply:
+    def insert(self, model: str, tokens: Any, slots: Any,
+               **kwargs: Any) -> results.InsertReply:
         """``PrefixCacheClient.insert`` in this session."""
         return self._call("insert", model, tokens, slots, **kwargs)
 
-    def lock(self, model: str, node_id: int, **kwargs: Any) -> LockReply:
+    def lock(self, model: str, node_id: int, **kwargs: Any) -> results.LockReply:
         """``PrefixCacheClient.lock`` in this session."""
         return self._call("lock", model, node_id, **kwargs)
 
-    def unlock(self, lock_id: int, **kwargs: Any) -> UnlockReply:
+    def unlock(self, lock_id: int, **kwargs: Any) -> results.UnlockReply:
         """``PrefixCacheClient.unlock`` in this session."""
         return self._call("unlock", lock_id, **kwargs)
 
-    def alloc(self, model: str, num_slots: int, **kwargs: Any) -> AllocReply:
+    def alloc(self, model: str, num_slots: int, **kwargs: Any) -> results.AllocReply:
         """``PrefixCacheClient.alloc`` in this session (never fails open)."""
         return self._call("alloc", model, num_slots, **kwargs)
 
@@ -201,35 +143,8 @@ class ClientSession:
         was lost, the items that name its handles (finishes, unlocks, frees, and lock ids
         of an earlier session) are answered ``SessionLost`` without being sent; the
         admissions and decodes go out in a new session."""
-        fail_open = self.fail_open if fail_open is None else fail_open
-        items = step.StepItems.of(**lists)
-        state = self._state
-        for attempt in range(2):
-            if (refused := step.stale_fence(state, server_epoch)) is not None:
-                return self.client._stand_in("step", partial(step.failed_open, items, refused),
-                                             refused, fail_open)
-            todo = step.plan(state, items)
-            if todo.fresh and state.needs_reopen("match"):
-                try:
-                    self._reopen()
-                except FAIL_OPEN_ERRORS as err:
-                    return self.client._stand_in(
-                        "step", partial(todo.failed_open, err),
-                        err, fail_open)
-            if not len(todo.send):
-                return todo.merge(step.StepReply(server_epoch=state.server_epoch))
-            op = self.client._op_step(model, todo.send, self, request_id, server_epoch)
-            try:
-                reply = self.client._run(op, timeout, fail_open)
-            except StaleEpoch:
-                if attempt == 0:
-                    continue  # the service restarted under us: stale items stay here
-                raise
-            if reply.skipped and state.lost is not None and attempt == 0:
-                continue
-            step.record(state, todo.send, reply)
-            return todo.merge(reply)
-        raise AssertionError("unreachable")
+        return run_blocking(flows.step_flow(self, self._state, model, request_id,
+                                            server_epoch, fail_open, timeout, lists))
 
     def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
                  **kwargs: Any) -> kv.WriteKVReply:
@@ -244,34 +159,7 @@ class ClientSession:
             raise refused
         return self.client.read_kv(model, slots, session=self, **kwargs)
 
-    def evict(self, model: str, num_tokens: int = 0, **kwargs: Any) -> EvictReply:
+    def evict(self, model: str, num_tokens: int = 0, **kwargs: Any) -> results.EvictReply:
         """``PrefixCacheClient.evict``, attributed to this session."""
         return self.client.evict(model, num_tokens, session=self, **kwargs)
 
-
-def _renew(ref: weakref.ref[ClientSession], client: BlockingClient, session_id: str,
-           epoch: int, ttl: float, stop: threading.Event) -> None:
-    """Keep a session's lease alive every ``ttl / 3`` until it is closed or lost.
-
-    The thread holds the session only weakly: a session dropped without ``close`` stops
-    being renewed, and its lease lapses, releasing what it held.
-    """
-    interval = ttl / 3
-    timeout = max(min(client.timeout, interval), 0.05)
-    while not stop.wait(interval):
-        if ref() is None:
-            return
-        try:
-            client._run(client._op_keep_alive(session_id, epoch), timeout)
-        except (NotFound, StaleEpoch) as err:
-            if (session := ref()) is not None and session.session_id == session_id:
-                session._state.mark_lost(err)
-            log.warning("session %s... is gone: %s", session_id[:8], err.details)
-            return
-        except PrefixCacheError as err:  # unreachable for now: try again next tick
-            log.debug("keep-alive of session %s... failed: %s", session_id[:8], err)
-        except ValueError:  # the channel was closed under us
-            return
-        else:
-            if (session := ref()) is not None:
-                session.renewals += 1
