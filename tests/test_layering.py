@@ -39,6 +39,11 @@ ENGINE_ADAPTERS = {"prefixcache/integrations/vllm/connector.py": ("vllm",),
                    "prefixcache/integrations/sglang/backend.py": ("sglang",)}
 INTEGRATIONS_FORBIDDEN_AT_IMPORT = ("torch", "prefixcache.server", "prefixcache.cache")
 CLIENT_FORBIDDEN = ("prefixcache.integrations",)
+# Wire formats both sides speak (prefixcache.wire): the client and the server import
+# them, so they hold neither's specifics and load with the standard library alone.
+WIRE_FORBIDDEN = ("prefixcache.client", "prefixcache.server", "prefixcache.cache",
+                  "prefixcache.integrations", "prefixcache.v1", "torch", "grpc",
+                  "google.protobuf")
 
 
 def imported_modules(source: str, package: str, *, import_time_only: bool = False) -> set[str]:
@@ -232,6 +237,12 @@ def test_importing_client_does_not_load_torch(tmp_path: Path) -> None:
 def test_client_does_not_import_integrations() -> None:
     """The integrations use the client, never the other way round."""
     assert _check(REPO / "client", "prefixcache/client", CLIENT_FORBIDDEN) == []
+
+
+def test_wire_formats_are_neutral_ground() -> None:
+    """prefixcache.wire imports nothing of the client, the server or the cache (not
+    even lazily), nor torch, gRPC or protobuf: both sides may import it."""
+    assert _check(REPO / "client", "prefixcache/wire", WIRE_FORBIDDEN) == []
 
 
 def test_only_engine_adapters_import_engines() -> None:

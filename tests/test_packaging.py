@@ -74,6 +74,7 @@ def test_wheel_holds_both_roots_and_generated_code(wheel: Path) -> None:
     for expected in (
         "prefixcache/server/cli.py",
         "prefixcache/client/__init__.py",
+        "prefixcache/wire/kv_chunk.py",  # shared by client and server
         "prefixcache/v1/__init__.py",
         "prefixcache/v1/prefix_cache_pb2.py",
         "prefixcache/v1/prefix_cache_pb2.pyi",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -114,6 +115,30 @@ def test_renewal_task_keeps_the_lease(server: ServerThread) -> None:
             assert (st.locks, st.protected_tokens) == (1, 2)
             assert kept.renewals >= 2 and kept.lost is None
             await lapsing.close()
+        assert (await c.stats("m"))["m"].locks == 0
+    run(server, body)
+
+
+def test_a_session_dropped_after_renewing_stops_its_task_and_lapses(
+        server: ServerThread) -> None:
+    """As the blocking session's thread: the renewal task holds its session only
+    weakly, also between renewals, so dropping it ends the task and the lease."""
+    async def body(c: AsyncPrefixCacheClient) -> None:
+        s = await c.session(ttl=0.3)
+        m = await s.match("m", [62, 63], allocate=True)
+        assert (await s.insert("m", [62, 63], m.allocated, lock=True)).lock_id
+        deadline = time.monotonic() + 2
+        while s.renewals < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert s.renewals >= 2
+        task = s._task
+        del s
+        gc.collect()
+        assert task is not None
+        await asyncio.wait_for(asyncio.shield(task), 2)
+        deadline = time.monotonic() + 2
+        while (await c.stats("m"))["m"].locks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         assert (await c.stats("m"))["m"].locks == 0
     run(server, body)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 from pathlib import Path
 
@@ -72,6 +73,27 @@ def test_a_session_dropped_without_close_stops_renewing_and_lapses(
     prefill(s, "m", [30, 31], keep_lock=True)
     thread = s._thread
     del s
+    _renewal_ends_and_lease_lapses(client, thread)
+
+
+def test_a_session_dropped_after_renewing_stops_renewing_and_lapses(
+        client: PrefixCacheClient) -> None:
+    """The renewal thread holds its session only weakly, also between renewals: once
+    it has renewed, dropping the session still ends the thread and the lease."""
+    s = client.session(ttl=0.3)
+    prefill(s, "m", [32, 33], keep_lock=True)
+    deadline = time.monotonic() + 2
+    while s.renewals < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s.renewals >= 2
+    thread = s._thread
+    del s
+    _renewal_ends_and_lease_lapses(client, thread)
+
+
+def _renewal_ends_and_lease_lapses(client: PrefixCacheClient,
+                                   thread: threading.Thread | None) -> None:
+    """After the test dropped its only reference to a session renewed by ``thread``."""
     gc.collect()
     assert thread is not None
     thread.join(2)

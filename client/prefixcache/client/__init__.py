@@ -47,7 +47,7 @@ from .results import (
     StatsReply,
     UnlockReply,
 )
-from .session import ClientSession
+from .sessions.session import ClientSession
 from .shadow.shadow import Lag, ShadowIndex
 from .shadow.shadow_follow import AsyncShadowFollower, ShadowFollower
 from .step import Admit, Finish, Free, FreeReply, StepReply

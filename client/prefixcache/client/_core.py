@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ import grpc
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from . import step
+from . import results, step
+from ._flow import Flow, Pause
 from ._wire import extra_key_of, pack_slots, pack_tokens
 from .errors import (
     DeadlineExceeded,
@@ -34,21 +36,7 @@ from .errors import (
     Unavailable,
     from_rpc_error,
 )
-from .results import (
-    AllocReply,
-    CloseReply,
-    EvictReply,
-    InsertReply,
-    LockReply,
-    MatchReply,
-    ModelList,
-    ModelStats,
-    PoolInfo,
-    ResetReply,
-    SessionInfo,
-    StatsReply,
-    UnlockReply,
-)
+from .transfer import kv
 
 log = logging.getLogger("prefixcache.client")
 
@@ -111,6 +99,9 @@ class ClientBase:
     """Settings and request building for :class:`PrefixCacheClient` and
     :class:`AsyncPrefixCacheClient` (see their docstring for the arguments)."""
 
+    _stub: Any  # each client's stub: blocking or grpc.aio
+    _write_kv: Any  # its WriteKV call, which sends chunks serialized already
+
     def __init__(
         self,
         target: str | Path = DEFAULT_TARGET,
@@ -169,7 +160,7 @@ class ClientBase:
         self._options = [*opts, *options]
         self.max_message_bytes = int(max_message_bytes)
         # Pool layouts by model, for read_kv / write_kv (fixed while the service runs).
-        self._pools: dict[str, PoolInfo] = {}
+        self._pools: dict[str, results.PoolInfo] = {}
         # Request ids only need to be unique within a session; a random start keeps two
         # clients sharing a session id apart too.
         self._request_ids = count(secrets.randbits(48) + 1)
@@ -177,7 +168,7 @@ class ClientBase:
         self._fail_open_count = 0
         # Each model's counters as the latest Step reply carried them, so that a
         # scheduler reads its budget without a Stats call.
-        self.counters: dict[str, ModelStats] = {}
+        self.counters: dict[str, results.ModelStats] = {}
 
     @property
     def fail_open_count(self) -> int:
@@ -257,6 +248,72 @@ class ClientBase:
         own = getattr(session, "server_epoch", None)
         return own if isinstance(own, int) and own else self.server_epoch
 
+    def _run_flow(self, op: Op, timeout: float | None, fail_open: bool | None) -> Flow[Any]:
+        """``op`` sent (retried as :meth:`_send_flow` decides), its reply parsed; its
+        fail-open answer when it fails open. Each client drives it (``_flow``)."""
+        try:
+            reply = yield from self._send_flow(op, timeout)
+        except FAIL_OPEN_ERRORS as err:
+            return self._failed_open(op, err, fail_open)
+        return self._parse(op, reply)
+
+    def _send_flow(self, op: Op, timeout: float | None) -> Flow[Any]:
+        """``op``'s reply, its tries bounded by one deadline: a call that may be retried
+        is tried again after UNAVAILABLE, after a growing pause, at most ``retries``
+        times and only while the pause ends before the deadline."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        call = getattr(self._stub, op.method)
+        for attempt in count():
+            try:
+                return (yield partial(call, op.request, metadata=self._metadata,
+                                      timeout=max(deadline - time.monotonic(), 0.001)))
+            except grpc.RpcError as exc:
+                err = self._error(exc)
+                delay = self._delay(attempt)
+                if not (op.retry and isinstance(err, Unavailable) and attempt < self.retries
+                        and deadline - time.monotonic() > delay):
+                    raise err from exc
+            yield Pause(delay)
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------ KV transfers (kv.py)
+
+    def _pool_flow(self, model: str, timeout: float | None) -> Flow[results.PoolInfo]:
+        """``model``'s pool layout: known already (fixed while the service runs), or
+        asked for (DescribePool)."""
+        known = self._pools.get(model)
+        if known is not None:
+            return known
+        return (yield from self._run_flow(self._op_describe_pool(model), timeout, None))
+
+    def _read_kv_flow(self, model: str, slots: Any, session: SessionLike, layers: Any,
+                      state_slots: Any, chunk_bytes: int | None, server_epoch: int | None,
+                      timeout: float | None, out: kv.KVData | None) -> Flow[kv.Reader]:
+        """The reader of a ReadKV: its request, and where the chunks go."""
+        info = yield from self._pool_flow(model, timeout)
+        reader = kv.Reader(info, slots, layers, state_slots,
+                           kv.chunk_limit(chunk_bytes, self.max_message_bytes), out)
+        reader.request.session_id = session_id_of(session)
+        reader.request.server_epoch = self._fence(session, server_epoch)
+        return reader
+
+    def _write_kv_flow(self, model: str, slots: Any, k: Any, v: Any, session: SessionLike,
+                       layers: Any, state_slots: Any, conv: Any, temporal: Any,
+                       chunk_bytes: int | None, server_epoch: int | None,
+                       timeout: float | None) -> Flow[kv.WriteKVReply]:
+        """A WriteKV: its chunks built (every shape checked first), then streamed."""
+        info = yield from self._pool_flow(model, timeout)
+        chunks = kv.write_chunks(info, session_id_of(session), slots, k, v, layers,
+                                 state_slots, conv, temporal,
+                                 kv.chunk_limit(chunk_bytes, self.max_message_bytes),
+                                 self._fence(session, server_epoch))
+        try:
+            reply = yield partial(self._write_kv, chunks, timeout=timeout or self.timeout,
+                                  metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from exc
+        return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)
+
     def _parse(self, op: Op, reply: Any) -> Any:
         """``op``'s answer from ``reply``, noting the epoch the reply carries (if any)."""
         epoch = getattr(reply, "server_epoch", 0)
@@ -267,23 +324,23 @@ class ClientBase:
     # ------------------------------------------------------ operations (requests)
 
     def _op_list_models(self) -> Op:
-        return Op("ListModels", pb.ListModelsRequest(), ModelList.from_pb, True)
+        return Op("ListModels", pb.ListModelsRequest(), results.ModelList.from_pb, True)
 
     def _op_describe_pool(self, model: str) -> Op:
-        def parse(m: pb.DescribePoolResponse) -> PoolInfo:
-            info = PoolInfo.from_pb(m)
+        def parse(m: pb.DescribePoolResponse) -> results.PoolInfo:
+            info = results.PoolInfo.from_pb(m)
             self._pools[model] = info
             return info
         return Op("DescribePool", pb.DescribePoolRequest(model=model), parse, True)
 
     def _op_stats(self, model: str) -> Op:
-        return Op("Stats", pb.StatsRequest(model=model), StatsReply.from_pb, True)
+        return Op("Stats", pb.StatsRequest(model=model), results.StatsReply.from_pb, True)
 
     def _op_open_session(self, ttl: float | None, name: str | None) -> Op:
         request = pb.OpenSessionRequest(ttl_seconds=float(ttl or 0.0),
                                         client_name=self.client_name if name is None else name)
         # Not retried: a lost reply would leave a session behind (until its lease lapses).
-        return Op("OpenSession", request, SessionInfo.from_pb, False)
+        return Op("OpenSession", request, results.SessionInfo.from_pb, False)
 
     def _op_keep_alive(self, session: SessionLike, server_epoch: int | None = None) -> Op:
         request = pb.KeepAliveRequest(session_id=session_id_of(session),
@@ -293,7 +350,7 @@ class ClientBase:
     def _op_close_session(self, session: SessionLike) -> Op:
         request = pb.CloseSessionRequest(session_id=session_id_of(session),
                                          server_epoch=self._fence(session, None))
-        return Op("CloseSession", request, CloseReply.from_pb, False)
+        return Op("CloseSession", request, results.CloseReply.from_pb, False)
 
     def _op_match(self, model: str, tokens: Any, extra_key: str | None,
                   token_width: int | None, session: SessionLike, lock: bool, allocate: bool,
@@ -310,8 +367,8 @@ class ClientBase:
         if key is not None:
             request.extra_key = key
         # An allocation cannot fail open: the worker needs real slots.
-        fallback = None if allocate else (lambda: MatchReply(skipped=True))
-        return Op("Match", request, MatchReply.from_pb,
+        fallback = None if allocate else (lambda: results.MatchReply(skipped=True))
+        return Op("Match", request, results.MatchReply.from_pb,
                   not (lock or allocate) or bool(rid), fallback)
 
     def _op_insert(self, model: str, tokens: Any, slots: Any, extra_key: str | None,
@@ -333,15 +390,15 @@ class ClientBase:
             request.state_slot = int(state_slot)
         # Without a session an insert can only re-insert the tree's own slots: a no-op
         # when repeated. With one, the request id makes the retry replay the answer.
-        return Op("Insert", request, InsertReply.from_pb, bool(rid) or not sid,
-                  lambda: InsertReply(skipped=True))
+        return Op("Insert", request, results.InsertReply.from_pb, bool(rid) or not sid,
+                  lambda: results.InsertReply(skipped=True))
 
     def _op_evict(self, model: str, num_tokens: int, swa_num_tokens: int,
                   mamba_num: int, session: SessionLike = None) -> Op:
         request = pb.EvictRequest(model=model, num_tokens=int(num_tokens),
                                   swa_num_tokens=int(swa_num_tokens), mamba_num=int(mamba_num),
                                   session_id=session_id_of(session))
-        return Op("Evict", request, EvictReply.from_pb, False)
+        return Op("Evict", request, results.EvictReply.from_pb, False)
 
     def _op_lock(self, model: str, node_id: int, session: SessionLike,
                  request_id: int | None, server_epoch: int | None = None) -> Op:
@@ -351,8 +408,8 @@ class ClientBase:
                                  request_id=rid,
                                  server_epoch=self._fence(session, server_epoch))
         return Op("Lock", request,
-                  lambda m: LockReply(m.lock_id, server_epoch=m.server_epoch),
-                  bool(rid), lambda: LockReply(skipped=True))
+                  lambda m: results.LockReply(m.lock_id, server_epoch=m.server_epoch),
+                  bool(rid), lambda: results.LockReply(skipped=True))
 
     def _op_unlock(self, lock_id: int, session: SessionLike, request_id: int | None,
                    server_epoch: int | None = None, unused: str | None = None) -> Op:
@@ -361,8 +418,8 @@ class ClientBase:
         request = pb.UnlockRequest(lock_id=int(lock_id), session_id=sid, request_id=rid,
                                    server_epoch=self._fence(session, server_epoch),
                                    unused_outcome=unused_outcome(unused))
-        return Op("Unlock", request, lambda m: UnlockReply(), bool(rid),
-                  lambda: UnlockReply(skipped=True))
+        return Op("Unlock", request, lambda m: results.UnlockReply(), bool(rid),
+                  lambda: results.UnlockReply(skipped=True))
 
     def _op_alloc(self, model: str, num_slots: int, num_state_slots: int,
                   session: SessionLike, as_pages: bool = False) -> Op:
@@ -370,7 +427,7 @@ class ClientBase:
                                   num_state_slots=int(num_state_slots), as_pages=bool(as_pages),
                                   session_id=session_id_of(session),
                                   server_epoch=self._fence(session, None))
-        return Op("Alloc", request, AllocReply.from_pb, False)
+        return Op("Alloc", request, results.AllocReply.from_pb, False)
 
     def _op_free(self, model: str, slots: Any, state_slots: Any, session: SessionLike,
                  server_epoch: int | None = None) -> Op:
@@ -382,7 +439,7 @@ class ClientBase:
         return Op("Free", request, lambda m: None, False, lambda: None)
 
     def _op_reset(self, model: str) -> Op:
-        return Op("Reset", pb.ResetRequest(model=model), ResetReply.from_pb, False)
+        return Op("Reset", pb.ResetRequest(model=model), results.ResetReply.from_pb, False)
 
     def _op_step(self, model: str, items: step.StepItems, session: SessionLike,
                  request_id: int | None, server_epoch: int | None = None) -> Op:

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,27 +13,15 @@ import grpc
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
-from ._core import DEFAULT_TARGET, FAIL_OPEN_ERRORS, ClientBase, Op, SessionLike, session_id_of
-from .aio_session import AsyncClientSession
-from .aio_stream import AsyncStreamSession
+from . import results
+from ._core import DEFAULT_TARGET, ClientBase, Op, SessionLike
+from ._flow import run_async
 from .errors import (
     PrefixCacheError,
     Unavailable,
 )
-from .results import (
-    AllocReply,
-    CloseReply,
-    EvictReply,
-    InsertReply,
-    LockReply,
-    MatchReply,
-    ModelList,
-    PoolInfo,
-    ResetReply,
-    SessionInfo,
-    StatsReply,
-    UnlockReply,
-)
+from .sessions.aio_session import AsyncClientSession
+from .sessions.aio_stream import AsyncStreamSession
 from .shadow.shadow_follow import AsyncShadowFollower, NamespaceLike, subscribe_request
 from .step import Admit, Finish, Free, StepItems, StepReply
 from .transfer import kv
@@ -94,41 +80,19 @@ class AsyncPrefixCacheClient(ClientBase):
 
     # -------------------------------------------------------------- machinery
 
-    async def _invoke(self, op: Op, timeout: float | None) -> Any:
-        timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        call = getattr(self._stub, op.method)
-        attempt = 0
-        while True:
-            try:
-                return await call(op.request, timeout=max(deadline - time.monotonic(), 0.001),
-                                  metadata=self._metadata)
-            except grpc.RpcError as exc:
-                err = self._error(exc)
-                delay = self._delay(attempt)
-                if not (op.retry and isinstance(err, Unavailable) and attempt < self.retries
-                        and deadline - time.monotonic() > delay):
-                    raise err from exc
-            await asyncio.sleep(delay)
-            attempt += 1
-
     async def _run(self, op: Op, timeout: float | None = None,
                    fail_open: bool | None = None) -> Any:
-        try:
-            reply = await self._invoke(op, timeout)
-        except FAIL_OPEN_ERRORS as err:
-            return self._failed_open(op, err, fail_open)
-        return self._parse(op, reply)
+        return await run_async(self._run_flow(op, timeout, fail_open))
 
     # ----------------------------------------------------------------- reads
 
-    async def list_models(self, *, timeout: float | None = None) -> ModelList:
+    async def list_models(self, *, timeout: float | None = None) -> results.ModelList:
         return await self._run(self._op_list_models(), timeout)
 
-    async def describe_pool(self, model: str, *, timeout: float | None = None) -> PoolInfo:
+    async def describe_pool(self, model: str, *, timeout: float | None = None) -> results.PoolInfo:
         return await self._run(self._op_describe_pool(model), timeout)
 
-    async def stats(self, model: str = "", *, timeout: float | None = None) -> StatsReply:
+    async def stats(self, model: str = "", *, timeout: float | None = None) -> results.StatsReply:
         return await self._run(self._op_stats(model), timeout)
 
     # ------------------------------------------------------------- KV data
@@ -138,8 +102,13 @@ class AsyncPrefixCacheClient(ClientBase):
         """See ``PrefixCacheClient.attach_pool``."""
         return attach(await self.describe_pool(model, timeout=timeout))
 
-    async def _pool_info(self, model: str, timeout: float | None) -> PoolInfo:
-        return self._pools.get(model) or await self.describe_pool(model, timeout=timeout)
+    @property
+    def _write_kv(self) -> Any:
+        self._stub  # noqa: B018 - opens the channel
+        # Data chunks go out serialized already (kv.encode_chunk).
+        return self._channel.stream_unary(
+            kv.WRITE_KV_METHOD, request_serializer=kv.serialize_chunk,
+            response_deserializer=pb.WriteKVResponse.FromString)
 
     async def read_kv(self, model: str, slots: Any = (), *, session: SessionLike = None,
                       layers: Any = None, state_slots: Any = (),
@@ -147,11 +116,9 @@ class AsyncPrefixCacheClient(ClientBase):
                       timeout: float | None = None, out: kv.KVData | None = None
                       ) -> kv.KVData:
         """See ``PrefixCacheClient.read_kv``."""
-        reader = kv.Reader(await self._pool_info(model, timeout), slots, layers,
-                           state_slots, kv.chunk_limit(chunk_bytes, self.max_message_bytes),
-                           out)
-        reader.request.session_id = session_id_of(session)
-        reader.request.server_epoch = self._fence(session, server_epoch)
+        reader = await run_async(self._read_kv_flow(model, slots, session, layers,
+                                                    state_slots, chunk_bytes, server_epoch,
+                                                    timeout, out))
         try:
             call = self._stub.ReadKV(reader.request, timeout=timeout or self.timeout,
                                      metadata=self._metadata)
@@ -167,22 +134,9 @@ class AsyncPrefixCacheClient(ClientBase):
                        chunk_bytes: int | None = None, server_epoch: int | None = None,
                        timeout: float | None = None) -> kv.WriteKVReply:
         """See ``PrefixCacheClient.write_kv``."""
-        chunks = kv.write_chunks(await self._pool_info(model, timeout),
-                                 session_id_of(session), slots, k, v, layers, state_slots,
-                                 conv, temporal,
-                                 kv.chunk_limit(chunk_bytes, self.max_message_bytes),
-                                 self._fence(session, server_epoch))
-        self._stub  # noqa: B018 - opens the channel
-        # Data chunks go out serialized already (kv.encode_chunk).
-        write = self._channel.stream_unary(
-            kv.WRITE_KV_METHOD, request_serializer=kv.serialize_chunk,
-            response_deserializer=pb.WriteKVResponse.FromString)
-        try:
-            reply = await write(chunks, timeout=timeout or self.timeout,
-                                metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise self._error(exc) from exc
-        return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)
+        return await run_async(self._write_kv_flow(model, slots, k, v, session, layers,
+                                                   state_slots, conv, temporal, chunk_bytes,
+                                                   server_epoch, timeout))
 
     # ------------------------------------------------------------ Subscribe
 
@@ -214,14 +168,14 @@ class AsyncPrefixCacheClient(ClientBase):
     # --------------------------------------------------------------- sessions
 
     async def open_session(self, ttl: float | None = None, name: str | None = None, *,
-                           timeout: float | None = None) -> SessionInfo:
+                           timeout: float | None = None) -> results.SessionInfo:
         return await self._run(self._op_open_session(ttl, name), timeout)
 
     async def keep_alive(self, session: SessionLike, *, timeout: float | None = None) -> float:
         return await self._run(self._op_keep_alive(session), timeout)
 
     async def close_session(self, session: SessionLike, *,
-                            timeout: float | None = None) -> CloseReply:
+                            timeout: float | None = None) -> results.CloseReply:
         return await self._run(self._op_close_session(session), timeout)
 
     def session(self, ttl: float | None = None, *, name: str | None = None,
@@ -245,7 +199,7 @@ class AsyncPrefixCacheClient(ClientBase):
                     token_width: int | None = None, session: SessionLike = None,
                     lock: bool = False, allocate: bool = False,
                     request_id: int | None = None, fail_open: bool | None = None,
-                    timeout: float | None = None, as_pages: bool = False) -> MatchReply:
+                    timeout: float | None = None, as_pages: bool = False) -> results.MatchReply:
         op = self._op_match(model, tokens, extra_key, token_width, session, lock, allocate,
                             request_id, as_pages)
         return await self._run(op, timeout, fail_open)
@@ -256,7 +210,7 @@ class AsyncPrefixCacheClient(ClientBase):
                      release_lock_id: int = 0, state_slot: int | None = None,
                      slot_version: int = 0, request_id: int | None = None,
                      server_epoch: int | None = None, fail_open: bool | None = None,
-                     timeout: float | None = None) -> InsertReply:
+                     timeout: float | None = None) -> results.InsertReply:
         op = self._op_insert(model, tokens, slots, extra_key, token_width, session, lock,
                              release_lock_id, state_slot, slot_version, request_id,
                              server_epoch)
@@ -264,26 +218,27 @@ class AsyncPrefixCacheClient(ClientBase):
 
     async def evict(self, model: str, num_tokens: int = 0, *, swa_num_tokens: int = 0,
                     mamba_num: int = 0, session: SessionLike = None,
-                    timeout: float | None = None) -> EvictReply:
+                    timeout: float | None = None) -> results.EvictReply:
         return await self._run(self._op_evict(model, num_tokens, swa_num_tokens, mamba_num,
                                               session), timeout)
 
     async def lock(self, model: str, node_id: int, *, session: SessionLike = None,
                    request_id: int | None = None, server_epoch: int | None = None,
-                   fail_open: bool | None = None, timeout: float | None = None) -> LockReply:
+                   fail_open: bool | None = None,
+                   timeout: float | None = None) -> results.LockReply:
         return await self._run(self._op_lock(model, node_id, session, request_id,
                                              server_epoch), timeout, fail_open)
 
     async def unlock(self, lock_id: int, *, session: SessionLike = None,
                      request_id: int | None = None, server_epoch: int | None = None,
                      fail_open: bool | None = None, timeout: float | None = None,
-                     unused: str | None = None) -> UnlockReply:
+                     unused: str | None = None) -> results.UnlockReply:
         return await self._run(self._op_unlock(lock_id, session, request_id, server_epoch,
                                                unused), timeout, fail_open)
 
     async def alloc(self, model: str, num_slots: int, *, num_state_slots: int = 0,
                     session: SessionLike = None, timeout: float | None = None,
-                    as_pages: bool = False) -> AllocReply:
+                    as_pages: bool = False) -> results.AllocReply:
         return await self._run(self._op_alloc(model, num_slots, num_state_slots, session,
                                               as_pages), timeout)
 
@@ -293,7 +248,7 @@ class AsyncPrefixCacheClient(ClientBase):
         await self._run(self._op_free(model, slots, state_slots, session, server_epoch),
                         timeout, fail_open)
 
-    async def reset(self, model: str, *, timeout: float | None = None) -> ResetReply:
+    async def reset(self, model: str, *, timeout: float | None = None) -> results.ResetReply:
         return await self._run(self._op_reset(model), timeout)
 
     async def step(self, model: str, *, finishes: Sequence[Finish] = (),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import grpc
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
+from . import pages, results
 from ._core import (
     DEFAULT_TARGET,
     FAIL_OPEN_ERRORS,
@@ -20,28 +20,14 @@ from ._core import (
     Op,
     SessionLike,
     log,
-    session_id_of,
 )
+from ._flow import run_blocking
 from ._session_state import SessionState
-from .errors import PrefixCacheError, Unavailable
-from .results import (
-    AllocReply,
-    CloseReply,
-    EvictReply,
-    InsertReply,
-    LockReply,
-    MatchReply,
-    ModelList,
-    PoolInfo,
-    ResetReply,
-    SessionInfo,
-    StatsReply,
-    UnlockReply,
-)
-from .session import ClientSession
+from .errors import PrefixCacheError
+from .sessions.session import ClientSession
 from .shadow.shadow_follow import NamespaceLike, ShadowFollower, subscribe_request
 from .step import Admit, Finish, Free, StepItems, StepReply
-from .transfer import kv, pages
+from .transfer import kv
 from .transfer.attach import AttachedPool, attach
 
 
@@ -115,42 +101,20 @@ class PrefixCacheClient(ClientBase):
 
     # -------------------------------------------------------------- machinery
 
-    def _invoke(self, op: Op, timeout: float | None) -> Any:
-        timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        call = getattr(self._stub, op.method)
-        attempt = 0
-        while True:
-            try:
-                return call(op.request, timeout=max(deadline - time.monotonic(), 0.001),
-                            metadata=self._metadata)
-            except grpc.RpcError as exc:
-                err = self._error(exc)
-                delay = self._delay(attempt)
-                if not (op.retry and isinstance(err, Unavailable) and attempt < self.retries
-                        and deadline - time.monotonic() > delay):
-                    raise err from exc
-            time.sleep(delay)
-            attempt += 1
-
     def _run(self, op: Op, timeout: float | None = None, fail_open: bool | None = None) -> Any:
-        try:
-            reply = self._invoke(op, timeout)
-        except FAIL_OPEN_ERRORS as err:
-            return self._failed_open(op, err, fail_open)
-        return self._parse(op, reply)
+        return run_blocking(self._run_flow(op, timeout, fail_open))
 
     # ----------------------------------------------------------------- reads
 
-    def list_models(self, *, timeout: float | None = None) -> ModelList:
+    def list_models(self, *, timeout: float | None = None) -> results.ModelList:
         """The hosted models (``reply["name"]`` picks one) and the service's epoch."""
         return self._run(self._op_list_models(), timeout)
 
-    def describe_pool(self, model: str, *, timeout: float | None = None) -> PoolInfo:
+    def describe_pool(self, model: str, *, timeout: float | None = None) -> results.PoolInfo:
         """The memory layout of ``model``'s pools."""
         return self._run(self._op_describe_pool(model), timeout)
 
-    def stats(self, model: str = "", *, timeout: float | None = None) -> StatsReply:
+    def stats(self, model: str = "", *, timeout: float | None = None) -> results.StatsReply:
         """Counters of ``model``, or of every model when it is empty."""
         return self._run(self._op_stats(model), timeout)
 
@@ -160,9 +124,6 @@ class PrefixCacheClient(ClientBase):
         """Map ``model``'s pool into this process (same host only): K/V tensors per
         layer, and Mamba state, that alias the service's buffers. Imports torch."""
         return attach(self.describe_pool(model, timeout=timeout))
-
-    def _pool_info(self, model: str, timeout: float | None) -> PoolInfo:
-        return self._pools.get(model) or self.describe_pool(model, timeout=timeout)
 
     def read_kv(self, model: str, slots: Any = (), *, session: SessionLike = None,
                 layers: Any = None, state_slots: Any = (), chunk_bytes: int | None = None,
@@ -175,10 +136,8 @@ class PrefixCacheClient(ClientBase):
         session's, else the newest seen). ``out``: the result of an earlier read of
         as many slots and the same layers, filled in place and returned (staging
         buffers reused: no new memory to fault in). Imports torch."""
-        reader = kv.Reader(self._pool_info(model, timeout), slots, layers, state_slots,
-                           kv.chunk_limit(chunk_bytes, self.max_message_bytes), out)
-        reader.request.session_id = session_id_of(session)
-        reader.request.server_epoch = self._fence(session, server_epoch)
+        reader = run_blocking(self._read_kv_flow(model, slots, session, layers, state_slots,
+                                                 chunk_bytes, server_epoch, timeout, out))
         try:
             for chunk in self._read_kv(reader.request, timeout=timeout or self.timeout,
                                        metadata=self._metadata):
@@ -196,16 +155,9 @@ class PrefixCacheClient(ClientBase):
         ``[len(slots), heads, dim]`` for the i-th layer (all, or ``layers``); one
         stacked ``[layers, n, heads, dim]`` tensor works too. ``conv``/``temporal``
         likewise per Mamba layer for ``state_slots``. Imports torch."""
-        chunks = kv.write_chunks(self._pool_info(model, timeout), session_id_of(session),
-                                 slots, k, v, layers, state_slots, conv, temporal,
-                                 kv.chunk_limit(chunk_bytes, self.max_message_bytes),
-                                 self._fence(session, server_epoch))
-        try:
-            reply = self._write_kv(chunks, timeout=timeout or self.timeout,
-                                       metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise self._error(exc) from exc
-        return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)
+        return run_blocking(self._write_kv_flow(model, slots, k, v, session, layers,
+                                                state_slots, conv, temporal, chunk_bytes,
+                                                server_epoch, timeout))
 
     # ------------------------------------------------------------ Subscribe
 
@@ -238,7 +190,7 @@ class PrefixCacheClient(ClientBase):
     # --------------------------------------------------------------- sessions
 
     def open_session(self, ttl: float | None = None, name: str | None = None, *,
-                     timeout: float | None = None) -> SessionInfo:
+                     timeout: float | None = None) -> results.SessionInfo:
         """Open a leased session (``ttl`` None or 0: the service's default lease).
 
         Nobody renews it: call ``keep_alive`` within the lease, or use ``session()``.
@@ -250,7 +202,7 @@ class PrefixCacheClient(ClientBase):
         return self._run(self._op_keep_alive(session), timeout)
 
     def close_session(self, session: SessionLike, *,
-                      timeout: float | None = None) -> CloseReply:
+                      timeout: float | None = None) -> results.CloseReply:
         """End a session, releasing its locks and freeing its slots."""
         return self._run(self._op_close_session(session), timeout)
 
@@ -268,7 +220,7 @@ class PrefixCacheClient(ClientBase):
         ``alloc`` that reaches the service opens it.
         """
         try:
-            opened: SessionInfo | SessionState = self.open_session(ttl, name,
+            opened: results.SessionInfo | SessionState = self.open_session(ttl, name,
                                                                    timeout=timeout)
         except FAIL_OPEN_ERRORS as err:
             # Raises unless failing open; then the first match or alloc opens it.
@@ -286,7 +238,7 @@ class PrefixCacheClient(ClientBase):
               token_width: int | None = None, session: SessionLike = None,
               lock: bool = False, allocate: bool = False, request_id: int | None = None,
               fail_open: bool | None = None, timeout: float | None = None,
-              as_pages: bool = False) -> MatchReply:
+              as_pages: bool = False) -> results.MatchReply:
         """The longest cached prefix of ``tokens``, optionally locked, and slots for the
         rest with ``allocate`` (both need a ``session``). ``as_pages``: answer in page
         ids (``page_ids``, ``allocated_page_ids``) instead of slots.
@@ -303,7 +255,7 @@ class PrefixCacheClient(ClientBase):
                lock: bool = False, release_lock_id: int = 0, state_slot: int | None = None,
                slot_version: int = 0, request_id: int | None = None,
                server_epoch: int | None = None, fail_open: bool | None = None,
-               timeout: float | None = None) -> InsertReply:
+               timeout: float | None = None) -> results.InsertReply:
         """Cache ``tokens`` with ``slots`` (one per token: the tree's own from a match,
         or slots the session holds). The service frees the session's slots the tree did
         not need and reports them in ``freed``; the unaligned tail stays the session's.
@@ -317,7 +269,7 @@ class PrefixCacheClient(ClientBase):
 
     def evict(self, model: str, num_tokens: int = 0, *, swa_num_tokens: int = 0,
               mamba_num: int = 0, session: SessionLike = None,
-              timeout: float | None = None) -> EvictReply:
+              timeout: float | None = None) -> results.EvictReply:
         """Free at least ``num_tokens`` unlocked cached tokens (whole leaves);
         ``session`` names who asks, in the service's log."""
         return self._run(self._op_evict(model, num_tokens, swa_num_tokens, mamba_num,
@@ -325,7 +277,7 @@ class PrefixCacheClient(ClientBase):
 
     def lock(self, model: str, node_id: int, *, session: SessionLike = None,
              request_id: int | None = None, server_epoch: int | None = None,
-             fail_open: bool | None = None, timeout: float | None = None) -> LockReply:
+             fail_open: bool | None = None, timeout: float | None = None) -> results.LockReply:
         """Protect ``node_id`` and its ancestors from eviction for ``session``."""
         return self._run(self._op_lock(model, node_id, session, request_id, server_epoch),
                          timeout, fail_open)
@@ -333,7 +285,7 @@ class PrefixCacheClient(ClientBase):
     def unlock(self, lock_id: int, *, session: SessionLike = None,
                request_id: int | None = None, server_epoch: int | None = None,
                fail_open: bool | None = None, timeout: float | None = None,
-               unused: str | None = None) -> UnlockReply:
+               unused: str | None = None) -> results.UnlockReply:
         """Release a lock taken by ``lock``, ``match`` or ``insert``. ``unused``: the
         lock's hit went unused, and why ("load_failed", "lease_expired"), for the
         service's lookup outcomes."""
@@ -342,7 +294,7 @@ class PrefixCacheClient(ClientBase):
 
     def alloc(self, model: str, num_slots: int, *, num_state_slots: int = 0,
               session: SessionLike = None, timeout: float | None = None,
-              as_pages: bool = False) -> AllocReply:
+              as_pages: bool = False) -> results.AllocReply:
         """Allocate slots to ``session``, evicting if needed. Never fails open.
         ``as_pages``: answer in whole pages (``page_ids``) instead of slots."""
         return self._run(self._op_alloc(model, num_slots, num_state_slots, session,
@@ -355,7 +307,7 @@ class PrefixCacheClient(ClientBase):
         self._run(self._op_free(model, slots, state_slots, session, server_epoch), timeout,
                   fail_open)
 
-    def reset(self, model: str, *, timeout: float | None = None) -> ResetReply:
+    def reset(self, model: str, *, timeout: float | None = None) -> results.ResetReply:
         """Drop every entry, lock and allocation of ``model`` (needs the admin token)."""
         return self._run(self._op_reset(model), timeout)
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
+from prefixcache.wire import kv_chunk
+from prefixcache.wire.kv_chunk import ChunkError, DataChunk, encode_chunk
 
 from .._wire import pack_slots
 from ..errors import FailedPrecondition, InvalidArgument
@@ -188,97 +190,22 @@ def _bytes_of(tensor: Any) -> Any:
         bytearray()
 
 
-@dataclass(frozen=True, slots=True)
-class RawChunk:
-    """A ReadKV chunk as ``parse_chunk`` reads it: ``data`` a view of the message."""
-
-    role: int
-    layer: int
-    offset_bytes: int
-    data: memoryview
-
-
-def parse_chunk(message: bytes) -> RawChunk:
-    """A serialized ``KVChunk`` read without protobuf: the data stays a view of the
-    message instead of two copies (the parse, then ``.data``). Fields as in the proto
-    (role 2, layer 3, offset_bytes 4, data 5); others are skipped.
+def parse_chunk(message: bytes) -> DataChunk:
+    """A serialized ReadKV ``KVChunk`` read without protobuf (``prefixcache.wire``): the
+    data stays a view of the message. Fields it does not know are skipped.
 
     Raises:
         InvalidArgument: the bytes are not a well-formed KVChunk.
     """
-    view = memoryview(message)
-    role = layer = offset = 0
-    data = view[:0]
-    pos, end = 0, len(view)
     try:
-        while pos < end:
-            tag, pos = _varint(view, pos)
-            field, wire = tag >> 3, tag & 7
-            if wire == 0:
-                value, pos = _varint(view, pos)
-                if field == 2:
-                    role = value
-                elif field == 3:
-                    layer = value
-                elif field == 4:
-                    offset = value
-            elif wire == 2:
-                size, pos = _varint(view, pos)
-                if pos + size > end:
-                    raise IndexError("truncated")
-                if field == 5:
-                    data = view[pos:pos + size]
-                pos += size
-            elif wire == 1:
-                pos += 8
-            elif wire == 5:
-                pos += 4
-            else:
-                raise IndexError(f"wire type {wire}")
-    except IndexError as exc:
+        return kv_chunk.parse_chunk(message)
+    except ChunkError as exc:
         raise InvalidArgument(f"malformed ReadKV chunk: {exc}") from None
-    return RawChunk(role, layer, offset, data)
-
-
-def encode_chunk(role: int, layer: int, offset: int, data: memoryview | bytes) -> bytes:
-    """A data ``KVChunk`` serialized by hand, byte for byte what protobuf writes (the
-    server's kv_transfer.encode_chunk is the same; a test holds both to protobuf's): the
-    data is copied once, into the message, instead of into bytes, a message and its
-    serialization."""
-    head = bytearray()
-    for number, value in ((2, role), (3, layer), (4, offset)):
-        if value:  # proto3: zero is the default and is not written
-            head += _put_varint(number << 3) + _put_varint(value)
-    if len(data):
-        head += _put_varint(5 << 3 | 2) + _put_varint(len(data))
-    return b"".join((head, data))
 
 
 def serialize_chunk(chunk: pb.KVChunk | bytes) -> bytes:
     """WriteKV's request serializer: chunks from ``encode_chunk`` as they are."""
     return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
-
-
-def _put_varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _varint(view: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = view[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise IndexError("varint too long")
 
 
 def _per_layer(values: Any, count: int, row_dims: int, what: str) -> list[Any]:

@@ -112,15 +112,50 @@ def widen(values: list[int], whole: set[int], page_size: int) -> list[int]:
 
 
 class PagedCalls:
-    """``alloc_extend`` / ``alloc_decode`` for ``RemoteAllocator`` (which provides
-    ``_cache``, ``page_size``, ``device``, ``_server_freed`` and ``_whole``, the pages
-    taken whole and not freed since)."""
+    """``alloc_extend`` / ``alloc_decode``, and the page bookkeeping, of the drop-in
+    allocators (``RemoteAllocator``, ``sglang_local.LocalAllocator``).
+
+    ``_whole``: the pages taken whole and not freed since (a free of any of their slots
+    frees them whole). ``_server_freed``: slots the service already freed, which a free
+    skips (the remote allocator's; always empty in-process). ``_take(n)``: the source
+    of whole pages (by default an Alloc in ``_cache``'s session).
+    """
 
     _cache: Any
-    page_size: int
-    device: Any
-    _server_freed: set[int]
-    _whole: set[int]
+
+    def __init__(self, page_size: int, size: int, device: Any) -> None:
+        self.page_size = page_size
+        self.size = size
+        self.device = device
+        self._server_freed: set[int] = set()
+        self._whole: set[int] = set()
+
+    def forget_pages(self, slots: Any) -> None:
+        """The tree takes (or the service frees) these slots: their pages are no
+        longer freed whole."""
+        if self._whole and len(slots):
+            self._whole.difference_update(pages_of(ints(slots), self.page_size))
+
+    def clear_pages(self) -> None:
+        """After a reset: every slot is free again, none freed whole by us."""
+        self._server_freed.clear()
+        self._whole.clear()
+
+    def _handed_out(self, slots: Sequence[int]) -> None:
+        """``alloc`` handed these slots out: the service no longer counts them freed,
+        and their pages are partly the caller's now, not whole."""
+        if self._server_freed:
+            self._server_freed.difference_update(slots)
+        if self._whole:
+            self._whole.difference_update(pages_of(slots, self.page_size))
+
+    def _took_pages(self, slots: Sequence[int]) -> None:
+        """``_take`` took these whole pages (each from its first slot)."""
+        if self._server_freed:
+            self._server_freed.difference_update(slots)
+        if self.page_size > 1:
+            ps = self.page_size
+            self._whole.update(s // ps for s in slots[::ps])
 
     def alloc_extend(self, prefix_lens: Any, *args: Any) -> Any:
         """SGLang's paged ``alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens,
@@ -160,10 +195,7 @@ class PagedCalls:
             reply = self._cache.session.alloc(self._cache.model, n)
         except ResourceExhausted:
             return None
-        if self._server_freed:
-            self._server_freed.difference_update(reply.slots)
-        if self.page_size > 1:
-            self._whole.update(pages_of(reply.slots, self.page_size))
+        self._took_pages(reply.slots)
         return reply.slots
 
     def _tensor(self, slots: list[int] | None) -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 from .._wire import as_tensor, pack_slots
 from ..errors import FailedPrecondition, InvalidArgument, PrefixCacheError, ResourceExhausted
 from ..results import AllocReply
-from .paged_alloc import PagedCalls, ints, pages_of, widen
+from .paged_alloc import PagedCalls, ints, widen
 
 RESERVE_SHARE = 64  # the reserve holds at most 1/64 of the pool
 
@@ -105,13 +105,8 @@ class RemoteAllocator(PagedCalls):
     """
 
     def __init__(self, cache: Any) -> None:
+        super().__init__(cache.page_size, cache.pool_size, cache.device)
         self._cache = cache
-        self.page_size = cache.page_size
-        self.size = cache.pool_size
-        self.device = cache.device
-        self._server_freed: set[int] = set()
-        # Pages alloc_extend / alloc_decode took whole: a free of any slot frees them.
-        self._whole: set[int] = set()
         self._group_depth = 0
         self._group: list[int] = []
         self.reserve: SlotReserve | None = None
@@ -154,10 +149,7 @@ class RemoteAllocator(PagedCalls):
             slots = self._slots(n)
         if slots is None:
             return None
-        if self._server_freed:
-            self._server_freed.difference_update(slots)
-        if self._whole:  # its pages are partly the session's now, not whole
-            self._whole.difference_update(pages_of(slots, self.page_size))
+        self._handed_out(slots)
         return as_tensor(slots, self.device)
 
     def alloc_extend(self, prefix_lens: Any, *args: Any) -> Any:
@@ -185,11 +177,7 @@ class RemoteAllocator(PagedCalls):
             slots = self._slots(n)
         if slots is None:
             return None
-        if self._server_freed:
-            self._server_freed.difference_update(slots)
-        if self.page_size > 1:  # whole pages, each from its first slot
-            ps = self.page_size
-            self._whole.update(s // ps for s in slots[::ps])
+        self._took_pages(slots)
         return slots
 
     def free(self, indices: Any) -> None:
@@ -261,9 +249,3 @@ class RemoteAllocator(PagedCalls):
         held = set(mine[torch.isin(mine // ps, ids)].tolist())
         return [s for p in sorted(partial) for s in range(p * ps, (p + 1) * ps)
                 if s not in held]
-
-    def forget_pages(self, slots: Any) -> None:
-        """The tree takes (or the service frees) these slots: their pages are no
-        longer freed whole."""
-        if self._whole and len(slots):
-            self._whole.difference_update(pages_of(ints(slots), self.page_size))

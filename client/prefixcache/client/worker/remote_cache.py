@@ -57,7 +57,7 @@ from typing import Any
 from .._wire import as_tensor, pack_slots, pack_tokens
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, PrefixCacheError
 from ..results import ModelStats
-from ..session import ClientSession
+from ..sessions.session import ClientSession
 from ..step import Admit, Finish
 from ..sync import PrefixCacheClient
 from . import sglang_api as api
@@ -203,8 +203,7 @@ class RemoteRadixCache(SGLangCalls):
             self._window_.close()
         self._locks.clear()
         alloc = self.token_to_kv_pool_allocator
-        alloc._server_freed.clear()
-        alloc._whole.clear()
+        alloc.clear_pages()
         if alloc.reserve is not None:
             alloc.reserve.slots = []
 
@@ -362,21 +361,11 @@ class RemoteRadixCache(SGLangCalls):
     def evictable_size(self) -> int:
         return max(self._counters().evictable_tokens - self._pinned, 0)
 
-    full_evictable_size = evictable_size
-
     def protected_size(self) -> int:
         return self._counters().protected_tokens
 
-    full_protected_size = protected_size
-
     def total_size(self) -> int:
         return self._counters().cached_tokens
-
-    def swa_evictable_size(self) -> int:
-        return 0
-
-    def swa_protected_size(self) -> int:
-        return 0
 
     def check_integrity(self) -> None:
         """Nothing to check here: the tree lives in the service, which checks itself."""

@@ -241,6 +241,13 @@ def kv_row(pool: Any, req: Any, n: int) -> Any:
     return pool.req_to_token[req_pool_idx(req), :n]
 
 
+def req_rows(pool: Any, req: Any, n: int, page_size: int) -> tuple[Any, int, int]:
+    """What ``cache_(un)finished_req`` works on: the first ``n`` KV slots of the
+    request's row (``kv_row``), how many of them fill whole pages, and how many its
+    cached prefix already covers (``protected_len``)."""
+    return kv_row(pool, req, n), n - n % page_size, protected_len(req)
+
+
 class FullTreeCapabilities:
     """The capability answers SGLang's scheduler asks of a plain radix tree cache: a tree
     (not a chunk cache), full attention only (no SWA, no Mamba state), node handles that
@@ -263,3 +270,23 @@ class FullTreeCapabilities:
 
     def take_events(self) -> list[Any]:
         return []
+
+    # Sizes: with full attention only, the full sizes are the sizes and SWA has none.
+
+    def evictable_size(self) -> int:
+        raise NotImplementedError
+
+    def protected_size(self) -> int:
+        raise NotImplementedError
+
+    def full_evictable_size(self) -> int:
+        return self.evictable_size()
+
+    def full_protected_size(self) -> int:
+        return self.protected_size()
+
+    def swa_evictable_size(self) -> int:
+        return 0
+
+    def swa_protected_size(self) -> int:
+        return 0

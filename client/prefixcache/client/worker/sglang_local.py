@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import sglang_api as api
-from .paged_alloc import PagedCalls, ints, pages_of, widen
+from .paged_alloc import PagedCalls, ints, widen
 
 
 class LocalAllocator(PagedCalls):
@@ -27,12 +27,8 @@ class LocalAllocator(PagedCalls):
     as SGLang's paged allocator does."""
 
     def __init__(self, inner: Any) -> None:
+        super().__init__(inner.page_size, inner.size, inner.device)
         self.inner = inner
-        self.page_size = inner.page_size
-        self.size = inner.size
-        self.device = inner.device
-        self._server_freed: set[int] = set()  # PagedCalls' field; nothing is freed for us
-        self._whole: set[int] = set()
 
     def available_size(self) -> int:
         return int(self.inner.available_size())
@@ -40,7 +36,7 @@ class LocalAllocator(PagedCalls):
     def alloc(self, need_size: int) -> Any:
         out = self.inner.alloc(need_size)
         if out is not None and self._whole:
-            self._whole.difference_update(pages_of(ints(out), self.page_size))
+            self._handed_out(ints(out))
         return out
 
     def free(self, indices: Any) -> None:
@@ -49,11 +45,6 @@ class LocalAllocator(PagedCalls):
             self.inner.free(values)
         else:
             self.inner.free(indices)
-
-    def forget_pages(self, slots: Any) -> None:
-        """The tree took these slots: their pages are no longer freed whole by us."""
-        if self._whole and len(slots):
-            self._whole.difference_update(pages_of(ints(slots), self.page_size))
 
     def free_group_begin(self) -> None:
         self.inner.free_group_begin()
@@ -66,8 +57,7 @@ class LocalAllocator(PagedCalls):
         if out is None:
             return None
         slots = ints(out)
-        if self.page_size > 1:
-            self._whole.update(pages_of(slots, self.page_size))
+        self._took_pages(slots)
         return slots
 
 
@@ -106,7 +96,7 @@ class LocalSGLangCache(api.FullTreeCapabilities):
     def reset(self) -> None:
         self.cache.reset()
         self.token_to_kv_pool_allocator.inner.clear()
-        self.token_to_kv_pool_allocator._whole.clear()
+        self.token_to_kv_pool_allocator.clear_pages()
 
     # ---------------------------------------------------------------- the tree
 
@@ -152,10 +142,8 @@ class LocalSGLangCache(api.FullTreeCapabilities):
     def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
         """Insert the request's tokens, free its duplicates and unaligned tail, and
         release its lock (SGLang's ``RadixCache.cache_finished_req``)."""
-        n = api.committed_len(req)
-        kv = api.kv_row(self.req_to_token_pool, req, n)
-        aligned = n - n % self.page_size
-        protected = api.protected_len(req)
+        kv, aligned, protected = api.req_rows(self.req_to_token_pool, req,
+                                              api.committed_len(req), self.page_size)
         alloc = self.token_to_kv_pool_allocator
         if is_insert:
             key = self._key(api.all_tokens(req, aligned), api.namespace(req))
@@ -174,9 +162,8 @@ class LocalSGLangCache(api.FullTreeCapabilities):
 
         tokens = req.fill_ids
         n = len(tokens)
-        kv = api.kv_row(self.req_to_token_pool, req, n)
-        aligned = n - n % self.page_size
-        protected = api.protected_len(req)
+        kv, aligned, protected = api.req_rows(self.req_to_token_pool, req, n,
+                                              self.page_size)
         key = self._key(tokens[:aligned], api.namespace(req))
         done = self.cache.insert(key, kv[:aligned].clone())
         alloc = self.token_to_kv_pool_allocator
@@ -200,21 +187,11 @@ class LocalSGLangCache(api.FullTreeCapabilities):
     def evictable_size(self) -> int:
         return self.cache.evictable_size()
 
-    full_evictable_size = evictable_size
-
     def protected_size(self) -> int:
         return self.cache.protected_size()
 
-    full_protected_size = protected_size
-
     def total_size(self) -> int:
         return self.cache.total_size()
-
-    def swa_evictable_size(self) -> int:
-        return 0
-
-    def swa_protected_size(self) -> int:
-        return 0
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()

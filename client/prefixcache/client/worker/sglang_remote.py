@@ -231,8 +231,7 @@ class SGLangCalls(api.FullTreeCapabilities):
     def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
         """Queue the request's insert, lock release and tail free (one Finish)."""
         n = api.committed_len(req)
-        kv = api.kv_row(self.req_to_token_pool, req, n)
-        protected = api.protected_len(req)
+        kv, _, protected = api.req_rows(self.req_to_token_pool, req, n, self.page_size)
         lock_id = self._lock_to_release(req.last_node, getattr(req, "lock_receipt", None))
         alloc = self.token_to_kv_pool_allocator
         spare = alloc.release_pages(kv[protected:])
@@ -253,10 +252,8 @@ class SGLangCalls(api.FullTreeCapabilities):
         of it; when they are answered the request moves onto the tree's slots and its
         new node and receipt are filled in."""
         tokens = req.fill_ids
-        n = len(tokens)
-        kv = api.kv_row(self.req_to_token_pool, req, n)
-        aligned = n - n % self.page_size
-        protected = api.protected_len(req)
+        kv, aligned, protected = api.req_rows(self.req_to_token_pool, req, len(tokens),
+                                              self.page_size)
         old = self._lock_to_release(req.last_node, getattr(req, "lock_receipt", None))
         self.token_to_kv_pool_allocator.forget_pages(kv[protected:aligned])
         data, width = pack_tokens(tokens)

@@ -12,11 +12,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import step
-from ._core import Op, SessionLike
-from .errors import PrefixCacheError
-from .results import CloseReply, EvictReply, SessionInfo
-from .transfer import kv
+from .. import step
+from .._core import Op, SessionLike
+from .._flow import Flow
+from ..errors import PrefixCacheError
+from ..results import CloseReply, EvictReply, SessionInfo
+from ..transfer import kv
 
 
 class ClientCalls(Protocol):
@@ -28,6 +29,9 @@ class ClientCalls(Protocol):
 
     def _stand_in(self, what: str, fallback: Callable[[], Any] | None, err: PrefixCacheError,
                   fail_open: bool | None) -> Any: ...
+
+    def _run_flow(self, op: Op, timeout: float | None,
+                  fail_open: bool | None) -> Flow[Any]: ...
 
     def _op_step(self, model: str, items: step.StepItems, session: SessionLike,
                  request_id: int | None, server_epoch: int | None = None) -> Op: ...

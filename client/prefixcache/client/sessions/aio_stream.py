@@ -11,12 +11,12 @@ import grpc
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
+from .._core import FAIL_OPEN_ERRORS, Op
+from ..errors import DeadlineExceeded, PrefixCacheError, Unavailable, error_for, from_rpc_error
+from ..results import EvictReply, StatsReply
+from ..step import StepItems, StepReply
 from ._client_protocol import AsyncStreamClient
-from ._core import FAIL_OPEN_ERRORS, Op
 from .aio_session import _SessionCalls
-from .errors import DeadlineExceeded, PrefixCacheError, Unavailable, error_for, from_rpc_error
-from .results import EvictReply, StatsReply
-from .step import StepItems, StepReply
 
 _STREAM_OPS = {"Match": "match", "Insert": "insert", "Evict": "evict", "Lock": "lock",
                "Unlock": "unlock", "Alloc": "alloc", "Free": "free", "Stats": "stats",

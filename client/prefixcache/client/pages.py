@@ -15,9 +15,9 @@ from typing import Any
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from .._core import ClientBase, Op, SessionLike, session_id_of
-from .._wire import pack_slots, unpack_slots
-from ..errors import InvalidArgument
+from ._core import ClientBase, Op, SessionLike, session_id_of
+from ._wire import pack_slots, unpack_slots
+from .errors import InvalidArgument
 
 DIGEST_BYTES = 32
 # SetPagesResponse.states, one byte per page.
