@@ -199,7 +199,7 @@ POLICIES = ["lru", *sorted(set(EVICTION_POLICIES) - {"lru"})]
 
 # CI budget: about 120 cases of up to 50 steps per machine. The long
 # variant (about 8x) runs only when PREFIXCACHE_SLOW=1, since CI runs every test:
-#   PREFIXCACHE_SLOW=1 python -m pytest -m slow tests/cache/test_radix_properties.py
+#   PREFIXCACHE_SLOW=1 python -m pytest -m slow tests/cache/radix/test_radix_properties.py
 LONG = pytest.mark.skipif(not os.environ.get("PREFIXCACHE_SLOW"),
                           reason="set PREFIXCACHE_SLOW=1 for the long property runs")
 

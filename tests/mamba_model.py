@@ -1,4 +1,4 @@
-"""The Mamba cache's model for the property tests in tests/cache/test_mamba_properties.py.
+"""The Mamba cache's model for the property tests in tests/cache/mamba/test_mamba_properties.py.
 
 A recording ``MambaPool``, the harness's locks and requests, and ``MambaOps``: its state
 (the KV model, the state model: token prefix -> state slot, and the recency of each

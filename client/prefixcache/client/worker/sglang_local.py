@@ -1,7 +1,7 @@
 """LocalSGLangCache: SGLang's ``BasePrefixCache`` API over the in-process ``RadixCache``.
 
 The reference ``RemoteRadixCache`` is held to: the same calls, made the same way by a
-scheduler, must tell the same story (tests/client/test_remote_cache_sglang.py), and the
+scheduler, must tell the same story (tests/client/worker/test_remote_cache_sglang.py), and the
 scheduler benchmark (bench/scheduler_loop.py) runs it as its in-process backend. It
 behaves as SGLang's own ``RadixCache`` does (``cache_finished_req`` inserts, frees the
 duplicates and the unaligned tail, unlocks; ``cache_unfinished_req`` also re-matches and

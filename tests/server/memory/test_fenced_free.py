@@ -86,7 +86,7 @@ def stopped_writer(server: ServerThread, client: PrefixCacheClient
     owner = client.open_session(60)
     slots = [int(s) for s in client.alloc("m", FREED, session=owner).slots]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent),
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]),  # tests/server
                                          env.get("PYTHONPATH", "")])
     worker = subprocess.Popen(
         [sys.executable, "-c", WORKER, server.address, owner.session_id,

@@ -2,7 +2,7 @@
 evict, and every eviction attributed to its caller, in metrics by kind (session,
 anonymous, admin) and in the log by client name. The budget refills almost at once
 here (``evict_interval``), so each call meets the cap alone; the budget over time is
-tests/server/test_tenant_side_channels.py's."""
+tests/server/access/test_tenant_side_channels.py's."""
 
 from __future__ import annotations
 

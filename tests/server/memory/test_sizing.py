@@ -26,7 +26,7 @@ from prefixcache.server.service import CacheService
 
 GiB = 1 << 30
 # The sample config of docs/configuration.md (it was the README's).
-SAMPLE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+SAMPLE_PAGE = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 
 
 def budget(memory: int | None = 64 * GiB, shm: int = 32 * GiB, cuda: int = 0,

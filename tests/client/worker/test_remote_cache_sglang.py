@@ -36,7 +36,7 @@ from prefixcache.client.worker.sglang_api import (
 from prefixcache.client.worker.sglang_local import LocalSGLangCache
 from prefixcache.server.config import ModelConfig, PoolConfig
 
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[3]
 if str(_REPO) not in sys.path:  # bench/ is a script folder, not an installed package
     sys.path.insert(0, str(_REPO))
 
