@@ -14,8 +14,9 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
 from . import results
-from ._core import DEFAULT_TARGET, ClientBase, Op, SessionLike
+from ._core import DEFAULT_TARGET, ClientBase
 from ._flow import run_async
+from ._requests import Op, SessionLike
 from .errors import (
     PrefixCacheError,
     Unavailable,

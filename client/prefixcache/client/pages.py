@@ -15,7 +15,8 @@ from typing import Any
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from ._core import ClientBase, Op, SessionLike, session_id_of
+from ._core import ClientBase
+from ._requests import Op, SessionLike, session_id_of
 from ._wire import pack_slots, unpack_slots
 from .errors import InvalidArgument
 

@@ -13,15 +13,9 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
 from . import pages, results
-from ._core import (
-    DEFAULT_TARGET,
-    FAIL_OPEN_ERRORS,
-    ClientBase,
-    Op,
-    SessionLike,
-    log,
-)
+from ._core import DEFAULT_TARGET, FAIL_OPEN_ERRORS, ClientBase, log
 from ._flow import run_blocking
+from ._requests import Op, SessionLike
 from ._session_state import SessionState
 from .errors import PrefixCacheError
 from .sessions.session import ClientSession

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from ._core import Op
+from ._requests import Op
 from .errors import FailedPrecondition, SessionLost
 
 if TYPE_CHECKING:

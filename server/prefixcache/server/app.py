@@ -1,11 +1,9 @@
 """PrefixCacheServer: the gRPC server, health, reflection, metrics and shutdown.
 
-One ``grpc.aio`` server runs every RPC on a single event loop (see servicer.py for
-why that is our concurrency model). ``serve()`` is what ``prefixcache serve`` runs:
-it starts the server, and on SIGTERM, SIGINT, SIGHUP or another stop signal (signals.py)
-drains in-flight calls within the grace period, removes its files and returns 0. A
-second stop signal cuts the drain short: the calls still in flight are cancelled, and
-the files are removed all the same.
+One ``grpc.aio`` server runs every RPC on a single event loop (see rpc/servicer.py for
+why that is our concurrency model). ``stop`` drains in-flight calls within the grace
+period, then closes the pools and removes the files; ``hurry`` cuts a drain short.
+run.py runs it as a process (``prefixcache serve``), listen.py says where it listens.
 """
 
 from __future__ import annotations
@@ -14,9 +12,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
-import socket
-import stat
 from typing import Any
 
 import grpc
@@ -30,8 +25,9 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from .access.auth import TokenAuthInterceptor
 from .access.limits import limits_of
 from .access.tenants import Callers
-from .config import Config, ConfigError, ServerConfig
+from .config import Config, ConfigError
 from .events.publisher import KvEventPublishers, start_kv_events
+from .listen import clear_stale_socket, keepalive_options, read_pem
 from .memory.shared_pool import AdoptError, shm_file_mode, sweep
 from .memory.sizing import check_fits, is_out_of_memory
 from .memory.warm_restart import Takeover, WarmRestart, WarmRestartCollector
@@ -40,7 +36,6 @@ from .reaper import reap_leases
 from .rpc.registration import add_to_server
 from .rpc.servicer import PrefixCacheServicer
 from .service import CacheService
-from .signals import STOP_SIGNALS, SignalLatch
 
 log = logging.getLogger("prefixcache.server")
 
@@ -153,7 +148,7 @@ class PrefixCacheServer:
             ("grpc.max_send_message_length", limit),
             # Two servers on one port would split the traffic silently.
             ("grpc.so_reuseport", 0),
-            *_keepalive_options(cfg),
+            *keepalive_options(cfg),
         ])
         add_to_server(self.servicer, server, self.servicer.limits,
                       [e.config for e in self.servicer.service.engines.values()])
@@ -241,7 +236,7 @@ class PrefixCacheServer:
                 raise ConfigError(f"server.listen: the socket's directory {folder} does "
                                   "not exist; create it (a volume shared with the "
                                   "workers) or choose another path")
-            _clear_stale_socket(path)
+            clear_stale_socket(path)
             old = os.umask(0o777 & ~cfg.socket_mode)  # no window with a looser mode
             try:
                 server.add_insecure_port(f"unix:{path}")
@@ -253,8 +248,8 @@ class PrefixCacheServer:
             return
         if cfg.tls_cert:
             creds = grpc.ssl_server_credentials(
-                [(_read(cfg.tls_key), _read(cfg.tls_cert))],
-                root_certificates=_read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
+                [(read_pem(cfg.tls_key), read_pem(cfg.tls_cert))],
+                root_certificates=read_pem(cfg.tls_client_ca) if cfg.tls_client_ca else None,
                 require_client_auth=bool(cfg.tls_client_ca))
             port = server.add_secure_port(cfg.listen, creds)
         elif cfg.insecure:
@@ -336,98 +331,3 @@ async def _settle_calls(limit: float = _SETTLE_LIMIT) -> None:
              if not t.done() and getattr(t.get_coro(), "__name__", "") == _GRPC_CALL_TASK]
     if calls:
         await asyncio.wait(calls, timeout=limit)
-
-
-def _keepalive_options(cfg: ServerConfig) -> list[tuple[str, int]]:
-    """gRPC keepalive: the server pings every connection that has been silent for
-    keepalive_time and closes it when a ping goes unanswered for keepalive_timeout, so
-    a frozen client, or one behind a half-open connection, loses its streams (and their
-    sessions' holdings) instead of pinning them for grpc's default two hours."""
-    return [
-        ("grpc.keepalive_time_ms", int(cfg.keepalive_time * 1000)),
-        ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout * 1000)),
-        # Ping idle connections too, and keep pinging a stream that sends no data.
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.http2.ping_timeout_ms", int(cfg.keepalive_timeout * 1000)),
-        # Clients' own pings: allowed this often; more often earns a GOAWAY.
-        ("grpc.http2.min_ping_interval_without_data_ms",
-         int(cfg.keepalive_min_client_interval * 1000)),
-    ]
-
-
-def _read(path: str | None) -> bytes:
-    if path is None:  # the config check requires both tls files together
-        raise ConfigError("server.tls_cert and server.tls_key must be set together")
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise ConfigError(f"{path}: {exc.strerror or exc}") from exc
-
-
-def _clear_stale_socket(path: str) -> None:
-    """Remove a socket file left by a dead server; refuse to steal a live one."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise ConfigError(f"server.listen: {path} exists and is not a socket")
-    with socket.socket(socket.AF_UNIX) as probe:
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)
-            return
-    raise ConfigError(f"server.listen: another server is listening on {path}")
-
-
-async def _serve(config: Config, latch: SignalLatch) -> int:
-    # Until the loop's handlers are in place, the latch only records a stop signal; it is
-    # checked before the pools are made and again after (signals.py explains why).
-    if latch.received is not None:
-        log.info("stopped before start", extra={"signal": latch.received.name})
-        return 0
-    server = PrefixCacheServer(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal(sig: signal.Signals) -> None:
-        if not stop.is_set():
-            log.info("stop signal", extra={"signal": sig.name})
-            stop.set()
-        else:  # an operator who does not want to wait out the grace period
-            log.warning("second stop signal: cutting the drain short",
-                        extra={"signal": sig.name})
-            server.hurry()
-
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, on_signal, sig)
-    if latch.received is not None:
-        on_signal(latch.received)
-        # Nothing bound yet: only the pools to free (or, warm, to keep: nothing was
-        # served, so what was restored is still exactly what the snapshot said).
-        keep = server.warm.save(server.service) if server.warm is not None else frozenset()
-        server.service.close(keep)
-        log.info("stopped before start")
-        return 0
-    await server.start()
-    waiter = asyncio.create_task(server.wait())
-    await asyncio.wait([asyncio.create_task(stop.wait()), waiter],
-                       return_when=asyncio.FIRST_COMPLETED)
-    await server.stop()
-    waiter.cancel()
-    return 0
-
-
-def serve(config: Config, latch: SignalLatch | None = None) -> int:
-    """Run the service until a stop signal (signals.py); returns the exit code, 0.
-
-    ``latch``: installed early by the caller, so that a signal during imports is kept;
-    without one, stop signals are caught from here on.
-    """
-    if latch is None:
-        latch = SignalLatch()
-        latch.install()
-    return asyncio.run(_serve(config, latch))

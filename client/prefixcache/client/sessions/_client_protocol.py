@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .. import step
-from .._core import Op, SessionLike
 from .._flow import Flow
+from .._requests import Op, SessionLike
 from ..errors import PrefixCacheError
 from ..results import CloseReply, EvictReply, SessionInfo
 from ..transfer import kv

@@ -11,7 +11,8 @@ import grpc
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
-from .._core import FAIL_OPEN_ERRORS, Op
+from .._core import FAIL_OPEN_ERRORS
+from .._requests import Op
 from ..errors import DeadlineExceeded, PrefixCacheError, Unavailable, error_for, from_rpc_error
 from ..results import EvictReply, StatsReply
 from ..step import StepItems, StepReply

@@ -13,7 +13,6 @@ Not thread-safe: the service calls every engine from one event loop (see app.py)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,42 +44,12 @@ from ..sessions.opaque_ids import OpaqueIds
 from ..sessions.quotas import prefix_tokens
 from ..sessions.session import Session
 from .base import EngineBase, needs_session
+from .outcomes import InsertOutcome, MatchOutcome
 from .slot_checks import check_distinct
 from .slots import SlotOwnership
 from .state_slots import StateSlots, mamba_pool
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-
-
-@dataclass(slots=True)
-class MatchOutcome:
-    """A match as the service answers it (slots as host int64 arrays)."""
-
-    prefix_len: int
-    indices: np.ndarray
-    node_id: int
-    lock_id: int
-    allocated: np.ndarray
-    # Mamba models: the matched node's state slot, where the KV alone would have
-    # reached, and the state slot allocated for this request.
-    state_slot: int | None = None
-    branching_seqlen: int | None = None
-    allocated_state: int | None = None
-    # Slot models: the versions of the matched and the allocated sequence slot.
-    slot_version: int | None = None
-    allocated_version: int | None = None
-
-
-@dataclass(slots=True)
-class InsertOutcome:
-    """An insert as the service answers it; ``freed`` are session slots it freed."""
-
-    prefix_len: int
-    cached_len: int
-    node_id: int
-    lock_id: int
-    freed: np.ndarray
-    state_exist: bool = False
 
 
 class ModelEngine(SlotOwnership, EngineBase):

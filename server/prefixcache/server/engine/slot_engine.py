@@ -28,7 +28,8 @@ from ..errors import PoolExhaustedError, PreconditionError
 from ..sessions.opaque_ids import OpaqueIds
 from ..sessions.session import Session
 from .base import EngineBase, needs_session
-from .model_engine import _EMPTY, InsertOutcome, MatchOutcome
+from .model_engine import _EMPTY
+from .outcomes import InsertOutcome, MatchOutcome
 
 
 class SlotEngine(EngineBase):

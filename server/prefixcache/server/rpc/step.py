@@ -32,7 +32,8 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from ..access.limits import Limits, check_fields, request_tokens
 from ..access.tenant_stats import tenant_view
 from ..codec import decode_key, decode_slots, encode_slots
-from ..engine.model_engine import InsertOutcome, MatchOutcome, ModelEngine
+from ..engine.model_engine import ModelEngine
+from ..engine.outcomes import InsertOutcome, MatchOutcome
 from ..engine.slot_checks import check_distinct
 from ..engine.slot_engine import SlotEngine
 from ..errors import OverLimitError, PreconditionError, ServiceError
