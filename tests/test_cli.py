@@ -7,6 +7,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import sysconfig
 import time
 from collections.abc import Iterator
@@ -159,3 +160,17 @@ def test_client_commands_connect_to_prefixcache_target(server: Server, command: 
     assert result.returncode == 0, result.stderr
     if command == "stats":
         assert re.search(r"^default\s", result.stdout, re.MULTILINE), result.stdout
+
+
+@pytest.mark.parametrize("command", ["health", "stats"])
+def test_client_side_commands_load_no_torch(tmp_path: Path, command: str) -> None:
+    """`prefixcache health` is a probe run every few seconds: it must not load torch (2+ s
+    of CPU). It did once the config became a package whose facade imported the cache."""
+    check = ("import sys\n"
+             "from prefixcache.server.cli import main\n"
+             f"code = main([{command!r}, '--target', 'unix:{tmp_path}/none.sock'])\n"
+             "assert code == 1, code\n"
+             "assert 'torch' not in sys.modules, 'torch loaded'\n")
+    result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -12,8 +12,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from typing import Any, TypeVar
 
-from prefixcache.cache import EVICTION_POLICIES
-
 from .kv_events import check_kv_events_tenants, parse_kv_events
 from .tenants import check_tenant_tokens, parse_tenants
 from .tier import parse_tier
@@ -181,6 +179,10 @@ def build_model_config(entry: Any, where: str) -> ModelConfig:
             raise ConfigError(f"{where}.eviction_policy: kind mamba evicts in lru order only")
     elif model.mamba is not None:
         raise ConfigError(f"{where}.mamba: only for kind mamba")
+    # Imported here: loading the cache loads torch, and every `prefixcache` command
+    # (health, stats: client-side) reads the config's types through this package.
+    from prefixcache.cache.eviction import EVICTION_POLICIES
+
     if model.eviction_policy not in EVICTION_POLICIES:
         raise ConfigError(f"{where}.eviction_policy: one of {', '.join(EVICTION_POLICIES)}")
     if pool.size < model.page_size:
