@@ -214,11 +214,11 @@ class ShadowIndex:
         with self.changed:
             self._own.add(ns, keys, self._pages.get(ns))
 
-    def unnote(self, request: RequestHashes, first: int = 0) -> None:
-        """The pages of ``request`` from page ``first`` on were not cached after all (a
-        reply said so): end their overlay entries."""
+    def unnote(self, request: RequestHashes, first: int = 0, end: int | None = None) -> None:
+        """The pages of ``request`` from page ``first`` on (to ``end``, all when None)
+        were not cached after all (a reply said so): end their overlay entries."""
         self._check_page_size(request)
-        keys = request.keys()[first:]
+        keys = request.keys(end)[first:]
         if keys:
             with self.changed:
                 self._own.discard(request.namespace, keys)

@@ -111,9 +111,9 @@ class _FollowerBase:
         """This worker cached ``request``'s first ``pages`` (``ShadowIndex.note``)."""
         self.index.note(request, pages)
 
-    def unnote(self, request: RequestHashes, first: int = 0) -> None:
+    def unnote(self, request: RequestHashes, first: int = 0, end: int | None = None) -> None:
         """They were not cached from page ``first`` on (``ShadowIndex.unnote``)."""
-        self.index.unnote(request, first)
+        self.index.unnote(request, first, end)
 
     def request_hashes(self, tokens: Any, *, extra_key: str | None = None,
                        token_width: int | None = None) -> RequestHashes:
