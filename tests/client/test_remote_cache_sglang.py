@@ -345,3 +345,25 @@ def test_own_pages_are_seen_at_once_and_end_with_the_stream(
     assert remote.match_prefix(MatchPrefixParams(list(again.origin_input_ids),
                                                  req=again)).host_hit_length == 0
     assert index.local_pages() == {} and remote.errors == []
+
+
+def test_an_insert_that_fails_takes_its_note_back(remote: RemoteRadixCache,
+                                                  server: ServerThread) -> None:
+    """Slots the session does not hold: the queued insert is refused, and the pages
+    it noted stop counting (they were never cached)."""
+    other = RemoteRadixCache(server.address, "r", ttl=30)
+    foreign = other.token_to_kv_pool_allocator.alloc(12)  # another session's slots
+    tokens = list(range(700, 713))
+    req = admitted(remote, tokens)
+    req.req_pool_idx = remote.req_to_token_pool.alloc(16)
+    remote.req_to_token_pool.write((req.req_pool_idx, slice(0, 12)), foreign)
+    req.output_ids.append(5)
+    req.origin_input_ids = req.origin_input_ids[:12]
+    index = remote.window.shadow.index
+    remote.cache_finished_req(req)
+    hashes = RequestHashes(tokens[:12], page_size=PAGE)
+    assert index.match_pages(hashes) == 3  # noted while queued
+    remote.flush()
+    assert [name for name, _ in remote.errors] == ["finishes"]
+    assert index.local_pages() == {} and index.match_pages(hashes) == 0
+    other.close()

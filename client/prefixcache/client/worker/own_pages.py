@@ -10,7 +10,8 @@ reaches it they are cached, unless the insert fails or caches less, which its re
 tells and ``answered`` takes back.
 
 A chunked request inserts a longer prefix of the same tokens each step: its hashes are
-kept (at most ``keep`` requests) and only its new pages hashed.
+kept (for at most ``keep`` requests: a scheduler has one chunked request at a time) and
+only its new pages hashed.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class OwnPages:
         noted: pages noted so far; taken_back: of those, pages a reply took back.
     """
 
-    def __init__(self, shadow: Any, page_size: int, *, keep: int = 1024) -> None:
+    def __init__(self, shadow: Any, page_size: int, *, keep: int = 16) -> None:
         self.shadow = shadow
         self.page_size = page_size
         self.keep = keep
