@@ -11,6 +11,10 @@ budget reads the counters of the previous reply. No chunked prefill here.
 Slots are kept the way SGLang's paged allocator keeps them: a request's tokens fill its
 last page before it takes a new one, so the decode pages of a step are one entry of
 whole pages, dealt out to the requests that need one.
+
+A finished request's insert goes with the next step, after that step's ranking: its
+pages are noted in the shadow index's local overlay when it is queued (``OwnPages``), so
+the ranking counts them as an in-process cache would.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 from bench.sglang_sched import CLIP_MAX_NEW_TOKENS, NEW_TOKEN_RATIO, OUT_BASE, Req, StepResult
 from prefixcache.client import Admit, Finish, MatchReply
 from prefixcache.client.page_chain import RequestHashes
+from prefixcache.client.worker.own_pages import OwnPages
 
 
 @dataclass(eq=False)
@@ -49,6 +54,8 @@ class RawScheduler:
         self.running: list[_Running] = []
         self._hashes: dict[int, RequestHashes] = {}
         self._finishes: list[Finish] = []
+        self._answers: list[Any] = []  # OwnPages' reply callback of each finish
+        self.own = OwnPages(self.shadow, page_size)
         self._frees: list[list[int]] = []
         self.stale_hints = 0
         self.failed_admissions = 0
@@ -97,7 +104,9 @@ class RawScheduler:
             decodes=[pages * ps] if pages else [],
             admits=[Admit(req.origin_input_ids[: self._key_len(req)], req.extra_key,
                           hint=req.num_matched_prefix_tokens) for req in chosen])
-        self._finishes, self._frees = [], []
+        for answered, result in zip(self._answers, reply.finishes, strict=True):
+            answered(result)
+        self._finishes, self._frees, self._answers = [], [], []
         if not reply.ok:
             for name, i, err in reply.errors():
                 if name == "admits":
@@ -125,7 +134,9 @@ class RawScheduler:
             slots.extend(page[:rest])
             self.running.append(_Running(req, slots, result.lock_id, page[rest:]))
             self.waiting.remove(req)
-            del self._hashes[req.rid]
+            hashes = self._hashes.pop(req.rid)
+            if result.prefix_len > req.num_matched_prefix_tokens:  # more than we knew
+                self.shadow.note(hashes, result.prefix_len // ps)
             req.hit_tokens = result.prefix_len
             out.admitted += 1
             out.prompt_tokens += len(req.origin_input_ids)
@@ -143,6 +154,8 @@ class RawScheduler:
                 tokens = req.origin_input_ids + req.output_ids[: n - len(req.origin_input_ids)]
                 self._finishes.append(Finish(tokens, r.slots, release_lock_id=r.lock_id,
                                              extra_key=req.extra_key))
+                self._answers.append(self.own.queued(req, tokens.tobytes(), 1, req.extra_key,
+                                                     last=True))
                 if r.spare:
                     self._frees.append(r.spare)
                 self.running.remove(r)

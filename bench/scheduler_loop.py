@@ -59,9 +59,9 @@ class CountingClient(PrefixCacheClient):
 
     rpcs = 0
 
-    def _invoke(self, op: Any, timeout: float | None) -> Any:
-        self.rpcs += 1
-        return super()._invoke(op, timeout)
+    def _send_flow(self, op: Any, timeout: float | None) -> Any:
+        self.rpcs += 1  # every unary call goes through here (sync and shared flows)
+        return (yield from super()._send_flow(op, timeout))
 
 
 @dataclass

@@ -78,3 +78,22 @@ def test_extend_refuses_another_width() -> None:
         request.extend([(1, 2, 3)])
     with pytest.raises(InvalidArgument):
         request.extend([-1, 2])
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(0, 9), max_size=30), page_size=st.integers(1, 4),
+       split=st.integers(0, 30), other=st.lists(st.integers(0, 9), max_size=30))
+def test_grow_to_takes_an_extension_only(tokens: list[int], page_size: int, split: int,
+                                         other: list[int]) -> None:
+    """grow_to hashes as a fresh request would when the tokens extend the old ones, and
+    refuses (unchanged) when they do not."""
+    grown = RequestHashes(tokens[:split], page_size=page_size)
+    grown.keys()
+    assert grown.grow_to(RadixKey(tokens).packed()[0], 1)
+    assert grown.keys() == RequestHashes(tokens, page_size=page_size).keys()
+    before = grown.keys()[:]
+    extends = other[: len(tokens)] == tokens
+    assert grown.grow_to(RadixKey(other).packed()[0], 1) == extends
+    if not extends:
+        assert grown.keys() == before and len(grown) == len(tokens)
+    assert not grown.grow_to(RadixKey(tokens).packed()[0] * 2, 2)  # another width

@@ -100,6 +100,16 @@ class RequestHashes:
                                   f"width {self.token_width}")
         self._packed += data
 
+    def grow_to(self, packed: bytes, token_width: int) -> bool:
+        """Become ``packed`` (tokens of ``token_width``) when it starts with this
+        request's tokens: only its new pages will be hashed. False, unchanged, if not."""
+        have = len(self._packed)
+        if token_width != self.token_width or len(packed) < have \
+                or memoryview(packed)[:have] != self._packed:
+            return False
+        self._packed += packed[have:]
+        return True
+
     def keys(self, n: int | None = None) -> list[int]:
         """The shadow keys of the first ``n`` pages (all whole pages when None). The list
         is the request's own: do not change it."""

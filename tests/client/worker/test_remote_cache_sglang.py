@@ -108,7 +108,7 @@ def reserved(cache: RemoteRadixCache) -> int:
 
 
 def run(cache: Any, reqs: list[Req], *, batch: int, chunk: int | None,
-        remote: bool) -> list[tuple[Any, ...]]:
+        remote: bool, wait: bool = True) -> list[tuple[Any, ...]]:
     sched = Scheduler(cache, batch=batch, chunk=chunk)
     pending = list(reqs)
     story = []
@@ -117,7 +117,7 @@ def run(cache: Any, reqs: list[Req], *, batch: int, chunk: int | None,
             sched.waiting.append(pending.pop(0))
         if not (sched.waiting or sched.running):
             break
-        if remote:
+        if remote and wait:
             wait_shadow(cache)
         out = sched.step()
         hits = sorted((r.rid, r.hit_tokens) for r in reqs if r.hit_tokens >= 0)
@@ -143,6 +143,21 @@ def test_scheduler_steps_tell_the_same_story(remote: RemoteRadixCache, seed: int
     stats = remote.stats()
     assert (stats.locks, stats.session_slots) == (0, reserved(remote))
     assert remote.calls <= 3 * len(got)
+
+
+@pytest.mark.parametrize(("seed", "batch", "chunk"),
+                         [(5, 3, 12), (6, 8, 16), (7, 4, 24), (4, 6, None)])
+def test_own_inserts_rank_at_once(remote: RemoteRadixCache, seed: int, batch: int,
+                                  chunk: int | None) -> None:
+    """Without waiting for the stream between steps: the worker's own inserts (queued
+    at the end of a step, sent with the next step's first call, reported by the stream
+    after that) rank the next step as in-process (the shadow's local overlay)."""
+    local = LocalSGLangCache(POOL, PAGE)
+    expected = run(local, workload(seed, 40), batch=batch, chunk=chunk, remote=False)
+    got = run(remote, workload(seed, 40), batch=batch, chunk=chunk, remote=True,
+              wait=False)
+    assert [step[5] for step in got] == [step[5] for step in expected]  # same hits
+    assert remote.errors == [] and remote.window.shortfalls == 0
 
 
 def admitted(cache: Any, tokens: list[int]) -> Req:
@@ -299,3 +314,56 @@ def test_a_receipt_releases_once(remote: RemoteRadixCache) -> None:
     with pytest.raises(LockError):
         remote.dec_lock_ref(node, receipt)  # as in-process: nothing of ours is held
     assert remote.protected_size() == 0 and remote.errors == []
+
+
+def test_own_pages_are_seen_at_once_and_end_with_the_stream(
+        remote: RemoteRadixCache) -> None:
+    """A queued insert ranks at once (no call); the stream's store confirms it (the
+    overlay empties), and its removal, after an eviction, ends it."""
+    tokens = list(range(600, 613))
+    req = admitted(remote, tokens)
+    req.req_pool_idx = remote.req_to_token_pool.alloc(16)
+    new = remote.token_to_kv_pool_allocator.alloc_extend(*_lens([0], [13], [-1]), 13)
+    remote.req_to_token_pool.write((req.req_pool_idx, slice(0, 13)), new)
+    req.output_ids.append(5)
+    index = remote.window.shadow.index
+    calls = remote.calls
+    remote.cache_finished_req(req)  # queued: 13 committed tokens, 3 whole pages
+    probe = Req(1, array("I", [*tokens, 7]), 1)
+    ranked = remote.match_prefix(MatchPrefixParams(list(probe.origin_input_ids), req=probe))
+    assert ranked.host_hit_length == 12 and remote.calls == calls
+    assert sum(len(k) for k in index.local_pages().values()) == 3
+    remote.flush()
+    wait_cached(remote, tokens[:12])
+    assert index.local_pages() == {}  # confirmed: the stream's now
+    assert index.match_pages(RequestHashes(tokens[:12], page_size=PAGE)) == 3
+    remote.evict(EvictParams(num_tokens=100))  # the stream tells of its removal
+    deadline = time.monotonic() + 5
+    while len(index) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    again = Req(2, array("I", [*tokens, 7]), 1)
+    assert remote.match_prefix(MatchPrefixParams(list(again.origin_input_ids),
+                                                 req=again)).host_hit_length == 0
+    assert index.local_pages() == {} and remote.errors == []
+
+
+def test_an_insert_that_fails_takes_its_note_back(remote: RemoteRadixCache,
+                                                  server: ServerThread) -> None:
+    """Slots the session does not hold: the queued insert is refused, and the pages
+    it noted stop counting (they were never cached)."""
+    other = RemoteRadixCache(server.address, "r", ttl=30)
+    foreign = other.token_to_kv_pool_allocator.alloc(12)  # another session's slots
+    tokens = list(range(700, 713))
+    req = admitted(remote, tokens)
+    req.req_pool_idx = remote.req_to_token_pool.alloc(16)
+    remote.req_to_token_pool.write((req.req_pool_idx, slice(0, 12)), foreign)
+    req.output_ids.append(5)
+    req.origin_input_ids = req.origin_input_ids[:12]
+    index = remote.window.shadow.index
+    remote.cache_finished_req(req)
+    hashes = RequestHashes(tokens[:12], page_size=PAGE)
+    assert index.match_pages(hashes) == 3  # noted while queued
+    remote.flush()
+    assert [name for name, _ in remote.errors] == ["finishes"]
+    assert index.local_pages() == {} and index.match_pages(hashes) == 0
+    other.close()

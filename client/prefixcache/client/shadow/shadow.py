@@ -17,6 +17,11 @@ service's page set as of the event's ``seq``. A snapshot is collected on the sid
 swapped in whole when it ends, so matches meanwhile answer from the previous replica.
 Thread-safe for one writer (the follower) and any number of readers: ``match`` takes no
 lock (set membership is atomic in CPython); ``pages`` copies under the lock.
+
+The worker's own inserts reach the replica through the stream too, a step or two after
+the worker queued them. ``note`` makes them visible to ``match`` at once, in a bounded
+local overlay (overlay.py) that the stream's later changes reconcile; ``pages`` is the
+stream's replica alone, ``local_pages`` the overlay.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from ..errors import InvalidArgument, PrefixCacheError
 from ..page_chain import DIGEST_BYTES, RequestHashes
+from .overlay import LocalOverlay
 
 Namespace = tuple[str | None, int]
 
@@ -85,7 +91,8 @@ class ShadowIndex:
         events_applied: events applied in all.
     """
 
-    def __init__(self, model: str, *, lag_samples: int = 4096) -> None:
+    def __init__(self, model: str, *, lag_samples: int = 4096,
+                 overlay_capacity: int = 65536) -> None:
         self.model = model
         self.page_size = 0
         self.seq = -1
@@ -100,19 +107,25 @@ class ShadowIndex:
         self._resumable = False  # seq and epoch may be resumed from
         self._last_ms = 0.0
         self._samples: deque[Lag] = deque(maxlen=lag_samples)
+        self._own = LocalOverlay(overlay_capacity)
+        self._own_at_begin = 0  # the overlay's generation when the pending snapshot began
         # Guards writes and copies; waiters (the followers') wait on it for changes.
         self.changed = threading.Condition()
 
     # ------------------------------------------------------------------ reads
 
     def match_pages(self, request: RequestHashes) -> int:
-        """Whole pages of ``request`` the replica holds, from its start."""
-        if request.page_size != self.page_size and self.page_size:
-            raise InvalidArgument(f"the request is hashed in pages of {request.page_size} "
-                                  f"tokens, model {self.model!r} caches pages of "
-                                  f"{self.page_size}")
-        pages = self._pages.get(request.namespace)
-        if not pages:
+        """Whole pages of ``request`` the replica (with the overlay) holds, from its start."""
+        self._check_page_size(request)
+        ns = request.namespace
+        pages = self._pages.get(ns)
+        own = self._own.get(ns) if self._own else None
+        if own:  # set lookups both; a copy or a merged set would cost more per match
+            stream = pages or frozenset()
+            has = lambda key: key in stream or key in own  # noqa: E731
+        elif pages:
+            has = pages.__contains__
+        else:
             return 0
         total = request.num_pages
         # The page set is closed under prefixes (a page is cached only with the pages
@@ -126,7 +139,7 @@ class ShadowIndex:
                 return 0
             if probe > len(keys):
                 request._grow(probe)
-            if keys[probe - 1] not in pages:
+            if not has(keys[probe - 1]):
                 miss = probe - 1  # the answer is below probe
                 break
             hit = probe
@@ -135,7 +148,7 @@ class ShadowIndex:
             probe *= 2
         while hit < miss:
             mid = (hit + miss + 1) // 2
-            if keys[mid - 1] in pages:
+            if has(keys[mid - 1]):
                 hit = mid
             else:
                 miss = mid - 1
@@ -152,8 +165,14 @@ class ShadowIndex:
         with self.changed:
             return {ns: frozenset(keys) for ns, keys in self._pages.items()}
 
+    def local_pages(self) -> dict[Namespace, frozenset[int]]:
+        """A copy of the overlay: pages this worker noted that the stream has not told
+        of yet (``match`` counts them, ``pages`` does not)."""
+        with self.changed:
+            return self._own.pages()
+
     def __len__(self) -> int:
-        """Pages in the replica."""
+        """Pages in the replica (the overlay's not counted)."""
         return sum(len(keys) for keys in list(self._pages.values()))
 
     @property
@@ -183,6 +202,33 @@ class ShadowIndex:
 
     # ----------------------------------------------------------------- writes
 
+    def note(self, request: RequestHashes, pages: int | None = None) -> None:
+        """This worker cached (or is about to: its insert is queued) the first ``pages``
+        whole pages of ``request`` (all when None): ``match`` counts them from now on,
+        until the stream tells of them. Pages the replica holds are left out."""
+        self._check_page_size(request)
+        keys = request.keys(pages)
+        if not keys:
+            return
+        ns = request.namespace
+        with self.changed:
+            self._own.add(ns, keys, self._pages.get(ns))
+
+    def unnote(self, request: RequestHashes, first: int = 0, end: int | None = None) -> None:
+        """The pages of ``request`` from page ``first`` on (to ``end``, all when None)
+        were not cached after all (a reply said so): end their overlay entries."""
+        self._check_page_size(request)
+        keys = request.keys(end)[first:]
+        if keys:
+            with self.changed:
+                self._own.discard(request.namespace, keys)
+
+    def _check_page_size(self, request: RequestHashes) -> None:
+        if self.page_size and request.page_size != self.page_size:
+            raise InvalidArgument(f"the request is hashed in pages of {request.page_size} "
+                                  f"tokens, model {self.model!r} caches pages of "
+                                  f"{self.page_size}")
+
     def apply(self, event: pb.SubscribeEvent) -> None:
         """Apply one Subscribe event (in stream order).
 
@@ -196,22 +242,24 @@ class ShadowIndex:
                 if self._pending is not None or not self._resumable \
                         or event.server_epoch != self.server_epoch or event.seq < self.seq:
                     raise ShadowProtocolError(f"changes at seq {event.seq} out of place")
-                _apply_runs(self._pages, event.changes.runs)
+                _apply_runs(self._pages, event.changes.runs, self._own)
                 self.seq = event.seq
                 if event.made_unix_ns:
                     self._last_ms = max(time.time_ns() - event.made_unix_ns, 0) / 1e6
                 self._samples.append(Lag(max(event.head_seq - event.seq, 0), self._last_ms))
             elif body == "snapshot_begin":
                 self._pending, self._pending_begin = {}, event.snapshot_begin
+                self._own_at_begin = self._own.generation
             elif body == "snapshot_pages":
                 if self._pending is None:
                     raise ShadowProtocolError("snapshot pages without a snapshot_begin")
-                _apply_runs(self._pending, event.snapshot_pages.runs)
+                _apply_runs(self._pending, event.snapshot_pages.runs, None)
             elif body == "snapshot_end":
                 begin = self._pending_begin
                 if self._pending is None or begin is None:
                     raise ShadowProtocolError("snapshot_end without a snapshot_begin")
                 self._pages, self._pending, self._pending_begin = self._pending, None, None
+                self._own.after_snapshot(self._pages, self._own_at_begin)
                 self.page_size = begin.page_size
                 self.server_epoch = event.server_epoch
                 self.seq = event.seq
@@ -229,14 +277,20 @@ class ShadowIndex:
                 f"lag={self.lag})")
 
 
-def _apply_runs(pages: dict[Namespace, set[int]], runs: Any) -> None:
+def _apply_runs(pages: dict[Namespace, set[int]], runs: Any,
+                own: LocalOverlay | None) -> None:
+    """Apply ``runs`` to ``pages``; every page they name ends its ``own`` entry."""
     for run in runs:
         op = run.op
         if op == pb.PAGE_OP_CLEARED:
             pages.clear()
+            if own is not None:
+                own.clear()
             continue
         ns = namespace_of(run.namespace)
         keys = _keys(run.page_hashes)
+        if own and op in (pb.PAGE_OP_STORED, pb.PAGE_OP_REMOVED):
+            own.discard(ns, keys)
         if op == pb.PAGE_OP_STORED:
             held = pages.get(ns)
             if held is None:

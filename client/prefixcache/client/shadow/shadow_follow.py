@@ -107,6 +107,14 @@ class _FollowerBase:
     def match_pages(self, request: RequestHashes) -> int:
         return self.index.match_pages(request)
 
+    def note(self, request: RequestHashes, pages: int | None = None) -> None:
+        """This worker cached ``request``'s first ``pages`` (``ShadowIndex.note``)."""
+        self.index.note(request, pages)
+
+    def unnote(self, request: RequestHashes, first: int = 0, end: int | None = None) -> None:
+        """They were not cached from page ``first`` on (``ShadowIndex.unnote``)."""
+        self.index.unnote(request, first, end)
+
     def request_hashes(self, tokens: Any, *, extra_key: str | None = None,
                        token_width: int | None = None) -> RequestHashes:
         """A ``RequestHashes`` for ``tokens`` in this model's page size (once ready)."""

@@ -157,6 +157,8 @@ class AdmissionWindow:
                 cand.estimate = 0
                 continue
             cand.reply, cand.state = result, "admitted"
+            if result.prefix_len > cand.estimate:  # the service holds more than we knew
+                self.shadow.note(cand.hashes, result.prefix_len // self.page_size)
 
     def take(self, cand: Candidate, promised: int) -> MatchReply | None:
         """The admission of ``cand`` for ``init_load_back``, or None when the service

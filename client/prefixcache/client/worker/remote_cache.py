@@ -62,6 +62,7 @@ from ..step import Admit, Finish
 from ..sync import PrefixCacheClient
 from . import sglang_api as api
 from .admission import AdmissionWindow, Candidate
+from .own_pages import OwnPages
 from .remote_alloc import RemoteAllocator, cache_errors, count_arg
 from .sglang_remote import PendingNode, SGLangCalls, _receipt
 from .step_buffer import StepBuffer
@@ -149,6 +150,7 @@ class RemoteRadixCache(SGLangCalls):
         self.stale_dropped = 0
         self._buffer = StepBuffer(self.session, model)
         self._window_: AdmissionWindow | None = None
+        self._own_pages: OwnPages | None = None  # with the window
         self._shadow_wait = shadow_wait
         self._pinned = 0  # see SGLangCalls._pin
         self._reserve = reserve

@@ -40,9 +40,11 @@ Where the remote answers differ from an in-process tree, and why that is safe:
 * A lock of a ranking match's stand-in node (PrefillAdder's temporary lock) holds
   its estimate back from ``evictable_size()``, whether or not the service counted
   those tokens as evictable: again the budget errs small.
-* Ranking matches do not touch the service's LRU order (admissions do), and what
-  this worker inserted reaches its own ranking one step later than in-process
-  (the insert goes with the next call, the shadow hears of it after that).
+* Ranking matches do not touch the service's LRU order (admissions do).
+* What this worker inserts is noted in its shadow index's local overlay as the insert
+  is queued (own_pages.py), so the next step ranks on it as in-process would, although
+  the insert goes with that step's first call and the stream tells of it after that.
+  A reply that caches less takes the rest back; the stream's changes end the notes.
 * The tree is shared: another worker may cache or evict between two calls, so sizes
   and hits are the service's, not only this worker's doing.
 * A queued item's error surfaces in ``errors`` and the log, not in the call that
@@ -60,6 +62,7 @@ from ..results import ModelStats
 from ..step import Admit, Finish
 from . import sglang_api as api
 from .admission import AdmissionWindow, Candidate
+from .own_pages import OwnPages
 
 
 class PendingNode:
@@ -95,6 +98,7 @@ class SGLangCalls(api.FullTreeCapabilities):
     _buffer: Any
     _locks: dict[int, list[int]]
     _window_: AdmissionWindow | None
+    _own_pages: OwnPages | None
     _shadow_wait: float
     _pinned: int
     _reserve: bool
@@ -123,6 +127,7 @@ class SGLangCalls(api.FullTreeCapabilities):
             follower = self.client.shadow(self.model)
             follower.wait_ready(self._shadow_wait)
             self._window_ = AdmissionWindow(follower, self.page_size)
+            self._own_pages = OwnPages(follower, self.page_size)
             if self._reserve:
                 self.token_to_kv_pool_allocator.keep_reserve()
         return self._window_
@@ -238,11 +243,15 @@ class SGLangCalls(api.FullTreeCapabilities):
         buffer = self._buffer
         if is_insert:
             data, width = pack_tokens(api.all_tokens(req, n))
+            ns = api.namespace(req)
             buffer.finish(Finish(data, pack_slots(kv), release_lock_id=lock_id,
-                                 extra_key=api.namespace(req), token_width=width))
+                                 extra_key=ns, token_width=width),
+                          self._noted(req, data, width, ns, last=True))
         else:
             buffer.free(pack_slots(kv[protected:]))
             buffer.unlock(lock_id)
+            if self._own_pages is not None:
+                self._own_pages.forget(req)
         buffer.free(spare)
         if self._window_ is not None:
             self._window_.expected += 1
@@ -263,11 +272,31 @@ class SGLangCalls(api.FullTreeCapabilities):
         fix = _Fixup(self, req, prefix, protected, aligned, node, receipt)
         self._buffer.finish(Finish(data, pack_slots(kv), release_lock_id=old, extra_key=ns,
                                    token_width=width, lock=True, keep_tail=True),
-                            fix.inserted)
+                            self._noted(req, data, width, ns, last=False, then=fix.inserted))
         self._buffer.admit(Admit(data[: aligned * 4 * width], ns, width, lock=False,
                                  allocate=False), fix.matched)
         api.set_protected_len(req, aligned)
         req.prefix_indices, req.last_node, req.lock_receipt = prefix, node, receipt
+
+    def _noted(self, req: Any, data: bytes, width: int, extra_key: str | None, *,
+               last: bool, then: Any = None) -> Any:
+        """The reply callback of a queued insert, its pages noted in the shadow index
+        now (``then`` gets the reply too; without it an error is logged, as for any
+        queued item)."""
+        own = self._own_pages
+        if own is None:  # no SGLang-style match yet: no shadow index to note in
+            return then
+        answered = own.queued(req, data, width, extra_key, last=last)
+        buffer = self._buffer
+
+        def done(result: Any) -> None:
+            answered(result)
+            if then is not None:
+                then(result)
+            elif isinstance(result, PrefixCacheError):
+                buffer._failed("finishes", result)
+
+        return done
 
     def _empty(self) -> Any:
         """An empty slot tensor (one, shared: nothing writes into it)."""
