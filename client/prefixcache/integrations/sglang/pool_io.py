@@ -21,6 +21,7 @@ The rows are the sidecar's to guard: a load reads slots the session has locked
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from prefixcache.client.results import PoolInfo
@@ -64,12 +65,8 @@ class AttachedIO:
             self._load_batch(slots, batch, layers, pages)
             return
         runs = _Runs(slots, self.info.page_size, self.pool.k_buffer[0].device)
-        for layer in layers:
-            for part in _parts(pages):
-                buf = self._buffers(part)[layer]
-                for i, (host, start) in enumerate(pages):
-                    dst = host.page_view(part, layer, start)
-                    dst.copy_(bitcast(runs.rows(buf, i), dst.dtype))
+        for buf, i, dst in self._flat_pages(pages, layers):
+            dst.copy_(bitcast(runs.rows(buf, i), dst.dtype))
 
     def store(self, slots: Any, pages: list[HostPage], layers: list[int],
               session: Any) -> None:
@@ -78,11 +75,18 @@ class AttachedIO:
             self._store_batch(slots, batch, layers, pages)
             return
         runs = _Runs(slots, self.info.page_size, self.pool.k_buffer[0].device)
+        for buf, i, src in self._flat_pages(pages, layers):
+            runs.put(buf, i, src)
+
+    def _flat_pages(self, pages: list[HostPage], layers: list[int]
+                    ) -> Iterator[tuple[Any, int, Any]]:
+        """(pool buffer, page number, host view) for every layer, part and page: the
+        page-at-a-time path of pages that are not one host pool's."""
         for layer in layers:
             for part in _parts(pages):
                 buf = self._buffers(part)[layer]
                 for i, (host, start) in enumerate(pages):
-                    runs.put(buf, i, host.page_view(part, layer, start))
+                    yield buf, i, host.page_view(part, layer, start)
 
     # Pages of one host pool: one indexing copy per layer and part, over all the pages
     # (a page-sized element each), straight from or into the pool's rows when the slots
