@@ -150,6 +150,17 @@ class _FollowerBase:
         self.error = PrefixCacheError(f"the shadow follower of {self.model!r} failed: {exc!r}")
         return None
 
+    def _delay_after(self, exc: Exception | None, attempt: int) -> float | None:
+        """How long to wait before subscribing again after the stream ended (``exc``
+        None) or failed with ``exc``; None: stop following."""
+        if exc is None:
+            return self._failed(PrefixCacheError("the stream ended"), attempt)
+        if isinstance(exc, grpc.RpcError):
+            return self._failed(self.client._error(exc), attempt)
+        if isinstance(exc, ShadowProtocolError):
+            return self._failed(exc, attempt)
+        return self._crashed(exc)  # a bug: stop visibly rather than hang the waiters
+
     def _done(self, seq: int | None) -> bool:
         if self.error is not None:
             raise self.error
@@ -186,15 +197,11 @@ class ShadowFollower(_FollowerBase):
                     self.connected = True
                     self._apply(event)
                     attempt = 0
-                delay = self._failed(PrefixCacheError("the stream ended"), attempt)
-            except grpc.RpcError as exc:
-                if self._stop.is_set():
-                    break
-                delay = self._failed(self.client._error(exc), attempt)
-            except ShadowProtocolError as err:
-                delay = self._failed(err, attempt)
-            except Exception as exc:  # a bug: stop visibly rather than hang the waiters
-                delay = self._crashed(exc)
+                delay = self._delay_after(None, attempt)
+            except Exception as exc:
+                if isinstance(exc, grpc.RpcError) and self._stop.is_set():
+                    break  # cancelled by close()
+                delay = self._delay_after(exc, attempt)
             finally:
                 self.connected = False
                 if self._call is not None:
@@ -262,13 +269,9 @@ class AsyncShadowFollower(_FollowerBase):
                         self._apply(event)
                         self._notify()
                         attempt = 0
-                    delay = self._failed(PrefixCacheError("the stream ended"), attempt)
-                except grpc.RpcError as exc:
-                    delay = self._failed(self.client._error(exc), attempt)
-                except ShadowProtocolError as err:
-                    delay = self._failed(err, attempt)
-                except Exception as exc:  # a bug: stop visibly rather than hang the waiters
-                    delay = self._crashed(exc)
+                    delay = self._delay_after(None, attempt)
+                except Exception as exc:
+                    delay = self._delay_after(exc, attempt)
                 finally:
                     self.connected = False
                     call.cancel()
