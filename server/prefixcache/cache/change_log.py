@@ -33,8 +33,9 @@ gets ``None`` from ``since`` and must start again from ``snapshot()`` (the curre
 set, walked from the tree, stamped with the seq it reflects), so it never misses a
 change silently. ``SnapshotWalk`` is the same walk in slices, for a caller that must
 not hold its thread for a whole large tree (the server's event loop): the tree may
-change between slices, and the walk is made exact from the log when it finishes. ``watch`` gives push delivery instead: a callback per record, as the
-record is made (inside the cache operation, so it must be cheap and must not raise).
+change between slices, and the walk is made exact from the log when it finishes.
+``watch`` gives push delivery instead: a callback per record, as the record is made
+(inside the cache operation, so it must be cheap and must not raise).
 
 Single-threaded like the caches: call it only from the thread that drives the cache.
 """
