@@ -333,3 +333,36 @@ def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
                 follower.call.cancel()
         worker.close()
         srv.stop()
+
+
+def test_one_client_cannot_take_every_stream(tmp_path) -> None:
+    # Defaults: 64 streams in all, 16 per client. A client without a session (all
+    # local peers without one count as one client) used to take all 64, and every
+    # other subscriber was refused.
+    with running(tmp_path, MODELS) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            taken, refusal = [], None
+            while refusal is None and len(taken) <= 64:
+                call = stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=30)
+                try:
+                    read_snapshot(call)
+                    taken.append(call)
+                except grpc.RpcError as exc:
+                    refusal = exc
+            assert refusal is not None and refusal.code() == CODE.RESOURCE_EXHAUSTED
+            assert "server.max_subscribes_per_client" in refusal.details()
+            assert len(taken) == 16
+            # Another client (its session's client_name) still subscribes.
+            session = stub.OpenSession(pb.OpenSessionRequest(client_name="router")).session_id
+            other = stub.Subscribe(pb.SubscribeRequest(model="m", session_id=session),
+                                   timeout=30)
+            read_snapshot(other)
+            subs = srv.server.servicer.subscriptions
+            assert srv.run(lambda: dict(subs.per_client)) == {"local:": 16, "local:router": 1}
+            for call in [*taken, other]:
+                call.cancel()
+            deadline = time.monotonic() + 10
+            while open_streams(srv) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert open_streams(srv) == 0 and srv.run(lambda: dict(subs.per_client)) == {}
