@@ -47,7 +47,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from .key import unpack_tokens
 from .node import TreeNode
@@ -320,18 +320,56 @@ class WalkedPages:
         return PagesStored(seq, extra_key, width, page_size, self.parents[i],
                            self.page_hashes(i), self.keys[i])
 
-    def records(self, seq: int) -> Iterator[PagesStored]:
-        return (self.record(i, seq) for i in range(len(self)))
 
+class Walked:
+    """A finished walk: the page set after change ``seq``, parents before children.
 
-class Walked(NamedTuple):
-    """A finished walk: the page set after change ``seq``, parents before children."""
+    Brought forward lazily: ``records`` yields each walked node's record whole, or the
+    runs of its pages no change during the walk touched, then the pages the changes
+    left stored, so a caller that takes them in slices never pays for the whole tree
+    in one go.
+    """
 
-    seq: int
-    pages: WalkedPages
+    def __init__(self, seq: int, pages: WalkedPages, changes: list[Change]) -> None:
+        self.seq = seq
+        self.pages = pages
+        self._changes = changes
+        # Each page a change touched: the index of the change that stored it last, or
+        # -1 if its last change removed it; per namespace, the pages touched.
+        self._last: dict[tuple[tuple[str | None, int], str], int] = {}
+        self._touched: dict[tuple[str | None, int], set[str]] = {}
+        self._cleared = -1  # the last AllCleared among the changes
+        for i, change in enumerate(changes):
+            if isinstance(change, AllCleared):
+                self._last.clear()
+                self._touched.clear()
+                self._cleared = i
+            elif not is_hash_namespace(change.extra_key):
+                ns, state = change.namespace, i if isinstance(change, PagesStored) else -1
+                self._touched.setdefault(ns, set()).update(change.page_hashes)
+                for page_hash in change.page_hashes:
+                    self._last[(ns, page_hash)] = state
+
+    def records(self) -> Iterator[PagesStored]:
+        pages, seq, last = self.pages, self.seq, self._last
+        if self._cleared < 0:
+            hits = [self._touched.get(ns[:2]) for ns in pages.namespaces]
+            for i in range(len(pages)):
+                hit, joined = hits[pages.ns[i]], pages.hashes[i]
+                rec = pages.record(i, seq)
+                if hit is None or (joined not in hit if len(joined) == _HEX
+                                   else hit.isdisjoint(rec.page_hashes)):
+                    yield rec
+                else:
+                    yield from _kept(rec, lambda key: key not in last)
+        changes = self._changes
+        for i in range(self._cleared + 1, len(changes)):
+            rec = changes[i]
+            if isinstance(rec, PagesStored) and not is_hash_namespace(rec.extra_key):
+                yield from _kept(rec, lambda key, i=i: last.get(key) == i)
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(self.seq, tuple(self.pages.records(self.seq)))
+        return Snapshot(self.seq, tuple(self.records()))
 
 
 class SnapshotWalk:
@@ -412,55 +450,21 @@ class SnapshotWalk:
             self._visit(upper)
 
     def finish(self) -> Walked | None:
-        """The page set after the log's newest change; None if the log no longer
-        reaches back to the walk's start (walk again)."""
+        """The page set after the log's newest change (brought forward as it is read:
+        ``Walked``); None if the log no longer reaches back to the walk's start (walk
+        again)."""
         if self._stack:
             raise RuntimeError("finish before the walk is done")
         changes = self.log.since(self.seq)
         if changes is None:
             return None
         pages, self._pages = self._pages, WalkedPages()
-        if not changes:
-            return Walked(self.seq, pages)
-        # Each page a change touched: the index of the change that stored it last, or
-        # -1 if its last change removed it.
-        last: dict[tuple[tuple[str | None, int], str], int] = {}
-        touched: dict[tuple[str | None, int], set[str]] = {}
-        cleared = -1
-        for i, change in enumerate(changes):
-            if isinstance(change, AllCleared):
-                last.clear()
-                touched.clear()
-                cleared = i
-                continue
-            if is_hash_namespace(change.extra_key):
-                continue
-            ns, state = change.namespace, i if isinstance(change, PagesStored) else -1
-            touched.setdefault(ns, set()).update(change.page_hashes)
-            for page_hash in change.page_hashes:
-                last[(ns, page_hash)] = state
-        out = WalkedPages()
-        if cleared < 0:
-            hits = [touched.get(ns[:2]) for ns in pages.namespaces]
-            for i in range(len(pages)):
-                hit, joined = hits[pages.ns[i]], pages.hashes[i]
-                if hit is None or (joined not in hit if len(joined) == _HEX
-                                   else hit.isdisjoint(pages.page_hashes(i))):
-                    out.add(pages.namespaces[pages.ns[i]], pages.parents[i], joined,
-                            pages.keys[i])
-                else:
-                    _keep(out, pages.record(i, self.seq), lambda key: key not in last)
-        for i in range(cleared + 1, len(changes)):
-            rec = changes[i]
-            if isinstance(rec, PagesStored) and not is_hash_namespace(rec.extra_key):
-                _keep(out, rec, lambda key, i=i: last.get(key) == i)
-        return Walked(changes[-1].seq, out)
+        return Walked(changes[-1].seq if changes else self.seq, pages, changes)
 
 
-def _keep(out: WalkedPages, rec: PagesStored,
-          keep: Callable[[tuple[tuple[str | None, int], str]], bool]) -> None:
-    """Add the runs of ``rec``'s pages that ``keep`` keeps, each chained on the page
-    before it."""
+def _kept(rec: PagesStored, keep: Callable[[tuple[tuple[str | None, int], str]], bool]
+          ) -> Iterator[PagesStored]:
+    """The runs of ``rec``'s pages that ``keep`` keeps, each chained on the page before."""
     ns, size = rec.namespace, rec.page_bytes
     start = None
     hashes = rec.page_hashes
@@ -471,6 +475,6 @@ def _keep(out: WalkedPages, rec: PagesStored,
             continue
         if start is not None:
             parent = rec.parent_hash if start == 0 else hashes[start - 1]
-            out.add((rec.extra_key, rec.token_width, rec.page_size), parent,
-                    "".join(hashes[start:i]), rec.key_bytes[start * size:i * size])
+            yield PagesStored(rec.seq, rec.extra_key, rec.token_width, rec.page_size, parent,
+                              hashes[start:i], rec.key_bytes[start * size:i * size])
             start = None

@@ -32,6 +32,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 from typing import NamedTuple
 
 from prefixcache.cache.change_log import (
@@ -44,10 +45,10 @@ from prefixcache.cache.change_log import (
 
 Namespace = tuple[str | None, int]
 # Page hashes packed per slice of a snapshot (a few milliseconds) between loop turns.
-ENCODE_SLICE = 65536
+ENCODE_SLICE = 16384
 # A tree walk's slice (seconds), and the walked nodes put into the page set per slice.
 WALK_SECONDS = 0.004
-FILL_SLICE = 8192
+FILL_SLICE = 2048
 
 
 class SharedSnapshot(NamedTuple):
@@ -190,15 +191,16 @@ class ChangeFeed:
                 if walked is not None:
                     break  # else more changed meanwhile than the log keeps: again
             self.walks += 1
-            pages = walked.pages
             page_set: dict[Namespace, set[str]] = {}
-            for start in range(0, len(pages), FILL_SLICE):
-                if start:
-                    await asyncio.sleep(0)
-                for i in range(start, min(start + FILL_SLICE, len(pages))):
-                    extra_key, width, _ = pages.namespaces[pages.ns[i]]
-                    page_set.setdefault((extra_key, width), set()).update(
-                        pages.page_hashes(i))
+            records, more = walked.records(), True
+            while more:
+                more = False
+                # One record at a time, none kept: a batch held at once would survive
+                # collections into the oldest generation and set off a full one.
+                for record in islice(records, FILL_SLICE):
+                    page_set.setdefault(record.namespace, set()).update(record.page_hashes)
+                    more = True
+                await asyncio.sleep(0)
             # The set is the tree after walked.seq: _catch_up brings it forward.
             self._set, self._set_seq = page_set, walked.seq
         finally:

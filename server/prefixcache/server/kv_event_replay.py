@@ -43,13 +43,13 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
 import zmq
 
-from prefixcache.cache.change_log import ChangeLog, SnapshotWalk, Walked
+from prefixcache.cache.change_log import ChangeLog, PagesStored, SnapshotWalk, Walked
 
 from .config import KvEventsConfig
 from .kv_event_wire import EventEncoder, WireChains
@@ -118,8 +118,7 @@ class _Snapshot:
         self.seq = seq
         self.payload = b""  # set once encoded
         self.tail: list[tuple[int, bytes]] = []
-        self._walked: Walked | None = walked
-        self._pos = 0
+        self._records: Iterator[PagesStored] | None = walked.records()
         self._chains = WireChains()
         self._encoder = encoder
         self._packed = [encoder.pack_event(encoder.all_cleared())]
@@ -128,20 +127,19 @@ class _Snapshot:
         """Encode records for about ``_ENCODE_SECONDS``; True once the payload is built."""
         deadline = time.perf_counter() + _ENCODE_SECONDS
         enc, chains, packed = self._encoder, self._chains, self._packed
-        walked = self._walked
-        if walked is not None:
-            pages, count = walked.pages, len(walked.pages)
-            while self._pos < count:
-                end = min(self._pos + 16, count)
-                for i in range(self._pos, end):
-                    packed.append(enc.pack_event(enc.stored_event(pages.record(i, walked.seq),
-                                                                  chains)))
-                self._pos = end
-                if time.perf_counter() > deadline:
+        records = self._records
+        if records is not None:
+            more = True
+            while more:
+                more = False
+                for rec in islice(records, 16):  # one at a time, none kept (change_feed)
+                    packed.append(enc.pack_event(enc.stored_event(rec, chains)))
+                    more = True
+                if more and time.perf_counter() > deadline:
                     return False
         self.payload = enc.batch_of_packed(packed)
         self._packed = []
-        self._walked = None
+        self._records = None
         return True
 
     def items(self) -> list[tuple[int, bytes]]:
