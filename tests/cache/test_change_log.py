@@ -27,8 +27,8 @@ from prefixcache.cache.change_log import (
     PagesRemoved,
     PagesStored,
     Snapshot,
-    SnapshotWalk,
 )
+from prefixcache.cache.snapshot_walk import SnapshotWalk
 
 Page = tuple[str | None, int, str, str | None, tuple[int, ...]]
 

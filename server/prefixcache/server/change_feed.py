@@ -35,13 +35,8 @@ from collections.abc import Callable
 from itertools import islice
 from typing import NamedTuple
 
-from prefixcache.cache.change_log import (
-    AllCleared,
-    Change,
-    ChangeLog,
-    PagesStored,
-    SnapshotWalk,
-)
+from prefixcache.cache.change_log import AllCleared, Change, ChangeLog, PagesStored
+from prefixcache.cache.snapshot_walk import SnapshotWalk
 
 Namespace = tuple[str | None, int]
 # Page hashes packed per slice of a snapshot (a few milliseconds) between loop turns.

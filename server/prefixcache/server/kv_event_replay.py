@@ -49,7 +49,8 @@ from typing import Any
 
 import zmq
 
-from prefixcache.cache.change_log import ChangeLog, PagesStored, SnapshotWalk, Walked
+from prefixcache.cache.change_log import ChangeLog, PagesStored
+from prefixcache.cache.snapshot_walk import SnapshotWalk, Walked
 
 from .config import KvEventsConfig
 from .kv_event_wire import EventEncoder, WireChains
