@@ -339,7 +339,7 @@ def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
 
 
 def test_one_client_cannot_take_every_stream(tmp_path) -> None:
-    # Defaults: 64 streams in all, 16 per client. A client without a session (all
+    # Defaults: 64 streams in all, 32 per client. A client without a session (all
     # local peers without one count as one client) used to take all 64, and every
     # other subscriber was refused.
     with running(tmp_path, MODELS) as srv:
@@ -355,14 +355,14 @@ def test_one_client_cannot_take_every_stream(tmp_path) -> None:
                     refusal = exc
             assert refusal is not None and refusal.code() == CODE.RESOURCE_EXHAUSTED
             assert "server.max_subscribes_per_client" in refusal.details()
-            assert len(taken) == 16
+            assert len(taken) == 32
             # Another client (its session's client_name) still subscribes.
             session = stub.OpenSession(pb.OpenSessionRequest(client_name="router")).session_id
             other = stub.Subscribe(pb.SubscribeRequest(model="m", session_id=session),
                                    timeout=30)
             read_snapshot(other)
             subs = srv.server.servicer.subscriptions
-            assert srv.run(lambda: dict(subs.per_client)) == {"local:": 16, "local:router": 1}
+            assert srv.run(lambda: dict(subs.per_client)) == {"local:": 32, "local:router": 1}
             for call in [*taken, other]:
                 call.cancel()
             deadline = time.monotonic() + 10
