@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 from harness import ServerThread, make_config, pb, running, stub_for
-from stall_harness import HELD, LoopWatch, Victim
+from stall_harness import HELD, VICTIM_BOUND, LoopWatch, Victim
 
 from prefixcache.cache import RadixKey
 from prefixcache.server.config import ModelConfig, PoolConfig
@@ -165,7 +165,7 @@ def test_page_lookups_over_a_long_chain_go_in_slices(tmp_path) -> None:
         print(f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls; "
               f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}")
         assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
-        assert worst < 1.0, f"a Stats call waited {worst:.2f} s behind the page RPCs"
+        assert worst < VICTIM_BOUND, f"a Stats call waited {worst:.2f} s behind the page RPCs"
         # Nothing held in namespace b; the chain whole in order; reversed, only its
         # last page (the next does not chain on it).
         assert answers == [0, 0, chain, 1]
