@@ -28,6 +28,7 @@ from prefixcache.cache.index.change_log import (
     PagesStored,
     Snapshot,
 )
+from prefixcache.cache.index.snapshot_walk import SnapshotWalk
 
 Page = tuple[str | None, int, str, str | None, tuple[int, ...]]
 
@@ -190,6 +191,51 @@ def test_the_log_rebuilds_the_tree_after_every_operation(kind: str, page: int,
     for _ in range(60):
         work.step()
         work.check()
+
+
+@pytest.mark.parametrize("kind", ["radix", "swa", "mamba"])
+@pytest.mark.parametrize("page", [1, 2])
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_walk_in_slices_is_exact_while_the_tree_changes(kind: str, page: int,
+                                                          seed: int) -> None:
+    # Walks of a node or a few at a time, with inserts (which split nodes the walk has
+    # not reached yet), evictions and resets between the slices: each finished walk
+    # is exactly the tree at the log's newest change, parents before children.
+    work = Workload(kind, page, seed)
+    for _ in range(40):  # a tree to walk
+        work.step()
+    for _ in range(8):
+        walk = SnapshotWalk(work.log)
+        while not walk.step(nodes=work.rng.randrange(1, 4)):
+            for _ in range(work.rng.randrange(0, 3)):
+                work.step()
+        walked = walk.finish()
+        assert walked is not None and walked.seq == work.log.last_seq
+        fresh = Replica()
+        fresh.load(walked.snapshot())  # refuses a page twice, or one before its parent
+        assert fresh.as_set() == tree_pages(work.cache)
+        work.cache.check_integrity()
+
+
+def test_a_walk_the_log_no_longer_reaches_back_to_is_told_to_start_again() -> None:
+    log = ChangeLog(capacity=4)
+    cache = RadixCache(1, listener=log)
+    for i in range(6):
+        cache.insert(RadixKey([i, i + 1]), torch.arange(2 * i + 1, 2 * i + 3))
+    walk = SnapshotWalk(log)
+    walk.step(nodes=1)
+    for i in range(6):
+        cache.insert(RadixKey([100 + i]), torch.arange(200 + i, 201 + i))
+    assert walk.step()
+    assert walk.finish() is None
+    again = SnapshotWalk(log)
+    again.step()
+    fresh = Replica()
+    walked = again.finish()
+    assert walked is not None
+    fresh.load(walked.snapshot())
+    assert fresh.as_set() == tree_pages(cache)
 
 
 def test_a_fresh_cache_starts_with_a_clear_and_reset_clears() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from harness import ServerThread, make_config, pb, serve_process, stub_for, toks
+from harness import ServerThread, make_config, pb, serve_process
 from kv_events_harness import (
     Replica,
     Subscriber,
@@ -27,6 +27,7 @@ from kv_events_harness import (
     expected_pages,
     quiet_seq,
 )
+from stall_harness import HELD, NODES, VICTIM_BOUND, LoopWatch, Victim, grow_tree, match_call
 
 from prefixcache.server.config import KvEventsConfig, ModelConfig, PoolConfig
 from prefixcache.server.events.replay import BUSY, END_SEQ
@@ -41,25 +42,6 @@ def ctx() -> Iterator[zmq.Context]:
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
-
-
-class Victim(threading.Thread):
-    """Another client's Match calls, timed, while the attack runs."""
-
-    def __init__(self, address: str) -> None:
-        super().__init__(daemon=True)
-        self.channel, self.stub = stub_for(address)
-        self.latencies: list[float] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        prompt = toks(range(7, 71))
-        while not self.stop.is_set():
-            t0 = time.perf_counter()
-            self.stub.Match(pb.MatchRequest(model="r", token_ids=prompt), timeout=30)
-            self.latencies.append(time.perf_counter() - t0)
-            time.sleep(0.005)
-        self.channel.close()
 
 
 def dealer(ctx: zmq.Context, endpoint: str, **options: int) -> zmq.Socket:
@@ -92,7 +74,7 @@ def test_a_replay_storm_never_stalls_other_clients(tmp_path: Path, ctx: zmq.Cont
     srv = ServerThread(make_config(tmp_path, (MODEL,), kv_events=kv), check_integrity=False)
     publisher = srv.server.kv_events.publishers["r"]
     worker = Worker(srv)
-    victim = Victim(srv.address)
+    victim = Victim(srv.address, match_call("r"))
     socks: list[zmq.Socket] = []
     try:
         rng = random.Random(21)
@@ -237,5 +219,81 @@ def test_snapshots_are_rebuilt_at_most_once_a_second(tmp_path: Path, ctx: zmq.Co
         assert seqs == [newest]  # fresh: the state at the newest batch
     finally:
         sock.close(linger=0)
+        worker.close()
+        srv.stop()
+
+
+def test_snapshots_of_a_large_tree_are_built_in_slices_and_exact(tmp_path: Path,
+                                                                ctx: zmq.Context) -> None:
+    # A 50k-node tree: each snapshot's walk used to hold the loop for the whole tree
+    # (0.1-0.3 s). Peers behind the buffer ask again and again while a worker changes
+    # the tree (inserts that split nodes the walk has not reached, and evictions): the
+    # victim is never held long, and every answer, brought forward with the batches
+    # published after it, is exactly the tree.
+    big = ModelConfig(name="r", page_size=1, vocab_size=1 << 20,
+                      pool=PoolConfig(size=2 * NODES + 20_000, k_heads=1, k_head_dim=4))
+    kv = KvEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/ev",
+                        replay_endpoint=f"ipc://{tmp_path}/replay", buffer_steps=4,
+                        hwm=100_000)
+    srv = ServerThread(make_config(tmp_path, (big,), kv_events=kv), check_integrity=False)
+    publisher = srv.server.kv_events.publishers["r"]
+    live = Subscriber(ctx, publisher.endpoint, None)  # every batch, from the first
+    time.sleep(0.2)
+    worker = Worker(srv)
+    victim = Victim(srv.address, match_call("r"))
+    stop = threading.Event()
+
+    def churn() -> None:
+        rng = random.Random(7)
+        while not stop.is_set():
+            head = rng.randrange(1, 60)  # under the tree's first tokens: splits
+            worker.insert("r", [head] + [rng.randrange(600, 700) for _ in range(4)])
+            if rng.random() < 0.2:
+                worker.stub.Evict(pb.EvictRequest(model="r", num_tokens=8,
+                                                  session_id=worker.session))
+            time.sleep(0.002)
+
+    churner = threading.Thread(target=churn, daemon=True)
+    socks: list[zmq.Socket] = []
+    try:
+        grow_tree(srv, "r")  # 25 batches: more than the buffer keeps
+        with LoopWatch(srv) as watch:
+            victim.start()
+            churner.start()
+            answers = []
+            deadline = time.monotonic() + 4.0
+            while time.monotonic() < deadline:  # a snapshot a second (the rate limit)
+                sock = dealer(ctx, publisher.replay_endpoint)
+                socks.append(sock)
+                sock.send_multipart([b"", (0).to_bytes(8, "big")])
+                answers.append(read_answer(sock, 30))
+            stop.set()
+            churner.join(30)
+            worst = victim.finish()
+        print(f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls, "
+              f"{publisher.replay_snapshots} snapshots; longest loop callback "
+              f"{watch.worst * 1000:.0f} ms of CPU: {watch.what}")
+        assert publisher.replay_snapshots >= 2
+        assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
+        assert worst < VICTIM_BOUND, f"a victim's Match waited {worst:.2f} s behind a snapshot"
+
+        newest = quiet_seq(srv, "r")
+        batches = {seq: payload for _, seq, payload in live.until(newest, 30)}
+        expected = srv.run(lambda: expected_pages(srv.service.engines["r"].cache, "vllm"))
+        for answer in answers:
+            replica = Replica()
+            seqs = [int.from_bytes(s, "big") for s, _ in answer[:-1]]
+            for _, payload in answer[:-1]:
+                replica.apply(decode_batch(payload, "map", "vllm")[1])
+            for seq in range(seqs[-1] + 1, newest + 1):  # then the live stream's batches
+                replica.apply(decode_batch(batches[seq], "map", "vllm")[1])
+            assert replica.pages == expected
+        srv.check_integrity()
+    finally:
+        stop.set()
+        victim.stop.set()
+        for sock in socks:
+            sock.close(linger=0)
+        live.close()
         worker.close()
         srv.stop()

@@ -11,13 +11,16 @@ read, too many streams. Against a real server:
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import pb, running, stub_for, toks
+from harness import ServerThread, make_config, pb, running, stub_for, toks
+from kv_events_harness import Worker
+from stall_harness import HELD, NODES, VICTIM_BOUND, LoopWatch, Victim, grow_tree
 
 from prefixcache.server.config import ModelConfig, PoolConfig
 
@@ -229,3 +232,140 @@ def test_snapshots_kept_from_the_log_match_the_tree(srv, stub) -> None:
     assert srv.server.servicer.subscriptions.feeds["m"].walks == 1
     call.cancel()
     follower.cancel()
+
+
+class Follower(threading.Thread):
+    """A subscriber that keeps what it is sent (applied afterwards: the Python work of
+    applying it here would take the GIL from the in-process server and its victim)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(daemon=True)
+        self.channel, self.stub = stub_for(address)
+        self.runs: list[tuple[int, bytes]] = []
+        self.seq = -1
+        self.snapshot_done = threading.Event()
+        self.call = None
+
+    def run(self) -> None:
+        self.call = self.stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=300)
+        try:
+            for event in self.call:
+                self.runs.extend((run.op, run.page_hashes) for run in
+                                 event.snapshot_pages.runs or event.changes.runs)
+                if event.HasField("snapshot_end"):
+                    self.snapshot_done.set()
+                self.seq = event.seq
+        except grpc.RpcError:
+            pass  # cancelled at the end
+        finally:
+            self.channel.close()
+
+    def pages(self) -> set[bytes]:
+        """The page set its snapshot and changes add up to."""
+        pages: set[bytes] = set()
+        for op, data in self.runs:
+            hashes = [data[i:i + 32] for i in range(0, len(data), 32)]
+            if op == pb.PAGE_OP_CLEARED:
+                pages.clear()
+            elif op == pb.PAGE_OP_REMOVED:
+                pages.difference_update(hashes)
+            else:
+                pages.update(hashes)
+        return pages
+
+
+def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
+    # A model's first Subscribe walked its whole tree in one loop turn (100k nodes: over
+    # half a second, with the garbage collection its records set off). Four first
+    # Subscribes at once, while a worker changes the tree (splits, evictions): one walk,
+    # in slices, shared; a victim is never held long; every replica is the tree.
+    models = (ModelConfig(name="m", page_size=1, vocab_size=1 << 20, pool=PoolConfig(
+        size=2 * NODES + 20_000, layers=1, k_heads=1, k_head_dim=4)),)
+    srv = ServerThread(make_config(tmp_path, models), check_integrity=False)
+    worker = Worker(srv)
+    stop = threading.Event()
+
+    def churn() -> None:
+        rng = random.Random(3)
+        while not stop.is_set():
+            worker.insert("m", [rng.randrange(1, 60)] + [rng.randrange(600, 700)
+                                                         for _ in range(4)])
+            if rng.random() < 0.2:
+                worker.stub.Evict(pb.EvictRequest(model="m", num_tokens=8,
+                                                  session_id=worker.session))
+            time.sleep(0.002)
+
+    churner = threading.Thread(target=churn, daemon=True)
+    victim = Victim(srv.address)
+    followers = [Follower(srv.address) for _ in range(4)]
+    try:
+        grow_tree(srv, "m")
+        with LoopWatch(srv) as watch:
+            victim.start()
+            churner.start()
+            time.sleep(0.3)
+            for follower in followers:
+                follower.start()
+            for follower in followers:
+                assert follower.snapshot_done.wait(60)
+            time.sleep(0.3)
+            stop.set()
+            churner.join(30)
+            worst = victim.finish()
+        print(f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls; "
+              f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}")
+        assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
+        assert worst < VICTIM_BOUND, f"a Stats call waited {worst:.2f} s behind the first Subscribe"
+        log = srv.service.engine("m").change_log
+        head = srv.run(lambda: log.last_seq)
+        deadline = time.monotonic() + 30
+        while min(f.seq for f in followers) < head and time.monotonic() < deadline:
+            time.sleep(0.05)
+        walked = srv.run(lambda: {bytes.fromhex(h) for r in log.snapshot().pages
+                                  for h in r.page_hashes})
+        assert len(walked) > NODES
+        for follower in followers:
+            assert follower.seq == head and follower.pages() == walked
+        assert srv.server.servicer.subscriptions.feeds["m"].walks == 1
+        srv.check_integrity()
+    finally:
+        stop.set()
+        victim.stop.set()
+        for follower in followers:
+            if follower.call is not None:
+                follower.call.cancel()
+        worker.close()
+        srv.stop()
+
+
+def test_one_client_cannot_take_every_stream(tmp_path) -> None:
+    # Defaults: 64 streams in all, 32 per client. A client without a session (all
+    # local peers without one count as one client) used to take all 64, and every
+    # other subscriber was refused.
+    with running(tmp_path, MODELS) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            taken, refusal = [], None
+            while refusal is None and len(taken) <= 64:
+                call = stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=30)
+                try:
+                    read_snapshot(call)
+                    taken.append(call)
+                except grpc.RpcError as exc:
+                    refusal = exc
+            assert refusal is not None and refusal.code() == CODE.RESOURCE_EXHAUSTED
+            assert "server.max_subscribes_per_client" in refusal.details()
+            assert len(taken) == 32
+            # Another client (its session's client_name) still subscribes.
+            session = stub.OpenSession(pb.OpenSessionRequest(client_name="router")).session_id
+            other = stub.Subscribe(pb.SubscribeRequest(model="m", session_id=session),
+                                   timeout=30)
+            read_snapshot(other)
+            subs = srv.server.servicer.subscriptions
+            assert srv.run(lambda: dict(subs.per_client)) == {"local:": 32, "local:router": 1}
+            for call in [*taken, other]:
+                call.cancel()
+            deadline = time.monotonic() + 10
+            while open_streams(srv) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert open_streams(srv) == 0 and srv.run(lambda: dict(subs.per_client)) == {}

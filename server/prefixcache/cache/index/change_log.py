@@ -31,8 +31,10 @@ A node split changes no page and records nothing. What counts as "cached pages":
 The buffer is bounded. A reader that has fallen further behind than the buffer reaches
 gets ``None`` from ``since`` and must start again from ``snapshot()`` (the current page
 set, walked from the tree, stamped with the seq it reflects), so it never misses a
-change silently. ``watch`` gives push delivery instead: a callback per record, as the
-record is made (inside the cache operation, so it must be cheap and must not raise).
+change silently (``snapshot_walk.SnapshotWalk`` walks it in slices, for a caller that
+must not hold its thread for a whole large tree). ``watch`` gives push delivery
+instead: a callback per record, as the record is made (inside the cache operation, so
+it must be cheap and must not raise).
 
 Single-threaded like the caches: call it only from the thread that drives the cache.
 """
@@ -181,7 +183,7 @@ class ChangeLog:
         if ns is None or node.hash_values is None:
             raise ValueError(f"node {node.id} has no namespace or no page hashes")
         self._append(PagesStored(self._next_seq, ns.extra_key, ns.token_width, ns.page_size,
-                                 _last_hash(node.parent), tuple(node.hash_values),
+                                 last_hash(node.parent), tuple(node.hash_values),
                                  node.key_bytes))
 
     def pages_removed(self, node: TreeNode) -> None:
@@ -218,6 +220,11 @@ class ChangeLog:
             return None
         return list(islice(self._records, seq + 1 - first, None))
 
+    @property
+    def tree(self) -> Any:
+        """The cache this log records (None before its first ``cleared``)."""
+        return self._cache
+
     def snapshot(self) -> Snapshot:
         """The tree's current page set, stamped with ``last_seq``."""
         seq = self.last_seq
@@ -236,7 +243,7 @@ class ChangeLog:
                 if hashes is None:  # only if the cache was built without eager hashes
                     hashes = cache.compute_node_hash(node)
                 pages.append(PagesStored(seq, ns.extra_key, ns.token_width, ns.page_size,
-                                         _last_hash(node.parent), tuple(hashes),
+                                         last_hash(node.parent), tuple(hashes),
                                          node.key_bytes))
                 stack.extend(node.children.values())
         return Snapshot(seq, tuple(pages))
@@ -278,7 +285,7 @@ def _cost(record: Change) -> int:
     return _RECORD_COST
 
 
-def _last_hash(parent: TreeNode | None) -> str | None:
+def last_hash(parent: TreeNode | None) -> str | None:
     """The hash a child's first page chains on: the parent's last page (None at a root)."""
     if parent is None or not parent.key_len or not parent.hash_values:
         return None

@@ -143,20 +143,29 @@ class PageIndex:
             KeyError: the page is not indexed.
             IntegrityError: a page on its path is missing (a bookkeeping bug).
         """
+        pages, _ = self.path_part(namespace, page_hash)
+        pages.reverse()
+        return b"".join(pages), len(pages)
+
+    def path_part(self, namespace: Namespace, page_hash: str, limit: int | None = None,
+                  walked: int = 0) -> tuple[list[bytes], str | None]:
+        """Up to ``limit`` pages (None: all) of ``path``, from ``page_hash`` rootward,
+        and the page the rest of the path ends at (None once the root is reached), for
+        a caller that walks a long path in parts; ``walked``: the pages its earlier
+        parts had (so that a loop is still found). Raises as ``path``."""
         table = self._pages[namespace]
         pages: list[bytes] = []
         current: str | None = page_hash
-        while current is not None:
+        while current is not None and (limit is None or len(pages) < limit):
             entry = table.get(current)
             if entry is None:
                 raise IntegrityError(f"page index: page {current[:16]} on the path of "
                                      f"{page_hash[:16]} is missing")
-            if len(pages) >= len(table):  # a page on its own path: never from SetPages
+            if walked + len(pages) >= len(table):  # a page on its own path: never from SetPages
                 raise IntegrityError(f"page index: the path of {page_hash[:16]} loops")
             pages.append(entry.page)
             current = entry.parent
-        pages.reverse()
-        return b"".join(pages), len(pages)
+        return pages, current
 
     def __len__(self) -> int:
         return sum(len(table) for table in self._pages.values())

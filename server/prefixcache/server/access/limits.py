@@ -32,7 +32,7 @@ LIMIT_NAMES = ("max_extra_key_bytes", "max_client_name_bytes", "max_session_id_b
                # reply_caps.py: a reply that could not be sent is refused before the work.
                "max_message_bytes",
                # subscriptions.py: Subscribe streams, and how far behind one may fall.
-               "max_subscribe_streams", "max_session_subscribes",
+               "max_subscribe_streams", "max_session_subscribes", "max_subscribes_per_client",
                "max_subscriber_pending_bytes")
 
 # String fields with a size limit, by field name: the setting that bounds them.

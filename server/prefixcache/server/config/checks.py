@@ -117,6 +117,7 @@ _LIMIT_INTS = {"min_chunk_bytes": 1, "max_read_bytes": 0, "max_inflight_write_by
                "max_session_slots": 0, "max_session_state_slots": 0,
                "max_session_locked_tokens": 0, "max_session_streams": 1,
                "max_subscribe_streams": 1, "max_session_subscribes": 1,
+               "max_subscribes_per_client": 0,
                "max_subscriber_pending_bytes": 0}
 _LIMIT_SECONDS = ("stream_ttl", "evict_interval", "keepalive_time", "keepalive_timeout",
                   "keepalive_min_client_interval")

@@ -146,13 +146,18 @@ class ServerConfig:
     max_session_state_slots: int = 0
     max_session_locked_tokens: int | None = 0
     max_session_streams: int = 64
-    # Subscribe streams (subscriptions.py) open at once, in all and per session (a
-    # request names its session_id to count against it), RESOURCE_EXHAUSTED beyond
-    # either; a subscriber further behind than max_subscriber_pending_bytes (32 bytes per
-    # page hash of its snapshot not yet sent and of the changes after it; 0: 64 MiB, or
-    # twice the largest model's pool in pages if more) is dropped (RESOURCE_EXHAUSTED).
+    # Subscribe streams (subscriptions.py) open at once, in all, per session (a request
+    # names its session_id to count against it) and per client (its session's client,
+    # else the caller as tenants.client_identity tells it: a peer's address, and all
+    # local peers without a session together, such as the workers' shadow indexes;
+    # the default leaves half of max_subscribe_streams to the others; 0: off),
+    # RESOURCE_EXHAUSTED beyond any; a subscriber further behind than
+    # max_subscriber_pending_bytes (32 bytes per page hash of its snapshot not yet sent
+    # and of the changes after it; 0: 64 MiB, or twice the largest model's pool in
+    # pages if more) is dropped (RESOURCE_EXHAUSTED).
     max_subscribe_streams: int = 64
     max_session_subscribes: int = 8
+    max_subscribes_per_client: int = 32
     max_subscriber_pending_bytes: int = 0
     # One Step call: its items (finishes, unlocks, frees, decodes and admits together)
     # and the bytes of token ids and slot indices they carry. A Step over either is

@@ -27,8 +27,9 @@ Not thread-safe: called on the service's event loop, like the engine.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,6 +52,18 @@ Namespace = tuple[str | None, int]
 
 # SetPages' answer per page (one byte each on the wire).
 MISSING, STORED, HELD = 0, 1, 2
+# GetPages' pages looked at (or path pages walked) per slice of its plan.
+SLICE = 4096
+
+
+class PlannedRun(NamedTuple):
+    """A run of a GetPages request's pages along one tree path: its namespace, the
+    packed key from the root through its last page, that key's pages, the run's."""
+
+    namespace: Namespace
+    packed: bytes
+    depth: int
+    count: int
 
 
 @dataclass(slots=True)
@@ -110,18 +123,72 @@ class HashPages:
 
     def get(self, namespace: Namespace, page_hashes: list[str],
             session: Session | None) -> GetOutcome:
-        """Lock the leading run of pages for ``session`` and answer their slots."""
+        """Lock the leading run of pages for ``session`` and answer their slots (in one
+        go: the RPC runs ``plan`` in slices, then ``lock``)."""
+        steps = self.plan(namespace, page_hashes)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return self.lock(done.value, session)
+
+    def plan(self, namespace: Namespace, page_hashes: list[str]
+             ) -> Generator[None, None, list[PlannedRun]]:
+        """The leading run of held pages as runs along one tree path each, with each
+        run's path; reads only, and yields every ``SLICE`` pages looked at, so that
+        the caller can let other calls run between slices.
+
+        The run ends at a page that neither chains on the page before it (its parent
+        in the index) nor starts a path of its own: a prompt's pages always do one or
+        the other, and each run's path is walked from its namespace's root, so a
+        request of pages that do not chain (a long chain's pages in reverse order)
+        once cost a whole path per page: minutes of loop time for a few hundred."""
+        runs: list[tuple[Namespace, str, int]] = []
+        previous: str | None = None
+        for i, page_hash in enumerate(page_hashes):
+            if i and i % SLICE == 0:
+                yield
+            ns = self._locate(namespace, page_hash)
+            if ns is None:
+                break
+            entry = self.index.find(ns, page_hash)
+            if entry is None:  # cannot happen: _locate just found it
+                break
+            if runs and entry.parent != previous and entry.parent is not None:
+                break  # not this chain's next page: the leading run ends here
+            if runs and runs[-1][0] == ns and entry.parent == previous:
+                runs[-1] = (ns, page_hash, runs[-1][2] + 1)
+            else:
+                runs.append((ns, page_hash, 1))
+            previous = page_hash
+        planned: list[PlannedRun] = []
+        for ns, last, count in runs:
+            parts: list[bytes] = []
+            current: str | None = last
+            while current is not None:
+                if self.index.find(ns, current) is None:
+                    return planned  # evicted since it was looked up: the answer ends
+                part, current = self.index.path_part(ns, current, SLICE, len(parts))
+                parts += part
+                if current is not None:
+                    yield
+            parts.reverse()
+            planned.append(PlannedRun(ns, b"".join(parts), len(parts), count))
+        return planned
+
+    def lock(self, planned: list[PlannedRun], session: Session | None) -> GetOutcome:
+        """Lock the planned runs' pages for ``session`` (those still cached, from the
+        first) and answer their slots."""
         owner = needs_session(session, "GetPages")
-        runs = self._runs(namespace, page_hashes)
         engine, cache, size = self.engine, self.engine.cache, self.page_size
         found, parts, lock_ids = 0, [], []
         try:
-            for ns, last, count in runs:
-                packed, depth = self.index.path(ns, last)
+            for ns, packed, depth, count in planned:
                 key = RadixKey.from_bytes(packed, ns[1], ns[0])
                 result = cache.match_prefix(key)
                 # A radix match reaches every indexed page; anything short of that ends
-                # the run (and the answer) where the match ended.
+                # the run (and the answer) where the match ended (and so does a page
+                # evicted since the plan).
                 matched = result.prefix_len // size
                 usable = max(0, count - (depth - matched))
                 if usable:
@@ -196,25 +263,6 @@ class HashPages:
         if self.index.find(hidden, page_hash) is not None:
             return hidden
         return None
-
-    def _runs(self, namespace: Namespace, page_hashes: list[str]
-              ) -> list[tuple[Namespace, str, int]]:
-        """The leading run of held pages as runs along one tree path each:
-        ``(namespace, last page hash, pages)``."""
-        runs: list[tuple[Namespace, str, int]] = []
-        previous: str | None = None
-        for page_hash in page_hashes:
-            ns = self._locate(namespace, page_hash)
-            if ns is None:
-                break
-            entry = self.index.find(ns, page_hash)
-            if runs and runs[-1][0] == ns and entry is not None \
-                    and entry.parent == previous:
-                runs[-1] = (ns, page_hash, runs[-1][2] + 1)
-            else:
-                runs.append((ns, page_hash, 1))
-            previous = page_hash
-        return runs
 
     def _checked_pages(self, page_hashes: list[str], slots: np.ndarray,
                        session: Session) -> list[np.ndarray | None]:

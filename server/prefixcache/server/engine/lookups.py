@@ -32,6 +32,7 @@ thread only reads the counters.
 
 from __future__ import annotations
 
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,8 @@ from ..access.tenants import CALLER
 # The outcomes a client may give a lock it releases unused (UnlockRequest).
 CLIENT_REASONS = (LOAD_FAILED, LEASE_EXPIRED)
 _U64 = np.uint64
+# ExistsPages' pages looked up per slice of its counting (a few milliseconds).
+COUNT_SLICE = 4096
 
 
 class Lookups:
@@ -134,10 +137,15 @@ class Lookups:
                         namespaces=namespaces, block=self.block)
 
     def count_pages(self, index: Any, namespace: tuple[str | None, int], data: bytes,
-                    leading: int) -> None:
+                    leading: int) -> Iterator[None]:
         """Count an ExistsPages lookup: ``data`` its packed page hashes (32 bytes each),
         ``leading`` pages of them held. Beyond those: pages another namespace's index
-        holds, then pages the record knows as evicted, then cold ones."""
+        holds, then pages the record knows as evicted, then cold ones.
+
+        A generator: it yields after every ``COUNT_SLICE`` pages it looks up, so that
+        the caller can let other calls run between slices (a 1M-page request's runs
+        once held the loop for half a second). The index and the record may change
+        between slices: the outcomes are counted as the slices found them."""
         size = self.page_size
         total = len(data) // DIGEST_BYTES
         self.pages_requested += total
@@ -146,13 +154,15 @@ class Lookups:
             return
         salt = namespace_salt(*namespace)
         pos = leading
-        other = _other_run(index, namespace, data, pos, total)
+        other = yield from _other_run(index, namespace, data, pos, total)
         self.tokens[MISS_NAMESPACE] += other * size
         pos += other
         if len(self.record):
             while pos < total and sha_page_id(_hex(data, pos), salt) in self.record:
                 self.tokens[MISS_EVICTED] += size
                 pos += 1
+                if (pos - leading) % COUNT_SLICE == 0:
+                    yield
         self.tokens[MISS_COLD] += (total - pos) * size
         heads = np.frombuffer(data, dtype=">u8").reshape(-1, DIGEST_BYTES // 8)[leading:, 0]
         self.distinct.add(heads.astype(_U64) ^ _U64(salt))
@@ -163,13 +173,14 @@ def _hex(data: bytes, page: int) -> str:
 
 
 def _other_run(index: Any, namespace: tuple[str | None, int], data: bytes, pos: int,
-               total: int, limit: int = 8) -> int:
+               total: int, limit: int = 8) -> Generator[None, None, int]:
     """Pages from ``pos`` on that one other namespace of the same width holds (as token
-    pages or hash pages), the longest run among at most ``limit`` namespaces."""
+    pages or hash pages), the longest run among at most ``limit`` namespaces; yields
+    every ``COUNT_SLICE`` pages looked up."""
     first = _hex(data, pos)
     best = 0
     looked = 0
-    for examined, (extra_key, width) in enumerate(index._pages):
+    for examined, (extra_key, width) in enumerate(list(index._pages)):
         if examined >= MAX_EXAMINED:
             break
         if width != namespace[1] and not is_hash_namespace(extra_key):
@@ -184,6 +195,8 @@ def _other_run(index: Any, namespace: tuple[str | None, int], data: bytes, pos: 
         while pos + run < total and index.find((extra_key, width),
                                                _hex(data, pos + run)) is not None:
             run += 1
+            if run % COUNT_SLICE == 0:
+                yield
         best = max(best, run)
         if looked >= limit:
             break

@@ -10,7 +10,10 @@ fifty subscribers that never read held 716 MiB (issue 21). Now:
   date from the log, once per loop turn in which the tree changed (``_catch_up``),
   at the cost of a set update per page changed. The tree is walked only to fill it:
   on the model's first Subscribe, and again only if one loop turn changed more than
-  the log keeps (a huge eviction), so that the log no longer reaches back.
+  the log keeps (a huge eviction), so that the log no longer reaches back. That walk
+  goes in slices of ``WALK_SECONDS`` with the loop free between them (``SnapshotWalk``:
+  exact at the change it finishes at), and the set is filled from it in slices too;
+  Subscribes that come meanwhile wait for the same walk.
 * A snapshot copies that set's keys in one loop turn (a C-level copy of the key
   lists: the page set after one change-log seq exactly), then packs them as 32-byte
   digests in slices of ``ENCODE_SLICE`` pages, the loop free between them.
@@ -29,13 +32,18 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 from typing import NamedTuple
 
 from prefixcache.cache.index.change_log import AllCleared, Change, ChangeLog, PagesStored
+from prefixcache.cache.index.snapshot_walk import SnapshotWalk
 
 Namespace = tuple[str | None, int]
 # Page hashes packed per slice of a snapshot (a few milliseconds) between loop turns.
-ENCODE_SLICE = 65536
+ENCODE_SLICE = 16384
+# A tree walk's slice (seconds), and the walked nodes put into the page set per slice.
+WALK_SECONDS = 0.004
+FILL_SLICE = 2048
 
 
 class SharedSnapshot(NamedTuple):
@@ -70,12 +78,15 @@ class ChangeFeed:
         self._catch_up_due = False
         self._latest: SharedSnapshot | None = None
         self._building: tuple[int, asyncio.Future[SharedSnapshot]] | None = None
+        self._filling: asyncio.Future[None] | None = None  # the walk under way
         self.walks = 0  # tree walks made to fill the page set
         self.built = 0  # snapshots built (shared by the streams at one seq)
         self._unwatch = log.watch(self._on_change)
 
     def close(self) -> None:
         self._unwatch()
+        if self._filling is not None:
+            self._filling.cancel()
         self._wake()
 
     def _on_change(self, change: Change) -> None:
@@ -124,6 +135,9 @@ class ChangeFeed:
     async def snapshot(self) -> SharedSnapshot:
         """The page set after the newest change, shared with every caller at that seq."""
         self._catch_up()
+        while self._set is None:  # the first, or the log no longer reached back
+            await self._fill()
+            self._catch_up()
         seq = self._set_seq
         latest = self._latest
         if latest is not None and latest.seq == seq:
@@ -155,21 +169,49 @@ class ChangeFeed:
             self._building = None
         return snapshot
 
-    def _catch_up(self) -> None:
-        """Bring the page set up to the log's newest change (filling it by a tree walk
-        when it is empty, or when the log no longer reaches back to it)."""
-        self._catch_up_due = False
-        log = self.log
-        changes = None if self._set is None else log.since(self._set_seq)
-        if changes is None:
-            walked = log.snapshot()
+    async def _fill(self) -> None:
+        """Fill the page set from a walk of the tree; one walk for every caller."""
+        if self._filling is None:
+            self._filling = asyncio.ensure_future(self._walk())
+        # Shielded: a subscriber that goes away does not cancel the others' walk.
+        await asyncio.shield(self._filling)
+
+    async def _walk(self) -> None:
+        try:
+            while True:
+                walk = SnapshotWalk(self.log)
+                while not walk.step(WALK_SECONDS):
+                    await asyncio.sleep(0)  # the other calls' turn
+                walked = walk.finish()
+                if walked is not None:
+                    break  # else more changed meanwhile than the log keeps: again
             self.walks += 1
             page_set: dict[Namespace, set[str]] = {}
-            for record in walked.pages:
-                page_set.setdefault(record.namespace, set()).update(record.page_hashes)
+            records, more = walked.records(), True
+            while more:
+                more = False
+                # One record at a time, none kept: a batch held at once would survive
+                # collections into the oldest generation and set off a full one.
+                for record in islice(records, FILL_SLICE):
+                    page_set.setdefault(record.namespace, set()).update(record.page_hashes)
+                    more = True
+                await asyncio.sleep(0)
+            # The set is the tree after walked.seq: _catch_up brings it forward.
             self._set, self._set_seq = page_set, walked.seq
+        finally:
+            self._filling = None
+
+    def _catch_up(self) -> None:
+        """Bring the page set up to the log's newest change (or drop it, for a walk to
+        fill again, when the log no longer reaches back to it)."""
+        self._catch_up_due = False
+        if self._set is None:
             return
-        page_set = self._set if self._set is not None else {}
+        changes = self.log.since(self._set_seq)
+        if changes is None:
+            self._set = None
+            return
+        page_set = self._set
         for change in changes:
             if isinstance(change, AllCleared):
                 page_set.clear()

@@ -175,7 +175,7 @@ class KvEventPublisher:
                                          bind=True)
             self.replay = ReplayServer(
                 self.model, replay, self._cfg, buffer=self._buffer,
-                newest=lambda: self._seq - 1, flush=self.flush, walk=self._log.snapshot,
+                newest=lambda: self._seq - 1, flush=self.flush, log=self._log,
                 encoder=self._encoder, loop=loop)
             self.replay.start()
         loop.add_reader(pub.getsockopt(zmq.FD), self._drain_subscriptions)

@@ -16,12 +16,15 @@ Wire (vLLM's replay protocol, plus a refusal; every seq 8 bytes big-endian):
 What one unauthenticated peer can cost (issue 21 #1, #13):
 
 * Snapshots are shared. Requesters behind the buffer all get the same one, reused until
-  more than ``buffer_steps`` batches followed it. Building it walks the tree once on the
-  loop (the walk must see one state; it collects references to immutable page records),
-  then encodes the records in slices of a few milliseconds with the loop free between
-  them. The next build waits ``_SNAPSHOT_INTERVAL`` seconds, or ``_WALK_SPACING`` times
-  as long as the last walk took if that is longer, so walks take at most a tenth of the
-  loop however large the tree and however fast a peer churns it.
+  more than ``buffer_steps`` batches followed it; requesters that come while one is
+  built wait for it. Building it walks the tree in slices of a few milliseconds, the
+  loop free between them (``SnapshotWalk``: the cache may change meanwhile; the walk is
+  brought forward with the log's changes, so the snapshot is exactly the tree at the
+  batch it is stamped with), then encodes the records in slices too. The next build
+  waits ``_SNAPSHOT_INTERVAL`` seconds, or ``_WALK_SPACING`` times the loop time the
+  last build took if that is longer, so snapshots take at most a tenth of the loop
+  however large the tree and however fast a peer churns it. One build at a time: it
+  holds the tree's records once (as the snapshot kept for reuse does).
 * Answers in flight are capped per requester and in total (above), each request answered
   or refused in one loop turn's reading budget; a request frame over
   ``_MAX_REQUEST_BYTES`` disconnects its sender (ZMQ_MAXMSGSIZE).
@@ -40,13 +43,14 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
 import zmq
 
-from prefixcache.cache.index.change_log import Snapshot
+from prefixcache.cache.index.change_log import ChangeLog, PagesStored
+from prefixcache.cache.index.snapshot_walk import SnapshotWalk, Walked
 
 from ..config import KvEventsConfig
 from .wire import EventEncoder, WireChains
@@ -60,7 +64,7 @@ _MAX_REQUEST_BYTES = 1024
 _SEND_BURST = 256  # messages sent per loop turn, all answers together
 _PER_ANSWER = 32  # of which one answer sends at most this many before the next one's turn
 _RECV_BURST = 256  # requests read per loop turn
-_ENCODE_SECONDS = 0.004  # snapshot encoding per loop turn
+_ENCODE_SECONDS = 0.004  # snapshot walking or encoding per loop turn
 _SNAPSHOT_INTERVAL = 1.0
 _WALK_SPACING = 10.0
 _LOG_INTERVAL = 60.0
@@ -111,12 +115,11 @@ class _Answer:
 class _Snapshot:
     """The page set at ``seq`` as one payload, and the batches published since."""
 
-    def __init__(self, seq: int, records: Snapshot, encoder: EventEncoder) -> None:
+    def __init__(self, seq: int, walked: Walked, encoder: EventEncoder) -> None:
         self.seq = seq
         self.payload = b""  # set once encoded
         self.tail: list[tuple[int, bytes]] = []
-        self._records = records.pages
-        self._pos = 0
+        self._records: Iterator[PagesStored] | None = walked.records()
         self._chains = WireChains()
         self._encoder = encoder
         self._packed = [encoder.pack_event(encoder.all_cleared())]
@@ -124,17 +127,20 @@ class _Snapshot:
     def encode_some(self) -> bool:
         """Encode records for about ``_ENCODE_SECONDS``; True once the payload is built."""
         deadline = time.perf_counter() + _ENCODE_SECONDS
-        records, enc, chains, packed = self._records, self._encoder, self._chains, self._packed
-        while self._pos < len(records):
-            end = min(self._pos + 16, len(records))
-            for rec in records[self._pos:end]:
-                packed.append(enc.pack_event(enc.stored_event(rec, chains)))
-            self._pos = end
-            if time.perf_counter() > deadline:
-                return False
+        enc, chains, packed = self._encoder, self._chains, self._packed
+        records = self._records
+        if records is not None:
+            more = True
+            while more:
+                more = False
+                for rec in islice(records, 16):  # one at a time, none kept (change_feed)
+                    packed.append(enc.pack_event(enc.stored_event(rec, chains)))
+                    more = True
+                if more and time.perf_counter() > deadline:
+                    return False
         self.payload = enc.batch_of_packed(packed)
         self._packed = []
-        self._records = ()
+        self._records = None
         return True
 
     def items(self) -> list[tuple[int, bytes]]:
@@ -151,7 +157,7 @@ class ReplayServer:
         buffer: the publisher's ``(seq, payload)`` batches, oldest first.
         newest: the seq of the newest batch published (-1 before any).
         flush: publish what is pending, so the buffer (or a snapshot) is current.
-        walk: the tree's page set now (``ChangeLog.snapshot``).
+        log: the model's change log (its tree, walked for snapshots).
         encoder: the publisher's encoder (its format and tenant policy).
 
     Counters: ``served``, ``refused``, ``dropped``, ``invalid``, ``snapshots``; ``peak``:
@@ -160,7 +166,7 @@ class ReplayServer:
 
     def __init__(self, model: str, sock: zmq.Socket[bytes], cfg: KvEventsConfig, *,
                  buffer: deque[tuple[int, bytes]], newest: Callable[[], int],
-                 flush: Callable[[], None], walk: Callable[[], Snapshot],
+                 flush: Callable[[], None], log: ChangeLog,
                  encoder: EventEncoder, loop: asyncio.AbstractEventLoop) -> None:
         self.model = model
         self.served = self.refused = self.dropped = self.invalid = self.snapshots = 0
@@ -170,7 +176,9 @@ class ReplayServer:
         self._buffer = buffer
         self._newest = newest
         self._flush = flush
-        self._walk = walk
+        self._log = log
+        self._walk: SnapshotWalk | None = None  # the walk of the snapshot being built
+        self._build_seconds = 0.0  # loop time the build took so far
         self._encoder = encoder
         self._loop = loop
         self._sending: deque[_Answer] = deque()
@@ -179,7 +187,9 @@ class ReplayServer:
         self._ready: _Snapshot | None = None
         self._building: _Snapshot | None = None
         self._build_timer: asyncio.TimerHandle | None = None
+        self._step_handle: asyncio.Handle | None = None
         self._next_walk = 0.0  # monotonic time before which no snapshot is built
+        self._started = 0.0  # when the build under way began
         self._pump_handle: asyncio.Handle | None = None
         self._serve_handle: asyncio.Handle | None = None
         self._bad = _Throttled("ignoring malformed KV-event replay requests", model)
@@ -203,7 +213,8 @@ class ReplayServer:
             self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._serve)
 
     def close(self) -> None:
-        for handle in (self._pump_handle, self._serve_handle, self._build_timer):
+        for handle in (self._pump_handle, self._serve_handle, self._build_timer,
+                       self._step_handle):
             if handle is not None:
                 handle.cancel()
         if self._sock is not None:
@@ -214,7 +225,7 @@ class ReplayServer:
         self._sending.clear()
         self._waiting.clear()
         self._per_peer.clear()
-        self._ready = self._building = None
+        self._ready = self._building = self._walk = None
 
     def published(self, seq: int, payload: bytes) -> None:
         """A batch went out: it follows the snapshot being built or kept."""
@@ -275,8 +286,9 @@ class ReplayServer:
     # ------------------------------------------------------------ snapshots
 
     def _want_snapshot(self) -> None:
-        if self._building is not None or self._build_timer is not None:
-            return
+        if self._walk is not None or self._building is not None \
+                or self._build_timer is not None:
+            return  # the snapshot under way serves this requester too
         delay = self._next_walk - time.monotonic()
         if delay > 0:
             self._build_timer = self._loop.call_later(delay, self._build)
@@ -287,21 +299,38 @@ class ReplayServer:
         self._build_timer = None
         if self._sock is None:
             return
-        self._flush()
-        started = time.monotonic()
-        self._building = _Snapshot(self._newest(), self._walk(), self._encoder)
-        took = time.monotonic() - started
-        self._next_walk = started + max(_SNAPSHOT_INTERVAL, _WALK_SPACING * took)
-        self._loop.call_soon(self._encode)
+        self._started = time.monotonic()
+        self._build_seconds = 0.0
+        self._walk = SnapshotWalk(self._log)
+        self._step()
 
-    def _encode(self) -> None:
-        snap = self._building
-        if snap is None or self._sock is None:
+    def _step(self) -> None:
+        """One slice of the walk, or of the encoding once the walk is done."""
+        self._step_handle = None
+        if self._sock is None:
             return
-        if not snap.encode_some():
-            self._loop.call_soon(self._encode)
+        started = time.perf_counter()
+        walk = self._walk
+        if walk is not None and walk.step(_ENCODE_SECONDS):
+            self._flush()  # every change the walk is brought forward with is published
+            records = walk.finish()
+            if records is None:  # more changed meanwhile than the log keeps: again
+                self._walk = SnapshotWalk(self._log)
+            else:
+                self._walk = None
+                self._building = _Snapshot(self._newest(), records, self._encoder)
+        elif walk is None and self._building is not None and self._building.encode_some():
+            self._built()
+        self._build_seconds += time.perf_counter() - started
+        if self._walk is not None or self._building is not None:
+            self._step_handle = self._loop.call_soon(self._step)
+
+    def _built(self) -> None:
+        snap, self._building = self._building, None
+        if snap is None:
             return
-        self._building = None
+        self._next_walk = self._started + max(_SNAPSHOT_INTERVAL,
+                                              _WALK_SPACING * self._build_seconds)
         self._ready = snap
         self.snapshots += 1
         for identity in self._waiting:

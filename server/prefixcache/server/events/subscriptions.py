@@ -17,9 +17,11 @@ Bounded per subscriber and in all, never blocking the loop:
   ``MIN_PAGES_PER_EVENT`` (a smaller ``max_pages_per_event`` is raised to it: tiny
   events cost about ten times the CPU per page), and stay within half of
   ``server.max_message_bytes``.
-* Streams are counted: at most ``server.max_subscribe_streams`` in all and
+* Streams are counted: at most ``server.max_subscribe_streams`` in all,
   ``server.max_session_subscribes`` per session (a request names its session_id to
-  count against it), RESOURCE_EXHAUSTED beyond either.
+  count against it) and ``server.max_subscribes_per_client`` per client (the
+  session's client, else ``tenants.client_identity`` of the caller: one peer without
+  a session could otherwise take every stream), RESOURCE_EXHAUSTED beyond any.
 * A subscriber that is more than ``server.max_subscriber_pending_bytes`` behind (32
   bytes per page hash of its snapshot not yet sent and of the changes after its
   cursor) and has not taken an event for a whole watchdog period (``WATCH_EVERY``
@@ -40,6 +42,7 @@ from prefixcache.cache import InvalidInputError
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from ..access.limits import Limits
+from ..access.tenants import CALLER, PEER, client_identity
 from ..codec import MAX_TOKEN_WIDTH
 from ..errors import DrainingError, NotFoundError, OverLimitError, PreconditionError, TooLargeError
 from ..service import CacheService
@@ -75,9 +78,11 @@ IDLE_POLL = 0.25
 class Stream:
     """One open Subscribe stream: what the watchdog needs to judge it."""
 
-    def __init__(self, feed: ChangeFeed, session: Session | None, seq: int) -> None:
+    def __init__(self, feed: ChangeFeed, session: Session | None, client: str,
+                 seq: int) -> None:
         self.feed = feed
         self.session = session
+        self.client = client
         self.seq = seq  # the seq of the last event written
         self.snapshot_left = 0  # bytes of its snapshot's page hashes not yet written
         self.task: asyncio.Task[Any] | None = None
@@ -126,6 +131,7 @@ class Subscriptions:
         self.feeds: dict[str, ChangeFeed] = {}
         self.streams: set[Stream] = set()
         self.per_session: dict[str, int] = {}
+        self.per_client: dict[str, int] = {}
         self.dropped = 0  # streams the watchdog ended
         self._watch: asyncio.TimerHandle | None = None
         pages = max((e.pool_size // max(e.page_size, 1) for e in service.engines.values()),
@@ -172,19 +178,21 @@ class Subscriptions:
             else:  # a snapshot only if the log no longer reaches back to it
                 reason = pb.SNAPSHOT_REASON_BEHIND
         session = self.service.session(request.session_id) if request.session_id else None
-        self._check_caps(session)
+        client = session.client if session is not None and session.client else \
+            client_identity(CALLER.get(), PEER.get(), "")
+        self._check_caps(session, client)
         feed = self.feeds.get(engine.name)
         if feed is None:
             feed = self.feeds[engine.name] = ChangeFeed(log)
         asked = request.max_pages_per_event or self.max_pages
         bound = Bound(max(min(asked, self.max_pages), self.min_pages), self.max_bytes)
-        opened = Stream(feed, session, log.last_seq if after is None else after)
+        opened = Stream(feed, session, client, log.last_seq if after is None else after)
         opened.events = self._events(feed, engine.page_size, epoch, after, reason, wanted,
                                      bound)
         self._count(opened, 1)
         return opened
 
-    def _check_caps(self, session: Session | None) -> None:
+    def _check_caps(self, session: Session | None, client: str) -> None:
         cap = self.limits.max_subscribe_streams
         if len(self.streams) >= cap:
             raise OverLimitError(f"{len(self.streams)} Subscribe streams are open, the {cap} "
@@ -195,6 +203,11 @@ class Subscriptions:
             raise OverLimitError(f"this session has {cap} Subscribe streams open, the most "
                                  "one session may (server.max_session_subscribes)",
                                  "max_session_subscribes")
+        cap = self.limits.max_subscribes_per_client
+        if cap and self.per_client.get(client, 0) >= cap:
+            raise OverLimitError(f"this client has {cap} Subscribe streams open, the most "
+                                 "one client may (server.max_subscribes_per_client)",
+                                 "max_subscribes_per_client")
 
     def _count(self, opened: Stream, step: int) -> None:
         feed, session = opened.feed, opened.session
@@ -204,11 +217,8 @@ class Subscriptions:
         else:
             self.streams.discard(opened)
         if session is not None:
-            left = self.per_session.get(session.id, 0) + step
-            if left > 0:
-                self.per_session[session.id] = left
-            else:
-                self.per_session.pop(session.id, None)
+            _add(self.per_session, session.id, step)
+        _add(self.per_client, opened.client, step)
         if self.streams and self._watch is None:
             self._watch = asyncio.get_running_loop().call_later(WATCH_EVERY, self._watchdog)
 
@@ -307,3 +317,13 @@ class Subscriptions:
                 _stamp(event, log, epoch)
                 yield event
             cursor = changes[-1].seq
+
+
+def _add(counts: dict[str, int], key: str, step: int) -> None:
+    """Count ``step`` more for ``key``; a key at zero has no entry (bounded by the
+    streams open)."""
+    left = counts.get(key, 0) + step
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

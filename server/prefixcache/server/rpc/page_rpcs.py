@@ -12,15 +12,18 @@ flood with (eight parallel calls of 1M hashes once stalled every other client fo
 (FAILED_PRECONDITION without one), and it decodes and looks its hashes up in slices
 of ``SLICE`` pages (a millisecond or two each), with the loop free to serve other
 calls between them. A page stored or evicted meanwhile may or may not be counted:
-the answer is a hint of what the next GetPages will find, never a promise. GetPages
-decodes its hashes in slices too, then looks up and locks in one go; SetPages runs
-whole.
+the answer is a hint of what the next GetPages will find, never a promise; its
+counting by outcome (lookups.py) goes in slices too. GetPages decodes its hashes, looks
+them up and walks their paths in slices (``HashPages.plan``: a request whose pages do
+not chain ends where they stop chaining, so the walk is linear in the request), then
+locks in one go what is still cached; SetPages runs whole.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Generator, Iterator
+from typing import Any, TypeVar
 
 from prefixcache.cache import InvalidInputError
 from prefixcache.cache.index.page_index import DIGEST_BYTES
@@ -38,6 +41,7 @@ from . import reply_caps
 MAX_PROMPT_TOKENS = 1 << 20
 # ExistsPages' pages per slice: a few milliseconds of lookups between two loop turns.
 SLICE = 2048
+T = TypeVar("T")
 
 
 def decode_hashes(data: bytes | memoryview, field: str = "page_hashes",
@@ -93,8 +97,8 @@ async def exists(service: Any, limits: Limits, req: pb.ExistsPagesRequest,
             await asyncio.sleep(0)  # the other calls' turn
         present += pages.presence(namespace, decode_hashes(view[start:start + step]))
     leading, present_bytes = pages.count(bytes(present), lookup=not req.before_set)
-    if not req.before_set:  # by outcome, beyond the leading run (lookups.py)
-        engine.lookups.count_pages(pages.index, namespace, data, leading)
+    if not req.before_set:  # by outcome, beyond the leading run (lookups.py), in slices
+        await sliced(engine.lookups.count_pages(pages.index, namespace, data, leading))
     return pb.ExistsPagesResponse(leading_pages=leading, present=present_bytes)
 
 
@@ -115,17 +119,39 @@ async def get(service: Any, limits: Limits, req: pb.GetPagesRequest,
               session: Session | None) -> pb.GetPagesResponse:
     engine = service.engine(req.model)
     pages, namespace = HashPages(engine), _namespace(req)
-    # Decoded in slices (the hashes are only bytes yet); from the replay check on, the
-    # call runs whole, so a retry racing its first try is answered from the window.
     hashes = await _decoded(req.page_hashes, max_pages(limits, engine))
     if (reply := replays.replayed(session, "get_pages", req)):
         return reply
+    # The pages are looked up and their paths walked in slices too (reading only);
+    # from the second replay check on, the call runs whole, so a retry racing its
+    # first try is answered from the window.
+    planned = await drive(pages.plan(namespace, hashes))
+    if (reply := replays.replayed(session, "get_pages", req)):
+        return reply
+    if session is not None and session.closed:
+        raise NotFoundError("GetPages: the session ended while its pages were looked up")
     reply_caps.check(limits, "GetPages", reply_caps.get_pages_size(pages.engine, len(hashes)))
-    out = pages.get(namespace, hashes, session)
+    out = pages.lock(planned, session)
     reply = pb.GetPagesResponse(found_pages=out.found, slot_indices=encode_slots(out.slots),
                                 lock_ids=out.lock_ids, server_epoch=service.epoch)
     replays.remember(session, "get_pages", req, reply)
     return reply
+
+
+async def sliced(steps: Iterator[None]) -> None:
+    """Run a generator that yields between slices of its work, the loop free between."""
+    for _ in steps:
+        await asyncio.sleep(0)  # the other calls' turn
+
+
+async def drive(steps: Generator[None, None, T]) -> T:
+    """``sliced``, for a generator that returns a result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        await asyncio.sleep(0)
 
 
 def set_pages(service: Any, limits: Limits, req: pb.SetPagesRequest,

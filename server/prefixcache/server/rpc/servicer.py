@@ -315,6 +315,7 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
         start = time.perf_counter()
         code = _OK
         try:
+            PEER.set(context.peer())  # streams are counted per client too
             if self._enter(context).bound:  # the feed names every namespace's pages
                 raise DeniedError("Subscribe follows every namespace: not for a tenant's "
                                   "token", "tenant_namespaces")
