@@ -37,6 +37,7 @@ CONFIG = """\
 server:
   listen: unix:@SOCKET@
   metrics_port: -1
+  change_log_capacity: 65536  # the connector's shadow index follows it (fast misses)
 models:
   - name: p16
     page_size: 16

@@ -41,6 +41,8 @@ def main() -> None:
     kwargs: dict[str, Any] = {}
     if opts.get("pc_model"):
         kwargs["kv_transfer_config"] = connector_config(opts["target"], opts["pc_model"])
+        kwargs["kv_transfer_config"]["kv_connector_extra_config"].update(
+            opts.get("pc_extra") or {})
     llm = LLM(
         opts["model_dir"], dtype=opts.get("dtype", "float32"), block_size=opts["block_size"],
         enforce_eager=True, max_model_len=opts.get("max_model_len", 4096),

@@ -310,7 +310,7 @@ def test_a_save_of_what_is_cached_copies_nothing(server: ServerThread,
 
 
 def test_the_service_down_means_misses_and_skipped_saves(tmp_path: object) -> None:
-    core = make_scheduler(f"unix:{tmp_path}/nobody.sock", timeout=0.3)
+    core = make_scheduler(f"unix:{tmp_path}/nobody.sock", timeout=0.3, wait_shadow=False)
     try:
         r = info("down")
         assert answer(core, r) == (0, False)

@@ -327,7 +327,7 @@ def test_a_failed_save_caches_nothing_and_gives_everything_back(
 
 
 def test_the_service_down_at_start_loads_nothing_and_saves_nothing(tmp_path: Path) -> None:
-    core = make_scheduler(f"unix:{tmp_path}/none.sock", timeout=0.3)
+    core = make_scheduler(f"unix:{tmp_path}/none.sock", timeout=0.3, wait_shadow=False)
     worker = make_worker(f"unix:{tmp_path}/none.sock", timeout=0.3)
     try:
         worker.register(make_caches("kv_first"))

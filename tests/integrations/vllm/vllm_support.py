@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from prefixcache.integrations.vllm.attn_backends import BackendInfo
@@ -54,9 +56,31 @@ class Clock:
 
 
 def make_scheduler(address: str, model: str = "v", clock: Clock | None = None, *,
-                   block: int = BLOCK, **settings: object) -> SchedulerCore:
+                   block: int = BLOCK, wait_shadow: bool = True,
+                   **settings: object) -> SchedulerCore:
+    """A scheduler core; with ``fast_miss`` (the default) it waits for its shadow
+    index's first snapshot (``wait_shadow``), so that a test starts where an engine
+    runs: the shadow current, a miss answered at the first probe."""
     config = ConnectorConfig(model=model, target=address, **settings)  # type: ignore[arg-type]
-    return SchedulerCore(RpcBackend(config), config, block, clock or Clock())
+    backend = RpcBackend(config)
+    if wait_shadow and backend.shadow is not None and not backend.shadow.wait_ready(10.0):
+        raise TimeoutError("the connector's shadow index got no snapshot")
+    return SchedulerCore(backend, config, block, clock or Clock())
+
+
+def shadow_holds(core: SchedulerCore, tokens: Sequence[int], key: str | None = None
+                 ) -> None:
+    """Wait until the core's shadow index holds ``tokens`` (the Subscribe stream
+    delivered their insert), as an engine probing a moment after another's save
+    would find it; at once without a shadow (``fast_miss`` off)."""
+    backend: Any = core.backend
+    if backend.shadow is None:
+        return
+    deadline = time.monotonic() + 10
+    while (backend.shadow_hit(array("q", tokens), key) or 0) < len(tokens):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the shadow index never saw the insert")
+        time.sleep(0.005)
 
 
 def settle(core: SchedulerCore) -> None:

@@ -6,6 +6,10 @@ over one leased session, so a step's lookups cost one round trip of wall time, n
 per request. Finished calls wait in a queue until the core ``drain``s them on the
 scheduler thread, which alone touches the core's state.
 
+With ``fast_miss``, a shadow index of the model's cached pages follows the service's
+Subscribe stream on a thread of its own, so that the core can see a certain miss
+without a call (``shadow_hit``).
+
 Every failure is an answer, never an exception for vLLM: a lookup that fails is a
 miss, a save that fails is skipped. The session (and so every lock and slot it holds)
 is the service's to release when this process dies: its lease lapses.
@@ -27,6 +31,7 @@ from prefixcache.client import (
     DeadlineExceeded,
     PrefixCacheClient,
     PrefixCacheError,
+    ShadowFollower,
     Unavailable,
 )
 
@@ -124,6 +129,10 @@ class RpcBackend:
         self._pool = ThreadPoolExecutor(config.max_inflight,
                                         thread_name_prefix="prefixcache-vllm")
         self._closed = False
+        # Every namespace (LoRA adapters, cache salts) of the model: a miss in any
+        # of them is answered locally.
+        self.shadow: ShadowFollower | None = (
+            self._client.shadow(self.model) if config.fast_miss and config.load else None)
         self.batches = 0
         self.calls = 0
         self.errors = 0
@@ -169,6 +178,21 @@ class RpcBackend:
         session = self._session
         return (session is not None and session.session_id == session_id
                 and session.lost is None and not session.closed)
+
+    def shadow_hit(self, tokens: array, extra_key: str | None) -> int | None:
+        """Tokens of ``tokens`` the shadow index holds, from the start (whole pages of
+        the service's page size); None when it cannot tell: no shadow, no snapshot yet,
+        the stream down, or the shadow known to be behind the service's change log."""
+        shadow = self.shadow
+        if shadow is None or shadow.error is not None or not shadow.connected:
+            return None
+        index = shadow.index
+        if not index.ready or index.head_seq > index.seq:
+            return None
+        try:
+            return shadow.match(shadow.request_hashes(tokens, extra_key=extra_key))
+        except PrefixCacheError:  # tokens the service would refuse too: look up
+            return None
 
     def close(self) -> None:
         """Finish the calls in flight, then close the session (the service releases

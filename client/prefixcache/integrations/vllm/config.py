@@ -46,6 +46,9 @@ class ConnectorConfig:
             attention backend vLLM reports for each layer (an unknown backend disables
             the connector); a layout name forces that layout (``layout`` lists them).
         max_inflight: calls to the service in flight at once (a thread each).
+        fast_miss: follow the service's page set (a Subscribe stream) and answer a
+            prompt it holds no block of at once, without a lookup (``scheduler``,
+            "Fast misses"); off: every request looks up and waits a step for it.
     """
 
     model: str
@@ -64,6 +67,7 @@ class ConnectorConfig:
     verify_loads: bool = True
     kv_layout: str = "auto"
     max_inflight: int = 16
+    fast_miss: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -82,7 +86,7 @@ class ConnectorConfig:
         if not isinstance(self.max_inflight, int) or self.max_inflight < 1:
             raise ValueError("kv_connector_extra_config: 'max_inflight' must be an "
                              f"integer >= 1, got {self.max_inflight!r}")
-        for name in ("load", "verify_loads"):
+        for name in ("load", "verify_loads", "fast_miss"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"kv_connector_extra_config: {name!r} must be true or "
                                  f"false, got {getattr(self, name)!r}")

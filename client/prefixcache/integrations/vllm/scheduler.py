@@ -13,6 +13,9 @@ Lookups. A request's first probe queues a lookup and answers ``(None, False)``: 
 again later". The step's lookups leave together, as one batch, when the step ends
 (``build_meta``); a later probe answers from the result once it has landed.
 
+Fast misses (``fast_miss.py``). A prompt the service surely holds nothing for (its
+shadow index says so) is answered ``(0, False)`` at the first probe, with no lookup.
+
 Reservations. A lookup is a locking Match: the hit stays in the pool while vLLM decides
 what to do with it. It is keyed by vLLM's request id and its preemption count, so
 repeated probes get the same answer and take no second lock. It is released when the
@@ -26,37 +29,9 @@ generation (``LoadOp.ref``): the reservation's release, when it comes, tells the
 service ``load_failed``, so the service counts the hit under that outcome once (the
 ranks' reports are one set; the release is one call, which was due anyway).
 
-Saves. A finished request's whole blocks are stored with one locking, allocating Match
-(what the tree already has is not copied again), a copy by every worker, then an Insert
-that releases the lock once all workers are done; the service frees what another
-request inserted meanwhile. vLLM keeps the request's blocks until then.
-
-Failed saves. A save whose copy fails in any worker comes back with the step's output
-as its generation (``SaveOp.ref``); when the request is done (``sends_done``) its slots
-are given back (``SaveAbort``: unlock, free) instead of inserted, so nothing
-half-written is cached. The slots go back then and only then, because that is when no
-rank can still copy into them. With tensor parallelism every rank copies its own heads
-into the mapped pool on its own, under its session's write fence; the fence is per
-session, so it keeps the slots from other sessions only while a rank is inside its copy
-(or after the session ended). vLLM's ``KVOutputAggregator`` names a request in
-``finished_sending`` only once every rank has named it, and a rank names it only after
-its copy returned (the copies run inside ``start_load_kv``; CUDA copies are
-synchronized before the fence is let go). Worker metadata is merged over the ranks of
-each step, and a rank reports a failure in the step that reports the request done, so
-the failure is known by the time the request is (``update_connector_output`` hands the
-metadata over before the sends). A rank stopped (SIGSTOP) before its copy holds up the
-step, and so the give-back, until it resumes, dies or vLLM's execute-model timeout ends
-the engine; if the session ends meanwhile (the engine stops, or its lease lapses), its
-fence makes the late copy write nothing.
-
-Before, the failing worker freed the slots itself at once, so that the Insert would be
-refused; a rank that had not started its copy yet (stopped, or merely slower) then
-wrote into slots another session may have taken meanwhile. The other way to close that
-window, an owner per slot that the service keeps in shared memory and every rank checks
-under its fence before it copies, costs a write on every allocation, free and insert of
-every model kind (every client's hot path) for one connector's window, and new state
-whose every change must be ordered against the fence; waiting for the ranks costs
-nothing new: the Insert waits for them already, and the give-back now waits with it.
+Saves (``saves.py``). A finished request's whole blocks are stored with one locking,
+allocating Match, a copy by every worker, then an Insert once all workers are done;
+a save whose copy failed in any worker gives its slots back instead.
 
 Shutdown. vLLM steps on while finished requests hold blocks for a save, so a save
 normally completes before the engine stops. ``close`` sends the inserts still queued
@@ -75,10 +50,13 @@ from enum import Enum
 from itertools import count
 from typing import Any, Protocol
 
-from .backend import Done, Lookup, Op, Release, SaveAbort, SaveAlloc, SaveCommit
+from .backend import Done, Lookup, Op, Release, SaveAlloc, SaveCommit
 from .config import ConnectorConfig
+from .fast_miss import FastMiss
 from .keys import RequestInfo, lookup_len, save_len
-from .meta import LoadOp, SaveOp, StepMeta
+from .meta import LoadOp, StepMeta
+from .saves import Saves
+from .stats import SchedulerStats
 
 log = logging.getLogger("prefixcache.integrations.vllm")
 
@@ -89,6 +67,7 @@ class Backend(Protocol):
     def dispatch(self, ops: list[Op]) -> None: ...
     def drain(self) -> list[Done]: ...
     def session_alive(self, session_id: str) -> bool: ...
+    def shadow_hit(self, tokens: array, extra_key: str | None) -> int | None: ...
 
 
 class _State(Enum):
@@ -119,45 +98,6 @@ class _Reservation:
     unused: str | None = None
 
 
-@dataclass(slots=True)
-class _Save:
-    req_id: str
-    gen: int
-    tokens: array
-    extra_key: str | None
-    block_ids: array
-    ready: bool = False
-    sent: bool = False
-    prefix: int = 0
-    cached: array = field(default_factory=lambda: array("q"))
-    allocated: array = field(default_factory=lambda: array("q"))
-    lock_id: int = 0
-    epoch: int = 0
-    session_id: str = ""
-    failed: bool = False  # a worker's copy failed: give the slots back, never insert
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Counters of the scheduler side (cumulative)."""
-
-    probes: int = 0
-    lookups: int = 0
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
-    lookup_errors: int = 0
-    misses_ineligible: int = 0
-    leases_expired: int = 0
-    loads: int = 0
-    load_tokens: int = 0
-    loads_failed: int = 0  # by the workers, beyond those the scheduler side failed
-    saves: int = 0
-    save_tokens: int = 0
-    saves_skipped: int = 0
-    saves_failed: int = 0  # a worker's copy, or the Insert, failed
-    saves_lost: int = 0
-
-
 class SchedulerCore:
     """See the module docstring.
 
@@ -178,7 +118,9 @@ class SchedulerCore:
         self.clock = clock
         self.stats = SchedulerStats()
         self._res: dict[str, _Reservation] = {}
-        self._saves: dict[str, _Save] = {}
+        self._saves = Saves(self.stats, self._queue, backend.session_alive)
+        self._misses = FastMiss(backend.shadow_hit, block_size, clock,
+                                grace=max(2 * config.timeout, 1.0))
         self._gens = count(1)
         self._queued: list[Op] = []
         # Locks of loads that may still be running: (step to release at, the
@@ -211,8 +153,12 @@ class SchedulerCore:
             self._drop(info.req_id)  # vLLM has it all itself
             return 0, False
         if res is None:
-            gen = next(self._gens)
             tokens = array("q", info.tokens[:length])
+            if self.config.fast_miss and self._misses.certain(tokens, info.extra_key,
+                                                              num_computed):
+                self.stats.fast_misses += 1
+                return 0, False
+            gen = next(self._gens)
             self._res[info.req_id] = _Reservation(info.req_id, info.attempt, gen, tokens,
                                                   info.extra_key)
             self._queued.append(Lookup((info.req_id, gen), tokens, info.extra_key))
@@ -265,17 +211,7 @@ class SchedulerCore:
             if res.state is _State.ALLOCATED:
                 meta.loads.append(self._load_op(res))
                 res.state = _State.LOADING
-        for save in self._saves.values():
-            if save.ready and not save.sent:
-                save.sent = True
-                if len(save.allocated) and not self.backend.session_alive(save.session_id):
-                    # The session that held the slots is gone, and the slots with it:
-                    # writing them could overwrite somebody else's KV.
-                    self.stats.saves_skipped += 1
-                    save.allocated, save.lock_id = array("q"), 0
-                meta.saves.append(SaveOp(save.req_id, save.block_ids, save.prefix,
-                                         save.allocated, save.epoch, save.session_id,
-                                         save.gen))
+        meta.saves = self._saves.step_ops()
         self._flush()
         return meta
 
@@ -286,33 +222,17 @@ class SchedulerCore:
         self._absorb()
         self._drop(info.req_id)
         n = save_len(info, num_computed, len(block_ids), self.block_size, self.config.save)
-        if n == 0 or info.req_id in self._saves:
-            self._flush()
-            return False
-        tokens = array("q", info.tokens[:n])
-        self._saves[info.req_id] = _Save(info.req_id, next(self._gens), tokens,
-                                         info.extra_key, array("q", block_ids))
-        self._queued.append(SaveAlloc(info.req_id, tokens, info.extra_key))
+        keep = n > 0 and self._saves.start(info.req_id, next(self._gens),
+                                           array("q", info.tokens[:n]), info.extra_key,
+                                           array("q", block_ids))
         self._flush()
-        return True
+        return keep
 
     def sends_done(self, req_ids: Iterable[str]) -> None:
         """Every worker finished the saves of ``req_ids``: insert what they wrote, or
-        give the slots back where a worker's copy failed (see the module docstring)."""
+        give the slots back where a worker's copy failed (``saves.py``)."""
         self._absorb()
-        for req_id in req_ids:
-            save = self._saves.pop(req_id, None)
-            if save is None or not save.allocated:
-                continue
-            if save.failed:
-                self.stats.saves_failed += 1
-                self._queued.append(SaveAbort(save.allocated, save.lock_id, save.epoch))
-                continue
-            self._queued.append(SaveCommit(save.tokens[:save.prefix + len(save.allocated)],
-                                           save.extra_key, save.cached + save.allocated,
-                                           save.lock_id, save.epoch, len(save.cached)))
-            self.stats.saves += 1
-            self.stats.save_tokens += len(save.allocated)
+        self._saves.sends_done(req_ids)
         self._flush()
 
     def loads_failed(self, refs: Iterable[int]) -> None:
@@ -337,13 +257,8 @@ class SchedulerCore:
     def saves_failed(self, refs: Iterable[int]) -> None:
         """The workers' saves whose copies failed, by ``SaveOp.ref``, summed over the
         ranks: their slots are given back when ``sends_done`` names their requests,
-        once every rank is done with them (see the module docstring)."""
-        refs = set(refs)
-        if not refs:
-            return
-        for save in self._saves.values():
-            if save.gen in refs:
-                save.failed = True
+        once every rank is done with them (``saves.py``)."""
+        self._saves.failed(refs)
 
     def close(self) -> None:
         """Stop (see the module docstring); the backend's session close releases
@@ -355,14 +270,13 @@ class SchedulerCore:
             log.warning("prefixcache: calls to the service still in flight at shutdown")
         failed = self.stats.saves_failed
         self._absorb()  # inserts that landed, or failed, while waiting
-        lost = len(self._saves) + self.stats.saves_failed - failed
+        left, tokens = self._saves.drop_all()
+        lost = left + self.stats.saves_failed - failed
         if lost:
             self.stats.saves_lost += lost
-            tokens = sum(len(s.tokens) for s in self._saves.values())
             log.warning("prefixcache: %d save(s) in flight at shutdown were lost "
                         "(%d tokens of unfinished copies); the next engine recomputes "
                         "them", lost, tokens)
-        self._saves.clear()
         self._queued.clear()  # the session's close releases the locks and slots
         close = getattr(self.backend, "close", None)
         if close is not None:
@@ -414,6 +328,11 @@ class SchedulerCore:
             self.stats.leases_expired += 1
             self._drop(req_id, "lease_expired")
 
+    def _queue(self, op: Op) -> None:
+        if isinstance(op, SaveCommit):
+            self._misses.inserting(op)
+        self._queued.append(op)
+
     def _flush(self) -> None:
         ops, self._queued = self._queued, []
         self.backend.dispatch(ops)
@@ -424,13 +343,12 @@ class SchedulerCore:
             if isinstance(op, Lookup):
                 self._landed(op, done)
             elif isinstance(op, SaveAlloc):
-                self._allocated_for_save(op, done)
-            elif isinstance(op, SaveCommit) and done.error is not None:
-                # Not inserted (a worker's copy failed, or the service refused):
-                # release the lock and whatever slots the session still holds.
-                self.stats.saves_failed += 1
-                self._queued.append(SaveAbort(op.slots[op.owned_from:], op.lock_id,
-                                              op.server_epoch))
+                self._saves.landed(op, done)
+            elif isinstance(op, SaveCommit):
+                ok = done.error is None and not getattr(done.reply, "skipped", False)
+                self._misses.inserted(op, ok)
+                if done.error is not None:
+                    self._saves.commit_failed(op)
             elif done.error is not None:
                 log.debug("prefixcache %s failed: %s", type(op).__name__, done.error)
 
@@ -457,26 +375,3 @@ class SchedulerCore:
         res.hit, res.slots, res.lock_id, res.epoch = hit, reply.slots, lock_id, epoch
         res.session_id = done.session_id
         self.stats.hit_tokens += hit
-
-    def _allocated_for_save(self, op: SaveAlloc, done: Done) -> None:
-        reply: Any = done.reply
-        save = self._saves.get(op.req_id)
-        ok = done.error is None and reply is not None and not reply.skipped
-        if save is None:  # cannot happen: saves leave only through sends_done
-            if ok:
-                self._queued.append(SaveAbort(reply.allocated, reply.lock_id,
-                                              reply.server_epoch))
-            return
-        save.ready = True
-        if not ok:
-            self.stats.saves_skipped += 1
-            return
-        save.prefix, save.cached, save.allocated = reply.prefix_len, reply.slots, \
-            reply.allocated
-        save.lock_id, save.epoch = reply.lock_id, reply.server_epoch
-        save.session_id = done.session_id
-        if not len(save.allocated):  # the tree had it all already
-            self.stats.saves_skipped += 1
-            if save.lock_id:
-                self._queued.append(Release(save.lock_id, save.epoch))
-            save.lock_id = 0
