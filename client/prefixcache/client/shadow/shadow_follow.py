@@ -139,6 +139,13 @@ class _FollowerBase:
         if isinstance(err, ShadowProtocolError):
             log.error("shadow of %r: %s; resubscribing from a snapshot", self.model, err)
             self.index.forget_position()
+        elif isinstance(err, FailedPrecondition):
+            # A service set up without what a shadow needs (its change log): a choice of
+            # its operator, not a fault; what follows the shadow falls back to lookups.
+            log.warning("shadow of %r stopped: %s (server.change_log_capacity, e.g. "
+                        "65536, turns the change log on)", self.model, err)
+            self.error = err
+            return None
         elif isinstance(err, PERMANENT):
             log.error("shadow of %r stopped: %s", self.model, err)
             self.error = err
