@@ -24,7 +24,7 @@ from prefixcache.cache import InvalidInputError
 from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
-from ..access.limits import Limits, truncate
+from ..access.limits import Limits
 from ..access.tenants import ANYONE, PEER, Caller, Callers, check_request
 from ..errors import DeniedError, DrainingError, LimitError, NotFoundError, PoolExhaustedError
 from ..events.subscriptions import DROP_WAIT, Subscriptions
@@ -38,6 +38,7 @@ from ..sessions.session import Session
 from . import explain, kv_access, kv_transfer, page_rpcs
 from .registration import Refused, parsed
 from .servicer_ops import CALLER, CacheOps
+from .session_stream import SessionStream, is_mutating
 from .status import status_for, trailers_for
 from .step import StepExecutor
 
@@ -48,19 +49,7 @@ _OK = grpc.StatusCode.OK
 CHUNK_OVERHEAD = 1024
 
 
-_MUTATING = (pb.InsertRequest, pb.EvictRequest, pb.LockRequest, pb.UnlockRequest,
-             pb.AllocRequest, pb.FreeRequest, pb.StepRequest)
-
-
-def _mutates(request: Any) -> bool:
-    """Whether a cache operation can change a cache or a pool (Match only with lock or
-    allocate). Reset and CloseSession say so themselves."""
-    if isinstance(request, pb.MatchRequest):
-        return request.lock or request.allocate
-    return isinstance(request, _MUTATING)
-
-
-class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
+class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
     """Serves ``prefixcache.v1.PrefixCache`` over a ``CacheService``.
 
     Args:
@@ -142,7 +131,7 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
             reply = handler(*args)
             if inspect.isawaitable(reply):  # a handler that yields between slices
                 reply = await reply
-            if self.check_integrity and (mutates or (args and _mutates(args[0]))):
+            if self.check_integrity and (mutates or (args and is_mutating(args[0]))):
                 self.service.check_integrity()
             return reply
         except Exception as exc:
@@ -355,74 +344,3 @@ class PrefixCacheServicer(CacheOps, pb_grpc.PrefixCacheServicer):
     async def Explain(self, request: pb.ExplainRequest, context: Any) -> pb.ExplainResponse:
         return await self._unary("Explain", context, lambda req: explain.explain(
             self.service, self.limits, req), request)
-
-    # ---------------------------------------------------------- Session stream
-
-    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
-                      context: Any) -> AsyncIterator[pb.SessionResponse]:
-        if self.service.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
-        # Its operations are the caller's (tenants, Evict's cap), and so is its session.
-        self._enter(context)
-        PEER.set(context.peer())
-        try:
-            session = self.service.open_stream_session(
-                truncate(context.peer(), self.limits.max_client_name_bytes))
-        except LimitError as exc:
-            await context.abort(self._refusal(exc, "Session"), str(exc))
-        # The stream's lease lapsing (reaper.py) cancels this handler, ending the stream.
-        session.on_lapse = asyncio.current_task().cancel
-        try:
-            async for request in request_iterator:
-                self.service.sessions.touch(session)
-                if self.tier is not None:  # the tier's fetch for a match or step (tier/)
-                    await self.tier.before_stream_op(request)
-                yield self._stream_op(request, session)
-        except asyncio.CancelledError:
-            if not session.lapsed:
-                raise
-            await context.abort(grpc.StatusCode.UNAVAILABLE, (
-                f"the session stream sent nothing for {session.ttl} s (server.stream_ttl): "
-                "its session ended and its locks and slots were released"))
-        finally:
-            locks, slots = self.service.close_session(session)
-            if self.check_integrity and (locks or slots):
-                try:
-                    self.service.check_integrity()
-                except Exception:
-                    log.exception("integrity check failed after closing a session stream")
-            if locks or slots:
-                log.info("session stream closed", extra={
-                    "session": session.id[:8], "locks_released": locks, "slots_freed": slots})
-
-    def _stream_op(self, request: pb.SessionRequest, session: Session) -> pb.SessionResponse:
-        start = time.perf_counter()
-        op = None if isinstance(request, Refused) else request.WhichOneof("op")
-        seq = request.seq
-        code = _OK
-        try:
-            parsed(request)
-            if op is None:
-                raise InvalidInputError("SessionRequest carries no operation")
-            if self.service.draining:
-                raise DrainingError("the service is shutting down")
-            body = getattr(request, op)
-            caller = CALLER.get()
-            if caller.bound:
-                check_request(caller, body, self.service)
-            self.service.check_epoch(getattr(body, "server_epoch", 0))
-            reply = self._stream_ops[op](body, session)
-            if self.check_integrity and _mutates(body):
-                self.service.check_integrity()
-            response = pb.SessionResponse(seq=seq)
-            # CopyFrom into the oneof costs a third of passing the reply as a keyword
-            # (a Match reply carries ~100 KB of slots).
-            getattr(response, op).CopyFrom(reply)
-            return response
-        except Exception as exc:
-            code = self._refusal(exc, f"Session/{op}")
-            return pb.SessionResponse(seq=seq, error=pb.Error(
-                code=code.value[0], message=str(exc)))
-        finally:
-            self._observe(f"Session/{op}", code, start)
-
