@@ -6,8 +6,10 @@ shortfall, allocate, insert, free the duplicates, unlock) through our cache and 
 ``array('q')``: what an SGLang scheduler holds), rounds interleaved. Both trees free to
 the same allocator (ours, with SGLang's ``free_segment`` spelled as ``free``). SGLang's
 match is followed by its ``path_device_indices`` (its ``MatchResult`` carries no slots;
-the scheduler gathers them so). Reported: CPU µs a request, best round of each, and
-SGLang ÷ ours per key type; exit 1 if any request's hit differs between the two.
+the scheduler gathers them so). Reported: CPU µs a request (best round of each) and
+SGLang ÷ ours per key type (each round's back-to-back pair, median over rounds: on a
+busy machine rounds differ by 1.5x, pairs far less); exit 1 if any request's hit
+differs between the two. ``PYTHONPATH=OTHER/server`` runs another checkout's cache.
 
 SGLang is not a dependency: install it beside the project without its dependencies,
 then run with it on the path, e.g.::
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import statistics
 import sys
 import types
 from dataclasses import dataclass
@@ -174,9 +177,10 @@ def main(argv: list[str] | None = None) -> int:
           f"sglang {sglang.__version__}", file=sys.stderr)
     pairs = [(k, ours_impl(key_type=k), sglang_impl(k)) for k in key_types]
     best: dict[str, RunResult] = {}
+    ratios: dict[str, list[float]] = {k: [] for k in key_types}
     notes: list[str] = []
     for rnd in range(args.rounds):
-        for _, ours, theirs in pairs:
+        for key_type, ours, theirs in pairs:
             runs = []
             for impl in (ours, theirs):
                 job = functools.partial(replay, impl, trace.keys, args.budget, args.page_size,
@@ -188,10 +192,13 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 if impl.name not in best or r.cpu_s < best[impl.name].cpu_s:
                     best[impl.name] = r
+            # Ours and SGLang ran back to back: their ratio is the round's reading.
+            ratios[key_type].append(runs[1].cpu_s / runs[0].cpu_s)
             if rnd == 0 and (note := first_divergence(*runs)):
                 notes.append(note)
     print(f"\n{args.trace.name}, first {len(trace.keys):,} requests, budget {args.budget:,}, "
-          f"page {args.page_size}, sglang {sglang.__version__}, best of {args.rounds} rounds\n")
+          f"page {args.page_size}, sglang {sglang.__version__}, {args.rounds} rounds: CPU "
+          "best of the rounds; SGLang ÷ ours per round (back-to-back runs), median [range]\n")
     print("| keys | ours CPU µs/req | SGLang CPU µs/req | **SGLang ÷ ours** | token hit "
           "| ours match / insert / evict µs | SGLang match / insert / evict µs |")
     print("|---|---:|---:|---:|---:|---|---|")
@@ -199,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         a, b = best[ours.name], best[theirs.name]
         ops = lambda r: " / ".join(f"{r.ops[o].mean_us:,.1f}"  # noqa: E731
                                    for o in ("match", "insert", "evict"))
+        r = sorted(ratios[key_type])
         print(f"| {key_type} | {a.cpu_us_per_req:,.1f} | {b.cpu_us_per_req:,.1f} "
-              f"| **{b.cpu_us_per_req / a.cpu_us_per_req:.2f}x** | {a.hit_ratio:.4f} "
+              f"| **{statistics.median(r):.2f}x** [{r[0]:.2f}-{r[-1]:.2f}] | {a.hit_ratio:.4f} "
               f"| {ops(a)} | {ops(b)} |")
     for note in notes:
         print(f"\nHIT MISMATCH: {note}")
