@@ -13,6 +13,7 @@ from ..key import RadixKey
 from ..node import Namespace, TreeNode
 from ..pools.mamba_pool import to_index
 from ..radix.radix_cache import RadixCache
+from ..slot_values import joined_slots, owned_slots
 from .mamba_eviction import MambaEviction
 from .mamba_tree import (
     LRUList,
@@ -180,8 +181,8 @@ class MambaRadixCache(MambaEviction, RadixCache):
         if best_pos == 0:
             return MatchResult(self._empty(), self.root_node, 0, branching)
         self._touch_path(best_node, hit=True)
-        return MatchResult(torch.cat(values[:kept]), best_node, best_pos // token_bytes,
-                           branching)
+        return MatchResult(joined_slots(values[:kept], self.device), best_node,
+                           best_pos // token_bytes, branching)
 
     def insert(
         self,
@@ -318,7 +319,8 @@ class MambaRadixCache(MambaEviction, RadixCache):
         if slot is None:  # insert refuses this first; a leaf without state is unmatchable
             raise InvalidInputError("a new leaf needs the state after it: pass mamba_value")
         self._clock += 1
-        leaf = MambaTreeNode(ns, key_bytes, value.clone(), parent, self._clock)
+        leaf = MambaTreeNode(ns, key_bytes, owned_slots(value, 0, value.shape[0]), parent,
+                             self._clock)
         parent.children[key_bytes[: ns.page_bytes]] = leaf
         self._evictable += leaf.key_len
         self.full_lru_list.push_mru(leaf)

@@ -11,6 +11,7 @@ import torch
 from ..errors import IntegrityError
 from ..inspection import RadixView, _check_node, _check_slots, _nodes, walk
 from ..node import Namespace, TreeNode
+from ..slot_values import owned_slots
 
 
 class MambaTreeNode(TreeNode):
@@ -71,7 +72,7 @@ def split_node(child: MambaTreeNode, split_len: int, page_size: int,
     ns = child.require_namespace()
     cut = split_len * ns.token_bytes
     parent = child.parent
-    upper = MambaTreeNode(ns, child.key_bytes[:cut], child.value[:split_len].clone(), parent,
+    upper = MambaTreeNode(ns, child.key_bytes[:cut], owned_slots(child.value, 0, split_len), parent,
                           clock)
     upper.lock_ref = child.lock_ref
     upper.hit_count = child.hit_count
@@ -80,7 +81,7 @@ def split_node(child: MambaTreeNode, split_len: int, page_size: int,
         upper.hash_values, child.hash_values = child.hash_values[:pages], child.hash_values[pages:]
     child.key_bytes = child.key_bytes[cut:]
     child.key_len -= split_len
-    child.value = child.value[split_len:].clone()
+    child.value = owned_slots(child.value, split_len, child.value.shape[0])
     parent.children[upper.key_bytes[: ns.page_bytes]] = upper
     upper.children[child.key_bytes[: ns.page_bytes]] = child
     child.parent = upper

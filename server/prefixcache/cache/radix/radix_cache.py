@@ -15,6 +15,7 @@ from ..index.change_log import PageListener
 from ..inspection import check_radix_cache, format_tree
 from ..key import RadixKey
 from ..node import Namespace, TreeNode
+from ..slot_values import empty_slots, joined_slots, owned_slots
 from .radix_eviction import RadixEviction
 
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
@@ -162,7 +163,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
                 break
         if not pos:  # a namespace root is internal; a miss ends at the real root
             return MatchResult(self._empty(), self.root_node, 0)
-        return MatchResult(torch.cat(values), node, pos // token_bytes)
+        return MatchResult(joined_slots(values, self.device), node, pos // token_bytes)
 
     def peek_prefix(self, key: RadixKey) -> torch.Tensor:
         """Full-KV slots of the longest cached page-aligned prefix of ``key``, read-only.
@@ -186,7 +187,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
                 values.append(child.value[: matched // token_bytes])
                 break
             node = child
-        return torch.cat(values) if values else self._empty()
+        return joined_slots(values, self.device)
 
     def insert(
         self,
@@ -223,7 +224,10 @@ class RadixCache(RadixEviction, BasePrefixCache):
         prefix_len = pos // token_bytes
         if pos < end:
             self._leaves.discard(node)
-            node = self._add_leaf(node, packed[pos:end], value[prefix_len : end // token_bytes])
+            stop = end // token_bytes
+            # The whole value when it is exactly the new part (a miss): no slice view.
+            run = value if prefix_len == 0 and value.shape[0] == stop else value[prefix_len:stop]
+            node = self._add_leaf(node, packed[pos:end], run)
         return InsertResult(prefix_len, node)
 
     def compute_node_hash(self, node: TreeNode) -> list[str]:
@@ -290,7 +294,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
         self.root_node.last_access_time = ns_root.last_access_time = self._clock
 
     def _empty(self) -> torch.Tensor:
-        return torch.empty((0,), dtype=torch.int64, device=self.device)
+        return empty_slots(self.device)
 
     def _namespace_root(self, extra_key: str | None, width: int) -> TreeNode:
         ns_root = self.root_node.children.get((extra_key, width))
@@ -325,7 +329,8 @@ class RadixCache(RadixEviction, BasePrefixCache):
     def _add_leaf(self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor) -> TreeNode:
         ns = parent.require_namespace()
         self._clock += 1
-        leaf = TreeNode(ns, key_bytes, value.clone(), parent, self._clock)
+        leaf = TreeNode(ns, key_bytes, owned_slots(value, 0, value.shape[0]), parent,
+                        self._clock)
         parent.children[key_bytes[: ns.page_bytes]] = leaf
         self._evictable += leaf.key_len
         self._leaves.push(leaf)
@@ -346,7 +351,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
         ns = child.require_namespace()
         cut = split_len * ns.token_bytes
         parent = child.parent
-        upper = TreeNode(ns, child.key_bytes[:cut], child.value[:split_len].clone(), parent,
+        upper = TreeNode(ns, child.key_bytes[:cut], owned_slots(child.value, 0, split_len), parent,
                          child.last_access_time)
         upper.lock_ref = child.lock_ref
         upper.swa_lock_ref = child.swa_lock_ref
@@ -359,7 +364,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
                                                     child.hash_values[pages:])
         child.key_bytes = child.key_bytes[cut:]
         child.key_len -= split_len
-        child.value = child.value[split_len:].clone()
+        child.value = owned_slots(child.value, split_len, child.value.shape[0])
         parent.children[upper.key_bytes[: ns.page_bytes]] = upper
         upper.children[child.key_bytes[: ns.page_bytes]] = child
         child.parent = upper

@@ -12,6 +12,7 @@ from ..errors import InvalidInputError, LockError, check_count
 from ..eviction import EvictionQueue, get_eviction_policy
 from ..key import RadixKey
 from ..node import TreeNode
+from ..slot_values import joined_slots, owned_slots
 from .radix_cache import RadixCache
 
 
@@ -114,7 +115,7 @@ class SWARadixCache(RadixCache, windowed=True):
         self._touch_path(node)
         if pos == 0:
             return MatchResult(self._empty(), self.root_node, 0)
-        return MatchResult(torch.cat(values[:kept]), node, pos // token_bytes)
+        return MatchResult(joined_slots(values[:kept], self.device), node, pos // token_bytes)
 
     def insert(
         self,
@@ -197,7 +198,7 @@ class SWARadixCache(RadixCache, windowed=True):
             freed.append(value[off : off + cut])
             off, size = off + cut, size - cut
         freed.append(node.value)  # the tombstone's stale full KV
-        node.value = value[off : off + size].clone()
+        node.value = owned_slots(value, off, off + size)
         node.swa_tombstone = False
         self._swa_evictable += node.key_len
         self._windows.push(node)
