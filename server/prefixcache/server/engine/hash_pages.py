@@ -13,11 +13,12 @@ then in its hash namespace.
 * ``get``: the slots of the leading run, locked for the session with one lock per run
   of pages that lies on one tree path, so the worker can read them (ReadKV, or its
   attached pool) and unlock. Reading refreshes the pages' place in the eviction order.
-* ``set``: the session's slots (Alloc, then WriteKV or the attached pool) become the
-  tree's hash pages. A page already held is not stored again and the session's slots
-  for it are freed; a page the caller sends no slots for is reported missing. A run of
-  new pages that follows a hash page is stored under it (one path, one lock, evicted
-  from its end); one that follows a token page or nothing starts a path of its own.
+* ``set`` (page_store.py, in slices): the session's slots (Alloc, then WriteKV or the
+  attached pool) become the tree's hash pages. A page already held is not stored
+  again and the session's slots for it are freed; a page the caller sends no slots for
+  is reported missing. A run of new pages that follows a hash page is stored under it
+  (one path, one lock, evicted from its end); one that follows a token page or
+  nothing starts a path of its own.
 
 Every check runs before anything changes. Radix models only (the page index needs the
 model's eager page hashes: ``server.change_log_capacity > 0``).
@@ -33,10 +34,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from prefixcache.cache import InvalidInputError, RadixKey
+from prefixcache.cache import RadixKey
 from prefixcache.cache.index.page_index import (
     PageIndex,
-    encode_hash_pages,
     hash_namespace,
     hash_page_width,
 )
@@ -46,12 +46,9 @@ from ..errors import PreconditionError
 from ..sessions.quotas import prefix_tokens
 from ..sessions.session import Session
 from .base import needs_session
-from .slot_checks import check_distinct, check_range
 
 Namespace = tuple[str | None, int]
 
-# SetPages' answer per page (one byte each on the wire).
-MISSING, STORED, HELD = 0, 1, 2
 # GetPages' pages looked at (or path pages walked) per slice of its plan.
 SLICE = 4096
 
@@ -209,50 +206,6 @@ class HashPages:
         slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return GetOutcome(found, slots, lock_ids)
 
-    # --------------------------------------------------------------- writes
-
-    def set(self, namespace: Namespace, prior: str | None, page_hashes: list[str],
-            slots: np.ndarray, session: Session | None) -> bytes:
-        """Store the pages ``slots`` hold (``page_size`` a page; all zero: not sent)
-        under their hashes; one state byte per page (MISSING, STORED, HELD)."""
-        owner = needs_session(session, "SetPages")
-        size = self.page_size
-        pages = self._checked_pages(page_hashes, slots, owner)
-        states = bytearray(len(page_hashes))
-        runs: list[list[int]] = []
-        free: list[np.ndarray] = []
-        for i, page_hash in enumerate(page_hashes):
-            sent = pages[i] is not None
-            if self._locate(namespace, page_hash) is not None:
-                states[i] = HELD
-                if sent:
-                    free.append(pages[i])
-            elif sent:
-                states[i] = STORED
-                if runs and runs[-1][-1] == i - 1:
-                    runs[-1].append(i)
-                else:
-                    runs.append([i])
-        engine = self.engine
-        if free:
-            engine.free(owner, np.concatenate(free))
-        hidden = (hash_namespace(*namespace), hash_page_width(size))
-        for run in runs:
-            start = run[0]
-            parent = page_hashes[start - 1] if start else prior
-            base, base_slots = b"", np.zeros(0, dtype=np.int64)
-            if parent is not None and self.index.find(hidden, parent) is not None:
-                base, depth = self.index.path(hidden, parent)
-                base_slots = host_indices(engine.cache.peek_prefix(
-                    RadixKey.from_bytes(base, hidden[1], hidden[0])))
-                if len(base_slots) != depth * size:
-                    raise PreconditionError(f"hash page {parent[:16]} is indexed but not "
-                                            "cached whole (a bookkeeping bug)")
-            packed = base + encode_hash_pages([page_hashes[i] for i in run], size)
-            value = np.concatenate([base_slots, *(pages[i] for i in run)])
-            engine.insert(RadixKey.from_bytes(packed, hidden[1], hidden[0]), value, owner)
-        return bytes(states)
-
     # -------------------------------------------------------------- helpers
 
     def _locate(self, namespace: Namespace, page_hash: str) -> Namespace | None:
@@ -263,31 +216,3 @@ class HashPages:
         if self.index.find(hidden, page_hash) is not None:
             return hidden
         return None
-
-    def _checked_pages(self, page_hashes: list[str], slots: np.ndarray,
-                       session: Session) -> list[np.ndarray | None]:
-        """Each page's slots (None where all are 0), every rule checked first."""
-        size, engine = self.page_size, self.engine
-        if len(set(page_hashes)) != len(page_hashes):
-            raise InvalidInputError("page_hashes names a page twice (a chain of page hashes "
-                                    "never repeats one)")
-        if len(slots) != len(page_hashes) * size:
-            raise InvalidInputError(f"slot_indices has {len(slots)} slots for {len(page_hashes)} "
-                           f"pages of {size}")
-        per_page = slots.reshape(len(page_hashes), size) if len(page_hashes) else \
-            slots.reshape(0, size)
-        zero = (per_page == 0).all(axis=1)
-        mixed = ~zero & (per_page == 0).any(axis=1)
-        if mixed.any():
-            raise InvalidInputError(f"page {int(np.argmax(mixed))} names slot 0 among its slots: "
-                           "name all of a page's slots, or none (page_size zeros)")
-        sent = per_page[~zero].reshape(-1)
-        check_range(sent, 1, engine.num_rows, engine.name)
-        held = engine._owner[sent] == session.tag
-        if not held.all():
-            bad = int(sent[np.argmin(held)])
-            raise PreconditionError(f"slot {bad} is not held by this session (Alloc it, "
-                                    "and write the page's KV into it, first)")
-        check_distinct(sent)
-        return [None if zero[i] else per_page[i] for i in range(len(page_hashes))]
-

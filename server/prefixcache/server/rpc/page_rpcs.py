@@ -16,14 +16,19 @@ the answer is a hint of what the next GetPages will find, never a promise; its
 counting by outcome (lookups.py) goes in slices too. GetPages decodes its hashes, looks
 them up and walks their paths in slices (``HashPages.plan``: a request whose pages do
 not chain ends where they stop chaining, so the walk is linear in the request), then
-locks in one go what is still cached; SetPages runs whole.
+locks in one go what is still cached. SetPages decodes its hashes in slices too, and
+stores its pages in slices (``page_store``): a session that ends, or a Reset, between
+two slices stops it there, refused (NOT_FOUND, FAILED_PRECONDITION) with what was
+stored before kept by the cache (or gone with the Reset).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
+from weakref import WeakKeyDictionary
 
 from prefixcache.cache import InvalidInputError
 from prefixcache.cache.index.page_index import DIGEST_BYTES
@@ -32,6 +37,7 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from ..access.limits import Limits, check_count, request_tokens, sessions_required
 from ..codec import MAX_TOKEN_WIDTH, decode_slots, encode_slots
 from ..engine.hash_pages import HashPages
+from ..engine.page_store import store
 from ..errors import NotFoundError, PreconditionError
 from ..sessions import replays
 from ..sessions.session import Session
@@ -68,13 +74,6 @@ def max_pages(limits: Limits, engine: Any) -> int:
     """Pages one request may name for ``engine`` (see the module docstring)."""
     tokens = min(request_tokens(limits, engine.config), MAX_PROMPT_TOKENS)
     return max(-(-tokens // engine.page_size), 1)
-
-
-def _opened(service: Any, limits: Limits, req: Any) -> tuple[HashPages, Any, list[str]]:
-    engine = service.engine(req.model)
-    pages = HashPages(engine)
-    return pages, _namespace(req), decode_hashes(req.page_hashes,
-                                                 max_count=max_pages(limits, engine))
 
 
 async def exists(service: Any, limits: Limits, req: pb.ExistsPagesRequest,
@@ -154,18 +153,58 @@ async def drive(steps: Generator[None, None, T]) -> T:
         await asyncio.sleep(0)
 
 
-def set_pages(service: Any, limits: Limits, req: pb.SetPagesRequest,
-              session: Session | None) -> pb.SetPagesResponse:
+async def set_pages(service: Any, limits: Limits, req: pb.SetPagesRequest,
+                    session: Session | None) -> pb.SetPagesResponse:
     if (reply := replays.replayed(session, "set_pages", req)):
         return reply
-    pages, namespace, hashes = _opened(service, limits, req)
+    pages, namespace = HashPages(service.engine(req.model)), _namespace(req)
     prior = decode_hashes(req.prior_hash, "prior_hash") if req.prior_hash else []
     if len(prior) > 1:
         raise InvalidInputError(f"prior_hash has {len(req.prior_hash)} bytes: one digest "
                                 f"({DIGEST_BYTES} bytes) or none")
+    hashes = await _decoded(req.page_hashes, max_pages(limits, pages.engine))
     slots = decode_slots(req.slot_indices,
                          max_count=request_tokens(limits, pages.engine.config))
-    states = pages.set(namespace, prior[0] if prior else None, hashes, slots, session)
-    reply = pb.SetPagesResponse(states=states, server_epoch=service.epoch)
-    replays.remember(session, "set_pages", req, reply)
-    return reply
+    # The store goes in slices (page_store.py), so a retry may come while its first
+    # try is under way: it waits for that try's answer rather than storing again.
+    async with _first_try(session, req):
+        if (reply := replays.replayed(session, "set_pages", req)):
+            return reply
+        states = await drive(store(pages, namespace, prior[0] if prior else None,
+                                   hashes, slots, session))
+        reply = pb.SetPagesResponse(states=states, server_epoch=service.epoch)
+        replays.remember(session, "set_pages", req, reply)
+        return reply
+
+
+class _Try:
+    """A SetPages request id under way in a session: its lock, and the calls that
+    hold or wait for it."""
+
+    __slots__ = ("calls", "lock")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.calls = 0
+
+
+# SetPages under way, by session and request id (``_first_try``).
+_storing: WeakKeyDictionary[Session, dict[int, _Try]] = WeakKeyDictionary()
+
+
+@asynccontextmanager
+async def _first_try(session: Session | None, req: Any) -> AsyncIterator[None]:
+    """Held while a SetPages with a request id runs: a retry of it waits its turn."""
+    if session is None or not req.request_id:
+        yield
+        return
+    tries = _storing.setdefault(session, {})
+    current = tries.setdefault(req.request_id, _Try())
+    current.calls += 1
+    try:
+        async with current.lock:
+            yield
+    finally:
+        current.calls -= 1
+        if not current.calls:
+            del tries[req.request_id]
