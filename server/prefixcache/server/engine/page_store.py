@@ -1,4 +1,4 @@
-"""SetPages' store (``HashPages.set``'s rules) in slices, the loop free between them.
+"""SetPages' store in slices, the loop free between them.
 
 One SetPages may name a 1M-token prompt's pages. Stored in one go, a 200k-page chain
 held the loop for 0.5 s of CPU (its lookups, its path's walk, the index entries and
@@ -96,6 +96,18 @@ def store(pages: HashPages, namespace: Namespace, prior: str | None,
         if done < len(page_hashes):
             yield
     return bytes(states)
+
+
+def store_now(pages: HashPages, namespace: Namespace, prior: str | None,
+              page_hashes: list[str], slots: np.ndarray, session: Session | None) -> bytes:
+    """``store`` in this loop turn, for a batch bounded by its caller (the tier's fetch,
+    which must insert what it read before anything else runs)."""
+    steps = store(pages, namespace, prior, page_hashes, slots, session)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _slice(pages: HashPages, namespace: Namespace, hidden: Namespace,

@@ -3,7 +3,7 @@
 SGLang names pages by their chained page hash and never sends their tokens, so the
 pages the store has after the local leading run are brought in as *hash pages*
 (hash_pages.py, page_index.py): fetched into fresh slots of the tier's session, then
-stored with ``HashPages.set`` as SetPages would, so that the ExistsPages handler that
+stored as SetPages stores them (page_store.store_now), so that the ExistsPages handler that
 follows counts them and a GetPages finds them. The keys are those of the same pages as
 token pages (keys.py), so what a vLLM or token-level client cached on another node is
 found by hash here, and the other way round.
@@ -23,6 +23,7 @@ from typing import Any
 from prefixcache.cache.index.page_index import DIGEST_BYTES
 
 from ..engine.hash_pages import HashPages
+from ..engine.page_store import store_now
 from .backend import code_name
 from .fetch import MAX_FETCH_PAGES, MAX_POOL_SHARE
 from .model_tier import ModelTier
@@ -94,7 +95,7 @@ async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
     mt.suppressed = True
     try:
         # Stored pages take their slots, pages held meanwhile free theirs (set's rules).
-        pages.set(namespace, prior, hashes[:whole], read.slots[:whole * ps],
+        store_now(pages, namespace, prior, hashes[:whole], read.slots[:whole * ps],
                   read.session)
         kept = whole * ps
     except Exception:
