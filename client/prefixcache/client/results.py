@@ -194,11 +194,14 @@ class ModelInfo:
     sliding_window_size: int = 0
     vocab_size: int = 0
     state_pool_size: int = 0
+    # A tier below the tree (server.tier): a miss in the tree may still hit.
+    tiered: bool = False
 
     @classmethod
     def from_pb(cls, m: pb.ModelInfo) -> ModelInfo:
         return cls(m.name, CACHE_KINDS.get(m.cache_kind, "unspecified"), m.page_size,
-                   m.pool_size, m.sliding_window_size, m.vocab_size, m.state_pool_size)
+                   m.pool_size, m.sliding_window_size, m.vocab_size, m.state_pool_size,
+                   m.tiered)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,8 +63,9 @@ def make_scheduler(address: str, model: str = "v", clock: Clock | None = None, *
     runs: the shadow current, a miss answered at the first probe."""
     config = ConnectorConfig(model=model, target=address, **settings)  # type: ignore[arg-type]
     backend = RpcBackend(config)
-    if wait_shadow and backend.shadow is not None and not backend.shadow.wait_ready(10.0):
-        raise TimeoutError("the connector's shadow index got no snapshot")
+    if wait_shadow and backend.shadow is not None and not backend.wait_fast_miss(10.0):
+        raise TimeoutError("the connector's shadow index got no snapshot, or ListModels "
+                           "did not answer")
     return SchedulerCore(backend, config, block, clock or Clock())
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from prefixcache.client import (
     ClientSession,
     DeadlineExceeded,
+    ModelInfo,
     PrefixCacheClient,
     PrefixCacheError,
     ShadowFollower,
@@ -116,6 +117,10 @@ class RpcBackend:
         self._client = PrefixCacheClient(config.target, **config.client_kwargs(name))
         self._session: ClientSession | None = None
         self._page_size: int | None = None
+        # The model as ListModels describes it (page size, a tier below it), asked once
+        # off the scheduler thread; None until it answers.
+        self._info: ModelInfo | None = None
+        self._info_asked = False
         self._lock = threading.Lock()
         # Opening a session is a call that may take ``timeout``: never under _lock,
         # which the scheduler thread takes to dispatch.
@@ -133,6 +138,9 @@ class RpcBackend:
         # of them is answered locally.
         self.shadow: ShadowFollower | None = (
             self._client.shadow(self.model) if config.fast_miss and config.load else None)
+        if self.shadow is not None:  # whether a tier lies below the tree, meanwhile
+            self._info_asked = True
+            self._pool.submit(self._learn_model)
         self.batches = 0
         self.calls = 0
         self.errors = 0
@@ -185,6 +193,8 @@ class RpcBackend:
         the stream down, or the shadow known to be behind the service's change log."""
         shadow = self.shadow
         if shadow is None or shadow.error is not None or not shadow.connected:
+            return None
+        if not self._tree_is_everything():
             return None
         index = shadow.index
         if not index.ready or index.head_seq > index.seq:
@@ -243,6 +253,39 @@ class RpcBackend:
         if self._page_size is None:
             self._page_size = self._client.list_models()[self.model].page_size
         return self._page_size
+
+    def wait_fast_miss(self, timeout: float) -> bool:
+        """Wait until misses can be answered from the shadow: its first snapshot, and
+        the model described (False on timeout, or without a shadow)."""
+        deadline = time.monotonic() + timeout
+        if self.shadow is None or not self.shadow.wait_ready(timeout):
+            return False
+        while self._info is None and time.monotonic() < deadline:
+            self._tree_is_everything()  # asks again if the first answer failed
+            time.sleep(0.01)
+        return self._info is not None
+
+    def _tree_is_everything(self) -> bool:
+        """Whether the model's tree holds every page the service could answer: not when
+        a tier lies below it (a lookup would read the tier's pages), nor before the
+        service said (asked once, in the background)."""
+        info = self._info
+        if info is None:
+            if not self._info_asked:
+                self._info_asked = True
+                self._pool.submit(self._learn_model)
+            return False
+        return not info.tiered
+
+    def _learn_model(self) -> None:
+        try:
+            info = self._client.list_models()[self.model]
+        except (PrefixCacheError, KeyError) as err:
+            log.debug("prefixcache: ListModels for %r failed: %s", self.model, err)
+            self._info_asked = False  # asked again by the next shadow_hit
+            return
+        self._page_size = info.page_size
+        self._info = info
 
     def _call(self, op: Op) -> Any:
         fresh = isinstance(op, Lookup | SaveAlloc)

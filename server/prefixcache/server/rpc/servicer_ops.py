@@ -81,6 +81,7 @@ class CacheOps:
     limits: Limits
     evict_policy: EvictPolicy
     _steps: StepExecutor
+    tier: Any  # the shared tier (tier/), None when off
 
     def _match(self, req: pb.MatchRequest, session: Session | None) -> pb.MatchResponse:
         if session is not None and (reply := replays.replayed(session, "match", req)):
@@ -210,7 +211,8 @@ class CacheOps:
                          pool_size=e.pool_size,
                          sliding_window_size=e.config.sliding_window_size or 0,
                          vocab_size=e.config.vocab_size,
-                         state_pool_size=e.mamba_pool.max_track_slots if e.mamba_pool else 0)
+                         state_pool_size=e.mamba_pool.max_track_slots if e.mamba_pool else 0,
+                         tiered=self.tier is not None and e.name in self.tier.models)
             for e in self.service.engines.values()])
 
     def _describe_pool(self, req: pb.DescribePoolRequest) -> pb.DescribePoolResponse:
