@@ -14,9 +14,7 @@ session's slots.
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -27,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import ServerThread
-from integrations.vllm.vllm_support import DIM, HEADS, LAYERS
+from integrations.vllm.vllm_support import DIM, HEADS, LAYERS, JsonLines
 
 from prefixcache.client import PrefixCacheClient
 
@@ -132,29 +130,14 @@ class Engine:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ENGINE, server.address, where, str(TTL)],
             stdout=subprocess.PIPE, env=env)
-        self._buf = b""
+        self._lines = JsonLines(self.proc, "the engine")
         save = self._read()
         self.session, self.slots = save["session"], save["slots"]
         assert self._read() == {"stopping": True}
         _wait(lambda: _stopped(self.proc.pid), 10, "the engine to stop")
 
     def _read(self, timeout: float = 60.0) -> dict:
-        """The engine's next line (raw reads: a buffered reader may hold a line that
-        select no longer sees)."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise AssertionError(f"the engine said nothing for {timeout} s")
-            data = os.read(fd, 65536)
-            if not data:
-                self.proc.wait(10)
-                raise AssertionError(f"the engine exited with {self.proc.returncode}")
-            self._buf += data
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        return self._lines.read(timeout)
 
     def lapse(self) -> None:
         """Wait, stopped, until the service has ended the engine's session."""

@@ -17,10 +17,8 @@ lived, took its fence and wrote its rows over the other session's.
 from __future__ import annotations
 
 import base64
-import json
 import os
 import pickle
-import select
 import signal
 import subprocess
 import sys
@@ -35,6 +33,7 @@ from integrations.vllm.vllm_support import (
     DIM,
     HEADS,
     LAYERS,
+    JsonLines,
     make_caches,
     make_scheduler,
     make_worker,
@@ -90,7 +89,7 @@ class Rank:
                                              env.get("PYTHONPATH", "")])
         self.proc = subprocess.Popen([sys.executable, "-c", RANK, address],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._buf = b""
+        self._lines = JsonLines(self.proc, "rank 1")
         assert self.read() == {"ready": True}
 
     def send(self, meta: StepMeta, finished: set[str], stop: bool = False) -> None:
@@ -100,22 +99,7 @@ class Rank:
         self.proc.stdin.flush()
 
     def read(self, timeout: float = 60.0) -> dict:
-        """The rank's next line (raw reads: a buffered reader may hold a line that
-        select no longer sees)."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise AssertionError(f"rank 1 said nothing for {timeout} s")
-            data = os.read(fd, 65536)
-            if not data:
-                self.proc.wait(10)
-                raise AssertionError(f"rank 1 exited with {self.proc.returncode}")
-            self._buf += data
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
+        return self._lines.read(timeout)
 
     def stop_before_copy(self, meta: StepMeta, finished: set[str]) -> None:
         self.send(meta, finished, stop=True)

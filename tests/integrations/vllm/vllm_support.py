@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import select
+import subprocess
 import time
 from array import array
 from collections.abc import Sequence
@@ -150,3 +154,30 @@ def token_rows(view: Any, block_ids: list[int], num_tokens: int) -> Any:
     parts = (view.k,) if view.v is None else (view.k, view.v)
     rows = torch.stack([gather_blocks(part, blocks, offsets) for part in parts])
     return rows.contiguous().view(torch.uint8)  # bytes: random bits hold NaNs
+
+
+class JsonLines:
+    """A child process's stdout, one JSON line at a time within a deadline (raw reads: a
+    buffered reader may hold a line that select no longer sees)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], who: str) -> None:
+        self.proc = proc
+        self.who = who
+        self._buf = b""
+
+    def read(self, timeout: float = 60.0) -> dict:
+        if self.proc.stdout is None:
+            raise AssertionError(f"{self.who} has no stdout pipe")
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise AssertionError(f"{self.who} said nothing for {timeout} s")
+            data = os.read(fd, 65536)
+            if not data:
+                self.proc.wait(10)
+                raise AssertionError(f"{self.who} exited with {self.proc.returncode}")
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
