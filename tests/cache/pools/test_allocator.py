@@ -80,6 +80,22 @@ def test_freed_slots_are_not_reused_until_needed() -> None:
     assert second is not None and second.tolist() == [4, 5, 6]
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_ready_size_is_what_parts_take_as_one(page_size: int) -> None:
+    """Within ready_size, allocations in parts take the slots one allocation would; past
+    it a part merges the freed pages in and the order changes (Step relies on this)."""
+    def run(sizes: list[int]) -> list[int]:
+        a = TokenToKVPoolAllocator(12 * page_size, page_size=page_size)
+        held = a.alloc(10 * page_size)
+        assert held is not None
+        a.free(held[: 2 * page_size])
+        assert a.ready_size() == 2 * page_size and a.available_size() == 4 * page_size
+        return [s for n in sizes for s in a.alloc(n).tolist()]  # type: ignore[union-attr]
+    ready = 2 * page_size
+    assert run([ready]) == run([page_size, page_size])
+    assert run([ready + page_size]) != run([page_size, page_size, page_size])
+
+
 def test_release_merge_is_sorted() -> None:
     """With need_sort, merged free slots come back in ascending order."""
     a = TokenToKVPoolAllocator(8)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from harness import SMALL_POOL, pb, running, stub_for, toks
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from step_runners import LISTS, Stepped, Unary, stepped_step, unary_step
 
@@ -92,10 +92,23 @@ class Worker:
             if hasattr(r, "prefix_len"):
                 self.admitted.append((a.token_ids, r))
 
+def _s(frees=(), decodes=(), admits=()) -> dict[str, Any]:
+    return {"finishes": [], "unlocks": [], "frees": list(frees), "decodes": list(decodes),
+            "admits": list(admits)}
+
+
+# Found by CI: the step's decodes handed out other slots than the unary Allocs.
+_CI_EXAMPLE = [_s(), _s(), _s(admits=[(0, 0, 0), (0, 3, 0), (0, 40, 0)]),
+               _s(admits=[(0, 0, 0), (0, 21, 0)]),
+               _s(frees=[0], decodes=[1], admits=[(0, 0, 0), (0, 1, 0), (0, 40, 0)]),
+               _s(frees=[0, 0], decodes=[0], admits=[(0, 0, 0), (0, 11, 0), (0, 40, 0)]),
+               _s(decodes=[4, 4, 4])]
+
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(model=st.sampled_from(["m", "p"]), steps=st.lists(_step, min_size=1, max_size=8))
+@example(model="m", steps=_CI_EXAMPLE)
 def test_a_step_is_its_items_one_by_one(world: tuple[Any, Any], model: str,
                                          steps: list[dict[str, Any]]) -> None:
     srv, stub = world

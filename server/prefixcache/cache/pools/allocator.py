@@ -135,6 +135,11 @@ class TokenToKVPoolAllocator:
         """How many slots ``alloc`` could hand out now (free pages * page_size)."""
         return self._pages.available() * self.page_size
 
+    def ready_size(self) -> int:
+        """How many slots ``alloc`` hands out before freed pages join the free list:
+        allocations within it take the same slots whether made at once or in parts."""
+        return self._pages.ready() * self.page_size
+
     def num_allocated(self) -> int:
         """Slots currently handed out."""
         return self._num_allocated

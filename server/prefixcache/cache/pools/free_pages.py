@@ -42,6 +42,10 @@ class FreePages:
         """Pages a ``take`` could hand out now, released ones included."""
         return self._free.size - self._head + self._num_released
 
+    def ready(self) -> int:
+        """Pages a ``take`` hands out before it must merge the released ones in."""
+        return self._free.size - self._head
+
     def take(self, num: int) -> np.ndarray | None:
         """The next ``num`` pages (a view, valid until the next ``take``), or None and
         no change when fewer are available."""

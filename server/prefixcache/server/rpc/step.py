@@ -256,13 +256,15 @@ def _decode_at_once(reply: pb.StepResponse, engine: Engine, session: Session,
                     counts: Any) -> bool:
     """Allocate every decode with one call when that is what the calls one by one would
     do, only cheaper (a slot per running request is most of a step otherwise): page size
-    1, so no item shares or splits a page, and room without evicting, so none evicts
-    for another. The slots are the pool's next free ones either way. False: do them one
-    by one (a short pool then fails exactly the items it cannot serve)."""
+    1, so no item shares or splits a page, and room on the free list as it stands, so
+    none evicts for another and none merges the freed pages in (a merge in the middle
+    would reorder the slots the later items get). The slots are the pool's next free
+    ones either way. False: do them one by one (a short pool then fails exactly the
+    items it cannot serve)."""
     if len(counts) < 2 or engine.page_size != 1 or engine.kind not in ("radix", "mamba"):
         return False
     total = sum(counts)
-    if total > engine.allocator.available_size():
+    if total > engine.allocator.ready_size():
         return False
     try:
         slots, _ = engine.alloc(session, total)
