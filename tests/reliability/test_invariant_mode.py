@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import REPO, ServerThread, make_config, pb, stub_for, toks, wait_serving
+from harness import SOURCE_PATH, ServerThread, make_config, pb, stub_for, toks, wait_serving
 
 from prefixcache.server.cli import build_parser
 from prefixcache.server.config import ModelConfig, PoolConfig, load_config
@@ -95,7 +95,7 @@ def test_off_a_corrupted_counter_goes_unnoticed(tmp_path: Path) -> None:
 def test_cli_flag_starts_the_server_in_invariant_mode(tmp_path: Path) -> None:
     sock = tmp_path / "pc.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
-    env.update(PYTHONPATH=f"{REPO / 'server'}:{REPO / 'client'}", OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=SOURCE_PATH, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefixcache.server.cli", "serve", "--listen", f"unix:{sock}",
          "--metrics-port", "-1", "--shm-dir", "off", "--check-integrity"],

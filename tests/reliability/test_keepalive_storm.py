@@ -16,7 +16,7 @@ import sys
 import time
 
 import grpc
-from harness import REPO, pb, serve_process, stub_for, toks
+from harness import SOURCE_PATH, pb, serve_process, stub_for, toks
 
 from prefixcache.server.sessions import keepalive
 
@@ -77,7 +77,7 @@ def test_a_storm_of_unknown_ids_is_paced_and_the_victim_goes_on(tmp_path) -> Non
             sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=5.0)).session_id
             storm = subprocess.Popen(
                 [sys.executable, "-c", STORM, address, str(STORM_SECONDS), "32"],
-                env={"PYTHONPATH": f"{REPO / 'server'}:{REPO / 'client'}",
+                env={"PYTHONPATH": SOURCE_PATH,
                      "PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, text=True)
             try:
                 time.sleep(0.5)  # the storm is on

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from harness import REPO, pb, stub_for, wait_serving
+from harness import SOURCE_PATH, pb, stub_for, wait_serving
 
 from prefixcache.client import (
     PrefixCacheClient,
@@ -43,7 +43,7 @@ class Server:
     def __init__(self, tmp: Path) -> None:
         (tmp / "pc.yaml").write_text(CONFIG)
         self.address = f"unix:{tmp / 'pc.sock'}"
-        env = {**os.environ, "PYTHONPATH": f"{REPO / 'server'}:{REPO / 'client'}",
+        env = {**os.environ, "PYTHONPATH": SOURCE_PATH,
                "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",

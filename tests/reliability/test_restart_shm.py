@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import REPO, wait_serving
+from harness import SOURCE_PATH, wait_serving
 
 MiB = 1 << 20
 # 13 MiB of KV: (size + page_size) rows of K and V, 64 float16 each (256 bytes a row).
@@ -36,7 +36,7 @@ models:
     page_size: 1
     pool: {{size: {POOL_ROWS}, layers: 1, k_heads: 1, k_head_dim: 64}}
 """
-ENV = {**os.environ, "PYTHONPATH": f"{REPO / 'server'}:{REPO / 'client'}",
+ENV = {**os.environ, "PYTHONPATH": SOURCE_PATH,
        "OMP_NUM_THREADS": "1", "PREFIXCACHE_LOG_FORMAT": "json"}
 # Maps every pool file of the directory, as an attached worker does, and holds them.
 MAPPER = """\

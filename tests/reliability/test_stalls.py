@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import REPO, pb, running, serve_process, stub_for, wait_serving
+from harness import SOURCE_PATH, pb, running, serve_process, stub_for, wait_serving
 
 # One client opens 1500 sessions to fill the log pipe: above max_sessions_per_client's
 # default, which is not under test here.
@@ -35,7 +35,7 @@ CONFIG = ("server:\n  session_ttl_min: 0.5\n  log_queue_lines: 100\n"
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{REPO / 'server'}:{REPO / 'client'}",
+    return {**os.environ, "PYTHONPATH": SOURCE_PATH,
             "OMP_NUM_THREADS": "1"}
 
 

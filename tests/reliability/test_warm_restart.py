@@ -26,12 +26,12 @@ from typing import Any
 
 import pytest
 import torch
-from harness import REPO, wait_serving
+from harness import SOURCE_PATH, wait_serving
 
 from prefixcache.client import PrefixCacheClient, StaleEpoch
 from prefixcache.client.write_fence import open_fence
 
-ENV = {**os.environ, "PYTHONPATH": f"{REPO / 'server'}:{REPO / 'client'}",
+ENV = {**os.environ, "PYTHONPATH": SOURCE_PATH,
        "OMP_NUM_THREADS": "1", "PREFIXCACHE_LOG_FORMAT": "json"}
 LAYERS = 2
 

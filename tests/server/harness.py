@@ -131,6 +131,10 @@ def client_of(server: ServerThread, timeout: float = 5.0) -> Iterator[PrefixCach
 
 
 REPO = Path(__file__).resolve().parents[2]
+# What a child process needs on its path: both source roots, then the caller's own
+# PYTHONPATH (packages installed with --target, as on the GPU machine).
+SOURCE_PATH = os.pathsep.join([str(REPO / "server"), str(REPO / "client"),
+                               *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 @contextmanager
@@ -139,7 +143,7 @@ def serve_process(tmp: Path, config_yaml: str) -> Iterator[tuple[subprocess.Pope
     process and its address once it answers, and stops it with SIGTERM (exit code 0)."""
     (tmp / "pc.yaml").write_text(config_yaml)
     sock = tmp / "pc.sock"
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'server'}:{REPO / 'client'}",
+    env = {**os.environ, "PYTHONPATH": SOURCE_PATH,
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",

@@ -21,6 +21,7 @@ from typing import IO, Any
 
 import pytest
 import yaml
+from harness import SOURCE_PATH
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-c", "from prefixcache.server.cli import main; raise SystemExit(main())"]
@@ -127,7 +128,7 @@ class Node:
         self.stderr_path = self.dir / "stderr"
         self._stderr: IO[str] = open(self.stderr_path, "w")  # noqa: SIM115 (closed in stop)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
-        env.update(PYTHONPATH=f"{REPO / 'server'}:{REPO / 'client'}", OMP_NUM_THREADS="1")
+        env.update(PYTHONPATH=SOURCE_PATH, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
             [*CLI, "serve", "--config", str(self.dir / "pc.yaml"), "--listen", self.address,
              "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",

@@ -163,16 +163,21 @@ def test_geometry_mismatch_is_refused(server) -> None:
 @pytest.mark.gpu
 def test_cuda_pool_round_trip(tmp_path) -> None:
     """A sidecar pool on the GPU, mapped through CUDA IPC: pages go host -> GPU pool ->
-    another host pool, byte for byte."""
-    from dataclasses import replace
+    another host pool, byte for byte. The server runs in a child process: CUDA IPC
+    handles cannot be opened by the process that made them."""
+    from harness import serve_process
 
-    from harness import running
-    from hicache_hosts import MODELS
-
-    gpu = [replace(m, pool=replace(m.pool, device="cuda:0")) for m in MODELS[:1]]
-    with running(tmp_path, gpu) as srv:
+    config = f"""
+server: {{change_log_capacity: 4096}}
+models:
+  - name: kv
+    page_size: {PAGE}
+    pool: {{size: 256, layers: {LAYERS}, k_heads: 2, k_head_dim: 8, dtype: float16,
+            device: "cuda:0"}}
+"""
+    with serve_process(tmp_path, config) as (_, address):
         a_pool, b_pool = HostPool("page_first", seed=31), HostPool("page_head", seed=32)
-        a, b = make_core(srv.address, a_pool), make_core(srv.address, b_pool)
+        a, b = make_core(address, a_pool), make_core(address, b_pool)
         try:
             keys = chain(prompt(71, 3))
             assert a.set(keys, host_indices([0, 1, 2])) == [True] * 3

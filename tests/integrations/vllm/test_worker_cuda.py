@@ -23,6 +23,7 @@ from prefixcache.integrations.vllm.layout import split_kv
 pytestmark = pytest.mark.gpu
 
 CONFIG = """
+server: {change_log_capacity: 4096}
 models:
   - name: v
     page_size: 2

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server.harness import REPO, wait_serving
+from server.harness import SOURCE_PATH, wait_serving
 
 from prefixcache.server.memory.shared_pool import SharedPools, remove_stale
 
@@ -104,7 +104,7 @@ def test_a_running_servers_files_survive_a_sweep_by_another_process(
     (tmp_path / "pc.yaml").write_text(
         "models:\n  - name: m\n    pool: {size: 64, layers: 2, k_heads: 1, k_head_dim: 4}\n")
     sock = tmp_path / "pc.sock"
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'server'}:{REPO / 'client'}",
+    env = {**os.environ, "PYTHONPATH": SOURCE_PATH,
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
