@@ -144,7 +144,7 @@ def test_a_missing_parent_is_a_bookkeeping_error() -> None:
     cache, index, _ = make()
     insert_tokens(cache, [1, 2, 3, 4])
     h12 = hash_token_ids([1, 2])
-    del index._pages[(None, 1)][h12]
+    del index._parents[(None, 1)][h12], index._tokens[(None, 1)][h12]
     with pytest.raises(AssertionError, match="missing"):  # IntegrityError
         index.path((None, 1), hash_token_ids([3, 4], h12))
     with pytest.raises(AssertionError, match="out of step"):

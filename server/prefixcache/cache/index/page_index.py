@@ -89,51 +89,65 @@ class PageIndex:
 
     def __init__(self, forward: Any = None) -> None:
         self.forward = forward
-        self._pages: dict[Namespace, dict[str, PageEntry]] = {}
+        # Two flat maps per namespace rather than one of PageEntry tuples: strings and
+        # bytes are no objects the garbage collector tracks, tuples are, and a prompt's
+        # insert indexes hundreds of pages (every one a tracked tuple made the
+        # collector run, and its full passes grow with the index).
+        self._parents: dict[Namespace, dict[str, str | None]] = {}
+        self._tokens: dict[Namespace, dict[str, bytes]] = {}
         self._cache: Any = None
 
     # ------------------------------------------------------ the cache's side
 
     def cleared(self, cache: Any) -> None:
         self._cache = cache
-        self._pages.clear()
+        self._parents.clear()
+        self._tokens.clear()
         if self.forward is not None:
             self.forward.cleared(cache)
 
     def pages_stored(self, node: TreeNode) -> None:
         ns = node.require_namespace()
-        table = self._pages.setdefault((ns.extra_key, ns.token_width), {})
-        parent = _last_hash(node.parent)
-        for page_hash, page in _pages(node):
-            table[page_hash] = PageEntry(parent, page)
-            parent = page_hash
+        key = (ns.extra_key, ns.token_width)
+        hashes, pages = _pages(node)
+        if hashes:
+            parents = self._parents.setdefault(key, {})
+            parents.update(zip(hashes, [_last_hash(node.parent), *hashes[:-1]],
+                               strict=True))
+            self._tokens.setdefault(key, {}).update(zip(hashes, pages, strict=True))
         if self.forward is not None and not is_hash_namespace(ns.extra_key):
             self.forward.pages_stored(node)
 
     def pages_removed(self, node: TreeNode) -> None:
         ns = node.require_namespace()
         key = (ns.extra_key, ns.token_width)
-        table = self._pages.get(key)
-        if table is not None:
+        parents = self._parents.get(key)
+        if parents is not None:
+            tokens = self._tokens[key]
             parent = _last_hash(node.parent)
-            for page_hash, _ in _pages(node):
-                entry = table.get(page_hash)
+            for page_hash in _pages(node)[0]:
                 # Only the entry of this very position: a hash stored twice (two hash
                 # pages of one digest on two paths) keeps the other one's entry.
-                if entry is not None and entry.parent == parent:
-                    del table[page_hash]
+                if page_hash in parents and parents[page_hash] == parent:
+                    del parents[page_hash], tokens[page_hash]
                 parent = page_hash
-            if not table:
-                del self._pages[key]
+            if not parents:
+                del self._parents[key], self._tokens[key]
         if self.forward is not None and not is_hash_namespace(ns.extra_key):
             self.forward.pages_removed(node)
 
     # ------------------------------------------------------- readers' side
 
+    def namespaces(self) -> list[Namespace]:
+        """The namespaces that hold indexed pages, a copy (callers may change the index)."""
+        return list(self._parents)
+
     def find(self, namespace: Namespace, page_hash: str) -> PageEntry | None:
         """The page ``page_hash`` names in ``namespace``, or None."""
-        table = self._pages.get(namespace)
-        return None if table is None else table.get(page_hash)
+        parents = self._parents.get(namespace)
+        if parents is None or page_hash not in parents:
+            return None
+        return PageEntry(parents[page_hash], self._tokens[namespace][page_hash])
 
     def path(self, namespace: Namespace, page_hash: str) -> tuple[bytes, int]:
         """The packed key from the namespace root through page ``page_hash``, and its
@@ -153,59 +167,61 @@ class PageIndex:
         and the page the rest of the path ends at (None once the root is reached), for
         a caller that walks a long path in parts; ``walked``: the pages its earlier
         parts had (so that a loop is still found). Raises as ``path``."""
-        table = self._pages[namespace]
+        parents, tokens = self._parents[namespace], self._tokens[namespace]
         pages: list[bytes] = []
         current: str | None = page_hash
         while current is not None and (limit is None or len(pages) < limit):
-            entry = table.get(current)
-            if entry is None:
+            if current not in parents:
                 raise IntegrityError(f"page index: page {current[:16]} on the path of "
                                      f"{page_hash[:16]} is missing")
-            if walked + len(pages) >= len(table):  # a page on its own path: never from SetPages
+            if walked + len(pages) >= len(parents):  # a page on its own path: never from SetPages
                 raise IntegrityError(f"page index: the path of {page_hash[:16]} loops")
-            pages.append(entry.page)
-            current = entry.parent
+            pages.append(tokens[current])
+            current = parents[current]
         return pages, current
 
     def __len__(self) -> int:
-        return sum(len(table) for table in self._pages.values())
+        return sum(len(table) for table in self._parents.values())
 
     def check(self) -> None:
         """Recompute the index from the tree; raise IntegrityError on any difference."""
         cache = self._cache
-        expected: dict[Namespace, dict[str, PageEntry]] = {}
+        parents: dict[Namespace, dict[str, str | None]] = {}
+        tokens: dict[Namespace, dict[str, bytes]] = {}
         if cache is not None:
             for ns_root in cache.root_node.children.values():
                 stack = list(ns_root.children.values())
                 while stack:
                     node = stack.pop()
                     ns = node.namespace
-                    table = expected.setdefault((ns.extra_key, ns.token_width), {})
+                    key = (ns.extra_key, ns.token_width)
                     parent = _last_hash(node.parent)
-                    for page_hash, page in _pages(node):
-                        table[page_hash] = PageEntry(parent, page)
+                    for page_hash, page in zip(*_pages(node), strict=True):
+                        parents.setdefault(key, {})[page_hash] = parent
+                        tokens.setdefault(key, {})[page_hash] = page
                         parent = page_hash
                     stack.extend(node.children.values())
-        if expected != self._pages:
-            have = {ns: len(t) for ns, t in self._pages.items()}
-            want = {ns: len(t) for ns, t in expected.items()}
+        if parents != self._parents or tokens != self._tokens:
+            have = {ns: len(t) for ns, t in self._parents.items()}
+            want = {ns: len(t) for ns, t in parents.items()}
             raise IntegrityError(f"page index out of step with the tree: indexes {have} "
                                  f"pages per namespace, the tree holds {want}")
 
 
-def _pages(node: TreeNode) -> list[tuple[str, bytes]]:
-    """Each whole page of ``node`` with its hash: the chained hash of a token page, the
-    digest a hash page holds."""
+def _pages(node: TreeNode) -> tuple[list[str], list[bytes]]:
+    """The hashes of ``node``'s whole pages (the chained hash of a token page, the digest
+    a hash page holds) and the pages' packed tokens."""
     ns = node.require_namespace()
     size = ns.page_bytes
     data = node.key_bytes
     pages = [data[i : i + size] for i in range(0, len(data) - size + 1, size)]
     if is_hash_namespace(ns.extra_key):
-        return [(page[:DIGEST_BYTES].hex(), page) for page in pages]
+        return [page[:DIGEST_BYTES].hex() for page in pages], pages
     hashes = node.hash_values
     if hashes is None:
         raise ValueError(f"node {node.id} has no page hashes (eager page hashing is off)")
-    return list(zip(hashes, pages, strict=False))
+    n = min(len(hashes), len(pages))
+    return hashes[:n], pages[:n]
 
 
 def _last_hash(parent: TreeNode | None) -> str | None:

@@ -180,7 +180,7 @@ def _other_run(index: Any, namespace: tuple[str | None, int], data: bytes, pos: 
     first = _hex(data, pos)
     best = 0
     looked = 0
-    for examined, (extra_key, width) in enumerate(list(index._pages)):
+    for examined, (extra_key, width) in enumerate(index.namespaces()):
         if examined >= MAX_EXAMINED:
             break
         if width != namespace[1] and not is_hash_namespace(extra_key):

@@ -69,7 +69,7 @@ def explain_hash(engine: Any, namespace: tuple[str | None, int], page_hash: str,
         _, depth = index.path(namespace, page_hash)
         out.add(HIT, 0, depth * size)
         return out
-    for other in list(index._pages):
+    for other in index.namespaces():
         extra_key = other[0]
         if other == namespace or other[1] != namespace[1] or is_hash_namespace(extra_key) \
                 or (namespaces is not None and not namespaces(extra_key)):
