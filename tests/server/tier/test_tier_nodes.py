@@ -306,10 +306,16 @@ def test_sglang_cores_across_nodes(cluster: dict[str, Any]) -> None:
     try:
         keys = _chain(_tokens(9, 12))
         before = _put_pages(a)
+        outcomes = _outcomes(b)
         assert b_core.exists(keys) == 0
+        after = _outcomes(b)
+        assert _grew(outcomes, after) == {"miss_cold": 12}
+        outcomes = after
         assert a_core.set(keys, host_indices([3, 0, 7])) == [True] * 3
         a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + 3)
         assert b_core.exists(keys) == 3
+        # ExistsPages that the tier answered: hits in the lookup outcomes.
+        assert _grew(outcomes, _outcomes(b)) == {"hit": 12}
         assert b_core.get(keys, host_indices([9, 4, 2])) == [True] * 3
         for pa, pb in zip([3, 0, 7], [9, 4, 2], strict=True):
             assert b_pool.page_bytes(pb * PAGE) == a_pool.page_bytes(pa * PAGE)
