@@ -64,6 +64,19 @@ def test_the_readme_links_every_docs_page() -> None:
     assert [p.name for p in docs if p.resolve() not in linked] == []
 
 
+def test_the_readme_names_every_switch_of_the_test_suite() -> None:
+    """A new user runs the README's test command; the variables that change what it
+    runs (long runs, required e2e) are named there (issue 23: PREFIXCACHE_SLOW was
+    not)."""
+    repo = README.parent
+    switches = {name for folder in ("tests", "bench") for path in (repo / folder).rglob("*.py")
+                for name in re.findall(r'os\.environ(?:\.get\(|\[)"(PREFIXCACHE_\w+)"',
+                                       path.read_text())}
+    assert {"PREFIXCACHE_SLOW", "PREFIXCACHE_E2E"} <= switches  # the scan finds them
+    readme = _prose(README.read_text())
+    assert sorted(s for s in switches if s not in readme) == []
+
+
 @pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
 def test_every_link_resolves(page: Path) -> None:
     """Relative links name files that exist, and their #anchors name headings there."""

@@ -152,6 +152,7 @@ def test_fail_open_covers_opening_the_session(tmp_path: Path) -> None:
     assert client.fail_open_count == 1
     assert s.match("m", [1, 2, 3], lock=True).skipped
     assert s.insert("m", [1, 2, 3], [1, 2, 3]).skipped  # names no slot it holds
+    assert client.fail_open_count == 3  # each miss it made up is counted
     with pytest.raises(Unavailable):  # slots cannot be made up
         s.alloc("m", 1)
     with running(tmp_path, session_ttl_min=0.2) as srv:
@@ -176,6 +177,7 @@ async def _open_async_before_the_sidecar(tmp_path: Path) -> None:
     async with client.session(ttl=5) as s:
         assert (s.session_id, client.fail_open_count) == ("", 1)
         assert (await s.match("m", [7, 8])).skipped
+        assert client.fail_open_count == 2  # the miss it made up is counted
         with running(tmp_path, session_ttl_min=0.2) as srv:
             deadline = time.monotonic() + 10  # the channel reconnects with a backoff
             while (await s.match("m", [7, 8])).skipped and time.monotonic() < deadline:

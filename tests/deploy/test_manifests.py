@@ -343,6 +343,21 @@ def test_the_prometheus_rule_is_well_formed() -> None:
     assert f'up{{job="{service["metadata"]["name"]}"}}' in alerts["PrefixcacheDown"]["expr"]
 
 
+def test_the_pool_exhausted_alert_keys_on_the_reason_not_the_status_code() -> None:
+    """Over-long prompts are RESOURCE_EXHAUSTED too, with free slots left (issue 23): the
+    alert reads the refusals of a pinned pool only. The chart renders this same rule
+    (test_helm.py::test_monitoring_on_renders_the_service_monitor_and_rules)."""
+    from deploy.promql import parse
+
+    rule = one(docs_of("monitoring/prometheusrule.yaml"), "PrometheusRule")
+    (alert,) = [r for g in rule["spec"]["groups"] for r in g["rules"]
+                if r.get("alert") == "PrefixcachePoolExhausted"]
+    selectors = parse(alert["expr"]).selectors
+    assert [s.metric for s in selectors] == ["prefixcache_allocation_refusals_total"]
+    assert [(m.label, m.op, m.value) for m in selectors[0].matchers] == [
+        ("reason", "=", "pool_exhausted")]
+
+
 def test_every_object_carries_the_common_labels() -> None:
     for path in all_manifest_files():
         # The master's objects are named apart from the sidecar's (see above).

@@ -85,14 +85,21 @@ def test_explain_and_stats_from_the_command_line(tmp_path: Path) -> None:
                                         "0.000"]
 
 
-def test_outcomes_of_a_served_process(tmp_path: Path) -> None:
-    """`prefixcache serve` as a process: every outcome at 0 from the start, then a
-    namespace miss, an eviction, an unaligned tail counted on /metrics and explained."""
+def test_every_outcome_of_a_served_process(tmp_path: Path) -> None:
+    """`prefixcache serve` as a process: every outcome at 0 from the start, then each of
+    the eight caused on purpose (another namespace, evict then ask again, an unaligned
+    tail, a hit, a reservation of the vLLM scheduler core that lapses, a load that
+    failed, a refused allocation), counted on /metrics and explained."""
     import signal
     import socket
 
+    import grpc
+    import pytest
     from harness import wait_serving
+    from integrations.vllm.vllm_support import Clock, make_scheduler, settle
     from test_metrics import scrape, value
+
+    from prefixcache.integrations.vllm.keys import RequestInfo
 
     (tmp_path / "pc.yaml").write_text(
         'server:\n  shm_dir: "off"\nmodels:\n  - name: p\n    page_size: 4\n'
@@ -106,32 +113,93 @@ def test_outcomes_of_a_served_process(tmp_path: Path) -> None:
                              "--listen", address, "--metrics-host", "127.0.0.1",
                              "--metrics-port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    names = ("hit", "miss_cold", "miss_evicted", "miss_namespace", "below_page",
+             "load_failed", "lease_expired", "capacity")
+    seen = dict.fromkeys(names, 0.0)
+
+    def grew(**expected: int) -> None:
+        """The outcomes on /metrics grew by ``expected`` since the last call, the others
+        not at all."""
+        s = scrape(port)
+        now = {o: value(s, "prefixcache_lookup_tokens_total", model="p", outcome=o)
+               for o in names}
+        assert {o: now[o] - seen[o] for o in names} == {**dict.fromkeys(names, 0),
+                                                         **expected}
+        seen.update(now)
+
+    def explain(tokens: list[int], extra_key: str | None = None) -> str:
+        (tmp_path / "t.json").write_text(json.dumps(tokens))
+        ns = ("--extra-key", extra_key) if extra_key is not None else ()
+        out = _cli("explain", "--target", address, "--model", "p", "--tokens-file",
+                   str(tmp_path / "t.json"), *ns)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()[0]
+
     try:
         wait_serving(proc, address)
-        names = ("hit", "miss_cold", "miss_evicted", "miss_namespace", "below_page",
-                 "load_failed", "lease_expired", "capacity")
-
-        def outcomes() -> dict[str, float]:
-            s = scrape(port)
-            return {o: value(s, "prefixcache_lookup_tokens_total", model="p", outcome=o)
-                    for o in names}
-
-        assert outcomes() == dict.fromkeys(names, 0)
+        grew()  # every outcome exported, at 0
         channel, stub = stub_for(address)
         with channel:
             sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
-            _cache(stub, sid, A, NS)                                          # cold 16
-            stub.Match(pb.MatchRequest(model="p", token_ids=toks(A)))         # namespace 16
+            _cache(stub, sid, A, NS)
+            grew(miss_cold=16)
+            stub.Match(pb.MatchRequest(model="p", token_ids=toks(A)))
+            grew(miss_namespace=16)
+            assert explain(A).endswith("hits 0, stops at token 0: miss_namespace")
+            stub.Match(pb.MatchRequest(model="p", token_ids=toks([*A, 1, 2]), extra_key=NS))
+            grew(hit=16, below_page=2)
+            assert explain([*A, 1, 2], NS).endswith("hits 16, stops at token 16: below_page")
             stub.Evict(pb.EvictRequest(model="p", num_tokens=64))
-            stub.Match(pb.MatchRequest(model="p", token_ids=toks([*A, 1, 2]),
-                                       extra_key=NS))                         # evicted, tail
-        assert outcomes() == {**dict.fromkeys(names, 0), "miss_cold": 16,
-                              "miss_namespace": 16, "miss_evicted": 16, "below_page": 2}
-        tokens = tmp_path / "a.json"
-        tokens.write_text(json.dumps(A))
-        out = _cli("explain", "--target", address, "--model", "p", "--tokens-file",
-                   str(tokens), "--extra-key", NS)
-        assert out.returncode == 0 and "stops at token 0: miss_evicted" in out.stdout
+            stub.Match(pb.MatchRequest(model="p", token_ids=toks(A), extra_key=NS))
+            grew(miss_evicted=16)
+            assert explain(A, NS).endswith("hits 0, stops at token 0: miss_evicted")
+            _cache(stub, sid, A, NS)
+            grew(miss_evicted=16)
+
+            # The vLLM scheduler core reserves the hit; vLLM never comes back for it.
+            _cache(stub, sid, A, None)  # the connector's namespace (no LoRA, no salt)
+            grew(miss_namespace=16)
+            clock = Clock()
+            core = make_scheduler(address, model="p", clock=clock, lease_ttl=5.0,
+                                  fast_miss=False)  # no change log to follow
+            try:
+                req = RequestInfo("r", [*A, 1, 2], len(A) + 2)
+                if core.probe(req, 0) == (None, False):  # the lookup is in flight
+                    core.build_meta()
+                    settle(core)
+                assert core.probe(req, 0) == (16, False)
+                grew(hit=16)
+                clock.now += 5.1
+                core.build_meta()
+                settle(core)
+                assert core.stats.leases_expired == 1
+                grew(lease_expired=16)
+            finally:
+                core.close()
+
+            # A connector that could not load its hit says so as it lets go.
+            held = stub.Match(pb.MatchRequest(model="p", token_ids=toks(A), extra_key=NS,
+                                              session_id=sid, lock=True))
+            stub.Unlock(pb.UnlockRequest(session_id=sid, lock_id=held.lock_id,
+                                         unused_outcome=pb.LookupOutcome.Value(
+                                             "LOOKUP_OUTCOME_LOAD_FAILED")))
+            grew(hit=16, load_failed=16)
+
+            # A session holds every free slot: a lookup that allocates is refused.
+            n = 64
+            while n:
+                try:
+                    stub.Alloc(pb.AllocRequest(model="p", num_slots=n, session_id=sid))
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    n //= 2
+            other = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Match(pb.MatchRequest(model="p", token_ids=toks(list(range(300, 308))),
+                                           session_id=other, allocate=True))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            grew(capacity=8)
+            assert all(seen[o] > 0 for o in names), seen
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

@@ -329,3 +329,35 @@ def test_mamba_kv_without_state_is_not_a_hit(tmp_path) -> None:
             assert value(got, "prefixcache_lookup_tokens_total", model="h",
                          outcome="miss_evicted") == 8
         srv.check_integrity()
+
+
+def test_a_lookup_refused_for_room_counts_capacity_on_every_kind(tmp_path) -> None:
+    """A Match or Step admission that allocates, refused because sessions hold every
+    slot, counts all of its tokens as capacity, on every kind (slot models too)."""
+    from harness import EVERY_KIND
+
+    with running(tmp_path, EVERY_KIND, max_session_slots=10**6) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            hog = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+            for model in EVERY_KIND:
+                name, n = model.name, 1024
+                while n:  # the hog takes every slot there is
+                    try:
+                        stub.Alloc(pb.AllocRequest(model=name, num_slots=n, session_id=hog))
+                    except grpc.RpcError as exc:
+                        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, name
+                        n //= 2
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Match(pb.MatchRequest(model=name, token_ids=toks(prompt),
+                                               session_id=sid, allocate=True))
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, name
+                step = stub.Step(pb.StepRequest(model=name, session_id=sid, admits=[
+                    pb.StepAdmit(token_ids=toks([*prompt, 7]), allocate=True)]))
+                assert step.admits[0].HasField("error"), name
+                counts = stub.Stats(pb.StatsRequest(model=name)).models[0].lookup_tokens_total
+                assert counts["capacity"] == 2 * len(prompt) + 1, (name, dict(counts))
+                assert sum(counts.values()) == counts["capacity"], name  # nothing else
+        srv.check_integrity()

@@ -34,7 +34,8 @@ NAMES = [m.name for m in MODELS]
 TOKENS = st.lists(st.sampled_from([1, 2, 3]), min_size=0, max_size=14)
 SESSIONS = 3
 SID = st.integers(0, SESSIONS - 1)
-LONG = os.environ.get("PREFIXCACHE_LONG_PROPERTIES") == "1"
+# The long runs, with the other property and fuzz tests (docs/architecture.md).
+LONG = bool(os.environ.get("PREFIXCACHE_SLOW"))
 
 
 class Clock:

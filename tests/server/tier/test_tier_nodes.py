@@ -24,6 +24,7 @@ from harness import pb, stub_for, toks
 from tier_harness import Master, Node, needs_mooncake, tier_config
 
 from prefixcache.cache import hash_token_ids
+from prefixcache.cache.radix.lookup_outcomes import OUTCOMES
 from prefixcache.client import PrefixCacheClient
 from prefixcache.client.step import Admit
 from prefixcache.integrations.vllm.keys import RequestInfo
@@ -114,14 +115,28 @@ def _put_pages(node: Node) -> float:
     return node.metric(r"prefixcache_tier_put_pages_total\{.*\}")
 
 
+def _outcomes(node: Node) -> dict[str, float]:
+    """``node``'s prefixcache_lookup_tokens_total of the model, by outcome."""
+    return {o: node.metric(r'prefixcache_lookup_tokens_total\{.*outcome="' + o + r'".*\}')
+            for o in OUTCOMES}
+
+
+def _grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The outcomes that grew, and by how much."""
+    return {o: after[o] - before[o] for o in OUTCOMES if after[o] != before[o]}
+
+
 def test_b_hits_what_a_cached_with_identical_kv(cluster: dict[str, Any]) -> None:
     a, b = cluster["a"], cluster["b"]
     tokens = _tokens(1)
     before = _put_pages(a)
     kv = _cache(a, tokens, seed=1)
     a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(tokens) // PAGE)
+    outcomes = _outcomes(b)
     hit, got = _read(b, tokens)
     assert hit == len(tokens)
+    # A lookup the tier answered is a hit in the lookup outcomes, like a local one.
+    assert _grew(outcomes, _outcomes(b)) == {"hit": len(tokens)}
     assert all(torch.equal(x, y) for x, y in zip(got, kv, strict=True))
     assert b.metric(r'prefixcache_tier_hit_tokens_total\{.*tier="remote".*\}') == len(tokens)
     # Node B now holds the pages itself: the next lookup is local, and B wrote nothing back.
@@ -165,8 +180,11 @@ def test_namespaces_never_read_each_others_pages(cluster: dict[str, Any]) -> Non
     before = _put_pages(a)
     kv = _cache(a, tokens, seed=6, extra_key="tenant-1/")
     a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(tokens) // PAGE)
+    outcomes = _outcomes(b)
     for other in ("tenant-2/", "", None):
         assert _read(b, tokens, extra_key=other)[0] == 0
+    # Neither B's tree nor the tier had them for these namespaces: cold misses.
+    assert _grew(outcomes, _outcomes(b)) == {"miss_cold": 3 * len(tokens)}
     hit, got = _read(b, tokens, extra_key="tenant-1/")
     assert hit == len(tokens)
     assert all(torch.equal(x, y) for x, y in zip(got, kv, strict=True))
@@ -288,10 +306,16 @@ def test_sglang_cores_across_nodes(cluster: dict[str, Any]) -> None:
     try:
         keys = _chain(_tokens(9, 12))
         before = _put_pages(a)
+        outcomes = _outcomes(b)
         assert b_core.exists(keys) == 0
+        after = _outcomes(b)
+        assert _grew(outcomes, after) == {"miss_cold": 12}
+        outcomes = after
         assert a_core.set(keys, host_indices([3, 0, 7])) == [True] * 3
         a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + 3)
         assert b_core.exists(keys) == 3
+        # ExistsPages that the tier answered: hits in the lookup outcomes.
+        assert _grew(outcomes, _outcomes(b)) == {"hit": 12}
         assert b_core.get(keys, host_indices([9, 4, 2])) == [True] * 3
         for pa, pb in zip([3, 0, 7], [9, 4, 2], strict=True):
             assert b_pool.page_bytes(pb * PAGE) == a_pool.page_bytes(pa * PAGE)

@@ -21,6 +21,7 @@ import torch
 from prefixcache.cache import EvictResult, IntegrityError, InvalidInputError, RadixKey
 from prefixcache.cache.pools.kv_pool import BufferFactory, checked_buffer
 from prefixcache.cache.pools.slot_allocator import SlotAllocator
+from prefixcache.cache.radix.lookup_outcomes import CAPACITY
 from prefixcache.cache.slot.slot_cache import SlotPrefixCache
 
 from ..config import ModelConfig
@@ -88,7 +89,9 @@ class SlotEngine(EngineBase):
             self.quota.check_slots(owner, 1)
         reuse = allocate and found.prefix_len > 0 and self.allocator.is_free(found.slot)
         if allocate and not reuse and not self.allocator.free_count():
-            raise self._exhausted()  # before the pin: a refused match changes nothing
+            # Before the pin: a refused match changes nothing but the outcome count.
+            self.lookups.add(CAPACITY, len(key))
+            raise self._exhausted()
         # Pin before taking the slot: reusing it in place moves its version on, and the
         # prefix's entries, which name the old version, would no longer match.
         node = self._pin_found(key, found) if lock else None
@@ -96,9 +99,11 @@ class SlotEngine(EngineBase):
         if allocate:
             try:
                 slot, version = self._take(found, key, reuse)
-            except BaseException:
+            except BaseException as exc:
                 if node is not None:
                     self.cache.release(node)
+                if isinstance(exc, PoolExhaustedError):
+                    self.lookups.add(CAPACITY, len(key))  # refused whole: no other outcome
                 raise
             self._owner[slot] = owner.tag
             self.session_slots += 1
