@@ -361,3 +361,52 @@ def test_a_lookup_refused_for_room_counts_capacity_on_every_kind(tmp_path) -> No
                 assert counts["capacity"] == 2 * len(prompt) + 1, (name, dict(counts))
                 assert sum(counts.values()) == counts["capacity"], name  # nothing else
         srv.check_integrity()
+
+
+def test_a_page_lookup_lock_counts_its_run_not_its_prefix(tmp_path) -> None:
+    """GetPages locks each run of pages it found on the node that ends the run, whose
+    prefix starts before the run when the request does (SGLang asks from where its own
+    cache stops). ExistsPages counted the run's pages as the hit, so a GetPages lock
+    released unused (load_failed) or lapsed with its lease (lease_expired) counts the
+    run's tokens, 12 here, not the 16 its lock protects (which its quota counts)."""
+    with running(tmp_path, [MODEL], session_ttl_min=0.1) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            _cache(stub, sid, A, None)
+            chain, prior = [], None
+            for i in range(0, 16, 4):
+                prior = hash_token_ids(A[i:i + 4], prior)
+                chain.append(prior)
+            tail = b"".join(bytes.fromhex(h) for h in chain[1:])  # pages 2-4 of 4
+
+            def counts() -> dict[str, int]:
+                return dict(stub.Stats(pb.StatsRequest(model="p")).models[0]
+                            .lookup_tokens_total)
+
+            def get(session_id: str) -> pb.GetPagesResponse:
+                assert stub.ExistsPages(pb.ExistsPagesRequest(
+                    model="p", page_hashes=tail)).leading_pages == 3  # hit 12
+                got = stub.GetPages(pb.GetPagesRequest(model="p", page_hashes=tail,
+                                                       session_id=session_id))
+                assert got.found_pages == 3 and len(got.lock_ids) == 1
+                return got
+
+            before = counts()
+            locked = get(sid)
+            assert stub.Stats(pb.StatsRequest(model="p")).models[0].locks == 1
+            stub.Unlock(pb.UnlockRequest(session_id=sid, lock_id=locked.lock_ids[0],
+                                         unused_outcome=OUT.LOOKUP_OUTCOME_LOAD_FAILED))
+            assert counts()["load_failed"] == 12
+
+            short = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=0.1)).session_id
+            get(short)
+            deadline = time.monotonic() + 10
+            while counts()["lease_expired"] == before["lease_expired"]:
+                assert time.monotonic() < deadline, "the lease never lapsed"
+                time.sleep(0.05)
+            after = counts()
+            assert (after["hit"] - before["hit"], after["load_failed"],
+                    after["lease_expired"]) == (24, 12, 12)
+            assert stub.Stats(pb.StatsRequest(model="p")).models[0].locks == 0
+        srv.check_integrity()

@@ -153,7 +153,8 @@ class CacheService:
 
     def unlock(self, session: Session, lock_id: int, unused: str | None = None) -> None:
         """Release ``lock_id`` whichever model it is on; ``unused``: the lookup outcome
-        its tokens are counted under (lookups.CLIENT_REASONS), once released."""
+        its hit is counted under (lookups.CLIENT_REASONS), once released: the tokens its
+        lookup counted as a hit (``HeldLock.hit``; none for a lock no lookup took)."""
         if not lock_id:
             return
         held = session.locks.get(lock_id)
@@ -165,7 +166,7 @@ class CacheService:
                                     "(already released, or never taken by it)")
         held.engine.unlock(session, lock_id)
         if unused is not None:
-            held.engine.lookups.add(unused, held.tokens)
+            held.engine.lookups.add(unused, held.hit)
 
     def reset(self, name: str) -> tuple[int, int]:
         engine = self.engine(name)

@@ -131,14 +131,15 @@ class EngineBase:
         return node
 
     def _hold(self, session: Session, node: Any, boundary: Any = None,
-              tokens: int | None = None, lookup: bool = False) -> int:
+              tokens: int | None = None, hit: int = 0) -> int:
         """Record a lock the caller just took on ``node`` as ``session``'s; ``tokens``,
-        the prefix it protects, when the caller already knows it; ``lookup``: taken by
-        a lookup (a lapsed lease counts it as ``lease_expired``)."""
+        the prefix it protects, when the caller already knows it; ``hit``: taken by a
+        lookup, the tokens it counted as a hit (a lapsed lease counts them as
+        ``lease_expired``; ``HeldLock``)."""
         lock_id = self._next_lock_id()
         tokens = prefix_tokens(node) if tokens is None else tokens
         session.locks[lock_id] = HeldLock(self, node, boundary, tokens,  # type: ignore[arg-type]
-                                          lookup)
+                                          hit)
         session.locked_tokens[self.name] = session.locked_tokens.get(self.name, 0) + tokens
         self.num_locks += 1
         self.ops["lock"] += 1
@@ -170,8 +171,8 @@ class EngineBase:
     def _drop(self, session: Session, lock_id: int) -> None:
         """Forget one of ``session``'s locks, once the cache has released it."""
         held = session.locks.pop(lock_id)
-        if held.lookup and session.lapsed:  # a reservation that lapsed before use
-            self.lookups.add(LEASE_EXPIRED, held.tokens)
+        if held.hit and session.lapsed:  # a reservation that lapsed before use
+            self.lookups.add(LEASE_EXPIRED, held.hit)
         self._unlocked_tokens(session, held.tokens)
         self.num_locks -= 1
         self.ops["unlock"] += 1

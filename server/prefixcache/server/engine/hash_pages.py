@@ -192,8 +192,10 @@ class HashPages:
                     node = result.last_node
                     tokens = prefix_tokens(node)
                     engine.quota.check_lock(owner, tokens)  # quotas.py; undone below
+                    # The lookup's hit is the run's pages (ExistsPages counted them),
+                    # not the prefix the lock protects (the quota's).
                     lock_ids.append(engine._hold(owner, node, cache.inc_lock_ref(node),
-                                                 tokens, lookup=True))
+                                                 tokens, hit=usable * size))
                     first = (depth - count) * size
                     parts.append(host_indices(result.indices)[first:first + usable * size])
                     found += usable

@@ -8,11 +8,12 @@ counted where they happen, on top of that:
 
 * ``capacity``: a lookup that allocates was refused for lack of slots; all of its
   tokens (it was not answered, so it is in no other outcome);
-* ``lease_expired``: a lookup's lock (Match or Step admission with ``lock``) still held
-  when its session's lease lapsed, or released by a client with that reason; the
-  tokens it protected (already counted as ``hit``);
+* ``lease_expired``: a lookup's lock (Match or Step admission with ``lock``, GetPages)
+  still held when its session's lease lapsed, or released by a client with that
+  reason; the tokens its lookup counted as ``hit`` (``HeldLock.hit``: a Match's
+  prefix, a GetPages run's pages, not the prefix the run's lock protects);
 * ``load_failed``: a lookup's lock released by a client (a connector) with that
-  reason: the hit could not be loaded; the tokens it protected (counted as ``hit``).
+  reason: the hit could not be loaded; the same tokens (counted as ``hit``).
 
 The ceiling: the whole pages looked up, against an estimate (HyperLogLog) of how many
 distinct ones they were. With an infinite pool only a page's first request misses, so

@@ -199,7 +199,7 @@ class ModelEngine(SlotOwnership, EngineBase):
                 self.cache.dec_lock_ref(node, boundary)
             raise
         if node is not None and lock and owner is not None:
-            lock_id = self._hold(owner, node, boundary, tokens, lookup=True)
+            lock_id = self._hold(owner, node, boundary, tokens, hit=result.prefix_len)
         elif node is not None and allocate:
             self.cache.dec_lock_ref(node, boundary)
         # Counted once answered: a refused match (no room to allocate) changes nothing.

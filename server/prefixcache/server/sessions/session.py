@@ -56,14 +56,21 @@ class LockEngine(Protocol):
 @dataclass(eq=False, slots=True)
 class HeldLock:
     """One lock a session holds on a node; ``boundary`` is the SWA unlock token;
-    ``tokens`` the prefix it protects (root to node), counted in the session's quota."""
+    ``tokens`` the prefix it protects (root to node), counted in the session's quota;
+    ``hit`` the tokens of it that its lookup counted as a hit.
+
+    A lock taken by a lookup is a reservation (0 ``hit``: taken otherwise): if it goes
+    unused (its lease lapsed, or a client releases it with a reason) its ``hit`` is
+    counted under that outcome, the tokens the lookup counted and no more. For a Match
+    or Step admission that is the whole prefix; for a GetPages run (hash_pages.py) only
+    the run's pages, as ExistsPages counted them: the prefix the lock protects may
+    start before the pages SGLang asked for."""
 
     engine: LockEngine
     node: TreeNode
     boundary: Any = None
     tokens: int = 0
-    # Taken by a lookup (Match or Step admission with lock): a reservation.
-    lookup: bool = False
+    hit: int = 0
 
 
 @dataclass(eq=False)
