@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import ServerThread, make_config
+from harness import ServerThread, make_config, pb, running, stub_for
 from hicache_hosts import MODELS, PAGE, HostPool, host_indices, make_core
 
 from prefixcache.cache import hash_token_ids
@@ -94,3 +94,41 @@ def test_foreign_keys_are_misses(server, cores) -> None:
     assert core.set(good, host_indices([0, 1])) == [True, True]
     assert core.exists([*good, "abc", good[0]]) == 2
     assert core.set(["xyz", *good], host_indices([0, 1, 2])) == [False] * 3
+
+
+def test_a_failed_load_reports_its_run_as_load_failed(tmp_path: Path, cores) -> None:
+    """A copy into the host pool that fails answers a miss and releases GetPages' lock
+    telling the sidecar ``load_failed``, counted once, for the run the lookup hit: the
+    3 pages asked for (SGLang's own cache holds the first 2), not the 5-page prefix
+    the lock protects. The failure is one SGLang meets: the sidecar caps one read at
+    ``server.max_read_bytes`` (1024 here), and the batch it streams by ReadKV is more
+    (3 pages of 512 bytes); a batch under the cap loads, and its lock goes plainly."""
+    with running(tmp_path, MODELS, max_read_bytes=1024) as srv:
+        channel, stub = stub_for(srv.address)
+        src = HostPool("page_first", seed=11)
+        writer = make_core(srv.address, src)
+        pool = HostPool("page_head", seed=12)
+        reader = make_core(srv.address, pool, transfer="rpc")
+        cores += [writer, reader]
+        keys = keys_for(5, 5)
+
+        def counts() -> dict[str, int]:
+            return dict(stub.Stats(pb.StatsRequest(model="kv")).models[0]
+                        .lookup_tokens_total)
+
+        with channel:
+            assert writer.set(keys, host_indices([0, 1, 2, 3, 4])) == [True] * 5
+            assert reader.exists(keys[2:]) == 3  # hit 12
+            before = pool.kv_buffer.clone()
+            assert reader.get(keys[2:], host_indices([8, 9, 10])) == [False] * 3
+            assert reader.counters["failures"] == 1
+            assert counts()["load_failed"] == 3 * PAGE
+            assert stub.Stats(pb.StatsRequest(model="kv")).models[0].locks == 0
+
+            assert reader.exists(keys[3:]) == 2
+            assert reader.get(keys[3:], host_indices([8, 9])) == [True] * 2
+            assert counts()["load_failed"] == 3 * PAGE  # a load that worked: no outcome
+            assert pool.page_bytes(9 * PAGE) == src.page_bytes(4 * PAGE)
+            assert torch.equal(pool.kv_buffer[:, 10:], before[:, 10:])
+            assert stub.Stats(pb.StatsRequest(model="kv")).models[0].locks == 0
+        srv.check_integrity()

@@ -8,7 +8,8 @@ prefetch and backup threads:
 * ``get(keys, host_indices)``: copy those pages into SGLang's host pool at
   ``host_indices`` (``page_size`` positions per page): GetPages locks them and answers
   their slots, their rows are copied layer by layer from the pool (mapped, or ReadKV)
-  into the host pool's layout, then the locks are released;
+  into the host pool's layout, then the locks are released (as ``load_failed`` if the
+  copy failed: the sidecar counts the pages it found as a hit that went unused);
 * ``set(keys, host_indices, prior)``: store pages from the host pool: the pages the
   sidecar lacks (ExistsPages) get slots (Alloc), their rows are copied in (mapped, or
   WriteKV), and SetPages hands the slots to the cache under the pages' hashes.
@@ -165,6 +166,10 @@ class HiCacheCore:
         reply = self.client.get_pages(self.settings.model, hashes,
                                       extra_key=self.settings.namespace,
                                       token_width=self.settings.token_width, session=session)
+        # Until every page found is in the host pool, the hit went unused: the locks
+        # are released saying so, and the sidecar counts their pages as load_failed
+        # (once: a lock already gone, with its lapsed session, refuses the unlock).
+        unused: str | None = "load_failed"
         try:
             found = reply.found_pages
             if not found:
@@ -173,11 +178,12 @@ class HiCacheCore:
             slots = _as_long(reply.slot_indices)
             for layers in self._groups(io.info):
                 io.load(slots, pages[:found], layers, session)
+            unused = None
             return found
         finally:
             for lock_id in reply.lock_ids:  # else its session's end releases it
                 with contextlib.suppress(PrefixCacheError):
-                    self.client.unlock(lock_id, session=session)
+                    self.client.unlock(lock_id, session=session, unused=unused)
 
     def _store(self, keys: list[str], host_indices: Any, flat: list[Any] | None,
                prior: str | None) -> list[bool]:
