@@ -222,6 +222,62 @@ def test_the_client_reports_an_unused_hit(tmp_path) -> None:
             assert (counts["load_failed"], counts["lease_expired"]) == (16, 16)
 
 
+EVERY_KIND_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]  # whole pages of every kind
+
+
+def _cache_kind(stub, sid: str, name: str, prompt: list[int]) -> None:
+    """Cache ``prompt`` in model ``name`` of any kind (its slot, state, version)."""
+    m = stub.Match(pb.MatchRequest(model=name, token_ids=toks(prompt), session_id=sid,
+                                   allocate=True))
+    ins = pb.InsertRequest(model=name, token_ids=toks(prompt), session_id=sid,
+                           slot_indices=m.allocated_slots)
+    if m.HasField("allocated_state_slot"):
+        ins.state_slot = m.allocated_state_slot
+    if m.HasField("allocated_slot_version"):
+        ins.slot_version = m.allocated_slot_version
+    stub.Insert(ins)
+
+
+def test_every_kind_counts_an_unused_reservation(tmp_path) -> None:
+    """A Match with lock is a reservation on every kind that caches, the slot kind's
+    too (whose lapsed reservations counted nothing before): released with a connector's
+    reason (load_failed) or lapsed with its lease (lease_expired), it counts the tokens
+    the Match hit."""
+    from harness import EVERY_KIND
+
+    with running(tmp_path, EVERY_KIND, session_ttl_min=0.1) as srv:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            cached = [m for m in EVERY_KIND if m.kind != "chunk"]  # a chunk caches none
+            hits = {}
+            for model in cached:
+                _cache_kind(stub, sid, model.name, EVERY_KIND_PROMPT)
+                held = stub.Match(pb.MatchRequest(model=model.name, session_id=sid,
+                                                  token_ids=toks(EVERY_KIND_PROMPT),
+                                                  lock=True))
+                assert held.lock_id and held.prefix_len, model.name
+                hits[model.name] = held.prefix_len
+                stub.Unlock(pb.UnlockRequest(session_id=sid, lock_id=held.lock_id,
+                                             unused_outcome=OUT.LOOKUP_OUTCOME_LOAD_FAILED))
+            # Renewed by each Match (a second is ample between two), then let lapse.
+            short = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=1)).session_id
+            for model in cached:
+                assert stub.Match(pb.MatchRequest(model=model.name, session_id=short,
+                                                  token_ids=toks(EVERY_KIND_PROMPT),
+                                                  lock=True)).lock_id
+            deadline = time.monotonic() + 10
+            while stub.Stats(pb.StatsRequest()).sessions > 1:
+                assert time.monotonic() < deadline, "the lease never lapsed"
+                time.sleep(0.05)
+            for model in cached:
+                counts = stub.Stats(pb.StatsRequest(model=model.name)).models[0] \
+                    .lookup_tokens_total
+                assert (counts["load_failed"], counts["lease_expired"]) == \
+                    (hits[model.name],) * 2, model.name
+        srv.check_integrity()
+
+
 def test_every_kind_counts_its_lookups(tmp_path) -> None:
     """Each cache kind's lookups (Match and Step admissions) add up: hit + misses +
     below_page = the tokens looked up; Explain answers tree kinds and refuses the rest."""
@@ -233,16 +289,8 @@ def test_every_kind_counts_its_lookups(tmp_path) -> None:
             sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
             for model in EVERY_KIND:
                 name = model.name
-                prompt = [3, 1, 4, 1, 5, 9, 2, 6]  # whole pages of every kind
-                m = stub.Match(pb.MatchRequest(model=name, token_ids=toks(prompt),
-                                               session_id=sid, allocate=True))
-                ins = pb.InsertRequest(model=name, token_ids=toks(prompt), session_id=sid,
-                                       slot_indices=m.allocated_slots)
-                if m.HasField("allocated_state_slot"):
-                    ins.state_slot = m.allocated_state_slot
-                if m.HasField("allocated_slot_version"):
-                    ins.slot_version = m.allocated_slot_version
-                stub.Insert(ins)
+                prompt = EVERY_KIND_PROMPT
+                _cache_kind(stub, sid, name, prompt)
                 step = stub.Step(pb.StepRequest(model=name, session_id=sid, admits=[
                     pb.StepAdmit(token_ids=toks([*prompt, 7]))]))
                 assert step.admits[0].HasField("admit"), step.admits[0].error

@@ -109,7 +109,8 @@ class SlotEngine(EngineBase):
             self.session_slots += 1
             owner.slots[self.name] = owner.slots.get(self.name, 0) + 1
             allocated = np.array([slot], dtype=np.int64)
-        lock_id = self._hold(owner, node) if node is not None else 0
+        # A reservation: unused, it counts the hit (HeldLock.hit) under its outcome.
+        lock_id = self._hold(owner, node, hit=found.prefix_len) if node is not None else 0
         # Counted once answered: a refused match changes nothing.
         self._count_match(key, found.prefix_len)
         return _outcome(found, self._handle(node), lock_id, allocated, version)
