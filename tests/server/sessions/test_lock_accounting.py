@@ -102,13 +102,20 @@ def test_slot_model_refused_locking_match_changes_nothing(server, stub, sid) -> 
     hit = stub.Match(pb.MatchRequest(model="s", token_ids=toks(tokens), session_id=sid,
                                      lock=True, allocate=True))
     assert hit.lock_id and len(slots(hit.allocated_slots)) == 1
-    # ...and a second one finds no slot at all: refused, with no lock and no count.
+    # ...and a second one finds no slot at all: refused, with no lock, counted only as
+    # a lookup refused for room (the capacity outcome, issue 23).
     before = stats(stub)["s"]
-    assert refused(stub.Match, pb.MatchRequest(model="s", token_ids=toks(tokens),
-                                               session_id=sid, lock=True, allocate=True)) \
-        == CODE.RESOURCE_EXHAUSTED
-    assert stats(stub)["s"] == before
-    stub.CloseSession(pb.CloseSessionRequest(session_id=other))
+    try:
+        assert refused(stub.Match, pb.MatchRequest(model="s", token_ids=toks(tokens),
+                                                   session_id=sid, lock=True,
+                                                   allocate=True)) == CODE.RESOURCE_EXHAUSTED
+        after = stats(stub)["s"]
+        assert after.lookup_tokens_total["capacity"] \
+            == before.lookup_tokens_total["capacity"] + len(tokens)
+        after.lookup_tokens_total["capacity"] = before.lookup_tokens_total["capacity"]
+        assert after == before
+    finally:
+        stub.CloseSession(pb.CloseSessionRequest(session_id=other))
     server.check_integrity()
 
 
