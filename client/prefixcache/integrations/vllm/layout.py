@@ -179,14 +179,24 @@ def split_kv(name: str, tensor: Any, layout: str, head_dim: int) -> LayerView:
 def unique_layers(kv_caches: dict[str, Any]) -> list[tuple[str, Any]]:
     """The layers in vLLM's order, once per tensor: layers that share a cache (KV
     sharing across layers) hold one pool layer between them."""
-    seen: set[tuple[int, tuple[int, ...]]] = set()
+    numbers = layer_numbers(kv_caches)
+    seen: set[int] = set()
     out = []
     for name, tensor in kv_caches.items():
+        if numbers[name] not in seen:
+            seen.add(numbers[name])
+            out.append((name, tensor))
+    return out
+
+
+def layer_numbers(kv_caches: dict[str, Any]) -> dict[str, int]:
+    """Every layer's name and the index of its cache in ``unique_layers``: layers that
+    share a cache share its index."""
+    first: dict[tuple[int, tuple[int, ...]], int] = {}
+    out = {}
+    for name, tensor in kv_caches.items():
         key = (int(tensor.data_ptr()), tuple(tensor.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append((name, tensor))
+        out[name] = first.setdefault(key, len(first))
     return out
 
 
