@@ -225,7 +225,16 @@ def block_positions(block_ids: array, start: int, num_tokens: int, block_size: i
         torch.empty(0, dtype=torch.int64)
     within = pos % block_size
     kernel = blocks[pos // block_size] * ratio + within // kernel_block_size
-    return kernel.to(device), (within % kernel_block_size).to(device)
+    return to_device(kernel, device), to_device(within % kernel_block_size, device)
+
+
+def to_device(index: Any, device: Any) -> Any:
+    """A host index tensor on ``device``; to a GPU through page-locked memory, so that
+    the upload is queued on the current stream without the host waiting for the work
+    queued before it (a pageable copy would)."""
+    if device is None or not str(device).startswith("cuda"):
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def byte_view(tensor: Any) -> Any:
