@@ -105,6 +105,7 @@ class StepLayers:
         self.layer_of = layer_of
         self.copies = copies
         self._marks: dict[int, Any] = {}
+        self._unknown: set[str] = set()
 
     def begin(self) -> None:
         """A new step: the last step's marks are dropped (its forward has run)."""
@@ -121,9 +122,17 @@ class StepLayers:
 
     def wait(self, name: str) -> bool:
         """Make the engine wait (on its stream, not the host) for layer ``name``'s
-        loads; False where this step loads nothing into it (a no-op)."""
+        loads; False where this step loads nothing into it (a no-op). A name that was
+        never registered waits for every layer: which cache it reads is not known."""
         layer = self.layer_of.get(name)
-        if layer is None or layer not in self._marks:
+        if layer is None:
+            if self._marks and name not in self._unknown:
+                self._unknown.add(name)
+                log.warning("prefixcache: wait_for_layer_load(%r): not a layer vLLM "
+                            "registered; waiting for every layer's loads", name)
+            self.wait_all()
+            return bool(self._marks)
+        if layer not in self._marks:
             return False
         self.copies.wait(self._marks[layer])
         return True
