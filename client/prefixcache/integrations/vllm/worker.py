@@ -15,9 +15,9 @@ Loads. Each request's tokens are copied from their pool slots into its blocks, t
 (``verify_loads``) one Match checks that the tree still maps those tokens to those
 slots (on a GPU, while the copies may still be in flight): the reservation's lock keeps
 them there, unless the service was Reset or the lock lapsed, and then what was copied
-may be somebody else's KV. A load that fails in
-any way, the service being down included, reports every block it was to fill, so that
-vLLM (``kv_load_failure_policy``) recomputes them; it is logged and counted under its
+may be somebody else's KV. A load that fails in any way, the service being down
+included, reports every block it was to fill, so that vLLM
+(``kv_load_failure_policy``) recomputes them; it is logged and counted under its
 reason (``LOAD_FAILURE_REASONS``), and its reservation (``LoadOp.ref``) goes back to the
 scheduler side with the step's output (vLLM's worker metadata), which releases it as
 ``load_failed``: the service counts the hit under that outcome, with no call of its own.
