@@ -23,6 +23,9 @@ machine is shared). The servers are ``prefixcache serve`` subprocesses.
 
     python bench/kv_bandwidth.py --quick --json kv.json
 
+``--device cuda`` (a GPU machine) measures ``vllm_load`` only, whole and layer-wise,
+with vLLM's blocks on the GPU (``kv_layerwise.py``).
+
 ``--quick`` runs 4 layers (not 32), prompts of 2k and 8k tokens. The full run
 (2k, 8k, 16k tokens; ``--tokens 32768`` for more) needs about 3 pools of
 ``tokens x 128 KiB`` in /dev/shm: check ``df -h /dev/shm`` first.
