@@ -108,7 +108,7 @@ class StepLayers:
         self._unknown: set[str] = set()
 
     def begin(self) -> None:
-        """A new step: the last step's marks are dropped (its forward has run)."""
+        """A new step: the last step's marks are dropped (its forward is launched)."""
         self._marks.clear()
 
     def issued(self, layer: int) -> None:
