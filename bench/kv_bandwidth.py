@@ -23,6 +23,9 @@ machine is shared). The servers are ``prefixcache serve`` subprocesses.
 
     python bench/kv_bandwidth.py --quick --json kv.json
 
+``--device cuda`` (a GPU machine) measures ``vllm_load`` only, whole and layer-wise,
+with vLLM's blocks on the GPU (``kv_layerwise.py``).
+
 ``--quick`` runs 4 layers (not 32), prompts of 2k and 8k tokens. The full run
 (2k, 8k, 16k tokens; ``--tokens 32768`` for more) needs about 3 pools of
 ``tokens x 128 KiB`` in /dev/shm: check ``df -h /dev/shm`` first.
@@ -297,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-verify", action="store_true",
                     help="skip the byte-for-byte checks of the first prompt length")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: vLLM's blocks on the GPU, vllm_load whole and layer-wise "
+                         "only (kv_layerwise.py)")
     args = ap.parse_args(argv)
     layers = args.layers or (4 if args.quick else 32)
     tokens = [int(x) for x in (args.tokens or ("2048,8192" if args.quick
@@ -308,6 +314,38 @@ def main(argv: list[str] | None = None) -> int:
     if any(n % p for n in tokens for p in pages):
         ap.error("every prompt length must be a multiple of every page size")
     size = max(tokens) + 2 * max(pages)
+    if args.device == "cuda":
+        rows = _cuda_rows(tokens, pages, size, layers, repeat)
+    else:
+        rows = _cpu_rows(args, tokens, pages, size, layers, repeat)
+    _print(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+def _cuda_rows(tokens: list[int], pages: list[int], size: int, layers: int,
+               repeat: int) -> list[dict]:
+    from bench.kv_layerwise import bench_vllm_cuda
+
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="kvbw-") as tmp_name:
+        tmp = Path(tmp_name)
+        models = "".join(_pool_yaml(f"p{p}", p, size, layers) for p in pages)
+        server = start_server(tmp, "unix", f"unix:{tmp / 'pc.sock'}", models)
+        try:
+            with PrefixCacheClient(server.target, timeout=60) as client:
+                for n in tokens:
+                    for page in pages:
+                        rows += bench_vllm_cuda(client, server.target, f"p{page}", page, n,
+                                                layers, HEADS, DIM, repeat, _row)
+        finally:
+            server.stop()
+    return rows
+
+
+def _cpu_rows(args: argparse.Namespace, tokens: list[int], pages: list[int], size: int,
+              layers: int, repeat: int) -> list[dict]:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvbw-") as tmp_name:
         tmp = Path(tmp_name)
@@ -341,10 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             floor_server.stop()
             server.stop()
             tcp.stop()
-    _print(rows)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    return 0
+    return rows
 
 
 def _free_port() -> int:
@@ -361,7 +396,7 @@ def _print(rows: list[dict]) -> None:
     print("| path | where | page | tokens | MB | GB/s | ceiling GB/s | ratio | gRPC floor |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        where = r.get("layout") or r.get("transport")
+        where = " ".join(filter(None, (r.get("layout") or r.get("transport"), r.get("mode"))))
         print(f"| {r['path']} | {where} | {r.get('page_size', '')} | {r['tokens']} | "
               f"{r['bytes'] / 1e6:.1f} | {r['gb_per_s']:.2f} | {r['ceiling_gb_per_s']:.2f} | "
               f"{r['ratio']:.2f} | {r.get('grpc_floor_gb_per_s') or ''} |")

@@ -17,16 +17,19 @@ BENCH = _REPO / "bench" / "kv_bandwidth.py"
 PATHS = {"vllm_load", "vllm_save", "sglang_get", "sglang_set", "readkv", "writekv"}
 
 
-def test_kv_bandwidth_rows_and_bytes(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
-    out = tmp_path / "kv.json"
+def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(_REPO / "server"), str(_REPO / "client"),
          *filter(None, [os.environ.get("PYTHONPATH")])]))
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--layers", "2", "--tokens", "64", "--pages", "16",
-         "--repeat", "1", "--json", str(out)],
-        cwd=_REPO, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, str(BENCH), *args], cwd=_REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_kv_bandwidth_rows_and_bytes(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "kv.json"
+    proc = run_bench("--layers", "2", "--tokens", "64", "--pages", "16", "--repeat", "1",
+                     "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
     assert {r["path"] for r in rows} == PATHS
@@ -42,3 +45,18 @@ def test_kv_bandwidth_rows_and_bytes(tmp_path: Path) -> None:
     assert {r["layout"] for r in rows if r["path"] == "vllm_load"} == {"bhn2d", "cpu_vec"}
     assert {r["transport"] for r in rows if r["path"] == "readkv"} == {"unix", "tcp"}
     assert "| vllm_load | bhn2d |" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_kv_bandwidth_on_a_gpu(tmp_path: Path) -> None:
+    """``--device cuda``: vllm_load whole and layer-wise, byte-checked against each other
+    by the bench (kv_layerwise.py), with the overlap numbers on the layer-wise row."""
+    out = tmp_path / "kv.json"
+    proc = run_bench("--device", "cuda", "--layers", "2", "--tokens", "64", "--pages", "16",
+                     "--repeat", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["path"], r["mode"]) for r in rows] == [("vllm_load", "whole"),
+                                                      ("vllm_load", "layerwise")]
+    assert all(r["bytes"] == 64 * 2 * 2 * 8 * 128 * 2 and r["gb_per_s"] > 0 for r in rows)
+    assert {"serial_s", "layerwise_s", "hidden", "issue_host_s"} <= set(rows[1])

@@ -10,6 +10,8 @@ fresh prompts, so no engine has them cached locally before it loads them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from e2e.e2e_support import TOL, Engine, Sidecar, expected_hit, mismatches, prompts
 
@@ -78,3 +80,23 @@ def test_block_filled_from_two_saves(sidecar: Sidecar, engines: dict) -> None:
     got = b.generate([longer])
     assert got[0]["cached"] == 256, b.log_tail()
     assert not (bad := mismatches(got, own, TOL)), "\n".join(bad)
+
+
+def test_layerwise_loads_give_vllms_own_hit(sidecar: Sidecar, engines: dict,
+                                            model_dir: Path, tmp_path: Path) -> None:
+    """``layerwise_load`` in vLLM's CPU build: the connector issues each step's loads
+    layer after layer (on the host: each done when issued) and vLLM calls its
+    wait_for_layer_load with each attention layer's name, every one a layer it
+    registered (else the connector says so in the log)."""
+    engines.close("p32")
+    saver = engines[32, "p16", "a"]
+    loader = Engine(tmp_path, "layerwise-b32-p16", model_dir, 32, sidecar, "p16",
+                    pc_extra={"layerwise_load": True})
+    try:
+        batch = prompts(7, LENGTHS)
+        got = saved_then_loaded(sidecar, saver, loader, "p16", batch)
+        own = saver.generate(batch)
+        assert not (bad := mismatches(got, own, TOL)), "\n".join(bad)
+        assert "not a layer vLLM registered" not in loader.log_tail(1 << 20)
+    finally:
+        loader.close()

@@ -1,5 +1,6 @@
 """The GPU path: vLLM's blocks on a GPU, the pool on a GPU mapped through CUDA IPC,
-device-to-device copies, round-tripping byte-exact (skipped without a GPU)."""
+device-to-device copies (whole, and layer-wise on the connector's stream),
+round-tripping byte-exact (skipped without a GPU)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,15 @@ models:
 """
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
 @pytest.mark.parametrize("transfer", ["attach", "remote"])
-def test_cuda_round_trip(tmp_path: Path, transfer: str) -> None:
+def test_cuda_round_trip(tmp_path: Path, transfer: str, layerwise: bool) -> None:
     # CUDA IPC handles cannot be opened by the process that made them: the server runs
     # in a child process.
     with serve_process(tmp_path, CONFIG) as (_, address):
         core = make_scheduler(address, transfer=transfer)
-        worker = make_worker(address, transfer=transfer, kv_layout="auto")
+        worker = make_worker(address, transfer=transfer, kv_layout="auto",
+                             layerwise_load=layerwise)
         try:
             caches = {n: t.cuda() for n, t in make_caches("bhn2d").items()}
             worker.register(caches, backend_for("bhn2d"))  # FlashAttention, vLLM 0.32

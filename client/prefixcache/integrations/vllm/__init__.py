@@ -10,7 +10,8 @@ The engine-free core holds all the logic: ``scheduler`` (asynchronous batched lo
 leased reservations) with ``fast_miss`` (misses answered from a shadow index) and
 ``saves`` (whole-request saves), ``worker`` with ``attn_backends`` (each
 attention backend's KV layout), ``layout`` and ``pool_access`` (per-token copies
-between the pool and vLLM's blocks), ``keys`` and ``config``.
+between the pool and vLLM's blocks), ``layerwise`` (loads issued layer by layer on a
+GPU stream), ``keys`` and ``config``.
 ``connector`` is the thin vLLM adapter and the only module that imports vLLM; importing
 this package does not.
 """

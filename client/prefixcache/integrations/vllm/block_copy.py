@@ -23,7 +23,7 @@ from typing import Any
 
 from prefixcache.client.transfer.kv import wide_pair
 
-from .layout import block_positions, byte_view, gather_blocks, scatter_blocks
+from .layout import block_positions, byte_view, gather_blocks, scatter_blocks, to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ def spans(block_ids: array, start: int, num_tokens: int, block_size: int,
         ids = torch.frombuffer(block_ids, dtype=torch.int64)
         kernel = ids[pos // block_size] * (block_size // kb) + (pos % block_size) // kb
         out.insert(1 if start < first else 0,
-                   Span(first - start, last - start, kernel.to(device)))
+                   Span(first - start, last - start, to_device(kernel, device)))
     return out
 
 

@@ -49,6 +49,11 @@ class ConnectorConfig:
         fast_miss: follow the service's page set (a Subscribe stream) and answer a
             prompt it holds no block of at once, without a lookup (``scheduler``,
             "Fast misses"); off: every request looks up and waits a step for it.
+        layerwise_load: with the engine's KV on a GPU, issue a step's loads layer by
+            layer on a stream of their own, each layer's attention waiting (on the GPU)
+            for its own layer's copies only (``layerwise.py``); off: every load is
+            complete before the forward starts. On the CPU it changes nothing but the
+            order of the copies.
     """
 
     model: str
@@ -68,6 +73,7 @@ class ConnectorConfig:
     kv_layout: str = "auto"
     max_inflight: int = 16
     fast_miss: bool = True
+    layerwise_load: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -86,7 +92,7 @@ class ConnectorConfig:
         if not isinstance(self.max_inflight, int) or self.max_inflight < 1:
             raise ValueError("kv_connector_extra_config: 'max_inflight' must be an "
                              f"integer >= 1, got {self.max_inflight!r}")
-        for name in ("load", "verify_loads", "fast_miss"):
+        for name in ("load", "verify_loads", "fast_miss", "layerwise_load"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"kv_connector_extra_config: {name!r} must be true or "
                                  f"false, got {getattr(self, name)!r}")

@@ -214,18 +214,20 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        # A step replayed as one full CUDA graph calls no wait_for_layer_load.
+        mode = getattr(forward_context, "cudagraph_runtime_mode", None)
         self._work.start_step(meta.step if isinstance(meta, PrefixCacheConnectorMetadata)
-                                else None)
+                              else None, by_layer=getattr(mode, "name", "") != "FULL")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every load is complete when start_load_kv returns
+        self._work.wait_layer(layer_name)  # layerwise_load: else a no-op
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
         return  # requests are saved whole, when they finish
 
     def wait_for_save(self) -> None:
-        return
+        self._work.end_step()  # layers the forward never waited for (layerwise_load)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:

@@ -179,14 +179,24 @@ def split_kv(name: str, tensor: Any, layout: str, head_dim: int) -> LayerView:
 def unique_layers(kv_caches: dict[str, Any]) -> list[tuple[str, Any]]:
     """The layers in vLLM's order, once per tensor: layers that share a cache (KV
     sharing across layers) hold one pool layer between them."""
-    seen: set[tuple[int, tuple[int, ...]]] = set()
+    numbers = layer_numbers(kv_caches)
+    seen: set[int] = set()
     out = []
     for name, tensor in kv_caches.items():
+        if numbers[name] not in seen:
+            seen.add(numbers[name])
+            out.append((name, tensor))
+    return out
+
+
+def layer_numbers(kv_caches: dict[str, Any]) -> dict[str, int]:
+    """Every layer's name and the index of its cache in ``unique_layers``: layers that
+    share a cache share its index."""
+    first: dict[tuple[int, tuple[int, ...]], int] = {}
+    out = {}
+    for name, tensor in kv_caches.items():
         key = (int(tensor.data_ptr()), tuple(tensor.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append((name, tensor))
+        out[name] = first.setdefault(key, len(first))
     return out
 
 
@@ -215,7 +225,16 @@ def block_positions(block_ids: array, start: int, num_tokens: int, block_size: i
         torch.empty(0, dtype=torch.int64)
     within = pos % block_size
     kernel = blocks[pos // block_size] * ratio + within // kernel_block_size
-    return kernel.to(device), (within % kernel_block_size).to(device)
+    return to_device(kernel, device), to_device(within % kernel_block_size, device)
+
+
+def to_device(index: Any, device: Any) -> Any:
+    """A host index tensor on ``device``; to a GPU through page-locked memory, so that
+    the upload is queued on the current stream without the host waiting for the work
+    queued before it (a pageable copy would)."""
+    if device is None or not str(device).startswith("cuda"):
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def byte_view(tensor: Any) -> Any:

@@ -38,6 +38,7 @@ from prefixcache.client.transfer.kv import KVData
 from prefixcache.client.write_fence import WriteFence, open_fence
 
 from .block_copy import slot_run
+from .layerwise import pin_host, unpin_host
 from .layout import byte_view
 
 Rows = Callable[[int], tuple[Any, Any | None]]
@@ -55,6 +56,8 @@ class PoolAccess(Protocol):
 
     def reader(self, slots: Any, server_epoch: int, session_id: str) -> Rows: ...
 
+    def pin(self) -> None: ...
+
     def write(self, slots: Any, source: Rows, heads: slice, session_id: str,
               server_epoch: int, fill: Fill | None = None) -> None: ...
 
@@ -71,9 +74,18 @@ class MappedAccess:
         self.info = self.pool.info
         self._fences: dict[str, WriteFence] = {}
         self._no_fence = False  # the service has none: saves go through WriteKV
+        self._pinned: list[int] = []
+
+    def pin(self) -> None:
+        """Page-lock a host pool for copies to a GPU that overlap (layerwise.py), until
+        ``close``."""
+        if self.pool.device == "cpu" and not self._pinned:
+            self._pinned = pin_host([*self.pool.k_buffer, *self.pool.v_buffer])
 
     def close(self) -> None:
         """Drop the mapping (of a service that restarted) and the fences."""
+        unpin_host(self._pinned)  # before the memory can be unmapped
+        self._pinned = []
         self.pool.close()
         for fence in self._fences.values():
             fence.close()
@@ -233,6 +245,9 @@ class RemoteAccess:
                  for _ in layers])
         return KVData(tuple(range(info.layer_num)), [t[:count] for t in have[0]],
                       [t[:count] for t in have[1]])
+
+    def pin(self) -> None:
+        return None  # the rows are read into staging tensors, a fresh read each load
 
     def reader(self, slots: Any, server_epoch: int, session_id: str) -> Rows:
         data = self.client.read_kv(self.model, slots, session=session_id,

@@ -6,14 +6,18 @@ every step ``start_step`` (its ``start_load_kv``) with the step's metadata, then
 ``finished_sends``, ``take_load_errors``, ``take_failed_loads`` and
 ``take_failed_saves``. All copies of a step happen in ``start_step``, whole requests at
 a time: a load is complete before the forward that reads it, and nothing runs inside
-the layers (so any CUDA graph mode works).
+the layers (so any CUDA graph mode works). With ``layerwise_load``, ``start_step``
+issues the loads layer after layer instead (``layerwise.py``), and ``wait_layer`` (its
+``wait_for_layer_load``) makes the engine wait for one layer's copies, ``end_step``
+(its ``wait_for_save``) for all of them.
 
 Loads. Each request's tokens are copied from their pool slots into its blocks, then
 (``verify_loads``) one Match checks that the tree still maps those tokens to those
-slots: the reservation's lock keeps them there, unless the service was Reset or the
-lock lapsed, and then what was copied may be somebody else's KV. A load that fails in
-any way, the service being down included, reports every block it was to fill, so that
-vLLM (``kv_load_failure_policy``) recomputes them; it is logged and counted under its
+slots (on a GPU, while the copies may still be in flight): the reservation's lock keeps
+them there, unless the service was Reset or the lock lapsed, and then what was copied
+may be somebody else's KV. A load that fails in any way, the service being down
+included, reports every block it was to fill, so that vLLM
+(``kv_load_failure_policy``) recomputes them; it is logged and counted under its
 reason (``LOAD_FAILURE_REASONS``), and its reservation (``LoadOp.ref``) goes back to the
 scheduler side with the step's output (vLLM's worker metadata), which releases it as
 ``load_failed``: the service counts the hit under that outcome, with no call of its own.
@@ -58,16 +62,18 @@ from prefixcache.client.results import PoolInfo
 from .attn_backends import BackendInfo, layout_for
 from .block_copy import Span, load_span, save_span, spans
 from .config import ConnectorConfig
+from .layerwise import HostCopies, StepLayers, copies_for
 from .layout import (
     LayerView,
     UnknownLayout,
     block_positions,
     gather_blocks,
+    layer_numbers,
     split_kv,
 )
 from .layout import unique_layers as _unique_layers
 from .meta import LoadOp, SaveOp, StepMeta
-from .pool_access import PoolAccess, open_access
+from .pool_access import PoolAccess, Rows, open_access
 
 log = logging.getLogger("prefixcache.integrations.vllm")
 
@@ -110,6 +116,8 @@ class WorkerCore:
         # Failed loads by reason (LOAD_FAILURE_REASONS).
         self.load_failures: Counter[str] = Counter()
         self._failures_reported: Counter[str] = Counter()
+        # This step's layer-wise loads (``layerwise_load``), set by ``register``.
+        self._step = StepLayers({}, HostCopies())
 
     # ------------------------------------------------------------ vLLM's calls
 
@@ -128,15 +136,40 @@ class WorkerCore:
             self.disable(f"layer {name!r}: {err}")
             return
         self.layers = layers
+        if layers:
+            self._step = StepLayers(layer_numbers(kv_caches), copies_for(layers[0].device))
 
-    def start_step(self, meta: StepMeta | None) -> None:
-        """``start_load_kv``: every load and save of the step, done on return."""
+    def start_step(self, meta: StepMeta | None, *, by_layer: bool = True) -> None:
+        """``start_load_kv``: every save of the step done on return, and every load;
+        with ``layerwise_load`` (unless ``by_layer`` is False: vLLM replays this step
+        as one CUDA graph and calls no wait), loads are issued layer by layer, each
+        layer's complete once ``wait_layer`` returns for it."""
+        self._step.begin()
         if not meta:
             return
-        for op in meta.loads:
-            self._load(op)
+        if self.config.layerwise_load and by_layer:
+            self._load_by_layer(meta.loads)
+        else:
+            for op in meta.loads:
+                self._load(op)
         for op in meta.saves:
             self._save(op)
+
+    def wait_layer(self, layer_name: str) -> bool:
+        """``wait_for_layer_load``: the engine's stream waits for the copies into
+        ``layer_name``'s cache (no host wait); False, doing nothing, where this step
+        loads nothing into it."""
+        return self._step.wait(layer_name)
+
+    def end_step(self) -> None:
+        """``wait_for_save``: the engine's stream waits for every load of the step,
+        layers the forward never waited for included."""
+        self._step.wait_all()
+
+    @property
+    def issued_layers(self) -> list[str]:
+        """The layers this step's layer-wise loads were issued to, in order."""
+        return [self.layers[i].name for i in self._step.order]
 
     def finished_sends(self, finished_req_ids: set[str] | None) -> set[str]:
         """``get_finished``' first half: saves done, of requests vLLM said finished."""
@@ -170,6 +203,7 @@ class WorkerCore:
         return dict(new)
 
     def close(self) -> None:
+        self._drop_access()
         if self._own_client:
             self.client.close()
 
@@ -180,10 +214,7 @@ class WorkerCore:
         service cannot be reached (tried again after ``timeout`` seconds). Slots of
         another ``epoch`` than the pool's mean the service restarted: connect anew."""
         if self._access is not None and epoch and self._access.info.server_epoch != epoch:
-            old, self._access = self._access, None
-            close = getattr(old, "close", None)
-            if close is not None:
-                close()
+            self._drop_access()
         if self._access is not None or self._disabled is not None:
             return self._access
         now = time.monotonic()
@@ -201,7 +232,18 @@ class WorkerCore:
             self.disable(problem)
             return None
         self._access = access
+        if not isinstance(self._step.copies, HostCopies):
+            access.pin()  # a host pool, for copies to the GPU that do not stage
         return access
+
+    def _drop_access(self) -> None:
+        """Unmap the pool, once no copy from it can still be in flight."""
+        old, self._access = self._access, None
+        if old is not None:
+            self._step.copies.drain()
+            close = getattr(old, "close", None)
+            if close is not None:
+                close()
 
     def disable(self, problem: str) -> None:
         """Load and save nothing from now on (vLLM computes everything), said once."""
@@ -281,41 +323,106 @@ class WorkerCore:
                     op.req_id, why, max(last - first, 0))
 
     def _load(self, op: LoadOp) -> None:
+        rows = self._open(op)
+        if rows is None:
+            return
+        memo: dict[tuple[int, str], list[Span]] = {}
+        try:
+            for layer in range(len(self.layers)):
+                self._copy_layer(op, rows, layer, memo)
+        except (PrefixCacheError, ValueError, RuntimeError) as err:
+            self._fail_on(op, err)
+            return
+        self._verify(op)
+
+    def _load_by_layer(self, ops: list[LoadOp]) -> None:
+        """The step's loads, layer after layer (layerwise.py): every request's copies
+        into layer 0, a mark, then layer 1's... A request whose copy fails is dropped
+        from the later layers. Each is then checked as ``_load`` checks it, while its
+        copies may still be in flight."""
+        live: list[tuple[LoadOp, Rows, dict[tuple[int, str], list[Span]]]] = []
+        for op in ops:
+            access = self._pool(op.server_epoch) if not op.fail else None
+            if access is not None and not access.mapped:
+                self._load(op)  # read into staging rows the next read reuses: whole
+                continue
+            rows = self._open(op)
+            if rows is not None:
+                live.append((op, rows, {}))
+        # A later op of another epoch may have mapped the pool anew: the earlier
+        # ones' rows are of the old mapping, whose slots are gone with it.
+        for entry in [e for e in live if e[0].server_epoch != self._epoch()]:
+            live.remove(entry)
+            self._fail(entry[0], "restarted")
+        if not live:
+            return
+        with self._step.copies.issuing():
+            for layer in range(len(self.layers)):
+                for entry in list(live):
+                    op, rows, memo = entry
+                    try:
+                        self._copy_layer(op, rows, layer, memo)
+                    except (PrefixCacheError, ValueError, RuntimeError) as err:
+                        live.remove(entry)
+                        self._fail_on(op, err)
+                self._step.issued(layer)
+        for op, _, _ in live:
+            self._verify(op)
+
+    def _epoch(self) -> int:
+        return self._access.info.server_epoch if self._access is not None else 0
+
+    def _open(self, op: LoadOp) -> Rows | None:
+        """The rows of ``op``'s slots, or None with the load failed."""
         if op.fail:
             self._fail(op, "scheduler")
-            return
+            return None
         access = self._pool(op.server_epoch)
         if access is None:
             if self._disabled is not None:
                 self._fail(op, "disabled", self._disabled)
             else:
                 self._fail(op, "unavailable")
-            return
+            return None
         try:
-            rows = access.reader(op.slots, op.server_epoch, op.session_id)
-            memo: dict[tuple[int, str], list[Span]] = {}
-            for layer, view in enumerate(self.layers):
-                # Whole kernel blocks in one copy per layer and side (block_copy.py).
-                parts = self._spans(view, op.block_ids, op.start, op.num_tokens, memo)
-                k, v = rows(layer)
-                for span in parts:
-                    load_span(view.k, span, k[span.lo:span.hi, self._heads])
-                    if view.v is not None:
-                        load_span(view.v, span, v[span.lo:span.hi, self._heads])
-            problem = self._still_mapped(op) if self.config.verify_loads else None
-            if problem is not None:
-                self._fail(op, problem)
-                return
-        except StaleEpoch as err:
-            self._fail(op, "restarted", str(err))
-            return
-        except (Unavailable, DeadlineExceeded) as err:
-            self._fail(op, "unavailable", str(err))
-            return
+            return access.reader(op.slots, op.server_epoch, op.session_id)
         except (PrefixCacheError, ValueError, RuntimeError) as err:
-            self._fail(op, "copy", str(err))
+            self._fail_on(op, err)
+            return None
+
+    def _copy_layer(self, op: LoadOp, rows: Rows, layer: int,
+                    memo: dict[tuple[int, str], list[Span]]) -> None:
+        """``op``'s rows of cache ``layer`` into its blocks: whole kernel blocks in one
+        copy per side (block_copy.py)."""
+        view = self.layers[layer]
+        parts = self._spans(view, op.block_ids, op.start, op.num_tokens, memo)
+        k, v = rows(layer)
+        for span in parts:
+            load_span(view.k, span, k[span.lo:span.hi, self._heads])
+            if view.v is not None:
+                load_span(view.v, span, v[span.lo:span.hi, self._heads])
+
+    def _verify(self, op: LoadOp) -> None:
+        """Count ``op`` loaded, or failed if the tree no longer maps its tokens to the
+        slots copied from (``verify_loads``)."""
+        try:
+            problem = self._still_mapped(op) if self.config.verify_loads else None
+        except (PrefixCacheError, ValueError, RuntimeError) as err:
+            self._fail_on(op, err)
+            return
+        if problem is not None:
+            self._fail(op, problem)
             return
         self.loaded_tokens += op.num_tokens
+
+    def _fail_on(self, op: LoadOp, err: Exception) -> None:
+        """Fail ``op`` under the reason ``err`` means."""
+        if isinstance(err, StaleEpoch):
+            self._fail(op, "restarted", str(err))
+        elif isinstance(err, Unavailable | DeadlineExceeded):
+            self._fail(op, "unavailable", str(err))
+        else:
+            self._fail(op, "copy", str(err))
 
     def _still_mapped(self, op: LoadOp) -> str | None:
         """Why the tree may no longer map the loaded tokens to the slots copied from
