@@ -16,7 +16,13 @@ from typing import Any
 import pytest
 import torch
 from harness import ServerThread
-from integrations.vllm.vllm_support import LATENT, LAYERS, backend_for, make_scheduler
+from integrations.vllm.vllm_support import (
+    LATENT,
+    LAYERS,
+    backend_for,
+    make_scheduler,
+    shadow_holds,
+)
 from integrations.vllm.vllm_support import make_worker as _make_worker
 
 from prefixcache.client import PrefixCacheClient
@@ -155,6 +161,9 @@ class Engine:
 
     def load(self, req: str, tokens: list[int], blocks: list[int]) -> int:
         info = RequestInfo(req, tokens, len(tokens))
+        # Another engine saved them a moment ago: its first block must have reached
+        # this engine's shadow, or a fast miss would answer (as it may in vLLM).
+        shadow_holds(self.core, tokens, at_least=self.block)
         assert self.core.probe(info, 0) == (None, False)
         self.step()
         hit, _ = self.core.probe(info, 0)
