@@ -114,7 +114,6 @@ class StoreRead:
             return 0
         engine.unquarantine(slots, self.session)
         self._returned = True
-        mt.fetch_seconds += time.perf_counter() - start
         whole = leading_run(codes, lambda c: c == mt.layout.page_bytes)
         if whole < len(codes):
             code = codes[whole]
@@ -122,6 +121,9 @@ class StoreRead:
         if whole == 0:
             safely(self.release)
             return 0
+        # Bytes and seconds of fetches that brought pages (their ratio is the fetch's
+        # GB/s): a read that brought none counts as an error above, not as slow bytes.
+        mt.fetch_seconds += time.perf_counter() - start
         mt.fetch_bytes += whole * mt.layout.page_bytes
         return whole
 
