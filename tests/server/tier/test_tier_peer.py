@@ -1,7 +1,8 @@
 """A node that dies (SIGKILL) with pages in its segment: until the master expires it
 (``client_ttl``), the store still says those pages exist, and reading them fails with
 Mooncake's TRANSFER_FAIL. On another node that is a counted local miss: the lookup
-answers its local hit within its deadline, the error is counted under Mooncake's code,
+answers its local hit within its deadline, the error is counted under Mooncake's code
+(and the lookup as ``result="error"``),
 the fetch's slots go back to the pool, and the node goes on serving."""
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def test_a_dead_peer_is_a_counted_local_miss(tmp_path: Path) -> None:
             assert took < TIMEOUT + MARGIN, took
             assert b.metric(r'prefixcache_tier_errors_total\{(?=.*op="get")'
                             r'(?=.*code="TRANSFER_FAIL").*\}') >= 1, _tier_metrics(b)
-            assert b.metric(r'prefixcache_tier_lookups_total\{.*result="miss".*\}') == 1
+            # The lookup's outcome is an error (as a failed exists is), not a plain miss.
+            assert b.metric(r'prefixcache_tier_lookups_total\{.*result="error".*\}') == 1
+            assert b.metric(r'prefixcache_tier_lookups_total\{.*result="miss".*\}') == 0
             assert b.metric(r'prefixcache_tier_hit_tokens_total\{.*tier="remote".*\}') == 0
             assert b.metric(r'prefixcache_tier_hit_tokens_total\{.*tier="local".*\}') \
                 == len(head)
