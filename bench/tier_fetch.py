@@ -124,7 +124,7 @@ class MooncakeReader:
         # In calls of at most MAX_CALL_PARTS parts, as the tier's backend makes them
         # (Mooncake's TCP transport rejects what it cannot queue).
         codes = chunked(self.store.batch_get_into_multi_buffers, self.budget, keys, ptrs,
-                        sizes, stop_on_failure=False)
+                        sizes, stop_on=lambda code: False)
         seconds = time.perf_counter() - start
         if any(c != self.page_bytes for c in codes):
             raise RuntimeError(f"Mooncake get failed: {sorted(set(codes))}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,14 @@ import torch
 from tier_harness import Master, Node, needs_mooncake, tier_config
 
 from prefixcache.client import PrefixCacheClient
-from prefixcache.server.tier.mooncake_backend import MAX_QUEUED_PARTS, part_chunks
+from prefixcache.server.tier.backend import Parts
+from prefixcache.server.tier.mooncake_backend import (
+    MAX_CALL_PARTS,
+    MAX_QUEUED_PARTS,
+    PartBudget,
+    chunked,
+    part_chunks,
+)
 
 PAGE = 4
 LAYERS = 32
@@ -75,3 +83,29 @@ def test_calls_are_cut_at_the_part_limit() -> None:
     assert [(s, e) for s, e, _ in chunks] == [(0, 16), (16, 32), (32, 40), (40, 41), (41, 43)]
     assert [n for _, _, n in chunks] == [1024, 1024, 512, 3000, 128]
     assert list(part_chunks([])) == []
+
+
+def test_chunked_calls_stop_where_told() -> None:
+    """Each call carries one chunk; after a code ``stop_on`` names, no more calls are
+    made (a dead master would hold each for seconds) and the rest answer that code."""
+    keys = [str(i) for i in range(40)]
+    ptrs = [[0] * 64] * 40  # 16 objects a call
+    made: list[list[str]] = []
+
+    def store(answers: dict[str, int]) -> Any:
+        def call(k: list[str], p: Parts, z: Parts) -> list[int]:
+            assert sum(map(len, p)) <= MAX_CALL_PARTS and len(k) == len(p) == len(z)
+            made.append(k)
+            return [answers.get(key, 0) for key in k]
+        return call
+
+    budget = PartBudget()
+    assert chunked(store({}), budget, keys, ptrs, ptrs, lambda c: c < 0) == [0] * 40
+    assert [len(k) for k in made] == [16, 16, 8]
+    made.clear()
+    codes = chunked(store({"3": -800}), budget, keys, ptrs, ptrs, lambda c: c < 0)
+    assert codes == [0, 0, 0, -800] + [0] * 12 + [-800] * 24 and len(made) == 1
+    made.clear()
+    codes = chunked(store({"3": -800, "20": -900}), budget, keys, ptrs, ptrs,
+                    lambda c: c == -900)
+    assert (codes[3], codes[20], codes[32:], len(made)) == (-800, -900, [-900] * 8, 2)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..config.tier import TierConfig
-from .backend import Parts, TierUnavailable
+from .backend import RPC_FAIL, Parts, TierUnavailable
 
 # Buffer for the store's own copies; every call here uses registered pool memory.
 _LOCAL_BUFFER_BYTES = 16 << 20
@@ -71,18 +71,20 @@ class PartBudget:
 
 
 def chunked(call: Callable[[list[str], Parts, Parts], Any], budget: PartBudget,
-            keys: list[str], ptrs: Parts, sizes: Parts, stop_on_failure: bool) -> list[int]:
+            keys: list[str], ptrs: Parts, sizes: Parts,
+            stop_on: Callable[[int], bool]) -> list[int]:
     """``call`` over ``keys`` in chunks of MAX_CALL_PARTS parts, each within ``budget``;
-    one code per key. ``stop_on_failure`` (reads, whose leading run is all that counts):
-    after a chunk with a failed key, the keys after it are not read and answer its code."""
+    one code per key. After a chunk with a code that ``stop_on`` names, the keys after
+    it are not tried and answer that code (a dead master would hold each chunk's call
+    for seconds; a read's leading run ends there anyway)."""
     codes: list[int] = []
     for start, end, parts in part_chunks(ptrs):
         got = list(budget.run(parts, lambda s=start, e=end: call(
             keys[s:e], ptrs[s:e], sizes[s:e])))
         codes += got
-        failed = [c for c in got if c < 0]
-        if stop_on_failure and failed:
-            codes += [failed[0]] * (len(keys) - end)
+        stop = next((c for c in got if stop_on(c)), None)
+        if stop is not None:
+            codes += [stop] * (len(keys) - end)
             break
     return codes
 
@@ -141,13 +143,14 @@ class MooncakeBackend:
 
     def get_into(self, keys: list[str], ptrs: Parts, sizes: Parts) -> list[int]:
         return chunked(self._store.batch_get_into_multi_buffers, self._budget, keys, ptrs,
-                       sizes, stop_on_failure=True)
+                       sizes, stop_on=lambda code: code < 0)
 
     def put_from(self, keys: list[str], ptrs: Parts, sizes: Parts) -> list[int]:
         def put(k: list[str], p: Parts, z: Parts) -> Any:
             return self._store.batch_put_from_multi_buffers(k, p, z, self._config)
 
-        return chunked(put, self._budget, keys, ptrs, sizes, stop_on_failure=False)
+        return chunked(put, self._budget, keys, ptrs, sizes,
+                       stop_on=lambda code: code == RPC_FAIL)
 
     def remove(self, keys: list[str]) -> list[int]:
         return list(self._store.batch_remove(keys, True))
