@@ -1,7 +1,7 @@
 """The fetch path alone (``tier.py --fetch-only``, and after the replays otherwise): our
 Match's fetch from another sidecar's segment, beside Mooncake's own ``batch_get_into``
 of the same pages in the same batches (``MooncakeReader``: one process reads what
-another put), in alternate rounds, and a memcpy of the same bytes."""
+another put), interleaved lookup by lookup, and a memcpy of the same bytes."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from bench.tier_nodes import (
     stop_all,
     unique_pages,
 )
+from prefixcache.server.tier.mooncake_backend import PartBudget, chunked
 
 
 def fetch_batches(node: Sidecar, keys: list[Any]) -> list[int]:
@@ -45,21 +46,39 @@ def fetch_batches(node: Sidecar, keys: list[Any]) -> list[int]:
     return batches
 
 
-def fetch_round(node: Sidecar, keys: list[Any]) -> tuple[float, float]:
-    """One round of ``node`` looking every prompt up after a Reset: the bytes fetched
-    and the GB/s (fetch bytes over fetch seconds, as the metrics count them: each
-    fetch from before its store call is handed to a worker thread until the loop has
-    its answer)."""
+BYTES = r"prefixcache_tier_fetch_bytes_total\{.*\}"
+SECONDS = r"prefixcache_tier_fetch_seconds_total\{.*\}"
+
+
+def paired_round(node: Sidecar, keys: list[Any], reader: MooncakeReader) -> tuple[float, float]:
+    """One round, ours and Mooncake's interleaved lookup by lookup: after a Reset,
+    ``node`` looks every prompt up, and right after each lookup that fetched, Mooncake's
+    own call reads as many pages (``reader``'s next ones), so that the two see the same
+    load of the machine, which swings within a second by 2x or more. Returns the GB/s of
+    each: bytes over the seconds of its calls (ours as the metrics count them: each
+    fetch from before its store call is handed to a worker thread until the loop has its
+    answer; Mooncake's: the call alone)."""
     client = node.connect() if node.client is None else node.client
     client.reset(MODEL)
-    b0 = node.metric(r"prefixcache_tier_fetch_bytes_total\{.*\}")
-    s0 = node.metric(r"prefixcache_tier_fetch_seconds_total\{.*\}")
+    ours_bytes = ours_seconds = theirs_seconds = 0.0
+    at = 0
     with client.session(600) as session:
         for key in keys:
+            b0, s0 = node.metric(BYTES), node.metric(SECONDS)
             client.match(MODEL, key, session=session)
-    fetched = node.metric(r"prefixcache_tier_fetch_bytes_total\{.*\}") - b0
-    seconds = node.metric(r"prefixcache_tier_fetch_seconds_total\{.*\}") - s0
-    return fetched, fetched / seconds / 1e9 if seconds else 0.0
+            got = node.metric(BYTES) - b0
+            if not got:
+                continue
+            ours_bytes += got
+            ours_seconds += node.metric(SECONDS) - s0
+            n = round(got / node.page_bytes)
+            if at + n > reader.pages:
+                at = 0
+            theirs_seconds += reader.read(at, n)
+            at += n
+    theirs_bytes = ours_bytes  # the same pages' bytes
+    return (ours_bytes / ours_seconds / 1e9 if ours_seconds else 0.0,
+            theirs_bytes / theirs_seconds / 1e9 if theirs_seconds else 0.0)
 
 
 class MooncakeReader:
@@ -67,10 +86,10 @@ class MooncakeReader:
     pages of these parts that another process put into its own segment (the baseline
     of our fetch path). Only the calls are timed; their arguments are built before."""
 
-    def __init__(self, master: str, parts: list[int], pages: int) -> None:
+    def __init__(self, master: str, parts: list[int], pages: int, name: str = "fetch") -> None:
         self.parts, self.pages = parts, pages
         self.page_bytes = sum(parts)
-        prefix = f"bench/{len(parts)}x{parts[0]}/"
+        prefix = f"bench/{name}/{len(parts)}x{parts[0]}/"
         self.writer = subprocess.Popen([sys.executable, "-c", _WRITER, master, str(pages),
                                         json.dumps(parts), prefix],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -90,26 +109,45 @@ class MooncakeReader:
             self.buf = np.zeros(pages * self.page_bytes, np.uint8)
             self.store.register_buffer(self.buf.ctypes.data, self.buf.nbytes)
             self.keys = [f"{prefix}{i}" for i in range(pages)]
+            self.budget = PartBudget()
         except BaseException:
             self.close()
             raise
 
+    def read(self, at: int, n: int) -> float:
+        """Read pages ``at`` to ``at + n`` in one call: its seconds."""
+        base = self.buf.ctypes.data
+        ptrs = [[base + i * self.page_bytes + sum(self.parts[:j])
+                 for j in range(len(self.parts))] for i in range(at, at + n)]
+        keys, sizes = self.keys[at:at + n], [self.parts] * n
+        start = time.perf_counter()
+        # In calls of at most MAX_CALL_PARTS parts, as the tier's backend makes them
+        # (Mooncake's TCP transport rejects what it cannot queue).
+        codes = chunked(self.store.batch_get_into_multi_buffers, self.budget, keys, ptrs,
+                        sizes, stop_on=lambda code: False)
+        seconds = time.perf_counter() - start
+        if any(c != self.page_bytes for c in codes):
+            raise RuntimeError(f"Mooncake get failed: {sorted(set(codes))}")
+        return seconds
+
     def round(self, batches: list[int]) -> float:
         """Read the pages, ``batches[i]`` pages in call ``i``: GB/s."""
-        calls, at = [], 0
+        seconds, at = 0.0, 0
         for n in batches:
-            ptrs = [[self.buf.ctypes.data + i * self.page_bytes + sum(self.parts[:j])
-                     for j in range(len(self.parts))] for i in range(at, at + n)]
-            calls.append((self.keys[at:at + n], ptrs, [self.parts] * n))
+            seconds += self.read(at, n)
             at += n
-        seconds = 0.0
-        for keys, ptrs, sizes in calls:
-            start = time.perf_counter()
-            codes = self.store.batch_get_into_multi_buffers(keys, ptrs, sizes)
-            seconds += time.perf_counter() - start
-            if any(c != self.page_bytes for c in codes):
-                raise RuntimeError(f"Mooncake get failed: {codes[:4]}")
         return at * self.page_bytes / seconds / 1e9
+
+    def exists(self, at: int, n: int) -> float:
+        """Probe pages ``at`` to ``at + n`` in one ``batch_is_exist`` (as a lookup asks
+        before it reads): its seconds."""
+        keys = self.keys[at:at + n]
+        start = time.perf_counter()
+        codes = self.store.batch_is_exist(keys)
+        seconds = time.perf_counter() - start
+        if any(c != 1 for c in codes):
+            raise RuntimeError(f"Mooncake exists failed: {sorted(set(codes))}")
+        return seconds
 
     def memcpy(self, rounds: int) -> float:
         """A memcpy of the same bytes, a page at a time: GB/s, best of ``rounds``."""
@@ -132,20 +170,59 @@ class MooncakeReader:
         self.writer.wait(30)
 
 
-def mooncake_get_gbps(master: str, parts: list[int], pages: int, batch: int,
-                      rounds: int = 3) -> float:
-    """Mooncake's own reads of ``pages`` pages of these parts, ``batch`` a call: GB/s,
-    best of ``rounds`` (after one to warm up)."""
-    reader = MooncakeReader(master, parts, pages)
+def _batches(pages: int, batch: int) -> list[int]:
+    return [min(batch, pages - at) for at in range(0, pages, batch)]
+
+
+# Pages the split comparison reads at most (two writers and two readers hold them).
+SPLIT_PAGES = 512
+
+
+def split_gbps(master: str, parts: list[int], pages: int, batch: int,
+               rounds: int = 3) -> dict[str, Any]:
+    """The object split (docs/across-nodes.md), Mooncake alone: the same bytes read as
+    an object per page (``parts`` its parts, ``batch`` pages a call) and as an object per
+    page and buffer (``len(parts)`` times the objects and the batch), the two
+    interleaved call by call so that both see the same load; and what a lookup's
+    ``batch_is_exist`` over those objects' keys costs."""
+    pages = max(batch, min(pages, SPLIT_PAGES))
+    whole = MooncakeReader(master, parts, pages, "split-page")
     try:
-        batches = [min(batch, pages - at) for at in range(0, pages, batch)]
-        reader.round(batches)
-        return max(reader.round(batches) for _ in range(rounds))
+        split = MooncakeReader(master, parts[:1], pages * len(parts), "split-buffer")
+        try:
+            by_page, per = _batches(pages, batch), len(parts)
+            whole.round(by_page)  # warm-up: the buffers' first touch
+            split.round([n * per for n in by_page])
+            page_gbps, buffer_gbps, page_probe, buffer_probe = [], [], [], []
+            for _ in range(rounds):
+                # Call by call, the same pages each way, so both see the same load.
+                times = [0.0] * 4
+                at = 0
+                for n in by_page:
+                    times[0] += whole.read(at, n)
+                    times[1] += split.read(at * per, n * per)
+                    times[2] += whole.exists(at, n)
+                    times[3] += split.exists(at * per, n * per)
+                    at += n
+                page_gbps.append(pages * whole.page_bytes / times[0] / 1e9)
+                buffer_gbps.append(pages * whole.page_bytes / times[1] / 1e9)
+                page_probe.append(times[2] / len(by_page))
+                buffer_probe.append(times[3] / len(by_page))
+        finally:
+            split.close()
     finally:
-        reader.close()
+        whole.close()
+    return {"split_pages": pages,
+            "mooncake_get_gbps_object_per_page": max(page_gbps),
+            "mooncake_get_gbps_object_per_buffer": max(buffer_gbps),
+            "object_per_buffer_vs_page_rounds": [b / p for p, b in zip(page_gbps, buffer_gbps,
+                                                                       strict=True)],
+            # A lookup's exists probe (its batch of keys in one call), best of the rounds.
+            "exists_ms_object_per_page": 1e3 * min(page_probe),
+            "exists_ms_object_per_buffer": 1e3 * min(buffer_probe)}
 
 
-# The other process of mooncake_get_gbps: puts the pages into its own segment and holds
+# The other process of MooncakeReader: puts the pages into its own segment and holds
 # them until its stdin closes.
 _WRITER = """
 import json, os, sys
@@ -177,7 +254,7 @@ def fetch_phase(args: argparse.Namespace, keys: list[Any], tmp: Path) -> dict[st
     """The fetch path alone, at a realistic page size (``--fetch-*``): a sidecar caches
     ``keys`` and writes them to the store, then another, empty, looks every prompt up,
     so everything it fetches crosses from the first one's segment (a warm-up round,
-    then ``--rounds`` rounds, a Reset before each); in alternate rounds, Mooncake's own
+    then ``--rounds`` rounds, a Reset before each); after each lookup, Mooncake's own
     reads of as many pages, in the same batches, from another process's segment."""
     page_size = args.fetch_page_size
     unique = unique_pages(keys, page_size)
@@ -203,14 +280,15 @@ def fetch_phase(args: argparse.Namespace, keys: list[Any], tmp: Path) -> dict[st
             return out
         out["fetch_bytes"] = pages * sum(parts)
         out["fetch_pages_per_lookup"] = round(pages / len(batches))
-        # Ours and Mooncake's in alternate rounds, the same batches of the same pages,
-        # so that both see the same load of the machine (which swings either by 2x).
+        # Ours and Mooncake's interleaved lookup by lookup, the same batches of the same
+        # pages, so that both see the same load of the machine.
         reader = MooncakeReader(master.address, parts, pages)
         reader.round(batches)  # warm-up: its buffer's first touch
         ours, theirs = [], []
         for _ in range(args.rounds):
-            ours.append(fetch_round(nodes[1], keys)[1])
-            theirs.append(reader.round(batches))
+            mine, its = paired_round(nodes[1], keys, reader)
+            ours.append(mine)
+            theirs.append(its)
         out["fetch_gbps"], out["mooncake_get_gbps"] = max(ours), max(theirs)
         out["fetch_vs_mooncake_rounds"] = [o / t for o, t in zip(ours, theirs, strict=True)]
         out["memcpy_gbps"] = reader.memcpy(args.rounds)
@@ -222,10 +300,8 @@ def fetch_phase(args: argparse.Namespace, keys: list[Any], tmp: Path) -> dict[st
         if args.split:
             # The other split (docs/across-nodes.md): an object per page and buffer
             # (layer, K or V), the same bytes in len(parts) times the objects.
-            batch = out["fetch_pages_per_lookup"]
-            out["mooncake_get_gbps_object_per_buffer"] = mooncake_get_gbps(
-                master.address, parts[:1], pages * len(parts), batch * len(parts),
-                args.rounds)
+            out.update(split_gbps(master.address, parts, pages,
+                                  out["fetch_pages_per_lookup"], args.rounds))
     finally:
         if reader is not None:
             reader.close()

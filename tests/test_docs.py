@@ -3,6 +3,7 @@ links that resolve, and a configuration reference that matches the config types.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
@@ -18,6 +19,7 @@ from prefixcache.server.config import (
     PoolConfig,
     ServerConfig,
     TenantConfig,
+    load_config,
 )
 from prefixcache.server.config.tier import TierConfig
 
@@ -136,3 +138,21 @@ def test_the_configuration_reference_documents_every_key(title: str) -> None:
                 (f.name, cell)
             continue
         assert yaml.safe_load(value[1]) == _default(f), (title, f.name, cell)
+
+
+def test_the_readme_has_an_across_nodes_section() -> None:
+    """Issue 22: the README says how to start the shared tier (its config block loads),
+    what a user sees, and what happens when the master restarts."""
+    text = README.read_text()
+    match = re.search(r"^## Across nodes\n(.*?)(?=^## )", text, re.DOTALL | re.MULTILINE)
+    assert match is not None, "README.md has no '## Across nodes' section"
+    section = match.group(1)
+    assert "mooncake_master" in section and "pip install '.[server,tier]'" in section
+    (block,) = re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)
+    tier = load_config(None, env={"PREFIXCACHE_TIER": json.dumps(
+        yaml.safe_load(block)["server"]["tier"])}).server.tier
+    assert tier is not None and tier.master == "10.0.0.5:50051"
+    prose = " ".join(_prose(section).split())
+    for said in ("What you see", 'tier="remote"', "When the master restarts",
+                 "the store is empty", "nothing fails"):
+        assert said in prose, said

@@ -58,4 +58,8 @@ def test_tier_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert out["two_nodes_no_tier_hit_ratio"] < out["single_hit_ratio"]
     assert out["fetch_gbps"] > 0 and out["mooncake_get_gbps"] > 0 and out["memcpy_gbps"] > 0
     assert out["mooncake_get_gbps_object_per_buffer"] > 0
+    assert out["mooncake_get_gbps_object_per_page"] > 0
+    assert len(out["object_per_buffer_vs_page_rounds"]) == 1
+    assert "per buffer / per page" in printed and "exists probe" in printed
+    assert out["exists_ms_object_per_buffer"] > 0
     assert (tmp_path / "tier.json").exists()

@@ -67,7 +67,9 @@ def _wait_port(port: int, proc: subprocess.Popen[Any], timeout: float = 20.0) ->
 class Master:
     """A ``mooncake_master`` on loopback; ``kill`` and ``start`` again on the same port."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, client_ttl: int = 2) -> None:
+        # Seconds the master keeps a client that stopped heartbeating (and its objects).
+        self.client_ttl = client_ttl
         self.port = free_port()
         self.metrics_port = free_port()
         self.log_path = tmp / "master.log"
@@ -83,7 +85,7 @@ class Master:
             self.proc = subprocess.Popen(
                 ["mooncake_master", f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
                  f"--metrics_port={self.metrics_port}", "--metrics_host=127.0.0.1",
-                 "--enable_metric_reporting=false", "--client_ttl=2"],
+                 "--enable_metric_reporting=false", f"--client_ttl={self.client_ttl}"],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         _wait_port(self.port, self.proc)
 

@@ -11,6 +11,7 @@ order, the master's death last.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -50,6 +51,8 @@ TIMEOUT = 0.5
 MARGIN = 1.5
 # tier/service.py: how long the breaker skips the store after a failure.
 COOLDOWN = max(1.0, 4 * TIMEOUT)
+ERRORS = r"prefixcache_tier_errors_total\{.*\}"
+MISSES = r'prefixcache_tier_lookups_total\{.*result="miss".*\}'
 
 
 @pytest.fixture(scope="module")
@@ -363,17 +366,28 @@ def test_master_killed_then_restarted(cluster: dict[str, Any]) -> None:
     print(slowest, b.metrics())
     assert slowest["lookup on B"] < TIMEOUT + MARGIN, slowest
     assert slowest["cache on A"] < MARGIN and slowest["lookup on A"] < MARGIN, slowest
-    failed = b.metric(r"prefixcache_tier_errors_total\{.*\}") + b.metric(
+    failed = b.metric(ERRORS) + b.metric(
         r'prefixcache_tier_lookups_total\{.*result="(breaker_open|busy|error)".*\}')
     assert failed >= 6
+    # The failures are counted under Mooncake's code (a dead master's RPC_FAIL) or as
+    # calls past the deadline, and nothing else.
+    codes = {re.search(r'code="([^"]*)"', k).group(1)  # type: ignore[union-attr]
+             for k, v in b.metrics().items() if k.startswith("prefixcache_tier_errors") and v}
+    assert codes and codes <= {"RPC_FAIL", "TIMEOUT"}, codes
     # Restarted: an empty tier. What A stored before is a counted miss on B...
     master.start()
-    misses = b.metric(r'prefixcache_tier_lookups_total\{.*result="miss".*\}')
+    misses = b.metric(MISSES)
     deadline = time.monotonic() + 30
-    while b.metric(r'prefixcache_tier_lookups_total\{.*result="miss".*\}') <= misses:
+    while b.metric(MISSES) <= misses:
         assert time.monotonic() < deadline, b.stderr[-3000:]
         assert _read(b, stored)[0] == 0
         time.sleep(0.5)
+    # ... and nothing else: once the store answers again, each lookup of it is one
+    # more miss and no error.
+    errors, misses = b.metric(ERRORS), b.metric(MISSES)
+    for _ in range(3):
+        assert _read(b, stored)[0] == 0
+    assert (b.metric(ERRORS), b.metric(MISSES)) == (errors, misses + 3)
     # ... and the tier works again for what is written after.
     fresh = _tokens(8)
     kv = _cache(a, fresh, seed=8)

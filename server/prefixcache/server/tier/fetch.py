@@ -83,10 +83,10 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: float | None = 
         mt.hit_tokens["local"] += local
         mt.count(mt.lookups, "error" if failed else "miss")
         return 0
-    got = await _fetch(tier, mt, key, local, keys[:found], deadline)
+    got, failed = await _fetch(tier, mt, key, local, keys[:found], deadline)
     mt.hit_tokens["local"] += local
     mt.hit_tokens["remote"] += got
-    mt.count(mt.lookups, "remote" if got else "miss")
+    mt.count(mt.lookups, "remote" if got else ("error" if failed else "miss"))
     return got
 
 
@@ -103,24 +103,25 @@ def _hashes_after(cache: Any, node: Any, local: int, pages: int, packed: bytes, 
 
 
 async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str],
-                 deadline: float) -> int:
-    """Steps 3 to 5 of the module doc for the pages ``keys`` that follow ``local``."""
+                 deadline: float) -> tuple[int, bool]:
+    """Steps 3 to 5 of the module doc for the pages ``keys`` that follow ``local``:
+    the tokens fetched, and whether the store's read failed (its first page)."""
     engine, ps, session = mt.engine, mt.page_size, tier.session
     cache = engine.cache
     # 3. The tree may have grown while we asked: fetch only what it still lacks.
     result = cache.match_prefix(key[:local + len(keys) * ps])
     now = result.prefix_len
     if now < local or (now - local) % ps:
-        return 0  # the local hit shrank (evicted): leave it to the next lookup
+        return 0, False  # the local hit shrank (evicted): leave it to the next lookup
     keys = keys[(now - local) // ps:]
     if not keys:
-        return 0
+        return 0, False
     read = StoreRead(tier, mt)
     if not read.take(len(keys), result.last_node if now else None):
-        return 0
+        return 0, False
     whole = await read.read(keys, deadline)
     if whole == 0:
-        return 0
+        return 0, read.failed
     slots = read.slots
     # 5. Insert the run read whole after the (locked, so unchanged) local hit.
     end = now + whole * ps
@@ -139,5 +140,5 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]
     finally:
         mt.suppressed = False
     safely(read.release, inserted)
-    return got
+    return got, False
 

@@ -68,28 +68,31 @@ async def prefetch_pages(tier: Any, mt: ModelTier, namespace: tuple[str | None, 
     deadline = time.monotonic() + tier.cfg.timeout
     codes, _ = await tier.call("exists", tier.backend.exists, keys, deadline=deadline)
     found = leading_run(codes, lambda c: c == 1)
-    if codes is not None and found < len(codes) and codes[found] < 0:
+    failed = codes is None or (found < len(codes) and codes[found] < 0)
+    if failed and codes is not None:
         tier.error("exists", code_name(codes[found]))
     got = 0
     if found:
         prior = _hash(data, local - 1) if local else None
-        got = await _fetch_pages(tier, mt, pages, namespace, prior, wanted[:found],
-                                 keys[:found], deadline)
+        got, failed = await _fetch_pages(tier, mt, pages, namespace, prior, wanted[:found],
+                                         keys[:found], deadline)
     mt.hit_tokens["local"] += local * ps
     mt.hit_tokens["remote"] += got * ps
-    mt.count(mt.lookups, "remote" if got else ("miss" if codes is not None else "error"))
+    mt.count(mt.lookups, "remote" if got else ("error" if failed else "miss"))
     return got
 
 
 async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
                        namespace: tuple[str | None, int], prior: str | None,
-                       hashes: list[str], keys: list[str], deadline: float) -> int:
+                       hashes: list[str], keys: list[str], deadline: float
+                       ) -> tuple[int, bool]:
+    """The pages brought in, and whether the store's read failed (its first page)."""
     read = StoreRead(tier, mt)
     if not read.take(len(keys)):
-        return 0
+        return 0, False
     whole = await read.read(keys, deadline)
     if whole == 0:
-        return 0
+        return 0, read.failed
     ps = mt.page_size
     kept = 0
     mt.suppressed = True
@@ -105,4 +108,4 @@ async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
     finally:
         mt.suppressed = False
     safely(read.release, kept)
-    return whole
+    return whole, False

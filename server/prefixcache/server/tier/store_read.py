@@ -61,6 +61,9 @@ class StoreRead:
         self.lock_id = 0
         self.slots = np.zeros(0, dtype=np.int64)
         self._returned = False  # the slots are the session's again (the read came back)
+        # The store call failed, timed out or was not made, or its first page came back
+        # short: the lookup counts an error, not a miss.
+        self.failed = False
 
     @property
     def void(self) -> bool:
@@ -101,6 +104,7 @@ class StoreRead:
             codes, fut = await tier.call("get", backend.get_into, keys, ptrs, sizes,
                                          deadline=deadline)
         if codes is None:
+            self.failed = True
             safely(self.release)  # the lock; the slots are not the session's
             if fut is not None and not fut.done():
                 # Timed out: the thread may still write into the slots; free them after.
@@ -114,14 +118,17 @@ class StoreRead:
             return 0
         engine.unquarantine(slots, self.session)
         self._returned = True
-        mt.fetch_seconds += time.perf_counter() - start
         whole = leading_run(codes, lambda c: c == mt.layout.page_bytes)
         if whole < len(codes):
             code = codes[whole]
             tier.error("get", code_name(code) if code < 0 else "SIZE_MISMATCH")
         if whole == 0:
+            self.failed = bool(codes)
             safely(self.release)
             return 0
+        # Bytes and seconds of fetches that brought pages (their ratio is the fetch's
+        # GB/s): a read that brought none counts as an error above, not as slow bytes.
+        mt.fetch_seconds += time.perf_counter() - start
         mt.fetch_bytes += whole * mt.layout.page_bytes
         return whole
 

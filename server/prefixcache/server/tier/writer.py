@@ -21,6 +21,10 @@ from .backend import Parts
 
 log = logging.getLogger("prefixcache.server")
 
+# Jobs waiting at most (one more is a counted drop), and jobs one batch call stores.
+MAX_JOBS = 64
+BATCH_JOBS = 16
+
 
 @dataclass(slots=True)
 class PutJob:
@@ -44,8 +48,8 @@ class PutQueue:
     """
 
     def __init__(self, put: Callable[[list[str], Parts, Parts], list[int]],
-                 call_soon: Callable[..., Any], max_jobs: int = 64,
-                 batch_jobs: int = 16) -> None:
+                 call_soon: Callable[..., Any], max_jobs: int = MAX_JOBS,
+                 batch_jobs: int = BATCH_JOBS) -> None:
         self._put = put
         self._call_soon = call_soon
         self.max_jobs = max_jobs
