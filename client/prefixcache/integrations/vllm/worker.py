@@ -22,6 +22,12 @@ Layouts. ``register`` takes each layer's attention backend (``attn_backends``) a
 views the layer through the layout that backend reads; a layer whose layout is not
 known disables the connector, with one log line (vLLM then computes everything).
 
+Disabled. A worker that disables itself (an unknown layout, a pool that does not fit)
+tells the scheduler side once, with the step's output (``take_disabled``): it stops
+looking up and saving, so that no later request gets a load that must fail or a save
+whose slots are allocated for nothing. The loads and saves already scheduled fail
+quietly (counted, logged at debug level): the one error line has said why.
+
 Saves. A finished request's new tokens are copied from its blocks into the slots the
 scheduler side allocated; the request is then reported done (vLLM frees its blocks and
 the scheduler side inserts). A save that fails is reported done all the same, and its
@@ -97,6 +103,7 @@ class WorkerCore:
         self._heads: slice = slice(None)
         self._write_heads = True
         self._disabled: str | None = None
+        self._disabled_told = False
         self._retry_at = 0.0
         self._load_errors: set[int] = set()
         self._failed_refs: set[int] = set()
@@ -156,6 +163,14 @@ class WorkerCore:
         the scheduler side (``SchedulerCore.loads_failed``)."""
         refs, self._failed_refs = self._failed_refs, set()
         return refs
+
+    def take_disabled(self) -> str | None:
+        """Why this worker disabled the connector, once (for the scheduler side,
+        ``SchedulerCore.disable``); None before, and after it was taken."""
+        if self._disabled is None or self._disabled_told:
+            return None
+        self._disabled_told = True
+        return self._disabled
 
     def take_failed_saves(self) -> set[int]:
         """The saves (``SaveOp.ref``) whose copies failed since the last call, for the
@@ -277,8 +292,10 @@ class WorkerCore:
         if op.ref:
             self._failed_refs.add(op.ref)
         why = LOAD_FAILURE_REASONS[reason] + (f": {detail}" if detail else "")
-        log.warning("prefixcache load of request %s failed (%s): %d blocks recomputed",
-                    op.req_id, why, max(last - first, 0))
+        # "disabled": said once, by disable(); the scheduler side stops loading.
+        log.log(logging.DEBUG if reason == "disabled" else logging.WARNING,
+                "prefixcache load of request %s failed (%s): %d blocks recomputed",
+                op.req_id, why, max(last - first, 0))
 
     def _load(self, op: LoadOp) -> None:
         if op.fail:
@@ -336,7 +353,8 @@ class WorkerCore:
                 self.saved_tokens += len(op.slots)
         except (PrefixCacheError, ValueError, RuntimeError) as err:
             self.failed_saves += 1
-            log.warning("prefixcache save of request %s failed: %s", op.req_id, err)
+            log.log(logging.DEBUG if self._disabled is not None else logging.WARNING,
+                    "prefixcache save of request %s failed: %s", op.req_id, err)
             if op.ref:
                 self._failed_saves.add(op.ref)
         self._sent.add(op.req_id)
