@@ -241,7 +241,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         loads, saves = self._work.take_failed_loads(), self._work.take_failed_saves()
-        disabled = self._work.take_disabled() or ""
+        disabled = self._work.disabled or ""
         return PrefixCacheWorkerMetadata(loads, saves, disabled) \
             if loads or saves or disabled else None
 

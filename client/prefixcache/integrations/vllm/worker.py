@@ -23,7 +23,7 @@ views the layer through the layout that backend reads; a layer whose layout is n
 known disables the connector, with one log line (vLLM then computes everything).
 
 Disabled. A worker that disables itself (an unknown layout, a pool that does not fit)
-tells the scheduler side once, with the step's output (``take_disabled``): it stops
+tells the scheduler side with each step's output (``disabled``): it stops
 looking up and saving, so that no later request gets a load that must fail or a save
 whose slots are allocated for nothing. The loads and saves already scheduled fail
 quietly (counted, logged at debug level): the one error line has said why.
@@ -103,7 +103,6 @@ class WorkerCore:
         self._heads: slice = slice(None)
         self._write_heads = True
         self._disabled: str | None = None
-        self._disabled_told = False
         self._retry_at = 0.0
         self._load_errors: set[int] = set()
         self._failed_refs: set[int] = set()
@@ -164,12 +163,11 @@ class WorkerCore:
         refs, self._failed_refs = self._failed_refs, set()
         return refs
 
-    def take_disabled(self) -> str | None:
-        """Why this worker disabled the connector, once (for the scheduler side,
-        ``SchedulerCore.disable``); None before, and after it was taken."""
-        if self._disabled is None or self._disabled_told:
-            return None
-        self._disabled_told = True
+    @property
+    def disabled(self) -> str | None:
+        """Why this worker disabled the connector, or None: told to the scheduler side
+        (``SchedulerCore.disable``, idempotent) with every step's output, not once, so
+        that no one output lost on the way (a rank's, a step's) can keep it unheard."""
         return self._disabled
 
     def take_failed_saves(self) -> set[int]:
