@@ -26,25 +26,34 @@ def wait_for_locks(sidecar: Sidecar, model: str, timeout: float = 120.0) -> None
         time.sleep(0.01)
 
 
-def saved_after_restart(sidecar: Sidecar, engine: Engine, timeout: float = 60.0
-                        ) -> list[list[int]]:
-    """Fresh prompts that ``engine`` saved into the restarted sidecar. Its first saves
-    may be skipped: its channel reconnects with gRPC's backoff, and the connector does
-    not ask a service that did not answer lately (saves are skipped, never queued)."""
+def hits_after_restart(sidecar: Sidecar, saver: Engine, loader: Engine,
+                       timeout: float = 90.0) -> tuple[list[list[int]], list[dict]]:
+    """Fresh prompts that ``saver`` saved into the restarted sidecar and ``loader`` then
+    loaded, with ``loader``'s outputs. Either engine's first tries may miss: its channel
+    reconnects with gRPC's backoff, and its connector does not ask a service that did
+    not answer lately (a save is skipped, a lookup answers a miss; never queued). Each
+    try takes new prompts, which neither engine has computed."""
     deadline = time.monotonic() + timeout
     tries = 0
     while True:
         tries += 1
         again = prompts(1000 + tries, (150, 230))
-        engine.generate(again)
+        saver.generate(again)
         try:
             sidecar.wait_cached("p16", again, unit=32, timeout=5.0)
-            return again
         except TimeoutError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{engine.name} saved nothing in {timeout} s after the "
-                                   f"restart ({tries} tries):\n{engine.log_tail()}"
+                raise TimeoutError(f"{saver.name} saved nothing in {timeout} s after the "
+                                   f"restart ({tries} tries):\n{saver.log_tail()}"
                                    ) from None
+            continue
+        loaded = loader.generate(again)
+        hits = [o["cached"] for o in loaded]
+        if hits == [expected_hit(len(p), 32) for p in again]:
+            return again, loaded
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{loader.name} loaded {hits} in {timeout} s after the "
+                                 f"restart ({tries} tries):\n{loader.log_tail()}")
 
 
 def test_sidecar_killed_mid_batch_then_restarted(sidecar: Sidecar, engines: dict) -> None:
@@ -63,8 +72,5 @@ def test_sidecar_killed_mid_batch_then_restarted(sidecar: Sidecar, engines: dict
     assert not (bad := mismatches(got, own, TOL)), "\n".join(bad)
 
     sidecar.start()  # a new pool, empty: a saves, and b hits, with no restart of either
-    again = saved_after_restart(sidecar, a)
-    loaded = b.generate(again)
-    assert [o["cached"] for o in loaded] == [expected_hit(len(p), 32) for p in again], \
-        b.log_tail()
+    again, loaded = hits_after_restart(sidecar, a, b)
     assert not (bad := mismatches(loaded, a.generate(again), TOL)), "\n".join(bad)

@@ -105,3 +105,42 @@ def test_a_block_outside_the_cache_fails_the_copy() -> None:
     (span,) = spans(array("q", [40]), 0, 16, BLOCK, 16)
     with pytest.raises(ValueError, match="out of"):
         load_span(view.k, span, torch.zeros(16, HEADS, DIM, dtype=torch.bfloat16))
+
+
+# vLLM 0.32's KVCacheLayout: stride permutations of the logical [layers, blocks, heads,
+# block, content] cache (kv_cache_layout.py). Every layer is handed over as the logical
+# [blocks, heads, block, content] view of one of them.
+STRIDE_ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4),
+                 "LHBNC": (0, 2, 1, 3, 4), "BLHNC": (1, 0, 2, 3, 4),
+                 "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+
+
+@pytest.mark.parametrize("order", list(STRIDE_ORDERS))
+def test_bhn2d_copies_follow_every_physical_stride_order(order: str) -> None:
+    """A layer's bhn2d view in any of vLLM's physical orders (NHD and HND blocks,
+    layers interleaved in a block): saves read and loads write each token's K/V where
+    FlashAttention reads it (``kv_cache.transpose(1, 2).split(head_size, -1)``), and a
+    load touches no other layer's bytes."""
+    perm = STRIDE_ORDERS[order]
+    logical = (3, 12, HEADS, BLOCK, 2 * DIM)
+    g = torch.Generator().manual_seed(5)
+    physical = torch.randn([logical[i] for i in perm], generator=g).to(torch.bfloat16)
+    full = physical.permute(*[perm.index(i) for i in range(5)])
+    before = full.clone()
+    layer = full[1]
+    view = split_kv("l", layer, "bhn2d", DIM)
+    ref_k, ref_v = layer.transpose(1, 2).split(DIM, dim=-1)
+    block_ids = array("q", [7, 2, 9, 0, 4, 11])
+    for start, count in CASES:
+        t = torch.arange(start, start + count)
+        b, o = torch.tensor(block_ids)[t // BLOCK], t % BLOCK
+        for side, ref in ((view.k, ref_k), (view.v, ref_v)):
+            out = torch.empty(count, HEADS, DIM, dtype=torch.bfloat16)
+            for span in spans(block_ids, start, count, BLOCK, BLOCK):
+                save_span(side, span, out[span.lo:span.hi])
+            assert torch.equal(out, ref[b, o]), (start, count)
+            rows = torch.randn(count, HEADS, DIM, generator=g).to(torch.bfloat16)
+            for span in spans(block_ids, start, count, BLOCK, BLOCK):
+                load_span(side, span, rows[span.lo:span.hi])
+            assert torch.equal(ref[b, o], rows), (start, count)
+    assert torch.equal(full[0], before[0]) and torch.equal(full[2], before[2])

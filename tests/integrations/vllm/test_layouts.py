@@ -159,7 +159,12 @@ class Engine:
             self.step({req})
         assert not self.core.has_pending_saves()
 
-    def load(self, req: str, tokens: list[int], blocks: list[int]) -> int:
+    def load(self, req: str, tokens: list[int], blocks: list[int], held: int) -> int:
+        """Load what the service holds of ``tokens`` (``held`` of them, saved by another
+        engine) into ``blocks``; the hit."""
+        # As an engine probing after the save reached its shadow index: before, the
+        # probe may answer a fast miss (the stream's delay), which is not under test.
+        shadow_holds(self.core, tokens[:held])
         info = RequestInfo(req, tokens, len(tokens))
         # Another engine saved them a moment ago: its first block must have reached
         # this engine's shadow, or a fast miss would answer (as it may in vLLM).
@@ -220,7 +225,8 @@ def test_the_pool_holds_each_tokens_kv_and_another_block_size_loads_it(
             if layout != "mla":
                 assert torch.equal(vs[layer], v), f"layer {layer}: the pool's V rows"
         blocks = [6, 3, 4]
-        assert loader.load("B", tokens, blocks) == 2 * block  # one block of twice the size
+        # one block of twice the size
+        assert loader.load("B", tokens, blocks, 3 * block) == 2 * block
         loader.assert_holds(tokens, blocks, 2 * block)
     finally:
         saver.close()
@@ -244,7 +250,7 @@ def test_a_block_filled_from_two_saves_loads_each_tokens_own_kv(
         assert client.match("c", b).prefix_len == 48
         c = [*b[:48], 7, 7, 7]
         blocks = [7, 0]
-        assert loader.load("C", c, blocks) == 32
+        assert loader.load("C", c, blocks, 48) == 32
         loader.assert_holds(c, blocks, 32)
     finally:
         saver.close()

@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 import torch
 from harness import ServerThread
-from integrations.vllm.vllm_support import HEADS, LAYERS, make_scheduler, make_worker
+from integrations.vllm.vllm_support import (
+    HEADS,
+    LAYERS,
+    make_scheduler,
+    make_worker,
+    shadow_holds,
+)
 
 from prefixcache.client import PrefixCacheClient
 from prefixcache.integrations.vllm import attn_backends
@@ -101,6 +107,7 @@ def test_the_cpu_backends_own_writes_reach_the_pool_per_token(
                                        dtype=torch.bfloat16) for i in range(LAYERS)}
         loader.register(loaded, BackendInfo(CPU, DIM, isa))
         b = RequestInfo("B", tokens, len(tokens))
+        shadow_holds(loader_core, tokens[:n])  # else the probe may be a fast miss
         assert loader_core.probe(b, 0) == (None, False)
         step(loader_core, loader)
         assert loader_core.probe(b, 0) == (n, False)

@@ -360,3 +360,26 @@ def test_bad_settings_are_refused_with_the_key_named() -> None:
     with pytest.raises(ValueError, match="'lease_ttl'"):
         ConnectorConfig.from_extra({"model": "m", "lease_ttl": 0})
     assert ConnectorConfig.from_extra({"model": "m", "timeout": 1}).timeout == 1
+
+
+def test_disabled_by_a_worker_it_looks_nothing_up_and_saves_nothing(
+        server: ServerThread, client: PrefixCacheClient) -> None:
+    """A worker disabled the connector (its step output says so): the reservations
+    not yet loading are released, and no later probe looks up, no finish saves."""
+    cache(client, PROMPT[:12])
+    core = make_scheduler(server.address)
+    try:
+        assert answer(core, info("r1")) == (12, False)
+        assert locks(client) == 1
+        core.disable("layer 'l0': an unknown backend")
+        quiesce(core)
+        assert locks(client) == 0
+        lookups = core.stats.lookups
+        assert core.probe(info("r1"), 0) == (0, False)
+        assert core.probe(info("r2"), 0) == (0, False)
+        assert not core.finished(info("r3"), [1, 2, 3, 4, 5], len(PROMPT))
+        quiesce(core)
+        assert core.stats.lookups == lookups and core.stats.saves == 0
+        assert client.stats("v")["v"].session_slots == 0
+    finally:
+        core.close()

@@ -332,3 +332,46 @@ def test_the_cpu_layout_is_checked_against_vllms_own_write(
         assert ("does not write K/V the way" in disabled) == refused, disabled
     finally:
         worker.shutdown()
+
+
+def test_a_worker_that_disables_the_connector_stops_lookups_and_saves(
+        server: ServerThread, client: PrefixCacheClient,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A backend whose layout is not known (FlexAttention) disables the connector with
+    one log line: the scheduler side, in another process, hears it with the step's
+    output and from then on neither looks up (no load that must fail, its blocks
+    recomputed) nor saves (no slots allocated for a copy that must fail). Before, it
+    went on doing both, with a warning per request."""
+    import logging
+
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
+
+    config = vllm_config(server.address, FlexAttentionBackend)
+    scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, None)
+    worker = KVConnectorFactory.create_connector(config, Role.WORKER, None)
+    try:
+        with client.session(10.0) as s:  # a hit that a lookup would find
+            reply = s.match("v", PROMPT[:16], allocate=True)
+            s.insert("v", PROMPT[:16], reply.all_slots())
+        caplog.clear()
+        with caplog.at_level(logging.INFO, "prefixcache.integrations.vllm"):
+            worker.register_kv_caches(make_caches("bhn2d"))
+            step(scheduler, worker)  # the first step's output says so
+            b = request("B")
+            for _ in range(3):
+                assert scheduler.get_num_new_matched_tokens(b, 0) == (0, False)
+                step(scheduler, worker)
+            a = request("A")
+            a.num_computed_tokens = 18
+            assert scheduler.request_finished(a, A_BLOCKS) == (False, None)
+            for _ in range(3):
+                step(scheduler, worker, {"A"})
+        stats = scheduler._sched.stats
+        assert (stats.lookups, stats.saves, stats.saves_failed) == (0, 0, 0)
+        assert client.stats("v")["v"].session_slots == 0
+        loud = [r.getMessage() for r in caplog.records
+                if r.levelno >= logging.WARNING and r.name.startswith("prefixcache")]
+        assert len(loud) == 1 and "FlexAttentionBackend" in loud[0], loud
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()

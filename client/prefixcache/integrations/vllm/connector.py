@@ -59,11 +59,14 @@ class PrefixCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
     failed_loads: set[int] = field(default_factory=set)
     failed_saves: set[int] = field(default_factory=set)
+    # Why a worker disabled the connector ("" if none did): the scheduler side stops.
+    disabled: str = ""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, PrefixCacheWorkerMetadata):
             self.failed_loads |= other.failed_loads
             self.failed_saves |= other.failed_saves
+            self.disabled = self.disabled or other.disabled
         return self
 
 
@@ -201,6 +204,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         if isinstance(meta, PrefixCacheWorkerMetadata):
             self._sched.loads_failed(meta.failed_loads)
             self._sched.saves_failed(meta.failed_saves)
+            if meta.disabled:
+                self._sched.disable(meta.disabled)
         self._sched.sends_done(connector_output.finished_sending or ())
 
     # --------------------------------------------------------------- worker side
@@ -238,7 +243,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         loads, saves = self._work.take_failed_loads(), self._work.take_failed_saves()
-        return PrefixCacheWorkerMetadata(loads, saves) if loads or saves else None
+        disabled = self._work.disabled or ""
+        return PrefixCacheWorkerMetadata(loads, saves, disabled) \
+            if loads or saves or disabled else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:

@@ -33,6 +33,10 @@ Saves (``saves.py``). A finished request's whole blocks are stored with one lock
 allocating Match, a copy by every worker, then an Insert once all workers are done;
 a save whose copy failed in any worker gives its slots back instead.
 
+Disabled. A worker that cannot copy (an unknown KV layout, a pool that does not fit)
+says so with a step's output (``disable``): from then on the core looks nothing up and
+saves nothing; the saves already under way finish or are given back as before.
+
 Shutdown. vLLM steps on while finished requests hold blocks for a save, so a save
 normally completes before the engine stops. ``close`` sends the inserts still queued
 and waits for the calls in flight; a save that cannot complete then (its copy never
@@ -127,6 +131,7 @@ class SchedulerCore:
         # reservation's generation, release).
         self._steps = 0
         self._later: list[tuple[int, int, Release]] = []
+        self.disabled: str | None = None
 
     # ------------------------------------------------------------ vLLM's calls
 
@@ -135,7 +140,7 @@ class SchedulerCore:
         local hit), None while the lookup is out. Loads are synchronous (False)."""
         self._absorb()
         self.stats.probes += 1
-        if not self.config.load:
+        if not self.config.load or self.disabled is not None:
             return 0, False
         if info.miss_reason() is not None:
             self.stats.misses_ineligible += 1
@@ -222,7 +227,7 @@ class SchedulerCore:
         self._absorb()
         self._drop(info.req_id)
         n = save_len(info, num_computed, len(block_ids), self.block_size, self.config.save)
-        keep = n > 0 and self._saves.start(info.req_id, next(self._gens),
+        keep = n > 0 and self.disabled is None and self._saves.start(info.req_id, next(self._gens),
                                            array("q", info.tokens[:n]), info.extra_key,
                                            array("q", block_ids))
         self._flush()
@@ -259,6 +264,18 @@ class SchedulerCore:
         ranks: their slots are given back when ``sends_done`` names their requests,
         once every rank is done with them (``saves.py``)."""
         self._saves.failed(refs)
+
+    def disable(self, reason: str) -> None:
+        """A worker disabled the connector (see the module docstring): look nothing up
+        and save nothing from now on. The reservations not yet loading are released."""
+        if self.disabled is not None:
+            return
+        self.disabled = reason
+        log.info("prefixcache: a worker disabled the connector; no more lookups or saves")
+        for req_id in [k for k, r in self._res.items()
+                       if r.state in (_State.LOOKING, _State.READY)]:
+            self._drop(req_id)
+        self._flush()
 
     def close(self) -> None:
         """Stop (see the module docstring); the backend's session close releases

@@ -26,6 +26,12 @@ Layouts. ``register`` takes each layer's attention backend (``attn_backends``) a
 views the layer through the layout that backend reads; a layer whose layout is not
 known disables the connector, with one log line (vLLM then computes everything).
 
+Disabled. A worker that disables itself (an unknown layout, a pool that does not fit)
+tells the scheduler side with each step's output (``disabled``): it stops
+looking up and saving, so that no later request gets a load that must fail or a save
+whose slots are allocated for nothing. The loads and saves already scheduled fail
+quietly (counted, logged at debug level): the one error line has said why.
+
 Saves. A finished request's new tokens are copied from its blocks into the slots the
 scheduler side allocated; the request is then reported done (vLLM frees its blocks and
 the scheduler side inserts). A save that fails is reported done all the same, and its
@@ -190,6 +196,13 @@ class WorkerCore:
         refs, self._failed_refs = self._failed_refs, set()
         return refs
 
+    @property
+    def disabled(self) -> str | None:
+        """Why this worker disabled the connector, or None: told to the scheduler side
+        (``SchedulerCore.disable``, idempotent) with every step's output, not once, so
+        that no one output lost on the way (a rank's, a step's) can keep it unheard."""
+        return self._disabled
+
     def take_failed_saves(self) -> set[int]:
         """The saves (``SaveOp.ref``) whose copies failed since the last call, for the
         scheduler side (``SchedulerCore.saves_failed``)."""
@@ -319,8 +332,10 @@ class WorkerCore:
         if op.ref:
             self._failed_refs.add(op.ref)
         why = LOAD_FAILURE_REASONS[reason] + (f": {detail}" if detail else "")
-        log.warning("prefixcache load of request %s failed (%s): %d blocks recomputed",
-                    op.req_id, why, max(last - first, 0))
+        # "disabled": said once, by disable(); the scheduler side stops loading.
+        log.log(logging.DEBUG if reason == "disabled" else logging.WARNING,
+                "prefixcache load of request %s failed (%s): %d blocks recomputed",
+                op.req_id, why, max(last - first, 0))
 
     def _load(self, op: LoadOp) -> None:
         rows = self._open(op)
@@ -443,7 +458,8 @@ class WorkerCore:
                 self.saved_tokens += len(op.slots)
         except (PrefixCacheError, ValueError, RuntimeError) as err:
             self.failed_saves += 1
-            log.warning("prefixcache save of request %s failed: %s", op.req_id, err)
+            log.log(logging.DEBUG if self._disabled is not None else logging.WARNING,
+                    "prefixcache save of request %s failed: %s", op.req_id, err)
             if op.ref:
                 self._failed_saves.add(op.ref)
         self._sent.add(op.req_id)
