@@ -73,18 +73,16 @@ def make_scheduler(address: str, model: str = "v", clock: Clock | None = None, *
     return SchedulerCore(backend, config, block, clock or Clock())
 
 
-def shadow_holds(core: SchedulerCore, tokens: Sequence[int], key: str | None = None,
-                 at_least: int | None = None) -> None:
+def shadow_holds(core: SchedulerCore, tokens: Sequence[int], key: str | None = None
+                 ) -> None:
     """Wait until the core's shadow index holds ``tokens`` (the Subscribe stream
-    delivered their insert), or their first ``at_least``, as an engine probing a
-    moment after another's save would find it; at once without a shadow
-    (``fast_miss`` off)."""
+    delivered their insert), as an engine probing a moment after another's save
+    would find it; at once without a shadow (``fast_miss`` off)."""
     backend: Any = core.backend
     if backend.shadow is None:
         return
-    want = len(tokens) if at_least is None else at_least
     deadline = time.monotonic() + 10
-    while (backend.shadow_hit(array("q", tokens), key) or 0) < want:
+    while (backend.shadow_hit(array("q", tokens), key) or 0) < len(tokens):
         if time.monotonic() > deadline:
             raise TimeoutError("the shadow index never saw the insert")
         time.sleep(0.005)
