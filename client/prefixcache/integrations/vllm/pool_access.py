@@ -22,7 +22,8 @@ session's hold on every slot as it writes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prefixcache.client import (
@@ -39,7 +40,7 @@ from prefixcache.client.write_fence import WriteFence, open_fence
 
 from .block_copy import slot_run
 from .layerwise import pin_host, unpin_host
-from .layout import byte_view
+from .layout import LayerView, byte_view
 
 Rows = Callable[[int], tuple[Any, Any | None]]
 # Writes one layer's rows straight into the pool's rows given (K, V: views of the pool).
@@ -301,3 +302,74 @@ def open_access(client: PrefixCacheClient, model: str, transfer: str) -> PoolAcc
 
 __all__ = ["MappedAccess", "PoolAccess", "PrefixCacheError", "RemoteAccess", "Rows",
            "open_access"]
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """The pool heads one tensor-parallel rank's layers hold, and whether this rank
+    writes them (of ranks holding the same heads, one saves)."""
+
+    heads: slice
+    writes: bool
+
+
+def fit_pool(info: PoolInfo, layers: Sequence[LayerView], tp_rank: int, tp_size: int
+             ) -> HeadShare | str:
+    """Which heads of the pool ``layers`` (one rank's, at least one) hold, or why the
+    pool cannot hold their KV."""
+    if info.max_seq_len or info.mamba is not None:
+        return f"model {info.model!r} is not a radix/SWA model"
+    if info.layer_num != len(layers):
+        return (f"the pool of {info.model!r} has {info.layer_num} layers, vLLM "
+                f"{len(layers)}")
+    first = layers[0]
+    if not _same_dtype(info.dtype, first.dtype):
+        return f"the pool's dtype is {info.dtype}, vLLM's {first.dtype}"
+    if any(view.mla != first.mla for view in layers):
+        return "vLLM's layers mix MLA and K/V caches"
+    if first.mla or info.mla:
+        return _fit_mla(info, first, tp_rank)
+    local = first.heads
+    if (info.k_head_dim, info.v_head_dim) != (first.head_dim, first.v_head_dim):
+        return (f"the pool's head dims are {info.k_head_dim}/{info.v_head_dim}, "
+                f"vLLM's {first.head_dim}/{first.v_head_dim}")
+    total, rank, size = info.k_head_num, tp_rank, tp_size
+    if info.v_head_num != total:
+        return "K and V head counts differ in the pool"
+    if total == local * size:
+        return HeadShare(slice(None) if size == 1 else slice(rank * local, (rank + 1) * local),
+                         True)
+    if local == 1 and total < size and size % total == 0:
+        # Fewer KV heads than ranks: vLLM replicates each head over size/total ranks;
+        # the first of each group writes it.
+        group = size // total
+        return HeadShare(slice(rank // group, rank // group + 1), rank % group == 0)
+    return f"the pool has {total} KV heads; vLLM's rank {rank} of {size} holds {local}"
+
+
+def _fit_mla(info: PoolInfo, first: LayerView, tp_rank: int) -> HeadShare | str:
+    """The MLA half of ``fit_pool``: both sides MLA, one latent of the same size."""
+    if not first.mla:
+        return (f"the pool of {info.model!r} is an MLA pool (no V) but vLLM's KV cache "
+                "has K and V: configure the model's pool without mla")
+    if not info.mla:
+        return (f"vLLM's KV cache is MLA (one latent of {first.head_dim}, no V) but the "
+                f"pool of {info.model!r} has K and V: configure its pool with "
+                f"mla: true, k_heads: 1, k_head_dim: {first.head_dim}")
+    if (info.k_head_num, info.k_head_dim) != (1, first.head_dim):
+        return (f"the MLA pool of {info.model!r} is {info.k_head_num} x "
+                f"{info.k_head_dim}; vLLM's latent needs k_heads: 1, "
+                f"k_head_dim: {first.head_dim}")
+    # Every rank holds the whole latent (worker.py's docstring, MLA): rank 0 saves it.
+    return HeadShare(slice(None), tp_rank == 0)
+
+
+def _same_dtype(pool: str, vllm: Any) -> bool:
+    """Whether the pool's element type holds vLLM's bytes as they are: the same type, or
+    an fp8 cache that vLLM allocates as uint8 (``kv_cache_dtype`` fp8) against an fp8
+    pool, and back (every copy of one-byte types is bytewise)."""
+    theirs = str(vllm).removeprefix("torch.")
+    if theirs == pool:
+        return True
+    return "uint8" in (theirs, pool) and {theirs, pool} <= {"uint8", "float8_e4m3fn",
+                                                             "float8_e5m2"}

@@ -63,7 +63,6 @@ from prefixcache.client import (
     StaleEpoch,
     Unavailable,
 )
-from prefixcache.client.results import PoolInfo
 
 from .attn_backends import BackendInfo, layout_for
 from .block_copy import Span, load_span, save_span, spans
@@ -79,7 +78,7 @@ from .layout import (
 )
 from .layout import unique_layers as _unique_layers
 from .meta import LoadOp, SaveOp, StepMeta
-from .pool_access import PoolAccess, Rows, open_access
+from .pool_access import PoolAccess, Rows, fit_pool, open_access
 
 log = logging.getLogger("prefixcache.integrations.vllm")
 
@@ -265,58 +264,12 @@ class WorkerCore:
 
     def _check(self, access: PoolAccess) -> str | None:
         """Why the pool cannot hold these layers' KV, or None (and set the heads)."""
-        info = access.info
         if not self.layers:
             return "register_kv_caches was never called"
-        if info.max_seq_len or info.mamba is not None:
-            return f"model {info.model!r} is not a radix/SWA model"
-        if info.layer_num != len(self.layers):
-            return (f"the pool of {info.model!r} has {info.layer_num} layers, vLLM "
-                    f"{len(self.layers)}")
-        first = self.layers[0]
-        if not _same_dtype(info.dtype, first.dtype):
-            return f"the pool's dtype is {info.dtype}, vLLM's {first.dtype}"
-        if any(view.mla != first.mla for view in self.layers):
-            return "vLLM's layers mix MLA and K/V caches"
-        if first.mla or info.mla:
-            return self._check_mla(info, first)
-        local = first.heads
-        if (info.k_head_dim, info.v_head_dim) != (first.head_dim, first.v_head_dim):
-            return (f"the pool's head dims are {info.k_head_dim}/{info.v_head_dim}, "
-                    f"vLLM's {first.head_dim}/{first.v_head_dim}")
-        total, rank, size = info.k_head_num, self.tp_rank, self.tp_size
-        if info.v_head_num != total:
-            return "K and V head counts differ in the pool"
-        if total == local * size:
-            self._heads = slice(None) if size == 1 else slice(rank * local,
-                                                              (rank + 1) * local)
-        elif local == 1 and total < size and size % total == 0:
-            # Fewer KV heads than ranks: vLLM replicates each head over size/total
-            # ranks; the first of each group writes it.
-            group = size // total
-            self._heads = slice(rank // group, rank // group + 1)
-            self._write_heads = rank % group == 0
-        else:
-            return (f"the pool has {total} KV heads; vLLM's rank {rank} of {size} holds "
-                    f"{local}")
-        return None
-
-    def _check_mla(self, info: PoolInfo, first: LayerView) -> str | None:
-        """The MLA half of ``_check``: both sides MLA, one latent of the same size."""
-        if not first.mla:
-            return (f"the pool of {info.model!r} is an MLA pool (no V) but vLLM's KV cache "
-                    "has K and V: configure the model's pool without mla")
-        if not info.mla:
-            return (f"vLLM's KV cache is MLA (one latent of {first.head_dim}, no V) but the "
-                    f"pool of {info.model!r} has K and V: configure its pool with "
-                    f"mla: true, k_heads: 1, k_head_dim: {first.head_dim}")
-        if (info.k_head_num, info.k_head_dim) != (1, first.head_dim):
-            return (f"the MLA pool of {info.model!r} is {info.k_head_num} x "
-                    f"{info.k_head_dim}; vLLM's latent needs k_heads: 1, "
-                    f"k_head_dim: {first.head_dim}")
-        # Every rank holds the whole latent (see the module docstring): rank 0 saves it.
-        self._heads = slice(None)
-        self._write_heads = self.tp_rank == 0
+        share = fit_pool(access.info, self.layers, self.tp_rank, self.tp_size)
+        if isinstance(share, str):
+            return share
+        self._heads, self._write_heads = share.heads, share.writes
         return None
 
     # ------------------------------------------------------------------ copies
@@ -525,14 +478,3 @@ def _head_size(tensor: Any, layout: str) -> int:
     reported): the last dimension, halved where it holds K then V."""
     last = int(tensor.shape[-1])
     return last if layout in ("kv_first", "blocks_first", "mla") else last // 2
-
-
-def _same_dtype(pool: str, vllm: Any) -> bool:
-    """Whether the pool's element type holds vLLM's bytes as they are: the same type, or
-    an fp8 cache that vLLM allocates as uint8 (``kv_cache_dtype`` fp8) against an fp8
-    pool, and back (every copy of one-byte types is bytewise)."""
-    theirs = str(vllm).removeprefix("torch.")
-    if theirs == pool:
-        return True
-    return "uint8" in (theirs, pool) and {theirs, pool} <= {"uint8", "float8_e4m3fn",
-                                                             "float8_e5m2"}
