@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -26,12 +28,38 @@ from prefixcache.integrations.vllm.config import ConnectorConfig
 from prefixcache.integrations.vllm.keys import RequestInfo
 from prefixcache.integrations.vllm.layerwise import HostCopies, StepLayers
 from prefixcache.integrations.vllm.meta import LoadOp, StepMeta
+from prefixcache.integrations.vllm.scheduler import SchedulerCore
+from prefixcache.integrations.vllm.worker import WorkerCore
 
 pytestmark = pytest.mark.usefixtures("quiet")
 
 
 def names(caches: dict[str, torch.Tensor]) -> list[str]:
     return list(caches)
+
+
+@contextmanager
+def b_reserved(server: ServerThread, caches: dict[str, torch.Tensor]
+               ) -> Iterator[tuple[SchedulerCore, WorkerCore, RequestInfo]]:
+    """A layer-wise worker over ``caches`` whose scheduler side saved A and reserved B's
+    16-token hit (B_BLOCKS), nothing loaded yet; B finishes and both close after."""
+    core = make_scheduler(server.address)
+    worker = make_worker(server.address, layerwise_load=True)
+    try:
+        worker.register(caches)
+        save_a(core, [worker])
+        b = RequestInfo("B", PROMPT, len(PROMPT))
+        core.probe(b, 0)
+        step(core, [worker])
+        assert core.probe(b, 0) == (16, False)
+        core.allocated("B", B_BLOCKS, 16)
+        yield core, worker, b
+        core.finished(b, B_BLOCKS, 17)
+        for _ in range(3):
+            step(core, [worker], {"B"})
+    finally:
+        core.close()
+        worker.close()
 
 
 @pytest.mark.parametrize("transfer", ["attach", "remote"])
@@ -61,22 +89,13 @@ def test_layerwise_loads_the_same_bytes_as_whole_loads(server: ServerThread, lay
 
 def test_layers_are_issued_in_order_and_waits_only_for_this_steps_loads(
         server: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
-    core = make_scheduler(server.address)
-    worker = make_worker(server.address, layerwise_load=True)
-    try:
-        caches = make_caches("kv_first")
-        # A third layer that shares layer 1's cache (vLLM's KV sharing): its wait is
-        # layer 1's.
-        caches["model.layers.2.self_attn.attn"] = caches["model.layers.1.self_attn.attn"]
-        worker.register(caches)
-        save_a(core, [worker])
+    caches = make_caches("kv_first")
+    # A third layer that shares layer 1's cache (vLLM's KV sharing): its wait is
+    # layer 1's.
+    caches["model.layers.2.self_attn.attn"] = caches["model.layers.1.self_attn.attn"]
+    with b_reserved(server, caches) as (core, worker, _):
         assert worker.issued_layers == []
         assert not any(worker.wait_layer(n) for n in caches)  # no loads yet: no-ops
-        b = RequestInfo("B", PROMPT, len(PROMPT))
-        core.probe(b, 0)
-        step(core, [worker])
-        assert core.probe(b, 0) == (16, False)
-        core.allocated("B", B_BLOCKS, 16)
         meta = core.build_meta()
         run_step(core, [worker], meta)
         assert worker.take_load_errors() == set()
@@ -96,39 +115,18 @@ def test_layers_are_issued_in_order_and_waits_only_for_this_steps_loads(
         assert worker.issued_layers == []
         assert not worker.wait_layer(unique[0])
         assert not worker.wait_layer("model.layers.9.self_attn.attn")
-        core.finished(b, B_BLOCKS, 17)
-        for _ in range(2):
-            step(core, [worker], {"B"})
-    finally:
-        core.close()
-        worker.close()
 
 
 def test_without_layer_waits_the_step_loads_whole(server: ServerThread) -> None:
     """vLLM replays a step as one full CUDA graph, which calls no wait: the loads are
     whole, as without the setting."""
-    core = make_scheduler(server.address)
-    worker = make_worker(server.address, layerwise_load=True)
-    try:
-        caches = make_caches("kv_first")
-        worker.register(caches)
-        save_a(core, [worker])
-        b = RequestInfo("B", PROMPT, len(PROMPT))
-        core.probe(b, 0)
-        step(core, [worker])
-        assert core.probe(b, 0) == (16, False)
-        core.allocated("B", B_BLOCKS, 16)
+    caches = make_caches("kv_first")
+    with b_reserved(server, caches) as (core, worker, _):
         worker.start_step(core.build_meta(), by_layer=False)
         assert worker.issued_layers == []
         assert worker.take_load_errors() == set() and worker.loaded_tokens == 16
         assert same_rows(caches, "kv_first")
         core.sends_done(worker.finished_sends(set()))
-        core.finished(b, B_BLOCKS, 17)
-        for _ in range(3):
-            step(core, [worker], {"B"})
-    finally:
-        core.close()
-        worker.close()
 
 
 def test_a_failed_load_reports_its_blocks_and_the_others_load(
@@ -136,17 +134,8 @@ def test_a_failed_load_reports_its_blocks_and_the_others_load(
     """Three loads in one layer-wise step: one whose copy fails (a block vLLM's cache
     does not have), one the scheduler side could not serve, one sound. The sound one
     loads; each failed one reports exactly its blocks, once."""
-    core = make_scheduler(server.address)
-    worker = make_worker(server.address, layerwise_load=True)
-    try:
-        caches = make_caches("kv_first")
-        worker.register(caches)
-        save_a(core, [worker])
-        b = RequestInfo("B", PROMPT, len(PROMPT))
-        core.probe(b, 0)
-        step(core, [worker])
-        assert core.probe(b, 0) == (16, False)
-        core.allocated("B", B_BLOCKS, 16)
+    caches = make_caches("kv_first")
+    with b_reserved(server, caches) as (core, worker, _):
         meta = core.build_meta()
         (load,) = meta.loads
         bad = LoadOp("X", array("q", [1000, 1001, 1002, 1003]), 0, 16, load.slots,
@@ -158,12 +147,6 @@ def test_a_failed_load_reports_its_blocks_and_the_others_load(
         assert worker.load_failures == {"copy": 1, "scheduler": 1}
         assert worker.loaded_tokens == 16 and same_rows(caches, "kv_first")
         assert worker.issued_layers == names(caches)
-        core.finished(b, B_BLOCKS, 17)
-        for _ in range(3):
-            step(core, [worker], {"B"})
-    finally:
-        core.close()
-        worker.close()
 
 
 @pytest.mark.parametrize("change", ["moved", "restarted"])
@@ -171,16 +154,7 @@ def test_a_load_the_check_refuses_fails_every_block(server: ServerThread,
                                                     change: str) -> None:
     """The check that the slots still hold the tokens (``verify_loads``) and the epoch
     check fail a layer-wise load as they fail a whole one."""
-    core = make_scheduler(server.address)
-    worker = make_worker(server.address, layerwise_load=True)
-    try:
-        worker.register(make_caches("kv_first"))
-        save_a(core, [worker])
-        b = RequestInfo("B", PROMPT, len(PROMPT))
-        core.probe(b, 0)
-        step(core, [worker])
-        assert core.probe(b, 0) == (16, False)
-        core.allocated("B", B_BLOCKS, 16)
+    with b_reserved(server, make_caches("kv_first")) as (core, worker, _):
         meta = core.build_meta()
         (load,) = meta.loads
         if change == "moved":
@@ -190,12 +164,6 @@ def test_a_load_the_check_refuses_fails_every_block(server: ServerThread,
         run_step(core, [worker], meta)
         assert worker.take_load_errors() == set(B_BLOCKS[:4])
         assert worker.load_failures == {change: 1} and worker.loaded_tokens == 0
-        core.finished(b, B_BLOCKS, 17)
-        for _ in range(3):
-            step(core, [worker], {"B"})
-    finally:
-        core.close()
-        worker.close()
 
 
 def test_step_layers_bookkeeping() -> None:
