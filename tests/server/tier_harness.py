@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -184,3 +186,24 @@ class Node:
             code = self.proc.wait(10)
         self._stderr.close()
         return code
+
+
+@contextmanager
+def two_nodes(tmp: Path, config_for: Callable[[str], dict[str, Any]]
+              ) -> Iterator[tuple[Master, Node, Node]]:
+    """A master and nodes ``a`` and ``b`` with the config ``config_for`` gives for the
+    master's address, once both are connected to the store; both must stop cleanly."""
+    needs_mooncake()
+    master = Master(tmp)
+    master.start()
+    nodes: list[Node] = []
+    try:
+        for name in ("a", "b"):
+            nodes.append(Node(tmp, name, config_for(master.address)))
+        for node in nodes:
+            node.wait(r"prefixcache_tier_connected", 1)
+        yield master, nodes[0], nodes[1]
+    finally:
+        codes = [node.stop() for node in nodes]
+        master.stop()
+    assert codes == [0] * len(nodes), [n.stderr[-2000:] for n in nodes]

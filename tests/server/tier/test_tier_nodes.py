@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from harness import pb, stub_for, toks
-from tier_harness import Master, Node, needs_mooncake, tier_config
+from tier_harness import Node, tier_config, two_nodes
 
 from prefixcache.cache import hash_token_ids
 from prefixcache.cache.radix.lookup_outcomes import OUTCOMES
@@ -57,22 +57,9 @@ MISSES = r'prefixcache_tier_lookups_total\{.*result="miss".*\}'
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    needs_mooncake()
-    tmp = tmp_path_factory.mktemp("tier")
-    master = Master(tmp)
-    master.start()
-    nodes: list[Node] = []
-    try:
-        for name in ("a", "b"):
-            nodes.append(Node(tmp, name, tier_config(master.address, timeout=TIMEOUT,
-                                                     change_log_capacity=1024)))
-        for node in nodes:
-            node.wait(r"prefixcache_tier_connected", 1)
-        yield {"master": master, "a": nodes[0], "b": nodes[1]}
-    finally:
-        codes = [node.stop() for node in nodes]
-        master.stop()
-    assert codes == [0] * len(nodes), [n.stderr[-2000:] for n in nodes]
+    with two_nodes(tmp_path_factory.mktemp("tier"), lambda address: tier_config(
+            address, timeout=TIMEOUT, change_log_capacity=1024)) as (master, a, b):
+        yield {"master": master, "a": a, "b": b}
 
 
 def _tokens(seed: int, n: int = 16) -> list[int]:

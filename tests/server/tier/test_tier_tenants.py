@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tier_harness import Master, Node, needs_mooncake, tier_config
+from tier_harness import Node, tier_config, two_nodes
 
 from prefixcache.client import PrefixCacheClient
 from prefixcache.client.errors import PrefixCacheError
@@ -21,19 +21,9 @@ TENANTS = [{"name": "one", "token": "token-one", "namespaces": ["one/"]},
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[tuple[Node, Node]]:
-    needs_mooncake()
-    master = Master(tmp_path)
-    master.start()
-    made = [Node(tmp_path, name, tier_config(master.address, tenants=TENANTS))
-            for name in ("a", "b")]
-    try:
-        for node in made:
-            node.wait(r"prefixcache_tier_connected", 1)
-        yield made[0], made[1]
-    finally:
-        codes = [node.stop() for node in made]
-        master.stop()
-    assert codes == [0, 0], [n.stderr[-2000:] for n in made]
+    with two_nodes(tmp_path, lambda address: tier_config(address, tenants=TENANTS)) \
+            as (_, a, b):
+        yield a, b
 
 
 def test_tenants_never_read_each_others_pages(nodes: tuple[Node, Node]) -> None:

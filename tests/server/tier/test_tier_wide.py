@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tier_harness import Master, Node, needs_mooncake, tier_config
+from tier_harness import Node, tier_config, two_nodes
 
 from prefixcache.client import PrefixCacheClient
 from prefixcache.server.tier.backend import Parts
@@ -37,19 +37,9 @@ MODEL = {"name": "m", "page_size": PAGE,
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[tuple[Node, Node]]:
-    needs_mooncake()
-    master = Master(tmp_path)
-    master.start()
-    made = [Node(tmp_path, name, tier_config(master.address, timeout=10.0, models=[MODEL]))
-            for name in ("a", "b")]
-    try:
-        for node in made:
-            node.wait(r"prefixcache_tier_connected", 1)
-        yield made[0], made[1]
-    finally:
-        codes = [node.stop() for node in made]
-        master.stop()
-    assert codes == [0, 0], [n.stderr[-2000:] for n in made]
+    with two_nodes(tmp_path, lambda address: tier_config(address, timeout=10.0,
+                                                         models=[MODEL])) as (_, a, b):
+        yield a, b
 
 
 def test_a_fetch_of_more_parts_than_mooncake_queues_arrives_whole(

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from tier_harness import Master, Node, needs_mooncake, tier_config
+from tier_harness import Node, tier_config, two_nodes
 
 from prefixcache.client import PrefixCacheClient
 
@@ -23,24 +24,14 @@ PUT = r'prefixcache_tier_put_pages_total\{model="m"\}'
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
-    needs_mooncake()
-    tmp = tmp_path_factory.mktemp("write_back")
-    master = Master(tmp)
-    master.start()
-    started: list[Node] = []
-    try:
-        for name in ("a", "b"):
-            # Nothing here is about deadlines: room for a loaded machine.
-            config = tier_config(master.address, timeout=5.0)
-            config["server"]["tier"]["write"] = "on_evict"
-            started.append(Node(tmp, name, config))
-        for node in started:
-            node.wait(r"prefixcache_tier_connected", 1)
-        yield started[0], started[1]
-    finally:
-        codes = [node.stop() for node in started]
-        master.stop()
-    assert codes == [0] * len(started), [n.stderr[-2000:] for n in started]
+    def config(address: str) -> dict[str, Any]:
+        # Nothing here is about deadlines: room for a loaded machine.
+        made = tier_config(address, timeout=5.0)
+        made["server"]["tier"]["write"] = "on_evict"
+        return made
+
+    with two_nodes(tmp_path_factory.mktemp("write_back"), config) as (_, a, b):
+        yield a, b
 
 
 def _cache(node: Node, tokens: list[int], seed: int) -> list[torch.Tensor]:
