@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prefixcache.integrations.vllm.block_copy import (
+    _destination_order,
     load_span,
     save_span,
     slot_run,
@@ -144,3 +145,36 @@ def test_bhn2d_copies_follow_every_physical_stride_order(order: str) -> None:
                 load_span(side, span, rows[span.lo:span.hi])
             assert torch.equal(ref[b, o], rows), (start, count)
     assert torch.equal(full[0], before[0]) and torch.equal(full[2], before[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("kernel_block", [16, 32, 64])
+def test_transposed_blocks_load_in_the_destinations_order(kernel_block: int,
+                                                          dtype: torch.dtype) -> None:
+    """cpu_vec keeps K with tokens innermost: where a block's token run fills a cache
+    line, the load walks the destination's order (_destination_order), and still puts
+    every token where the token-by-token copy does; bhn2d and short runs keep the
+    source's order."""
+    n = 6
+    t = torch.randint(0, 256, (n, HEADS, kernel_block, 2 * DIM * dtype.itemsize),
+                      dtype=torch.uint8, generator=torch.Generator().manual_seed(5)).view(dtype)
+    view = split_kv("l", t, "cpu_vec", DIM)
+    walks_destination = kernel_block * dtype.itemsize >= 64
+    assert (_destination_order(whole_blocks(view.k)) is not None) == walks_destination
+    assert _destination_order(whole_blocks(view.v)) is None
+    bhn2d = split_kv("l", cache("bhn2d", 16, dtype, 0), "bhn2d", DIM)
+    assert _destination_order(whole_blocks(bhn2d.k)) is None
+    block_ids = array("q", [4, 1, 5])
+    count = len(block_ids) * kernel_block
+    (span,) = spans(block_ids, 0, count, kernel_block, kernel_block)
+    assert span.kernel is not None  # whole blocks: the numpy path
+    blocks, offsets = block_positions(block_ids, 0, count, kernel_block, kernel_block)
+    before = t.clone()
+    for side in (view.k, view.v):
+        rows = torch.randint(0, 256, (count, HEADS, DIM * dtype.itemsize), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(kernel_block)).view(dtype)
+        load_span(side, span, rows)
+        got = gather_blocks(side, blocks, offsets)
+        assert torch.equal(got.view(torch.uint8), rows.view(torch.uint8))
+    untouched = [b for b in range(n) if b not in block_ids]
+    assert torch.equal(t[untouched].view(torch.uint8), before[untouched].view(torch.uint8))

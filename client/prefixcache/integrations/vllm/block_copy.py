@@ -125,6 +125,9 @@ def _numpy_load(blocks: Any, kernel: Any, src: Any) -> bool:
             if kind is None or src.element_size() != blocks.element_size():
                 return False
             dst_np, src_np = blocks.view(kind).numpy(), src.view(kind).numpy()
+            order = _destination_order(blocks)
+            if order is not None:
+                dst_np, src_np = dst_np.transpose(order), src_np.transpose(order)
     except (RuntimeError, TypeError, ValueError):  # a view numpy or torch cannot take
         return False
     try:
@@ -132,6 +135,25 @@ def _numpy_load(blocks: Any, kernel: Any, src: Any) -> bool:
     except IndexError as err:  # a block vLLM's cache does not have: the load fails
         raise ValueError(f"block out of range: {err}") from None
     return True
+
+
+def _destination_order(blocks: Any) -> list[int] | None:
+    """The dims of ``blocks`` (after the block index) in their memory order, where its
+    runs of consecutive elements fill a cache line (64 bytes) or more; else None.
+
+    An element-wise copy walks the source's order: into a layout whose contiguous dim
+    is not the last (the CPU backend's transposed K), each element then lands on
+    another cache line. Walking the destination's order writes whole lines instead; the
+    reads stride. Measured (issue 24, bf16, 8 heads of 128): blocks of 32-128 tokens
+    1.5-2.5x faster, 16 (32-byte runs) 0.8x, hence the 64-byte bar.
+    """
+    strides = blocks.stride()
+    inner = [d for d in range(1, blocks.dim()) if strides[d] == 1 and blocks.shape[d] > 1]
+    if not inner or inner[0] == blocks.dim() - 1:
+        return None
+    if int(blocks.shape[inner[0]]) * blocks.element_size() < 64:
+        return None
+    return [0, *sorted(range(1, blocks.dim()), key=lambda d: -strides[d])]
 
 
 def save_span(view: Any, span: Span, out: Any) -> None:

@@ -124,8 +124,12 @@ class EvictedPages:
     def add(self, ids: Iterable[int]) -> None:
         # Bulk set operations and one slice assignment: a Python loop of dict updates
         # per page cost milliseconds for a long prompt's eviction at page size 1.
+        # Deduplicate in C first; evicted pages are nearly always new to the record, so
+        # the per-id filter (a Python loop) runs only when some id is already known.
         known = self._ids
-        fresh = list(dict.fromkeys(i for i in ids if i not in known))
+        fresh = list(dict.fromkeys(ids))
+        if not known.isdisjoint(fresh):
+            fresh = [i for i in fresh if i not in known]
         if not fresh:
             return
         if len(fresh) > self.capacity:
