@@ -339,7 +339,7 @@ class ModelEngine(SlotOwnership, EngineBase):
             bad = int(np.argmin(held))
             raise PreconditionError(f"slot {int(slots[bad])} is not held by this session "
                                     "(already freed, inserted, or never allocated to it)")
-        check_distinct(slots)
+        check_distinct(slots, self.page_size)
         if len(slots) and not self._fenced(session, slots):
             self.allocator.free(slots)
             self._owner[slots] = 0

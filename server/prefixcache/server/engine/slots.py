@@ -19,11 +19,20 @@ from prefixcache.cache.pools.allocator import host_indices
 
 from ..errors import PoolExhaustedError, PreconditionError
 from ..sessions.session import Session
-from .slot_checks import check_distinct, check_range, check_tree_prefix, runs_fit, slot_runs
+from .slot_checks import (
+    check_distinct,
+    check_range,
+    check_tree_prefix,
+    page_blocks,
+    runs_fit,
+    slot_runs,
+)
 from .state_slots import StateSlots
 
 # Runs of one session's allocations followed for its close (beyond: a pool scan).
 MAX_TRACKED_RUNS = 256
+# Up to this many runs, page counts change one slice per run; more: one vector pass.
+_SLICED_RUNS = 8
 
 
 class SlotOwnership:
@@ -85,7 +94,7 @@ class SlotOwnership:
             bad = first_held + int(np.argmin(held[first_held:]))
             raise PreconditionError(f"slot_indices[{bad}] = {int(head[bad])} is not held by "
                                     "this session (allocate it, or pass the matched slot)")
-        check_distinct(head[first_held:])
+        check_distinct(head[first_held:], self.page_size)
         return first_held
 
     def _set_owner(self, slots: np.ndarray, runs: list[tuple[int, int]] | None,
@@ -117,26 +126,40 @@ class SlotOwnership:
         ps = self.page_size
         if ps == 1 or session is None or not len(slots):
             return  # with one-slot pages, pages are slots (session.slots)
-        if runs is not None and len(runs) == 1:
-            # One run (the usual allocation or insert): its pages and their counts by
-            # arithmetic, in O(pages) rather than a sort of the slots.
-            lo, end = runs[0]
-            first, last = lo // ps, (end - 1) // ps
-            pages = np.arange(first, last + 1)
-            counts = np.full(len(pages), ps, dtype=self._page_held.dtype)
-            counts[0] -= lo - first * ps
-            counts[-1] -= (last + 1) * ps - end
+        if runs is not None and len(runs) <= _SLICED_RUNS:
+            change = self._count_runs(runs, sign)
         else:
-            pages, counts = np.unique(slots // ps, return_counts=True)
-        before = self._page_held[pages]
-        after = before + sign * counts.astype(self._page_held.dtype)
-        self._page_held[pages] = after
-        change = int(np.count_nonzero(after)) - int(np.count_nonzero(before))
+            blocks = page_blocks(slots, ps)
+            if blocks is None:  # repeats or split pages: the sort sums them
+                blocks = np.unique(slots // ps, return_counts=True)
+            pages, counts = blocks
+            before = self._page_held[pages]
+            after = before + sign * counts.astype(self._page_held.dtype)
+            self._page_held[pages] = after
+            change = int(np.count_nonzero(after)) - int(np.count_nonzero(before))
         left = session.pages.get(self.name, 0) + change
         if left:
             session.pages[self.name] = left
         else:
             session.pages.pop(self.name, None)
+
+    def _count_runs(self, runs: list[tuple[int, int]], sign: int) -> int:
+        """Add ``sign`` per slot of ``runs`` to the page counts, one slice of pages per
+        run (no index vector); returns the change in pages with a held slot. Runs may
+        share a page: each run's change is counted after the ones before it, so the
+        changes add up to the whole one."""
+        ps, held, change = self.page_size, self._page_held, 0
+        for lo, end in runs:
+            if end <= lo:
+                continue
+            first, last = lo // ps, (end - 1) // ps
+            pages = held[first:last + 1]
+            before = int(np.count_nonzero(pages))
+            pages += sign * ps  # whole pages, then the two ends' missing slots
+            pages[0] -= sign * (lo - first * ps)
+            pages[-1] -= sign * ((last + 1) * ps - end)
+            change += int(np.count_nonzero(pages)) - before
+        return change
 
     def page_problems(self, sessions: list[Session]) -> list[str]:
         """Where the per-page counts disagree with the slot owners (the integrity check)."""
@@ -273,7 +296,7 @@ class SlotOwnership:
         self._check_range(slots)
         if not (self._owner[slots] == session.tag).all():
             raise PreconditionError("only a session's own slots can be quarantined")
-        check_distinct(slots)
+        check_distinct(slots, self.page_size)
         self._owner[slots] = 0
         self._count_pages(session, slots, -1)
         self._disown(session, len(slots))
@@ -290,7 +313,7 @@ class SlotOwnership:
         self._check_range(slots)
         if not self._quarantined[slots].all():
             raise PreconditionError("a slot is not quarantined")
-        check_distinct(slots)
+        check_distinct(slots, self.page_size)
         if session is None:
             self.allocator.free(slots)
         else:
