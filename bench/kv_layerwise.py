@@ -8,6 +8,8 @@ into vLLM's blocks in CUDA tensors (FlashAttention's layout, scattered blocks):
   default) and ``layerwise`` (``layerwise_load``: a stream of their own, an event per
   layer), each against the plain copy of the same bytes from the same pinned pool rows
   into the same CUDA tensors (``cudaMemcpyAsync`` of flat bytes, then a sync);
+- a ``vllm_save`` row (``whole``): the same blocks back into the same pool rows, against
+  the flat copy the other way;
 - per ``layerwise`` row, the overlap with a forward pass simulated on the engine's
   stream (``overlap``): per layer, the layer's wait then matmuls about as long as one
   layer's copies; ``serial_s`` (whole load, then the forward), ``layerwise_s`` (issue,
@@ -30,7 +32,7 @@ import torch
 from prefixcache.client import PrefixCacheClient
 from prefixcache.integrations.vllm.attn_backends import BackendInfo
 from prefixcache.integrations.vllm.config import ConnectorConfig
-from prefixcache.integrations.vllm.meta import LoadOp, StepMeta
+from prefixcache.integrations.vllm.meta import LoadOp, SaveOp, StepMeta
 from prefixcache.integrations.vllm.worker import WorkerCore
 
 FLASH = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
@@ -97,7 +99,8 @@ def overlap(whole: WorkerCore, by_layer: WorkerCore, meta: StepMeta, repeat: int
 def bench_vllm_cuda(client: PrefixCacheClient, target: str, model: str, page: int, n: int,
                     layers: int, heads: int, dim: int, repeat: int,
                     row: Callable[..., dict]) -> list[dict]:
-    """``vllm_load`` rows, whole and layer-wise, for ``n`` tokens in pages of ``page``;
+    """``vllm_load`` rows, whole and layer-wise, and a whole ``vllm_save`` row, for
+    ``n`` tokens in pages of ``page``;
     ``row(path, bytes, seconds, ceiling_seconds, **extra)`` makes each."""
     session = client.session(120, name="kv-layerwise")
     alloc = client.alloc(model, n, session=session)
@@ -142,6 +145,16 @@ def bench_vllm_cuda(client: PrefixCacheClient, target: str, model: str, page: in
                         **extra, **{k: round(v, 6) if isinstance(v, float) else v
                                     for k, v in overlap(whole, by_layer, meta,
                                                         repeat).items()}))
+        # The save: the same blocks back into the same pool rows, against the flat copy
+        # the other way.
+        save = StepMeta(saves=[SaveOp("s", array("q", order), 0, slots, alloc.server_epoch,
+                                      session.session_id)])
+        t_save = cuda_seconds(lambda: whole.start_step(save), repeat)
+        if whole.failed_saves:
+            raise RuntimeError("the save failed")
+        back = cuda_seconds(_plain_copy(pool, slots, list(want.values()), to_pool=True),
+                            repeat)
+        rows.append(row("vllm_save", nbytes, t_save, back, mode="whole", **extra))
     finally:
         for worker, _ in cores.values():
             worker.close()
@@ -150,9 +163,11 @@ def bench_vllm_cuda(client: PrefixCacheClient, target: str, model: str, page: in
     return rows
 
 
-def _plain_copy(pool: Any, slots: array, caches: list[Any]) -> Callable[[], None]:
-    """The same bytes from the same pool rows into the same CUDA tensors, flat: one
-    asynchronous copy per layer and side (the slots are one run of fresh rows)."""
+def _plain_copy(pool: Any, slots: array, caches: list[Any], to_pool: bool = False
+                ) -> Callable[[], None]:
+    """The same bytes from the same pool rows into the same CUDA tensors (``to_pool``:
+    back), flat: one asynchronous copy per layer and side (the slots are one run of
+    fresh rows)."""
     first, n = slots[0], len(slots)
     if list(slots) != list(range(first, first + n)):
         raise RuntimeError("the ceiling needs one run of slots")
@@ -166,5 +181,8 @@ def _plain_copy(pool: Any, slots: array, caches: list[Any]) -> Callable[[], None
 
     def run() -> None:
         for dst, src in pairs:
-            dst.copy_(src, non_blocking=True)
+            if to_pool:
+                src.copy_(dst, non_blocking=True)
+            else:
+                dst.copy_(src, non_blocking=True)
     return run

@@ -50,13 +50,15 @@ def test_kv_bandwidth_rows_and_bytes(tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_kv_bandwidth_on_a_gpu(tmp_path: Path) -> None:
     """``--device cuda``: vllm_load whole and layer-wise, byte-checked against each other
-    by the bench (kv_layerwise.py), with the overlap numbers on the layer-wise row."""
+    by the bench (kv_layerwise.py), with the overlap numbers on the layer-wise row, and
+    vllm_save."""
     out = tmp_path / "kv.json"
     proc = run_bench("--device", "cuda", "--layers", "2", "--tokens", "64", "--pages", "16",
                      "--repeat", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
     assert [(r["path"], r["mode"]) for r in rows] == [("vllm_load", "whole"),
-                                                      ("vllm_load", "layerwise")]
+                                                      ("vllm_load", "layerwise"),
+                                                      ("vllm_save", "whole")]
     assert all(r["bytes"] == 64 * 2 * 2 * 8 * 128 * 2 and r["gb_per_s"] > 0 for r in rows)
     assert {"serial_s", "layerwise_s", "hidden", "issue_host_s"} <= set(rows[1])
