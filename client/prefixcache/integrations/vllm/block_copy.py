@@ -18,6 +18,7 @@ at once. torch and numpy are imported inside the functions only.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,3 +203,47 @@ def slot_run(slots: array) -> int | None:
     if int(values[-1]) - first != len(values) - 1:
         return None
     return first if bool((np.diff(values) == 1).all()) else None
+
+
+SpanMemo = dict[tuple[int, str], list[Span]]
+
+
+def view_spans(view: Any, block_ids: array, start: int, count: int, block_size: int,
+               memo: SpanMemo) -> list[Span]:
+    """``spans`` of one copy in ``view``'s kernel blocks: the same for every layer of one
+    kernel block size and device, so ``memo`` (one per copy) keeps them."""
+    key = (view.kernel_block_size, str(view.k.device))
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = spans(block_ids, start, count, block_size,
+                                  view.kernel_block_size, view.k.device)
+    return found
+
+
+def save_rows(layers: list[Any], block_ids: array, start: int, count: int, block_size: int
+              ) -> tuple[Callable[[int], tuple[Any, Any | None]],
+                         Callable[[int, Any, Any | None], None]]:
+    """A save's two ways to the pool's rows of tokens ``start ..`` (``count`` of them):
+    ``source(layer)``, the rows gathered token by token (for slots that are not one
+    run), and ``fill(layer, k, v)``, which copies each span of whole kernel blocks
+    straight into the pool's rows ``k``/``v`` (slots that are one run)."""
+    positions: dict[int, tuple[Any, Any]] = {}
+    memo: SpanMemo = {}
+
+    def source(layer: int) -> tuple[Any, Any | None]:
+        view = layers[layer]
+        if layer not in positions:
+            positions[layer] = block_positions(block_ids, start, count, block_size,
+                                               view.kernel_block_size, view.k.device)
+        blocks, offsets = positions[layer]
+        k = gather_blocks(view.k, blocks, offsets)
+        return k, None if view.v is None else gather_blocks(view.v, blocks, offsets)
+
+    def fill(layer: int, k: Any, v: Any | None) -> None:
+        view = layers[layer]
+        for span in view_spans(view, block_ids, start, count, block_size, memo):
+            save_span(view.k, span, k[span.lo:span.hi])
+            if view.v is not None and v is not None:
+                save_span(view.v, span, v[span.lo:span.hi])
+
+    return source, fill

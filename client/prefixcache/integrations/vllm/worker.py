@@ -65,17 +65,10 @@ from prefixcache.client import (
 )
 
 from .attn_backends import BackendInfo, layout_for
-from .block_copy import Span, load_span, save_span, spans
+from .block_copy import Span, load_span, save_rows, view_spans
 from .config import ConnectorConfig
 from .layerwise import HostCopies, StepLayers, copies_for
-from .layout import (
-    LayerView,
-    UnknownLayout,
-    block_positions,
-    gather_blocks,
-    layer_numbers,
-    split_kv,
-)
+from .layout import LayerView, UnknownLayout, layer_numbers, split_kv
 from .layout import unique_layers as _unique_layers
 from .meta import LoadOp, SaveOp, StepMeta
 from .pool_access import PoolAccess, Rows, fit_pool, open_access
@@ -363,7 +356,8 @@ class WorkerCore:
         """``op``'s rows of cache ``layer`` into its blocks: whole kernel blocks in one
         copy per side (block_copy.py)."""
         view = self.layers[layer]
-        parts = self._spans(view, op.block_ids, op.start, op.num_tokens, memo)
+        parts = view_spans(view, op.block_ids, op.start, op.num_tokens, self.block_size,
+                           memo)
         k, v = rows(layer)
         for span in parts:
             load_span(view.k, span, k[span.lo:span.hi, self._heads])
@@ -423,41 +417,9 @@ class WorkerCore:
             raise RuntimeError(self._disabled or "pool unavailable")
         if not self._write_heads:
             return
-        positions: dict[int, tuple[Any, Any]] = {}
-
-        def source(layer: int) -> tuple[Any, Any | None]:
-            # Token by token: only where ``fill`` cannot be used (slots not one run).
-            view = self.layers[layer]
-            if layer not in positions:
-                positions[layer] = block_positions(op.block_ids, op.start, len(op.slots),
-                                                   self.block_size, view.kernel_block_size,
-                                                   view.k.device)
-            blocks, offsets = positions[layer]
-            k = gather_blocks(view.k, blocks, offsets)
-            return k, None if view.v is None else gather_blocks(view.v, blocks, offsets)
-
-        memo: dict[tuple[int, str], list[Span]] = {}
-
-        def fill(layer: int, k: Any, v: Any | None) -> None:
-            # The slots are one run: straight into the pool's rows, a copy per span.
-            view = self.layers[layer]
-            for span in self._spans(view, op.block_ids, op.start, len(op.slots), memo):
-                save_span(view.k, span, k[span.lo:span.hi])
-                if view.v is not None and v is not None:
-                    save_span(view.v, span, v[span.lo:span.hi])
-
+        source, fill = save_rows(self.layers, op.block_ids, op.start, len(op.slots),
+                                 self.block_size)
         access.write(op.slots, source, self._heads, op.session_id, op.server_epoch, fill)
-
-    def _spans(self, view: LayerView, block_ids: Any, start: int, count: int,
-               memo: dict[tuple[int, str], list[Span]]) -> list[Span]:
-        """The spans of one copy in ``view``'s kernel blocks: the same for every layer of
-        one kernel block size and device, so ``memo`` (one per copy) keeps them."""
-        key = (view.kernel_block_size, str(view.k.device))
-        found = memo.get(key)
-        if found is None:
-            found = memo[key] = spans(block_ids, start, count, self.block_size,
-                                      view.kernel_block_size, view.k.device)
-        return found
 
 
 # Why a load failed: the key counts it (``load_failures``), the words log it.
