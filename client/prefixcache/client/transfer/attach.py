@@ -111,7 +111,9 @@ def _map_shm(buf: BufferInfo, files: dict[str, Any]) -> Any:
 def _map_cuda(buf: BufferInfo) -> Any:
     import torch
 
-    assert buf.cuda is not None
+    if buf.cuda is None:
+        raise FailedPrecondition(f"buffer {buf.role} of layer {buf.layer} names no CUDA "
+                                 "handle: describe the pool again")
     if not torch.cuda.is_available():
         raise FailedPrecondition("the pool is on a GPU and this process has no CUDA")
     torch.cuda._lazy_init()
