@@ -148,6 +148,14 @@ def test_each_outcome_counted_and_explained(tmp_path) -> None:
         srv.check_integrity()
 
 
+def _chain(tokens: list[int], page: int = 4) -> list[str]:
+    """The chained page hashes of ``tokens``' whole pages (SGLang's page keys)."""
+    chain: list[str] = []
+    for i in range(0, len(tokens) - page + 1, page):
+        chain.append(hash_token_ids(tokens[i:i + page], chain[-1] if chain else None))
+    return chain
+
+
 def test_page_hash_lookups_and_explain(tmp_path) -> None:
     """ExistsPages (SGLang's batch_exists) misses by outcome, and Explain by prompt_hash."""
     with running(tmp_path, [MODEL], metrics_host="127.0.0.1", metrics_port=0) as srv:
@@ -155,10 +163,7 @@ def test_page_hash_lookups_and_explain(tmp_path) -> None:
         with channel:
             sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
             _cache(stub, sid, A, NS)
-            chain, prior = [], None
-            for i in range(0, 16, 4):
-                prior = hash_token_ids(A[i:i + 4], prior)
-                chain.append(prior)
+            chain = _chain(A[:16])
             packed = b"".join(bytes.fromhex(h) for h in chain)
 
             def exists(extra_key=None) -> int:
@@ -422,10 +427,7 @@ def test_a_page_lookup_lock_counts_its_run_not_its_prefix(tmp_path) -> None:
         with channel:
             sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
             _cache(stub, sid, A, None)
-            chain, prior = [], None
-            for i in range(0, 16, 4):
-                prior = hash_token_ids(A[i:i + 4], prior)
-                chain.append(prior)
+            chain = _chain(A[:16])
             tail = b"".join(bytes.fromhex(h) for h in chain[1:])  # pages 2-4 of 4
 
             def counts() -> dict[str, int]:

@@ -207,3 +207,25 @@ def two_nodes(tmp: Path, config_for: Callable[[str], dict[str, Any]]
         codes = [node.stop() for node in nodes]
         master.stop()
     assert codes == [0] * len(nodes), [n.stderr[-2000:] for n in nodes]
+
+
+@contextmanager
+def frozen_master_node(tmp: Path, model: dict[str, Any]) -> Iterator[tuple[Master, Node]]:
+    """Node ``a`` with ``model``, connected to a master that is then frozen (SIGSTOP);
+    the master is thawed before both stop, and the node must stop cleanly."""
+    needs_mooncake()
+    master = Master(tmp)
+    master.start()
+    node = Node(tmp, "a", tier_config(master.address, models=[model]))
+    try:
+        node.wait(r"prefixcache_tier_connected", 1)
+        if master.proc is None:
+            raise RuntimeError("the master did not start")
+        master.proc.send_signal(signal.SIGSTOP)
+        yield master, node
+    finally:
+        if master.proc is not None and master.proc.poll() is None:
+            master.proc.send_signal(signal.SIGCONT)
+        code = node.stop()
+        master.stop()
+    assert code == 0, node.stderr[-2000:]

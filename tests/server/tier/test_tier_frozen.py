@@ -4,12 +4,11 @@ workers go on caching (and evicting) without running out of room."""
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
 import numpy as np
-from tier_harness import Master, Node, needs_mooncake, tier_config
+from tier_harness import frozen_master_node
 
 from prefixcache.client import PrefixCacheClient
 
@@ -17,15 +16,8 @@ POOL = {"size": 256, "layers": 1, "k_heads": 1, "k_head_dim": 8}
 
 
 def test_a_frozen_master_pins_no_more_than_a_share_of_the_pool(tmp_path: Path) -> None:
-    needs_mooncake()
-    master = Master(tmp_path)
-    master.start()
-    node = Node(tmp_path, "a", tier_config(master.address, models=[
-        {"name": "m", "page_size": 4, "pool": POOL}]))
-    try:
-        node.wait(r"prefixcache_tier_connected", 1)
-        assert master.proc is not None
-        master.proc.send_signal(signal.SIGSTOP)
+    model = {"name": "m", "page_size": 4, "pool": POOL}
+    with frozen_master_node(tmp_path, model) as (_, node):
         slowest = 0.0
         with PrefixCacheClient(node.address, timeout=10) as client:
             for i in range(24):  # 24 prompts of 16 tokens: 1.5 pools
@@ -47,9 +39,3 @@ def test_a_frozen_master_pins_no_more_than_a_share_of_the_pool(tmp_path: Path) -
         assert slowest < 2.0, slowest
         assert node.metric(r'prefixcache_tier_put_dropped_pages_total\{.*reason="pin_limit".*\}'
                            ) > 0
-    finally:
-        if master.proc is not None and master.proc.poll() is None:
-            master.proc.send_signal(signal.SIGCONT)
-        code = node.stop()
-        master.stop()
-    assert code == 0, node.stderr[-2000:]

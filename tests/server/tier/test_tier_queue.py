@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tier_harness import Master, Node, needs_mooncake, tier_config
+from tier_harness import frozen_master_node
 
 from prefixcache.client import PrefixCacheClient
 from prefixcache.server.tier.writer import BATCH_JOBS, MAX_JOBS
@@ -33,15 +33,8 @@ def _locks(client: PrefixCacheClient) -> int:
 
 def test_a_full_put_queue_drops_and_counts_and_drains_once_the_store_answers(
         tmp_path: Path) -> None:
-    needs_mooncake()
-    master = Master(tmp_path)
-    master.start()
-    node = Node(tmp_path, "a", tier_config(master.address, models=[
-        {"name": "m", "page_size": PAGE, "pool": POOL}]))
-    try:
-        node.wait(r"prefixcache_tier_connected", 1)
-        assert master.proc is not None
-        master.proc.send_signal(signal.SIGSTOP)
+    model = {"name": "m", "page_size": PAGE, "pool": POOL}
+    with frozen_master_node(tmp_path, model) as (master, node):
         slowest = 0.0
         with PrefixCacheClient(node.address, timeout=10) as client:
             for i in range(PROMPTS):
@@ -70,6 +63,7 @@ def test_a_full_put_queue_drops_and_counts_and_drains_once_the_store_answers(
             assert dropped >= (PROMPTS - MAX_JOBS - BATCH_JOBS) * (PROMPT // PAGE), dropped
             assert node.metric(r"prefixcache_tier_put_dropped_pages_total\{.*\}") == dropped
             assert _locks(client) >= MAX_JOBS  # each waiting write pins its node
+            assert master.proc is not None
             master.proc.send_signal(signal.SIGCONT)
             deadline = time.monotonic() + 60
             while node.metric(DEPTH) > 0:
@@ -79,9 +73,3 @@ def test_a_full_put_queue_drops_and_counts_and_drains_once_the_store_answers(
             while _locks(client):  # every write's pin released, stored or failed
                 assert time.monotonic() < deadline, _locks(client)
                 time.sleep(0.1)
-    finally:
-        if master.proc is not None and master.proc.poll() is None:
-            master.proc.send_signal(signal.SIGCONT)
-        code = node.stop()
-        master.stop()
-    assert code == 0, node.stderr[-2000:]
