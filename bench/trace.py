@@ -12,7 +12,7 @@ from pathlib import Path
 
 BLOCK_TOKENS = 512  # Mooncake hash ids each stand for one 512-token block
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TRACES_DIR = REPO_ROOT.parent / "shared" / "traces"
+TRACES_DIR = REPO_ROOT / "bench" / "traces"
 DEFAULT_TRACE = TRACES_DIR / "mooncake_conversation_trace.jsonl"
 
 
@@ -58,8 +58,8 @@ def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
 
 
 def synthetic_trace(limit: int, seed: int = 0) -> list[TraceRequest]:
-    """Conversation-shaped requests where no trace file is at hand (the Mooncake traces
-    live in the team's shared folder, not in the repository): a few system prompts,
+    """Conversation-shaped requests where no trace file is at hand (``--trace`` names
+    a file that is not there): a few system prompts,
     and sessions whose every turn repeats the previous turn's blocks and adds some."""
     import random
 

@@ -11,9 +11,9 @@ It runs the whole protocol a real worker runs, with random numbers for "compute"
 3. finish: ``insert`` the prompt plus the generated tokens, releasing the prefill lock,
    and free the slots of the unaligned tail that the tree did not take.
 
-Requests come from a Mooncake trace (``bench/trace.py``; the team's shared traces
-folder, or ``--trace FILE``), or, where no trace file is found, from a synthetic
-conversation-shaped trace. At the end it prints requests/s and the token hit ratio.
+Requests come from a Mooncake trace (``bench/traces/``, or ``--trace FILE``), or, where
+no trace file is found, from a synthetic conversation-shaped trace. At the end it prints
+requests/s and the token hit ratio.
 
     prefixcache serve --config examples/worker.yaml &
     python examples/worker.py --limit 200

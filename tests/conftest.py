@@ -24,3 +24,18 @@ def _why_no_cuda() -> str | None:
     if not torch.cuda.is_available():
         return "needs CUDA: torch.cuda.is_available() is False"
     return None
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Skips are never silent: each distinct reason, with how many tests it skipped
+    (a fresh machine without Debian's libibverbs1 skips the tier's tests, say)."""
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.section("skipped, by reason")
+        for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{count:5d}  {reason}")

@@ -13,11 +13,10 @@ import pytest
 
 _REPO = Path(__file__).resolve().parents[2]
 BENCH = _REPO / "bench" / "grpc_replay.py"
-TRACE = _REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = _REPO / "bench" / "traces" / "mooncake_conversation_trace.jsonl"
 CONFIGS = [(mode, workers) for mode in ("unary", "stream") for workers in (1, 2)]
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found: {TRACE}")
 def test_grpc_replay_runs_every_config(tmp_path: Path) -> None:
     pytest.importorskip("grpc")
     pytest.importorskip("torch")

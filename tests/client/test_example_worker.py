@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from harness import REPO, serve_process
 
 from prefixcache.client import PrefixCacheClient
@@ -20,8 +19,6 @@ models:
 """
 
 
-@pytest.mark.skipif(not (REPO.parent / "shared" / "traces").is_dir(),
-                    reason="the Mooncake traces are not checked out")
 def test_worker_runs_against_a_real_server(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with serve_process(tmp_path, CONFIG) as (_, address):
@@ -39,7 +36,7 @@ def test_worker_runs_against_a_real_server(tmp_path: Path) -> None:
 
 
 def test_worker_runs_without_the_trace_files(tmp_path: Path) -> None:
-    """A fresh checkout has no shared traces: the example replays a synthetic trace."""
+    """A trace file that is not there: the example replays a synthetic trace."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with serve_process(tmp_path, CONFIG) as (_, address):
         done = subprocess.run(
