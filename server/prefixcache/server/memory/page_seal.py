@@ -1,0 +1,143 @@
+"""Page seals: a digest, or a MAC, over a page's bytes and its identity.
+
+A page is trusted only inside the process that wrote it. Wherever its bytes leave (the
+tier, a snapshot, the disk tier) a seal goes with them, and where they come back the
+seal is checked against the bytes *and* the identity the reader expects: the model's
+fingerprint, the tenant, the namespace and the page's place in its hash chain. A valid
+page copied under another name, an older version of a page, or one tenant's page shown
+to another fails, as does any changed byte.
+
+Two kinds, told apart by the seal's first byte:
+
+* a **digest** (no key): XXH3-128 over the identity, then the bytes. It catches
+  corruption and naive garbage; anyone who can compute it can forge it.
+* a **MAC** (a key): AES-GMAC, that is AES-256-GCM with the identity and the bytes as
+  associated data and nothing encrypted, under a random 96-bit nonce per seal. Nobody
+  without the key can forge one.
+
+A reader checks only the kind it was built for: a keyed reader refuses digests (no
+downgrade), a keyless one refuses MACs (it cannot check them). Both run in native code
+over the page's parts in place, with no copy (measured on the 2-core dev VM: XXH3 34-40
+GB/s, GMAC 19-29 GB/s over 64 KiB-1 MiB parts, against 11 GB/s for a memcpy).
+
+Keys: one cluster secret, and a key per (purpose, tenant) derived from it with
+HKDF-SHA256, so that a sidecar which does not know a tenant cannot check, nor forge,
+that tenant's pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hmac
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+import xxhash
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+SEAL_BYTES: Final = 32
+DIGEST: Final = 1
+MAC: Final = 2
+# Layout: kind (1 byte), 3 zero bytes, nonce (12, zero for a digest), tag (16).
+_NONCE = slice(4, 16)
+_TAG = slice(16, 32)
+_NO_NONCE: Final = bytes(12)
+MIN_SECRET_BYTES: Final = 32
+
+Buffer = bytes | bytearray | memoryview
+
+
+def identity(*fields: str | bytes | int | None) -> bytes:
+    """A page's identity as unambiguous bytes: each field tagged and length-prefixed,
+    so that no two field lists encode alike (``None`` and ``""`` differ, as namespaces
+    do in the tree)."""
+    out = bytearray()
+    for field in fields:
+        if field is None:
+            out += b"n"
+        elif isinstance(field, int):
+            out += b"i" + struct.pack("<q", field)
+        else:
+            data = field.encode() if isinstance(field, str) else bytes(field)
+            out += b"s" + struct.pack("<I", len(data)) + data
+    return bytes(out)
+
+
+def address_views(ptrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
+    """Read-only views of raw memory (a page's parts in a pool), for sealing in place."""
+    return [memoryview((ctypes.c_char * size).from_address(ptr)).cast("B").toreadonly()
+            for ptr, size in zip(ptrs, sizes, strict=True)]
+
+
+class PageSeal:
+    """Seals pages and checks seals, with one key (a MAC) or none (a digest)."""
+
+    def __init__(self, key: bytes | None = None) -> None:
+        if key is not None and len(key) != 32:
+            raise ValueError(f"a seal key has 32 bytes, not {len(key)}")
+        self.keyed = key is not None
+        self._aes = algorithms.AES(key) if key is not None else None
+
+    def seal(self, ident: bytes, parts: Iterable[Buffer]) -> bytes:
+        """The seal of a page whose bytes are ``parts`` in order, under ``ident``."""
+        if self._aes is None:
+            return bytes((DIGEST, 0, 0, 0)) + _NO_NONCE + self._digest(ident, parts)
+        nonce = os.urandom(12)
+        return bytes((MAC, 0, 0, 0)) + nonce + self._mac(nonce, ident, parts)
+
+    def check(self, ident: bytes, parts: Iterable[Buffer], seal: Buffer) -> bool:
+        """Whether ``seal`` is this reader's kind of seal of exactly these bytes under
+        exactly this identity. Never raises on a malformed seal: that is a ``False``."""
+        seal = bytes(seal)
+        if len(seal) != SEAL_BYTES or seal[1:4] != b"\0\0\0":
+            return False
+        if self._aes is None:
+            if seal[0] != DIGEST or seal[_NONCE] != _NO_NONCE:
+                return False
+            return hmac.compare_digest(seal[_TAG], self._digest(ident, parts))
+        if seal[0] != MAC:
+            return False
+        return hmac.compare_digest(seal[_TAG], self._mac(seal[_NONCE], ident, parts))
+
+    @staticmethod
+    def _digest(ident: bytes, parts: Iterable[Buffer]) -> bytes:
+        h = xxhash.xxh3_128()
+        h.update(struct.pack("<I", len(ident)))
+        h.update(ident)
+        for part in parts:
+            h.update(part)
+        return h.digest()
+
+    def _mac(self, nonce: bytes, ident: bytes, parts: Iterable[Buffer]) -> bytes:
+        gcm = Cipher(self._aes, modes.GCM(nonce)).encryptor()  # type: ignore[arg-type]
+        gcm.authenticate_additional_data(struct.pack("<I", len(ident)))
+        gcm.authenticate_additional_data(ident)
+        for part in parts:
+            gcm.authenticate_additional_data(part)
+        gcm.finalize()
+        return gcm.tag
+
+
+def derive_key(secret: bytes, purpose: str, tenant: str | None) -> bytes:
+    """The 32-byte key for one purpose ("tier-pages", "tier-keys", "kv-events", ...)
+    and one tenant (``None``: no tenant), derived from the cluster secret."""
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"a secret has at least {MIN_SECRET_BYTES} bytes, not {len(secret)}")
+    info = identity("prefixcache/v1", purpose, tenant)
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+
+
+def read_secret(path: str) -> bytes:
+    """A secret file's bytes (trailing newline kept: the file is the secret), refused
+    with a one-line reason when it is too short to be one."""
+    with open(path, "rb") as fh:
+        secret = fh.read(1 << 16)
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{path}: a secret file holds at least {MIN_SECRET_BYTES} random "
+                         f"bytes (this one {len(secret)}); make one with "
+                         f"`head -c 32 /dev/urandom > {path}`")
+    return secret
