@@ -10,11 +10,12 @@ are never copied to seal them.
 * **Put** (writer.py's thread, before the batch call): each page's seal is computed over
   its parts in place and written into its slot (``seal_pages``).
 * **Fetch** (store_read.py's thread, right after ``get_into`` landed the pages in their
-  pool slots and before any page enters a tree): each page's seal is checked in order
+  pool slots and before any page enters a tree): each page's seal is checked
   (``checked_get``); the first page whose object is not a page and its seal, or whose
-  seal does not check, ends the leading run there (a shorter hit, never a wrong one),
-  and its object is removed from the store (force: a lookup's probe holds a read lease
-  on it). Its code says why (``INTEGRITY_CODES``), for the loop to count.
+  seal does not check, ends the leading run there (a shorter hit, never a wrong one).
+  Every refused object is removed from the store (force: a lookup's probe holds a
+  read lease on it), and its code says why (``INTEGRITY_CODES``), for the loop to
+  count.
 
 XXH3 releases the GIL over large parts; AES-GMAC (``cryptography``) holds it for a
 page's parts at a time, a few microseconds.
@@ -93,31 +94,35 @@ def seal_pages(seal: PageSeal, idents: Sequence[bytes], ptrs: Parts, sizes: Part
 
 def checked_get(backend: TierBackend, keys: list[str], ptrs: Parts, sizes: Parts,
                 check: Callable[[int], str | None], object_bytes: int) -> list[int]:
-    """``get_into``, then each page's seal checked in order (``check(i)``: None, or why
-    page ``i`` is refused): the store's codes, with the first refused page's replaced
-    by its ``INTEGRITY_CODES`` code and its object removed. On a store thread.
+    """``get_into``, then each page's seal checked (``check(i)``: None, or why page
+    ``i`` is refused): the store's codes, each refused page's replaced by its
+    ``INTEGRITY_CODES`` code. Every page read is checked, past a refused one too, so
+    that each refused object is removed at once (the next writer of the page then
+    replaces it) and counted. On a store thread.
 
     A read of an object whose size is not ``object_bytes`` fails in Mooncake (the
     buffers are larger: TRANSFER_FAIL; smaller: INVALID_PARAMS); the store is then asked
     the object's size, so that a wrong-sized object is told from a dead peer."""
     codes = backend.get_into(keys, ptrs, sizes)
+    refused: list[str] = []
     for i, code in enumerate(codes):
         reason: str | None = None
         if code == object_bytes:
             reason = check(i)
-            if reason is None:
-                continue
         elif code >= 0 or code in (TRANSFER_FAIL, INVALID_PARAMS):
             size = backend.object_size(keys[i])
             if size >= 0 and size != object_bytes:
                 reason = SIZE
         if reason is not None:
             codes[i] = _CODE_OF[reason]
-            try:
-                backend.remove([keys[i]])
-            except Exception:  # the store is gone meanwhile: the object goes with it
-                log.debug("tier could not remove a refused object", exc_info=True)
-        break
+            refused.append(keys[i])
+        elif code != object_bytes:
+            break  # a store error: the pages after it were not read
+    if refused:
+        try:
+            backend.remove(refused)
+        except Exception:  # the store is gone meanwhile: the objects go with it
+            log.debug("tier could not remove refused objects", exc_info=True)
     return codes
 
 

@@ -198,13 +198,15 @@ class StoreRead:
         engine.unquarantine(slots, self.session)
         self._returned = True
         whole = leading_run(codes, lambda c: c == mt.object_bytes)
+        for i in range(whole, len(codes)):
+            reason = INTEGRITY_CODES.get(codes[i])
+            if reason is not None:
+                mt.refused += 1
+                tier.service.integrity.count("tier", reason, model=mt.name, key=keys[i])
         if whole < len(codes):
             code = codes[whole]
             if code in INTEGRITY_CODES:
                 self.refused = INTEGRITY_CODES[code]
-                mt.refused += 1
-                tier.service.integrity.count("tier", self.refused, model=mt.name,
-                                             key=keys[whole])
             else:
                 tier.error("get", code_name(code) if code < 0 else "SIZE_MISMATCH")
         if whole == 0:
