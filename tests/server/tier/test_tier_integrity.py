@@ -150,6 +150,12 @@ def _page_bytes(tokens: list[int], page: int) -> bytes:
     return b"".join(t[page * PAGE:(page + 1) * PAGE].numpy().tobytes() for t in kv)
 
 
+def test_a_sidecar_without_the_secret_says_once_whom_its_tier_trusts(cluster: Cluster) -> None:
+    for node in (cluster.a, cluster.b):
+        said = node.stderr.count("trusts every client of the master")
+        assert said == (0 if cluster.secret else 1), node.stderr[-2000:]
+
+
 def test_garbage_under_a_prompt_never_cached_is_refused(cluster: Cluster) -> None:
     b, raw = cluster.b, cluster.raw
     tokens = _tokens(1)
