@@ -62,7 +62,10 @@ class SealedPages:
             for ptr, size in regions:
                 self.backend.register(ptr, size)
             self.memory = MemoryRegions(regions)
-            self.taken = self.slots.take(pages) or []
+            taken = self.slots.take(pages)
+            if taken is None:
+                raise RuntimeError("no seal slots")
+            self.taken = taken
         except BaseException:
             self.close()
             raise

@@ -23,7 +23,9 @@ to the store with no hook in those paths:
   writes nothing back.
 * Every page put carries its seal (seals.py), computed on the put thread into a seal
   slot the job holds until it is answered; no free seal slot is a counted drop
-  (``seal_slots``).
+  (``seal_slots``). A write-through job sealed after a Reset is not put (the rows it
+  sealed may be another page's by then); rows that change after it was sealed no
+  longer match their seal, so a fetch refuses them.
 
 Not thread-safe: the loop's, like the engine.
 """
@@ -112,7 +114,7 @@ class ModelTier:
             self.staging = Staging.for_pool(self.layout, engine.pool_size)
             cache.before_free = self.evicting
         self.seal_slots = SealSlots(seal_slot_count(
-            engine.pool_size // self.page_size,
+            engine.pool_size // self.page_size, self.max_fetch_slots // self.page_size,
             self.staging.pages if self.staging is not None else 0))
         # Views of the memory objects are made of, for sealing and checking in place.
         self.memory = MemoryRegions(self.regions())
@@ -144,16 +146,20 @@ class ModelTier:
         return [*self.layout.regions(), *staged, self.seal_slots.region()]
 
     def sealed_job(self, keys: list[str], ptrs: Parts, sizes: Parts, ns: Any,
-                   hashes: list[str], seals: list[int]) -> PutJob:
+                   hashes: list[str], seals: np.ndarray, generation: int | None) -> PutJob:
         """A put job of pages ``hashes`` (of namespace ``ns``) with their seal slots
         ``seals``: each object the page's parts, then its seal, computed on the put
-        thread; ``done`` is set by the caller (and must release ``seals``)."""
+        thread; ``done`` is set by the caller (and must release ``seals``). With a
+        ``generation`` (parts in the pool), the job is put only if no Reset came before
+        its seals were made: rows only change after a Reset freed them, so the sealed
+        bytes are then the page's."""
         ptrs, sizes = sealed(ptrs, sizes, self.seal_slots.ptrs(seals))
         idents = [ns.ident(h) for h in hashes]
         memory, slots = self.memory, self.seal_slots
 
-        def seal() -> None:
+        def seal() -> bool:
             seal_pages(ns.seal, idents, ptrs, sizes, memory, slots, seals)
+            return generation is None or generation == self.generation
 
         return PutJob(keys, ptrs, sizes, lambda c: None, seal)
 
@@ -230,10 +236,10 @@ class ModelTier:
             ptrs, sizes = self.layout.parts(np.ascontiguousarray(part))
             end = at + MAX_JOB_PAGES
             jobs.append(self.sealed_job(keys[at:end], ptrs, sizes, ns, hashes[at:end],
-                                        seals[at:end]))
+                                        seals[at:end], generation))
         left = [len(jobs)]
 
-        def done(job: PutJob, mine: list[int], codes: list[int]) -> None:
+        def done(job: PutJob, mine: np.ndarray, codes: list[int]) -> None:
             self.seal_slots.release(mine)
             self._put_done(job, codes, generation)
             left[0] -= 1
@@ -293,10 +299,12 @@ class ModelTier:
             end = at + MAX_JOB_PAGES
             mine, my_seals = taken[at:end], seals[at:end]
             ptrs, sizes = staging.parts(mine)
-            job = self.sealed_job(keys[at:end], ptrs, sizes, ns, hashes[at:end], my_seals)
+            # Staged bytes are private: no Reset changes them.
+            job = self.sealed_job(keys[at:end], ptrs, sizes, ns, hashes[at:end], my_seals,
+                                  None)
 
             def done(codes: list[int], job: PutJob = job, mine: list[int] = mine,
-                     my_seals: list[int] = my_seals) -> None:
+                     my_seals: np.ndarray = my_seals) -> None:
                 staging.release(mine)
                 seal_slots.release(my_seals)
                 # Staged bytes are the page's whatever a Reset did since: no generation.
@@ -338,9 +346,9 @@ class ModelTier:
             log.debug("tier lock already released", exc_info=True)
 
 
-def seal_slot_count(pool_pages: int, staging_pages: int) -> int:
-    """Seal slots a model gets: every page of its pool twice (a page may be fetched
-    while a put of other rows of the same prompt is still answered, and a node written
-    at once may be longer than the pin cap), the write-back staging's pages, and one
-    put job's. 32 bytes each."""
-    return 2 * pool_pages + staging_pages + MAX_JOB_PAGES
+def seal_slot_count(pool_pages: int, fetch_pages: int, staging_pages: int) -> int:
+    """Seal slots a model gets (32 bytes each): a put holds one per page it writes, which
+    the pool holds at most once each (the rest of a Reset's puts in flight, if any, are
+    dropped as ``seal_slots``), a fetch one per page of ``tier.max_fetch_slots``, a
+    write-back one per staging page, and one put job's more."""
+    return pool_pages + fetch_pages + staging_pages + MAX_JOB_PAGES

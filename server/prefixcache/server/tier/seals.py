@@ -49,33 +49,39 @@ _CODE_OF = {reason: code for code, reason in INTEGRITY_CODES.items()}
 
 class SealSlots:
     """``count`` seal slots of one model, registered with the store; taken and given
-    back on the loop, written and read by the store threads that were given them."""
+    back on the loop (as arrays of slot numbers), written and read by the store threads
+    that were given them. The free slots are a stack in an array: no Python object per
+    slot."""
 
     def __init__(self, count: int) -> None:
         self.count = count
         self._buf = np.zeros((count, SEAL_BYTES), dtype=np.uint8)
         self.base = int(self._buf.ctypes.data)
-        self._free = list(range(count - 1, -1, -1))
+        self._free = np.arange(count - 1, -1, -1, dtype=np.int64)
+        self._top = count  # slots free: _free[:_top]
 
     @property
     def available(self) -> int:
-        return len(self._free)
+        return self._top
 
     def region(self) -> tuple[int, int]:
         """``(pointer, bytes)`` of the slots, to register with the store."""
         return self.base, int(self._buf.nbytes)
 
-    def take(self, n: int) -> list[int] | None:
+    def take(self, n: int) -> np.ndarray | None:
         """``n`` free slots, or None (none taken) when fewer are free."""
-        if n > len(self._free):
+        if n > self._top:
             return None
-        return [self._free.pop() for _ in range(n)]
+        self._top -= n
+        return self._free[self._top:self._top + n][::-1].copy()
 
-    def release(self, taken: list[int]) -> None:
-        self._free.extend(taken)
+    def release(self, taken: np.ndarray) -> None:
+        n = len(taken)
+        self._free[self._top:self._top + n] = taken
+        self._top += n
 
-    def ptrs(self, taken: list[int]) -> list[int]:
-        return [self.base + i * SEAL_BYTES for i in taken]
+    def ptrs(self, taken: np.ndarray) -> list[int]:
+        return (self.base + taken * SEAL_BYTES).tolist()
 
     def write(self, slot: int, seal: bytes) -> None:
         self._buf[slot] = np.frombuffer(seal, dtype=np.uint8)
@@ -85,7 +91,7 @@ class SealSlots:
 
 
 def seal_pages(seal: PageSeal, idents: Sequence[bytes], ptrs: Parts, sizes: Parts,
-               regions: MemoryRegions, slots: SealSlots, taken: Sequence[int]) -> None:
+               regions: MemoryRegions, slots: SealSlots, taken: np.ndarray) -> None:
     """Seal each page ``i`` (its parts ``ptrs[i][:-1]``: the last is its seal slot) under
     ``idents[i]`` into seal slot ``taken[i]``. On a store thread."""
     for ident, p, z, slot in zip(idents, ptrs, sizes, taken, strict=True):
@@ -127,7 +133,7 @@ def checked_get(backend: TierBackend, keys: list[str], ptrs: Parts, sizes: Parts
 
 
 def page_checker(seal: PageSeal, idents: Sequence[bytes], ptrs: Parts, sizes: Parts,
-                 regions: MemoryRegions, slots: SealSlots, taken: Sequence[int]
+                 regions: MemoryRegions, slots: SealSlots, taken: np.ndarray
                  ) -> Callable[[int], str | None]:
     """``check`` for ``checked_get``: page ``i``'s parts (the last its seal slot) against
     its identity."""

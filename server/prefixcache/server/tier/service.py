@@ -104,11 +104,11 @@ class Tier:
         # Locks of pages being written and slots being fetched belong to this session,
         # so the service's audits and Reset see them like any worker's; it is the
         # service's own, so no client quota applies to it.
+        secret = read_tier_secret(cfg.secret_file) if cfg.secret_file else None
+        self.keyed = secret is not None
         self.session = service.sessions.open(None, "prefixcache-tier")
         self.session.internal = True
         self.service = service
-        secret = read_tier_secret(cfg.secret_file) if cfg.secret_file else None
-        self.keyed = secret is not None
         self.models: dict[str, ModelTier] = {}
         for name, engine in service.engines.items():
             if not (engine.config.tier and engine.kind == "radix"):

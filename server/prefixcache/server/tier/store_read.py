@@ -94,7 +94,7 @@ class StoreRead:
         self.generation = mt.generation  # a Reset bumps it: see ``void``
         self.lock_id = 0
         self.slots = np.zeros(0, dtype=np.int64)
-        self.seals: list[int] = []
+        self.seals = np.zeros(0, dtype=np.int64)
         self._returned = False  # the slots are the session's again (the read came back)
         self._landed = True  # nothing of the fetch is held (seal slots, max_fetch_slots)
         # The store call failed, timed out or was not made, or its first page came back

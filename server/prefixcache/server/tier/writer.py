@@ -37,7 +37,8 @@ class PutJob:
     ptrs: Parts
     sizes: Parts
     done: Callable[[list[int]], None]
-    seal: Callable[[], None] | None = None
+    # Seals the pages; False: they are not to be stored (answered with no codes).
+    seal: Callable[[], bool] | None = None
 
 
 class PutQueue:
@@ -107,9 +108,7 @@ class PutQueue:
             failed: list[PutJob] = []
             for job in batch:
                 try:
-                    if job.seal is not None:
-                        job.seal()
-                    sealed.append(job)
+                    (sealed if job.seal is None or job.seal() else failed).append(job)
                 except Exception:  # a job that cannot be sealed is not stored
                     log.exception("tier put: sealing failed")
                     failed.append(job)
