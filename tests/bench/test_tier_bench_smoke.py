@@ -1,7 +1,7 @@
 """Smoke tests of bench/tier.py. The default run: the fetch measurement alone (a master,
-two sidecars, Mooncake's own reader) and the seal checks' cost, about 15 s. The whole bench on a tiny synthetic
-trace (the three hit ratios too: seven sidecars, two masters, 30 to 100 s here) runs
-only with PREFIXCACHE_SLOW=1, as CI runs every test:
+two sidecars, Mooncake's own reader) and the seal checks' cost, about 15 s. The whole
+bench on a tiny synthetic trace (the three hit ratios too: seven sidecars, two masters,
+30 to 100 s here) runs only with PREFIXCACHE_SLOW=1, as CI runs every test:
 
     PREFIXCACHE_SLOW=1 python -m pytest tests/bench/test_tier_bench_smoke.py
 """
