@@ -20,6 +20,7 @@ FETCH_SLOTS = 256
 MODEL = {"name": "m", "kind": "radix", "page_size": 4,
          "pool": {"size": POOL, "layers": 2, "k_heads": 2, "k_head_dim": 8,
                   "dtype": "float16"}}
+TIMEOUT = 5.0  # about what is fetched, not how fast: no timeouts on a loaded machine
 LOOKUPS = r'prefixcache_tier_lookups_total\{.*result="%s".*\}'
 REMOTE = r'prefixcache_tier_hit_tokens_total\{.*tier="remote".*\}'
 
@@ -30,8 +31,9 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node
     tmp = tmp_path_factory.mktemp("capacity")
     master = Master(tmp)
     master.start()
-    a = Node(tmp, "a", tier_config(master.address, models=[MODEL]))
-    b = Node(tmp, "b", tier_config(master.address, models=[MODEL], max_session_slots=64,
+    a = Node(tmp, "a", tier_config(master.address, timeout=TIMEOUT, models=[MODEL]))
+    b = Node(tmp, "b", tier_config(master.address, timeout=TIMEOUT, models=[MODEL],
+                                   max_session_slots=64,
                                    tier={"max_fetch_slots": FETCH_SLOTS}))
     try:
         for node in (a, b):

@@ -40,6 +40,7 @@ TENANTS = [{"name": "one", "token": "token-one", "namespaces": ["one/"]},
 NS = "one/chat"
 FAILURES = r'prefixcache_integrity_failures_total\{(?=.*source="tier")%s.*\}'
 PUTS = r"prefixcache_tier_put_pages_total\{.*\}"
+TIMEOUT = 5.0
 
 
 @dataclass
@@ -68,7 +69,9 @@ def cluster(request: pytest.FixtureRequest,
     configs: list[dict[str, Any]] = []
 
     def config_for(address: str) -> dict[str, Any]:
-        configs.append(tier_config(address, tenants=TENANTS, tier=tier))
+        # A generous deadline: these tests are about what is served, not how fast, and
+        # a timed-out fetch on a loaded machine would answer a shorter hit.
+        configs.append(tier_config(address, timeout=TIMEOUT, tenants=TENANTS, tier=tier))
         return configs[-1]
 
     with two_nodes(tmp, config_for) as (master, a, b):
