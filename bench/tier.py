@@ -20,7 +20,9 @@ Printed, from the same run:
   lookup so that both see the same load, and a memcpy of the same bytes (target: ours
   >= 0.8 x Mooncake's);
 - the object split, Mooncake alone: the same bytes read as an object per page and as an
-  object per page and K/V buffer, call by call, and a lookup's exists probe each way.
+  object per page and K/V buffer, call by call, and a lookup's exists probe each way;
+- what the seal checks cost a fetch (tier_seal.py): the tier's checked read against the
+  same read unchecked, digest and MAC, and the checks' own GB/s (target: <= 1.10x).
 
     python bench/tier.py --limit 200 --json tier.json
 
@@ -31,8 +33,8 @@ float16: 128 bytes a token, pages of 512 tokens = 64 KiB) keeps three pools smal
 tokens, 340 MB per pool).
 
 This file is the command line and the report; the replays are in tier_replay.py, the
-fetch measurement in tier_fetch.py, the master, sidecars and replay loop both use in
-tier_nodes.py.
+fetch measurement in tier_fetch.py, the seal checks' in tier_seal.py, the master,
+sidecars and replay loop they use in tier_nodes.py.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import numpy as np  # noqa: E402
 from bench.tier_fetch import fetch_phase  # noqa: E402
 from bench.tier_nodes import model_config, trace_keys, unique_pages  # noqa: E402
 from bench.tier_replay import hit_ratios  # noqa: E402
+from bench.tier_seal import seal_phase  # noqa: E402
 from bench.trace import DEFAULT_TRACE, load_expanded  # noqa: E402
 
 
@@ -79,6 +82,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="only the fetch measurement (no hit-ratio runs)")
     parser.add_argument("--no-split", dest="split", action="store_false",
                         help="skip Mooncake's reads of an object per page and buffer")
+    parser.add_argument("--no-seal", dest="seal", action="store_false",
+                        help="skip the fetch with seal checks against the same without")
+    parser.add_argument("--seal-pages", type=int, default=512,
+                        help="pages the seal measurement reads (at the --fetch-* geometry)")
+    parser.add_argument("--seal-batch", type=int, default=128, help="pages a call")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     path = None if args.synthetic or not args.trace.exists() else args.trace
@@ -100,6 +108,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.fetch_requests:
             out.update(fetch_phase(args, trace_keys(args, args.fetch_page_size,
                                                     args.fetch_requests), tmp))
+        if args.seal:
+            seal_dir = tmp / "seal"
+            seal_dir.mkdir()
+            out.update(seal_phase(args, seal_dir))
     single = out.get("single_hit_ratio")
     if single is not None:
         out["tier_vs_single"] = out["two_nodes_tier_hit_ratio"] / single if single else None
@@ -159,6 +171,20 @@ def _print(out: dict[str, Any]) -> None:
         print(f"a lookup's exists probe ({out['fetch_pages_per_lookup']} pages): "
               f"{out['exists_ms_object_per_page']:.2f} ms per page object, "
               f"{out['exists_ms_object_per_buffer']:.2f} ms per page and buffer")
+    if "seal_check_gbps_digest" in out:
+        print(f"seal checks, {out['seal_pages']} pages of {out['seal_page_bytes']} bytes, "
+              f"{out['seal_batch']} a call, call by call:")
+        print("| seal | fetch GB/s unchecked | checked | checked / unchecked time: best "
+              "over best (rounds) | median of the call pairs | check alone GB/s |")
+        print("|---|---|---|---|---|---|")
+        for kind in ("digest", "mac"):
+            rounds = ", ".join(f"{r:.2f}" for r in out[f"fetch_checked_cost_{kind}_rounds"])
+            print(f"| {kind} | {out[f'fetch_gbps_{kind}_unchecked']:.3f} | "
+                  f"{out[f'fetch_gbps_{kind}_checked']:.3f} | "
+                  f"{out[f'fetch_checked_cost_{kind}']:.3f} ({rounds}) | "
+                  f"{out[f'fetch_checked_cost_{kind}_median']:.3f} | "
+                  f"{out[f'seal_check_gbps_{kind}']:.1f} |")
+        print("target: checked / unchecked <= 1.10")
 
 
 if __name__ == "__main__":

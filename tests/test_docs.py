@@ -22,6 +22,7 @@ from prefixcache.server.config import (
     load_config,
 )
 from prefixcache.server.config.tier import TierConfig
+from prefixcache.server.config.values import files_read_later
 
 # The configuration reference's sections and the types they document.
 REFERENCE = {
@@ -149,9 +150,11 @@ def test_the_readme_has_an_across_nodes_section() -> None:
     section = match.group(1)
     assert "mooncake_master" in section and "pip install '.[server,tier]'" in section
     (block,) = re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)
-    tier = load_config(None, env={"PREFIXCACHE_TIER": json.dumps(
-        yaml.safe_load(block)["server"]["tier"])}).server.tier
+    with files_read_later() as unread:  # the secret file is the nodes', not this host's
+        tier = load_config(None, env={"PREFIXCACHE_TIER": json.dumps(
+            yaml.safe_load(block)["server"]["tier"])}).server.tier
     assert tier is not None and tier.master == "10.0.0.5:50051"
+    assert tier.secret_file is not None and all(tier.secret_file in n for n in unread)
     prose = " ".join(_prose(section).split())
     for said in ("What you see", 'tier="remote"', "When the master restarts",
                  "the store is empty", "nothing fails"):

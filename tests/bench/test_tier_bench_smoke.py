@@ -1,7 +1,7 @@
 """Smoke tests of bench/tier.py. The default run: the fetch measurement alone (a master,
-two sidecars, Mooncake's own reader), about 10 s. The whole bench on a tiny synthetic
-trace (the three hit ratios too: seven sidecars, two masters, 30 to 100 s here) runs
-only with PREFIXCACHE_SLOW=1, as CI runs every test:
+two sidecars, Mooncake's own reader) and the seal checks' cost, about 15 s. The whole
+bench on a tiny synthetic trace (the three hit ratios too: seven sidecars, two masters,
+30 to 100 s here) runs only with PREFIXCACHE_SLOW=1, as CI runs every test:
 
     PREFIXCACHE_SLOW=1 python -m pytest tests/bench/test_tier_bench_smoke.py
 """
@@ -42,6 +42,11 @@ def test_tier_bench_fetch_only(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert len(out["fetch_vs_mooncake_rounds"]) == 2
     assert out["fetch_vs_mooncake"] == pytest.approx(out["fetch_gbps"] / out["mooncake_get_gbps"])
     assert json.loads((tmp_path / "tier.json").read_text())["fetch_bytes"] == out["fetch_bytes"]
+    # The seal checks: the same fetch with and without them, digest and MAC, in one run.
+    assert "checked / unchecked" in printed
+    for kind in ("digest", "mac"):
+        assert out[f"fetch_gbps_{kind}_checked"] > 0 and out[f"seal_check_gbps_{kind}"] > 0
+        assert len(out[f"fetch_checked_cost_{kind}_rounds"]) == 2
 
 
 @LONG

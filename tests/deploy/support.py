@@ -140,3 +140,25 @@ def healthcheck_command() -> list[str]:
     _options, _, command = args.partition("CMD ")
     assert command, f"HEALTHCHECK needs CMD: {args}"
     return exec_form(command)
+
+
+def mounted_tier_secret(docs: list[dict[str, Any]], tmp: Path) -> dict[str, str]:
+    """The sidecar's PREFIXCACHE_* environment with the tier secret's mount moved under
+    ``tmp``, where a secret file stands in for the Secret's key (the pod's IP filled in).
+    Checks that PREFIXCACHE_TIER's secret_file lies in a read-only mount of a Secret
+    volume, under the path the volume gives its key."""
+    container, spec = sidecar(docs), pod_spec(docs)
+    env = {k: v.replace("$(POD_IP)", "10.1.2.3") for k, v in env_of(container).items()
+           if k.startswith("PREFIXCACHE_")}
+    secret_file = json.loads(env["PREFIXCACHE_TIER"])["secret_file"]
+    directory, _, name = secret_file.rpartition("/")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
+    assert mount.get("readOnly") is True
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"]
+    assert {i["path"] for i in volume["secret"]["items"]} == {name}
+    assert volume["secret"]["defaultMode"] & 0o077 == 0o040  # the pod's group only
+    (tmp / "tier-secret").mkdir()
+    (tmp / "tier-secret" / name).write_bytes(os.urandom(32))
+    env["PREFIXCACHE_TIER"] = env["PREFIXCACHE_TIER"].replace(directory, str(tmp / "tier-secret"))
+    return env

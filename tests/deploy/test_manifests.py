@@ -31,6 +31,7 @@ from deploy.support import (
     docs_of,
     env_of,
     load_docs,
+    mounted_tier_secret,
     need,
     one,
     pod_spec,
@@ -173,6 +174,8 @@ def test_the_config_map_is_mounted_and_loads(files: tuple[str, ...], tmp_path: P
     path.write_text(config_map["data"][key])
     env = {k: v.replace("$(POD_IP)", "10.1.2.3") for k, v in env_of(container).items()
            if k.startswith("PREFIXCACHE_")}
+    if "tier/deployment.yaml" in files:  # its secret, from the Secret's mount
+        env = mounted_tier_secret(docs, tmp_path)
     config = load_config(path, env=env)  # raises ConfigError naming a bad field
     assert config.server.listen == env["PREFIXCACHE_LISTEN"]
     assert config.server.metrics_port == int(env["PREFIXCACHE_METRICS_PORT"])
@@ -238,17 +241,20 @@ def test_the_tier_master_is_apart_from_the_sidecar_and_its_service_selects_it() 
     assert container["image"] == sidecar(pod)["image"]
 
 
-def test_the_tier_sidecar_names_the_master_service() -> None:
+def test_the_tier_sidecar_names_the_master_service(tmp_path: Path) -> None:
     _, master_service = _master()
-    container = sidecar(docs_of(*TIER_POD_FILES))
+    docs = docs_of(*TIER_POD_FILES)
+    container = sidecar(docs)
     names = [e["name"] for e in container["env"]]
     # $(POD_IP) expands only when POD_IP is defined earlier in the list.
     assert names.index("POD_IP") < names.index("PREFIXCACHE_TIER")
-    value = env_of(container)["PREFIXCACHE_TIER"]
-    assert "$(POD_IP)" in value
-    tier = load_config(env={"PREFIXCACHE_TIER": value.replace("$(POD_IP)", "10.1.2.3")}
-                       ).server.tier
-    assert tier is not None
+    assert "$(POD_IP)" in env_of(container)["PREFIXCACHE_TIER"]
+    # The secret_file it names is the Secret prefixcache-tier, mounted read-only.
+    env = mounted_tier_secret(docs, tmp_path)
+    tier = load_config(env={"PREFIXCACHE_TIER": env["PREFIXCACHE_TIER"]}).server.tier
+    assert tier is not None and tier.secret_file is not None
+    (volume,) = [v for v in pod_spec(docs)["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "prefixcache-tier"
     (rpc,) = [p for p in master_service["spec"]["ports"] if p["name"] == "mooncake-rpc"]
     assert tier.master == f"{master_service['metadata']['name']}:{rpc['port']}"
     assert tier.local_hostname == "10.1.2.3"

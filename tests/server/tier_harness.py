@@ -1,5 +1,7 @@
-"""Real parts for the tier's tests: a ``mooncake_master`` on free loopback ports, and
-``prefixcache serve`` subprocesses with ``server.tier`` pointing at it.
+"""Real parts for the tier's tests: a ``mooncake_master`` on free loopback ports,
+``prefixcache serve`` subprocesses with ``server.tier`` pointing at it, and another
+client of the master in the test process (``RawStore``: what anything else on the
+cluster's network can run), with the keys of a prompt's pages (``prompt_keys``).
 
 Tests that use these skip (with the reason) only when the Mooncake wheel of the
 ``tier`` extra cannot be imported (not installed, or libibverbs1 missing).
@@ -14,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -108,12 +111,13 @@ class Master:
 
 
 def tier_config(master: str, *, timeout: float = 0.5, models: list[dict[str, Any]] | None = None,
-                **server: Any) -> dict[str, Any]:
-    """A small config with the tier on: private pools, tiny segments."""
+                tier: dict[str, Any] | None = None, **server: Any) -> dict[str, Any]:
+    """A small config with the tier on: private pools, tiny segments; ``tier``: more
+    ``server.tier`` keys."""
     return {
         "server": {"shm_dir": "off", "check_integrity": True,
                    "tier": {"master": master, "segment_bytes": 32 << 20,
-                            "timeout": timeout}, **server},
+                            "timeout": timeout, **(tier or {})}, **server},
         "models": models or [{"name": "m", "kind": "radix", "page_size": 4,
                               "pool": {"size": 256, "layers": 2, "k_heads": 2,
                                        "k_head_dim": 8, "dtype": "float16"}}],
@@ -229,3 +233,69 @@ def frozen_master_node(tmp: Path, model: dict[str, Any]) -> Iterator[tuple[Maste
         code = node.stop()
         master.stop()
     assert code == 0, node.stderr[-2000:]
+
+
+class RawStore:
+    """Another client of the master, in the test process: Mooncake's own Python client
+    with raw bytes in and out, as any process that reaches the master can run it. Its
+    objects live in its own segment, so they last as long as it does."""
+
+    def __init__(self, master: Master) -> None:
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        self.store: Any = MooncakeDistributedStore()
+        if self.store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "",
+                            master.address):
+            raise RuntimeError(f"a raw Mooncake client could not set up at {master.address}")
+        self.config = ReplicateConfig()
+        self.config.replica_num = 1
+        self.config.preferred_segment = self.store.get_hostname()
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.store.get(key))
+
+    def put(self, key: str, data: bytes) -> int:
+        """Mooncake's put: a key held already is left as it is (and answers 0)."""
+        return int(self.store.put(key, data, self.config))
+
+    def upsert(self, key: str, data: bytes) -> int:
+        return int(self.store.upsert(key, data, self.config))
+
+    def remove(self, key: str) -> int:
+        return int(self.store.remove(key, True))
+
+    def exists(self, key: str) -> bool:
+        return int(self.store.is_exist(key)) == 1
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def node_models(config: dict[str, Any]) -> tuple[Any, Any]:
+    """A node config's (first model, tenants), as the server reads them."""
+    from prefixcache.server.config import load_config
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as fh:
+        yaml.safe_dump({"server": {"tenants": config["server"].get("tenants", [])},
+                        "models": config["models"]}, fh)
+        fh.flush()
+        cfg = load_config(fh.name, env={})
+    return cfg.models[0], cfg.server.tenants
+
+
+def prompt_keys(config: dict[str, Any], tokens: list[int], extra_key: str | None = None,
+                secret: bytes | None = None) -> list[str]:
+    """The store keys of ``tokens``' whole pages as a node with ``config`` names them
+    (with ``secret``: as a node holding it does)."""
+    import numpy as np
+
+    from prefixcache.cache.hashing import hash_pages
+    from prefixcache.server.tier.keys import KeyMaker
+
+    model, tenants = node_models(config)
+    whole = len(tokens) - len(tokens) % model.page_size
+    hashes = hash_pages(np.asarray(tokens[:whole], dtype="<u4").tobytes(),
+                        4 * model.page_size, None)
+    return KeyMaker(model, tenants, secret).keys(extra_key, 1, hashes)

@@ -202,6 +202,15 @@ class _CacheCollector(Collector):
                                   value=svc.sessions.expired_total)
         yield GaugeMetricFamily("prefixcache_draining", "1 while the server drains for shutdown.",
                                 value=int(svc.draining))
+        integrity = CounterMetricFamily(
+            "prefixcache_integrity_failures",
+            "Pages refused, never served, because their seal did not check, by where they "
+            "came from (tier, snapshot, disk) and why (seal_mismatch: bytes or identity "
+            "changed; bad_seal: no seal; wrong_kind: a digest where a MAC is required, or "
+            "the reverse; size: not a page and its seal).", labels=["source", "reason"])
+        for (source, reason), n in list(svc.integrity.counts.items()):
+            integrity.add_metric([source, reason], n)
+        yield integrity
 
 
 class _LivenessCollector(Collector):

@@ -22,6 +22,7 @@ from .config import ModelConfig
 from .engine.model_engine import ModelEngine
 from .engine.slot_engine import SlotEngine
 from .errors import NotFoundError, PreconditionError, StaleEpochError
+from .memory.page_seal import IntegrityFailures
 from .memory.shared_pool import SharedPools
 from .memory.write_fence import WriteFences
 from .sessions import lock_audit, quotas
@@ -82,6 +83,8 @@ class CacheService:
             raise
         self.session_ttl, self.ttl_min, self.ttl_max = session_ttl, ttl_min, ttl_max
         self.draining = False
+        # Pages refused because their seal did not check (the tier's, a snapshot's).
+        self.integrity = IntegrityFailures()
         # Workers that write through the mapped pool hold off the freeing of their
         # session's slots while they copy (write_fence.py).
         self.fences = WriteFences(self.shared, self.limits.max_sessions)

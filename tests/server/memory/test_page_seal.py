@@ -9,12 +9,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixcache.server.memory.page_seal import (
+    BAD_SEAL,
     SEAL_BYTES,
+    SEAL_MISMATCH,
+    WRONG_KIND,
+    IntegrityFailures,
+    MemoryRegions,
     PageSeal,
     address_views,
     derive_key,
     identity,
-    read_secret,
 )
 
 SECRET = bytes(range(32))
@@ -86,15 +90,47 @@ def test_pool_memory_is_sealed_in_place() -> None:
     assert not seal.check(b"p", views, made)
 
 
-def test_keys_need_a_real_secret(tmp_path) -> None:
+def test_keys_need_a_real_secret() -> None:
     with pytest.raises(ValueError, match="at least 32"):
         derive_key(b"short", "tier-pages", None)
     assert derive_key(SECRET, "tier-pages", None) != derive_key(SECRET, "tier-keys", None)
     assert derive_key(SECRET, "p", None) != derive_key(SECRET, "p", "")
-    (tmp_path / "s").write_bytes(b"tiny\n")
-    with pytest.raises(ValueError, match="head -c 32 /dev/urandom"):
-        read_secret(str(tmp_path / "s"))
-    (tmp_path / "s").write_bytes(SECRET)
-    assert read_secret(str(tmp_path / "s")) == SECRET
     with pytest.raises(ValueError, match="32 bytes"):
         PageSeal(b"k" * 16)
+
+
+def test_a_refusal_says_why() -> None:
+    keyed, keyless = PageSeal(KEYS[1]), PageSeal(None)
+    for seal in (keyed, keyless):
+        made = seal.seal(b"id", [b"x"])
+        assert seal.verdict(b"id", [b"x"], made) is None
+        assert seal.verdict(b"id", [b"y"], made) == SEAL_MISMATCH
+        assert seal.verdict(b"other", [b"x"], made) == SEAL_MISMATCH
+        for junk in (b"", bytes(SEAL_BYTES), b"\x07" + bytes(SEAL_BYTES - 1), made + b"!"):
+            assert seal.verdict(b"id", [b"x"], junk) == BAD_SEAL
+    assert keyed.verdict(b"id", [b"x"], keyless.seal(b"id", [b"x"])) == WRONG_KIND
+    assert keyless.verdict(b"id", [b"x"], keyed.seal(b"id", [b"x"])) == WRONG_KIND
+
+
+def test_regions_give_views_of_their_parts_and_refuse_others() -> None:
+    a, b = np.arange(64, dtype=np.uint8), np.arange(100, 164, dtype=np.uint8)
+    regions = MemoryRegions([(b.ctypes.data, b.nbytes), (a.ctypes.data, a.nbytes)])
+    got = regions.views([a.ctypes.data + 3, b.ctypes.data, b.ctypes.data + 60], [5, 64, 4])
+    assert [bytes(v) for v in got] == [a[3:8].tobytes(), b.tobytes(), b[60:].tobytes()]
+    for ptr, size in ((a.ctypes.data + 60, 8), (a.ctypes.data - 1, 1)):
+        with pytest.raises(ValueError, match="no known region"):
+            regions.views([ptr], [size])
+
+
+def test_failures_are_counted_and_warned_of_at_a_bounded_rate(caplog) -> None:
+    now = [0.0]
+    failures = IntegrityFailures(clock=lambda: now[0])
+    assert failures.counts[("snapshot", "size")] == 0  # every pair exported from the start
+    with caplog.at_level("WARNING", logger="prefixcache.server"):
+        for _ in range(5):
+            failures.count("tier", SEAL_MISMATCH, model="m")
+        now[0] = 61.0
+        failures.count("tier", BAD_SEAL)
+    assert failures.counts[("tier", SEAL_MISMATCH)] == 5 and failures.total("tier") == 6
+    warned = [r for r in caplog.records if "seal did not check" in r.getMessage()]
+    assert [r.pages for r in warned] == [1, 5]  # the first at once, the rest a minute on

@@ -72,9 +72,12 @@ exec:
 {{- end -}}
 {{- end }}
 
-{{/* server.tier as JSON for PREFIXCACHE_TIER. */}}
+{{/* server.tier as JSON for PREFIXCACHE_TIER (secret_file: the tier Secret's mount). */}}
 {{- define "prefixcache.tier" -}}
 {{- $tier := merge (dict "backend" "mooncake" "master" (include "prefixcache.tierMaster" .) "local_hostname" "$(POD_IP)") .Values.tier.settings -}}
+{{- if .Values.tier.secretName -}}
+{{- $_ := set $tier "secret_file" (printf "/etc/prefixcache-tier/%s" .Values.tier.secretKey) -}}
+{{- end -}}
 {{- toJson $tier -}}
 {{- end }}
 

@@ -157,6 +157,9 @@ def build_model_config(entry: Any, where: str) -> ModelConfig:
         model = replace(model, **{name: coerce(value, default, f"{where}.{name}")})
     check_int(model.page_size, f"{where}.page_size", 1)
     check_int(model.vocab_size, f"{where}.vocab_size", 0)
+    if not isinstance(model.tokenizer, str):
+        raise ConfigError(f"{where}.tokenizer: a string naming the tokenizer, got "
+                          f"{model.tokenizer!r}")
     if model.kind not in CACHE_KINDS:
         raise ConfigError(f"{where}.kind: one of {', '.join(CACHE_KINDS)}, got {model.kind!r}")
     if model.kind == "swa":

@@ -62,6 +62,10 @@ class ModelConfig:
     eviction_policy: str = "lru"
     # Token ids must be below this; 0 accepts any uint32.
     vocab_size: int = 0
+    # The tokenizer's identity (a name and revision, or a hash of its files): with
+    # vocab_size part of the tier's model fingerprint, so models that differ only
+    # there never share pages (tier/keys.py).
+    tokenizer: str = ""
     pool: PoolConfig = field(default_factory=PoolConfig)
     # Kind mamba only.
     mamba: MambaConfig | None = None

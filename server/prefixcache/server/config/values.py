@@ -68,6 +68,16 @@ def files_read_later() -> Iterator[list[str]]:
         _UNREAD.reset(reset)
 
 
+def note_unread(message: str) -> bool:
+    """Within ``files_read_later``, note ``message`` (a file that cannot be read here)
+    and return True; elsewhere False: the caller refuses the config."""
+    notes = _UNREAD.get()
+    if notes is None:
+        return False
+    notes.append(message)
+    return True
+
+
 def read_secret(value: str | None, path: str | None, where: str) -> str | None:
     if value:
         return value

@@ -23,21 +23,32 @@ GB/s, GMAC 19-29 GB/s over 64 KiB-1 MiB parts, against 11 GB/s for a memcpy).
 Keys: one cluster secret, and a key per (purpose, tenant) derived from it with
 HKDF-SHA256, so that a sidecar which does not know a tenant cannot check, nor forge,
 that tenant's pages.
+
+Failures: a page whose seal does not check is never served; wherever it came from, it
+is counted in ``IntegrityFailures`` (``prefixcache_integrity_failures_total{source,
+reason}``, metrics.py) and logged at a bounded rate.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import hmac
+import logging
 import os
 import struct
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 import xxhash
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from ..config.tier import MIN_SECRET_BYTES
+
+log = logging.getLogger("prefixcache.server")
 
 SEAL_BYTES: Final = 32
 DIGEST: Final = 1
@@ -46,7 +57,19 @@ MAC: Final = 2
 _NONCE = slice(4, 16)
 _TAG = slice(16, 32)
 _NO_NONCE: Final = bytes(12)
-MIN_SECRET_BYTES: Final = 32
+
+# Why a seal did not check (the ``reason`` of prefixcache_integrity_failures_total):
+# bytes or identity changed; not a seal at all; the other kind (a digest where a MAC is
+# required, or the reverse); an object that is not a page and its seal.
+SEAL_MISMATCH: Final = "seal_mismatch"
+BAD_SEAL: Final = "bad_seal"
+WRONG_KIND: Final = "wrong_kind"
+SIZE: Final = "size"
+INTEGRITY_REASONS: Final = (SEAL_MISMATCH, BAD_SEAL, WRONG_KIND, SIZE)
+# Where a page came back from (its ``source``).
+INTEGRITY_SOURCES: Final = ("tier", "snapshot", "disk")
+# Seconds between two warnings of one source.
+LOG_INTERVAL: Final = 60.0
 
 Buffer = bytes | bytearray | memoryview
 
@@ -92,16 +115,24 @@ class PageSeal:
     def check(self, ident: bytes, parts: Iterable[Buffer], seal: Buffer) -> bool:
         """Whether ``seal`` is this reader's kind of seal of exactly these bytes under
         exactly this identity. Never raises on a malformed seal: that is a ``False``."""
+        return self.verdict(ident, parts, seal) is None
+
+    def verdict(self, ident: bytes, parts: Iterable[Buffer], seal: Buffer) -> str | None:
+        """None when ``check`` holds, else why not (one of ``INTEGRITY_REASONS``)."""
         seal = bytes(seal)
-        if len(seal) != SEAL_BYTES or seal[1:4] != b"\0\0\0":
-            return False
+        if len(seal) != SEAL_BYTES or seal[1:4] != b"\0\0\0" or seal[0] not in (DIGEST, MAC):
+            return BAD_SEAL
         if self._aes is None:
-            if seal[0] != DIGEST or seal[_NONCE] != _NO_NONCE:
-                return False
-            return hmac.compare_digest(seal[_TAG], self._digest(ident, parts))
-        if seal[0] != MAC:
-            return False
-        return hmac.compare_digest(seal[_TAG], self._mac(seal[_NONCE], ident, parts))
+            if seal[0] != DIGEST:
+                return WRONG_KIND
+            if seal[_NONCE] != _NO_NONCE:
+                return BAD_SEAL
+            good = hmac.compare_digest(seal[_TAG], self._digest(ident, parts))
+        elif seal[0] != MAC:
+            return WRONG_KIND
+        else:
+            good = hmac.compare_digest(seal[_TAG], self._mac(seal[_NONCE], ident, parts))
+        return None if good else SEAL_MISMATCH
 
     @staticmethod
     def _digest(ident: bytes, parts: Iterable[Buffer]) -> bytes:
@@ -131,13 +162,60 @@ def derive_key(secret: bytes, purpose: str, tenant: str | None) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
-def read_secret(path: str) -> bytes:
-    """A secret file's bytes (trailing newline kept: the file is the secret), refused
-    with a one-line reason when it is too short to be one."""
-    with open(path, "rb") as fh:
-        secret = fh.read(1 << 16)
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"{path}: a secret file holds at least {MIN_SECRET_BYTES} random "
-                         f"bytes (this one {len(secret)}); make one with "
-                         f"`head -c 32 /dev/urandom > {path}`")
-    return secret
+class MemoryRegions:
+    """Read-only views of parts of known memory regions (a pool's buffers, staging,
+    seal slots), sliced from one view per region: a page of a 32-layer model has 64
+    parts, and a ctypes object per part (``address_views``) would cost more than
+    hashing them."""
+
+    def __init__(self, regions: Sequence[tuple[int, int]]) -> None:
+        ordered = sorted((ptr, size) for ptr, size in regions if size > 0)
+        self._starts = [ptr for ptr, _ in ordered]
+        self._ends = [ptr + size for ptr, size in ordered]
+        self._views = address_views(self._starts, [size for _, size in ordered])
+
+    def views(self, ptrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
+        """A view of each part ``(ptrs[i], sizes[i])``.
+
+        Raises:
+            ValueError: a part lies outside every region.
+        """
+        out = []
+        for ptr, size in zip(ptrs, sizes, strict=True):
+            at = bisect.bisect_right(self._starts, ptr) - 1
+            if at < 0 or ptr + size > self._ends[at]:
+                raise ValueError(f"{size} bytes at {ptr:#x} lie in no known region")
+            start = ptr - self._starts[at]
+            out.append(self._views[at][start:start + size])
+        return out
+
+
+class IntegrityFailures:
+    """Pages refused because their seal did not check, by source and reason: what
+    ``prefixcache_integrity_failures_total`` exports (every known pair from the start,
+    at 0), and a WARNING per source at most every ``LOG_INTERVAL`` seconds, carrying how
+    many failed since the last. Counted on the service's event loop; the metrics thread
+    only reads."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.counts: dict[tuple[str, str], int] = {
+            (source, reason): 0 for source in INTEGRITY_SOURCES for reason in INTEGRITY_REASONS}
+        self._clock = clock
+        self._since_log: dict[str, int] = {}
+        self._next_log: dict[str, float] = {}
+
+    def count(self, source: str, reason: str, n: int = 1, **about: str | int) -> None:
+        """``n`` pages from ``source`` refused for ``reason``; ``about`` goes into the
+        warning (a model's name, a store key)."""
+        self.counts[(source, reason)] = self.counts.get((source, reason), 0) + n
+        self._since_log[source] = self._since_log.get(source, 0) + n
+        now = self._clock()
+        if now >= self._next_log.get(source, 0.0):
+            log.warning("pages refused: their seal did not check (never served)", extra={
+                "source": source, "reason": reason, "pages": self._since_log[source],
+                "interval_s": LOG_INTERVAL, **about})
+            self._since_log[source] = 0
+            self._next_log[source] = now + LOG_INTERVAL
+
+    def total(self, source: str | None = None) -> int:
+        return sum(n for (s, _), n in self.counts.items() if source in (None, s))

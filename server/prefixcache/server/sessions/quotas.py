@@ -32,6 +32,9 @@ it changes anything, that the call keeps the session within its model's caps:
 * **streams** (``max_session_streams``): ReadKV and WriteKV streams naming the session
   that are in flight at once (each holds loop time and, for WriteKV, partial rows).
 
+The service's own sessions (``Session.internal``: the tier's, which bounds its fetches
+by ``tier.max_fetch_slots``) are no client's: no quota applies to them.
+
 A refusal is RESOURCE_EXHAUSTED naming the setting, and the call changes nothing. A
 Match with ``lock`` and ``allocate`` is checked for both before the lock is taken, an
 Insert with ``lock`` before the insert (its ``release_lock_id``'s tokens are taken off,
@@ -87,6 +90,8 @@ class Quota:
         Raises:
             OverLimitError: naming ``max_session_slots``.
         """
+        if session.internal:
+            return
         if held is None:
             held = session.slots.get(self.model, 0)
         self._check("max_session_slots", self.slots, held, n)
@@ -97,6 +102,8 @@ class Quota:
         Raises:
             OverLimitError: naming ``max_session_state_slots``.
         """
+        if session.internal:
+            return
         self._check("max_session_state_slots", self.state_slots, held, n)
 
     def check_lock(self, session: Session, tokens: int) -> None:
@@ -106,6 +113,8 @@ class Quota:
         Raises:
             OverLimitError: naming ``max_session_locked_tokens``.
         """
+        if session.internal:
+            return
         self._check("max_session_locked_tokens", self.locked_tokens,
                     session.locked_tokens.get(self.model, 0), tokens)
 

@@ -97,6 +97,7 @@ class Session:
             seconds (keepalive.py paces them).
         client: Who it belongs to (``tenants.client_identity``), for
             ``max_sessions_per_client`` and the Evict budget.
+        internal: The service's own (the tier's): no client quota applies to it.
     """
 
     id: str
@@ -117,6 +118,7 @@ class Session:
     streams: int = 0
     keepalive_slot: float = float("-inf")
     client: str = ""
+    internal: bool = False
 
     def renew(self, now: float) -> None:
         if self.ttl is not None:

@@ -19,8 +19,10 @@ ERROR_NAMES = {
     -800: "TRANSFER_FAIL",          # the peer that held the bytes is gone
     -900: "RPC_FAIL",               # the master is unreachable
 }
+INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
+TRANSFER_FAIL = -800
 RPC_FAIL = -900
 
 
@@ -56,7 +58,12 @@ class TierBackend(Protocol):
         ...
 
     def remove(self, keys: list[str]) -> list[int]:
-        """Drop objects (those written from memory that changed under the write)."""
+        """Drop objects (those written from memory that changed under the write, and
+        those whose seal did not check), leases or not."""
+        ...
+
+    def object_size(self, key: str) -> int:
+        """The object's size in bytes, or a negative code."""
         ...
 
     def register(self, ptr: int, size: int) -> None:

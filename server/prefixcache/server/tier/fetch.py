@@ -8,23 +8,26 @@
 3. On the loop: the local hit again (the tree may have grown meanwhile), locked for the
    tier's session; fresh slots for the wanted pages, allocated to that session and
    moved at once into the model's quarantine (store_read.py, engine/slots.py).
-4. Off the loop: ``get_into`` those slots' rows straight from the store.
+4. Off the loop: ``get_into`` those slots' rows (and each page's seal) straight from
+   the store, then every page's seal checked against the page's identity (seals.py).
 5. On the loop, once that thread has returned: the slots go back to the session, the
-   leading run read whole (every byte of every page) is inserted after the local hit,
-   and the rest freed. The lookup that follows finds it in the tree, so it is answered
-   as a hit like any local one.
+   leading run read whole and checked (every byte of every page) is inserted after the
+   local hit, and the rest freed. The lookup that follows finds it in the tree, so it
+   is answered as a hit like any local one.
 
-The lookup's store calls together are bounded by ``tier.timeout``; a failure, a timeout or
-anything short counts as a miss and leaves the tree as it was. The store call cannot be
-cancelled, so its slots stay quarantined until its thread has returned, whatever happens
-meanwhile (a timeout, a Reset: which voids the fetch): store_read.py, shared with the
-hash-page fetch (fetch_pages.py).
+The lookup's store calls together are bounded by its deadline (``tier.timeout``, grown
+by each fetch's bytes: store_read.Deadline); a failure, a timeout or anything short
+counts as a miss and leaves the tree as it was; a page refused for its seal is counted
+and ends the hit before it. No room for a fetch (the pool, ``tier.max_fetch_slots``) is
+the lookup result ``capacity``. The store call cannot be cancelled, so its slots stay
+quarantined until its thread has returned, whatever happens meanwhile (a timeout, a
+Reset: which voids the fetch): store_read.py, shared with the hash-page fetch
+(fetch_pages.py).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import numpy as np
@@ -34,20 +37,26 @@ from prefixcache.cache.key import TOKEN_BYTES
 from prefixcache.cache.pools.allocator import host_indices
 
 from .backend import code_name
+from .keys import Namespace
 from .model_tier import ModelTier
-from .store_read import StoreRead, leading_run, safely
+from .store_read import Deadline, StoreRead, leading_run, safely
 
 log = logging.getLogger("prefixcache.server")
 
-# Pages one lookup fetches at most; never more than this share of the pool either.
+# Pages one lookup fetches at most (and never more than tier.max_fetch_slots hold).
 MAX_FETCH_PAGES = 2048
-MAX_POOL_SHARE = 0.5
 
 
-async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: float | None = None) -> int:
+def fetch_limit(mt: ModelTier) -> int:
+    """Pages a fetch may take now: MAX_FETCH_PAGES, within the room left under
+    ``tier.max_fetch_slots``."""
+    return min(MAX_FETCH_PAGES, (mt.max_fetch_slots - mt.fetching) // mt.page_size)
+
+
+async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: Deadline | None = None) -> int:
     """Bring the pages after ``key``'s local hit in from the store; returns the tokens
     fetched (0 on any miss). Never raises for a store failure. ``deadline``: of the
-    lookup's store calls (monotonic; default ``tier.timeout`` from now)."""
+    lookup's store calls (default: a new one, ``tier.timeout`` from now)."""
     engine, ps = mt.engine, mt.page_size
     cache = engine.cache
     packed, width = key.packed()
@@ -66,15 +75,18 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: float | None = 
         mt.hit_tokens["local"] += local
         mt.count(mt.lookups, why)
         return 0
-    limit = min(MAX_FETCH_PAGES, int(engine.pool_size * MAX_POOL_SHARE) // ps)
-    want = min((aligned - local) // ps, limit)
+    want = min((aligned - local) // ps, fetch_limit(mt))
+    if want <= 0:
+        mt.hit_tokens["local"] += local
+        mt.count(mt.lookups, "capacity")
+        return 0
     hashes = _hashes_after(cache, hit.last_node if local else None, local, want, packed,
                            width, ps)
     keys = mt.keys.keys(key.extra_key, width, hashes)
-    # One deadline for the whole lookup: the caller waits tier.timeout at most.
+    # One deadline for the whole lookup, grown by what it fetches.
     if deadline is None:
-        deadline = time.monotonic() + tier.cfg.timeout
-    codes, _ = await tier.call("exists", tier.backend.exists, keys, deadline=deadline)
+        deadline = Deadline(tier.cfg)
+    codes, _ = await tier.call("exists", tier.backend.exists, keys, deadline=deadline.at)
     found = leading_run(codes, lambda c: c == 1)
     failed = codes is None or (found < len(codes) and codes[found] < 0)
     if failed and codes is not None:
@@ -83,10 +95,11 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: float | None = 
         mt.hit_tokens["local"] += local
         mt.count(mt.lookups, "error" if failed else "miss")
         return 0
-    got, failed = await _fetch(tier, mt, key, local, keys[:found], deadline)
+    got, why = await _fetch(tier, mt, key, local, mt.keys.namespace(key.extra_key, width),
+                            hashes[:found], keys[:found], deadline)
     mt.hit_tokens["local"] += local
     mt.hit_tokens["remote"] += got
-    mt.count(mt.lookups, "remote" if got else ("error" if failed else "miss"))
+    mt.count(mt.lookups, "remote" if got else why)
     return got
 
 
@@ -102,26 +115,30 @@ def _hashes_after(cache: Any, node: Any, local: int, pages: int, packed: bytes, 
     return hash_pages(tail, ps * token_bytes, prior)
 
 
-async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str],
-                 deadline: float) -> tuple[int, bool]:
-    """Steps 3 to 5 of the module doc for the pages ``keys`` that follow ``local``:
-    the tokens fetched, and whether the store's read failed (its first page)."""
+async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, ns: Namespace,
+                 hashes: list[str], keys: list[str], deadline: Deadline) -> tuple[int, str]:
+    """Steps 3 to 5 of the module doc for the pages ``hashes`` (``keys``) that follow
+    ``local``: the tokens fetched, and the lookup's result when none were (``miss``,
+    ``error``: the store's read failed on its first page, ``refused``: its seal did not
+    check, ``capacity``)."""
     engine, ps, session = mt.engine, mt.page_size, tier.session
     cache = engine.cache
     # 3. The tree may have grown while we asked: fetch only what it still lacks.
     result = cache.match_prefix(key[:local + len(keys) * ps])
     now = result.prefix_len
     if now < local or (now - local) % ps:
-        return 0, False  # the local hit shrank (evicted): leave it to the next lookup
-    keys = keys[(now - local) // ps:]
+        return 0, "miss"  # the local hit shrank (evicted): leave it to the next lookup
+    skip = (now - local) // ps
+    keys, hashes = keys[skip:], hashes[skip:]
     if not keys:
-        return 0, False
+        return 0, "miss"
     read = StoreRead(tier, mt)
-    if not read.take(len(keys), result.last_node if now else None):
-        return 0, False
-    whole = await read.read(keys, deadline)
+    why = read.take(len(keys), result.last_node if now else None)
+    if why is not None:
+        return 0, why
+    whole = await read.read(ns, hashes, keys, deadline)
     if whole == 0:
-        return 0, read.failed
+        return 0, read.outcome
     slots = read.slots
     # 5. Insert the run read whole after the (locked, so unchanged) local hit.
     end = now + whole * ps
@@ -140,5 +157,5 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, keys: list[str]
     finally:
         mt.suppressed = False
     safely(read.release, inserted)
-    return got, False
+    return got, "miss"
 

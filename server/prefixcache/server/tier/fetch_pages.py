@@ -8,7 +8,8 @@ follows counts them and a GetPages finds them. The keys are those of the same pa
 token pages (keys.py), so what a vLLM or token-level client cached on another node is
 found by hash here, and the other way round.
 
-As in fetch.py: one deadline for the lookup's store calls, and the read's slots kept by
+As in fetch.py: one deadline for the lookup's store calls (grown by the fetch's bytes),
+every page's seal checked before it is stored, and the read's slots kept by
 store_read.py: quarantined until its thread has returned (a timeout or a Reset
 meanwhile hands none of them out), a Reset in between voiding the fetch.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 from prefixcache.cache.index.page_index import DIGEST_BYTES
@@ -25,9 +25,10 @@ from prefixcache.cache.index.page_index import DIGEST_BYTES
 from ..engine.hash_pages import HashPages
 from ..engine.page_store import store_now
 from .backend import code_name
-from .fetch import MAX_FETCH_PAGES, MAX_POOL_SHARE
+from .fetch import fetch_limit
+from .keys import Namespace
 from .model_tier import ModelTier
-from .store_read import StoreRead, leading_run, safely
+from .store_read import Deadline, StoreRead, leading_run, safely
 
 log = logging.getLogger("prefixcache.server")
 
@@ -62,37 +63,43 @@ async def prefetch_pages(tier: Any, mt: ModelTier, namespace: tuple[str | None, 
         mt.hit_tokens["local"] += local * ps
         mt.count(mt.lookups, why)
         return 0
-    limit = min(MAX_FETCH_PAGES, int(engine.pool_size * MAX_POOL_SHARE) // ps)
+    limit = fetch_limit(mt)
+    if limit <= 0:
+        mt.hit_tokens["local"] += local * ps
+        mt.count(mt.lookups, "capacity")
+        return 0
     wanted = [_hash(data, i) for i in range(local, min(local + limit, count))]
     keys = mt.keys.keys(namespace[0], namespace[1], wanted)
-    deadline = time.monotonic() + tier.cfg.timeout
-    codes, _ = await tier.call("exists", tier.backend.exists, keys, deadline=deadline)
+    deadline = Deadline(tier.cfg)
+    codes, _ = await tier.call("exists", tier.backend.exists, keys, deadline=deadline.at)
     found = leading_run(codes, lambda c: c == 1)
     failed = codes is None or (found < len(codes) and codes[found] < 0)
     if failed and codes is not None:
         tier.error("exists", code_name(codes[found]))
-    got = 0
+    got, why = 0, "error" if failed else "miss"
     if found:
         prior = _hash(data, local - 1) if local else None
-        got, failed = await _fetch_pages(tier, mt, pages, namespace, prior, wanted[:found],
-                                         keys[:found], deadline)
+        got, why = await _fetch_pages(tier, mt, pages, namespace, prior, wanted[:found],
+                                      keys[:found], deadline)
     mt.hit_tokens["local"] += local * ps
     mt.hit_tokens["remote"] += got * ps
-    mt.count(mt.lookups, "remote" if got else ("error" if failed else "miss"))
+    mt.count(mt.lookups, "remote" if got else why)
     return got
 
 
 async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
                        namespace: tuple[str | None, int], prior: str | None,
-                       hashes: list[str], keys: list[str], deadline: float
-                       ) -> tuple[int, bool]:
-    """The pages brought in, and whether the store's read failed (its first page)."""
+                       hashes: list[str], keys: list[str], deadline: Deadline
+                       ) -> tuple[int, str]:
+    """The pages brought in, and the lookup's result when none were (fetch.py's)."""
     read = StoreRead(tier, mt)
-    if not read.take(len(keys)):
-        return 0, False
-    whole = await read.read(keys, deadline)
+    why = read.take(len(keys))
+    if why is not None:
+        return 0, why
+    ns: Namespace = mt.keys.namespace(*namespace)
+    whole = await read.read(ns, hashes, keys, deadline)
     if whole == 0:
-        return 0, read.failed
+        return 0, read.outcome
     ps = mt.page_size
     kept = 0
     mt.suppressed = True
@@ -108,4 +115,4 @@ async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
     finally:
         mt.suppressed = False
     safely(read.release, kept)
-    return whole, False
+    return whole, "miss"

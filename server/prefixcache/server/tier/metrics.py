@@ -28,7 +28,8 @@ class TierCollector(Collector):
             labels=["model", "tier"])
         lookups = CounterMetricFamily(
             "prefixcache_tier_lookups", "Lookups that consulted the tier, by outcome "
-            "(local: all local; remote: pages fetched; miss; error; unavailable; "
+            "(local: all local; remote: pages fetched; miss; error; refused: the first page's "
+            "seal did not check; capacity: no room for the fetch; unavailable; "
             "breaker_open; busy).", labels=["model", "result"])
         fetch_bytes = CounterMetricFamily(
             "prefixcache_tier_fetch_bytes", "Bytes fetched from the store into the pool.",
@@ -44,7 +45,7 @@ class TierCollector(Collector):
             "prefixcache_tier_put_failed_pages", "Pages the store refused.", labels=["model"])
         drops = CounterMetricFamily(
             "prefixcache_tier_put_dropped_pages", "Pages never queued for the store, by "
-            "reason (queue_full, unavailable, breaker_open, busy, reset, ...).",
+            "reason (queue_full, unavailable, breaker_open, busy, reset, seal_slots, ...).",
             labels=["model", "reason"])
         for name, mt in list(tier.models.items()):
             for where, n in list(mt.hit_tokens.items()):

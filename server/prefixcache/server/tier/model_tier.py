@@ -21,6 +21,11 @@ to the store with no hook in those paths:
   at once, if the put queue and the staging buffer have room (else a counted drop),
   and put from there in the background. A Reset frees no node through eviction, so
   writes nothing back.
+* Every page put carries its seal (seals.py), computed on the put thread into a seal
+  slot the job holds until it is answered; no free seal slot is a counted drop
+  (``seal_slots``). A write-through job sealed after a Reset is not put (the rows it
+  sealed may be another page's by then); rows that change after it was sealed no
+  longer match their seal, so a fetch refuses them.
 
 Not thread-safe: the loop's, like the engine.
 """
@@ -35,9 +40,11 @@ import numpy as np
 
 from prefixcache.cache.pools.allocator import host_indices
 
-from .backend import OBJECT_ALREADY_EXISTS, RPC_FAIL, code_name
+from ..memory.page_seal import SEAL_BYTES, MemoryRegions
+from .backend import OBJECT_ALREADY_EXISTS, RPC_FAIL, Parts, code_name
 from .keys import KeyMaker, page_names
 from .layout import PageLayout
+from .seals import SealSlots, seal_pages, sealed
 from .staging import Staging
 from .writer import PutJob
 
@@ -73,13 +80,18 @@ class _Listener:
 class ModelTier:
     """The tier's hooks into one radix model (``engine``) and its counters."""
 
-    def __init__(self, tier: Any, engine: Any) -> None:
+    def __init__(self, tier: Any, engine: Any, secret: bytes | None = None) -> None:
         self.tier = tier
         self.engine = engine
         self.name = engine.name
         self.page_size = engine.page_size
-        self.keys = KeyMaker(engine.config)
+        self.keys = KeyMaker(engine.config, tier.service.limits.tenants, secret)
         self.layout = PageLayout(engine.kv_pool, engine.page_size)
+        # A store object: the page, then its seal.
+        self.object_bytes = self.layout.page_bytes + SEAL_BYTES
+        # Slots the tier's fetches hold at once (tier.max_fetch_slots; 0: half the pool).
+        self.max_fetch_slots = tier.cfg.max_fetch_slots or engine.pool_size // 2
+        self.fetching = 0
         self.generation = 0
         # Tokens pinned by writes in flight, at most a quarter of the pool.
         self.pinned = 0
@@ -101,6 +113,11 @@ class ModelTier:
         if self.write_back:
             self.staging = Staging.for_pool(self.layout, engine.pool_size)
             cache.before_free = self.evicting
+        self.seal_slots = SealSlots(seal_slot_count(
+            engine.pool_size // self.page_size, self.max_fetch_slots // self.page_size,
+            self.staging.pages if self.staging is not None else 0))
+        # Views of the memory objects are made of, for sealing and checking in place.
+        self.memory = MemoryRegions(self.regions())
         # Counters (read by metrics.py at scrape time).
         self.hit_tokens = {"local": 0, "remote": 0}
         self.lookups: dict[str, int] = {}
@@ -110,6 +127,7 @@ class ModelTier:
         self.put_bytes = 0
         self.put_failed = 0
         self.drops: dict[str, int] = {}
+        self.refused = 0  # fetched pages whose seal did not check
 
     def count(self, table: dict[str, int], label: str, n: int = 1) -> None:
         table[label] = table.get(label, 0) + n
@@ -125,7 +143,25 @@ class ModelTier:
     def regions(self) -> list[tuple[int, int]]:
         """The memory puts and fetches use, to register with the store."""
         staged = self.staging.regions() if self.staging is not None else []
-        return self.layout.regions() + staged
+        return [*self.layout.regions(), *staged, self.seal_slots.region()]
+
+    def sealed_job(self, keys: list[str], ptrs: Parts, sizes: Parts, ns: Any,
+                   hashes: list[str], seals: np.ndarray, generation: int | None) -> PutJob:
+        """A put job of pages ``hashes`` (of namespace ``ns``) with their seal slots
+        ``seals``: each object the page's parts, then its seal, computed on the put
+        thread; ``done`` is set by the caller (and must release ``seals``). With a
+        ``generation`` (parts in the pool), the job is put only if no Reset came before
+        its seals were made: rows only change after a Reset freed them, so the sealed
+        bytes are then the page's."""
+        ptrs, sizes = sealed(ptrs, sizes, self.seal_slots.ptrs(seals))
+        idents = [ns.ident(h) for h in hashes]
+        memory, slots = self.memory, self.seal_slots
+
+        def seal() -> bool:
+            seal_pages(ns.seal, idents, ptrs, sizes, memory, slots, seals)
+            return generation is None or generation == self.generation
+
+        return PutJob(keys, ptrs, sizes, lambda c: None, seal)
 
     # ------------------------------------------------------------ write path
 
@@ -175,6 +211,7 @@ class ModelTier:
         engine, tier = self.engine, self.tier
         extra_key, width, hashes = page_names(node)
         slots = host_indices(node.value)
+        ns = self.keys.namespace(extra_key, width)
         keys = self.keys.keys(extra_key, width, hashes)
         tokens = node.key_len
         if self.pinned and self.pinned + tokens > self.max_pinned:
@@ -182,26 +219,39 @@ class ModelTier:
             # write of any size may go when nothing is pinned, or no long prompt would).
             self.count(self.drops, "pin_limit", len(keys))
             return
-        lock_id = engine.lock(tier.session, engine._handle(node))
+        seals = self.seal_slots.take(len(keys))
+        if seals is None:
+            self.count(self.drops, "seal_slots", len(keys))
+            return
+        try:
+            lock_id = engine.lock(tier.session, engine._handle(node))
+        except Exception:
+            self.seal_slots.release(seals)
+            raise
         self.pinned += tokens
         generation = self.generation
         jobs = []
         for at in range(0, len(keys), MAX_JOB_PAGES):
             part = slots[at * self.page_size:(at + MAX_JOB_PAGES) * self.page_size]
             ptrs, sizes = self.layout.parts(np.ascontiguousarray(part))
-            jobs.append(PutJob(keys[at:at + MAX_JOB_PAGES], ptrs, sizes, lambda c: None))
+            end = at + MAX_JOB_PAGES
+            jobs.append(self.sealed_job(keys[at:end], ptrs, sizes, ns, hashes[at:end],
+                                        seals[at:end], generation))
         left = [len(jobs)]
 
-        def done(job: PutJob, codes: list[int]) -> None:
+        def done(job: PutJob, mine: np.ndarray, codes: list[int]) -> None:
+            self.seal_slots.release(mine)
             self._put_done(job, codes, generation)
             left[0] -= 1
             if left[0] == 0:
                 self._unlock(lock_id, generation, tokens)
 
         for i, job in enumerate(jobs):
-            job.done = lambda codes, job=job: done(job, codes)
+            mine = seals[i * MAX_JOB_PAGES:(i + 1) * MAX_JOB_PAGES]
+            job.done = lambda codes, job=job, mine=mine: done(job, mine, codes)
             if tier.puts is None or not tier.puts.offer(job):
                 self.count(self.drops, "queue_full", sum(len(j.keys) for j in jobs[i:]))
+                self.seal_slots.release(seals[i * MAX_JOB_PAGES:])
                 left[0] -= len(jobs) - i  # those never queued; the others answer later
                 if left[0] == 0:
                     self._unlock(lock_id, generation, tokens)
@@ -231,20 +281,32 @@ class ModelTier:
         if not tier.puts.has_room(-(-pages // MAX_JOB_PAGES)):
             self.count(self.drops, "queue_full", pages)
             return
+        seals = self.seal_slots.take(pages)
+        if seals is None:
+            self.count(self.drops, "seal_slots", pages)
+            return
         taken = self.staging.copy(host_indices(slots)[:pages * ps])
         if taken is None:  # cannot be (room checked), but never raise in an eviction
+            self.seal_slots.release(seals)
             self.count(self.drops, "staging_full", pages)
             return
         extra_key, width, hashes = page_names(node)
-        keys = self.keys.keys(extra_key, width, hashes[:pages])
-        staging = self.staging
+        ns = self.keys.namespace(extra_key, width)
+        hashes = hashes[:pages]
+        keys = self.keys.keys(extra_key, width, hashes)
+        staging, seal_slots = self.staging, self.seal_slots
         for at in range(0, pages, MAX_JOB_PAGES):
-            mine = taken[at:at + MAX_JOB_PAGES]
+            end = at + MAX_JOB_PAGES
+            mine, my_seals = taken[at:end], seals[at:end]
             ptrs, sizes = staging.parts(mine)
-            job = PutJob(keys[at:at + MAX_JOB_PAGES], ptrs, sizes, lambda c: None)
+            # Staged bytes are private: no Reset changes them.
+            job = self.sealed_job(keys[at:end], ptrs, sizes, ns, hashes[at:end], my_seals,
+                                  None)
 
-            def done(codes: list[int], job: PutJob = job, mine: list[int] = mine) -> None:
+            def done(codes: list[int], job: PutJob = job, mine: list[int] = mine,
+                     my_seals: np.ndarray = my_seals) -> None:
                 staging.release(mine)
+                seal_slots.release(my_seals)
                 # Staged bytes are the page's whatever a Reset did since: no generation.
                 self._put_done(job, codes, self.generation)
 
@@ -282,3 +344,11 @@ class ModelTier:
             self.engine.unlock(self.tier.session, lock_id)
         except Exception:  # released by a Reset in between: nothing to do
             log.debug("tier lock already released", exc_info=True)
+
+
+def seal_slot_count(pool_pages: int, fetch_pages: int, staging_pages: int) -> int:
+    """Seal slots a model gets (32 bytes each): a put holds one per page it writes, which
+    the pool holds at most once each (the rest of a Reset's puts in flight, if any, are
+    dropped as ``seal_slots``), a fetch one per page of ``tier.max_fetch_slots``, a
+    write-back one per staging page, and one put job's more."""
+    return pool_pages + fetch_pages + staging_pages + MAX_JOB_PAGES

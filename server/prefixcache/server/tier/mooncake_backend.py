@@ -153,7 +153,10 @@ class MooncakeBackend:
                        stop_on=lambda code: code == RPC_FAIL)
 
     def remove(self, keys: list[str]) -> list[int]:
-        return list(self._store.batch_remove(keys, True))
+        return list(self._store.batch_remove(keys, True))  # force: past read leases
+
+    def object_size(self, key: str) -> int:
+        return int(self._store.get_size(key))
 
     def register(self, ptr: int, size: int) -> None:
         rc = self._store.register_buffer(ptr, size)

@@ -11,6 +11,13 @@ tree or pool happens back on the loop.
 
 The store is reached in the background: a master that is down at start, or restarts,
 costs misses (and dropped writes), never a failed start or a failed call.
+
+Trust (docs/security.md): with ``tier.secret_file`` every object carries a MAC and its
+key is keyed (keys.py, seals.py), so only store clients holding the secret can write a
+page this sidecar serves; without it pages carry a digest, which catches corruption but
+not a forger, and the start says so once. The tier's session is the service's own: no
+per-session quota applies to it (its fetches are bounded by ``tier.max_fetch_slots``,
+its writes by the pin cap).
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from ..access.limits import request_tokens
 from ..access.tenants import check_request
 from ..codec import MAX_TOKEN_WIDTH, decode_key
-from ..config.tier import TierConfig
+from ..config.tier import TierConfig, read_tier_secret
 from ..rpc.page_rpcs import max_pages
 from ..rpc.servicer_ops import CALLER
 from .backend import RPC_FAIL, TierBackend, TierUnavailable
 from .fetch import prefetch
 from .fetch_pages import prefetch_pages
 from .model_tier import ModelTier
+from .store_read import Deadline
 from .writer import PutQueue
 
 log = logging.getLogger("prefixcache.server")
@@ -94,13 +102,22 @@ class Tier:
         self.closed = False
         self.puts: PutQueue | None = None
         # Locks of pages being written and slots being fetched belong to this session,
-        # so the service's audits, quotas and Reset see them like any worker's.
+        # so the service's audits and Reset see them like any worker's; it is the
+        # service's own, so no client quota applies to it.
+        secret = read_tier_secret(cfg.secret_file) if cfg.secret_file else None
+        self.keyed = secret is not None
         self.session = service.sessions.open(None, "prefixcache-tier")
+        self.session.internal = True
         self.service = service
         self.models: dict[str, ModelTier] = {}
         for name, engine in service.engines.items():
-            if engine.config.tier and engine.kind == "radix":
-                self.models[name] = ModelTier(self, engine)
+            if not (engine.config.tier and engine.kind == "radix"):
+                continue
+            if engine.config.pool.device != "cpu":
+                log.warning("the tier serves CPU pools only: this model stays out of it",
+                            extra={"model": name, "device": engine.config.pool.device})
+                continue
+            self.models[name] = ModelTier(self, engine, secret)
         # Store calls that failed, by op and code (a timeout is "TIMEOUT").
         self.errors: dict[tuple[str, str], int] = {}
         self._stop = threading.Event()
@@ -112,6 +129,11 @@ class Tier:
         return self.backend is not None and not self.closed
 
     def start(self) -> None:
+        if not self.keyed:
+            log.warning("tier pages are sealed with a digest only: it catches corruption, "
+                        "but the tier trusts every client of the master to write the "
+                        "pages it serves; set tier.secret_file (docs/security.md)",
+                        extra={"master": self.cfg.master})
         self._connector.start()
 
     def _connect(self) -> None:
@@ -197,16 +219,16 @@ class Tier:
     @_guarded
     async def before_step(self, request: Any) -> None:
         """A Step's tier step: each admission's pages after its local hit, from the
-        store, before the Step runs (so the admissions see them as hits). One deadline,
-        ``tier.timeout``, for all of them."""
+        store, before the Step runs (so the admissions see them as hits). One deadline
+        for all of them: ``tier.timeout``, grown by each fetch's bytes."""
         mt = self.models.get(request.model)
         if mt is None or self.closed or not request.admits:
             return
         engine = mt.engine
-        deadline = time.monotonic() + self.cfg.timeout
+        deadline = Deadline(self.cfg)
         cap = request_tokens(self.service.limits, engine.config)
         for item in request.admits:
-            if time.monotonic() >= deadline or self.closed:
+            if time.monotonic() >= deadline.at or self.closed:
                 return
             try:
                 key = decode_key(item.token_ids, item.token_width,

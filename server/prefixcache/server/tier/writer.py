@@ -2,9 +2,10 @@
 
 Nothing waits on a write: the event loop hands a job over (``offer``) and goes on; a
 full queue refuses the job, and the caller counts the drop. The thread takes up to
-``batch_jobs`` jobs at once and stores all their pages in one batch call, then hands
+``batch_jobs`` jobs at once, seals their pages (each job's ``seal``: the pages' seals
+into their seal slots, seals.py) and stores them all in one batch call, then hands
 each job's answer back to the loop (``done``, called there), which releases the pages
-the job pinned.
+and seal slots the job pinned.
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ BATCH_JOBS = 16
 
 @dataclass(slots=True)
 class PutJob:
-    """Pages to store: keys and parts, and what to call on the loop once stored
-    (with one code per key; an empty list when the call itself failed)."""
+    """Pages to store: keys and parts, what to run on the thread before they are
+    stored (their seals), and what to call on the loop once stored (with one code per
+    key; an empty list when the call itself, or the sealing, failed)."""
 
     keys: list[str]
     ptrs: Parts
     sizes: Parts
     done: Callable[[list[int]], None]
+    # Seals the pages; False: they are not to be stored (answered with no codes).
+    seal: Callable[[], bool] | None = None
 
 
 class PutQueue:
@@ -100,19 +104,29 @@ class PutQueue:
                     return
                 batch = [self._jobs.popleft() for _ in range(min(self._batch, len(self._jobs)))]
                 self.busy = len(batch)
-            keys = [k for job in batch for k in job.keys]
-            ptrs = [p for job in batch for p in job.ptrs]
-            sizes = [s for job in batch for s in job.sizes]
+            sealed: list[PutJob] = []
+            failed: list[PutJob] = []
+            for job in batch:
+                try:
+                    (sealed if job.seal is None or job.seal() else failed).append(job)
+                except Exception:  # a job that cannot be sealed is not stored
+                    log.exception("tier put: sealing failed")
+                    failed.append(job)
+            keys = [k for job in sealed for k in job.keys]
+            ptrs = [p for job in sealed for p in job.ptrs]
+            sizes = [s for job in sealed for s in job.sizes]
             try:
-                codes = self._put(keys, ptrs, sizes)
+                codes = self._put(keys, ptrs, sizes) if keys else []
             except Exception:  # a backend bug must not end the thread
                 log.exception("tier put failed")
                 codes = []
             at = 0
-            for job in batch:
+            answers: list[tuple[PutJob, list[int]]] = [(job, []) for job in failed]
+            for job in sealed:
                 n = len(job.keys)
-                mine = codes[at:at + n] if len(codes) == len(keys) else []
+                answers.append((job, codes[at:at + n] if len(codes) == len(keys) else []))
                 at += n
+            for job, mine in answers:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: server gone
                     self._call_soon(job.done, mine)
             with self._cv:
