@@ -1,8 +1,8 @@
 """RemoteRadixCache: a prefix cache's scheduler-facing API over the service.
 
 It speaks two dialects. Serving code written for ``prefixcache.cache.RadixCache`` and
-its ``TokenToKVPoolAllocator`` (the seed / pymllm API) runs against one model of the
-sidecar unchanged::
+its ``TokenToKVPoolAllocator`` (the in-process cache library's API) runs against one
+model of the sidecar unchanged::
 
     cache = RemoteRadixCache(client, "llama")
     allocator = cache.token_to_kv_pool_allocator        # a RemoteAllocator

@@ -26,7 +26,7 @@ from .mamba_tree import (
 
 
 class MambaRadixCache(MambaEviction, RadixCache):
-    """Prefix cache for hybrid (attention + Mamba) models, drop-in for pymllm's.
+    """Prefix cache for hybrid (attention + Mamba) models, with the reference's API.
 
     Every node holds the full-attention KV of its tokens and may own one ``MambaPool``
     state slot: the recurrent state after its last token. A request can only resume
@@ -58,19 +58,20 @@ class MambaRadixCache(MambaEviction, RadixCache):
       recent in the full list, children ahead of parents, but in the Mamba list only
       the answered node itself; a node it splits ranks just below them. This follows
       SGLang as of 2026-07 (upstream ``8905cbd4``, ``mamba_radix_cache.py``,
-      ``_match_post_processor``), not spec §6.1/§6.3, where match "touches
-      node+ancestors MRU in both lists" (pymllm, and SGLang before it): a request
-      resumes from one state, so only that state is used; the ancestors' states stay
+      ``_match_post_processor``), not the reference (and SGLang before it), where match
+      touches the node and its ancestors in both lists: a request resumes from one
+      state, so only that state is used; the ancestors' states stay
       where they were and go first under state pressure, while their KV, which the
       match did use, stays recent. The Mamba list therefore keeps its own stamps
       (``mamba_access_time``) and is no longer the full list less the tombstones.
 
-    Where pymllm differs we follow SGLang's MambaRadixCache (spec §10 item 12):
+    Where the reference differs we follow SGLang's MambaRadixCache (docs/semantics.md,
+    departure 12):
 
     * a split leaves the state on the lower part and makes the upper part a tombstone
-      with no Mamba lock (pymllm slices one slot across both halves and copies the lock,
-      which then never unlocks: M1, M2);
-    * Mamba sizes and ``EvictResult.mamba_evicted`` count state slots only (M3);
+      with no Mamba lock (the reference slices one slot across both halves and copies
+      the lock, which then never unlocks);
+    * Mamba sizes and ``EvictResult.mamba_evicted`` count state slots only;
     * ``mamba_exist`` means "the final node already had state", not "any node did";
     * the Mamba phase deletes an unlocked leaf (and the tombstones above it) rather
       than leaving a tombstone leaf; tombstones never stay unlocked leaves;

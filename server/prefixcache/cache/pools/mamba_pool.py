@@ -30,8 +30,8 @@ class MambaPool:
       snapshots that a ``MambaRadixCache`` node owns (``copy_states(working, track)``
       after a prefill; ``copy_states(track, working)`` to resume from a hit).
 
-    Unlike pymllm's GDNPool, slot 0 is the padding (not request 0's working slot) and a
-    track slot freed twice, or a working slot freed as a track slot, raises.
+    Slot 0 is never a working slot (the reference's state pool let request 0 use it),
+    and a track slot freed twice, or a working slot freed as a track slot, raises.
 
     Attributes:
         max_reqs: Requests that can run at once (working slots).
@@ -105,8 +105,8 @@ class MambaPool:
 
     def clear(self) -> None:
         """Free every track slot (the states themselves are left as they are)."""
-        # A stack whose top is the highest slot: allocation order is pymllm's (highest
-        # first), and a slot just freed is the next one reused while it is still warm.
+        # A stack whose top is the highest slot: the highest is handed out first, as in
+        # the reference, and a slot just freed is the next one reused while still warm.
         self._free_track = list(range(self.first_track_slot, self.num_slots))
         self._track_in_use[:] = bytes(self.num_slots)
 

@@ -41,7 +41,7 @@ def common_prefix(key: bytes, query: bytes, pos: int, end: int, page_bytes: int)
 
 
 class RadixCache(RadixEviction, BasePrefixCache):
-    """Prefix cache over a token-slot allocator, drop-in for ``pymllm.mem_cache.RadixCache``.
+    """Prefix cache over a token-slot allocator, with the reference's ``RadixCache`` API.
 
     Keys are page-aligned on both match and insert: the unaligned tail of an inserted
     key is not cached and its slots stay the caller's. Each ``(extra_key, token width)``

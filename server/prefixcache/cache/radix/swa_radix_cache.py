@@ -19,8 +19,8 @@ from .radix_cache import RadixCache
 class SWARadixCache(RadixCache, windowed=True):
     """Radix cache whose nodes hold full-attention KV and, unless tombstoned, SWA KV.
 
-    Follows SGLang's ``SWARadixCache``; where pymllm's SWA mode differs we fix it
-    (spec §10 item 11):
+    Follows SGLang's ``SWARadixCache`` where the reference's SWA mode differs
+    (docs/semantics.md, departure 11):
 
     * insert continues from the upper half after a split (B1), stores nothing for a
       tail whose SWA KV is all gone (B2), revives the fresh part of a partly
