@@ -156,3 +156,16 @@ def test_the_readme_has_an_across_nodes_section() -> None:
     for said in ("What you see", 'tier="remote"', "When the master restarts",
                  "the store is empty", "nothing fails"):
         assert said in prose, said
+
+
+def test_the_architecture_page_names_files_that_exist() -> None:
+    """Every module or folder the architecture page's tables name (``x.py``, ``x/``)
+    exists under a source root (``server/prefixcache/``, ``client/prefixcache/``) or the
+    repository, so the request path and the concept table cannot drift from the code."""
+    repo = README.parent
+    roots = [repo, repo / "server" / "prefixcache", repo / "client" / "prefixcache"]
+    rows = [line for line in (DOCS / "architecture.md").read_text().splitlines()
+            if line.startswith("|")]
+    named = {n for row in rows for n in re.findall(r"`([\w./-]+(?:\.py|/))`", row)}
+    assert len(named) > 40  # the scan finds the tables' paths
+    assert sorted(n for n in named if not any((root / n).exists() for root in roots)) == []
