@@ -29,7 +29,8 @@ from .pools.slot_allocator import SlotAllocator, StaleSlotError
 from .pools.swa_allocator import SWATokenToKVPoolAllocator
 from .radix.radix_cache import RadixCache
 from .radix.swa_radix_cache import SWARadixCache
-from .slot.slot_cache import SlotInsertResult, SlotMatch, SlotNode, SlotPrefixCache
+from .slot.slot_cache import SlotInsertResult, SlotMatch, SlotPrefixCache
+from .slot.slot_tree import SlotNode
 
 __all__ = [
     "EVICTION_POLICIES",

@@ -229,7 +229,7 @@ class MambaPool:
         return idx
 
 
-def to_index(value: Any, name: str) -> int:
+def to_index(value: object, name: str) -> int:
     """``value`` as an int (an integer, or an integer tensor of one element)."""
     if isinstance(value, bool):
         raise InvalidInputError(f"{name} must be an int, got bool")
@@ -240,7 +240,7 @@ def to_index(value: Any, name: str) -> int:
                                     f"{value.dtype} tensor of shape {tuple(value.shape)}")
         return int(value.reshape(()).item())
     try:
-        return operator.index(value)
+        return operator.index(value)  # type: ignore[arg-type]  # it decides what is an int
     except TypeError as exc:
         raise InvalidInputError(f"{name} must be an int, got {type(value).__name__}") from exc
 
