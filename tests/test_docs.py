@@ -68,8 +68,7 @@ def test_the_readme_links_every_docs_page() -> None:
 
 def test_the_readme_names_every_switch_of_the_test_suite() -> None:
     """A new user runs the README's test command; the variables that change what it
-    runs (long runs, required e2e) are named there (issue 23: PREFIXCACHE_SLOW was
-    not)."""
+    runs (long runs, required e2e) are named there, next to it."""
     repo = README.parent
     switches = {name for folder in ("tests", "bench") for path in (repo / folder).rglob("*.py")
                 for name in re.findall(r'os\.environ(?:\.get\(|\[)"(PREFIXCACHE_\w+)"',
@@ -141,7 +140,7 @@ def test_the_configuration_reference_documents_every_key(title: str) -> None:
 
 
 def test_the_readme_has_an_across_nodes_section() -> None:
-    """Issue 22: the README says how to start the shared tier (its config block loads),
+    """The README says how to start the shared tier (its config block loads),
     what a user sees, and what happens when the master restarts."""
     text = README.read_text()
     match = re.search(r"^## Across nodes\n(.*?)(?=^## )", text, re.DOTALL | re.MULTILINE)

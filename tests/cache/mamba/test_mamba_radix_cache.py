@@ -481,8 +481,8 @@ def test_pretty_print_shows_locks_and_states(capsys: pytest.CaptureFixture[str])
 
 
 def test_mamba_phase_never_revisits_a_tombstone_left_behind() -> None:
-    """Regression (long property run): deleting a leaf in the Mamba phase leaves its
-    tombstone parent, older than the next candidate, alone instead of taking it."""
+    """Deleting a leaf in the Mamba phase leaves its tombstone parent, older than the
+    next candidate, alone instead of taking it (a case the long property run found)."""
     pools = Pools()
     cache = pools.cache()
     cache.insert(RadixKey(r(1, 4)), t(11, 12, 13, 14), mamba_value=101)

@@ -23,7 +23,7 @@ Either way the calls go out as ``Step`` items (step_buffer.py): those whose answ
 not needed (unlocks, SGLang's finishes) wait for the next call made anyway, and every
 reply brings the model's counters, so ``evictable_size()`` and ``available_size()``
 cost no call of their own. A seed-API call that needs an answer (``match_prefix``,
-``insert``, ``alloc``, ``free``) is one call, as before.
+``insert``, ``alloc``, ``free``) is one call.
 
 torch and ``prefixcache.cache`` are imported inside the methods that need them, never
 when this module loads. The class is registered as a virtual subclass of

@@ -54,9 +54,9 @@ class MambaRadixCache(MambaEviction, RadixCache):  # type: ignore[misc]
     * insert makes each node it walks into the most recent as it reaches it, so
       deeper ranks newer, and a node that the insert splits ranks newer than the
       path above it; then a new leaf, an adopted state or the existing state at the
-      key's end is the most recent of all. (Touching the whole path again at the end,
-      as we once did, ranked a shared prefix's state above the deeper state that the
-      split node keeps, so state pressure tombstoned the deeper one, KV included.)
+      key's end is the most recent of all. (Touching the whole path again at the end
+      would rank a shared prefix's state above the deeper state that the split node
+      keeps, so state pressure would tombstone the deeper one, KV included.)
     * match makes the node with the answered state and its ancestors the most
       recent in the full list, children ahead of parents, but in the Mamba list only
       the answered node itself; a node it splits ranks just below them. This follows
@@ -66,7 +66,7 @@ class MambaRadixCache(MambaEviction, RadixCache):  # type: ignore[misc]
       state, so only that state is used; the ancestors' states stay
       where they were and go first under state pressure, while their KV, which the
       match did use, stays recent. The Mamba list therefore keeps its own stamps
-      (``mamba_access_time``) and is no longer the full list less the tombstones.
+      (``mamba_access_time``) rather than being the full list less the tombstones.
 
     Where the reference differs we follow SGLang's MambaRadixCache (docs/semantics.md,
     departure 12):
