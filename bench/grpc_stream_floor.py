@@ -1,6 +1,6 @@
 """The gRPC floor under ReadKV: a grpc.aio server streaming pre-built byte messages
 (no protobuf, no pool, no checks) to a sync client, as fast as Python gRPC allows.
-`kv_bandwidth.py --grpc-floor` reports it beside ReadKV (issue 24: what bounds ReadKV).
+`kv_bandwidth.py --grpc-floor` reports it beside ReadKV (what bounds ReadKV).
 
     python bench/grpc_stream_floor.py unix:/tmp/floor.sock   # serve
 """

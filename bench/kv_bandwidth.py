@@ -1,4 +1,4 @@
-"""KV bytes moved per second, against the copy they should match (issue 24 item 1).
+"""KV bytes moved per second, against the copy they should match.
 
 For a model geometry (default: 32 layers, 8 KV heads, head dim 128, bfloat16), pages of
 16 and 64 tokens and prompts of several lengths, it measures in one run:

@@ -1,4 +1,4 @@
-"""vLLM loads on a GPU, whole and layer-wise (issue 24 item 2), for
+"""vLLM loads on a GPU, whole and layer-wise, for
 ``kv_bandwidth.py --device cuda``.
 
 The vLLM worker core loads a request from the mapped host pool (pinned by the core)

@@ -1,5 +1,5 @@
-"""The attacks of issue 13, one function each, for the noisy-neighbour bench (and, from
-noisy_surfaces.py, issue 21's on the newer surfaces).
+"""The attacks on a shared service, one function each, for the noisy-neighbour bench
+(and, from noisy_surfaces.py, those on the KV-event, Subscribe and page surfaces).
 
 Each runs in the attacker's own process (so its client-side work does not take the
 victim's GIL) against a real server, until ``stop`` is set, and counts its calls by
@@ -311,7 +311,7 @@ ATTACKS: dict[str, Callable[[Ctx], None]] = {
     "KeepAlive storm": keepalive_storm,
     "half-sent WriteKV": half_sent_writekv,
     "session flood": session_flood,
-    **SURFACES,  # issue 21: replay requests, Subscribe churn, page RPCs, tenant probes
+    **SURFACES,  # replay requests, Subscribe churn, page RPCs, tenant probes
 }
 
 

@@ -1,4 +1,4 @@
-"""Noisy neighbour: does one hostile client hurt another? (issue 13)
+"""Noisy neighbour: does one hostile client hurt another?
 
 A fresh ``prefixcache serve`` (unix socket, one small radix model, 64 MiB of KV, the
 limits and per-session quotas of ``SERVER`` below, KV events with a replay socket, one
@@ -9,7 +9,7 @@ has its own suffix, then Insert handing the lock over). First alone (the quiet
 baseline), then while an *attacker* process runs each attack of ``noisy_attacks.py``
 in turn: pool grab, lock everything, huge extra_key, huge client names, max-size
 Match, ReadKV amplification, tiny chunks, KeepAlive storm, half-sent WriteKV and
-session flood; then issue 21's (noisy_surfaces.py): KV-event replay requests,
+session flood; then those of noisy_surfaces.py: KV-event replay requests,
 Subscribe churn (and subscribers that never read), the page RPCs, and a tenant's
 token probing for other tenants' nodes. Per row: the victim's prefills, their p50
 and p99 latency, its errors, whether its lease held through the attack, the

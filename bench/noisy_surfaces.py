@@ -1,4 +1,4 @@
-"""The attacks of issue 21 on the newer surfaces, for the noisy-neighbour bench: KV-event
+"""The attacks on the event and page surfaces, for the noisy-neighbour bench: KV-event
 replay requests, Subscribe churn, the page RPCs, and a tenant's token.
 
 Each is an attack of noisy_attacks.py (see there: a ``Ctx``, armed, pressing until

@@ -1,4 +1,4 @@
-"""The shared tier across two "nodes": hit ratio and fetch throughput (issue 22).
+"""The shared tier across two "nodes": hit ratio and fetch throughput.
 
 A ``mooncake_master`` and two ``prefixcache serve`` sidecars with ``server.tier`` on
 replay the Mooncake conversation trace, its requests alternated between the two. Each

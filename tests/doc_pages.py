@@ -1,4 +1,5 @@
-"""The user-facing documentation: README.md, the front door, and the pages under docs/.
+"""The user-facing documentation: README.md, the front door, the pages under docs/, and
+CONTRIBUTING.md.
 
 Tests that run or check the documents' code blocks read them through here, so a block
 moved from the README into a page stays tested.
@@ -12,11 +13,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
+CONTRIBUTING = REPO / "CONTRIBUTING.md"
 
 
 def pages() -> list[Path]:
-    """README.md, then every docs/*.md in name order."""
-    return [README, *sorted(DOCS.glob("*.md"))]
+    """README.md, then every docs/*.md in name order, then CONTRIBUTING.md."""
+    return [README, *sorted(DOCS.glob("*.md")), CONTRIBUTING]
 
 
 def code_blocks(lang: str, page: Path | None = None) -> list[tuple[Path, str]]:

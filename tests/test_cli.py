@@ -110,12 +110,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_serve_reads_an_octal_socket_mode_written_0660(server: Server) -> None:
-    """PREFIXCACHE_SOCKET_MODE=0660 used to be refused as no integer."""
+    """PREFIXCACHE_SOCKET_MODE=0660 is read as octal, not refused as no integer."""
     assert server.socket.stat().st_mode & 0o777 == 0o660
 
 
 def test_serve_warns_once_of_an_unknown_variable(server: Server) -> None:
-    """A misspelt PREFIXCACHE_* variable used to be ignored in silence."""
+    """A misspelt PREFIXCACHE_* variable is named once, not ignored in silence."""
     lines = [line for line in server.stderr.read_text().splitlines()
              if "PREFIXCACHE_GRACE_PERIODS" in line]
     assert len(lines) == 1, server.stderr.read_text()

@@ -69,8 +69,7 @@ def test_the_readme_links_every_docs_page() -> None:
 
 def test_the_readme_names_every_switch_of_the_test_suite() -> None:
     """A new user runs the README's test command; the variables that change what it
-    runs (long runs, required e2e) are named there (issue 23: PREFIXCACHE_SLOW was
-    not)."""
+    runs (long runs, required e2e) are named there, next to it."""
     repo = README.parent
     switches = {name for folder in ("tests", "bench") for path in (repo / folder).rglob("*.py")
                 for name in re.findall(r'os\.environ(?:\.get\(|\[)"(PREFIXCACHE_\w+)"',
@@ -142,7 +141,7 @@ def test_the_configuration_reference_documents_every_key(title: str) -> None:
 
 
 def test_the_readme_has_an_across_nodes_section() -> None:
-    """Issue 22: the README says how to start the shared tier (its config block loads),
+    """The README says how to start the shared tier (its config block loads),
     what a user sees, and what happens when the master restarts."""
     text = README.read_text()
     match = re.search(r"^## Across nodes\n(.*?)(?=^## )", text, re.DOTALL | re.MULTILINE)
@@ -159,3 +158,16 @@ def test_the_readme_has_an_across_nodes_section() -> None:
     for said in ("What you see", 'tier="remote"', "When the master restarts",
                  "the store is empty", "nothing fails"):
         assert said in prose, said
+
+
+def test_the_architecture_page_names_files_that_exist() -> None:
+    """Every module or folder the architecture page's tables name (``x.py``, ``x/``)
+    exists under a source root (``server/prefixcache/``, ``client/prefixcache/``) or the
+    repository, so the request path and the concept table cannot drift from the code."""
+    repo = README.parent
+    roots = [repo, repo / "server" / "prefixcache", repo / "client" / "prefixcache"]
+    rows = [line for line in (DOCS / "architecture.md").read_text().splitlines()
+            if line.startswith("|")]
+    named = {n for row in rows for n in re.findall(r"`([\w./-]+(?:\.py|/))`", row)}
+    assert len(named) > 40  # the scan finds the tables' paths
+    assert sorted(n for n in named if not any((root / n).exists() for root in roots)) == []

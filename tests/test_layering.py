@@ -1,14 +1,19 @@
-"""Layers import downward only (DESIGN.md §1); checked by parsing every module's imports."""
+"""Layers import downward only; checked by parsing every module's imports.
+
+The order of the layers is written here once (``SERVER_LAYERS``, ``CACHE_LAYERS``) and
+printed the same in docs/architecture.md, which a test compares."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from doc_pages import DOCS, section
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -341,14 +346,116 @@ def package_graph(roots: list[Path]) -> dict[str, set[str]]:
 
 def test_packages_import_one_way() -> None:
     """Subpackages are layers: no two of them (or a package and a module beside it)
-    import each other, even through others. server: config, access, sessions, engine,
-    memory, events, rpc, then the process modules; cache: pools and index below the
-    tree kinds."""
+    import each other, even through others."""
     graph = package_graph([REPO / "server", REPO / "client"])
     assert {"prefixcache.server.rpc", "prefixcache.server.engine", "prefixcache.cache.pools",
             "prefixcache.client.worker"} <= set(graph)
     assert "prefixcache.server.sessions" in graph["prefixcache.server.engine"]
     assert import_cycles(graph) == []
+
+
+# The layers of the service and of the cache library, bottom first. A unit (a subpackage,
+# or a module that sits directly in the package) imports only units of lower layers;
+# units of one layer do not import each other. Every unit is listed, so a new one needs
+# a place here (and in docs/architecture.md, which prints this list).
+SERVER_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "logs", "listen", "signals", "metrics_http"),
+    ("config",),
+    ("access",),
+    ("codec", "sessions"),
+    ("engine",),
+    ("memory",),
+    ("service",),
+    ("events", "metrics", "reaper"),
+    ("rpc",),
+    ("tier",),
+    ("app",),
+    ("run", "cli_explain"),
+    ("cli_remote",),
+    ("cli",),
+)
+CACHE_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "slot_values"),
+    ("key", "pages", "pools"),
+    ("node", "hashing", "base"),
+    ("eviction", "index", "chunk_cache"),
+    ("inspection",),
+    ("radix",),
+    ("mamba", "slot"),
+)
+LAYERED = {"prefixcache.server": SERVER_LAYERS, "prefixcache.cache": CACHE_LAYERS}
+
+
+def layer_violations(graph: dict[str, set[str]], package: str,
+                     layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    """Every import in ``graph`` (module -> modules) between units of ``package`` that
+    does not go to a strictly lower layer, as "importer imports imported (why)"; and
+    every unit of ``package`` that ``layers`` does not place."""
+    rank = {unit: i for i, group in enumerate(layers) for unit in group}
+    prefix = package + "."
+
+    def unit(module: str) -> str | None:
+        return module[len(prefix):].split(".")[0] if module.startswith(prefix) else None
+
+    problems = []
+    for module, targets in sorted(graph.items()):
+        here = unit(module)
+        if here is None:
+            continue
+        if here not in rank:
+            problems.append(f"{module} is in no layer of {package}")
+            continue
+        for target in sorted(targets):
+            there = unit(target)
+            if there is None or there == here or there not in rank:
+                continue
+            if rank[there] >= rank[here]:
+                where = "the same layer as" if rank[there] == rank[here] else "a layer above"
+                problems.append(f"{module} imports {target} ({there} is in {where} {here})")
+    return problems
+
+
+@pytest.mark.parametrize("package", sorted(LAYERED))
+def test_layers_import_downward_only(package: str) -> None:
+    """Import by import (module level, in a function or under TYPE_CHECKING), each unit
+    of the service and of the cache library imports only units of lower layers."""
+    graph = import_graph([REPO / "server", REPO / "client"])
+    layers = LAYERED[package]
+    units = {name[len(package) + 1:].split(".")[0] for name in graph
+             if name.startswith(package + ".")}
+    listed = {unit for group in layers for unit in group}
+    assert sorted(listed - units) == [], "layers name units that do not exist"
+    assert layer_violations(graph, package, layers) == []
+
+
+def test_the_layer_check_can_fail() -> None:
+    """Upward imports, imports within one layer and unplaced units are all reported;
+    imports inside one unit and out of the package are not."""
+    graph = {
+        "p.low.a": {"p.high", "p.low.b", "q.x"},
+        "p.mid": {"p.side"},
+        "p.high": {"p.low.a"},
+        "p.stray": set(),
+    }
+    layers = (("low",), ("mid", "side"), ("high",))
+    assert layer_violations(graph, "p", layers) == [
+        "p.low.a imports p.high (high is in a layer above low)",
+        "p.mid imports p.side (side is in the same layer as mid)",
+        "p.stray is in no layer of p",
+    ]
+
+
+def layer_diagram(layers: tuple[tuple[str, ...], ...]) -> str:
+    """The layers as docs/architecture.md prints them: top first, one layer a line."""
+    return "\n".join(", ".join(group) for group in reversed(layers))
+
+
+def test_the_architecture_page_prints_the_checked_order() -> None:
+    """docs/architecture.md shows the same layers, in the same order, as this file."""
+    blocks = re.findall(r"^```text\n(.*?)^```", section(DOCS / "architecture.md", "Layers"),
+                        re.DOTALL | re.MULTILINE)
+    assert [b.rstrip("\n") for b in blocks] == [layer_diagram(SERVER_LAYERS),
+                                                 layer_diagram(CACHE_LAYERS)]
 
 
 def test_package_folding_finds_cycles(tmp_path: Path) -> None:

@@ -85,6 +85,15 @@ def test_wheel_holds_both_roots_and_generated_code(wheel: Path) -> None:
     assert not [f for f in files if "__pycache__" in f]
 
 
+def test_wheel_carries_its_licence(wheel: Path) -> None:
+    """The wheel says its licence as an SPDX expression and ships the licence's text."""
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata,) = (n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        assert "License-Expression: Apache-2.0" in archive.read(metadata).decode().splitlines()
+        (text,) = (n for n in archive.namelist() if n.endswith(".dist-info/licenses/LICENSE"))
+        assert archive.read(text) == (REPO / "LICENSE").read_bytes()
+
+
 def test_wheel_installs_client_without_torch(wheel: Path, tmp_path: Path) -> None:
     """A clean venv gets grpcio and protobuf only, and the client imports from the wheel."""
     env_dir = tmp_path / "venv"

@@ -1,5 +1,5 @@
 """Smoke test of bench/pack_keys.py: every container packs to the list's bytes through the
-client and the server, and the table comes out (issue 17)."""
+client and the server, and the table comes out."""
 
 from __future__ import annotations
 

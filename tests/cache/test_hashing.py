@@ -1,4 +1,5 @@
-"""Hash test vectors of spec §2.4 and the root-down page-hash chain of §2.5 (pitfall fixed)."""
+"""The hash test vectors of docs/semantics.md and the root-down page-hash chain
+(departure 13: the chain never depends on which node is hashed first)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ VECTORS = [
 
 @pytest.mark.parametrize(("tokens", "prior", "digest", "as_int64"), VECTORS)
 def test_hash_vectors(tokens: list, prior: str | None, digest: str, as_int64: int) -> None:
-    """hash_token_ids and hash_to_int64 are byte-exact with the reference (§2.4)."""
+    """hash_token_ids and hash_to_int64 are byte-exact with the reference."""
     assert hash_token_ids(tokens, prior) == digest
     assert hash_to_int64(digest) == as_int64
 
@@ -105,7 +106,7 @@ def test_hash_to_int64_edges() -> None:
 
 
 def test_hash_bytes_vectors() -> None:
-    """hash_bytes is the first 8 SHA-256 bytes, unsigned big-endian (§2.3)."""
+    """hash_bytes is the first 8 SHA-256 bytes, unsigned big-endian."""
     assert hash_bytes(b"") == 16406829232824261652
     assert hash_bytes(b"abc") == 13436514500253700074
     assert hash_bytes(bytes([0, 1, 2, 3])) == 382487942374956898
@@ -124,7 +125,7 @@ CHAIN = [H12, H34_AFTER_12, H56_CHAINED, hash_token_ids([7, 8], H56_CHAINED)]
 
 
 def test_child_first_hashing_still_chains() -> None:
-    """§2.5 pitfall fixed: hashing a child first hashes its ancestors first, root-down."""
+    """Departure 13: hashing a child first hashes its ancestors first, root-down."""
     cache, parent, child = tree_1234_5678(eager=False)
     assert parent.hash_values is None
     assert cache.compute_node_hash(child) == CHAIN[2:]

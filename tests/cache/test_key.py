@@ -1,4 +1,4 @@
-"""RadixKey: packing, slicing and namespaces (spec §1.1)."""
+"""RadixKey: packing, slicing and namespaces."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """RadixKey packing from every integer container: the same bytes as the list path, and the
-same refusals (issue 17: vectorized conversion, no per-element Python)."""
+same refusals (with vectorized conversion, no per-element Python)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RadixKey packing's exact-type fast paths and per-dtype range plans (issue 17): subclasses
+"""RadixKey packing's exact-type fast paths and per-dtype range plans: subclasses
 still go the general way, one dtype's cached plan never serves another, and the argmax /
 argmin range check sees every element of strided and Fortran-ordered arrays."""
 

@@ -1,4 +1,4 @@
-"""A free the allocator refuses leaves every cache kind consistent (issue 12, item 4).
+"""A free the allocator refuses leaves every cache kind consistent.
 
 The tree only holds slots that the allocator handed out, unless the caller broke that
 (freed slots it had given to the tree, or cleared the allocator without a reset). Then

@@ -165,7 +165,7 @@ def test_fail_open_covers_opening_the_session(tmp_path: Path) -> None:
         assert s.close() == CloseReply(locks_released=0, slots_freed=0)
         srv.check_integrity()
     strict = PrefixCacheClient(address, timeout=0.2, retries=0)
-    with pytest.raises(Unavailable):  # not failing open: the error, as before
+    with pytest.raises(Unavailable):  # not failing open: the error itself
         strict.session()
     strict.close()
     client.close()

@@ -1,4 +1,4 @@
-"""The async Session stream keeps itself alive while idle (issue 13).
+"""The async Session stream keeps itself alive while idle.
 
 The service ends a stream that sends nothing for ``stream_ttl``. An idle worker's
 stream used to lapse, losing its locks and slots; the stream session now sends

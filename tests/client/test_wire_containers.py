@@ -1,5 +1,5 @@
 """The client's packing from every integer container: the same bytes as the list path and
-the same refusals, with numpy and without it (issue 17)."""
+the same refusals, with numpy and without it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The client's exact-type dispatch and per-dtype range plans (issue 17): subclasses and
+"""The client's exact-type dispatch and per-dtype range plans: subclasses and
 odd containers still go the general way, cached plans never serve another dtype or wire
 width, and the range check sees every element of strided and Fortran-ordered arrays."""
 

@@ -350,7 +350,7 @@ def test_the_prometheus_rule_is_well_formed() -> None:
 
 
 def test_the_pool_exhausted_alert_keys_on_the_reason_not_the_status_code() -> None:
-    """Over-long prompts are RESOURCE_EXHAUSTED too, with free slots left (issue 23): the
+    """Over-long prompts are RESOURCE_EXHAUSTED too, with free slots left: the
     alert reads the refusals of a pinned pool only. The chart renders this same rule
     (test_helm.py::test_monitoring_on_renders_the_service_monitor_and_rules)."""
     from deploy.promql import parse

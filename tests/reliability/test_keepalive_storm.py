@@ -1,4 +1,4 @@
-"""A storm of KeepAlives with made-up session ids (issue 21, item 14).
+"""A storm of KeepAlives with made-up session ids.
 
 Sessions' own KeepAlives were paced (test_keepalive_pacing.py), but ids that name no
 session were answered NOT_FOUND as fast as the loop could go: a storm of them cost a

@@ -30,7 +30,7 @@ REFUSED = {
     "ReadKV amplification": "RESOURCE_EXHAUSTED",  # max_request_bytes (8 MB, unparsed)
     "half-sent WriteKV": "RESOURCE_EXHAUSTED",  # max_session_streams
     "session flood": "RESOURCE_EXHAUSTED",  # max_sessions
-    # issue 21 (bench/noisy_surfaces.py)
+    # the event and page surfaces (bench/noisy_surfaces.py)
     "replay requests": "busy",  # kv_events.max_replays / max_replays_per_peer
     "Subscribe churn": "RESOURCE_EXHAUSTED",  # max_session_subscribes
     "page RPCs": "FAILED_PRECONDITION",  # ExistsPages without a session, quotas on

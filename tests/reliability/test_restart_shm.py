@@ -1,4 +1,4 @@
-"""Restart after SIGKILL when the pool fills much of ``shm_dir`` (issue 21, item 2).
+"""Restart after SIGKILL when the pool fills much of ``shm_dir``.
 
 A killed server leaves its pool files behind. The next start removes them, but it used
 to check that its pools fit first, counting the dead server's files as taken: with the
@@ -144,7 +144,8 @@ def test_restart_after_sigkill_with_the_pool_over_half_of_shm_dir(tmp_path: Path
         servers.append(Server(ns, tmp_path, 0))
         assert ns.used_mib() > 12  # the pool really is in the tmpfs, over half of it
         servers[0].kill()
-        # Before the fix: "13.0 MiB needed, 11.0 MiB free", exit 2, on every restart.
+        # Counting the dead pool's files as used would refuse this start ("13.0 MiB
+        # needed, 11.0 MiB free", exit 2), and every restart after it.
         servers.append(Server(ns, tmp_path, 1))
         removed = servers[1].records(REMOVED)
         assert len(removed) == 1 and removed[0]["pinned_bytes"] == 0
@@ -167,7 +168,8 @@ def test_restart_while_a_worker_still_maps_a_dead_pool(tmp_path: Path) -> None:
             servers.append(Server(ns, tmp_path, 1))
             assert ns.used_mib() > 26  # the worker's dead pool and the new one
             servers[1].kill()
-            # Before the fix: the check counted server 1's files too (10 MiB free), exit 2.
+            # Only the server's own stale files count as free: counting server 1's too
+            # (10 MiB free) would refuse the start, exit 2.
             servers.append(Server(ns, tmp_path, 2))
             # Server 1 removed the mapped pool's names, but its memory stayed pinned;
             # server 2's removal of server 1's unmapped pool freed it all.

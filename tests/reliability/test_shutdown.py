@@ -16,13 +16,14 @@ What each kind of call may see (anything else fails the test):
   learns at once; what it must never see is its deadline (a hang), INTERNAL or UNKNOWN.
   A stream opened after the drain began is refused with UNAVAILABLE.
 
-A unary call already received but not yet dispatched when SIGTERM arrives used to be
-cancelled by gRPC core (CANCELLED). The server now keeps the loop running a moment
-(`_DISPATCH_WINDOW` in app.py) after it starts draining and before it stops gRPC, so such
-calls reach a handler and get UNAVAILABLE. A call that only arrives once gRPC itself is
-stopping (after that window) is cancelled by gRPC core: it was never in flight, and the
-client maps CANCELLED to Unavailable (retryable, fail-open). So CANCELLED is allowed for
-unary calls started after the window, and for none started before it.
+A unary call already received but not yet dispatched when SIGTERM arrives would be
+cancelled by gRPC core (CANCELLED) if gRPC stopped at once. The server keeps the loop
+running a moment (`_DISPATCH_WINDOW` in app.py) after it starts draining and before it
+stops gRPC, so such calls reach a handler and get UNAVAILABLE. A call that only arrives
+once gRPC itself is stopping (after that window) is cancelled by gRPC core: it was never
+in flight, and the client maps CANCELLED to Unavailable (retryable, fail-open). So
+CANCELLED is allowed for unary calls started after the window, and for none started
+before it.
 """
 
 from __future__ import annotations
@@ -449,8 +450,8 @@ def test_sigterm_during_start_up_exits_0_leaving_nothing(tmp_path: Path, phase: 
 def test_a_second_stop_signal_cuts_the_drain_short(tmp_path: Path,
                                                    second: signal.Signals) -> None:
     """With a 60 s grace period and a stream that keeps it busy, the second signal ends
-    the drain at once: the stream is cut, the files go, exit 0. It used to be ignored
-    (the first signal had set the stop already): the server waited out the grace."""
+    the drain at once: the stream is cut, the files go, exit 0. It is not ignored as a
+    repeat of the stop the first signal set: the server does not wait out the grace."""
     proc, sock, shm, stderr_path = _start(tmp_path, "--grace-period", "60")
     address = f"unix:{sock}"
     try:

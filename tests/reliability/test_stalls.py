@@ -1,4 +1,4 @@
-"""Stalls on either side of the socket, with real processes (issue 13):
+"""Stalls on either side of the socket, with real processes:
 
 - a server whose stderr is a pipe nobody reads keeps answering (it froze after 223 log
   lines: every log call blocked the event loop on the full pipe);

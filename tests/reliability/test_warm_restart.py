@@ -1,4 +1,4 @@
-"""Warm restart (issue 23 item 3): real `prefixcache serve` processes with
+"""Warm restart: real `prefixcache serve` processes with
 ``server.warm_restart: true`` and a small pool under a private shm_dir.
 
 A clean stop (SIGTERM) keeps the pool files and writes a snapshot of the tree; a start

@@ -36,7 +36,7 @@ FIELDS = {
     "AllBlocksCleared": (),
 }
 HASH_RANGE = {"vllm": (0, 2**64 - 1), "sglang": (-(2**63), 2**63 - 1)}
-# spec/semantics.md §2.4: [1,2] -> [3,4] -> [5,6], chained.
+# The test vectors of docs/semantics.md: [1,2] -> [3,4] -> [5,6], chained.
 VECTORS = [("34fb5c825de7ca4aea6e712f19d439c1da0c92c37b423936c5f618545ca4fa1f",
             3817746824117602890),
            ("c57b445f90651b9a650e516ab2238c965b21af35608a31c303e6d9e407f2915c",

@@ -1,5 +1,5 @@
 """A large tree, and a victim that times its calls, for the tests of what one client or
-ZMQ peer can make every other client wait (issue 21's event surfaces).
+ZMQ peer can make every other client wait (the event surfaces).
 
 ``grow_tree`` caches two-token prompts through the engine on the server's loop (one
 node each, under a few hundred first tokens: the shape of a tree of many short

@@ -1,5 +1,5 @@
 """Leases against a real server: streams have one, a busy loop does not cost clients
-theirs, and many lapsing together are reaped in batches (issue 13)."""
+theirs, and many lapsing together are reaped in batches."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lookup outcomes and the hit-rate ceiling (issue 23), through a real gRPC server and a
+"""Lookup outcomes and the hit-rate ceiling, through a real gRPC server and a
 real scrape of /metrics: each outcome caused on purpose, then counted and explained.
 
 Model ``p``: page size 4, 64 slots. Prompt A (16 tokens, 4 pages) is cached under the

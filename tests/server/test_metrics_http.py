@@ -1,4 +1,4 @@
-"""The /metrics endpoint (issue 21, item 14): loopback by default, an optional bearer
+"""The /metrics endpoint: loopback by default, an optional bearer
 token, and a bounded cost for connections that send nothing.
 
 It used to bind 0.0.0.0 with no token, and prometheus_client's server started a thread

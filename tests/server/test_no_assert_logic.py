@@ -1,7 +1,7 @@
 """No ``assert`` on the service's request path.
 
 ``python -O`` strips asserts, so one that guards a state change turns a bug into silent
-corruption: the slot engine's ``assert node is not None`` (issue 12) let a locking
+corruption: the slot engine's ``assert node is not None`` let a locking
 match go on with a lock on no node, after which CloseSession failed and the lease
 reaper died. Checks that can fail raise an error with a status code instead.
 """

@@ -1,4 +1,4 @@
-"""Start-up failures (issue 12, items 6 and 7): each bad config or busy resource makes
+"""Start-up failures: each bad config or busy resource makes
 `prefixcache serve`, a real subprocess, exit 2 with one line naming the field, and leave
 no socket and no shared-memory file behind. None allocates a large pool: the oversize
 ones are refused before anything is allocated.

@@ -1,5 +1,5 @@
 """`prefixcache stats --sessions`: the top holders of a real `prefixcache serve`, printed
-by the real console script (issue 13)."""
+by the real console script."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from prefixcache.v1 import prefix_cache_pb2, prefix_cache_pb2_grpc
 
 from ._core import DEFAULT_TARGET, DEFAULT_TIMEOUT
-from .aio import AsyncClientSession, AsyncPrefixCacheClient, AsyncStreamSession
+from .aio import AsyncPrefixCacheClient
 from .errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -47,6 +47,8 @@ from .results import (
     StatsReply,
     UnlockReply,
 )
+from .sessions.aio_session import AsyncClientSession
+from .sessions.aio_stream import AsyncStreamSession
 from .sessions.session import ClientSession
 from .shadow.shadow import Lag, ShadowIndex
 from .shadow.shadow_follow import AsyncShadowFollower, ShadowFollower

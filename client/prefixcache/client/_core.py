@@ -23,7 +23,7 @@ import grpc
 
 from . import results
 from ._flow import Flow, Pause
-from ._requests import Op, Requests, SessionLike, session_id_of
+from ._requests import Op, R, Requests, SessionLike, session_id_of
 from .errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -144,15 +144,15 @@ class ClientBase(Requests):
 
     # ------------------------------------------------------------- machinery
 
-    def _failed_open(self, op: Op, err: PrefixCacheError, fail_open: bool | None) -> Any:
+    def _failed_open(self, op: Op[R], err: PrefixCacheError, fail_open: bool | None) -> R:
         """The fail-open answer to ``op`` for ``err``; raises ``err`` when it may not."""
         fallback = op.fallback
         if op.fallback_for is not None:
             fallback = partial(op.fallback_for, err)
         return self._stand_in(op.method, fallback, err, fail_open)
 
-    def _stand_in(self, what: str, fallback: Callable[[], Any] | None, err: PrefixCacheError,
-                  fail_open: bool | None) -> Any:
+    def _stand_in(self, what: str, fallback: Callable[[], R] | None, err: PrefixCacheError,
+                  fail_open: bool | None) -> R:
         allowed = self.fail_open if fail_open is None else fail_open
         if not allowed or fallback is None or not isinstance(err, FAIL_OPEN_ERRORS):
             raise err
@@ -162,7 +162,7 @@ class ClientBase(Requests):
         return fallback()
 
     def _delay(self, attempt: int) -> float:
-        return self.backoff * (2 ** attempt)
+        return self.backoff * 2.0 ** attempt
 
     def on_restart(self, hook: Callable[[int, int], None]) -> Callable[[int, int], None]:
         """Call ``hook(old_epoch, new_epoch)`` whenever a reply shows the service has
@@ -199,7 +199,7 @@ class ClientBase(Requests):
             self._seen_epoch(err.server_epoch)
         return err
 
-    def _run_flow(self, op: Op, timeout: float | None, fail_open: bool | None) -> Flow[Any]:
+    def _run_flow(self, op: Op[R], timeout: float | None, fail_open: bool | None) -> Flow[R]:
         """``op`` sent (retried as :meth:`_send_flow` decides), its reply parsed; its
         fail-open answer when it fails open. Each client drives it (``_flow``)."""
         try:
@@ -208,7 +208,7 @@ class ClientBase(Requests):
             return self._failed_open(op, err, fail_open)
         return self._parse(op, reply)
 
-    def _send_flow(self, op: Op, timeout: float | None) -> Flow[Any]:
+    def _send_flow(self, op: Op[R], timeout: float | None) -> Flow[Any]:
         """``op``'s reply, its tries bounded by one deadline: a call that may be retried
         is tried again after UNAVAILABLE, after a growing pause, at most ``retries``
         times and only while the pause ends before the deadline."""
@@ -265,7 +265,7 @@ class ClientBase(Requests):
             raise self._error(exc) from exc
         return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)
 
-    def _parse(self, op: Op, reply: Any) -> Any:
+    def _parse(self, op: Op[R], reply: Any) -> R:
         """``op``'s answer from ``reply``, noting the epoch the reply carries (if any)."""
         epoch = getattr(reply, "server_epoch", 0)
         if epoch != self.server_epoch:

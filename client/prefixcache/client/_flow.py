@@ -64,8 +64,13 @@ def run_blocking(flow: Flow[T]) -> T:
     driver = _Driver(flow)
     while (step := driver.next_step()) is not None:
         with driver.running():
-            driver.value = time.sleep(step.seconds) if isinstance(step, Pause) else step()
-    return driver.value
+            if isinstance(step, Pause):
+                time.sleep(step.seconds)
+                driver.value = None
+            else:
+                driver.value = step()
+    answer: T = driver.value  # what the flow returned
+    return answer
 
 
 async def run_async(flow: Flow[T]) -> T:
@@ -75,4 +80,5 @@ async def run_async(flow: Flow[T]) -> T:
         with driver.running():
             driver.value = await (asyncio.sleep(step.seconds) if isinstance(step, Pause)
                                   else step())
-    return driver.value
+    answer: T = driver.value  # what the flow returned
+    return answer

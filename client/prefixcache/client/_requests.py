@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+from google.protobuf.message import Message
 
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
@@ -16,10 +18,11 @@ from ._wire import extra_key_of, pack_slots, pack_tokens
 from .errors import InvalidArgument, PrefixCacheError
 
 SessionLike = Any  # a session object (with .session_id), a SessionInfo, or an id string
+R = TypeVar("R")
 
 
 @dataclass(slots=True)
-class Op:
+class Op(Generic[R]):
     """One call: ``method`` of the stub with ``request``; ``parse`` reads the reply.
 
     ``retry``: the call may be repeated after UNAVAILABLE (it is a read, or carries a
@@ -28,12 +31,13 @@ class Op:
     """
 
     method: str
-    request: Any
-    parse: Callable[[Any], Any]
+    request: Message
+    # The reply is the stub's (generated without types): the message ``method`` answers.
+    parse: Callable[[Any], R]
     retry: bool
-    fallback: Callable[[], Any] | None = None
+    fallback: Callable[[], R] | None = None
     # A fail-open answer that depends on the error (Step: per-item stand-ins or errors).
-    fallback_for: Callable[[PrefixCacheError], Any] | None = None
+    fallback_for: Callable[[PrefixCacheError], R] | None = None
 
 
 def session_id_of(session: SessionLike) -> str:
@@ -70,38 +74,38 @@ class Requests:
         own = getattr(session, "server_epoch", None)
         return own if isinstance(own, int) and own else self.server_epoch
 
-    def _op_list_models(self) -> Op:
+    def _op_list_models(self) -> Op[results.ModelList]:
         return Op("ListModels", pb.ListModelsRequest(), results.ModelList.from_pb, True)
 
-    def _op_describe_pool(self, model: str) -> Op:
+    def _op_describe_pool(self, model: str) -> Op[results.PoolInfo]:
         def parse(m: pb.DescribePoolResponse) -> results.PoolInfo:
             info = results.PoolInfo.from_pb(m)
             self._pools[model] = info
             return info
         return Op("DescribePool", pb.DescribePoolRequest(model=model), parse, True)
 
-    def _op_stats(self, model: str) -> Op:
+    def _op_stats(self, model: str) -> Op[results.StatsReply]:
         return Op("Stats", pb.StatsRequest(model=model), results.StatsReply.from_pb, True)
 
-    def _op_open_session(self, ttl: float | None, name: str | None) -> Op:
+    def _op_open_session(self, ttl: float | None, name: str | None) -> Op[results.SessionInfo]:
         request = pb.OpenSessionRequest(ttl_seconds=float(ttl or 0.0),
                                         client_name=self.client_name if name is None else name)
         # Not retried: a lost reply would leave a session behind (until its lease lapses).
         return Op("OpenSession", request, results.SessionInfo.from_pb, False)
 
-    def _op_keep_alive(self, session: SessionLike, server_epoch: int | None = None) -> Op:
+    def _op_keep_alive(self, session: SessionLike, server_epoch: int | None = None) -> Op[float]:
         request = pb.KeepAliveRequest(session_id=session_id_of(session),
                                       server_epoch=self._fence(session, server_epoch))
         return Op("KeepAlive", request, lambda m: m.ttl_seconds, True)
 
-    def _op_close_session(self, session: SessionLike) -> Op:
+    def _op_close_session(self, session: SessionLike) -> Op[results.CloseReply]:
         request = pb.CloseSessionRequest(session_id=session_id_of(session),
                                          server_epoch=self._fence(session, None))
         return Op("CloseSession", request, results.CloseReply.from_pb, False)
 
     def _op_match(self, model: str, tokens: Any, extra_key: str | None,
                   token_width: int | None, session: SessionLike, lock: bool, allocate: bool,
-                  request_id: int | None, as_pages: bool = False) -> Op:
+                  request_id: int | None, as_pages: bool = False) -> Op[results.MatchReply]:
         data, width = pack_tokens(tokens, token_width)
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid) and (lock or allocate))
@@ -121,7 +125,8 @@ class Requests:
     def _op_insert(self, model: str, tokens: Any, slots: Any, extra_key: str | None,
                    token_width: int | None, session: SessionLike, lock: bool,
                    release_lock_id: int, state_slot: int | None, slot_version: int,
-                   request_id: int | None, server_epoch: int | None = None) -> Op:
+                   request_id: int | None,
+                   server_epoch: int | None = None) -> Op[results.InsertReply]:
         data, width = pack_tokens(tokens, token_width)
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid))
@@ -141,14 +146,14 @@ class Requests:
                   lambda: results.InsertReply(skipped=True))
 
     def _op_evict(self, model: str, num_tokens: int, swa_num_tokens: int,
-                  mamba_num: int, session: SessionLike = None) -> Op:
+                  mamba_num: int, session: SessionLike = None) -> Op[results.EvictReply]:
         request = pb.EvictRequest(model=model, num_tokens=int(num_tokens),
                                   swa_num_tokens=int(swa_num_tokens), mamba_num=int(mamba_num),
                                   session_id=session_id_of(session))
         return Op("Evict", request, results.EvictReply.from_pb, False)
 
     def _op_lock(self, model: str, node_id: int, session: SessionLike,
-                 request_id: int | None, server_epoch: int | None = None) -> Op:
+                 request_id: int | None, server_epoch: int | None = None) -> Op[results.LockReply]:
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid))
         request = pb.LockRequest(model=model, node_id=int(node_id), session_id=sid,
@@ -159,7 +164,8 @@ class Requests:
                   bool(rid), lambda: results.LockReply(skipped=True))
 
     def _op_unlock(self, lock_id: int, session: SessionLike, request_id: int | None,
-                   server_epoch: int | None = None, unused: str | None = None) -> Op:
+                   server_epoch: int | None = None,
+                   unused: str | None = None) -> Op[results.UnlockReply]:
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid))
         request = pb.UnlockRequest(lock_id=int(lock_id), session_id=sid, request_id=rid,
@@ -169,7 +175,7 @@ class Requests:
                   lambda: results.UnlockReply(skipped=True))
 
     def _op_alloc(self, model: str, num_slots: int, num_state_slots: int,
-                  session: SessionLike, as_pages: bool = False) -> Op:
+                  session: SessionLike, as_pages: bool = False) -> Op[results.AllocReply]:
         request = pb.AllocRequest(model=model, num_slots=int(num_slots),
                                   num_state_slots=int(num_state_slots), as_pages=bool(as_pages),
                                   session_id=session_id_of(session),
@@ -177,7 +183,7 @@ class Requests:
         return Op("Alloc", request, results.AllocReply.from_pb, False)
 
     def _op_free(self, model: str, slots: Any, state_slots: Any, session: SessionLike,
-                 server_epoch: int | None = None) -> Op:
+                 server_epoch: int | None = None) -> Op[None]:
         request = pb.FreeRequest(model=model, slot_indices=pack_slots(slots),
                                  state_slots=pack_slots(state_slots),
                                  session_id=session_id_of(session),
@@ -185,11 +191,11 @@ class Requests:
         # Failing open leaves the slots with the session: its close or lease frees them.
         return Op("Free", request, lambda m: None, False, lambda: None)
 
-    def _op_reset(self, model: str) -> Op:
+    def _op_reset(self, model: str) -> Op[results.ResetReply]:
         return Op("Reset", pb.ResetRequest(model=model), results.ResetReply.from_pb, False)
 
     def _op_step(self, model: str, items: step.StepItems, session: SessionLike,
-                 request_id: int | None, server_epoch: int | None = None) -> Op:
+                 request_id: int | None, server_epoch: int | None = None) -> Op[step.StepReply]:
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid))
         request = step.build_request(model, items, sid, rid,
@@ -205,13 +211,13 @@ class Requests:
                   fallback_for=partial(step.failed_open, items))
 
 
-def unused_outcome(unused: str | None) -> int:
+def unused_outcome(unused: str | None) -> str | None:
     """``unlock``'s ``unused`` ("load_failed", "lease_expired", or None) as the
     UnlockRequest's ``unused_outcome``: the service counts the lock's tokens under it
     in prefixcache_lookup_tokens_total."""
     if unused is None:
-        return 0
+        return None  # left unset: the service counts nothing
     if unused not in ("load_failed", "lease_expired"):
         raise ValueError(f"unused must be 'load_failed', 'lease_expired' or None, not "
                          f"{unused!r}")
-    return pb.LookupOutcome.Value("LOOKUP_OUTCOME_" + unused.upper())
+    return "LOOKUP_OUTCOME_" + unused.upper()  # the enum value, by its name

@@ -28,7 +28,7 @@ STAND_INS: dict[str, Any] = {"match": MatchReply(skipped=True),
 
 def take_fail_open(name: str, kwargs: dict[str, Any], default: bool | None) -> bool | None:
     """The call's fail-open setting, left in ``kwargs`` for the calls that take one."""
-    fail_open = kwargs.pop("fail_open", default)
+    fail_open: bool | None = kwargs.pop("fail_open", default)
     if name != "alloc":  # which never fails open
         kwargs["fail_open"] = fail_open
     return fail_open

@@ -44,9 +44,9 @@ def _numpy() -> Any:
         try:
             import numpy
         except ImportError:
-            numpy = None
-        _numpy_module = numpy
-        if numpy is not None:
+            _numpy_module = None
+        else:
+            _numpy_module = numpy
             _TOKEN_PACKERS[numpy.ndarray] = _pack_ndarray
     return _numpy_module
 
@@ -55,7 +55,7 @@ def _module(obj: Any) -> str:
     return type(obj).__module__ or ""
 
 
-def _le(words: array) -> bytes:
+def _le(words: array[int]) -> bytes:
     if not _LITTLE:
         words = array(words.typecode, words)
         words.byteswap()
@@ -118,7 +118,7 @@ def _pack_list(tokens: list[Any] | tuple[Any, ...]) -> tuple[bytes, int]:
     return _le(words), 1
 
 
-def _pack_array(tokens: array) -> tuple[bytes, int]:
+def _pack_array(tokens: array[int]) -> tuple[bytes, int]:
     code = tokens.typecode
     if code == _U32:
         return _le(tokens), 1
@@ -207,7 +207,7 @@ def pack_slots(slots: Any) -> bytes:
     return _le(_to_array(_I64, slots, "slots must fit in a signed 64-bit integer"))
 
 
-def _pack_int_array(values: array, dtype: str, low: int, high: int, what: str) -> bytes:
+def _pack_int_array(values: array[int], dtype: str, low: int, high: int, what: str) -> bytes:
     """An integer ``array`` of another typecode as ``dtype`` bytes, range-checked: with
     numpy in one vector pass, without it in the ``array`` constructor's C loop."""
     np = _numpy()
@@ -218,7 +218,7 @@ def _pack_int_array(values: array, dtype: str, low: int, high: int, what: str) -
     return _le(_to_array(code, values, f"{what} out of range [{low}, {high})"))
 
 
-def _to_array(code: str, values: Any, range_message: str) -> array:
+def _to_array(code: str, values: Any, range_message: str) -> array[int]:
     try:
         return array(code, values)
     except OverflowError as exc:
@@ -236,7 +236,8 @@ def _to_array(code: str, values: Any, range_message: str) -> array:
 def _as_int(value: Any) -> int:
     if isinstance(value, (bool, float)) or not hasattr(value, "__index__"):
         raise TypeError(f"{type(value).__name__} is not an integer")
-    return value.__index__()
+    number: int = value.__index__()
+    return number
 
 
 def _pack_numpy(values: Any, dtype: str, low: int, high: int, what: str,
@@ -336,7 +337,7 @@ def _pack_tensor(tensor: Any, dtype: str, low: int, high: int, what: str,
     return _pack_numpy(host, dtype, low, high, what, flat)
 
 
-def unpack_slots(data: bytes) -> array:
+def unpack_slots(data: bytes) -> array[int]:
     """Packed little-endian int64 bytes as a native ``array('q')``."""
     out = array(_I64)
     if len(data) % 8:
@@ -347,7 +348,7 @@ def unpack_slots(data: bytes) -> array:
     return out
 
 
-def as_tensor(values: array, device: Any = None) -> Any:
+def as_tensor(values: array[int], device: Any = None) -> Any:
     """An int64 torch tensor of ``values`` (imports torch; shares memory on the CPU)."""
     import torch
 
@@ -358,14 +359,14 @@ def as_tensor(values: array, device: Any = None) -> Any:
     return out if device is None or str(device) == "cpu" else out.to(device)
 
 
-def as_numpy(values: array) -> Any:
+def as_numpy(values: array[int]) -> Any:
     """An int64 numpy view of ``values`` (imports numpy; no copy)."""
     import numpy as np
 
     return np.frombuffer(values, dtype=np.int64) if len(values) else np.zeros(0, np.int64)
 
 
-def concat(*parts: array) -> array:
+def concat(*parts: array[int]) -> array[int]:
     out = array(_I64)
     for part in parts:
         out.extend(part)

@@ -16,7 +16,7 @@ from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 from . import results
 from ._core import DEFAULT_TARGET, ClientBase
 from ._flow import run_async
-from ._requests import Op, SessionLike
+from ._requests import Op, R, SessionLike
 from .errors import (
     PrefixCacheError,
     Unavailable,
@@ -81,8 +81,8 @@ class AsyncPrefixCacheClient(ClientBase):
 
     # -------------------------------------------------------------- machinery
 
-    async def _run(self, op: Op, timeout: float | None = None,
-                   fail_open: bool | None = None) -> Any:
+    async def _run(self, op: Op[R], timeout: float | None = None,
+                   fail_open: bool | None = None) -> R:
         return await run_async(self._run_flow(op, timeout, fail_open))
 
     # ----------------------------------------------------------------- reads
@@ -106,6 +106,8 @@ class AsyncPrefixCacheClient(ClientBase):
     @property
     def _write_kv(self) -> Any:
         self._stub  # noqa: B018 - opens the channel
+        if self._channel is None:  # closed since
+            raise Unavailable("the client is closed")
         # Data chunks go out serialized already (kv.encode_chunk).
         return self._channel.stream_unary(
             kv.WRITE_KV_METHOD, request_serializer=kv.serialize_chunk,

@@ -11,6 +11,8 @@ Malformed input caught on the client side, before any call is made, raises
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 # Trailing metadata of a stale-epoch refusal: the service's current epoch, in decimal.
@@ -142,7 +144,8 @@ def from_rpc_error(exc: grpc.RpcError) -> PrefixCacheError:
 
 def _epoch_trailer(exc: grpc.RpcError) -> int:
     """The current epoch the service reports when it refuses a stale one, else 0."""
-    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    # (key, value) pairs; the stubs type a metadatum as a class of its own.
+    trailers: Any = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
     for key, value in trailers or ():
         if key == EPOCH_TRAILER:
             try:

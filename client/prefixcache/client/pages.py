@@ -41,7 +41,7 @@ class GetPagesReply:
     order) and the locks to release once they are read."""
 
     found_pages: int
-    slot_indices: array
+    slot_indices: array[int]
     lock_ids: tuple[int, ...]
     server_epoch: int
 
@@ -90,7 +90,7 @@ def _request(cls: Any, model: str, page_hashes: PageHashes, extra_key: str | Non
 
 def op_exists(model: str, page_hashes: PageHashes, extra_key: str | None,
               token_width: int, before_set: bool = False,
-              session: SessionLike = None) -> Op:
+              session: SessionLike = None) -> Op[ExistsPagesReply]:
     # The session is needed where the service has tenants or quotas configured.
     request = _request(pb.ExistsPagesRequest, model, page_hashes, extra_key, token_width,
                        before_set=before_set, session_id=session_id_of(session))
@@ -99,7 +99,7 @@ def op_exists(model: str, page_hashes: PageHashes, extra_key: str | None,
 
 
 def op_get(client: ClientBase, model: str, page_hashes: PageHashes, extra_key: str | None,
-           token_width: int, session: SessionLike, request_id: int | None) -> Op:
+           token_width: int, session: SessionLike, request_id: int | None) -> Op[GetPagesReply]:
     sid = session_id_of(session)
     rid = client._next_request_id(request_id, bool(sid))
     request = _request(pb.GetPagesRequest, model, page_hashes, extra_key, token_width,
@@ -112,7 +112,8 @@ def op_get(client: ClientBase, model: str, page_hashes: PageHashes, extra_key: s
 
 def op_set(client: ClientBase, model: str, page_hashes: PageHashes, slots: Any,
            extra_key: str | None, token_width: int, prior_hash: str | bytes | None,
-           session: SessionLike, request_id: int | None, server_epoch: int | None) -> Op:
+           session: SessionLike, request_id: int | None,
+           server_epoch: int | None) -> Op[SetPagesReply]:
     sid = session_id_of(session)
     rid = client._next_request_id(request_id, bool(sid))
     prior = pack_hashes([prior_hash]) if prior_hash else b""

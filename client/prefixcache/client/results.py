@@ -26,7 +26,7 @@ CACHE_KINDS = {
 }
 
 
-def _slots() -> array:
+def _slots() -> array[int]:
     return array("q")
 
 
@@ -58,10 +58,10 @@ class MatchReply:
     """
 
     prefix_len: int = 0
-    slots: array = field(default_factory=_slots)
+    slots: array[int] = field(default_factory=_slots)
     node_id: int = 0
     lock_id: int = 0
-    allocated: array = field(default_factory=_slots)
+    allocated: array[int] = field(default_factory=_slots)
     state_slot: int | None = None
     mamba_branching_seqlen: int | None = None
     allocated_state_slot: int | None = None
@@ -69,14 +69,14 @@ class MatchReply:
     allocated_slot_version: int | None = None
     skipped: bool = False
     server_epoch: int = 0
-    page_ids: array = field(default_factory=_slots)
-    allocated_page_ids: array = field(default_factory=_slots)
+    page_ids: array[int] = field(default_factory=_slots)
+    allocated_page_ids: array[int] = field(default_factory=_slots)
 
     @property
     def hit(self) -> bool:
         return self.prefix_len > 0
 
-    def all_slots(self) -> array:
+    def all_slots(self) -> array[int]:
         """Matched then allocated slots: one per requested token, ready for ``insert``."""
         return concat(self.slots, self.allocated)
 
@@ -118,7 +118,7 @@ class InsertReply:
     cached_len: int = 0
     node_id: int = 0
     lock_id: int = 0
-    freed: array = field(default_factory=_slots)
+    freed: array[int] = field(default_factory=_slots)
     state_exist: bool = False
     skipped: bool = False
     server_epoch: int = 0
@@ -167,11 +167,11 @@ class AllocReply:
     page_size)``).
     """
 
-    slots: array = field(default_factory=_slots)
-    state_slots: array = field(default_factory=_slots)
-    slot_versions: array = field(default_factory=_slots)
+    slots: array[int] = field(default_factory=_slots)
+    state_slots: array[int] = field(default_factory=_slots)
+    slot_versions: array[int] = field(default_factory=_slots)
     server_epoch: int = 0
-    page_ids: array = field(default_factory=_slots)
+    page_ids: array[int] = field(default_factory=_slots)
 
     def slots_tensor(self, device: Any = None) -> Any:
         """``slots`` as an int64 torch tensor (imports torch)."""

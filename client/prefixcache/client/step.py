@@ -119,7 +119,7 @@ class StepReply:
                 if isinstance(result, PrefixCacheError):
                     yield name, i, result
 
-    def decoded_slots(self) -> array:
+    def decoded_slots(self) -> array[int]:
         """The slots of every successful decode, in order, concatenated."""
         out = _slots()
         for result in self.decodes:
@@ -166,7 +166,8 @@ class StepItems:
 def _count(n: Any) -> int:
     if isinstance(n, bool) or not hasattr(n, "__index__") or n.__index__() < 0:
         raise InvalidArgument(f"a decode is a slot count >= 0, not {n!r}")
-    return n.__index__()
+    count: int = n.__index__()
+    return count
 
 
 def build_request(model: str, items: StepItems, session_id: str, request_id: int,
@@ -185,17 +186,17 @@ def build_request(model: str, items: StepItems, session_id: str, request_id: int
             out.extra_key = key
         if f.state_slot is not None:
             out.state_slot = int(f.state_slot)
-    for f in items.frees:
-        request.frees.add(slot_indices=pack_slots(f.slots),
-                          state_slots=pack_slots(f.state_slots))
+    for free in items.frees:
+        request.frees.add(slot_indices=pack_slots(free.slots),
+                          state_slots=pack_slots(free.state_slots))
     for a in items.admits:
         data, width = pack_tokens(a.tokens, a.token_width)
-        out = request.admits.add(token_ids=data, token_width=width, lock=a.lock,
-                                 allocate=a.allocate)
+        admit = request.admits.add(token_ids=data, token_width=width, lock=a.lock,
+                                   allocate=a.allocate)
         if (key := extra_key_of(a.tokens, a.extra_key)) is not None:
-            out.extra_key = key
+            admit.extra_key = key
         if a.hint is not None:
-            out.expected_prefix_len = int(a.hint)
+            admit.expected_prefix_len = int(a.hint)
     return request
 
 
@@ -222,8 +223,9 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
 def parse_reply(m: pb.StepResponse) -> StepReply:
     """The typed reply of a step."""
     epoch = m.server_epoch
-    lists = {name: tuple(_item(r, epoch, _PARSERS[name]) for r in getattr(m, name))
-             for name in LISTS}
+    # One tuple of results per item list, each list of its own result type.
+    lists: dict[str, Any] = {name: tuple(_item(r, epoch, _PARSERS[name])
+                                         for r in getattr(m, name)) for name in LISTS}
     counters = ModelStats.from_pb(m.counters) if m.HasField("counters") else None
     return StepReply(**lists, counters=counters, stale_hints=m.stale_hints,
                      replayed=m.replayed, server_epoch=epoch)

@@ -15,7 +15,7 @@ from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 from . import pages, results
 from ._core import DEFAULT_TARGET, FAIL_OPEN_ERRORS, ClientBase, log
 from ._flow import run_blocking
-from ._requests import Op, SessionLike
+from ._requests import Op, R, SessionLike
 from ._session_state import SessionState
 from .errors import PrefixCacheError
 from .sessions.session import ClientSession
@@ -95,7 +95,7 @@ class PrefixCacheClient(ClientBase):
 
     # -------------------------------------------------------------- machinery
 
-    def _run(self, op: Op, timeout: float | None = None, fail_open: bool | None = None) -> Any:
+    def _run(self, op: Op[R], timeout: float | None = None, fail_open: bool | None = None) -> R:
         return run_blocking(self._run_flow(op, timeout, fail_open))
 
     # ----------------------------------------------------------------- reads

@@ -1,7 +1,9 @@
 """prefixcache.cache: the in-process prefix-cache library (no gRPC, no metrics, no config).
 
-Drop-in names for ``pymllm.mem_cache``, with the reference's bugs fixed (see each
-class's docstring and ``spec/semantics.md`` §10).
+It keeps the class and method names and signatures of ``pymllm.mem_cache`` (the prefix
+cache of the mllm project's Python runtime, derived from SGLang's ``mem_cache``), so code
+written against either runs on it; where that reference is wrong it follows SGLang.
+docs/semantics.md states the exact behaviour and lists every departure.
 """
 
 from .base import BasePrefixCache, EvictResult, InsertResult, MatchResult
@@ -27,7 +29,8 @@ from .pools.slot_allocator import SlotAllocator, StaleSlotError
 from .pools.swa_allocator import SWATokenToKVPoolAllocator
 from .radix.radix_cache import RadixCache
 from .radix.swa_radix_cache import SWARadixCache
-from .slot.slot_cache import SlotInsertResult, SlotMatch, SlotNode, SlotPrefixCache
+from .slot.slot_cache import SlotInsertResult, SlotMatch, SlotPrefixCache
+from .slot.slot_tree import SlotNode
 
 __all__ = [
     "EVICTION_POLICIES",

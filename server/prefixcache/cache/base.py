@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -22,7 +22,10 @@ class MatchResult:
     Attributes:
         indices: KV slot of every matched token (1-D; empty on a miss). Use them only
             while ``last_node`` is locked, or eviction may hand them to someone else.
-        last_node: the node where the match ends (the root on a miss); lock it.
+        last_node: the node where the match ends (the root on a miss); lock it. An
+            opaque handle: each cache kind has its own node type (a ``TreeNode`` of the
+            in-process trees, a remote node of ``RemoteRadixCache``, None for
+            ``ChunkCache``), so it is typed as anything.
         prefix_len: number of matched tokens, always ``len(indices)``.
         mamba_branching_seqlen: hybrid caches only, see ``MambaRadixCache``.
     """
@@ -51,6 +54,16 @@ class EvictResult:
     mamba_evicted: int = 0
 
 
+class SlotFreer(Protocol):
+    """What a cache needs of its slot allocator: taking slots back (``free``).
+
+    ``TokenToKVPoolAllocator`` is one; a cache also uses ``free_parts``, ``free_swa``,
+    ``is_allocated`` and ``device`` where the allocator has them.
+    """
+
+    def free(self, indices: torch.Tensor) -> None: ...
+
+
 class BasePrefixCache(ABC):
     """A cache from token prefixes to KV-pool slots.
 
@@ -74,18 +87,19 @@ class BasePrefixCache(ABC):
     def match_prefix(self, key: RadixKey) -> MatchResult: ...
 
     @abstractmethod
-    def insert(
-        self, key: RadixKey, value: torch.Tensor | None = None, **kwargs: Any
-    ) -> InsertResult: ...
+    def insert(self, key: RadixKey, value: torch.Tensor | None = None) -> InsertResult:
+        """Cache ``key`` with slots ``value``; a kind adds keyword-only options."""
 
     @abstractmethod
     def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult: ...
 
     @abstractmethod
-    def inc_lock_ref(self, node: Any) -> Any: ...
+    def inc_lock_ref(self, node: Any) -> int | None:
+        """Lock ``node`` (a ``MatchResult.last_node``); the SWA kind returns the boundary
+        id its ``dec_lock_ref`` takes back, every other kind None."""
 
     @abstractmethod
-    def dec_lock_ref(self, node: Any, *args: Any, **kwargs: Any) -> None: ...
+    def dec_lock_ref(self, node: Any, swa_boundary_id: int | None = None) -> None: ...
 
     def evictable_size(self) -> int:
         return 0

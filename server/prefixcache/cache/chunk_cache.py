@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .base import BasePrefixCache, EvictResult, InsertResult, MatchResult
@@ -16,7 +14,8 @@ class ChunkCache(BasePrefixCache):
     The caller keeps ownership of every slot and frees request KV itself.
     """
 
-    def __init__(self, token_to_kv_pool_allocator: Any = None, device: Any = None) -> None:
+    def __init__(self, token_to_kv_pool_allocator: object = None,
+                 device: str | torch.device | None = None) -> None:
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.device = torch.device(
             device or getattr(token_to_kv_pool_allocator, "device", None) or "cpu"
@@ -29,15 +28,16 @@ class ChunkCache(BasePrefixCache):
         return MatchResult(torch.empty((0,), dtype=torch.int64, device=self.device), None, 0)
 
     def insert(
-        self, key: RadixKey, value: torch.Tensor | None = None, **kwargs: Any
+        self, key: RadixKey, value: torch.Tensor | None = None, **options: object
     ) -> InsertResult:
+        """Caches nothing; any kind's options are accepted and ignored."""
         return InsertResult()
 
     def evict(self, num_tokens: int, swa_num_tokens: int = 0) -> EvictResult:
         return EvictResult()
 
-    def inc_lock_ref(self, node: Any) -> Any:
+    def inc_lock_ref(self, node: object) -> None:
         return None
 
-    def dec_lock_ref(self, node: Any, *args: Any, **kwargs: Any) -> None:
+    def dec_lock_ref(self, node: object, swa_boundary_id: int | None = None) -> None:
         return None

@@ -47,7 +47,7 @@ def check_count(value: object, name: str, minimum: int = 0) -> int:
     if isinstance(value, bool):
         raise InvalidInputError(f"{name} must be an int, got bool")
     try:
-        number = operator.index(value)  # type: ignore[call-overload]
+        number = operator.index(value)  # type: ignore[arg-type]  # it decides what is an int
     except TypeError as exc:
         raise InvalidInputError(f"{name} must be an int, got {type(value).__name__}") from exc
     if number < minimum:

@@ -5,35 +5,38 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from itertools import count
-from typing import Any
+from typing import Generic, TypeVar
 
 from .errors import InvalidInputError
 from .node import TreeNode
 
-Priority = Callable[[TreeNode], Any]
+# What a policy ranks a node by: lower evicts first.
+Rank = int | tuple[int, int]
+Priority = Callable[[TreeNode], Rank]
+N = TypeVar("N", bound=TreeNode)
 
 
-def lru(node: TreeNode) -> Any:
+def lru(node: TreeNode) -> Rank:
     """Least recently used first."""
     return node.last_access_time
 
 
-def lfu(node: TreeNode) -> Any:
+def lfu(node: TreeNode) -> Rank:
     """Least frequently matched first; recency breaks ties."""
     return (node.hit_count, node.last_access_time)
 
 
-def fifo(node: TreeNode) -> Any:
+def fifo(node: TreeNode) -> Rank:
     """Oldest node first (ids grow with creation)."""
     return node.id
 
 
-def mru(node: TreeNode) -> Any:
+def mru(node: TreeNode) -> Rank:
     """Most recently used first."""
     return -node.last_access_time
 
 
-def filo(node: TreeNode) -> Any:
+def filo(node: TreeNode) -> Rank:
     """Newest node first."""
     return -node.id
 
@@ -56,7 +59,7 @@ def get_eviction_policy(name: str) -> Priority:
         raise InvalidInputError(f"unknown eviction policy {name!r} (known: {known})") from None
 
 
-class EvictionQueue:
+class EvictionQueue(Generic[N]):
     """Candidates for eviction in priority order, O(log n) per change.
 
     A node's priority moves whenever it is touched, so instead of re-sorting, ``push``
@@ -69,28 +72,29 @@ class EvictionQueue:
 
     def __init__(self, priority: Priority) -> None:
         self._priority = priority
-        self._heap: list[list[Any]] = []
-        self._live: dict[int, list[Any]] = {}
+        # (rank, sequence number, node): the sequence breaks ties, so nodes never compare.
+        self._heap: list[tuple[Rank, int, N]] = []
+        self._live: dict[int, tuple[Rank, int, N]] = {}
         self._seq = count()
 
-    def push(self, node: TreeNode) -> None:
+    def push(self, node: N) -> None:
         """Make ``node`` a candidate at its current priority (replacing an older entry)."""
-        entry = [self._priority(node), next(self._seq), node]
+        entry = (self._priority(node), next(self._seq), node)
         self._live[node.id] = entry
         heapq.heappush(self._heap, entry)
         if len(self._heap) > 2 * len(self._live) + 1024:
             self._compact()
 
-    def discard(self, node: TreeNode) -> None:
+    def discard(self, node: N) -> None:
         """Stop considering ``node`` (no-op if it is not a candidate)."""
         self._live.pop(node.id, None)
 
-    def refresh(self, node: TreeNode) -> None:
+    def refresh(self, node: N) -> None:
         """Re-rank ``node`` after a touch, if it is a candidate."""
         if node.id in self._live:
             self.push(node)
 
-    def pop(self) -> TreeNode | None:
+    def pop(self) -> N | None:
         """Remove and return the candidate to evict first, or None if there is none."""
         heap, live = self._heap, self._live
         while heap:
@@ -105,7 +109,7 @@ class EvictionQueue:
         self._heap.clear()
         self._live.clear()
 
-    def __contains__(self, node: TreeNode) -> bool:
+    def __contains__(self, node: N) -> bool:
         return node.id in self._live
 
     def __len__(self) -> int:

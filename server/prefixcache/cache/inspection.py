@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -18,12 +18,14 @@ class RadixView(Protocol):
     subclasses). Those import this module to check themselves, so they are named here
     by their shape rather than imported."""
 
-    root_node: TreeNode
+    @property
+    def root_node(self) -> TreeNode: ...  # read-only here, so a subclass's node type fits
+
     page_size: int
     sliding_window_size: int | None
     eager_page_hashes: bool
     token_to_kv_pool_allocator: Any
-    _leaves: EvictionQueue
+    _leaves: EvictionQueue[TreeNode]
 
     def total_size(self) -> int: ...
 
@@ -36,7 +38,10 @@ class RadixView(Protocol):
     def swa_protected_size(self) -> int: ...
 
 
-def walk(start: TreeNode, depth: int = 0) -> Iterator[tuple[TreeNode, int]]:
+N = TypeVar("N", bound=TreeNode)
+
+
+def walk(start: N, depth: int = 0) -> Iterator[tuple[N, int]]:
     """Every node below ``start`` (depth-first) with its depth."""
     stack = [(child, depth) for child in start.children.values()]
     while stack:
@@ -100,11 +105,11 @@ def check_radix_cache(cache: RadixView) -> None:
 
 def _nodes(cache: RadixView, problems: list[str]) -> Iterator[TreeNode]:
     root = cache.root_node
-    for (extra_key, width), ns_root in root.children.items():
+    for key, ns_root in root.children.items():
         ns = ns_root.namespace
-        if ns is None or (ns.extra_key, ns.token_width) != (extra_key, width) \
+        if ns is None or (ns.extra_key, ns.token_width) != key \
                 or ns_root.parent is not root or not ns_root.children:
-            problems.append(f"namespace root {extra_key!r}/{width} is malformed or empty")
+            problems.append(f"namespace root {key!r} is malformed or empty")
             continue
         for node, _ in walk(ns_root):
             page = node.key_bytes[: ns.page_bytes]
@@ -129,10 +134,11 @@ def _check_node(cache: RadixView, node: TreeNode, problems: list[str]) -> None:
                         f"{node.own_lock_ref} + children {child_locks}")
     if cache.eager_page_hashes or node.hash_values is not None:
         parent = node.parent
-        if parent.key_len and parent.hash_values is None:
+        above = parent.hash_values if parent.key_len else None
+        if parent.key_len and above is None:
             problems.append(f"node {node.id} is hashed but its parent is not")
             return
-        prior = bytes.fromhex(parent.hash_values[-1]) if parent.key_len else None
+        prior = bytes.fromhex(above[-1]) if above else None
         if node.hash_values != hash_pages(node.key_bytes, ns.page_bytes, prior):
             problems.append(f"node {node.id}: page hashes do not chain from its parent")
 

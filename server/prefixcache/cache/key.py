@@ -117,7 +117,7 @@ def _pack_sequence(token_ids: Any) -> tuple[bytes, int]:
     return _le(packed).tobytes(), width
 
 
-def _pack_array(token_ids: array) -> tuple[bytes, int]:
+def _pack_array(token_ids: array[int]) -> tuple[bytes, int]:
     code = token_ids.typecode
     if code == _U32:
         return (token_ids.tobytes() if _LITTLE else _le(token_ids).tobytes()), 1
@@ -206,7 +206,7 @@ def _tensor_on_host(tensor: torch.Tensor) -> Any:
         return tensor.tolist()
 
 
-def _le(words: array) -> array:
+def _le(words: array[int]) -> array[int]:
     if _LITTLE:
         return words
     swapped = array(_U32, words)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import count
-from typing import TYPE_CHECKING
+from typing import Self
+
+import torch
 
 from .errors import IntegrityError
 from .key import TOKEN_BYTES, RadixKey
 
-if TYPE_CHECKING:
-    import torch
-
 # Ids are process-wide (as in the reference) so a node id names one node across caches.
 _node_ids = count(1)
+# The value of a node that holds no slots: one that left the tree, or a node of a cache
+# whose values are not per-token slots (the slot kind). Shared, and never written to.
+NO_SLOTS = torch.empty((0,), dtype=torch.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,13 @@ class TreeNode:
     was never locked can be refused.
     """
 
+    children: dict[object, Self]
+    # The root alone has no parent (None); every walk up stops below it (at the first
+    # node with ``key_len == 0``), so the attribute is typed as always naming a node.
+    parent: Self
+    value: torch.Tensor
+    hash_values: list[str] | None
+
     __slots__ = (
         # The service hands nodes out as opaque ids and looks them up weakly, so a
         # node that leaves the tree is forgotten without a callback from every path.
@@ -74,15 +83,15 @@ class TreeNode:
         namespace: Namespace | None = None,
         key_bytes: bytes = b"",
         value: torch.Tensor | None = None,
-        parent: TreeNode | None = None,
+        parent: Self | None = None,
         last_access_time: int = 0,
     ) -> None:
-        self.children: dict[object, TreeNode] = {}
-        self.parent = parent
+        self.children = {}
+        self.parent = parent  # type: ignore[assignment]  # None for the root only
         self.namespace = namespace
         self.key_bytes = key_bytes
         self.key_len = len(key_bytes) // namespace.token_bytes if namespace else 0
-        self.value = value
+        self.value = NO_SLOTS if value is None else value
         self.lock_ref = 0
         self.own_lock_ref = 0
         self.swa_lock_ref = 0
@@ -90,7 +99,7 @@ class TreeNode:
         self.swa_boundary_id: int | None = None
         self.last_access_time = last_access_time
         self.hit_count = 0
-        self.hash_values: list[str] | None = None
+        self.hash_values = None
         self.evicted = False
         self.id = next(_node_ids)
 

@@ -1,9 +1,10 @@
 """Prometheus metrics: RPC counters and latency, plus cache gauges read at scrape time.
 
-Names follow DESIGN §3: base units, ``_total`` counters for rates, label ``model`` and
-no per-request or per-namespace labels. Cache numbers are read from the engines when
-Prometheus scrapes (a custom collector), so the request path pays nothing for them.
-Each server has its own registry, so several can run in one process (tests).
+Names use base units and ``_total`` counters for rates, with the label ``model`` and no
+per-request or per-namespace labels (whose values would grow without bound). Cache
+numbers are read from the engines when Prometheus scrapes (a custom collector), so the
+request path pays nothing for them. Each server has its own registry, so several can
+run in one process (tests).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ slot for every prefix end the tree holds a Mamba state at. Against them it check
   reported, unique, unlocked, and held by the tree; the tree stays prefix-closed, each
   state sits on held KV, and a phase stops short only when nothing is left to take;
   a Mamba-only eviction frees exactly the least recently used unlocked states;
-* state recency, SGLang's policy (issue 12): an insert refreshes each state it walks
+* state recency, SGLang's policy: an insert refreshes each state it walks
   through, top-down (the node it splits included), then the new, adopted or existing
   state at its end; a match refreshes the state of the node it splits, then the
   answered path's states, top-down; the Mamba LRU list is in exactly that order;

@@ -1,4 +1,5 @@
-"""Spec §12 Mamba examples E10/E11 and each §10 item 12 fix, with SGLang's semantics."""
+"""MambaRadixCache: worked examples E10 and E11, and each Mamba departure from the
+reference (docs/semantics.md, departure 12), with SGLang's semantics."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def nodes(cache: MambaRadixCache) -> list[MambaTreeNode]:
 
 
 def test_e10_split_match_lock_evict_adopt() -> None:
-    """E10 with §10.12 fixed: exact mamba_exist, no slot shared by a split, slot units."""
+    """E10, departure 12: exact mamba_exist, no slot shared by a split, slot units."""
     pools = Pools()
     cache = pools.cache()
     assert not cache.insert(RadixKey(r(1, 4)), t(11, 12, 13, 14), mamba_value=101).mamba_exist
@@ -165,7 +166,7 @@ def test_mamba_sizes_count_state_slots() -> None:
 
 
 def test_mamba_exist_means_the_final_node_already_had_state() -> None:
-    """§10.12 fix: mamba_exist is about the key's end only, and then the slot is not taken."""
+    """Departure 12: mamba_exist is about the key's end only, and then the slot is not taken."""
     pools = Pools()
     cache = pools.cache()
     cache.insert(RadixKey(r(1, 4)), t(11, 12, 13, 14), mamba_value=101)
@@ -181,7 +182,7 @@ def test_mamba_exist_means_the_final_node_already_had_state() -> None:
 
 
 def test_mamba_phase_deletes_leaves_instead_of_tombstoning_them() -> None:
-    """§10.12 fix: phase 2 takes a leaf whole (with the tombstones above it), never
+    """Departure 12: phase 2 takes a leaf whole (with the tombstones above it), never
     leaving a tombstone leaf; on_node_evict hears of each deleted node, not tombstones."""
     pools = Pools()
     gone: list[int] = []
@@ -203,7 +204,7 @@ def test_mamba_phase_deletes_leaves_instead_of_tombstoning_them() -> None:
 
 
 def test_match_stops_at_the_deepest_node_with_state() -> None:
-    """§10.12 fix: a hit always ends where a state exists; branching seqlen says how far
+    """Departure 12: a hit always ends where a state exists; branching seqlen says how far
     the KV went, rounded down to mamba_cache_chunk_size."""
     pools = Pools()
     cache = pools.cache(mamba_cache_chunk_size=4)
@@ -244,7 +245,7 @@ def test_lock_covers_full_kv_to_the_root_but_state_on_the_node_only() -> None:
 
 
 def test_unbalanced_unlocks_raise_and_change_nothing() -> None:
-    """§10.8 fix: double unlock, unlock of an unlocked or evicted node raise LockError."""
+    """Departure 8: double unlock, unlock of an unlocked or evicted node raise LockError."""
     pools = Pools()
     cache = pools.cache()
     leaf = cache.insert(RadixKey(r(1, 4)), t(11, 12, 13, 14), mamba_value=101).last_node
@@ -341,7 +342,7 @@ def test_full_eviction_takes_parents_left_behind_in_lru_order() -> None:
 
 
 def test_paged_keys_and_unaligned_state_are_refused() -> None:
-    """§10.3: inserts align to pages; a state for an unaligned key belongs to no node."""
+    """Departure 3: inserts align to pages; a state for an unaligned key belongs to no node."""
     pools = Pools(page_size=2)
     cache = pools.cache(page_size=2)
     with pytest.raises(InvalidInputError, match="whole pages"):
@@ -356,7 +357,7 @@ def test_paged_keys_and_unaligned_state_are_refused() -> None:
 
 
 def test_namespaces_and_token_widths_are_separate_subtrees() -> None:
-    """§10.4: extra_key and token width isolate namespaces, as in RadixCache."""
+    """Departure 4: extra_key and token width isolate namespaces, as in RadixCache."""
     pools = Pools()
     cache = pools.cache()
     cache.insert(RadixKey([1, 2, 3], "a"), t(11, 12, 13), mamba_value=101)
@@ -480,8 +481,8 @@ def test_pretty_print_shows_locks_and_states(capsys: pytest.CaptureFixture[str])
 
 
 def test_mamba_phase_never_revisits_a_tombstone_left_behind() -> None:
-    """Regression (long property run): deleting a leaf in the Mamba phase leaves its
-    tombstone parent, older than the next candidate, alone instead of taking it."""
+    """Deleting a leaf in the Mamba phase leaves its tombstone parent, older than the
+    next candidate, alone instead of taking it (a case the long property run found)."""
     pools = Pools()
     cache = pools.cache()
     cache.insert(RadixKey(r(1, 4)), t(11, 12, 13, 14), mamba_value=101)

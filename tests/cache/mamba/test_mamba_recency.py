@@ -1,11 +1,11 @@
-"""Which Mamba state eviction takes: SGLang's recency policy (issue 12, item 3).
+"""Which Mamba state eviction takes: SGLang's recency policy.
 
 An insert refreshes each node it walks into, top-down, as it reaches it, so a node it
 splits ranks newer than the shared prefix above it; a match refreshes the answered
 path in the full-KV list but only the answered node's state in the Mamba list
-(SGLang as of 2026-07, ``_match_post_processor``; issue 21 item 15). Touching the
-insert's whole path again at the end ranked the shared prefix's
-state newest, and state pressure then deleted the deeper leaf, KV included.
+(SGLang as of 2026-07, ``_match_post_processor``). Touching the insert's whole path
+again at the end would rank the shared prefix's state newest, and state pressure would
+then delete the deeper leaf, KV included: these tests fail on that order.
 """
 
 from __future__ import annotations

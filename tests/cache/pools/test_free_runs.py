@@ -183,8 +183,9 @@ def test_ends_one_run_apart_but_not_a_run(bad: list[int]) -> None:
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("bad", [[2**63 - 1, -(2**63)], [2**63 - 2, 2**63 - 1, -(2**63)]])
 def test_a_run_wrapping_around_int64_is_refused(page: int, bad: list[int]) -> None:
-    """Regression: a diff of 1 across the int64 wrap made one "run" whose bounds passed
-    the range check, and the free was accepted without freeing anything."""
+    """Slots that differ by 1 across the int64 wrap are not one run: a run built from
+    them would pass the range check, and the free be accepted without freeing
+    anything."""
     alloc = TokenToKVPoolAllocator(64, "cpu", page)
     alloc.alloc(5)
     before = _state(alloc)

@@ -1,4 +1,4 @@
-"""MambaPool: slot layout, track-slot allocation with checked frees, state copies (§7.4)."""
+"""MambaPool: slot layout, track-slot allocation with checked frees, state copies."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def test_shapes_dtypes_and_slot_layout() -> None:
 
 
 def test_track_slots_come_highest_first_and_return_lifo() -> None:
-    """§7.4: 5, 4, 3, then None; a freed slot is the next one handed out."""
+    """Track slots 5, 4, 3, then None (two requests, three track slots); a freed slot
+    is the next one handed out."""
     pool = small_pool()
     assert [pool.alloc_track_slot() for _ in range(4)] == [5, 4, 3, None]
     assert pool.num_allocated_track_slots() == 3 and pool.available_track_slots() == 0
@@ -45,7 +46,7 @@ def test_track_slots_come_highest_first_and_return_lifo() -> None:
 
 
 def test_bad_frees_raise() -> None:
-    """§10.14 fix: double frees and frees of non-track slots raise, changing nothing."""
+    """Departure 14: double frees and frees of non-track slots raise, changing nothing."""
     pool = small_pool()
     slot = pool.alloc_track_slot()
     assert slot is not None

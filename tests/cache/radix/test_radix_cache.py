@@ -1,4 +1,5 @@
-"""Spec §12 worked examples E1-E4 and the plain-mode items of §10, with our fixes asserted."""
+"""RadixCache: worked examples E1-E4 and the departures from the reference that concern
+full attention (docs/semantics.md), each asserted."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def test_e1_basic_insert_match_lock_evict() -> None:
 
 
 def test_e2_paging_aligns_match_and_insert() -> None:
-    """E2 with §10.3 fixed: inserts are page-aligned, so no stranded tails or overshoot."""
+    """E2, departure 3: inserts are page-aligned, so no stranded tails or overshoot."""
     slots = Slots(page_size=2)
     cache = RadixCache(page_size=2, token_to_kv_pool_allocator=slots.allocator)
     assert cache.insert(RadixKey([1, 2, 3, 4, 5]), t(11, 12, 13, 14, 15)).prefix_len == 0
@@ -103,7 +104,7 @@ def test_e3_namespaces_are_disjoint() -> None:
 
 
 def test_tuple_and_int_keys_never_alias() -> None:
-    """§10.4 fix: a bigram key and the flat ints it packs to live in different subtrees."""
+    """Departure 4: a bigram key and the flat ints it packs to live in different subtrees."""
     cache = RadixCache()
     cache.insert(RadixKey([(5, 7), (8, 9)]), t(1, 2))
     assert cache.match_prefix(RadixKey([5, 7, 8, 9])).prefix_len == 0
@@ -111,13 +112,13 @@ def test_tuple_and_int_keys_never_alias() -> None:
 
 
 def test_extra_key_must_be_a_string() -> None:
-    """§10.4 fix: a non-str extra_key is refused instead of aliasing token child keys."""
+    """Departure 4: a non-str extra_key is refused instead of aliasing token child keys."""
     with pytest.raises(InvalidInputError):
         RadixKey([7], extra_key=5)  # type: ignore[arg-type]
 
 
 def test_e4_lru_order_overshoot_and_cascade() -> None:
-    """E4 / §3.8: whole-leaf LRU eviction, overshoot, locked paths kept, parent cascade."""
+    """E4, departure 6: whole-leaf LRU eviction, overshoot, locked paths kept, parent cascade."""
     slots = Slots()
     evicted_ids: list[int] = []
     cache = RadixCache(token_to_kv_pool_allocator=slots.allocator, on_node_evict=evicted_ids.append)
@@ -153,7 +154,7 @@ def test_e4_lru_order_overshoot_and_cascade() -> None:
 
 
 def test_empty_and_short_keys() -> None:
-    """§10.1: empty or sub-page keys match nothing (last_node = root) and insert nothing."""
+    """Departure 1: empty or sub-page keys match nothing (last_node = root) and insert nothing."""
     cache = RadixCache(page_size=4)
     assert cache.insert(RadixKey([]), t()).prefix_len == 0
     assert cache.insert(RadixKey([1, 2, 3]), t(1, 2, 3)).prefix_len == 0
@@ -164,7 +165,7 @@ def test_empty_and_short_keys() -> None:
 
 
 def test_match_splits_only_at_pages_and_split_persists() -> None:
-    """§10.2: a match ending inside a node splits it there, at a page multiple, for good."""
+    """Departure 2: a match ending inside a node splits it there, at a page multiple, for good."""
     cache = RadixCache(page_size=2)
     cache.insert(RadixKey([1, 2, 3, 4, 5, 6]), t(1, 2, 3, 4, 5, 6))
     match = cache.match_prefix(RadixKey([1, 2, 3, 4, 9, 9]))
@@ -184,7 +185,7 @@ def test_split_keeps_node_id_on_the_deeper_part() -> None:
 
 
 def test_unbalanced_unlock_raises_and_changes_nothing() -> None:
-    """§10.8 fix: double unlock, unlock of a never-locked node and of an evicted node raise."""
+    """Departure 8: double unlock, unlock of a never-locked node and of an evicted node raise."""
     cache = RadixCache()
     leaf = cache.insert(RadixKey([1, 2, 3, 4]), t(1, 2, 3, 4)).last_node
     upper = cache.match_prefix(RadixKey([1, 2])).last_node
@@ -339,7 +340,7 @@ def test_pretty_print_shows_namespaces(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_chunk_cache_is_a_no_op() -> None:
-    """ChunkCache (§5): misses on the allocator's device, does nothing, sizes all 0."""
+    """ChunkCache: misses on the allocator's device, does nothing, sizes all 0."""
     allocator = TokenToKVPoolAllocator(16)
     cache = ChunkCache(allocator)
     match = cache.match_prefix(RadixKey([1, 2, 3]))

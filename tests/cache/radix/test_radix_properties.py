@@ -358,7 +358,8 @@ class PlainHarness(CacheHarness):
 
 
 class WorkerMachine(PlainHarness):
-    """Requests follow the worker protocol of spec §9, with locks held across steps."""
+    """Requests follow the reference runtime's worker protocol (match, lock the hit,
+    allocate the rest, insert, free the duplicates, unlock), with locks held across steps."""
 
     def _begin(self, seq: Seq) -> Request | None:
         """Prefill start: match, lock the hit, allocate the rest."""

@@ -11,8 +11,8 @@ checks:
   one, also checked on the returned node chain), and it is the longest such prefix;
 * every insert, position by position: what is stored, what is revived and what insert
   itself frees (it owns ``value[prev_prefix_len:aligned]``; the caller frees only the
-  unaligned tail), following SGLang with spec §4.4 bugs B1-B4 fixed and the documented
-  choice that a full-locked tombstone is not revived;
+  unaligned tail), following SGLang where the reference is wrong (docs/semantics.md,
+  departure 11) and the documented choice that a full-locked tombstone is not revived;
 * every eviction: the full and SWA counts equal what reached the allocator, only
   unlocked positions lose full KV, the tree stays prefix-closed, and eviction stops
   short only when nothing more is evictable;

@@ -1,4 +1,5 @@
-"""Spec §12 SWA examples E5-E9 and §10 item 11, with SGLang's semantics where pymllm is wrong."""
+"""SWARadixCache: worked examples E5-E9 and the sliding-window departures from the reference
+(docs/semantics.md, departure 11), with SGLang's semantics."""
 
 from __future__ import annotations
 
@@ -231,7 +232,7 @@ def test_short_path_locks_swa_to_the_root() -> None:
 
 
 def test_match_refreshes_recency() -> None:
-    """§10.11 fix: a match makes its path recent, so the other sequence goes first."""
+    """Departure 11: a match makes its path recent, so the other sequence goes first."""
     slots = SwaSlots()
     cache = swa_cache(2, slots)
     cache.insert(RadixKey([1, 2]), t(11, 12))

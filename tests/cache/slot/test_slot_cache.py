@@ -186,7 +186,7 @@ def test_bad_inserts_raise_and_change_nothing(args: tuple[Any, ...],
 
 
 def test_an_empty_key_is_a_no_op_whatever_the_slot_holds() -> None:
-    """Regression: an empty key packs as width 1 and once clashed with a width-2 entry."""
+    """An empty key packs as width 1; it must not clash with a width-2 entry."""
     alloc, cache = make()
     a = take(alloc)
     cache.insert([(0, 1)], *a)

@@ -1,5 +1,5 @@
 """Pool attach across two processes: `prefixcache serve` in a child process, this test
-process maps its pool, and each side sees the other's writes (DESIGN §4)."""
+process maps its pool, and each side sees the other's writes."""
 
 from __future__ import annotations
 

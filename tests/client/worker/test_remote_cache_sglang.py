@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from harness import ServerThread, running
 
 from prefixcache.client import PrefixCacheClient, RemoteRadixCache
@@ -302,6 +303,24 @@ def test_the_reserve_counts_as_free_and_goes_back_on_close(server: ServerThread)
         assert client.stats("r")["r"].session_slots == reserved(cache)
         cache.close()  # the session stays open; the reserve goes back
         assert client.stats("r")["r"].session_slots == 0
+
+
+def test_plain_allocations_are_served_from_the_reserve(tmp_path: Path) -> None:
+    """With one-slot pages ``alloc`` takes from the reserve, and what it answers is a
+    tensor of those slots (the reserve's list was once handed to the tensor view)."""
+    models = (ModelConfig(name="p1", page_size=1,
+                          pool=PoolConfig(size=POOL, k_heads=1, k_head_dim=4)),)
+    with running(tmp_path, models) as srv:
+        with RemoteRadixCache(srv.address, "p1") as cache:
+            cache.window  # noqa: B018 - serving SGLang: the allocator keeps a reserve
+            alloc = cache.token_to_kv_pool_allocator
+            taken = [alloc.alloc(8) for _ in range(4)]
+            assert alloc.reserve is not None and alloc.reserve.hits > 0
+            slots = [s for t in taken for s in t.tolist()]
+            assert len(set(slots)) == 32 and all(t.dtype == torch.int64 for t in taken)
+            for t in taken:
+                alloc.free(t)
+        srv.check_integrity()
 
 
 def test_a_receipt_releases_once(remote: RemoteRadixCache) -> None:

@@ -117,8 +117,8 @@ def test_flat_pages_round_trip(server, cores) -> None:
 
 def test_token_pages_are_found_by_hash(server, client, cores) -> None:
     """Pages a worker cached under their tokens are SGLang hits: the hash of each page is
-    the spec's chain (test vectors of semantics.md 2.4 for page size 2 live in the server
-    tests; here the chain is recomputed for page size 4)."""
+    the chained page hash of docs/semantics.md (its test vectors, for page size 2, are
+    checked in tests/cache/test_hashing.py; here the chain is recomputed for page size 4)."""
     tokens = prompt(41, 3)
     k = torch.randn(LAYERS, len(tokens), 2, 8).to(torch.float16)
     v = torch.randn(LAYERS, len(tokens), 2, 8).to(torch.float16)

@@ -40,7 +40,7 @@ def test_a_miss_is_answered_at_the_first_probe_without_a_call(
     try:
         before = calls(core)
         r = info("m")
-        assert core.probe(r, 0) == (0, False)  # the old code: (None, False), a step late
+        assert core.probe(r, 0) == (0, False)  # answered now, not (None, False) a step late
         core.allocated("m", [], 0)
         core.build_meta()
         assert core.probe(r, 0) == (0, False)  # asked again: still no call

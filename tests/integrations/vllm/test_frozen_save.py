@@ -1,5 +1,5 @@
 """A vLLM engine frozen (SIGSTOP) past its session's lease in the middle of a save
-through the mapped pool never writes another session's KV (issue 21 item 5).
+through the mapped pool never writes another session's KV.
 
 The engine is a real process: the scheduler and worker cores of the connector, against
 the real server of this module, saving one request through the mapped pool. It stops

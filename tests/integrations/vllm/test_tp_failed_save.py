@@ -1,5 +1,5 @@
 """A save that fails on one tensor-parallel rank never lets another rank's later copy
-land in another session's KV (issue 21 item 5, the tensor-parallel window).
+land in another session's KV (the tensor-parallel window).
 
 Two ranks save one request through the mapped pool. Rank 0 (this process) fails its
 copy. Rank 1 is a real process, stopped (SIGSTOP) before its copy starts: as in vLLM,

@@ -268,7 +268,7 @@ def test_a_save_failed_on_one_rank_is_given_back_once_every_rank_is_done(
     pool: disabled). vLLM's own aggregator merges their outputs: the failure reaches
     the scheduler side with the step that names the request done on every rank, and the
     slots go back then, not inserted. The failing worker gives nothing back itself
-    (issue 21 item 5: another rank may not have copied yet)."""
+    (another rank may not have copied yet)."""
     config = vllm_config(server.address)
     scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, None)
     workers = [KVConnectorFactory.create_connector(config, Role.WORKER, None)

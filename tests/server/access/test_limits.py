@@ -1,4 +1,4 @@
-"""One test per limit of issue 13: the refusal, its status code and the setting it
+"""One test per per-request limit: the refusal, its status code and the setting it
 names, a count in prefixcache_refusals_total{limit}, and nothing changed."""
 
 from __future__ import annotations

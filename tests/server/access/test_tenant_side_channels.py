@@ -1,4 +1,4 @@
-"""Tenant side channels (issue 21 item 10), two tenants through a real server:
+"""Tenant side channels, two tenants through a real server:
 
 * node handles and lock ids are unguessable, so probing the ids next to one's own
   finds nothing of another tenant's (47 Lock probes used to find 20 of 20 of its live
@@ -147,7 +147,7 @@ def test_the_evict_budget_is_per_client_per_interval(srv: ServerThread, stub) ->
     assert 2 <= ok <= 4 and set(codes[ok:]) == {CODE.RESOURCE_EXHAUSTED}
     assert evictable - left <= BUDGET + 15  # what it may flush, not the cache
     assert worst < 1.0
-    # One call over the whole budget never fits: PERMISSION_DENIED, as before.
+    # One call over the whole budget never fits: PERMISSION_DENIED.
     assert _code(stub.Evict, pb.EvictRequest(model="m", num_tokens=BUDGET + 1),
                  BETA) == CODE.PERMISSION_DENIED
     # Another tenant has its own budget.

@@ -1,4 +1,4 @@
-"""Tenants (issue 13): tokens bound to extra_key namespaces make ``extra_key`` an
+"""Tenants: tokens bound to extra_key namespaces make ``extra_key`` an
 isolation boundary. A real server with token auth; each refusal is checked for its
 code, for changing nothing (Match reveals nothing, counts no lookup) and for its count
 in ``prefixcache_refusals_total{limit="tenant_namespaces"}``."""

@@ -11,7 +11,7 @@ from prefixcache.server.config import ConfigError, load_config, unknown_env_warn
 
 @pytest.mark.parametrize("text", ["0660", "0o660", "0O660", " 0660 ", "432"])
 def test_socket_mode_from_env_is_octal_as_operators_write_it(text: str) -> None:
-    """0660 used to be refused ("expected an integer"), though deploy/README.md writes it."""
+    """0660 is read as octal, as deploy/README.md writes it, not refused as no integer."""
     config = load_config(env={"PREFIXCACHE_SOCKET_MODE": text})
     assert config.server.socket_mode == 0o660
 
@@ -45,7 +45,7 @@ def test_known_variables_draw_no_warning() -> None:
 
 
 def test_unknown_variables_are_named_in_one_line_with_the_closest_key() -> None:
-    """A misspelt setting used to be ignored in silence."""
+    """A misspelt setting is named, not ignored in silence."""
     env = {"PREFIXCACHE_LISTN": "unix:/x", "PREFIXCACHE_GRACE_PERIODS": "5",
            "PREFIXCACHE_ZZZ": "s3cret", "PREFIXCACHE_LISTEN": "unix:/y"}
     warning = unknown_env_warning(env)

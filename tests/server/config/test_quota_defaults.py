@@ -1,6 +1,6 @@
-"""Quota gaps of issue 13: a per-session cap on Mamba state slots, a default byte cap on
-Step, and an "auto" cap on locked tokens that keeps one session from protecting the
-whole cache. Each refusal: RESOURCE_EXHAUSTED naming the setting, Stats (every model,
+"""Quotas whose defaults bound a session: a per-session cap on Mamba state slots, a
+default byte cap on Step, and an "auto" cap on locked tokens that keeps one session from
+protecting the whole cache. Each refusal: RESOURCE_EXHAUSTED naming the setting, Stats (every model,
 every session's holdings) unchanged, the cache's integrity, and one count in
 prefixcache_refusals_total{limit}.
 """

@@ -21,7 +21,7 @@ MODELS = (
     ModelConfig(name="p3", page_size=3, pool=POOL),  # three width-3 tokens
     ModelConfig(name="w", kind="swa", page_size=2, sliding_window_size=4, pool=POOL),
 )
-# semantics.md 2.4, page size 2: [1,2] then [3,4] then [5,6] chained, and [5,6] alone.
+# Test vectors of docs/semantics.md, page size 2: [1,2], [3,4], [5,6] chained; [5,6] alone.
 H12 = "34fb5c825de7ca4aea6e712f19d439c1da0c92c37b423936c5f618545ca4fa1f"
 H34 = "c57b445f90651b9a650e516ab2238c965b21af35608a31c303e6d9e407f2915c"
 H56 = "4a8a26efbf98ddb0eca98c8913c209b45b7241fb0ccbdb559f74dafba44b7c60"

@@ -1,4 +1,4 @@
-"""The insert's slot checks (issue 17): the one-pass path for slots in a few runs and the
+"""The insert's slot checks: the one-pass path for slots in a few runs and the
 one-check-at-a-time path for scattered slots accept and refuse the same inserts, refuse
 with the same errors in the same order, and leave the cache unchanged on a refusal."""
 

@@ -1,4 +1,4 @@
-"""Slot checks per page (issue 24): where a session's slots are whole pages or runs, the
+"""Slot checks per page: where a session's slots are whole pages or runs, the
 ownership checks count pages per run or per page instead of sorting every slot. These
 compare that fast path with the per-slot one on random slot sets (runs, whole pages in
 any order, scattered slots, repeats, foreign slots, out of range): the same answers,

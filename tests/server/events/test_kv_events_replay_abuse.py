@@ -1,7 +1,7 @@
-"""The KV-event replay socket against hostile or careless peers (issue 21 #1, #13).
+"""The KV-event replay socket against hostile or careless peers.
 
 Real ZMQ DEALERs against a real server: 100 requests for a seq older than the buffer
-(each used to be a whole-tree snapshot built on the event loop: 50 of them stalled every
+(were each a whole-tree snapshot built on the event loop, 50 of them would stall every
 RPC for 9 s), a requester that never reads, and a flood of malformed requests. A victim
 making gRPC calls meanwhile never waits long; answers in flight stay capped; the one
 snapshot is shared; the non-reader is dropped; malformed requests cost a counter, not a

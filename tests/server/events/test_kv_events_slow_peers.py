@@ -1,4 +1,4 @@
-"""KV events against peers that do not keep up (issue 21 #4): a real ZMQ SUB that never
+"""KV events against peers that do not keep up: a real ZMQ SUB that never
 reads beside a healthy one. The stuck subscriber loses its own batches (a seq gap it can
 replay); the healthy one gets every batch in order, and nothing waits on anyone.
 """
@@ -81,8 +81,8 @@ def test_a_stuck_subscriber_never_silences_a_healthy_one(tmp_path: Path,
         deadline = time.monotonic() + 20
         while (not reader.seqs or reader.seqs[-1] < newest) and time.monotonic() < deadline:
             time.sleep(0.05)
-        # The healthy subscriber saw every batch, in order: before the fix one full peer
-        # failed every send (XPUB_NODROP) and the healthy one stopped after ~175.
+        # The healthy subscriber saw every batch, in order: with XPUB_NODROP one full
+        # peer would fail every send, and the healthy one stop after ~175.
         got = [s for s in reader.seqs if s >= first]
         assert got == list(range(first, newest + 1)), \
             f"healthy subscriber got {len(got)} of {newest + 1 - first}"

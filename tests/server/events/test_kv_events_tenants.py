@@ -1,4 +1,4 @@
-"""KV events and tenants (issue 21 #3): events go to any ZMQ subscriber, unauthenticated,
+"""KV events and tenants: events go to any ZMQ subscriber, unauthenticated,
 so with ``server.tenants`` set nothing is published unless ``kv_events.tenants`` says
 what: ``refuse`` (the default) fails the start, ``hashed`` publishes no token ids and
 hashed namespace names, ``all`` publishes everything. Each policy goes through real

@@ -1,4 +1,4 @@
-"""Subscribe under abuse (issue 21, item 6): a storm of Subscribes, subscribers that never
+"""Subscribe under abuse: a storm of Subscribes, subscribers that never
 read, too many streams. Against a real server:
 
 * a storm of Subscribes leaves other clients served (the snapshot is no longer a tree
@@ -340,8 +340,8 @@ def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
 
 def test_one_client_cannot_take_every_stream(tmp_path) -> None:
     # Defaults: 64 streams in all, 32 per client. A client without a session (all
-    # local peers without one count as one client) used to take all 64, and every
-    # other subscriber was refused.
+    # local peers without one count as one client) must not take all 64, leaving
+    # every other subscriber refused.
     with running(tmp_path, MODELS) as srv:
         channel, stub = stub_for(srv.address)
         with channel:

@@ -1,4 +1,4 @@
-"""The stale shared-memory sweep (issue 12, item 5): owners are proven by a lock held
+"""The stale shared-memory sweep: owners are proven by a lock held
 for the server's life, not by a pid, so a server in another PID namespace sharing the
 directory never loses its files to another's sweep."""
 

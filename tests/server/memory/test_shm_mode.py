@@ -1,4 +1,4 @@
-"""The shared-memory pool files' mode is its own setting (issue 13): by default the
+"""The shared-memory pool files' mode is its own setting: by default the
 owner's, plus the group's when the socket grants it, never the world's; only an
 explicit ``shm_mode`` opens them further."""
 

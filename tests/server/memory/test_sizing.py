@@ -1,4 +1,4 @@
-"""Memory sizing (issue 12, item 6): every pool is added up before any is allocated.
+"""Memory sizing: every pool is added up before any is allocated.
 
 The sums are checked against the buffers real engines allocate, and the refusals with
 budgets given by the test (so nothing here depends on, or takes, the host's memory).

@@ -1,4 +1,4 @@
-"""ExistsPages under a flood, and its refusals (issue 21, item 11).
+"""ExistsPages under a flood, and its refusals.
 
 Eight parallel ExistsPages of 1M hashes each once stalled every other client for 4.6 s:
 one call decoded and looked up all of its hashes in one loop turn. Now it works in
@@ -91,7 +91,7 @@ def test_refusals_and_the_session_rule(tmp_path) -> None:
             assert (after.evictable_tokens, after.locks, after.session_slots) == \
                 (before.evictable_tokens, before.locks, before.session_slots)
             srv.check_integrity()
-    # No tenants and no quotas: no session needed (as before).
+    # No tenants and no quotas: no session needed.
     with running(tmp_path, models) as srv:
         channel, stub = stub_for(srv.address)
         with channel:

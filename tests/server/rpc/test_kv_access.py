@@ -1,4 +1,4 @@
-"""ReadKV and WriteKV on a shared service (issue 13): who may read which slots, the
+"""ReadKV and WriteKV on a shared service: who may read which slots, the
 per-read byte cap, the chunk floor, row-by-row writes and the in-flight write budget.
 
 Every limit: the refusal, its status code, nothing changed, and the refusal counted in
@@ -173,8 +173,8 @@ def test_a_grant_is_checked_again_before_each_chunk(srv: ServerThread) -> None:
 
 
 def test_a_grant_costs_its_rows_not_the_pool(srv: ServerThread) -> None:
-    """What a read under locks keeps is the locked rows (issue 17: no per-call
-    temporaries proportional to the pool), and it still tells locked rows from others."""
+    """What a read under locks keeps is the locked rows (no per-call temporaries
+    proportional to the pool), and it still tells locked rows from others."""
     def scenario() -> tuple[int, int, list[str]]:
         service = srv.service
         engine = service.engine("m")

@@ -1,5 +1,5 @@
-"""Regressions found by the fuzzer (tests/reliability/test_fuzz.py): a refused request
-gets a documented status code and changes nothing."""
+"""Requests the fuzzer (tests/reliability/test_fuzz.py) found, each as a case of its own:
+a refused request gets a documented status code and changes nothing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A reply too large to send is refused before the work (issue 21, item 9).
+"""A reply too large to send is refused before the work.
 
 Match(allocate), Alloc, Step and GetPages used to do their work and then fail to send
 the reply (gRPC's RESOURCE_EXHAUSTED), leaving the session holding slots and locks it

@@ -1,5 +1,5 @@
 """Requests over their byte cap are refused before they are parsed (request_caps.py), and
-ReadKV is sized before any plan is built (issue 13): the refusal, its status code and
+ReadKV is sized before any plan is built: the refusal, its status code and
 setting, nothing changed, and the refusal counted in prefixcache_refusals_total.
 
 That a request was not parsed shows in bytes that would not parse: past the cap they

@@ -1,5 +1,5 @@
-"""SetPages of a long chain leaves other clients served (issue 21: nothing a client
-does may stall the others).
+"""SetPages of a long chain leaves other clients served (nothing a client does may stall
+the others).
 
 A client that holds many slots could send one SetPages storing a chain of 200k pages:
 its checks, its lookups, the walk of the path it extends and the insert of every page

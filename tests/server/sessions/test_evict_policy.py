@@ -1,4 +1,4 @@
-"""Evict on a shared service (issue 13): a cap beyond which only the admin token may
+"""Evict on a shared service: a cap beyond which only the admin token may
 evict, and every eviction attributed to its caller, in metrics by kind (session,
 anonymous, admin) and in the log by client name. The budget refills almost at once
 here (``evict_interval``), so each call meets the cap alone; the budget over time is

@@ -1,9 +1,9 @@
-"""KeepAlive pacing (issue 13): a renewal storm waits instead of taking the loop.
+"""KeepAlive pacing: a renewal storm waits instead of taking the loop.
 
-A client keeping many KeepAlives in flight in a loop used to be answered as fast as
-the loop could go, taking its turns from every other client (a victim's prefill p99
-went from 29 ms to 0.4-1.2 s). Now each session's KeepAlives are answered at most one
-per tenth of its TTL, and its lease holds throughout. The victim's latency itself is
+A client keeping many KeepAlives in flight in a loop, answered as fast as the loop could
+go, would take its turns from every other client (a victim's prefill p99 goes from 29 ms
+to 0.4-1.2 s). So each session's KeepAlives are answered at most one per tenth of its
+TTL, and its lease holds throughout. The victim's latency itself is
 measured in bench/noisy_neighbour.py, not here.
 """
 

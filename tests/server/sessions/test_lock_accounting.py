@@ -1,4 +1,4 @@
-"""Lock accounting across models and sessions (issue 12, items 1 and 2), against a real
+"""Lock accounting across models and sessions, against a real
 server in invariant mode.
 
 * A slot model's Match with ``lock`` and ``allocate`` on a prefix whose slot its owner
@@ -103,7 +103,7 @@ def test_slot_model_refused_locking_match_changes_nothing(server, stub, sid) -> 
                                      lock=True, allocate=True))
     assert hit.lock_id and len(slots(hit.allocated_slots)) == 1
     # ...and a second one finds no slot at all: refused, with no lock, counted only as
-    # a lookup refused for room (the capacity outcome, issue 23).
+    # a lookup refused for room (the capacity outcome).
     before = stats(stub)["s"]
     try:
         assert refused(stub.Match, pb.MatchRequest(model="s", token_ids=toks(tokens),
@@ -166,7 +166,7 @@ def test_insert_refuses_another_models_lock_and_changes_nothing(
     # The lock is still the session's, on its own model, and releases normally.
     stub.Unlock(pb.UnlockRequest(lock_id=lock_id, session_id=sid))
     assert stats(stub)[owner].locks == 0
-    # The session's own lock on the target is accepted, as before.
+    # The session's own lock on the target is accepted.
     own = _lock_on(stub, sid, target) if target != owner else 0
     stub.Insert(_insert_into(stub, sid, target, own))
     closed = stub.CloseSession(pb.CloseSessionRequest(session_id=sid))

@@ -1,4 +1,4 @@
-"""Opaque ids (issue 21 item 10): node handles and lock ids are a keyed permutation of
+"""Opaque ids: node handles and lock ids are a keyed permutation of
 their counters, so they are unique, reveal nothing of their neighbours, and can still
 be told "issued" or not."""
 

@@ -1,4 +1,4 @@
-"""The slot quota counts whole pages (issue 21 item 7).
+"""The slot quota counts whole pages.
 
 An allocation takes whole pages and a page comes back only when none of its slots is
 held, so ``max_session_slots`` counts what a session really takes from the pool. Before,

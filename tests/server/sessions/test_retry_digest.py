@@ -1,4 +1,4 @@
-"""A request id reused for a different request is refused, not replayed (issue 21, 12).
+"""A request id reused for a different request is refused, not replayed.
 
 The replay window used to key on (op, request id) alone: a Step retried with other
 tokens was answered ``replayed``, the first answer's lock standing for tokens it never
@@ -50,7 +50,7 @@ def test_a_step_retried_with_other_tokens_is_refused(server, stub, session) -> N
         pb.StepAdmit(token_ids=toks([1, 2, 3]), lock=True, allocate=True)])
     reply = stub.Step(first)
     before = state(stub)
-    # The same shape (one admission), other tokens: the old code answered `replayed`.
+    # The same shape (one admission), other tokens: refused, not answered `replayed`.
     other = pb.StepRequest(model="m", session_id=session, request_id=5, admits=[
         pb.StepAdmit(token_ids=toks([9, 9, 9, 9, 9]), lock=True, allocate=True)])
     assert "request_id 5 was used by a different step" in refused(stub.Step, other)

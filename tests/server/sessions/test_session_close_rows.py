@@ -1,5 +1,5 @@
 """Closing a session frees what it holds by looking where it was given slots, not at the
-whole pool (issue 17: no per-call work proportional to the pool), and frees exactly
+whole pool (no per-call work proportional to the pool), and frees exactly
 what a pool scan would find, whatever the session did before."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-session quotas (issue 13): slots held, tokens locked and KV streams in flight.
+"""Per-session quotas: slots held, tokens locked and KV streams in flight.
 
 Against a real server in invariant mode (every mutating call runs the integrity check,
 which audits each session's locked-token count against its locks). Each refusal: its

@@ -1,4 +1,4 @@
-"""Sessions are bounded per client before the global cap (issue 21 item 8).
+"""Sessions are bounded per client before the global cap.
 
 One anonymous client opening 10,000 sessions used to lock every other client out of
 OpenSession and Session streams. ``max_sessions_per_client`` caps one client's open

@@ -30,9 +30,16 @@ class LeasedSession(Protocol):
 
     client: Any  # a BlockingClient or an AsyncClient (_client_protocol)
     fail_open: bool | None
-    info: SessionInfo | None
     name: str | None
-    _state: SessionState | None
+
+    @property
+    def info(self) -> SessionInfo | None: ...
+
+    @info.setter
+    def info(self, value: SessionInfo) -> None: ...
+
+    @property
+    def _state(self) -> SessionState | None: ...
 
     @property
     def session_id(self) -> str: ...
@@ -86,7 +93,7 @@ def step_flow(session: LeasedSession, state: SessionState, model: str,
     """``client.step`` in ``session``: after the service-side session was lost, the
     items naming its handles are answered ``SessionLost`` without being sent; the
     admissions and decodes go out in a new session."""
-    client = session.client
+    client: ClientCalls = session.client
     fail_open = session.fail_open if fail_open is None else fail_open
     items = step.StepItems.of(**lists)
     for attempt in range(2):
@@ -123,9 +130,10 @@ def reopen_flow(session: LeasedSession, timeout: float | None) -> Flow[None]:
     if state is None or state.lost is None:
         return
     yield session._stop_renewal
-    session.info = yield partial(session.client.open_session, session.ttl, session.name,
-                                 timeout=timeout)
-    state.replaced_by(session.info)
+    info: SessionInfo = yield partial(session.client.open_session, session.ttl, session.name,
+                                      timeout=timeout)
+    session.info = info
+    state.replaced_by(info)
     if state.reopened:
         log.warning("session reopened as %s... after losing the last one",
                     state.session_id[:8])
@@ -142,7 +150,8 @@ def close_flow(session: LeasedSession) -> Flow[CloseReply | None]:
     if session.lost is not None:
         return CloseReply()
     try:
-        return (yield partial(session.client.close_session, session))
+        closed: CloseReply = yield partial(session.client.close_session, session)
+        return closed
     except (NotFound, StaleEpoch):
         return CloseReply()
     except FAIL_OPEN_ERRORS:

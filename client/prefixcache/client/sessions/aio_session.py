@@ -29,23 +29,28 @@ class _SessionCalls:
 
     async def match(self, model: str, tokens: Any, **kwargs: Any) -> results.MatchReply:
         kwargs.setdefault("fail_open", self.fail_open)
-        return await self._call("match", model, tokens, **kwargs)
+        reply: results.MatchReply = await self._call("match", model, tokens, **kwargs)
+        return reply
 
     async def insert(self, model: str, tokens: Any, slots: Any,
                      **kwargs: Any) -> results.InsertReply:
         kwargs.setdefault("fail_open", self.fail_open)
-        return await self._call("insert", model, tokens, slots, **kwargs)
+        reply: results.InsertReply = await self._call("insert", model, tokens, slots, **kwargs)
+        return reply
 
     async def lock(self, model: str, node_id: int, **kwargs: Any) -> results.LockReply:
         kwargs.setdefault("fail_open", self.fail_open)
-        return await self._call("lock", model, node_id, **kwargs)
+        reply: results.LockReply = await self._call("lock", model, node_id, **kwargs)
+        return reply
 
     async def unlock(self, lock_id: int, **kwargs: Any) -> results.UnlockReply:
         kwargs.setdefault("fail_open", self.fail_open)
-        return await self._call("unlock", lock_id, **kwargs)
+        reply: results.UnlockReply = await self._call("unlock", lock_id, **kwargs)
+        return reply
 
     async def alloc(self, model: str, num_slots: int, **kwargs: Any) -> results.AllocReply:
-        return await self._call("alloc", model, num_slots, **kwargs)
+        reply: results.AllocReply = await self._call("alloc", model, num_slots, **kwargs)
+        return reply
 
     async def free(self, model: str, slots: Any = (), **kwargs: Any) -> None:
         await self._call("free", model, slots, **kwargs)

@@ -12,7 +12,7 @@ import grpc
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from .._core import FAIL_OPEN_ERRORS
-from .._requests import Op
+from .._requests import Op, R
 from ..errors import DeadlineExceeded, PrefixCacheError, Unavailable, error_for, from_rpc_error
 from ..results import EvictReply, StatsReply
 from ..step import StepItems, StepReply
@@ -45,6 +45,7 @@ class AsyncStreamSession(_SessionCalls):
     """
 
     session_id = ""
+    client: AsyncStreamClient
 
     def __init__(self, client: AsyncStreamClient, *, fail_open: bool | None = None,
                  timeout: float | None = None, keep_alive: bool = True) -> None:
@@ -134,7 +135,7 @@ class AsyncStreamSession(_SessionCalls):
                 future.set_exception(error_for(err.code or grpc.StatusCode.UNAVAILABLE,
                                                err.details))
 
-    async def _send(self, op: Op, timeout: float | None) -> Any:
+    async def _send(self, op: Op[R], timeout: float | None) -> Any:
         if self._call_obj is None:
             await self.open()
         if self._broken is not None or self.closed:
@@ -144,7 +145,9 @@ class AsyncStreamSession(_SessionCalls):
         seq = self._seq
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[seq] = future
-        request = pb.SessionRequest(seq=seq, **{_STREAM_OPS[op.method]: op.request})
+        # The request goes in the oneof field named after its op.
+        operation: dict[str, Any] = {_STREAM_OPS[op.method]: op.request}
+        request = pb.SessionRequest(seq=seq, **operation)
         timeout = self.timeout if timeout is None else timeout
         timeout = self.client.timeout if timeout is None else timeout
         try:
@@ -185,7 +188,7 @@ class AsyncStreamSession(_SessionCalls):
         except PrefixCacheError:
             return  # the stream broke (its calls say so), or an old service
 
-    async def _run(self, op: Op, timeout: float | None, fail_open: bool | None) -> Any:
+    async def _run(self, op: Op[R], timeout: float | None, fail_open: bool | None) -> R:
         try:
             reply = await self._send(op, timeout)
         except FAIL_OPEN_ERRORS as err:

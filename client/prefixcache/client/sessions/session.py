@@ -114,24 +114,29 @@ class ClientSession:
 
     def match(self, model: str, tokens: Any, **kwargs: Any) -> results.MatchReply:
         """``PrefixCacheClient.match`` in this session."""
-        return self._call("match", model, tokens, **kwargs)
+        reply: results.MatchReply = self._call("match", model, tokens, **kwargs)
+        return reply
 
     def insert(self, model: str, tokens: Any, slots: Any,
                **kwargs: Any) -> results.InsertReply:
         """``PrefixCacheClient.insert`` in this session."""
-        return self._call("insert", model, tokens, slots, **kwargs)
+        reply: results.InsertReply = self._call("insert", model, tokens, slots, **kwargs)
+        return reply
 
     def lock(self, model: str, node_id: int, **kwargs: Any) -> results.LockReply:
         """``PrefixCacheClient.lock`` in this session."""
-        return self._call("lock", model, node_id, **kwargs)
+        reply: results.LockReply = self._call("lock", model, node_id, **kwargs)
+        return reply
 
     def unlock(self, lock_id: int, **kwargs: Any) -> results.UnlockReply:
         """``PrefixCacheClient.unlock`` in this session."""
-        return self._call("unlock", lock_id, **kwargs)
+        reply: results.UnlockReply = self._call("unlock", lock_id, **kwargs)
+        return reply
 
     def alloc(self, model: str, num_slots: int, **kwargs: Any) -> results.AllocReply:
         """``PrefixCacheClient.alloc`` in this session (never fails open)."""
-        return self._call("alloc", model, num_slots, **kwargs)
+        reply: results.AllocReply = self._call("alloc", model, num_slots, **kwargs)
+        return reply
 
     def free(self, model: str, slots: Any = (), **kwargs: Any) -> None:
         """``PrefixCacheClient.free`` in this session."""

@@ -29,6 +29,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,8 +122,9 @@ class ShadowIndex:
         ns = request.namespace
         pages = self._pages.get(ns)
         own = self._own.get(ns) if self._own else None
+        has: Callable[[int], bool]
         if own:  # set lookups both; a copy or a merged set would cost more per match
-            stream = pages or frozenset()
+            stream: AbstractSet[int] = pages or frozenset()
             has = lambda key: key in stream or key in own  # noqa: E731
         elif pages:
             has = pages.__contains__

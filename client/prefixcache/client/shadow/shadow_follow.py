@@ -150,12 +150,11 @@ class _FollowerBase:
             log.error("shadow of %r stopped: %s", self.model, err)
             self.error = err
             return None
-        return min(self._backoff * 2 ** attempt, self._max_backoff)
+        return min(self._backoff * 2.0 ** attempt, self._max_backoff)
 
     def _crashed(self, exc: Exception) -> None:
         log.exception("shadow of %r stopped by an unexpected error", self.model)
         self.error = PrefixCacheError(f"the shadow follower of {self.model!r} failed: {exc!r}")
-        return None
 
     def _delay_after(self, exc: Exception | None, attempt: int) -> float | None:
         """How long to wait before subscribing again after the stream ended (``exc``
@@ -166,7 +165,8 @@ class _FollowerBase:
             return self._failed(self.client._error(exc), attempt)
         if isinstance(exc, ShadowProtocolError):
             return self._failed(exc, attempt)
-        return self._crashed(exc)  # a bug: stop visibly rather than hang the waiters
+        self._crashed(exc)  # a bug: stop visibly rather than hang the waiters
+        return None
 
     def _done(self, seq: int | None) -> bool:
         if self.error is not None:

@@ -116,7 +116,7 @@ def _map_cuda(buf: BufferInfo) -> Any:
                                  "handle: describe the pool again")
     if not torch.cuda.is_available():
         raise FailedPrecondition("the pool is on a GPU and this process has no CUDA")
-    torch.cuda._lazy_init()
+    torch.cuda._lazy_init()  # type: ignore[no-untyped-call]  # unannotated in torch
     try:
         # The same call, with the same arguments in the same order, that torch's own
         # multiprocessing rebuild makes (torch/multiprocessing/reductions.py).

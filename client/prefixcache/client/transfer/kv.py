@@ -161,7 +161,7 @@ class Reader:
             tensors[(part.role, part.layer)] = tensor
         return tensors
 
-    def add(self, chunk: pb.KVChunk) -> None:
+    def add(self, chunk: pb.KVChunk | DataChunk) -> None:
         key = (chunk.role, chunk.layer)
         buf = self._data.get(key)
         end = chunk.offset_bytes + len(chunk.data)
@@ -303,5 +303,6 @@ def wide_pair(a: Any, b: Any) -> tuple[Any, Any]:
 
 
 def _label(part: _Part) -> str:
-    name = {K: "k", V: "v", CONV: "conv", TEMPORAL: "temporal"}[part.role]
+    names: dict[int, str] = {K: "k", V: "v", CONV: "conv", TEMPORAL: "temporal"}
+    name = names[part.role]
     return f"{name}[{part.layer}]"

@@ -195,8 +195,9 @@ class PagedCalls:
             reply = self._cache.session.alloc(self._cache.model, n)
         except ResourceExhausted:
             return None
-        self._took_pages(reply.slots)
-        return reply.slots
+        slots: Sequence[int] = reply.slots
+        self._took_pages(slots)
+        return slots
 
     def _tensor(self, slots: list[int] | None) -> Any:
         if slots is None:

@@ -53,7 +53,7 @@ class SlotReserve:
 
     def __init__(self, cache: Any, cap: int) -> None:
         self._cache = cache
-        self.page_size = cache.page_size
+        self.page_size: int = cache.page_size
         self.cap = cap
         self.slots: list[int] = []
         self.epoch = 0
@@ -65,7 +65,7 @@ class SlotReserve:
         self.demand = max(self.demand * 0.7, float(self._taken))
         self._taken = 0
         counters = self._cache._buffer.counters
-        free = counters.free_slots if counters is not None else 0
+        free: int = counters.free_slots if counters is not None else 0
         target = min(self.cap, int(self.demand * 1.25), free // 4)
         if 2 * len(self.slots) >= target:
             return 0
@@ -79,7 +79,7 @@ class SlotReserve:
                 self.epoch = result.server_epoch
             self.slots.extend(result.slots)
 
-    def take(self, n: int) -> list[int] | None:
+    def take(self, n: int) -> array[int] | None:
         """``n`` reserved slots (whole pages when ``n`` is), or None if too few."""
         self._taken += n
         if self.epoch and self.epoch != self._cache.session.server_epoch:
@@ -88,7 +88,7 @@ class SlotReserve:
             self.misses += 1
             return None
         self.hits += 1
-        out = self.slots[:n]
+        out = array("q", self.slots[:n])  # int64, as the slots of a reply are
         del self.slots[:n]
         return out
 
@@ -135,7 +135,7 @@ class RemoteAllocator(PagedCalls):
         """Free slots in the service's pool, from the last reply's counters (a call
         only when something is queued or they may have changed since), and the
         reserved ones."""
-        free = self._cache._counters().free_slots
+        free: int = self._cache._counters().free_slots
         return free + len(self.reserve.slots) if self.reserve is not None else free
 
     def alloc(self, need_size: int) -> Any:
@@ -160,7 +160,7 @@ class RemoteAllocator(PagedCalls):
         self._cache._close_window()
         return super().alloc_decode(seq_lens, *args)
 
-    def _slots(self, n: int) -> array | None:
+    def _slots(self, n: int) -> array[int] | None:
         """``n`` slots from the next Step (sent now, with what is queued)."""
         cache = self._cache
         cache._close_window()
@@ -169,7 +169,8 @@ class RemoteAllocator(PagedCalls):
             return None
         if isinstance(result, PrefixCacheError):
             raise result
-        return result.slots
+        slots: array[int] = result.slots
+        return slots
 
     def _take(self, n: int) -> Sequence[int] | None:  # PagedCalls' source of pages
         slots = self.reserve.take(n) if self.reserve is not None else None

@@ -1,8 +1,8 @@
 """RemoteRadixCache: a prefix cache's scheduler-facing API over the service.
 
 It speaks two dialects. Serving code written for ``prefixcache.cache.RadixCache`` and
-its ``TokenToKVPoolAllocator`` (the seed / pymllm API) runs against one model of the
-sidecar unchanged::
+its ``TokenToKVPoolAllocator`` (the in-process cache library's API) runs against one
+model of the sidecar unchanged::
 
     cache = RemoteRadixCache(client, "llama")
     allocator = cache.token_to_kv_pool_allocator        # a RemoteAllocator
@@ -23,7 +23,7 @@ Either way the calls go out as ``Step`` items (step_buffer.py): those whose answ
 not needed (unlocks, SGLang's finishes) wait for the next call made anyway, and every
 reply brings the model's counters, so ``evictable_size()`` and ``available_size()``
 cost no call of their own. A seed-API call that needs an answer (``match_prefix``,
-``insert``, ``alloc``, ``free``) is one call, as before.
+``insert``, ``alloc``, ``free``) is one call.
 
 torch and ``prefixcache.cache`` are imported inside the methods that need them, never
 when this module loads. The class is registered as a virtual subclass of

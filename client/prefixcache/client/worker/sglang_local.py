@@ -15,7 +15,10 @@ loads (the client package stays torch-free at import).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # loaded when a cache is made (no torch at import)
+    from prefixcache.cache import RadixCache
 
 from . import sglang_api as api
 from .paged_alloc import PagedCalls, ints, widen
@@ -73,7 +76,8 @@ class LocalSGLangCache(api.FullTreeCapabilities):
     """
 
     def __init__(self, pool_size: int = 0, page_size: int = 1, *,
-                 req_to_token_pool: Any = None, cache: Any = None, device: Any = "cpu",
+                 req_to_token_pool: Any = None, cache: RadixCache | None = None,
+                 device: Any = "cpu",
                  eviction_policy: str = "lru") -> None:
         from prefixcache.cache import RadixCache, RadixKey, TokenToKVPoolAllocator
 

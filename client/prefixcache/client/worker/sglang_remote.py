@@ -60,9 +60,11 @@ from .._wire import as_tensor, pack_slots, pack_tokens
 from ..errors import PrefixCacheError
 from ..results import ModelStats
 from ..step import Admit, Finish
+from ..sync import PrefixCacheClient
 from . import sglang_api as api
 from .admission import AdmissionWindow, Candidate
 from .own_pages import OwnPages
+from .step_buffer import StepBuffer
 
 
 class PendingNode:
@@ -88,14 +90,14 @@ class SGLangCalls(api.FullTreeCapabilities):
     """The SGLang half of ``RemoteRadixCache`` (see the module docstring). The host
     class provides the session, buffer, lock bookkeeping and allocator."""
 
-    client: Any
+    client: PrefixCacheClient
     model: str
     page_size: int
     device: Any
     root_node: Any
     req_to_token_pool: Any
     token_to_kv_pool_allocator: Any
-    _buffer: Any
+    _buffer: StepBuffer
     _locks: dict[int, list[int]]
     _window_: AdmissionWindow | None
     _own_pages: OwnPages | None
@@ -103,9 +105,15 @@ class SGLangCalls(api.FullTreeCapabilities):
     _pinned: int
     _reserve: bool
 
-    def _stale(self, node: Any) -> bool: ...
-    def _failing_open(self) -> bool: ...
-    def _node(self, node_id: int, epoch: int) -> Any: ...
+    # Defined by the host class, RemoteRadixCache.
+    def _stale(self, node: Any) -> bool:
+        raise NotImplementedError
+
+    def _failing_open(self) -> bool:
+        raise NotImplementedError
+
+    def _node(self, node_id: int, epoch: int) -> Any:
+        raise NotImplementedError
 
     # ------------------------------------------------------------ capabilities
 

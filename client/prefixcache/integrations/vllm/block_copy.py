@@ -1,5 +1,5 @@
 """Copies between pool rows and vLLM's blocks in as few, as wide, copies as the layout
-allows (issue 24 item 2).
+allows.
 
 A request's tokens ``start .. end`` fall into up to three spans: a partial kernel block
 at each edge, and the whole kernel blocks between them. The whole blocks move with one
@@ -110,7 +110,7 @@ def _numpy_load(blocks: Any, kernel: Any, src: Any) -> bool:
     """``blocks[kernel] = src`` on the CPU through numpy, whose fancy assignment copies
     each element with one move: a head's whole row (its dims) where both sides have
     them contiguous, else one value. torch's index_copy_ runs at about half its speed
-    here (issue 24's profile). False where numpy cannot view the tensors."""
+    here (profiled on the CPU backend). False where numpy cannot view the tensors."""
     import numpy as np
     import torch
 
@@ -145,7 +145,7 @@ def _destination_order(blocks: Any) -> list[int] | None:
     An element-wise copy walks the source's order: into a layout whose contiguous dim
     is not the last (the CPU backend's transposed K), each element then lands on
     another cache line. Walking the destination's order writes whole lines instead; the
-    reads stride. Measured (issue 24, bf16, 8 heads of 128): blocks of 32-128 tokens
+    reads stride. Measured (bf16, 8 heads of 128): blocks of 32-128 tokens
     1.5-2.5x faster, 16 (32-byte runs) 0.8x, hence the 64-byte bar.
     """
     strides = blocks.stride()

@@ -9,7 +9,7 @@ How. The backend follows the service's page set in a shadow index (the Subscribe
 stream, ``prefixcache.client.shadow``). Where the shadow is current and holds no whole
 block of the prompt beyond what vLLM has itself, the request is a miss now: no call, no
 lock, no step. A shadow that has no snapshot yet, is not connected, or knows it is
-behind the service's change log answers nothing, and the request looks up as before;
+behind the service's change log answers nothing, and the request is looked up;
 so does every request the shadow holds a block for (a hit needs the lookup's lock).
 
 What it may cost. The shadow trails the service by the stream's delivery (a few

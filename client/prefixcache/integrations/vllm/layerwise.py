@@ -1,4 +1,4 @@
-"""Loads issued layer by layer (the ``layerwise_load`` setting, issue 24 item 2).
+"""Loads issued layer by layer (the ``layerwise_load`` setting).
 
 vLLM calls the connector's ``wait_for_layer_load(layer)`` just before each attention
 layer reads its cache. With the engine's KV on a GPU, ``start_load_kv`` enqueues every

@@ -225,7 +225,7 @@ class RemoteAccess:
         self.model = model
         self.info = client.describe_pool(model)
         # Staging rows the reads land in, kept between loads: fresh memory costs more
-        # to fault in than the copy into it (issue 24's profile). A load's rows are
+        # to fault in than the copy into it (a load's profile). A load's rows are
         # consumed before the next read.
         self._staging: tuple[list[Any], list[Any]] | None = None
 

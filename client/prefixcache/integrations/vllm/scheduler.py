@@ -35,7 +35,7 @@ a save whose copy failed in any worker gives its slots back instead.
 
 Disabled. A worker that cannot copy (an unknown KV layout, a pool that does not fit)
 says so with a step's output (``disable``): from then on the core looks nothing up and
-saves nothing; the saves already under way finish or are given back as before.
+saves nothing; the saves already under way finish or are given back as usual.
 
 Shutdown. vLLM steps on while finished requests hold blocks for a save, so a save
 normally completes before the engine stops. ``close`` sends the inserts still queued

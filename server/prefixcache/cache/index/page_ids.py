@@ -66,7 +66,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
     x = x * _U64(0xBF58476D1CE4E5B9)
     x = x ^ (x >> _U64(27))
     x = x * _U64(0x94D049BB133111EB)
-    return x ^ (x >> _U64(31))
+    mixed: np.ndarray = x ^ (x >> _U64(31))
+    return mixed
 
 
 class PrefixIds:
@@ -205,7 +206,7 @@ class EvictionRecorder:
             self.record.add(sha_page_id(h, salt) for h in node.hash_values)
 
     def _digest_ids(self, node: TreeNode) -> list[int]:
-        ns = node.namespace
+        ns = node.require_namespace()
         owner = token_namespace_of(ns.extra_key)
         if owner is None:
             return []

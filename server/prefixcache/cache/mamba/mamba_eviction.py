@@ -8,29 +8,31 @@ node's own state. ``MambaRadixCache`` (mamba_radix_cache.py) mixes this in ahead
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..base import EvictResult
 from ..errors import CacheError, IntegrityError, check_count
 from ..node import TreeNode
 from ..radix.radix_eviction import RadixEviction
-from .mamba_tree import LRUList, MambaTreeNode
+from .mamba_tree import LRUList, MambaTreeNode, StatePool, as_mamba
 
 
 class MambaEviction(RadixEviction):
     """Mixin of ``MambaRadixCache``: ``evict``, ``inc_lock_ref`` and ``dec_lock_ref``."""
 
     # Set by MambaRadixCache.__init__ and reset before any of these run.
-    mamba_pool: Any
+    root_node: MambaTreeNode
+    mamba_pool: StatePool | None
     full_lru_list: LRUList
     mamba_lru_list: LRUList
     _mamba_evictable: int
     _mamba_protected: int
     _state_owner: dict[int, MambaTreeNode]
 
-    def evict(self, num_tokens: int, mamba_num: int = 0, *, swa_num_tokens: int = 0) -> EvictResult:
+    # The second positional argument is the state target here, not the SWA one: the
+    # reference's hybrid cache reads it so, and callers of a hybrid cache pass it so.
+    def evict(self, num_tokens: int, mamba_num: int = 0, *,  # type: ignore[override]
+              swa_num_tokens: int = 0) -> EvictResult:
         """Free at least ``num_tokens`` KV tokens and ``mamba_num`` state slots if possible.
 
         Phase 1 deletes unlocked leaves in LRU order (with any tombstones left childless
@@ -97,22 +99,23 @@ class MambaEviction(RadixEviction):
                 return tokens, parent
             node = parent
 
-    def inc_lock_ref(self, node: MambaTreeNode | None) -> None:
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
         """Protect ``node``'s KV and its ancestors', and ``node``'s own state, until
         ``dec_lock_ref(node)``. Ancestors' states stay evictable (they become
         tombstones, which keep their KV)."""
         if node is not None:
             path = self._path_to_root(node)
             if path:
+                mamba = as_mamba(node)
                 self._lock_path(path)
-                if node.mamba_value is not None:
-                    if not node.mamba_lock_ref:
+                if mamba.mamba_value is not None:
+                    if not mamba.mamba_lock_ref:
                         self._mamba_evictable -= 1
                         self._mamba_protected += 1
-                    node.mamba_lock_ref += 1
+                    mamba.mamba_lock_ref += 1
         return None
 
-    def dec_lock_ref(self, node: MambaTreeNode | None, swa_boundary_id: int | None = None) -> None:
+    def dec_lock_ref(self, node: TreeNode | None, swa_boundary_id: int | None = None) -> None:
         """Release one ``inc_lock_ref(node)`` (``swa_boundary_id`` is ignored).
 
         Raises:
@@ -124,19 +127,20 @@ class MambaEviction(RadixEviction):
         path = self._path_to_root(node)
         if not path:
             return
+        mamba = as_mamba(node)
         self._check_unlock(path)
         self._unlock_path(path)
-        if node.mamba_value is not None:
-            node.mamba_lock_ref -= 1
-            if not node.mamba_lock_ref:
+        if mamba.mamba_value is not None:
+            mamba.mamba_lock_ref -= 1
+            if not mamba.mamba_lock_ref:
                 self._mamba_protected -= 1
                 self._mamba_evictable += 1
-        elif not node.children and not node.lock_ref:
+        elif not mamba.children and not mamba.lock_ref:
             # A tombstone whose children went while it was locked: no match can end
             # there (no state) or pass it (no children), so free it now.
             freed: list[torch.Tensor] = []
             gone: list[int] = []
-            self._delete_chain(node, freed, [], gone)
+            self._delete_chain(mamba, freed, [], gone)
             try:
                 self._free(freed)
             finally:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from ..base import InsertResult, MatchResult
+from ..base import InsertResult, MatchResult, SlotFreer
 from ..errors import InvalidInputError, check_count
+from ..index.change_log import PageListener
 from ..key import RadixKey
 from ..node import Namespace, TreeNode
 from ..pools.mamba_pool import to_index
@@ -18,6 +18,8 @@ from .mamba_eviction import MambaEviction
 from .mamba_tree import (
     LRUList,
     MambaTreeNode,
+    StatePool,
+    as_mamba,
     check_mamba_cache,
     format_mamba_tree,
     new_root,
@@ -25,8 +27,9 @@ from .mamba_tree import (
 )
 
 
-class MambaRadixCache(MambaEviction, RadixCache):
-    """Prefix cache for hybrid (attention + Mamba) models, drop-in for pymllm's.
+# evict's second positional argument is the state target (MambaEviction.evict).
+class MambaRadixCache(MambaEviction, RadixCache):  # type: ignore[misc]
+    """Prefix cache for hybrid (attention + Mamba) models, with the reference's API.
 
     Every node holds the full-attention KV of its tokens and may own one ``MambaPool``
     state slot: the recurrent state after its last token. A request can only resume
@@ -51,26 +54,27 @@ class MambaRadixCache(MambaEviction, RadixCache):
     * insert makes each node it walks into the most recent as it reaches it, so
       deeper ranks newer, and a node that the insert splits ranks newer than the
       path above it; then a new leaf, an adopted state or the existing state at the
-      key's end is the most recent of all. (Touching the whole path again at the end,
-      as we once did, ranked a shared prefix's state above the deeper state that the
-      split node keeps, so state pressure tombstoned the deeper one, KV included.)
+      key's end is the most recent of all. (Touching the whole path again at the end
+      would rank a shared prefix's state above the deeper state that the split node
+      keeps, so state pressure would tombstone the deeper one, KV included.)
     * match makes the node with the answered state and its ancestors the most
       recent in the full list, children ahead of parents, but in the Mamba list only
       the answered node itself; a node it splits ranks just below them. This follows
       SGLang as of 2026-07 (upstream ``8905cbd4``, ``mamba_radix_cache.py``,
-      ``_match_post_processor``), not spec §6.1/§6.3, where match "touches
-      node+ancestors MRU in both lists" (pymllm, and SGLang before it): a request
-      resumes from one state, so only that state is used; the ancestors' states stay
+      ``_match_post_processor``), not the reference (and SGLang before it), where match
+      touches the node and its ancestors in both lists: a request resumes from one
+      state, so only that state is used; the ancestors' states stay
       where they were and go first under state pressure, while their KV, which the
       match did use, stays recent. The Mamba list therefore keeps its own stamps
-      (``mamba_access_time``) and is no longer the full list less the tombstones.
+      (``mamba_access_time``) rather than being the full list less the tombstones.
 
-    Where pymllm differs we follow SGLang's MambaRadixCache (spec §10 item 12):
+    Where the reference differs we follow SGLang's MambaRadixCache (docs/semantics.md,
+    departure 12):
 
     * a split leaves the state on the lower part and makes the upper part a tombstone
-      with no Mamba lock (pymllm slices one slot across both halves and copies the lock,
-      which then never unlocks: M1, M2);
-    * Mamba sizes and ``EvictResult.mamba_evicted`` count state slots only (M3);
+      with no Mamba lock (the reference slices one slot across both halves and copies
+      the lock, which then never unlocks);
+    * Mamba sizes and ``EvictResult.mamba_evicted`` count state slots only;
     * ``mamba_exist`` means "the final node already had state", not "any node did";
     * the Mamba phase deletes an unlocked leaf (and the tombstones above it) rather
       than leaving a tombstone leaf; tombstones never stay unlocked leaves;
@@ -98,14 +102,14 @@ class MambaRadixCache(MambaEviction, RadixCache):
     def __init__(
         self,
         page_size: int = 1,
-        token_to_kv_pool_allocator: Any = None,
-        mamba_pool: Any = None,
+        token_to_kv_pool_allocator: SlotFreer | None = None,
+        mamba_pool: StatePool | None = None,
         on_node_evict: Callable[[int], None] | None = None,
         *,
         mamba_cache_chunk_size: int = 1,
         eviction_policy: str = "lru",
         eager_page_hashes: bool = False,
-        listener: Any = None,
+        listener: PageListener | None = None,
     ) -> None:
         if eviction_policy != "lru":
             raise InvalidInputError(f"MambaRadixCache evicts in LRU order only, not "
@@ -160,12 +164,14 @@ class MambaRadixCache(MambaEviction, RadixCache):
         if ns_root is None or end == 0:
             return MatchResult(self._empty(), self.root_node, 0)
 
-        node, pos, values = ns_root, 0, []
+        node, pos = ns_root, 0
+        values: list[torch.Tensor] = []
         best = (0, 0, ns_root)  # values kept, bytes matched, last node
         while pos < end:
-            child, covered = self._descend(node, packed, pos, end, page_bytes, touch=False)
-            if child is None:
+            step = self._descend(node, packed, pos, end, page_bytes, touch=False)
+            if step is None:
                 break
+            child, covered = step[0], as_mamba(step[1])
             values.append(covered.value)
             pos += len(covered.key_bytes)
             node = covered
@@ -184,12 +190,14 @@ class MambaRadixCache(MambaEviction, RadixCache):
         return MatchResult(joined_slots(values[:kept], self.device), best_node,
                            best_pos // token_bytes, branching)
 
-    def insert(
+    # Takes the state slot where RadixCache.insert takes the SWA options (which a
+    # hybrid cache has no use for).
+    def insert(  # type: ignore[override]
         self,
         key: RadixKey,
         value: torch.Tensor | None = None,
         *,
-        mamba_value: Any = None,
+        mamba_value: int | torch.Tensor | None = None,
     ) -> InsertResult:
         """Cache ``key``'s KV slots ``value`` and the state slot ``mamba_value`` at its end.
 
@@ -221,9 +229,10 @@ class MambaRadixCache(MambaEviction, RadixCache):
             # Each node walked into becomes the most recent as the walk reaches it (so a
             # child ranks newer than its parent, and a node split here newer than the
             # path above it), as SGLang's insert does; see the class docstring.
-            child, covered = self._descend(node, packed, pos, end, page_bytes)
-            if child is None:
+            step = self._descend(node, packed, pos, end, page_bytes)
+            if step is None:
                 break
+            child, covered = step[0], as_mamba(step[1])
             pos += len(covered.key_bytes)
             node = covered
             if covered is not child:
@@ -247,7 +256,8 @@ class MambaRadixCache(MambaEviction, RadixCache):
         """Recompute everything from the tree; ``IntegrityError`` names any mismatch."""
         check_mamba_cache(self)
 
-    def _checked_state(self, mamba_value: Any, unaligned: bool) -> int | None:
+    def _checked_state(self, mamba_value: int | torch.Tensor | None,
+                       unaligned: bool) -> int | None:
         """The state slot in ``mamba_value``, vetted, or None."""
         if mamba_value is None:
             return None
@@ -278,15 +288,16 @@ class MambaRadixCache(MambaEviction, RadixCache):
         node.mamba_access_time = self._clock
         self.mamba_lru_list.push_mru(node)
 
-    def _touch(self, node: TreeNode) -> None:
+    def _touch(self, tree_node: TreeNode) -> None:
         """Make ``node`` alone the most recently used."""
+        node = as_mamba(tree_node)
         self._clock += 1
         node.last_access_time = node.mamba_access_time = self._clock
         for lru in (self.full_lru_list, self.mamba_lru_list):
             if node in lru:
                 lru.move_to_mru(node)
 
-    def _touch_path(self, node: TreeNode, hit: bool = False) -> None:
+    def _touch_path(self, node: MambaTreeNode, hit: bool = False) -> None:
         """A match's refresh: ``node`` and its ancestors become the most recently used
         in the full list (ancestors older), ``node`` alone in the Mamba list (SGLang's
         ``_match_post_processor``; see the class docstring)."""
@@ -305,7 +316,7 @@ class MambaRadixCache(MambaEviction, RadixCache):
             node.mamba_access_time = node.last_access_time
             self.mamba_lru_list.move_to_mru(node)
 
-    def _namespace_root(self, extra_key: str | None, width: int) -> TreeNode:
+    def _namespace_root(self, extra_key: str | None, width: int) -> MambaTreeNode:
         ns_root = self.root_node.children.get((extra_key, width))
         if ns_root is None:
             ns = Namespace(extra_key, width, self.page_size)
@@ -315,6 +326,7 @@ class MambaRadixCache(MambaEviction, RadixCache):
 
     def _add_leaf(self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor,
                   slot: int | None = None) -> MambaTreeNode:
+        parent = as_mamba(parent)
         ns = parent.require_namespace()
         if slot is None:  # insert refuses this first; a leaf without state is unmatchable
             raise InvalidInputError("a new leaf needs the state after it: pass mamba_value")
@@ -339,7 +351,7 @@ class MambaRadixCache(MambaEviction, RadixCache):
         slot cannot be shared, with no Mamba lock (see ``split_node``).
         """
         self._clock += 1
-        upper = split_node(child, split_len, self.page_size, self._clock)
+        upper = split_node(as_mamba(child), split_len, self.page_size, self._clock)
         self.full_lru_list.push_mru(upper)
         self._touch(child)  # the lower part ranks more recent, as a child should
         return upper

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -26,14 +26,17 @@ class MambaTreeNode(TreeNode):
     __slots__ = ("full_next", "full_prev", "mamba_access_time", "mamba_lock_ref",
                  "mamba_next", "mamba_prev", "mamba_value")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, namespace: Namespace | None = None, key_bytes: bytes = b"",
+                 value: torch.Tensor | None = None, parent: MambaTreeNode | None = None,
+                 last_access_time: int = 0) -> None:
+        super().__init__(namespace, key_bytes, value, parent, last_access_time)
         self.mamba_value: torch.Tensor | None = None
         self.mamba_lock_ref = 0
-        self.full_prev: Any = None
-        self.full_next: Any = None
-        self.mamba_prev: Any = None
-        self.mamba_next: Any = None
+        # The two lists' links (LRUList): a neighbour, a list's end, or None outside it.
+        self.full_prev: object = None
+        self.full_next: object = None
+        self.mamba_prev: object = None
+        self.mamba_next: object = None
         # The Mamba list's own recency: a match refreshes the whole path in the full
         # list but only the matched node's state (see MambaRadixCache), so the two lists
         # keep two clocks' stamps.
@@ -51,7 +54,15 @@ class MambaTreeNode(TreeNode):
                 f"children={len(self.children)}{', evicted' if self.evicted else ''})")
 
 
-def new_root(namespace: Namespace | None, parent: TreeNode | None, value: torch.Tensor,
+def as_mamba(node: TreeNode) -> MambaTreeNode:
+    """``node``, which in a Mamba cache's tree is always a ``MambaTreeNode``; any other
+    node is a broken tree (IntegrityError)."""
+    if not isinstance(node, MambaTreeNode):
+        raise IntegrityError(f"node {node.id} is not a MambaTreeNode")
+    return node
+
+
+def new_root(namespace: Namespace | None, parent: MambaTreeNode | None, value: torch.Tensor,
              clock: int) -> MambaTreeNode:
     """A root (or namespace root): locked for good, with the empty state of position 0."""
     root = MambaTreeNode(namespace, b"", value, parent, clock)
@@ -117,8 +128,8 @@ class LRUList:
         self._next = next_attr
         self._time = time_attr
         # Sentinels at both ends mean linking never has to test for an empty list.
-        self._head = _End()
-        self._tail = _End()
+        self._head: object = _End()
+        self._tail: object = _End()
         setattr(self._head, next_attr, self._tail)
         setattr(self._head, prev_attr, None)
         setattr(self._tail, prev_attr, self._head)
@@ -128,17 +139,17 @@ class LRUList:
     def __len__(self) -> int:
         return self._len
 
-    def __contains__(self, node: Any) -> bool:
+    def __contains__(self, node: object) -> bool:
         return getattr(node, self._prev, None) is not None
 
-    def push_mru(self, node: Any) -> None:
+    def push_mru(self, node: MambaTreeNode) -> None:
         """Add a node that is not in the list as the most recently used."""
         if node in self:  # linking it twice would corrupt both neighbours
             raise IntegrityError(f"node {node.id} is already in the list")
         self._link_after(self._head, node)
         self._len += 1
 
-    def remove(self, node: Any) -> None:
+    def remove(self, node: MambaTreeNode) -> None:
         """Take a node out of the list."""
         if node not in self:
             raise IntegrityError(f"node {node.id} is not in the list")
@@ -147,19 +158,19 @@ class LRUList:
         setattr(node, self._next, None)
         self._len -= 1
 
-    def move_to_mru(self, node: Any) -> None:
+    def move_to_mru(self, node: MambaTreeNode) -> None:
         """Make a node in the list the most recently used."""
         self._unlink(node)
         self._link_after(self._head, node)
 
-    def touch_node_and_parents_mru(self, node: Any) -> None:
+    def touch_node_and_parents_mru(self, node: MambaTreeNode) -> None:
         """Move ``node`` and its ancestors to the head, ``node`` first.
 
         Each child then ranks more recent than its parent, so eviction reaches the
         deeper end of a path first. Ancestors not in this list (and the roots, which
         have empty keys) are passed over.
         """
-        anchor = self._head
+        anchor: object = self._head
         while node.key_len:
             if node in self:
                 self._unlink(node)
@@ -167,21 +178,24 @@ class LRUList:
                 anchor = node
             node = node.parent
 
-    def lru(self, accept: Callable[[Any], bool], newer_than: Any = None) -> Any:
+    def lru(self, accept: Callable[[MambaTreeNode], bool],
+            newer_than: MambaTreeNode | None = None) -> MambaTreeNode | None:
         """The least recently used node that ``accept`` takes, or None.
 
         With ``newer_than`` (a node in the list) the search starts just above it, so a
         caller can step through candidates while removing the ones it has taken.
         """
         prev = self._prev
-        node = getattr(self._tail if newer_than is None else newer_than, prev)
+        # A node, until the walk reaches the head sentinel (compared by identity only).
+        node: MambaTreeNode = getattr(self._tail if newer_than is None else newer_than, prev)
         while node is not self._head:
             if accept(node):
                 return node
             node = getattr(node, prev)
         return None
 
-    def take_lru(self, accept: Callable[[Any], bool], take: Callable[[Any], Any],
+    def take_lru(self, accept: Callable[[MambaTreeNode], bool],
+                 take: Callable[[MambaTreeNode], MambaTreeNode | None],
                  want_more: Callable[[], bool]) -> None:
         """Hand ``take`` the nodes that ``accept`` takes, least recent first, while
         ``want_more()``.
@@ -194,7 +208,7 @@ class LRUList:
         # everything ahead, so it waits in a heap that is served first.
         if not want_more():
             return
-        behind: list[tuple[int, int, Any]] = []
+        behind: list[tuple[int, int, MambaTreeNode]] = []
         ahead = self.lru(accept)
         while want_more():
             if behind:
@@ -210,14 +224,14 @@ class LRUList:
                     ahead is None or getattr(new, self._time) < getattr(ahead, self._time)):
                 heapq.heappush(behind, (getattr(new, self._time), new.id, new))
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[MambaTreeNode]:
         """Nodes from the most to the least recently used."""
-        node = getattr(self._head, self._next)
+        node: MambaTreeNode = getattr(self._head, self._next)  # until the tail sentinel
         while node is not self._tail:
             yield node
             node = getattr(node, self._next)
 
-    def check(self, expected: dict[int, Any], name: str) -> list[str]:
+    def check(self, expected: dict[int, MambaTreeNode], name: str) -> list[str]:
         """Problems with the links, the membership (``expected``: id -> node) or the order."""
         problems: list[str] = []
         seen: set[int] = set()
@@ -245,12 +259,12 @@ class LRUList:
             problems.append(f"{name} LRU list lacks nodes {missing} and has stray nodes {extra}")
         return problems
 
-    def _unlink(self, node: Any) -> None:
+    def _unlink(self, node: MambaTreeNode) -> None:
         before, after = getattr(node, self._prev), getattr(node, self._next)
         setattr(before, self._next, after)
         setattr(after, self._prev, before)
 
-    def _link_after(self, anchor: Any, node: Any) -> None:
+    def _link_after(self, anchor: object, node: MambaTreeNode) -> None:
         after = getattr(anchor, self._next)
         setattr(node, self._prev, anchor)
         setattr(node, self._next, after)
@@ -258,11 +272,18 @@ class LRUList:
         setattr(after, self._prev, node)
 
 
+class StatePool(Protocol):
+    """What a Mamba cache needs of its state pool: taking a state slot back. A
+    ``MambaPool`` is one; its ``is_track_slot_allocated`` is used where present."""
+
+    def free_track_slot(self, slot: int | torch.Tensor) -> None: ...
+
+
 class MambaCacheView(RadixView, Protocol):
     """What the check and the printed tree read of a ``MambaRadixCache``. That class
     imports this module (its node and lists live here), so they name its shape instead."""
 
-    mamba_pool: Any
+    mamba_pool: StatePool | None
     full_lru_list: LRUList
     mamba_lru_list: LRUList
     _state_owner: dict[int, MambaTreeNode]
@@ -313,7 +334,7 @@ def check_mamba_cache(cache: MambaCacheView) -> None:
                         "have state")
     problems += cache.full_lru_list.check(nodes, "full")
     problems += cache.mamba_lru_list.check(stateful, "Mamba")
-    _check_slots(cache, [n.value for n in nodes.values()], problems)  # type: ignore[arg-type]
+    _check_slots(cache, [n.value for n in nodes.values()], problems)
     is_allocated = getattr(cache.mamba_pool, "is_track_slot_allocated", None)
     if is_allocated is not None and not all(map(is_allocated, owners)):
         problems.append("a state slot in the tree is free in the Mamba pool")
@@ -347,7 +368,8 @@ def format_mamba_tree(cache: MambaCacheView) -> str:
     lines = [f"root  total={cache.total_size()} evictable={cache.evictable_size()} "
              f"states={cache.mamba_total_size()} "
              f"state_evictable={cache.mamba_evictable_size()}"]
-    for node, depth in walk(cache.root_node):
+    for tree_node, depth in walk(cache.root_node):
+        node = as_mamba(tree_node)
         if not node.key_len:
             ns = node.require_namespace()
             lines.append(f"  [extra_key={ns.extra_key!r} width={ns.token_width}]")

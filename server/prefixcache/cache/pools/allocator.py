@@ -9,7 +9,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..errors import DoubleFreeError, InvalidInputError, SlotIndexError, check_count
+from ..errors import (
+    DoubleFreeError,
+    IntegrityError,
+    InvalidInputError,
+    SlotIndexError,
+    check_count,
+)
 from .free_pages import FreePages, Pages
 from .slot_runs import Scratch, breaks, runs_in
 
@@ -35,6 +41,13 @@ def host_indices(indices: IndexLike) -> np.ndarray:
     if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
         raise InvalidInputError(f"indices must be integers, got {array.dtype}")
     return array.reshape(-1).astype(np.int64, copy=False)
+
+
+def _kept(slots: np.ndarray | None) -> np.ndarray:
+    """Slots a ``_Checked`` keeps for the free that needs them (see there)."""
+    if slots is None:
+        raise IntegrityError("a checked free lacks the slots it needs")
+    return slots
 
 
 class _Checked(NamedTuple):
@@ -129,7 +142,7 @@ class TokenToKVPoolAllocator:
         self._live[:] = 0
         self._num_allocated = 0
         self._group_depth = 0
-        self._group_pending: list[list[Pages]] = []
+        self._group_pending: list[Sequence[Pages]] = []
 
     def available_size(self) -> int:
         """How many slots ``alloc`` could hand out now (free pages * page_size)."""
@@ -234,7 +247,7 @@ class TokenToKVPoolAllocator:
             DoubleFreeError: An index is not currently allocated, or repeats.
         """
         checked = self._validate_free(indices)
-        if checked.idx.size:
+        if checked.idx is not None and checked.idx.size:
             self._apply_free(checked)
 
     def free_group_begin(self) -> None:
@@ -334,26 +347,28 @@ class TokenToKVPoolAllocator:
 
     def _apply_free(self, checked: _Checked) -> None:
         """Mark validated, non-empty slots free and release the pages that emptied."""
-        idx, runs = checked.idx, checked.runs
+        runs = checked.runs
         if runs is not None:
             for lo, hi in runs:
                 self._live[lo : hi + 1] = 0
                 self._num_allocated -= hi - lo + 1
         else:
+            idx = _kept(checked.idx)
             self._live[idx] = 0
             self._num_allocated -= idx.size
-        emptied: list[Pages]
+        emptied: Sequence[Pages]
         if self.page_size == 1:
-            emptied = [checked.given.copy()]  # in free order, for need_sort=False
+            emptied = [_kept(checked.given).copy()]  # in free order, for need_sort=False
         elif runs is not None:
             emptied = self._emptied_in_runs(runs)
         else:
-            emptied = [self._emptied_among(idx)]
+            emptied = [self._emptied_among(_kept(checked.idx))]
         if not self.need_sort and self.page_size > 1 and emptied:
             pages = np.concatenate([np.arange(p[0], p[1] + 1, dtype=np.int64)
-                                    if type(p) is tuple else p
+                                    if isinstance(p, tuple) else p
                                     for p in emptied])
-            emptied = [self._in_given_order(pages, checked.given) if pages.size > 1 else pages]
+            emptied = [self._in_given_order(pages, _kept(checked.given))
+                       if pages.size > 1 else pages]
         if self._group_depth:
             self._group_pending.append(emptied)
         else:
@@ -364,16 +379,20 @@ class TokenToKVPoolAllocator:
         return slots >> shift if shift is not None else slots // self.page_size
 
     def _no_live_slot(self, words: np.ndarray) -> np.ndarray:
-        return words[:, 0] == 0 if words.shape[1] == 1 else ~words.any(axis=1)
+        if words.shape[1] == 1:
+            free: np.ndarray = words[:, 0] == 0
+            return free
+        return np.logical_not(words.any(axis=1))
 
-    def _emptied_in_runs(self, runs: list[tuple[int, int]]) -> list[Pages]:
+    def _emptied_in_runs(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Pages spanned by freshly freed runs (ascending) that hold no live slot now.
 
         A page the run covers whole was all live and is now all free; only a page
         the run covers in part needs its other slots looked at (memchr for a live
         one). They come out as ``(first, last)`` spans, adjacent ones joined.
         """
-        ps, live, spans, done = self.page_size, self._live_bytes, [], -1
+        ps, live, done = self.page_size, self._live_bytes, -1
+        spans: list[tuple[int, int]] = []
         for lo, hi in runs:
             first, last = max(lo // ps, done + 1), hi // ps
             if first > last:
@@ -399,7 +418,8 @@ class TokenToKVPoolAllocator:
         first[0] = True
         np.not_equal(pages[1:], pages[:-1], out=first[1:])
         pages = pages[first]
-        return pages[self._no_live_slot(self._page_words[pages])]
+        emptied: np.ndarray = pages[self._no_live_slot(self._page_words[pages])]
+        return emptied
 
     def _in_given_order(self, pages: np.ndarray, given: np.ndarray) -> np.ndarray:
         """``pages`` ordered by where their first slot appears in ``given``.
@@ -408,7 +428,8 @@ class TokenToKVPoolAllocator:
         """
         unique, first = np.unique(given // self.page_size, return_index=True)
         first = first[np.isin(unique, pages)]
-        return given[np.sort(first)] // self.page_size
+        ordered: np.ndarray = given[np.sort(first)] // self.page_size
+        return ordered
 
     def _to_device(self, slots: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(slots)

@@ -3,6 +3,8 @@ waiting to join it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from .slot_runs import Scratch
@@ -57,10 +59,10 @@ class FreePages:
         self._head += num
         return pages
 
-    def release(self, pieces: list[Pages]) -> None:
+    def release(self, pieces: Sequence[Pages]) -> None:
         """Queue freed pages (no page twice, none free or queued already)."""
         for piece in pieces:
-            size = piece[1] - piece[0] + 1 if type(piece) is tuple else piece.size
+            size = piece[1] - piece[0] + 1 if isinstance(piece, tuple) else piece.size
             if size:
                 self._released.append(piece)
                 self._num_released += size
@@ -69,8 +71,9 @@ class FreePages:
         rest, pieces = self._free[self._head :], self._released
         total = rest.size + self._num_released
         out = self._spare if self._spare.size >= total else np.empty(total, dtype=np.int64)
-        if self.need_sort and all(type(p) is tuple for p in pieces):
-            self._merge_spans(rest, pieces, out)  # the usual case: no sort, no temporary
+        spans = [p for p in pieces if isinstance(p, tuple)] if self.need_sort else []
+        if self.need_sort and len(spans) == len(pieces):
+            self._merge_spans(rest, spans, out)  # the usual case: no sort, no temporary
         else:
             out[: rest.size] = rest
             pos = rest.size
@@ -82,7 +85,8 @@ class FreePages:
         self._free, self._head = out[:total], 0
         self._released, self._num_released = [], 0
 
-    def _merge_spans(self, rest: np.ndarray, spans: list[Pages], out: np.ndarray) -> None:
+    def _merge_spans(self, rest: np.ndarray, spans: list[tuple[int, int]],
+                     out: np.ndarray) -> None:
         """Write sorted ``rest`` and the spans (disjoint from it and from each other)
         into ``out``, ascending."""
         pos = done = 0
@@ -96,7 +100,7 @@ class FreePages:
 
     def _put(self, piece: Pages, out: np.ndarray, pos: int) -> int:
         """Write the pages of ``piece`` at ``out[pos:]``; return the position after them."""
-        if type(piece) is tuple:
+        if isinstance(piece, tuple):
             first, last = piece
             size = last - first + 1
             np.add(self._scratch.iota(size), first, out=out[pos : pos + size])

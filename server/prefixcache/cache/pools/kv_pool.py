@@ -248,7 +248,7 @@ class KVPool:
         return idx
 
     @staticmethod
-    def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, int, int]) -> None:
+    def _check_shape(name: str, tensor: object, expected: tuple[int, int, int]) -> None:
         """Raises InvalidInputError unless ``tensor`` is a tensor of shape ``expected``."""
         if not isinstance(tensor, torch.Tensor):
             raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")

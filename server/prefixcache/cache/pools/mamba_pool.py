@@ -30,8 +30,8 @@ class MambaPool:
       snapshots that a ``MambaRadixCache`` node owns (``copy_states(working, track)``
       after a prefill; ``copy_states(track, working)`` to resume from a hit).
 
-    Unlike pymllm's GDNPool, slot 0 is the padding (not request 0's working slot) and a
-    track slot freed twice, or a working slot freed as a track slot, raises.
+    Slot 0 is never a working slot (the reference's state pool let request 0 use it),
+    and a track slot freed twice, or a working slot freed as a track slot, raises.
 
     Attributes:
         max_reqs: Requests that can run at once (working slots).
@@ -105,8 +105,8 @@ class MambaPool:
 
     def clear(self) -> None:
         """Free every track slot (the states themselves are left as they are)."""
-        # A stack whose top is the highest slot: allocation order is pymllm's (highest
-        # first), and a slot just freed is the next one reused while it is still warm.
+        # A stack whose top is the highest slot: the highest is handed out first, as in
+        # the reference, and a slot just freed is the next one reused while still warm.
         self._free_track = list(range(self.first_track_slot, self.num_slots))
         self._track_in_use[:] = bytes(self.num_slots)
 
@@ -229,7 +229,7 @@ class MambaPool:
         return idx
 
 
-def to_index(value: Any, name: str) -> int:
+def to_index(value: object, name: str) -> int:
     """``value`` as an int (an integer, or an integer tensor of one element)."""
     if isinstance(value, bool):
         raise InvalidInputError(f"{name} must be an int, got bool")
@@ -240,7 +240,7 @@ def to_index(value: Any, name: str) -> int:
                                     f"{value.dtype} tensor of shape {tuple(value.shape)}")
         return int(value.reshape(()).item())
     try:
-        return operator.index(value)
+        return operator.index(value)  # type: ignore[arg-type]  # it decides what is an int
     except TypeError as exc:
         raise InvalidInputError(f"{name} must be an int, got {type(value).__name__}") from exc
 

@@ -112,7 +112,7 @@ class SlotAllocator:
         """``slot`` as an int in ``[0, max_slots)``; SlotIndexError or InvalidInputError."""
         if isinstance(slot, bool) or not hasattr(slot, "__index__"):
             raise InvalidInputError(f"slot must be an int, got {type(slot).__name__}")
-        number = operator.index(slot)  # type: ignore[call-overload]
+        number = operator.index(slot)
         if not 0 <= number < self.max_slots:
             raise SlotIndexError(f"slot {number} is outside [0, {self.max_slots})")
         return number

@@ -6,7 +6,14 @@ import numpy as np
 import torch
 
 from ..errors import DoubleFreeError, IntegrityError, check_count
-from .allocator import _MAX_SHOWN, IndexLike, TokenToKVPoolAllocator, _check_range, host_indices
+from .allocator import (
+    _MAX_SHOWN,
+    IndexLike,
+    TokenToKVPoolAllocator,
+    _check_range,
+    _kept,
+    host_indices,
+)
 
 
 class SWATokenToKVPoolAllocator:
@@ -129,13 +136,14 @@ class SWATokenToKVPoolAllocator:
             DoubleFreeError: A full slot is not allocated, or repeats.
         """
         full = self.full_attn_allocator._validate_free(full_indices)
-        if full.idx.size == 0:
+        full_idx = _kept(full.idx)
+        if full_idx.size == 0:
             return
-        swa = self._full_to_swa[full.idx]
-        swa = self.swa_attn_allocator._validate_free(swa[swa != 0])
-        self._full_to_swa[full.idx] = 0
+        mapped = self._full_to_swa[full_idx]
+        swa = self.swa_attn_allocator._validate_free(mapped[mapped != 0])
+        self._full_to_swa[full_idx] = 0
         self.full_attn_allocator._apply_free(full)
-        if swa.idx.size:
+        if _kept(swa.idx).size:
             self.swa_attn_allocator._apply_free(swa)
 
     def free_swa(self, full_indices: IndexLike) -> None:
@@ -147,15 +155,15 @@ class SWATokenToKVPoolAllocator:
             DoubleFreeError: A full slot is not allocated, has no SWA slot any more,
                 or repeats.
         """
-        full = self.full_attn_allocator._validate_free(full_indices)
-        if full.idx.size == 0:
+        full_idx = _kept(self.full_attn_allocator._validate_free(full_indices).idx)
+        if full_idx.size == 0:
             return
-        swa = self._full_to_swa[full.idx]
+        swa = self._full_to_swa[full_idx]
         if not swa.all():
-            bad = full.idx[swa == 0][:_MAX_SHOWN].tolist()
+            bad = full_idx[swa == 0][:_MAX_SHOWN].tolist()
             raise DoubleFreeError(f"full slots have no SWA slot (already freed): {bad}")
         checked = self.swa_attn_allocator._validate_free(swa)
-        self._full_to_swa[full.idx] = 0
+        self._full_to_swa[full_idx] = 0
         self.swa_attn_allocator._apply_free(checked)
 
     def free_group_begin(self) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from ..base import BasePrefixCache, InsertResult, MatchResult
+from ..base import BasePrefixCache, InsertResult, MatchResult, SlotFreer
 from ..errors import CacheError, InvalidInputError
 from ..eviction import EvictionQueue, get_eviction_policy
 from ..hashing import hash_pages
@@ -41,7 +41,7 @@ def common_prefix(key: bytes, query: bytes, pos: int, end: int, page_bytes: int)
 
 
 class RadixCache(RadixEviction, BasePrefixCache):
-    """Prefix cache over a token-slot allocator, drop-in for ``pymllm.mem_cache.RadixCache``.
+    """Prefix cache over a token-slot allocator, with the reference's ``RadixCache`` API.
 
     Keys are page-aligned on both match and insert: the unaligned tail of an inserted
     key is not cached and its slots stay the caller's. Each ``(extra_key, token width)``
@@ -79,13 +79,13 @@ class RadixCache(RadixEviction, BasePrefixCache):
     # this class, so this module cannot import it; the package's __init__ loads it.
     _windowed: ClassVar[type[RadixCache] | None] = None
 
-    def __init_subclass__(cls, *, windowed: bool = False, **kwargs: Any) -> None:
+    def __init_subclass__(cls, *, windowed: bool = False, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if windowed:
             RadixCache._windowed = cls
 
     def __new__(cls, page_size: int = 1, sliding_window_size: int | None = None,
-                *args: Any, **kwargs: Any) -> RadixCache:
+                *args: object, **kwargs: object) -> RadixCache:
         if cls is RadixCache and sliding_window_size is not None:
             if RadixCache._windowed is None:  # prefixcache.cache is still loading
                 raise CacheError("SWARadixCache is not loaded yet: import prefixcache.cache")
@@ -96,7 +96,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
         self,
         page_size: int = 1,
         sliding_window_size: int | None = None,
-        token_to_kv_pool_allocator: Any = None,
+        token_to_kv_pool_allocator: SlotFreer | None = None,
         on_node_evict: Callable[[int], None] | None = None,
         *,
         eviction_policy: str = "lru",
@@ -152,9 +152,10 @@ class RadixCache(RadixEviction, BasePrefixCache):
         self._touch_roots(ns_root)
         node, pos, values = ns_root, 0, []
         while pos < end:
-            child, covered = self._descend(node, packed, pos, end, page_bytes)
-            if child is None:
+            step = self._descend(node, packed, pos, end, page_bytes)
+            if step is None:
                 break
+            child, covered = step
             covered.hit_count += 1
             values.append(covered.value)
             pos += len(covered.key_bytes)
@@ -214,9 +215,10 @@ class RadixCache(RadixEviction, BasePrefixCache):
         self._touch_roots(ns_root)
         node, pos = ns_root, 0
         while pos < end:
-            child, covered = self._descend(node, packed, pos, end, page_bytes)
-            if child is None:
+            step = self._descend(node, packed, pos, end, page_bytes)
+            if step is None:
                 break
+            child, covered = step
             pos += len(covered.key_bytes)
             node = covered
             if covered is not child:
@@ -241,7 +243,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
             top = top.parent
         prior = bytes.fromhex(top.hash_values[-1]) if top.key_len and top.hash_values else None
         for n in reversed(pending):
-            n.hash_values = hash_pages(n.key_bytes, n.namespace.page_bytes, prior)
+            n.hash_values = hash_pages(n.key_bytes, n.require_namespace().page_bytes, prior)
             prior = bytes.fromhex(n.hash_values[-1])
         return node.hash_values or []
 
@@ -266,16 +268,17 @@ class RadixCache(RadixEviction, BasePrefixCache):
         return packed, width, token_bytes, page_bytes, len(packed) - len(packed) % page_bytes
 
     def _descend(self, node: TreeNode, packed: bytes, pos: int, end: int, page_bytes: int,
-                 touch: bool = True) -> tuple[TreeNode | None, TreeNode | None]:
+                 touch: bool = True) -> tuple[TreeNode, TreeNode] | None:
         """Follow ``packed[pos:end]`` one edge down from ``node``.
 
-        Returns ``(child, covered)``: the child the key enters (None if there is none)
-        and the node covering the part that matched, which is the child itself, or its
-        new upper part when the key parts from it inside (split at a page boundary).
+        Returns ``(child, covered)``, or None if no child starts with the next page: the
+        child the key enters and the node covering the part that matched, which is the
+        child itself, or its new upper part when the key parts from it inside (split at
+        a page boundary).
         """
         child = node.children.get(packed[pos : pos + page_bytes])
         if child is None:
-            return None, None
+            return None
         if touch:
             self._touch(child)
         if packed.startswith(child.key_bytes, pos):
@@ -305,7 +308,9 @@ class RadixCache(RadixEviction, BasePrefixCache):
             self.root_node.children[(extra_key, width)] = ns_root
         return ns_root
 
-    def _checked_value(self, key: RadixKey, value: Any, num_tokens: int) -> torch.Tensor:
+    def _checked_value(self, key: RadixKey, value: object, num_tokens: int) -> torch.Tensor:
+        """``value`` (a tensor, or any sequence of slots) as a 1-D integer tensor with a
+        slot for each of ``num_tokens`` tokens."""
         if value is None:
             if self.token_to_kv_pool_allocator is not None:
                 # The token ids would be stored as slots the allocator never handed
@@ -315,16 +320,16 @@ class RadixCache(RadixEviction, BasePrefixCache):
             if key.token_width != 1:
                 raise InvalidInputError("value=None needs int tokens; pass slots for tuple keys")
             return torch.tensor(list(key.token_ids[:num_tokens]), dtype=torch.int64)
-        if not isinstance(value, torch.Tensor):
-            value = torch.as_tensor(value, dtype=torch.int64)
+        slots = value if isinstance(value, torch.Tensor) else torch.as_tensor(value,
+                                                                             dtype=torch.int64)
         # A set lookup settles the usual dtypes; the tensor queries cost ~0.3 µs each.
-        if value.dim() != 1 or (value.dtype not in _INT_DTYPES and (
-                value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)):
-            raise InvalidInputError(f"value must be a 1-D integer tensor, got {value.dtype} "
-                                    f"of shape {tuple(value.shape)}")
-        if value.shape[0] < num_tokens:
-            raise InvalidInputError(f"value has {len(value)} slots for {num_tokens} tokens")
-        return value
+        if slots.dim() != 1 or (slots.dtype not in _INT_DTYPES and (
+                slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool)):
+            raise InvalidInputError(f"value must be a 1-D integer tensor, got {slots.dtype} "
+                                    f"of shape {tuple(slots.shape)}")
+        if slots.shape[0] < num_tokens:
+            raise InvalidInputError(f"value has {len(slots)} slots for {num_tokens} tokens")
+        return slots
 
     def _add_leaf(self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor) -> TreeNode:
         ns = parent.require_namespace()

@@ -11,15 +11,14 @@ SWA and Mamba caches override parts of it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from ..base import EvictResult
+from ..base import EvictResult, SlotFreer
 from ..errors import CacheError, IntegrityError, LockError, check_count
 from ..eviction import EvictionQueue
 from ..index.change_log import PageListener
-from ..node import TreeNode
+from ..node import NO_SLOTS, TreeNode
 
 
 class RadixEviction:
@@ -27,10 +26,10 @@ class RadixEviction:
 
     # Set by RadixCache.__init__ and reset before any of these run.
     root_node: TreeNode
-    token_to_kv_pool_allocator: Any
+    token_to_kv_pool_allocator: SlotFreer | None
     on_node_evict: Callable[[int], None] | None
     listener: PageListener | None
-    _leaves: EvictionQueue
+    _leaves: EvictionQueue[TreeNode]
     _evictable: int
     _protected: int
     _gone_nodes: list[TreeNode]
@@ -84,7 +83,7 @@ class RadixEviction:
             self._notify_evicted(gone)
         return EvictResult(full_evicted=evicted, swa_evicted=evicted)
 
-    def inc_lock_ref(self, node: TreeNode | None) -> Any:
+    def inc_lock_ref(self, node: TreeNode | None) -> int | None:
         """Protect ``node`` and its ancestors from eviction until ``dec_lock_ref(node)``."""
         if node is not None:
             path = self._path_to_root(node)
@@ -138,7 +137,7 @@ class RadixEviction:
         del parent.children[node.key_bytes[: ns.page_bytes]]
         self._evictable -= node.key_len
         node.evicted = True
-        node.value = None
+        node.value = NO_SLOTS
         if self.listener is not None:  # told in _notify_evicted, with on_node_evict
             self._gone_nodes.append(node)
         if self.eviction_observer is not None:
@@ -153,7 +152,8 @@ class RadixEviction:
             del self.root_node.children[(ns.extra_key, ns.token_width)]
             ns_root.evicted = True
 
-    def _free(self, values: list[torch.Tensor], free: Callable[[Any], None] | None = None) -> None:
+    def _free(self, values: list[torch.Tensor],
+              free: Callable[[torch.Tensor], None] | None = None) -> None:
         """Give the allocator (``free``, by default its ``free``) the slots of ``values``.
 
         One call frees them all: the allocator's ``free_parts`` where it has one (no
@@ -190,10 +190,11 @@ class RadixEviction:
             raise refused
 
     def _notify_evicted(self, node_ids: list[int]) -> None:
-        if self._gone_nodes:
+        listener = self.listener
+        if self._gone_nodes and listener is not None:  # only a listener collects them
             gone, self._gone_nodes = self._gone_nodes, []
             for node in gone:
-                self.listener.pages_removed(node)
+                listener.pages_removed(node)
         if self.on_node_evict is not None:
             for node_id in node_ids:
                 self.on_node_evict(node_id)

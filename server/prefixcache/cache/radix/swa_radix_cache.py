@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import count
-from typing import Any
 
 import torch
 
-from ..base import EvictResult, InsertResult, MatchResult
+from ..base import EvictResult, InsertResult, MatchResult, SlotFreer
 from ..errors import InvalidInputError, LockError, check_count
 from ..eviction import EvictionQueue, get_eviction_policy
+from ..index.change_log import PageListener
 from ..key import RadixKey
 from ..node import TreeNode
 from ..slot_values import joined_slots, owned_slots
@@ -19,8 +20,8 @@ from .radix_cache import RadixCache
 class SWARadixCache(RadixCache, windowed=True):
     """Radix cache whose nodes hold full-attention KV and, unless tombstoned, SWA KV.
 
-    Follows SGLang's ``SWARadixCache``; where pymllm's SWA mode differs we fix it
-    (spec §10 item 11):
+    Follows SGLang's ``SWARadixCache`` where the reference's SWA mode differs
+    (docs/semantics.md, departure 11):
 
     * insert continues from the upper half after a split (B1), stores nothing for a
       tail whose SWA KV is all gone (B2), revives the fresh part of a partly
@@ -45,21 +46,24 @@ class SWARadixCache(RadixCache, windowed=True):
         self,
         page_size: int = 1,
         sliding_window_size: int | None = None,
-        token_to_kv_pool_allocator: Any = None,
-        on_node_evict: Any = None,
+        token_to_kv_pool_allocator: SlotFreer | None = None,
+        on_node_evict: Callable[[int], None] | None = None,
         *,
         eviction_policy: str = "lru",
         eager_page_hashes: bool = False,
-        listener: Any = None,
+        listener: PageListener | None = None,
     ) -> None:
         if not isinstance(sliding_window_size, int) or sliding_window_size < 1:
             raise InvalidInputError(
                 f"sliding_window_size must be an int >= 1, got {sliding_window_size!r}")
-        if token_to_kv_pool_allocator is not None \
-                and not callable(getattr(token_to_kv_pool_allocator, "free_swa", None)):
+        free_swa = getattr(token_to_kv_pool_allocator, "free_swa", None)
+        if token_to_kv_pool_allocator is not None and not callable(free_swa):
             raise InvalidInputError("SWA mode needs an allocator with free_swa "
                                     "(e.g. SWATokenToKVPoolAllocator)")
-        self._windows = EvictionQueue(get_eviction_policy(eviction_policy))
+        self._free_swa: Callable[[torch.Tensor], None] | None = free_swa
+        self._window = sliding_window_size
+        self._windows: EvictionQueue[TreeNode] = EvictionQueue(
+            get_eviction_policy(eviction_policy))
         self._boundary_ids = count(1)
         super().__init__(page_size, sliding_window_size, token_to_kv_pool_allocator,
                          on_node_evict, eviction_policy=eviction_policy,
@@ -89,14 +93,16 @@ class SWARadixCache(RadixCache, windowed=True):
         if ns_root is None or end == 0:
             return MatchResult(self._empty(), self.root_node, 0)
 
-        window = self.sliding_window_size
-        node, pos, values = ns_root, 0, []
+        window = self._window
+        node, pos = ns_root, 0
+        values: list[torch.Tensor] = []
         since_tombstone = float("inf")
         best = (0, 0, ns_root)  # values kept, bytes matched, last node
         while pos < end:
-            child, covered = self._descend(node, packed, pos, end, page_bytes, touch=False)
-            if child is None:
+            step = self._descend(node, packed, pos, end, page_bytes, touch=False)
+            if step is None:
                 break
+            child, covered = step
             if child.swa_tombstone:
                 if since_tombstone >= window:
                     best = (len(values), pos, node)
@@ -149,11 +155,13 @@ class SWARadixCache(RadixCache, windowed=True):
 
         ns_root = self._namespace_root(key.extra_key, width)
         self._touch_roots(ns_root)
-        node, pos, off, freed = ns_root, 0, 0, []
+        node, pos, off = ns_root, 0, 0
+        freed: list[torch.Tensor] = []
         while pos < end:
-            child, covered = self._descend(node, packed, pos, end, page_bytes)
-            if child is None:
+            step = self._descend(node, packed, pos, end, page_bytes)
+            if step is None:
                 break
+            child, covered = step
             node, size = covered, covered.key_len
             if prev_prefix_len < off + size:
                 node = self._take_incoming(node, value, off, prev_prefix_len, swa_evicted, freed)
@@ -235,10 +243,9 @@ class SWARadixCache(RadixCache, windowed=True):
                 self._leaves.discard(node)
                 f, s = self._delete_subtree_end(node, freed_full, gone)
                 full, swa = full + f, swa + s
-        allocator = self.token_to_kv_pool_allocator
         try:
-            if allocator is not None and freed_swa:
-                self._free(freed_swa, allocator.free_swa)  # before free: a node may be in both
+            if self._free_swa is not None and freed_swa:
+                self._free(freed_swa, self._free_swa)  # before free: a node may be in both
         finally:  # the nodes are tombstoned or gone even if the allocator refused
             try:
                 self._free(freed_full)
@@ -282,7 +289,7 @@ class SWARadixCache(RadixCache, windowed=True):
         if not path:
             return None
         self._lock_path(path)
-        window, covered, boundary = self.sliding_window_size, 0, None
+        window, covered, boundary = self._window, 0, None
         for n in path:
             if not n.swa_tombstone:
                 if n.swa_lock_ref == 0:

@@ -181,7 +181,7 @@ class SlotPrefixCache(SlotTree):
             n = tip
             while n is not node:
                 self._assign(n, slot, version)
-                n = n.parent  # type: ignore[assignment]
+                n = n.parent
         else:
             self._tips[(slot, version)] = node
         self._touch(path)
@@ -292,7 +292,7 @@ class SlotPrefixCache(SlotTree):
         """
         check_slot_cache(self)
 
-    def _key(self, tokens: Any, extra_key: str | None) -> RadixKey:
+    def _key(self, tokens: TokensLike, extra_key: str | None) -> RadixKey:
         if isinstance(tokens, RadixKey):
             if extra_key is not None and extra_key != tokens.extra_key:
                 raise InvalidInputError(f"extra_key {extra_key!r} contradicts the key's "
@@ -373,7 +373,7 @@ class SlotPrefixCache(SlotTree):
     def _shrink(self) -> int:
         return self._evict(self.total_size() - self.capacity)
 
-    def _check_member(self, node: Any) -> None:
+    def _check_member(self, node: object) -> None:
         if not isinstance(node, SlotNode):
             raise InvalidInputError(f"expected a SlotNode handle, got {type(node).__name__}")
         if node.evicted:
@@ -382,7 +382,7 @@ class SlotPrefixCache(SlotTree):
             raise LockError("a root cannot be pinned or released")
         top = node
         while top.key_len:
-            top = top.parent  # type: ignore[assignment]
+            top = top.parent
         if top.evicted or top.parent is not self.root_node:
             raise LockError("node does not belong to this cache (or predates a reset)")
 

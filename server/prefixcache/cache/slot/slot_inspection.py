@@ -16,12 +16,12 @@ def check_slot_cache(cache: SlotTree) -> None:
     evictable = protected = nodes = pins = 0
     leaves: set[int] = set()
     chains: dict[tuple[int, int], list[SlotNode]] = {}
-    for (extra_key, width), ns_root in cache.root_node.children.items():
+    for key, ns_root in cache.root_node.children.items():
         ns = ns_root.namespace
-        if ns is None or (ns.extra_key, ns.token_width) != (extra_key, width) \
+        if ns is None or (ns.extra_key, ns.token_width) != key \
                 or ns_root.parent is not cache.root_node or ns_root.key_len \
                 or not ns_root.children or ns_root.evicted:
-            problems.append(f"namespace root {extra_key!r}/{width} is malformed or empty")
+            problems.append(f"namespace root {key!r} is malformed or empty")
             continue
         for node, _ in walk(ns_root):
             nodes += 1

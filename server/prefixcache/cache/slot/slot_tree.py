@@ -20,6 +20,10 @@ class SlotNode(TreeNode):
 
     __slots__ = ("depth", "slot", "version")
 
+    depth: int
+    slot: int
+    version: int
+
     def __init__(self, namespace: Namespace | None, key_bytes: bytes, parent: SlotNode | None,
                  slot: int, version: int, last_access_time: int) -> None:
         super().__init__(namespace, key_bytes, None, parent, last_access_time)
@@ -43,7 +47,7 @@ class SlotTree:
     _protected: int
     _nodes: int
     _pins: int
-    _leaves: EvictionQueue
+    _leaves: EvictionQueue[SlotNode]
     _tips: dict[tuple[int, int], SlotNode]
 
     def _namespace_root(self, extra_key: str | None, width: int) -> SlotNode:

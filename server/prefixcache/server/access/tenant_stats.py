@@ -1,8 +1,8 @@
 """What Stats shows a tenant: its own namespaces' numbers, not the other tenants'.
 
-A model's counters are the whole cache's, so a tenant that read them saw the others'
-hits (a side channel: whether somebody else's prompts are being served from the
-cache; issue 21 item 10). With ``server.tenants`` set, each model also counts lookups
+A model's counters are the whole cache's, so a tenant that read them would see the
+others' hits (a side channel: whether somebody else's prompts are being served from the
+cache). With ``server.tenants`` set, each model also counts lookups
 by the tenants whose namespaces they fall in, and a caller bound to a tenant's token
 sees, in Stats and in Step replies:
 

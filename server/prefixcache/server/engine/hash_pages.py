@@ -137,9 +137,9 @@ class HashPages:
 
         The run ends at a page that neither chains on the page before it (its parent
         in the index) nor starts a path of its own: a prompt's pages always do one or
-        the other, and each run's path is walked from its namespace's root, so a
-        request of pages that do not chain (a long chain's pages in reverse order)
-        once cost a whole path per page: minutes of loop time for a few hundred."""
+        the other, and each run's path is walked from its namespace's root. Without
+        runs a request of pages that do not chain (a long chain's pages in reverse
+        order) would cost a whole path per page: minutes of loop time for a few hundred."""
         runs: list[tuple[Namespace, str, int]] = []
         previous: str | None = None
         for i, page_hash in enumerate(page_hashes):

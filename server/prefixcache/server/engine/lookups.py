@@ -1,4 +1,4 @@
-"""One model's lookup outcomes and hit-rate ceiling (issue 23: "why no hit?").
+"""One model's lookup outcomes and hit-rate ceiling: the answer to "why no hit?".
 
 Every lookup (Match, Step admissions, ExistsPages, and so the connectors' lookups)
 ends in one outcome per token range (``prefixcache.cache.radix.lookup_outcomes``), counted
@@ -144,8 +144,8 @@ class Lookups:
         holds, then pages the record knows as evicted, then cold ones.
 
         A generator: it yields after every ``COUNT_SLICE`` pages it looks up, so that
-        the caller can let other calls run between slices (a 1M-page request's runs
-        once held the loop for half a second). The index and the record may change
+        the caller can let other calls run between slices (a 1M-page request's runs,
+        looked up at once, hold the loop for half a second). The index and the record may change
         between slices: the outcomes are counted as the slices found them."""
         size = self.page_size
         total = len(data) // DIGEST_BYTES

@@ -10,11 +10,11 @@ What stays exact:
 
 * Every check of the request runs before anything changes (the ones that read only the
   request in slices; whether the session holds every slot it sends, in the turn of the
-  first change), so a refused request changes nothing, as before.
+  first change), so a refused request changes nothing.
 * Each page is looked up, and stored or found held, in one turn with its slots'
   ownership checked again, so a page stored meanwhile by another call is answered
   HELD (its slots freed), never stored twice.
-* A run of new pages is stored on the path of the hash page before it, as before. The
+* A run of new pages is stored on the path of the hash page before it. The
   run goes into the tree one slice at a time, each slice a child of the one before:
   the path is carried from slice to slice and checked still cached whole (``peek``)
   before it is extended; where it was evicted meanwhile, the rest starts a path of its

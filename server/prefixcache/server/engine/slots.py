@@ -55,7 +55,7 @@ class SlotOwnership:
     # Per page: how many of its slots a session holds. An allocation takes whole pages
     # (the unused tail of its last page stays reserved until the page comes back), and
     # a page comes back only once none of its slots is held, so a session's charge under
-    # max_session_slots is the pages it holds slots on, whole (issue 21 item 7). Pages
+    # max_session_slots is the pages it holds slots on, whole (see quotas.py). Pages
     # are never shared between sessions: each was free when one session took it.
     _page_held: np.ndarray
 

@@ -1,10 +1,10 @@
 """ChangeFeed: one model's change log, watched once for all its Subscribe streams, and
 the snapshots they start from, shared.
 
-A Subscribe used to walk the whole tree on the event loop for its snapshot, and keep
-its own copy (a record per node, hex strings: about 7.3 MiB for a 50k-node tree) while
-it was sent: about five Subscribes a second pushed other clients' p99 to 4.4 s, and
-fifty subscribers that never read held 716 MiB (issue 21). Now:
+A Subscribe that walked the whole tree on the event loop for its snapshot, and kept
+its own copy while it was sent (a record per node, hex strings: about 7.3 MiB for a
+50k-node tree), would stall everyone: about five Subscribes a second push other clients'
+p99 to 4.4 s, and fifty subscribers that never read hold 716 MiB. So:
 
 * The feed keeps the model's page set (namespace -> hex page hashes), brought up to
   date from the log, once per loop turn in which the tree changed (``_catch_up``),

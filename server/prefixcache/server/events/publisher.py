@@ -164,7 +164,7 @@ class KvEventPublisher:
         pub = self._ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.LINGER, 0)
         # Per subscriber: past hwm ZMQ drops that subscriber's copy only. XPUB_NODROP
-        # would instead fail the send for everyone once one peer is full (issue 21 #4).
+        # would instead fail the send for everyone once one peer is full.
         pub.setsockopt(zmq.SNDHWM, self._cfg.hwm)
         self.endpoint = _open(pub, self.endpoint, "endpoint")
         self._pub = pub

@@ -13,7 +13,7 @@ Wire (vLLM's replay protocol, plus a refusal; every seq 8 bytes big-endian):
   requester already has ``max_replays_per_peer`` answers in flight or the server has
   ``max_replays``. Nothing was sent; ask again later.
 
-What one unauthenticated peer can cost (issue 21 #1, #13):
+What one unauthenticated peer can cost:
 
 * Snapshots are shared. Requesters behind the buffer all get the same one, reused until
   more than ``buffer_steps`` batches followed it; requesters that come while one is

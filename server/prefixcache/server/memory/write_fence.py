@@ -50,7 +50,7 @@ and ``waiting`` counts them with the ended sessions' slots.
 
 A Reset keeps the slots that wait for a worker (``waiting``) out of the allocator:
 they are taken again after the clear, still owned by their ended session or holder,
-and freed by ``settle`` as before (a frozen writer that resumes after a Reset copies
+and freed by ``settle`` as any others (a frozen writer that resumes after a Reset copies
 into slots nobody else has; its save is lost anyway, as the session's tree is gone).
 
 What it does not cover: a worker that starts its copy after the

@@ -2,8 +2,8 @@
 
 gRPC refuses to send a message over ``server.max_message_bytes`` (RESOURCE_EXHAUSTED),
 but only once the handler has returned it: a Match that allocated, an Alloc, a Step or
-a GetPages over the limit had already taken slots and locks, which the session kept
-without ever learning their ids (9000 locks in one case, issue 21). Slot indices are
+a GetPages over the limit would already have taken slots and locks, which the session
+keeps without ever learning their ids (9000 locks from one such call). Slot indices are
 what makes a reply large (8 bytes each, where a request's token ids are 4), so the
 calls whose reply can outgrow their request are checked here, from the size the
 request implies, before they change anything:

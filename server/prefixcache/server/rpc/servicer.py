@@ -6,7 +6,7 @@ Errors become status codes through ``status.status_for`` only.
 
 Concurrency: this servicer runs on a ``grpc.aio`` server, so every handler runs on the
 one event loop thread and no handler awaits in the middle of a cache operation. That
-makes each model single-writer without locks (DESIGN §3).
+makes each model single-writer without locks.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ service, encode the reply.
 
 Each is ``(request, session) -> response``, shared by the unary RPC and the Session
 stream (servicer.py), so the two cannot drift apart. They never await: each runs whole
-on the event loop, so a model stays single-writer without locks (DESIGN §3).
+on the event loop, so a model stays single-writer without locks.
 """
 
 from __future__ import annotations

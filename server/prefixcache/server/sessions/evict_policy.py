@@ -6,9 +6,9 @@ empties the cache for every worker. Two things keep that in check:
 - **A budget.** With ``server.max_evict_tokens`` set, each client may evict that much
   (tokens, SWA tokens or Mamba state slots, each) per ``server.evict_interval``
   seconds without the admin token that Reset takes: a token bucket that holds
-  ``max_evict_tokens`` and refills at that rate. A cap per call did not bound a
-  flush: 203 calls of ``Evict(64)`` emptied another tenant's 12,928 tokens in 0.29 s
-  (issue 21 item 10). One call asking for more than the whole budget is
+  ``max_evict_tokens`` and refills at that rate. A cap per call would not bound a
+  flush: 203 calls of ``Evict(64)`` empty another tenant's 12,928 tokens in 0.29 s.
+  One call asking for more than the whole budget is
   PERMISSION_DENIED (it never fits); a call the bucket cannot cover yet is
   RESOURCE_EXHAUSTED, saying when it will; both change nothing and count in
   ``prefixcache_refusals_total{limit="max_evict_tokens"}``. The bucket is charged what

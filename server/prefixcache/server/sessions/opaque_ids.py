@@ -1,9 +1,9 @@
 """Opaque ids: node handles and lock ids that name one thing and reveal nothing.
 
-Handles and lock ids used to be a per-start base plus a counter, so a tenant that held
-one could guess its neighbours: 47 Lock probes found 20 of 20 of another tenant's live
-nodes (issue 21 item 10). Each id is now a keyed pseudo-random permutation of its counter
-(the process-wide node id, or the registry's lock counter):
+Ids that were a per-start base plus a counter would let a tenant that holds one guess
+its neighbours (47 Lock probes find 20 of 20 of another tenant's live nodes). So each id
+is a keyed pseudo-random permutation of its counter (the process-wide node id, or the
+registry's lock counter):
 
 * **unique**: a permutation maps distinct counters to distinct ids, with no table to
   keep and nothing to collide;

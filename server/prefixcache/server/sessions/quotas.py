@@ -8,10 +8,9 @@ it changes anything, that the call keeps the session within its model's caps:
   the session holds in the model's pool, allocated and not yet inserted or freed,
   counted in whole pages: an allocation takes whole pages, and a page comes back only
   when none of its slots is held, so ``Alloc(1)`` with 16-slot pages takes 16 slots
-  of the pool and counts 16 (counting 1 let 256 of them take a 4096-slot pool under a
-  cap of 512; issue 21 item 7). 0,
-  the default, takes the pool size: no cap but the pool's own, since the one worker of
-  a per-pod sidecar legitimately uses all of it.
+  of the pool and counts 16 (counting 1 would let 256 of them take a 4096-slot pool
+  under a cap of 512). 0, the default, takes the pool size: no cap but the pool's own,
+  since the one worker of a per-pod sidecar legitimately uses all of it.
 * **state slots** (``max_session_state_slots``): a ``mamba`` model's state slots the
   session holds (Alloc's ``num_state_slots``, one per Match with ``allocate``), counted
   apart from KV slots since the state pool is small and separate. 0, the default, takes

@@ -5,11 +5,11 @@ GetPages, SetPages) is remembered in its session's replay window (sessions/sessi
 a retry after a lost reply gets the first answer instead of doing the work twice. A
 retry is the same request sent again; a request id reused for a different request is a
 client bug that a plain lookup would answer with the other request's reply (a Step
-retried with other tokens was answered ``replayed``, its new tokens' slots never
+retried with other tokens would be answered ``replayed``, its new tokens' slots never
 allocated and the old lock named). So the window keeps a digest of each request beside
 its reply, and a request whose digest differs is refused FAILED_PRECONDITION (the
-request is well formed; the session's state, the id already taken, does not allow it:
-DESIGN §3's table), changing nothing.
+request is well formed; the session's state, the id already taken, does not allow it),
+changing nothing.
 
 The digest covers the whole request but ``server_epoch`` and ``session_id``: a retry
 over the Session stream instead of the unary RPC (or back) names its session

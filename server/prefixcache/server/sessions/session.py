@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # Replies kept per session for idempotent retries (request_id); a retry arrives within a
 # few calls of the original. Match replies carry slot vectors (8 bytes a token), so the
 # window is also bounded in bytes: the newest reply is always kept, older ones only while
-# the total stays under REPLAY_BYTES (32 whole replies once held 65 MiB per session).
+# the total stays under REPLAY_BYTES (32 whole replies can hold 65 MiB per session).
 REPLAY_WINDOW = 32
 REPLAY_BYTES = 1 << 20
 
