@@ -285,8 +285,11 @@ def test_sigterm_under_load_drains_cleanly(tmp_path: Path) -> None:
         "stream-end:idle": {CANCELLED, UNAVAILABLE},
     }
     stopping = sigterm_at + DISPATCH_WINDOW - 0.05  # gRPC stops taking calls after this
+    # A call or stream opened once gRPC stops taking calls may be cancelled by gRPC
+    # itself before the server sees it.
     bad = [o for o in outcomes if o.code not in allowed[o.who]
-           and not (o.who == "unary" and o.code is CANCELLED and o.at >= stopping)]
+           and not (o.who in ("unary", "stream-end:polite") and o.code is CANCELLED
+                    and o.at >= stopping)]
     assert not bad, _summary(bad) + "\n" + "\n".join(
         f"{o}: started {o.at - sigterm_at:+.3f} s after SIGTERM" for o in bad[:10])
     seen = {(o.who, o.code) for o in outcomes}
