@@ -28,6 +28,7 @@ from .pools.swa_allocator import SWATokenToKVPoolAllocator
 from .radix.radix_cache import RadixCache
 from .radix.swa_radix_cache import SWARadixCache
 from .slot.slot_cache import SlotInsertResult, SlotMatch, SlotNode, SlotPrefixCache
+from .trie.radix_trie import RadixTrie, TrieNode
 
 __all__ = [
     "EVICTION_POLICIES",
@@ -46,6 +47,7 @@ __all__ = [
     "MatchResult",
     "RadixCache",
     "RadixKey",
+    "RadixTrie",
     "SWARadixCache",
     "SWATokenToKVPoolAllocator",
     "SlotAllocator",
@@ -58,6 +60,7 @@ __all__ = [
     "TokenRangeError",
     "TokenToKVPoolAllocator",
     "TreeNode",
+    "TrieNode",
     "get_eviction_policy",
     "hash_bytes",
     "hash_to_int64",
