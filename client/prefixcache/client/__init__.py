@@ -57,6 +57,7 @@ from .transfer.kv import KVData, WriteKVReply
 
 if TYPE_CHECKING:
     from .worker.remote_cache import RemoteAllocator, RemoteNode, RemoteRadixCache
+    from .worker.remote_mamba import RemoteMambaRadixCache
     from .worker.remote_trie import RemoteRadixTrie, RemoteTrieNode
 
 try:
@@ -69,13 +70,17 @@ _LAZY_TRIE = ("RemoteRadixTrie", "RemoteTrieNode")
 
 
 def __getattr__(name: str) -> Any:
-    """RemoteRadixCache and friends, loaded on first use (they need torch), and
-    RemoteRadixTrie (loaded on first use too)."""
+    """RemoteRadixCache, RemoteMambaRadixCache and friends, loaded on first use (they
+    need torch), and RemoteRadixTrie (loaded on first use too)."""
     if name in _LAZY:
         from .worker import remote_cache
 
         remote_cache.register_base()
         return getattr(remote_cache, name)
+    if name == "RemoteMambaRadixCache":
+        from .worker import remote_mamba
+
+        return remote_mamba.RemoteMambaRadixCache
     if name in _LAZY_TRIE:
         from .worker import remote_trie
 
@@ -119,6 +124,7 @@ __all__ = [
     "PrefixCacheClient",
     "PrefixCacheError",
     "RemoteAllocator",
+    "RemoteMambaRadixCache",
     "RemoteNode",
     "RemoteRadixCache",
     "RemoteRadixTrie",
