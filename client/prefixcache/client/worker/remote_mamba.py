@@ -46,7 +46,7 @@ Where it differs from the in-process cache (besides what ``RemoteRadixCache`` li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .._wire import as_tensor, pack_slots, pack_tokens
@@ -90,7 +90,13 @@ class RemoteMambaPool:
         cache = self._cache
         cache._close_window()
         reply = cache.session.alloc(cache.model, 0, num_state_slots=1)
-        cache._buffer.changed()
+        buffer = cache._buffer
+        counters = buffer.counters
+        if buffer.fresh and counters is not None:  # a free slot was there: nothing evicted
+            buffer.counters = replace(counters, free_state_slots=counters.free_state_slots - 1,
+                                      session_state_slots=counters.session_state_slots + 1)
+        else:
+            buffer.changed()
         (slot,) = reply.state_slots
         self._server_freed.discard(slot)
         return int(slot)

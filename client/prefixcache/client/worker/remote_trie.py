@@ -317,6 +317,7 @@ class RemoteRadixTrie:
         known = self._recent.get(full)
         if known is not None and known.state == "ok":
             return known, known.blocks[base:]
+        hashes = None
         if self._shadow is not None:
             hashes = self._hashes(start).extended(aligned)
             if self._shadow.match_pages(hashes) <= base:
@@ -324,6 +325,8 @@ class RemoteRadixTrie:
         answer = self._lookup(full, len(start.prefix))
         if answer is None:
             return start, []
+        if hashes is not None and answer._hashes is None:
+            answer._hashes = hashes.prefix(len(answer.prefix) // 4)
         self._recent[full] = answer
         return answer, answer.blocks[base:]
 
@@ -813,6 +816,10 @@ def _slots_of(pages: list[int], page_size: int) -> bytes:
     """Every slot of ``pages``, packed."""
     if page_size == 1:
         return pack_slots(pages)
+    np = _numpy()
+    if np is not None:
+        first = np.asarray(pages, dtype=np.int64) * page_size
+        return (first[:, None] + np.arange(page_size)).astype("<i8").tobytes()
     return pack_slots([p * page_size + i for p in pages for i in range(page_size)])
 
 
