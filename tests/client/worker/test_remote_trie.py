@@ -228,6 +228,23 @@ def test_marks_are_locks_of_the_session(server: ServerThread) -> None:
     server.check_integrity()
 
 
+def test_marks_released_before_their_call_is_answered_hold_nothing(
+        server: ServerThread) -> None:
+    with RemoteRadixTrie(server.address, "t", shadow=False) as trie:
+        trie.client.reset("t")
+        node = trie.insert([1, 2, 3, 4], trie.evict_blocks(2))
+        trie.mark_in_use_by(node, "a")  # the insert's lock
+        trie.mark_in_use_by(node, "b")  # a queued lock, protected by "a"'s
+        trie.mark_not_in_use_by(node, "b")  # released before either call went out
+        trie.mark_not_in_use_by(node, "a")
+        trie.flush()
+        assert trie.stats().locks == 0 and not trie.errors
+        again = trie.match_prefix([1, 2, 3, 4])[0]
+        assert again is node  # one handle a prefix
+        trie.release_unused()
+        assert trie.stats().locks == 0
+
+
 def test_an_insert_the_service_refuses_leaves_the_blocks_the_caller_s(
         server: ServerThread) -> None:
     with RemoteRadixTrie(server.address, "t", shadow=False) as trie:

@@ -315,8 +315,8 @@ class RemoteRadixTrie:
         full = start.prefix + aligned
         base = len(start.prefix) // self._page_bytes
         known = self._recent.get(full)
-        if known is not None and known.state == "ok":
-            return known, known.blocks[base:]
+        if known is not None and known.state == "ok" and self._protected(known.prefix):
+            return known, known.blocks[base:]  # answered in this window, still locked
         hashes = None
         if self._shadow is not None:
             hashes = self._hashes(start).extended(aligned)
@@ -579,6 +579,10 @@ class RemoteRadixTrie:
 
     def _locked(self, lock: _Lock, reply: Any) -> None:
         """The answer to a mark's lock: it holds only if the whole prefix matched."""
+        if lock.lost:  # released before the answer came
+            if isinstance(reply, MatchReply):
+                self._release_id(reply.lock_id)
+            return
         if isinstance(reply, PrefixCacheError) or reply.skipped:
             lock.lost = True
             if isinstance(reply, PrefixCacheError):
