@@ -375,7 +375,8 @@ class RemoteRadixTrie:
         if self._shadow is not None:
             hashes = self._hashes(start).extended(data)
             handle._hashes = hashes
-            self._shadow.note(hashes)
+            # The start's pages are held or noted already (a mark protects them).
+            self._shadow.note(hashes, first=len(start.prefix) // self._page_bytes)
         self._close_window()
         held = frozenset(self._held.intersection(pages))
         self._held.difference_update(pages)
