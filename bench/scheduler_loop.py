@@ -1,4 +1,4 @@
-"""A scheduler loop modelled on SGLang's, against three cache backends, in one run.
+"""Scheduler loops against in-process and remote cache backends, in one run.
 
 Backends, each on the same request stream (Mooncake conversation prompts; output lengths
 the trace's, scaled by ``--output-scale``), with a fresh cache each:
@@ -7,7 +7,13 @@ the trace's, scaled by ``--output-scale``), with a fresh cache each:
   driven by ``sglang_sched.Scheduler``;
 * ``client``: the raw client, one ``Step`` per step (``raw_sched.RawScheduler``);
 * ``remote_radix_cache``: ``RemoteRadixCache`` driven by the same ``Scheduler`` as the
-  in-process backend.
+  in-process backend;
+* ``max_inprocess`` and ``remote_radix_trie``: Modular MAX's manager loop
+  (``max_sched.MaxScheduler``) over the in-process ``RadixTrie`` and over
+  ``RemoteRadixTrie``;
+* ``mamba_inprocess`` and ``remote_mamba``: the ``MambaRadixCache`` API's loop
+  (``mamba_sched.MambaScheduler``) over the in-process ``MambaRadixCache`` and over
+  ``RemoteMambaRadixCache`` (a mamba model with ``--states`` state slots).
 
 The service backends start ``prefixcache serve`` as a subprocess on a unix socket, with
 a pool of ``--pool`` tokens and tiny KV rows (so the bytes stay small). Per step it
@@ -42,14 +48,28 @@ if str(_REPO) not in sys.path:
 import torch  # noqa: E402
 
 from bench.grpc_servers import ServerProcess  # noqa: E402
+from bench.mamba_sched import MambaScheduler  # noqa: E402
+from bench.max_sched import MaxScheduler  # noqa: E402
 from bench.raw_sched import RawScheduler  # noqa: E402
 from bench.sglang_sched import Req, Scheduler, StepResult  # noqa: E402
 from bench.trace import DEFAULT_TRACE, expand, load_trace  # noqa: E402
-from prefixcache.client import PrefixCacheClient, RemoteRadixCache  # noqa: E402
-from prefixcache.client.worker.sglang_local import LocalSGLangCache  # noqa: E402  # noqa: E402
+from prefixcache.cache import (  # noqa: E402
+    MambaPool,
+    MambaRadixCache,
+    RadixTrie,
+    TokenToKVPoolAllocator,
+)
+from prefixcache.client import (  # noqa: E402
+    PrefixCacheClient,
+    RemoteMambaRadixCache,
+    RemoteRadixCache,
+    RemoteRadixTrie,
+)
+from prefixcache.client.worker.sglang_local import LocalSGLangCache  # noqa: E402
 
 MODEL = "bench"
-BACKENDS = ("inprocess", "client", "remote_radix_cache")
+BACKENDS = ("inprocess", "client", "remote_radix_cache", "max_inprocess", "remote_radix_trie",
+            "mamba_inprocess", "remote_mamba")
 _SERVE = "import sys; from prefixcache.server.cli import main; sys.exit(main())"
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -171,11 +191,15 @@ def _lags(run: Run, follower: Any) -> None:
 
 def start_server(tmp: Path, args: argparse.Namespace, tag: str) -> ServerProcess:
     config = tmp / f"{tag}.yaml"
+    mamba = tag.endswith("mamba")
     config.write_text(
         "server:\n  change_log_capacity: 65536\n"  # Subscribe, for the shadow index
-        f"models:\n  - name: {MODEL}\n    kind: radix\n    page_size: {args.page_size}\n"
+        f"models:\n  - name: {MODEL}\n    kind: {'mamba' if mamba else 'radix'}\n"
+        f"    page_size: {args.page_size}\n"
         f"    pool: {{size: {args.pool}, layers: 1, k_heads: 1, k_head_dim: 4, "
-        "dtype: float16}\n")
+        "dtype: float16}\n"
+        + (f"    mamba: {{state_slots: {args.states}, layers: 1, conv_state_shape: [4, 3], "
+           "temporal_state_shape: [1, 4, 4]}\n" if mamba else ""))
     sock = tmp / f"{tag}.sock"
     argv = [sys.executable, "-c", _SERVE, "serve", "--config", str(config),
             "--listen", f"unix:{sock}", "--metrics-port", "0", "--grace-period", "1",
@@ -184,13 +208,36 @@ def start_server(tmp: Path, args: argparse.Namespace, tag: str) -> ServerProcess
 
 
 def run_backend(name: str, reqs: Requests, args: argparse.Namespace, tmp: Path) -> Run:
+    pages = args.pool // args.page_size
     if name == "inprocess":
         cache = LocalSGLangCache(args.pool, args.page_size)
         return drive(name, Scheduler(cache, batch=args.batch, chunk=args.chunk), reqs, args)
+    if name == "max_inprocess":
+        sched = MaxScheduler(RadixTrie(args.page_size), args.page_size, pages, args.batch)
+        return drive(name, sched, reqs, args)
+    if name == "mamba_inprocess":
+        allocator = TokenToKVPoolAllocator(args.pool, "cpu", args.page_size)
+        states = MambaPool(max_reqs=1, max_track_slots=args.states, num_layers=1,
+                           conv_state_shape=(4, 3), temporal_state_shape=(1, 4, 4))
+        return drive(name, MambaScheduler(MambaRadixCache(args.page_size, allocator, states),
+                                          args.page_size, args.batch), reqs, args)
     server = start_server(tmp, args, name)
     try:
         client = CountingClient(server.target, timeout=60.0)
-        if name == "client":
+        if name == "remote_radix_trie":
+            trie = RemoteRadixTrie(client, MODEL, ttl=60.0, shadow_wait=10.0)
+            sched = MaxScheduler(trie, args.page_size, pages, args.batch, own_pool=False)
+            run = drive(name, sched, reqs, args, lambda: client.rpcs, server)
+            _lags(run, trie._shadow)
+            run.extra = {"queued_errors": len(trie.errors)}
+            trie.close()
+        elif name == "remote_mamba":
+            mcache = RemoteMambaRadixCache(client, MODEL, ttl=60.0)
+            run = drive(name, MambaScheduler(mcache, args.page_size, args.batch), reqs, args,
+                        lambda: client.rpcs, server)
+            run.extra = {"queued_errors": len(mcache.errors)}
+            mcache.close()
+        elif name == "client":
             sched = RawScheduler(client, MODEL, page_size=args.page_size, batch=args.batch)
             run = drive(name, sched, reqs, args, lambda: client.rpcs, server)
             _lags(run, sched.shadow)
@@ -225,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     add("--chunk", type=int, default=None, help="chunked prefill budget per step (tokens)")
     add("--page-size", type=int, default=16)
     add("--pool", type=int, default=4 * 1024 * 1024, help="KV pool in tokens (default 4M)")
+    add("--states", type=int, default=4096,
+        help="Mamba state slots of the mamba backends (default 4096)")
     add("--output-scale", type=float, default=0.25,
         help="output lengths are the trace's times this (default 0.25: mean ~90 tokens, "
              "so requests finish at every step, not all at once)")

@@ -97,3 +97,19 @@ def test_grow_to_takes_an_extension_only(tokens: list[int], page_size: int, spli
     if not extends:
         assert grown.keys() == before and len(grown) == len(tokens)
     assert not grown.grow_to(RadixKey(tokens).packed()[0] * 2, 2)  # another width
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(0, 9), max_size=30), page_size=st.integers(1, 4),
+       split=st.integers(0, 30), cut=st.integers(0, 30), hashed=st.integers(0, 10))
+def test_extended_and_prefix_share_hashes_and_hash_as_fresh(
+        tokens: list[int], page_size: int, split: int, cut: int, hashed: int) -> None:
+    """A chain grown by ``extended`` or cut by ``prefix`` keys its pages as a fresh
+    request of the same tokens, whatever was hashed before; the original is unchanged."""
+    base = RequestHashes(tokens[:split], page_size=page_size)
+    base.keys(hashed)
+    before = base.keys()[:]
+    grown = base.extended(tokens[split:])
+    assert grown.keys() == RequestHashes(tokens, page_size=page_size).keys()
+    assert base.keys() == before and len(base) == len(tokens[:split])
+    assert grown.prefix(cut).keys() == RequestHashes(tokens[:cut], page_size=page_size).keys()

@@ -59,6 +59,8 @@ from .transfer.kv import KVData, WriteKVReply
 
 if TYPE_CHECKING:
     from .worker.remote_cache import RemoteAllocator, RemoteNode, RemoteRadixCache
+    from .worker.remote_mamba import RemoteMambaRadixCache
+    from .worker.remote_trie import RemoteRadixTrie, RemoteTrieNode
 
 try:
     __version__ = version("prefixcache")
@@ -66,15 +68,25 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 _LAZY = ("RemoteAllocator", "RemoteNode", "RemoteRadixCache")
+_LAZY_TRIE = ("RemoteRadixTrie", "RemoteTrieNode")
 
 
 def __getattr__(name: str) -> Any:
-    """RemoteRadixCache and friends, loaded on first use (they need torch)."""
+    """RemoteRadixCache, RemoteMambaRadixCache and friends, loaded on first use (they
+    need torch), and RemoteRadixTrie (loaded on first use too)."""
     if name in _LAZY:
         from .worker import remote_cache
 
         remote_cache.register_base()
         return getattr(remote_cache, name)
+    if name == "RemoteMambaRadixCache":
+        from .worker import remote_mamba
+
+        return remote_mamba.RemoteMambaRadixCache
+    if name in _LAZY_TRIE:
+        from .worker import remote_trie
+
+        return getattr(remote_trie, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -114,8 +126,11 @@ __all__ = [
     "PrefixCacheClient",
     "PrefixCacheError",
     "RemoteAllocator",
+    "RemoteMambaRadixCache",
     "RemoteNode",
     "RemoteRadixCache",
+    "RemoteRadixTrie",
+    "RemoteTrieNode",
     "RequestHashes",
     "ResetReply",
     "ResourceExhausted",

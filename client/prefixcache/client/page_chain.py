@@ -100,6 +100,26 @@ class RequestHashes:
                                   f"width {self.token_width}")
         self._packed += data
 
+    def extended(self, tokens: Any) -> RequestHashes:
+        """A new request of these tokens followed by ``tokens`` (same width), sharing
+        the hashes computed so far (a prefix handle's chain, grown by a query)."""
+        out = RequestHashes(page_size=self.page_size, extra_key=self.extra_key,
+                            token_width=self.token_width)
+        out._packed = bytearray(self._packed)
+        out.extend(tokens)
+        out._digests, out._keys = list(self._digests), list(self._keys)
+        return out
+
+    def prefix(self, num_tokens: int) -> RequestHashes:
+        """A new request of this one's first ``num_tokens`` tokens, sharing the hashes
+        of its whole pages computed so far."""
+        out = RequestHashes(page_size=self.page_size, extra_key=self.extra_key,
+                            token_width=self.token_width)
+        out._packed = self._packed[: num_tokens * 4 * self.token_width]
+        pages = min(len(self._digests), out.num_pages)
+        out._digests, out._keys = self._digests[:pages], self._keys[:pages]
+        return out
+
     def grow_to(self, packed: bytes, token_width: int) -> bool:
         """Become ``packed`` (tokens of ``token_width``) when it starts with this
         request's tokens: only its new pages will be hashed. False, unchanged, if not."""

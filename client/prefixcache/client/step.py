@@ -48,7 +48,9 @@ class Finish:
     """A request (or prefill chunk) done: ``insert`` of ``tokens`` with ``slots``,
     releasing ``release_lock_id`` (typically the admission's) and, unless ``keep_tail``,
     freeing the slots the insert leaves with the session (the unaligned tail). ``lock``
-    keeps the new node locked, as a chunked prefill that goes on does."""
+    keeps the new node locked, as a chunked prefill that goes on does.
+    ``keep_duplicates``: the session keeps its slots for tokens the tree had already,
+    instead of the service freeing them (radix, mamba and chunk models)."""
 
     tokens: Any
     slots: Any
@@ -59,6 +61,7 @@ class Finish:
     keep_tail: bool = False
     state_slot: int | None = None
     slot_version: int = 0
+    keep_duplicates: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +184,8 @@ def build_request(model: str, items: StepItems, session_id: str, request_id: int
         out = request.finishes.add(token_ids=data, token_width=width,
                                    slot_indices=pack_slots(f.slots),
                                    release_lock_id=int(f.release_lock_id), lock=f.lock,
-                                   keep_tail=f.keep_tail, slot_version=int(f.slot_version))
+                                   keep_tail=f.keep_tail, slot_version=int(f.slot_version),
+                                   keep_duplicates=f.keep_duplicates)
         if (key := extra_key_of(f.tokens, f.extra_key)) is not None:
             out.extra_key = key
         if f.state_slot is not None:

@@ -31,6 +31,7 @@ from .radix.radix_cache import RadixCache
 from .radix.swa_radix_cache import SWARadixCache
 from .slot.slot_cache import SlotInsertResult, SlotMatch, SlotPrefixCache
 from .slot.slot_tree import SlotNode
+from .trie.radix_trie import RadixTrie, TrieNode
 
 __all__ = [
     "EVICTION_POLICIES",
@@ -49,6 +50,7 @@ __all__ = [
     "MatchResult",
     "RadixCache",
     "RadixKey",
+    "RadixTrie",
     "SWARadixCache",
     "SWATokenToKVPoolAllocator",
     "SlotAllocator",
@@ -61,6 +63,7 @@ __all__ = [
     "TokenRangeError",
     "TokenToKVPoolAllocator",
     "TreeNode",
+    "TrieNode",
     "get_eviction_policy",
     "hash_bytes",
     "hash_to_int64",

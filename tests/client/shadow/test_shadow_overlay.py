@@ -209,3 +209,17 @@ def test_an_eviction_the_stream_reports_ends_the_entry() -> None:
     feed.changes([run(pb.PAGE_OP_REMOVED, req, req.keys()[4:])])  # an eviction after it
     assert index.match_pages(req) == 4
     assert index.local_pages() == {req.namespace: frozenset(req.keys()[3:4])}
+
+
+def test_a_note_from_a_later_page_notes_only_the_pages_from_there() -> None:
+    """``note(req, first=k)`` leaves pages before ``k`` to what the index knows: a match
+    counts the noted pages only once the earlier ones are held."""
+    index = ShadowIndex("m")
+    feed = Feed(index)
+    feed.snapshot_begin()
+    feed.snapshot_end([])
+    req = REQUESTS[0]
+    index.note(req, first=2)
+    assert index.match(req) == 0 and len(index.local_pages()[req.namespace]) == 4
+    index.note(req, 2)
+    assert index.match(req) == 6

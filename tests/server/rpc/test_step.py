@@ -134,6 +134,19 @@ def duplicate_in_prefix(kind: str):
                      "slot_indices": pack_slots([*tree[:2], *mine])}
 
 
+def kept_duplicates(kind: str):
+    """With keep_duplicates a session slot for a token the tree has stays the session's
+    (not in freed_slots: its free succeeds once); swa and slot models refuse it."""
+    yield from _prefill([60, 61, 62, 63])
+    tree = slots((yield "match", {"token_ids": toks([60, 61, 62, 63])}).slot_indices)
+    mine = slots((yield "alloc", {"num_slots": 3}).slot_indices)
+    yield "insert", {"token_ids": toks([60, 61, 62, 63, 64, 65]), "keep_duplicates": True,
+                     "slot_indices": pack_slots([*tree[:2], *mine, 0][:6])}
+    yield "free", {"slot_indices": pack_slots(mine[:2])}
+    yield "free", {"slot_indices": pack_slots(mine[:2])}
+    yield "free", {"slot_indices": pack_slots(mine[2:])}
+
+
 def pressure(kind: str):
     """Allocations evict unlocked entries, oldest first."""
     for base in (300, 310, 320):
@@ -174,8 +187,9 @@ def slot_model(kind: str):
 
 CASES = [(prefill, kind) for kind in "mpwch"] + [(finish, kind) for kind in "mpwch"] + [
     (bad_inserts, "m"), (bad_matches, "m"), (pool_errors, "m"), (pool_errors, "s"),
-    (duplicate_in_prefix, "m"), (pressure, "p"), (mamba_states, "h"), (slot_model, "s"),
-    (finish, "s")]
+    (duplicate_in_prefix, "m"), (kept_duplicates, "m"), (kept_duplicates, "h"),
+    (kept_duplicates, "w"), (kept_duplicates, "s"), (pressure, "p"), (mamba_states, "h"),
+    (slot_model, "s"), (finish, "s")]
 
 
 @pytest.mark.parametrize(("scenario", "model"), CASES,
@@ -224,4 +238,26 @@ def test_a_step_s_decodes_are_its_allocs_one_by_one(server, stub, model: str,
                        {op: after[op] - ops[op] for op in ops}))
         runner.close()
     assert traces[1] == traces[0]
+    server.check_integrity()
+
+
+def test_kept_duplicates_stay_the_session_s(server, stub) -> None:
+    """The insert reports no freed slot and the session still holds its duplicates;
+    without keep_duplicates the service frees them (the contrast)."""
+    for keep in (True, False):
+        sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60)).session_id
+        tokens = toks([70 + keep, 71, 72, 73])
+        m = stub.Match(pb.MatchRequest(model="m", token_ids=tokens, session_id=sid,
+                                       allocate=True))
+        stub.Insert(pb.InsertRequest(model="m", token_ids=tokens, session_id=sid,
+                                     slot_indices=m.allocated_slots))
+        again = stub.Alloc(pb.AllocRequest(model="m", num_slots=4, session_id=sid))
+        reply = stub.Step(pb.StepRequest(model="m", session_id=sid, finishes=[
+            pb.StepFinish(token_ids=tokens, slot_indices=again.slot_indices, keep_tail=True,
+                          keep_duplicates=keep)]))
+        freed = slots(reply.finishes[0].finish.freed_slots)
+        held = stub.Stats(pb.StatsRequest(model="m")).models[0]
+        assert (freed, held.session_slots) == (([], 4) if keep else (slots(
+            again.slot_indices), 0))
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
     server.check_integrity()

@@ -205,12 +205,13 @@ class ShadowIndex:
 
     # ----------------------------------------------------------------- writes
 
-    def note(self, request: RequestHashes, pages: int | None = None) -> None:
+    def note(self, request: RequestHashes, pages: int | None = None, first: int = 0) -> None:
         """This worker cached (or is about to: its insert is queued) the first ``pages``
         whole pages of ``request`` (all when None): ``match`` counts them from now on,
-        until the stream tells of them. Pages the replica holds are left out."""
+        until the stream tells of them. Pages the replica holds are left out; so are
+        those before page ``first`` (the caller knows them noted or held already)."""
         self._check_page_size(request)
-        keys = request.keys(pages)
+        keys = request.keys(pages)[first:] if first else request.keys(pages)
         if not keys:
             return
         ns = request.namespace

@@ -107,9 +107,9 @@ class _FollowerBase:
     def match_pages(self, request: RequestHashes) -> int:
         return self.index.match_pages(request)
 
-    def note(self, request: RequestHashes, pages: int | None = None) -> None:
+    def note(self, request: RequestHashes, pages: int | None = None, first: int = 0) -> None:
         """This worker cached ``request``'s first ``pages`` (``ShadowIndex.note``)."""
-        self.index.note(request, pages)
+        self.index.note(request, pages, first)
 
     def unnote(self, request: RequestHashes, first: int = 0, end: int | None = None) -> None:
         """They were not cached from page ``first`` on (``ShadowIndex.unnote``)."""

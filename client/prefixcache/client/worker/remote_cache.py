@@ -114,6 +114,8 @@ class RemoteRadixCache(SGLangCalls):
             rarely cost a call of their own (remote_alloc.SlotReserve).
     """
 
+    _kinds: tuple[str, ...] = ("radix",)  # the cache kinds this class serves
+
     def __init__(self, client: PrefixCacheClient | str | Path, model: str, *,
                  session: ClientSession | None = None, ttl: float | None = None,
                  device: Any = "cpu", req_to_token_pool: Any = None,
@@ -128,9 +130,9 @@ class RemoteRadixCache(SGLangCalls):
             info = self.client.list_models()[model]
         except KeyError:
             raise NotFound(f"model {model!r} is not hosted by {self.client.target}") from None
-        if info.cache_kind != "radix":
-            raise InvalidArgument(f"RemoteRadixCache needs a radix model; {model!r} is "
-                                  f"{info.cache_kind} (use PrefixCacheClient directly)")
+        if info.cache_kind not in self._kinds:
+            raise InvalidArgument(f"{type(self).__name__} needs a {' or '.join(self._kinds)} "
+                                  f"model; {model!r} is {info.cache_kind}")
         self.page_size = info.page_size
         self.sliding_window_size = None
         self.on_node_evict = None

@@ -80,9 +80,9 @@ class StepBuffer:
         if lock_id:
             self._unlocks.append(int(lock_id))
 
-    def free(self, slots: Any) -> None:
-        if len(slots):
-            self._frees.append(Free(slots))
+    def free(self, slots: Any, state_slots: Any = ()) -> None:
+        if len(slots) or len(state_slots):
+            self._frees.append(Free(slots, state_slots))
 
     def admit(self, item: Admit, on_result: Callback) -> None:
         """Queue an admission whose answer a callback takes (it runs after every
@@ -122,7 +122,7 @@ class StepBuffer:
         try:
             reply = self.session.step(
                 self.model, finishes=[f for f, _ in finishes], unlocks=unlocks,
-                frees=queued_frees + [Free(f) for f in frees],
+                frees=queued_frees + [f if isinstance(f, Free) else Free(f) for f in frees],
                 decodes=[*decodes, extra] if extra else list(decodes),
                 admits=[a for a, _ in queued] + list(admits))
         except PrefixCacheError as err:

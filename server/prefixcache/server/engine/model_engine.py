@@ -221,16 +221,21 @@ class ModelEngine(SlotOwnership, EngineBase):
 
     def insert(self, key: RadixKey, slots: np.ndarray, session: Session | None,
                lock: bool = False, release_lock_id: int = 0,
-               state_slot: int | None = None) -> InsertOutcome:
+               state_slot: int | None = None, *,
+               keep_duplicates: bool = False) -> InsertOutcome:
         """Cache ``key`` with ``slots``; the tree takes the session's new slots.
 
         Each of the first ``aligned`` slots must be the tree's own slot for its token
         (a prefix from an earlier match) or a slot the session holds; the session's
-        slots for tokens the tree already has are freed. All checks run first.
+        slots for tokens the tree already has are freed, or with ``keep_duplicates``
+        stay the session's. All checks run first.
         """
         n = len(key)
         if len(slots) != n:
             raise InvalidInputError(f"slot_indices has {len(slots)} slots for {n} tokens")
+        if keep_duplicates and self.kind == "swa":  # its insert frees what it does not keep
+            raise PreconditionError(f"keep_duplicates is for radix, mamba and chunk models; "
+                                    f"{self.name!r} is swa")
         if lock and session is None:
             raise PreconditionError("lock needs a session_id")
         # Checked before anything changes: a lock of another model (or none) is refused.
@@ -269,7 +274,9 @@ class ModelEngine(SlotOwnership, EngineBase):
             else:
                 result = self.cache.insert(key, value)
             freed = new[: max(0, result.prefix_len - first_held)]
-            if len(freed):
+            if keep_duplicates and len(freed):  # they stay the session's
+                new, runs, freed = new[len(freed):], None, _EMPTY
+            elif len(freed):
                 self.allocator.free(freed)
         self._set_owner(new, runs, 0)
         self._count_pages(session, new, -1, runs)

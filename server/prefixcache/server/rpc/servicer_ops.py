@@ -27,7 +27,7 @@ from ..sessions import holdings, replays
 from ..sessions.evict_policy import EvictPolicy
 from ..sessions.session import Session
 from . import reply_caps
-from .step import StepExecutor, model_stats
+from .step import StepExecutor, model_stats, refuse_keep_duplicates
 
 _KINDS = {
     "radix": pb.CACHE_KIND_RADIX,
@@ -122,10 +122,12 @@ class CacheOps:
                              max_count=request_tokens(self.limits, engine.config))
         state = req.state_slot if req.HasField("state_slot") else None
         if engine.kind == "slot":
+            refuse_keep_duplicates(req, engine)
             out = engine.insert(key, slots, session, req.lock, req.release_lock_id, state,
                                 slot_version=req.slot_version)
         else:
-            out = engine.insert(key, slots, session, req.lock, req.release_lock_id, state)
+            out = engine.insert(key, slots, session, req.lock, req.release_lock_id, state,
+                                keep_duplicates=req.keep_duplicates)
         reply = pb.InsertResponse(
             prefix_len=out.prefix_len, cached_len=out.cached_len, node_id=out.node_id,
             lock_id=out.lock_id, freed_slots=encode_slots(out.freed),

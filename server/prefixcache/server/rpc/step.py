@@ -180,10 +180,12 @@ class StepExecutor:
         # refused is refused whole, instead of inserting and then failing.
         tail = None if item.keep_tail else _tail(engine, session, len(key), slots)
         if engine.kind == "slot":
+            refuse_keep_duplicates(item, engine)
             out = engine.insert(key, slots, session, item.lock, item.release_lock_id, state,
                                 slot_version=item.slot_version)
         else:
-            out = engine.insert(key, slots, session, item.lock, item.release_lock_id, state)
+            out = engine.insert(key, slots, session, item.lock, item.release_lock_id, state,
+                                keep_duplicates=item.keep_duplicates)
         if tail is not None and len(tail):
             engine.free(session, tail)
         fill_insert(result.finish, out)
@@ -347,3 +349,10 @@ def _restore(result: pb.StepResult, engine: Engine, session: Session, item: pb.S
         raise PreconditionError(f"the retried admission's tokens are not the ones that took "
                                 f"lock {match.lock_id}: request_id reused for another step?")
     match.slot_indices = encode_slots(indices)
+
+
+def refuse_keep_duplicates(item: pb.InsertRequest | pb.StepFinish, engine: Engine) -> None:
+    """A slot model keeps no duplicates to give back: ``keep_duplicates`` is refused."""
+    if item.keep_duplicates:
+        raise PreconditionError(f"keep_duplicates is for radix, mamba and chunk models; "
+                                f"{engine.name!r} is {engine.kind}")
