@@ -381,7 +381,7 @@ CACHE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("eviction", "index", "chunk_cache"),
     ("inspection",),
     ("radix",),
-    ("mamba", "slot"),
+    ("mamba", "slot", "trie"),
 )
 LAYERED = {"prefixcache.server": SERVER_LAYERS, "prefixcache.cache": CACHE_LAYERS}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from itertools import count
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from .errors import InvalidInputError
 from .node import TreeNode
@@ -13,7 +13,16 @@ from .node import TreeNode
 # What a policy ranks a node by: lower evicts first.
 Rank = int | tuple[int, int]
 Priority = Callable[[TreeNode], Rank]
-N = TypeVar("N", bound=TreeNode)
+
+
+class Candidate(Protocol):
+    """What the queue needs of a node: an id unique among live candidates."""
+
+    @property
+    def id(self) -> int: ...
+
+
+N = TypeVar("N", bound=Candidate)
 
 
 def lru(node: TreeNode) -> Rank:
@@ -70,7 +79,7 @@ class EvictionQueue(Generic[N]):
 
     __slots__ = ("_heap", "_live", "_priority", "_seq")
 
-    def __init__(self, priority: Priority) -> None:
+    def __init__(self, priority: Callable[[N], Rank]) -> None:
         self._priority = priority
         # (rank, sequence number, node): the sequence breaks ties, so nodes never compare.
         self._heap: list[tuple[Rank, int, N]] = []

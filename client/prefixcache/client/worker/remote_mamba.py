@@ -80,7 +80,7 @@ class RemoteMambaPool:
         return f"RemoteMambaPool({self._cache.model!r}, {self.max_track_slots} slots)"
 
     def available_track_slots(self) -> int:
-        return self._cache._counters().free_state_slots
+        return int(self._cache._counters().free_state_slots)
 
     def alloc_track_slot(self) -> int | None:
         """A state slot held by the cache's session, or None when none is free (no
@@ -211,7 +211,10 @@ class RemoteMambaRadixCache(RemoteRadixCache):
             node = RemoteMambaNode(reply.node_id, reply.server_epoch, taken)
         return InsertResult(reply.prefix_len, node, reply.state_exist)
 
-    def evict(self, num_tokens: Any, mamba_num: Any = 0, *, swa_num_tokens: int = 0) -> Any:
+    # MambaRadixCache's signature: its second positional argument is mamba_num.
+    def evict(  # type: ignore[override]
+        self, num_tokens: Any, mamba_num: Any = 0, *, swa_num_tokens: int = 0
+    ) -> Any:
         """Free at least ``num_tokens`` KV tokens (unlocked leaves, their states too),
         then state snapshots up to ``mamba_num`` in all, as the in-process cache does."""
         from prefixcache.cache import EvictResult
@@ -269,14 +272,14 @@ class RemoteMambaRadixCache(RemoteRadixCache):
 
     def mamba_evictable_size(self) -> int:
         """State slots held by nodes without a Mamba lock."""
-        return self._counters().mamba_evictable_slots
+        return int(self._counters().mamba_evictable_slots)
 
     def mamba_protected_size(self) -> int:
-        return self._counters().mamba_protected_slots
+        return int(self._counters().mamba_protected_slots)
 
     def mamba_total_size(self) -> int:
         counters = self._counters()
-        return counters.mamba_evictable_slots + counters.mamba_protected_slots
+        return int(counters.mamba_evictable_slots + counters.mamba_protected_slots)
 
     # ------------------------------------------------- SGLang's API: not here
 
@@ -300,13 +303,14 @@ def _slot(value: Any, name: str) -> int:
             raise cache_errors().InvalidInputError(f"{name} must be one state slot")
         value = value.reshape(-1)[0].item()
     try:
-        return value.__index__()
+        return int(value.__index__())
     except (AttributeError, TypeError):
         raise cache_errors().InvalidInputError(f"{name} must be an int, not "
                                                f"{type(value).__name__}") from None
 
 
 def _sglang_refused() -> Exception:
-    return cache_errors().InvalidInputError(
+    refused: Exception = cache_errors().InvalidInputError(
         "RemoteMambaRadixCache serves the in-process MambaRadixCache API; SGLang's "
         "scheduler API is served for radix models only (RemoteRadixCache)")
+    return refused

@@ -635,7 +635,7 @@ class RemoteRadixTrie:
                                               "service: match it again")
         pages = _pages_of(reply.slots, self.page_size)
         start.blocks = pages[: len(start.prefix) // self._page_bytes]
-        return reply.lock_id
+        return int(reply.lock_id)
 
     def _resolve(self, h: RemoteTrieNode) -> None:
         """Learn the tree's own pages of ``h`` (its blocks hold a caller's duplicates)."""
@@ -790,7 +790,7 @@ def _count(value: Any) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise _errors().InvalidInputError(f"desired_num_evicted must be an int, not "
                                           f"{type(value).__name__}")
-    return value.__index__()
+    return int(value.__index__())
 
 
 def _hashable(seq_id: Any) -> Any:
@@ -824,11 +824,12 @@ def _slots_of(pages: list[int], page_size: int) -> bytes:
     np = _numpy()
     if np is not None:
         first = np.asarray(pages, dtype=np.int64) * page_size
-        return (first[:, None] + np.arange(page_size)).astype("<i8").tobytes()
+        packed: bytes = (first[:, None] + np.arange(page_size)).astype("<i8").tobytes()
+        return packed
     return pack_slots([p * page_size + i for p in pages for i in range(page_size)])
 
 
-def _pages_of(slots: array, page_size: int) -> list[int]:
+def _pages_of(slots: array[int], page_size: int) -> list[int]:
     """The leading whole pages of ``slots`` (a page: its ``page_size`` slots in order)."""
     if page_size == 1:
         return list(slots)
@@ -839,7 +840,8 @@ def _pages_of(slots: array, page_size: int) -> list[int]:
         first = rows[:, 0]
         ok = (first % page_size == 0) & (rows == first[:, None] + np.arange(page_size)).all(1)
         good = n if ok.all() else int(np.argmin(ok))
-        return (first[:good] // page_size).tolist()
+        whole: list[int] = (first[:good] // page_size).tolist()
+        return whole
     out = []
     for i in range(n):
         s = slots[i * page_size]

@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidInputError, LockError
+from ..errors import IntegrityError, InvalidInputError, LockError
 from ..eviction import EvictionQueue
 from ..key import TOKEN_BYTES, pack_tokens
 from ..node import _node_ids
@@ -146,7 +146,7 @@ class RadixTrie:
         # read-only keys view); unmarked leaves, least recently used first.
         self._owner: dict[BlockId, TrieNode] = {}
         self._evictable: dict[BlockId, None] = {}
-        self._leaves = EvictionQueue(_by_recency)  # type: ignore[arg-type]
+        self._leaves: EvictionQueue[TrieNode] = EvictionQueue(_by_recency)
 
     # ------------------------------------------------------------------- the API
 
@@ -232,7 +232,7 @@ class RadixTrie:
             if not seqs:
                 for block in cur.blocks:
                     self._evictable.pop(block, None)
-                self._leaves.discard(cur)  # type: ignore[arg-type]
+                self._leaves.discard(cur)
             seqs.add(seq_id)
             cur = cur.parent  # type: ignore[assignment]
 
@@ -274,7 +274,7 @@ class RadixTrie:
                 for block in cur.blocks:
                     self._evictable[block] = None
                 if not cur.children:
-                    self._leaves.push(cur)  # type: ignore[arg-type]
+                    self._leaves.push(cur)
 
     def evict_blocks(self, desired_num_evicted: int) -> list[BlockId]:
         """Evict up to ``desired_num_evicted`` blocks (exactly that many while any are
@@ -297,7 +297,7 @@ class RadixTrie:
         out: list[BlockId] = []
         leaves, pb = self._leaves, self._page_bytes
         while len(out) < want:
-            leaf: TrieNode | None = leaves.pop()  # type: ignore[assignment]
+            leaf = leaves.pop()
             if leaf is None:
                 break
             take = min(want - len(out), len(leaf.blocks))
@@ -309,14 +309,15 @@ class RadixTrie:
             if take < len(leaf.blocks):
                 leaf.blocks = leaf.blocks[: len(leaf.blocks) - take]
                 leaf.key_bytes = leaf.key_bytes[: len(leaf.key_bytes) - take * pb]
-                leaves.push(leaf)  # type: ignore[arg-type]
+                leaves.push(leaf)
                 continue
             parent = leaf.parent
-            del parent.children[leaf.key_bytes[:pb]]  # type: ignore[union-attr]
+            if parent is None:  # only the root has none, and it is never a candidate
+                raise IntegrityError(f"{leaf!r} is an eviction candidate without a parent")
+            del parent.children[leaf.key_bytes[:pb]]
             leaf.blocks, leaf.key_bytes, leaf.evicted = [], b"", True
-            if parent is not self.root and not parent.children \
-                    and not parent.active_seqs:  # type: ignore[union-attr]
-                leaves.push(parent)  # type: ignore[arg-type]
+            if parent is not self.root and not parent.children and not parent.active_seqs:
+                leaves.push(parent)
         return out
 
     def get_all_blocks(self) -> KeysView[BlockId]:
@@ -408,8 +409,8 @@ class RadixTrie:
         for block in blocks:
             self._owner[block] = leaf
             self._evictable[block] = None
-        self._leaves.discard(parent)  # type: ignore[arg-type]
-        self._leaves.push(leaf)  # type: ignore[arg-type]
+        self._leaves.discard(parent)
+        self._leaves.push(leaf)
         return leaf
 
     def _split(self, child: TrieNode, cut: int) -> TrieNode:

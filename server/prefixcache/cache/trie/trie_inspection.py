@@ -36,7 +36,7 @@ class RadixTrie(Protocol):
     _clock: int
     _owner: dict[Any, Any]
     _evictable: dict[Any, None]
-    _leaves: EvictionQueue
+    _leaves: EvictionQueue[Any]
 
 
 def preorder(root: TrieNode) -> Iterator[tuple[TrieNode, int]]:
