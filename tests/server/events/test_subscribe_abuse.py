@@ -11,14 +11,17 @@ read, too many streams. Against a real server:
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import ServerThread, make_config, pb, running, stub_for, toks
+from harness import SOURCE_PATH, ServerThread, make_config, pb, running, stub_for, toks
 from kv_events_harness import Worker
 from stall_harness import HELD, NODES, VICTIM_BOUND, LoopWatch, Victim, grow_tree
 
@@ -338,10 +341,22 @@ def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
         srv.stop()
 
 
+# Another client's Subscribe, in a process of its own: prints "snapshot" once it has read
+# one.
+OTHER_SUBSCRIBER = """
+import sys, grpc
+from prefixcache.v1 import prefix_cache_pb2 as pb, prefix_cache_pb2_grpc as pb_grpc
+stub = pb_grpc.PrefixCacheStub(grpc.insecure_channel(sys.argv[1]))
+for event in stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=30):
+    if event.HasField("snapshot_end"):
+        print("snapshot")
+        break
+"""
+
+
 def test_one_client_cannot_take_every_stream(tmp_path) -> None:
-    # Defaults: 64 streams in all, 32 per client. A client without a session (all
-    # local peers without one count as one client) used to take all 64, and every
-    # other subscriber was refused.
+    # Defaults: 64 streams in all, 32 per client. One client without a session used to
+    # take all 64, and every other subscriber was refused.
     with running(tmp_path, MODELS) as srv:
         channel, stub = stub_for(srv.address)
         with channel:
@@ -356,14 +371,20 @@ def test_one_client_cannot_take_every_stream(tmp_path) -> None:
             assert refusal is not None and refusal.code() == CODE.RESOURCE_EXHAUSTED
             assert "server.max_subscribes_per_client" in refusal.details()
             assert len(taken) == 32
-            # Another client (its session's client_name) still subscribes.
+            # A session of this process is this client too; another process is not.
             session = stub.OpenSession(pb.OpenSessionRequest(client_name="router")).session_id
-            other = stub.Subscribe(pb.SubscribeRequest(model="m", session_id=session),
-                                   timeout=30)
-            read_snapshot(other)
+            with pytest.raises(grpc.RpcError) as err:
+                read_snapshot(stub.Subscribe(pb.SubscribeRequest(model="m", session_id=session),
+                                             timeout=30))
+            assert "server.max_subscribes_per_client" in err.value.details()
+            other = subprocess.run([sys.executable, "-c", OTHER_SUBSCRIBER, srv.address],
+                                   env={**os.environ, "PYTHONPATH": SOURCE_PATH},
+                                   capture_output=True, text=True, timeout=60)
+            assert other.stdout.strip() == "snapshot", other.stderr[-2000:]
             subs = srv.server.servicer.subscriptions
-            assert srv.run(lambda: dict(subs.per_client)) == {"local:": 32, "local:router": 1}
-            for call in [*taken, other]:
+            me = f"unix:uid={os.geteuid()},pid={os.getpid()}"
+            assert srv.run(lambda: dict(subs.per_client)) == {me: 32}
+            for call in taken:
                 call.cancel()
             deadline = time.monotonic() + 10
             while open_streams(srv) and time.monotonic() < deadline:
