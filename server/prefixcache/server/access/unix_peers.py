@@ -32,6 +32,7 @@ import errno
 import fcntl
 import logging
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -56,6 +57,9 @@ _F_SETPIPE_SZ = 1031
 _REST = 0.1
 # A relay that died is started again after this long (logged each time).
 _RESTART_AFTER = 0.5
+# How long a starting relay may take to say it accepts (an interpreter's start, on a
+# loaded machine).
+_READY_WITHIN = 30.0
 _SUN_PATH = 107  # bytes of a unix socket path, less its terminating NUL
 _LONGEST_NAME = "prefixcache-peers-xxxxxxxx/4294967295.4294967295.18446744073709551615"
 # What stops the service does not stop the relay: the service drains through it.
@@ -127,16 +131,31 @@ class UnixPeerRelay:
         self._watcher.start()
 
     def _spawn(self) -> None:
+        """Start the relay process; return once it accepts (so the first call after the
+        service's start is not left waiting for an interpreter to start).
+
+        Raises:
+            OSError: it could not be started, or did not say it was ready in time.
+        """
         read, self._lifeline = os.pipe2(os.O_CLOEXEC)
+        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
         listener = self._listener.fileno()
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__), str(listener),
-                 str(read), self.inner, self.directory],
-                pass_fds=(listener, read), stdin=subprocess.DEVNULL, close_fds=True,
-                start_new_session=True)  # a terminal's ^C goes to the service alone
+                 str(read), str(ready_w), self.inner, self.directory],
+                pass_fds=(listener, read, ready_w), stdin=subprocess.DEVNULL,
+                close_fds=True, start_new_session=True)  # a terminal's ^C: the service's
         finally:
             os.close(read)
+            os.close(ready_w)
+        try:
+            ready, _, _ = select.select([ready_r], [], [], _READY_WITHIN)
+            if not ready or os.read(ready_r, 1) != b"r":
+                raise OSError(f"the unix socket's relay process did not start within "
+                              f"{_READY_WITHIN:.0f} s")
+        finally:
+            os.close(ready_r)
 
     def _watch(self) -> None:
         while True:
@@ -155,7 +174,11 @@ class UnixPeerRelay:
                 if self._closing.is_set():
                     return
                 self.restarts += 1
-                self._spawn()
+                try:
+                    self._spawn()
+                except OSError as exc:  # tried again after the pause
+                    log.error("the unix socket's relay process could not be started",
+                              extra={"error": str(exc), "listen": self.path})
 
     def _cut_lifeline(self) -> None:
         with self._lock:
@@ -383,8 +406,10 @@ class _Relay:
 def _main(argv: list[str]) -> int:
     for signum in _IGNORED:
         signal.signal(signum, signal.SIG_IGN)
-    listener_fd, lifeline, inner, directory = int(argv[0]), int(argv[1]), argv[2], argv[3]
-    relay = _Relay(socket.socket(fileno=listener_fd), lifeline, inner, directory)
+    listener_fd, lifeline, ready = int(argv[0]), int(argv[1]), int(argv[2])
+    relay = _Relay(socket.socket(fileno=listener_fd), lifeline, argv[3], argv[4])
+    os.write(ready, b"r")
+    os.close(ready)
     try:
         relay.run()
     finally:
