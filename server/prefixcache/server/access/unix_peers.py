@@ -213,7 +213,7 @@ class UnixPeerRelay:
 class _Direction:
     """Bytes from one side to the other, through a pipe."""
 
-    __slots__ = ("dst", "eof", "held", "pipe_r", "pipe_w", "src")
+    __slots__ = ("dst", "eof", "held", "pipe_r", "pipe_w", "shut", "src")
 
     def __init__(self, src: socket.socket, dst: socket.socket) -> None:
         self.src, self.dst = src, dst
@@ -222,28 +222,30 @@ class _Direction:
             fcntl.fcntl(self.pipe_w, _F_SETPIPE_SZ, _PIPE_BYTES)
         self.held = 0  # bytes in the pipe, not yet written to dst
         self.eof = False  # src has ended (dst's write side is shut once the pipe drains)
+        self.shut = False
 
     def pump(self) -> None:
-        """Move what can move now; OSError when a side is gone."""
-        while True:
-            while self.held:
-                try:
-                    self.held -= os.splice(self.pipe_r, self.dst.fileno(), self.held,
-                                           flags=_FLAGS)
-                except BlockingIOError:
-                    return
-            if self.eof:
-                return
+        """Move at most one pipe's worth now (a connection moving megabytes must not
+        keep the others waiting: the selector comes back to it); OSError when a side is
+        gone."""
+        if not self.held and not self.eof:
             try:
                 moved = os.splice(self.src.fileno(), self.pipe_w, _PIPE_BYTES, flags=_FLAGS)
             except BlockingIOError:
-                return
+                moved = -1
             if moved == 0:
                 self.eof = True
-                with contextlib.suppress(OSError):
-                    self.dst.shutdown(socket.SHUT_WR)
+            elif moved > 0:
+                self.held = moved
+        while self.held:
+            try:
+                self.held -= os.splice(self.pipe_r, self.dst.fileno(), self.held, flags=_FLAGS)
+            except BlockingIOError:
                 return
-            self.held += moved
+        if self.eof and not self.shut:
+            self.shut = True
+            with contextlib.suppress(OSError):
+                self.dst.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
         os.close(self.pipe_r)
