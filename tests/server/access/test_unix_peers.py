@@ -138,9 +138,11 @@ def test_the_relay_ends_when_the_service_is_killed(tmp_path) -> None:
     yaml = "models:\n  - name: m\n    pool: {size: 64, layers: 1, k_heads: 1, k_head_dim: 4}\n"
     with serve_process(tmp_path, yaml) as (proc, _):
         relay = _relay_pid(proc.pid)
+        folder = _cmdline(relay).split()[-1]  # its private directory
         proc.kill()
         proc.wait(10)
         assert _gone(relay), "the relay outlived its service"
+        assert not os.path.exists(folder)  # its private directory went with it
         # Its socket stays (a stale one, which the next start removes).
         restart = subprocess.run(
             [sys.executable, "-c", "import socket, sys; s = socket.socket(socket.AF_UNIX);"

@@ -416,6 +416,8 @@ def _main(argv: list[str]) -> int:
         relay.run()
     finally:
         relay.close()
+        # The service closed the lifeline, or died: a killed one leaves the directory.
+        shutil.rmtree(argv[4], ignore_errors=True)
     return 0
 
 
