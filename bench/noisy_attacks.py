@@ -1,5 +1,7 @@
 """The attacks on a shared service, one function each, for the noisy-neighbour bench
-(and, from noisy_surfaces.py, those on the KV-event, Subscribe and page surfaces).
+(and, from noisy_surfaces.py, those on the KV-event, Subscribe and page surfaces; and
+floods of Explain, ExistsPages and Subscribe, the first two against the bench's
+1M-token model ``BIG``).
 
 Each runs in the attacker's own process (so its client-side work does not take the
 victim's GIL) against a real server, until ``stop`` is set, and counts its calls by
@@ -29,6 +31,8 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
 MODEL = "m"
+BIG = "big"  # 1M-token pool of tiny rows: requests as large as a 1M-token prompt
+BIG_TOKENS = 1 << 20
 _BIG = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 Codes = Counter
 
@@ -284,6 +288,38 @@ def keepalive_storm(ctx: Ctx, concurrency: int = 64) -> None:
     asyncio.run(main())
 
 
+def explain_flood(ctx: Ctx, threads: int = 8) -> None:
+    """Explain of a 1M-token prompt, never cached, without a session, on 8 threads."""
+    request = pb.ExplainRequest(model=BIG, token_ids=toks(np.arange(1, BIG_TOKENS + 1)))
+    _threads(ctx, threads, lambda: ctx.call("Explain", request, timeout=120))
+
+
+def exists_pages_flood(ctx: Ctx, threads: int = 8) -> None:
+    """ExistsPages of 1M random page hashes (32 MiB), 8 in parallel, with a session (the
+    bench server wants one)."""
+    sid = ctx.session()
+    request = pb.ExistsPagesRequest(model=BIG, page_hashes=np.random.default_rng(1).bytes(
+        32 * BIG_TOKENS), session_id=sid)
+    _threads(ctx, threads, lambda: ctx.call("ExistsPages", request, timeout=120))
+
+
+def resubscribe_storm(ctx: Ctx, threads: int = 8) -> None:
+    """Subscribe and hang up at once, again and again, on 8 threads (of the model with a
+    cached tree: each Subscribe asks for a snapshot)."""
+    request = pb.SubscribeRequest(model=MODEL)
+
+    def body() -> None:
+        call = ctx.stub.Subscribe(request, timeout=30)
+        try:
+            next(call)
+            ctx.count("OK")
+        except grpc.RpcError as exc:
+            ctx.count(exc.code().name)
+        finally:
+            call.cancel()
+    _threads(ctx, threads, body)
+
+
 def _drain(ctx: Ctx, request: pb.ReadKVRequest) -> None:
     try:
         for _ in ctx.stub.ReadKV(request, timeout=30):
@@ -312,6 +348,9 @@ ATTACKS: dict[str, Callable[[Ctx], None]] = {
     "half-sent WriteKV": half_sent_writekv,
     "session flood": session_flood,
     **SURFACES,  # replay requests, Subscribe churn, page RPCs, tenant probes
+    "Explain flood": explain_flood,
+    "ExistsPages flood": exists_pages_flood,
+    "resubscribe storm": resubscribe_storm,
 }
 
 

@@ -1,6 +1,7 @@
 """Noisy neighbour: does one hostile client hurt another?
 
-A fresh ``prefixcache serve`` (unix socket, one small radix model, 64 MiB of KV, the
+A fresh ``prefixcache serve`` (unix socket, one small radix model, 64 MiB of KV, and a
+1M-token model of tiny rows for requests as large as a 1M-token prompt, the
 limits and per-session quotas of ``SERVER`` below, KV events with a replay socket, one
 tenant) serves a *victim*: a client with a
 1 s lease that it renews every quarter second, running prefills back to back (Match
@@ -11,7 +12,8 @@ in turn: pool grab, lock everything, huge extra_key, huge client names, max-size
 Match, ReadKV amplification, tiny chunks, KeepAlive storm, half-sent WriteKV and
 session flood; then those of noisy_surfaces.py: KV-event replay requests,
 Subscribe churn (and subscribers that never read), the page RPCs, and a tenant's
-token probing for other tenants' nodes. Per row: the victim's prefills, their p50
+token probing for other tenants' nodes; then floods of 1M-token Explains, of 1M-hash
+ExistsPages, and Subscribes hung up at once. Per row: the victim's prefills, their p50
 and p99 latency, its errors, whether its lease held through the attack, the
 attacker's calls by status code, and the server's RSS at the end of the attack.
 
@@ -46,7 +48,15 @@ import grpc  # noqa: E402
 
 from bench import noisy_auth  # noqa: E402
 from bench.grpc_servers import _SERVE, ServerProcess  # noqa: E402
-from bench.noisy_attacks import ATTACKS, MODEL, attacker, toks, victim_prompt  # noqa: E402
+from bench.noisy_attacks import (  # noqa: E402
+    ATTACKS,
+    BIG,
+    BIG_TOKENS,
+    MODEL,
+    attacker,
+    toks,
+    victim_prompt,
+)
 from prefixcache.v1 import prefix_cache_pb2 as pb  # noqa: E402
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -81,6 +91,9 @@ def start_server(tmp: Path) -> ServerProcess:
     (tmp / "noisy.yaml").write_text(
         f"server:\n{server}models:\n  - name: {MODEL}\n    kind: radix\n    page_size: 1\n"
         f"    pool: {{size: {POOL}, layers: 4, k_heads: 2, k_head_dim: 64, "
+        "dtype: float16}\n"
+        f"  - name: {BIG}\n    kind: radix\n    page_size: 1\n"
+        f"    pool: {{size: {BIG_TOKENS}, layers: 1, k_heads: 1, k_head_dim: 1, "
         "dtype: float16}\n")
     argv = [sys.executable, "-c", _SERVE, "serve", "--config", str(tmp / "noisy.yaml"),
             "--listen", f"unix:{tmp / 'pc.sock'}", "--metrics-port", "-1"]

@@ -24,7 +24,9 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from .access.auth import TokenAuthInterceptor
 from .access.limits import limits_of
+from .access.loopback_peers import listening
 from .access.tenants import Callers
+from .access.unix_peers import UnixPeerRelay
 from .config import Config, ConfigError
 from .events.publisher import KvEventPublishers, start_kv_events
 from .listen import clear_stale_socket, keepalive_options, read_pem
@@ -91,6 +93,9 @@ class PrefixCacheServer:
         self._health = health_aio.HealthServicer()
         self._reaper: asyncio.Task[None] | None = None
         self._socket_path: str | None = None
+        self._port = 0
+        # A unix socket's connections, relayed to gRPC with their peers' credentials.
+        self._relay: UnixPeerRelay | None = None
         # A second stop signal: cut the drain short (hurry).
         self._cut = False
         self._hurry: asyncio.Future[None] | None = None
@@ -171,6 +176,8 @@ class PrefixCacheServer:
                 self.metrics.watch_kv_events(self.kv_events.publishers)
             self._start_tier()
             await server.start()
+            if self._relay is not None:
+                self._relay.start()
         except BaseException:
             await self._undo_start(server)  # no socket or shared-memory files left behind
             raise
@@ -222,6 +229,16 @@ class PrefixCacheServer:
         self._close_tier()
         self.metrics.close()
         self.service.close()
+        self._close_socket()
+
+    def _close_socket(self) -> None:
+        """Remove the unix socket (and end its relay), or forget the TCP port."""
+        if self._port:
+            listening(self._port, on=False)
+            self._port = 0
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
         if self._socket_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._socket_path)
@@ -237,6 +254,15 @@ class PrefixCacheServer:
                                   "not exist; create it (a volume shared with the "
                                   "workers) or choose another path")
             clear_stale_socket(path)
+            self.address = f"unix:{path}"
+            if cfg.peer_credentials:
+                try:
+                    self._relay = UnixPeerRelay(path, cfg.socket_mode)
+                except OSError as exc:
+                    raise ConfigError(f"server.listen: cannot listen on {path}: "
+                                      f"{exc.strerror or exc}") from exc
+                server.add_insecure_port(f"unix:{self._relay.inner}")
+                return
             old = os.umask(0o777 & ~cfg.socket_mode)  # no window with a looser mode
             try:
                 server.add_insecure_port(f"unix:{path}")
@@ -244,7 +270,6 @@ class PrefixCacheServer:
                 os.umask(old)
             os.chmod(path, cfg.socket_mode)
             self._socket_path = path
-            self.address = f"unix:{path}"
             return
         if cfg.tls_cert:
             creds = grpc.ssl_server_credentials(
@@ -261,6 +286,8 @@ class PrefixCacheServer:
                               "or insecure: true (--insecure) to accept clear text")
         host = cfg.listen.rpartition(":")[0]
         self.address = f"{host}:{port}"
+        self._port = port
+        listening(port)  # loopback callers are told apart by their sockets' owners
 
     async def _expire_leases(self) -> None:
         # Poll at least every half of the shortest lease, so a session opened while we
@@ -310,9 +337,7 @@ class PrefixCacheServer:
         # files stay for the next start (none when it is not safe; logged).
         keep = self.warm.save(self.service) if self.warm is not None else frozenset()
         self.service.close(keep)
-        if self._socket_path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._socket_path)
+        self._close_socket()
         log.info("stopped")
 
     async def wait(self) -> None:

@@ -11,14 +11,17 @@ read, too many streams. Against a real server:
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import ServerThread, make_config, pb, running, stub_for, toks
+from harness import SOURCE_PATH, ServerThread, make_config, pb, running, stub_for, toks
 from kv_events_harness import Worker
 from stall_harness import HELD, NODES, VICTIM_BOUND, LoopWatch, Victim, grow_tree
 
@@ -338,10 +341,97 @@ def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
         srv.stop()
 
 
+def test_a_resubscribe_storm_while_the_tree_changes_packs_each_snapshot_in_slices(
+        tmp_path) -> None:
+    # Subscribes opened and hung up in a loop while a worker changes the tree: each one
+    # at a new change-log position needs a snapshot of the whole page set. Each is packed
+    # in slices from the page set held still meanwhile (calls are answered while one is
+    # packed), one at a time, and what a subscriber is sent adds up to the tree.
+    nodes = 40_000  # pages enough for several slices (subscriptions' ENCODE_SLICE each)
+    models = (ModelConfig(name="m", page_size=1, vocab_size=1 << 20, pool=PoolConfig(
+        size=2 * nodes + 20_000, layers=1, k_heads=1, k_head_dim=4)),)
+    srv = ServerThread(make_config(tmp_path, models), check_integrity=False)
+    worker = Worker(srv)
+    stop = threading.Event()
+    storms = [0]
+
+    def churn() -> None:
+        rng = random.Random(5)
+        while not stop.is_set():
+            worker.insert("m", [rng.randrange(1, 60)] + [rng.randrange(600, 700)
+                                                         for _ in range(4)])
+            time.sleep(0.002)
+
+    def storm() -> None:
+        channel, stub = stub_for(srv.address)
+        with channel:
+            while not stop.is_set():
+                call = stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=60)
+                try:
+                    next(call)
+                    storms[0] += 1
+                except grpc.RpcError:
+                    pass
+                call.cancel()
+
+    threads = [threading.Thread(target=churn, daemon=True),
+               *(threading.Thread(target=storm, daemon=True) for _ in range(4))]
+    first, late = Follower(srv.address), Follower(srv.address)
+    try:
+        grow_tree(srv, "m", nodes)
+        first.start()
+        assert first.snapshot_done.wait(60)
+        feed = srv.server.servicer.subscriptions.feeds["m"]
+        built = feed.built
+        with LoopWatch(srv) as watch:
+            for thread in threads:
+                thread.start()
+            answered_while_packing, deadline = 0, time.monotonic() + 30
+            while answered_while_packing < 3 and time.monotonic() < deadline:
+                answered_while_packing += srv.run(lambda: feed._frozen > 0)
+            late.start()
+            assert late.snapshot_done.wait(60)
+            time.sleep(0.3)
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+        assert answered_while_packing == 3
+        assert storms[0] > 0 and feed.built > built + 1
+        assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
+        log = srv.service.engine("m").change_log
+        head = srv.run(lambda: log.last_seq)
+        deadline = time.monotonic() + 30
+        while min(first.seq, late.seq) < head and time.monotonic() < deadline:
+            time.sleep(0.05)
+        walked = srv.run(lambda: {bytes.fromhex(h) for r in log.snapshot().pages
+                                  for h in r.page_hashes})
+        assert first.pages() == late.pages() == walked and len(walked) > nodes
+        assert srv.run(lambda: feed._frozen) == 0
+    finally:
+        stop.set()
+        for follower in (first, late):
+            if follower.call is not None:
+                follower.call.cancel()
+        worker.close()
+        srv.stop()
+
+
+# Another client's Subscribe, in a process of its own: prints "snapshot" once it has read
+# one.
+OTHER_SUBSCRIBER = """
+import sys, grpc
+from prefixcache.v1 import prefix_cache_pb2 as pb, prefix_cache_pb2_grpc as pb_grpc
+stub = pb_grpc.PrefixCacheStub(grpc.insecure_channel(sys.argv[1]))
+for event in stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=30):
+    if event.HasField("snapshot_end"):
+        print("snapshot")
+        break
+"""
+
+
 def test_one_client_cannot_take_every_stream(tmp_path) -> None:
-    # Defaults: 64 streams in all, 32 per client. A client without a session (all
-    # local peers without one count as one client) must not take all 64, leaving
-    # every other subscriber refused.
+    # Defaults: 64 streams in all, 32 per client. One client without a session must
+    # not take all 64, leaving every other subscriber refused.
     with running(tmp_path, MODELS) as srv:
         channel, stub = stub_for(srv.address)
         with channel:
@@ -356,14 +446,20 @@ def test_one_client_cannot_take_every_stream(tmp_path) -> None:
             assert refusal is not None and refusal.code() == CODE.RESOURCE_EXHAUSTED
             assert "server.max_subscribes_per_client" in refusal.details()
             assert len(taken) == 32
-            # Another client (its session's client_name) still subscribes.
+            # A session of this process is this client too; another process is not.
             session = stub.OpenSession(pb.OpenSessionRequest(client_name="router")).session_id
-            other = stub.Subscribe(pb.SubscribeRequest(model="m", session_id=session),
-                                   timeout=30)
-            read_snapshot(other)
+            with pytest.raises(grpc.RpcError) as err:
+                read_snapshot(stub.Subscribe(pb.SubscribeRequest(model="m", session_id=session),
+                                             timeout=30))
+            assert "server.max_subscribes_per_client" in err.value.details()
+            other = subprocess.run([sys.executable, "-c", OTHER_SUBSCRIBER, srv.address],
+                                   env={**os.environ, "PYTHONPATH": SOURCE_PATH},
+                                   capture_output=True, text=True, timeout=60)
+            assert other.stdout.strip() == "snapshot", other.stderr[-2000:]
             subs = srv.server.servicer.subscriptions
-            assert srv.run(lambda: dict(subs.per_client)) == {"local:": 32, "local:router": 1}
-            for call in [*taken, other]:
+            me = f"unix:uid={os.geteuid()},pid={os.getpid()}"
+            assert srv.run(lambda: dict(subs.per_client)) == {me: 32}
+            for call in taken:
                 call.cancel()
             deadline = time.monotonic() + 10
             while open_streams(srv) and time.monotonic() < deadline:

@@ -33,7 +33,9 @@ LIMIT_NAMES = ("max_extra_key_bytes", "max_client_name_bytes", "max_session_id_b
                "max_message_bytes",
                # subscriptions.py: Subscribe streams, and how far behind one may fall.
                "max_subscribe_streams", "max_session_subscribes", "max_subscribes_per_client",
-               "max_subscriber_pending_bytes")
+               "max_subscriber_pending_bytes",
+               # turns.py: long calls (Explain, ExistsPages) admitted per client.
+               "long_calls_per_client")
 
 # String fields with a size limit, by field name: the setting that bounds them.
 STRING_LIMITS = {"extra_key": "max_extra_key_bytes", "client_name": "max_client_name_bytes",

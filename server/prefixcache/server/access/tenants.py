@@ -32,6 +32,8 @@ from urllib.parse import unquote
 
 from ..config import TenantConfig
 from ..errors import DeniedError
+from .loopback_peers import loopback_uid
+from .unix_peers import credentials
 
 LIMIT = "tenant_namespaces"
 
@@ -71,45 +73,55 @@ CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("caller", defaul
 PEER: contextvars.ContextVar[str] = contextvars.ContextVar("peer", default="")
 
 
-def peer_host(peer: str) -> str | None:
-    """The address of a gRPC peer (``ipv4:10.0.0.7:51234`` -> ``10.0.0.7``), without
-    its port, which changes with every connection; None for a unix socket or an
-    unknown form."""
+def peer_address(peer: str) -> tuple[str, int] | None:
+    """The address and port of a gRPC TCP peer (``ipv4:10.0.0.7:51234`` -> ``("10.0.0.7",
+    51234)``); None for a unix socket or an unknown form."""
     kind, _, rest = peer.partition(":")
     if kind not in ("ipv4", "ipv6") or not rest:
         return None
-    host = unquote(rest).rpartition(":")[0]
-    return host.strip("[]") or None
+    host, _, port = unquote(rest).rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        return None
+    return host, int(port)
 
 
 def client_identity(caller: Caller, peer: str, name: str) -> str:
-    """Who a session belongs to, for ``max_sessions_per_client`` and the Evict budget.
+    """Who a session belongs to, for ``max_sessions_per_client``, the Subscribe caps and
+    the Evict budget: what the peer cannot choose.
 
-    A client_name is self-asserted, so it tells clients apart only where nothing better
-    can: a tenant is its token (``tenant:acme``, however many peers it calls from), the
-    admin token is ``admin``, and any other caller is its peer's address
-    (``host:10.0.0.7``; the port is left out, since each connection has its own). All
-    unix-socket peers look alike, as do loopback ones, and they are the pod's own
-    workers, inside the trust boundary of the socket's file mode: there a peer is
-    ``local:`` plus its client_name, which sets apart honest workers (and a buggy one
-    that leaks sessions), though not a local client that changes its name each time;
-    ``max_sessions`` still bounds all of them together.
+    A tenant is its token (``tenant:acme``, however many peers it calls from), the admin
+    token is ``admin``. Any other caller on the unix socket is its process as the kernel
+    tells it (``unix:uid=1000,pid=4242``; ``unix:uid=1000`` from another pid namespace,
+    where its pid is 0; unix_peers.py). On TCP it is its peer's address
+    (``host:10.0.0.7``; the port is left out, since each connection has its own), but a
+    loopback peer, which may bind any 127.x address, is the uid owning its socket
+    (``local:uid=1000``, loopback_peers.py). The client_name is self-asserted, so it
+    tells clients apart only where nothing else can (``local:`` plus it): a unix socket
+    served without the relay (``server.peer_credentials: false``).
     """
     if caller.tenant is not None:
         return f"tenant:{caller.tenant}"
     if caller.admin:
         return "admin"
-    host = peer_host(peer)
-    if host is not None:
-        try:
-            address = ipaddress.ip_address(host)
-            mapped = getattr(address, "ipv4_mapped", None)
-            local = (mapped or address).is_loopback
-        except ValueError:
-            local = False
-        if not local:
-            return f"host:{host}"
-    return f"local:{name}"
+    creds = credentials(peer)
+    if creds is not None:
+        uid, pid = creds
+        return f"unix:uid={uid},pid={pid}" if pid else f"unix:uid={uid}"
+    address = peer_address(peer)
+    if address is None:
+        return f"local:{name}"
+    host, port = address
+    try:
+        ip = ipaddress.ip_address(host)
+        local = (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+    except ValueError:
+        local = False
+    if local:
+        uid = loopback_uid(host, port)
+        if uid is not None:
+            return f"local:uid={uid}"
+    return f"host:{host}"
 
 
 def bearer(metadata: Iterable[tuple[str, Any]] | None) -> str:

@@ -24,6 +24,7 @@ KV_EVENTS_ENCODINGS = ("map", "array")
 # names and no token ids; "all" publishes everything, an explicit opt-in.
 KV_EVENTS_TENANT_POLICIES = ("refuse", "hashed", "all")
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+MIN_KEY_BYTES = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,10 @@ class KvEventsConfig:
     # the start; "hashed": token_ids empty and lora_name a hash of the namespace, in
     # every namespace; "all": publish everything (trusted network only).
     tenants: str = "refuse"
+    # With "hashed": a file of at least 32 random bytes, the key of the published block
+    # hashes and namespace names (HMAC-SHA256), the same on every node; routers that
+    # compute hashes from tokens read it too. None: a random key per start.
+    hash_key_file: str | None = None
 
 
 def kv_events_settings(server: Any, env: Mapping[str, str],
@@ -102,7 +107,7 @@ def parse_kv_events(value: Any, default: Any, where: str) -> KvEventsConfig:
     cfg = KvEventsConfig()
     for name, item in data.items():
         base = getattr(cfg, name)
-        if name == "replay_endpoint":
+        if name in ("replay_endpoint", "hash_key_file"):
             if item is None or item == "":
                 continue
             base = ""
@@ -128,7 +133,30 @@ def parse_kv_events(value: Any, default: Any, where: str) -> KvEventsConfig:
                           f"got {cfg.replay_timeout}")
     if cfg.enable_kv_cache_events and cfg.replay_endpoint == cfg.endpoint:
         raise ConfigError(f"{where}.replay_endpoint: must differ from endpoint")
+    if cfg.hash_key_file is not None:
+        if cfg.tenants != "hashed":
+            raise ConfigError(f"{where}.hash_key_file: keys hashed events only (tenants: "
+                              f"hashed); with tenants: {cfg.tenants} the token ids are "
+                              "published, so there is nothing to key")
+        read_key(cfg.hash_key_file, f"{where}.hash_key_file")
     return cfg
+
+
+def read_key(path: str, where: str) -> bytes:
+    """A key file's bytes (all of them, a trailing newline too).
+
+    Raises:
+        ConfigError: unreadable, or shorter than ``MIN_KEY_BYTES``.
+    """
+    try:
+        with open(path, "rb") as fh:
+            key = fh.read(1 << 16)
+    except OSError as exc:
+        raise ConfigError(f"{where}: {path}: {exc.strerror or exc}") from exc
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(f"{where}: {path} holds {len(key)} bytes, a key has at least "
+                          f"{MIN_KEY_BYTES} random ones (`head -c 32 /dev/urandom > {path}`)")
+    return key
 
 
 def check_kv_events_tenants(cfg: KvEventsConfig, tenants: Any, where: str) -> None:

@@ -85,6 +85,10 @@ class ServerConfig:
     listen: str = "unix:/tmp/prefixcache.sock"
     # Octal mode of the unix socket file; 0o600 keeps other users out.
     socket_mode: int = 0o600
+    # Tell unix-socket clients apart by the kernel's word (uid and pid, access/unix_peers.py,
+    # through a relay process); false: gRPC listens on the socket itself, a little less
+    # per call, and such clients are told apart by the client_name they send.
+    peer_credentials: bool = True
     # Loopback by default: /metrics tells the cache's size and traffic to whoever can
     # reach it. A pod sets its own IP (the Helm chart does); "0.0.0.0" is every address.
     metrics_host: str = "127.0.0.1"
@@ -133,9 +137,9 @@ class ServerConfig:
     # Open sessions, leased and streams together (RESOURCE_EXHAUSTED beyond it).
     max_sessions: int = 10000
     # Open sessions of one client, checked before max_sessions, so that one client
-    # cannot lock the others out (RESOURCE_EXHAUSTED beyond it; 0: off). A client is a
-    # tenant's token, else the peer's address, else (unix socket, loopback) the
-    # client_name (tenants.client_identity).
+    # cannot lock the others out (RESOURCE_EXHAUSTED beyond it; 0: off). A client is what
+    # it cannot choose: a tenant's token, a unix peer's uid and pid, a TCP peer's address
+    # (on loopback its socket's uid) (tenants.client_identity).
     max_sessions_per_client: int = 1000
     # Per-session quotas (quotas.py), per model, checked before anything changes
     # (RESOURCE_EXHAUSTED beyond them). Slots one session holds (allocated, not yet
@@ -152,8 +156,8 @@ class ServerConfig:
     max_session_streams: int = 64
     # Subscribe streams (subscriptions.py) open at once, in all, per session (a request
     # names its session_id to count against it) and per client (its session's client,
-    # else the caller as tenants.client_identity tells it: a peer's address, and all
-    # local peers without a session together, such as the workers' shadow indexes;
+    # else the caller as tenants.client_identity tells it, so all of one process's
+    # streams without a session together, such as a worker's shadow index;
     # the default leaves half of max_subscribe_streams to the others; 0: off),
     # RESOURCE_EXHAUSTED beyond any; a subscriber further behind than
     # max_subscriber_pending_bytes (32 bytes per page hash of its snapshot not yet sent

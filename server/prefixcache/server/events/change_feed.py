@@ -14,13 +14,15 @@ p99 to 4.4 s, and fifty subscribers that never read hold 716 MiB. So:
   goes in slices of ``WALK_SECONDS`` with the loop free between them (``SnapshotWalk``:
   exact at the change it finishes at), and the set is filled from it in slices too;
   Subscribes that come meanwhile wait for the same walk.
-* A snapshot copies that set's keys in one loop turn (a C-level copy of the key
-  lists: the page set after one change-log seq exactly), then packs them as 32-byte
-  digests in slices of ``ENCODE_SLICE`` pages, the loop free between them.
-* One snapshot per change-log position: every Subscribe that needs one at the same
-  seq gets the same ``SharedSnapshot`` (the newest is kept for the next), so a storm
-  of Subscribes costs one snapshot, and a subscriber that never reads pins 32 bytes a
-  page, shared with the others.
+* A snapshot packs that set as 32-byte digests in slices of ``ENCODE_SLICE`` pages,
+  the loop free between them, while the set stays as it was (its catch-up waits until
+  the snapshot is packed): exactly the page set after one change-log seq, however
+  large, with no one-turn copy of it.
+* Snapshots are shared: every Subscribe at the same change-log position, or while one
+  is packed, gets that one (``SharedSnapshot``), and the changes after it from the log;
+  so a storm of Subscribes packs one snapshot at a time, however fast the tree
+  changes, and a subscriber that never reads pins 32 bytes a page, shared with the
+  others.
 
 It also stamps each change with the wall clock (events report ``made_unix_ns``) and
 counts the pages after each seq (``pages_after``: how far behind a subscriber is).
@@ -78,6 +80,7 @@ class ChangeFeed:
         self._catch_up_due = False
         self._latest: SharedSnapshot | None = None
         self._building: tuple[int, asyncio.Future[SharedSnapshot]] | None = None
+        self._frozen = 0  # snapshots being packed from the page set: it waits for them
         self._filling: asyncio.Future[None] | None = None  # the walk under way
         self.walks = 0  # tree walks made to fill the page set
         self.built = 0  # snapshots built (shared by the streams at one seq)
@@ -133,34 +136,38 @@ class ChangeFeed:
     # ---------------------------------------------------------------- snapshots
 
     async def snapshot(self) -> SharedSnapshot:
-        """The page set after the newest change, shared with every caller at that seq."""
+        """The page set after the newest change (or after that of the snapshot being
+        packed, if one is), shared with every caller at that seq."""
         self._catch_up()
         while self._set is None:  # the first, or the log no longer reached back
             await self._fill()
             self._catch_up()
-        seq = self._set_seq
+        if self._building is not None:
+            return await asyncio.shield(self._building[1])
         latest = self._latest
-        if latest is not None and latest.seq == seq:
+        if latest is not None and latest.seq == self._set_seq:
             return latest
-        if self._building is None or self._building[0] != seq:
-            page_set = self._set if self._set is not None else {}
-            keys = [(ns, list(hashes)) for ns, hashes in page_set.items()]  # the instant
-            self._building = (seq, asyncio.ensure_future(self._encode(seq, keys)))
+        seq = self._set_seq
+        self._building = (seq, asyncio.ensure_future(self._encode(seq)))
         # Shielded: a subscriber that goes away does not cancel the others' snapshot.
         return await asyncio.shield(self._building[1])
 
-    async def _encode(self, seq: int, keys: list[tuple[Namespace, list[str]]]
-                      ) -> SharedSnapshot:
-        runs, pages, first = [], 0, True
-        for ns, hexes in keys:
-            parts = []
-            for start in range(0, len(hexes), ENCODE_SLICE):
-                if not first:
+    async def _encode(self, seq: int) -> SharedSnapshot:
+        runs, pages = [], 0
+        self._frozen += 1  # the page set stays at seq until it is packed
+        try:
+            page_set = self._set if self._set is not None else {}
+            for ns, hashes in list(page_set.items()):
+                parts, rest = [], iter(hashes)
+                while chunk := list(islice(rest, ENCODE_SLICE)):
+                    parts.append(bytes.fromhex("".join(chunk)))
                     await asyncio.sleep(0)  # the other calls' turn
-                first = False
-                parts.append(bytes.fromhex("".join(hexes[start:start + ENCODE_SLICE])))
-            runs.append((ns, b"".join(parts)))
-            pages += len(hexes)
+                runs.append((ns, b"".join(parts)))
+                pages += len(hashes)
+        finally:
+            self._frozen -= 1
+            if not self._frozen:
+                self._catch_up()
         snapshot = SharedSnapshot(seq, tuple(runs), pages)
         self.built += 1
         if self._latest is None or self._latest.seq <= seq:
@@ -203,7 +210,10 @@ class ChangeFeed:
 
     def _catch_up(self) -> None:
         """Bring the page set up to the log's newest change (or drop it, for a walk to
-        fill again, when the log no longer reaches back to it)."""
+        fill again, when the log no longer reaches back to it); not while a snapshot is
+        packed from it (``_encode`` catches up once done)."""
+        if self._frozen:
+            return
         self._catch_up_due = False
         if self._set is None:
             return

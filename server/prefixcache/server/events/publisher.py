@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import socket
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -52,7 +53,7 @@ import zmq
 from prefixcache.cache.index.change_log import Change, ChangeLog
 
 from ..config import ConfigError, KvEventsConfig
-from ..config.kv_events import check_kv_events_tenants
+from ..config.kv_events import MIN_KEY_BYTES, check_kv_events_tenants, read_key
 from .replay import END_SEQ, ReplayServer
 from .wire import EventEncoder
 
@@ -104,7 +105,8 @@ class KvEventPublisher:
     """
 
     def __init__(self, model: str, change_log: ChangeLog, cfg: KvEventsConfig, *,
-                 index: int, medium: str, context: zmq.Context) -> None:
+                 index: int, medium: str, context: zmq.Context,
+                 hide_key: bytes | None = None) -> None:
         self.model = model
         self.endpoint = endpoint_for(cfg.endpoint, index)
         self.bound = binds(self.endpoint)  # vLLM's rule (see start)
@@ -117,7 +119,7 @@ class KvEventPublisher:
         self._log = change_log
         self._ctx = context
         self._encoder = EventEncoder(cfg.hash_format, cfg.encoding, medium,
-                                     hide_tenants=cfg.tenants == "hashed")
+                                     hide_key=hide_key)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._seq = 0
         self._pending: list[Change] = []
@@ -289,6 +291,7 @@ class KvEventPublishers:
     """The publishers of every model that has a change log (radix, swa and mamba)."""
 
     def __init__(self, cfg: KvEventsConfig, engines: Mapping[str, Any]) -> None:
+        key = hash_key(cfg)  # before the context: a bad key file fails with nothing open
         self.context = zmq.Context()
         self.publishers: dict[str, KvEventPublisher] = {}
         for index, (name, engine) in enumerate(engines.items()):
@@ -297,7 +300,8 @@ class KvEventPublishers:
                 continue
             self.publishers[name] = KvEventPublisher(
                 name, change_log, cfg, index=index,
-                medium=medium_of(engine.config.pool.device), context=self.context)
+                medium=medium_of(engine.config.pool.device), context=self.context,
+                hide_key=key)
         self._check_distinct()
 
     def _check_distinct(self) -> None:
@@ -330,6 +334,25 @@ class KvEventPublishers:
         for publisher in self.publishers.values():
             publisher.close()
         self.context.destroy(linger=0)
+
+
+def hash_key(cfg: KvEventsConfig) -> bytes | None:
+    """The key of hashed events (``kv_events.tenants: hashed``): ``hash_key_file``'s
+    bytes, else a random one for this start (logged: routers cannot compute hashes from
+    tokens then); None for the other policies.
+
+    Raises:
+        ConfigError: the key file is unreadable or shorter than ``MIN_KEY_BYTES``.
+    """
+    if cfg.tenants != "hashed":
+        return None
+    if cfg.hash_key_file is None:
+        log.warning("kv_events: block hashes and namespace names are keyed with a random "
+                    "key of this start (kv_events.hash_key_file is not set): routers "
+                    "cannot compute them from a request's tokens, and they change at "
+                    "every start")
+        return secrets.token_bytes(MIN_KEY_BYTES)
+    return read_key(cfg.hash_key_file, "server.kv_events.hash_key_file")
 
 
 def start_kv_events(cfg: KvEventsConfig, engines: Mapping[str, Any],

@@ -53,7 +53,7 @@ from prefixcache.cache.index.change_log import ChangeLog, PagesStored
 from prefixcache.cache.index.snapshot_walk import SnapshotWalk, Walked
 
 from ..config import KvEventsConfig
-from .wire import EventEncoder, WireChains
+from .wire import EventEncoder
 
 log = logging.getLogger("prefixcache.server")
 
@@ -120,7 +120,7 @@ class _Snapshot:
         self.payload = b""  # set once encoded
         self.tail: list[tuple[int, bytes]] = []
         self._records: Iterator[PagesStored] | None = walked.records()
-        self._chains = WireChains()
+        self._chains = encoder.fresh_chains()
         self._encoder = encoder
         self._packed = [encoder.pack_event(encoder.all_cleared())]
 

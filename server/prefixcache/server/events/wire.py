@@ -25,12 +25,17 @@ from ``token_ids``, so two namespaces never share keys there. The key never goes
 ``extra_keys``, which llm-d reads as multimodal hashes.
 
 Tenants (``kv_events.tenants``, for servers with ``server.tenants``): ``hashed`` publishes
-every ``BlockStored`` with ``token_ids`` empty (``[]``) and ``lora_name`` the namespace's
-hash, ``"h:"`` and the first 32 hex digits of ``SHA256(b"prefixcache-kv-events-ns-v1\0"
-+ K)`` (nil stays nil). Block hashes, parents and block sizes are unchanged, so a router
-that keys by ``block_hashes`` still follows the tree; one that derives keys from
-``token_ids`` (llm-d, Dynamo) learns nothing. The hashes still let whoever guesses a
-prompt and its namespace confirm the guess. ``all`` publishes everything.
+every ``BlockStored`` with ``token_ids`` empty (``[]``) and ``lora_name`` a keyed hash of
+the namespace, ``"h:"`` and the first 32 hex digits of ``HMAC-SHA256(key,
+b"prefixcache-kv-events-ns-v1\0" + K)`` (nil stays nil), and every namespace's chain,
+the default one's too, seeded with ``HMAC-SHA256(key, b"prefixcache-kv-events-seed-v1\0"
++ width as uint32 little-endian + (b"\0" for no extra_key, else b"\1" + K))``. The key is
+``kv_events.hash_key_file``'s bytes, else a random one drawn at start. Without the key a
+subscriber can neither confirm a guessed namespace name nor a guessed prompt; a router
+that computes hashes from a request's tokens is given the file (docs/across-nodes.md).
+Block sizes and the links between parents, children and removals are unchanged, so a
+router that only follows ``block_hashes`` sees the same tree. ``all`` publishes
+everything, unkeyed.
 
 Hashes are 64 bits of a SHA-256 page chain, the same chain in stored, removed and
 parent fields:
@@ -57,6 +62,7 @@ parent fields:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import time
 from typing import Any
 
@@ -74,6 +80,7 @@ from prefixcache.cache.index.change_log import (
 SALT_DOMAIN = b"sglang-cache-salt-v1\0"
 WIDTH_DOMAIN = b"prefixcache-namespace-v1\0"
 HIDDEN_NS_DOMAIN = b"prefixcache-kv-events-ns-v1\0"
+KEYED_SEED_DOMAIN = b"prefixcache-kv-events-seed-v1\0"
 DATA_PARALLEL_RANK = 0
 
 Namespace = tuple[str | None, int]
@@ -89,11 +96,19 @@ def namespace_seed(extra_key: str | None, token_width: int) -> bytes | None:
     return hashlib.sha256(WIDTH_DOMAIN + token_width.to_bytes(4, "little") + key).digest()
 
 
-def hidden_namespace(extra_key: str | None) -> str | None:
+def keyed_seed(key: bytes, extra_key: str | None, token_width: int) -> bytes:
+    """The digest a namespace's chain starts from under a hash key (every namespace)."""
+    name = b"\0" if extra_key is None else b"\1" + extra_key.encode("utf-8")
+    return hmac.digest(key, KEYED_SEED_DOMAIN + token_width.to_bytes(4, "little") + name,
+                       "sha256")
+
+
+def hidden_namespace(extra_key: str | None, key: bytes) -> str | None:
     """The ``lora_name`` published for a namespace under ``kv_events.tenants: hashed``."""
     if extra_key is None:
         return None
-    return "h:" + hashlib.sha256(HIDDEN_NS_DOMAIN + extra_key.encode("utf-8")).hexdigest()[:32]
+    digest = hmac.digest(key, HIDDEN_NS_DOMAIN + extra_key.encode("utf-8"), "sha256")
+    return "h:" + digest.hex()[:32]
 
 
 def wire_hashes(hex_hashes: list[str], hash_format: str) -> list[int]:
@@ -108,13 +123,23 @@ def wire_hashes(hex_hashes: list[str], hash_format: str) -> list[int]:
 class WireChains:
     """The published digest of each page, from our tree's page hashes.
 
-    The default namespace's digests are the tree's own. Seeded namespaces are re-chained
-    page by page from their seed; their digests are kept per page while it is cached, so
-    a child finds its parent's and a removal finds what was published.
+    Without a key the default namespace's digests are the tree's own. Seeded namespaces
+    (with a key: every one) are re-chained page by page from their seed; their digests
+    are kept per page while it is cached, so a child finds its parent's and a removal
+    finds what was published.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes | None = None) -> None:
+        self.key = key
         self._seeded: dict[tuple[Namespace, str], bytes] = {}
+
+    def _unseeded(self, rec: PagesStored | PagesRemoved) -> bool:
+        return self.key is None and rec.extra_key is None and rec.token_width == 1
+
+    def _seed(self, extra_key: str | None, token_width: int) -> bytes | None:
+        if self.key is not None:
+            return keyed_seed(self.key, extra_key, token_width)
+        return namespace_seed(extra_key, token_width)
 
     def clear(self) -> None:
         self._seeded.clear()
@@ -125,11 +150,11 @@ class WireChains:
         Raises:
             KeyError: the parent page was never stored here (a gap in what we were fed).
         """
-        if rec.extra_key is None and rec.token_width == 1:
+        if self._unseeded(rec):
             return list(rec.page_hashes), rec.parent_hash
         ns = rec.namespace
         parent = None if rec.parent_hash is None else self._seeded[(ns, rec.parent_hash)]
-        prior = namespace_seed(rec.extra_key, rec.token_width) if parent is None else parent
+        prior = self._seed(rec.extra_key, rec.token_width) if parent is None else parent
         digests = []
         sha256 = hashlib.sha256
         for page_hash, page in rec.pages():
@@ -139,7 +164,7 @@ class WireChains:
         return digests, None if parent is None else parent.hex()
 
     def removed(self, rec: PagesRemoved) -> list[str]:
-        if rec.extra_key is None and rec.token_width == 1:
+        if self._unseeded(rec):
             return list(rec.page_hashes)
         ns = rec.namespace
         return [self._seeded.pop((ns, h)).hex() for h in rec.page_hashes]
@@ -152,18 +177,23 @@ class EventEncoder:
         hash_format: ``"vllm"`` or ``"sglang"``.
         encoding: ``"map"`` or ``"array"``.
         medium: ``"GPU"`` or ``"CPU"``, where the model's pool lives.
-        hide_tenants: publish no token ids and hashed namespace names (``hashed``).
+        hide_key: publish no token ids, and namespace names and chains keyed with
+            this (``hashed``); None: publish them.
     """
 
     def __init__(self, hash_format: str, encoding: str, medium: str, *,
-                 hide_tenants: bool = False) -> None:
+                 hide_key: bytes | None = None) -> None:
         if hash_format not in ("vllm", "sglang") or encoding not in ("map", "array"):
             raise ValueError(f"unknown hash_format {hash_format!r} or encoding {encoding!r}")
         self.hash_format = hash_format
         self.encoding = encoding
         self.medium = medium
-        self.hide_tenants = hide_tenants
-        self.chains = WireChains()
+        self.hide_key = hide_key
+        self.chains = self.fresh_chains()
+
+    def fresh_chains(self) -> WireChains:
+        """Chains that start over, keyed as this encoder's."""
+        return WireChains(self.hide_key)
 
     def event(self, change: Change) -> Any:
         """The event for one record (tracking seeded chains as it goes)."""
@@ -188,7 +218,7 @@ class EventEncoder:
         With ``restart`` the encoder's chains start over from the snapshot (the live
         stream continues after it); otherwise they are left alone (a replay answer).
         """
-        chains = WireChains()
+        chains = self.fresh_chains()
         events = [self.all_cleared()]
         events.extend(self._stored(rec, chains) for rec in snapshot.pages)
         if restart:
@@ -222,8 +252,8 @@ class EventEncoder:
         fmt = self.hash_format
         hashes = wire_hashes(digests, fmt)
         parent_hash = None if parent is None else wire_hashes([parent], fmt)[0]
-        if self.hide_tenants:
-            lora_name, tokens = hidden_namespace(rec.extra_key), []
+        if self.hide_key is not None:
+            lora_name, tokens = hidden_namespace(rec.extra_key, self.hide_key), []
         else:
             lora_name, tokens = rec.extra_key, rec.token_ids()
         if self.encoding == "array":

@@ -27,7 +27,8 @@ from prefixcache.cache.radix.lookup_outcomes import (
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from ..access.limits import Limits, request_tokens
-from ..access.tenants import CALLER
+from ..access.tenants import CALLER, PEER, client_identity
+from ..access.turns import Turns
 from ..codec import MAX_TOKEN_WIDTH, decode_key
 from ..engine.lookups import outcome_value
 from ..errors import PreconditionError
@@ -84,9 +85,18 @@ def explain_hash(engine: Any, namespace: tuple[str | None, int], page_hash: str,
     return out
 
 
-def explain(service: Any, limits: Limits, req: pb.ExplainRequest) -> pb.ExplainResponse:
-    """The RPC: decode, explain, encode."""
+async def explain(service: Any, limits: Limits, turns: Turns,
+                  req: pb.ExplainRequest) -> pb.ExplainResponse:
+    """The RPC: decode, explain, encode, in one slice that takes its turn with the other
+    long calls (access/turns.py)."""
     engine = service.engine(req.model)
+    async with turns.admit(client_identity(CALLER.get(), PEER.get(), "")) as turn:
+        await turn.next()
+        return _explain(service, engine, limits, req)
+
+
+def _explain(service: Any, engine: Any, limits: Limits,
+             req: pb.ExplainRequest) -> pb.ExplainResponse:
     caller = CALLER.get()
     namespaces = caller.may_use if caller.bound else None
     extra_key = req.extra_key if req.HasField("extra_key") else None

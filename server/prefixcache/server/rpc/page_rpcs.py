@@ -7,10 +7,11 @@ The wire layouts: page hashes are 32 raw bytes each, slots packed little-endian 
 1M-token prompt's pages (``MAX_PROMPT_TOKENS / page_size``): more is no prompt's.
 
 ExistsPages is the one page RPC without a session of its own, and the cheapest to
-flood with (eight parallel calls of 1M hashes once stalled every other client for
-4.6 s). So it needs a session where tenants or per-session quotas are configured
+flood with. So it needs a session where tenants or per-session quotas are configured
 (FAILED_PRECONDITION without one), and it decodes and looks its hashes up in slices
-of ``SLICE`` pages (a millisecond or two each), with the loop free to serve other
+of ``SLICE`` pages (a millisecond or two each), each slice in its turn with the other
+long calls' (access/turns.py: one at a time, round the clients, at most
+``turns.PER_CLIENT`` calls admitted per client), with the loop free to serve other
 calls between them. A page stored or evicted meanwhile may or may not be counted:
 the answer is a hint of what the next GetPages will find, never a promise; its
 counting by outcome (lookups.py) goes in slices too. GetPages decodes its hashes, looks
@@ -25,7 +26,7 @@ stored before kept by the cache (or gone with the Reset).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncIterator, Generator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 from weakref import WeakKeyDictionary
@@ -35,6 +36,8 @@ from prefixcache.cache.index.page_index import DIGEST_BYTES
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from ..access.limits import Limits, check_count, request_tokens, sessions_required
+from ..access.tenants import CALLER, PEER, client_identity
+from ..access.turns import Turns
 from ..codec import MAX_TOKEN_WIDTH, decode_slots, encode_slots
 from ..engine.hash_pages import HashPages
 from ..engine.page_store import store
@@ -76,7 +79,7 @@ def max_pages(limits: Limits, engine: Any) -> int:
     return max(-(-tokens // engine.page_size), 1)
 
 
-async def exists(service: Any, limits: Limits, req: pb.ExistsPagesRequest,
+async def exists(service: Any, limits: Limits, turns: Turns, req: pb.ExistsPagesRequest,
                  session: Session | None = None) -> pb.ExistsPagesResponse:
     if session is None and sessions_required(limits):
         if req.session_id:  # not open (any more): as every call that needs one answers
@@ -89,15 +92,18 @@ async def exists(service: Any, limits: Limits, req: pb.ExistsPagesRequest,
     if len(data) % DIGEST_BYTES:
         decode_hashes(data)  # refuses it, naming the field
     check_count("page_hashes", len(data) // DIGEST_BYTES, max_pages(limits, engine))
-    view, step = memoryview(data), SLICE * DIGEST_BYTES
-    present = bytearray()
-    for start in range(0, len(data), step):
-        if start:
-            await asyncio.sleep(0)  # the other calls' turn
-        present += pages.presence(namespace, decode_hashes(view[start:start + step]))
-    leading, present_bytes = pages.count(bytes(present), lookup=not req.before_set)
-    if not req.before_set:  # by outcome, beyond the leading run (lookups.py), in slices
-        await sliced(engine.lookups.count_pages(pages.index, namespace, data, leading))
+    client = session.client if session is not None and session.client else \
+        client_identity(CALLER.get(), PEER.get(), "")
+    async with turns.admit(client) as turn:
+        view, step = memoryview(data), SLICE * DIGEST_BYTES
+        present = bytearray()
+        for start in range(0, len(data), step):
+            await turn.next()  # each slice in its turn: the other calls run between
+            present += pages.presence(namespace, decode_hashes(view[start:start + step]))
+        leading, present_bytes = pages.count(bytes(present), lookup=not req.before_set)
+        if not req.before_set:  # by outcome, beyond the leading run (lookups.py), in slices
+            for _ in engine.lookups.count_pages(pages.index, namespace, data, leading):
+                await turn.next()
     return pb.ExistsPagesResponse(leading_pages=leading, present=present_bytes)
 
 
@@ -137,14 +143,9 @@ async def get(service: Any, limits: Limits, req: pb.GetPagesRequest,
     return reply
 
 
-async def sliced(steps: Iterator[None]) -> None:
-    """Run a generator that yields between slices of its work, the loop free between."""
-    for _ in steps:
-        await asyncio.sleep(0)  # the other calls' turn
-
-
 async def drive(steps: Generator[None, None, T]) -> T:
-    """``sliced``, for a generator that returns a result."""
+    """Run a generator that yields between slices of its work, the loop free between
+    them; its result."""
     while True:
         try:
             next(steps)

@@ -26,6 +26,7 @@ from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
 from ..access.limits import Limits
 from ..access.tenants import ANYONE, PEER, Caller, Callers, check_request
+from ..access.turns import Turns
 from ..errors import DeniedError, DrainingError, LimitError, NotFoundError, PoolExhaustedError
 from ..events.subscriptions import DROP_WAIT, Subscriptions
 from ..memory import write_fence
@@ -91,6 +92,8 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
         self._steps = StepExecutor(service, self.limits, self._refusal)
         # ReadKV and WriteKV streams in flight per session (quotas.py).
         self.streams = StreamQuota(self.limits.max_session_streams)
+        # Explain and ExistsPages take turns, slice by slice, client by client.
+        self.turns = Turns()
         # KeepAlives that renew no lease (unknown ids) share one pace (keepalive.py).
         self._unleased = keepalive.Unleased()
 
@@ -327,9 +330,11 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
 
     async def ExistsPages(self, request: pb.ExistsPagesRequest,
                           context: Any) -> pb.ExistsPagesResponse:
-        return await self._unary("ExistsPages", context,
-                                 self._attributed(self._pages(page_rpcs.exists)), request,
-                                 prepare=self.tier.before_exists_pages if self.tier else None)
+        PEER.set(context.peer())  # long calls take turns per client (access/turns.py)
+        return await self._unary("ExistsPages", context, self._attributed(
+            lambda req, session: page_rpcs.exists(self.service, self.limits, self.turns,
+                                                  req, session)), request,
+            prepare=self.tier.before_exists_pages if self.tier else None)
 
     async def GetPages(self, request: pb.GetPagesRequest, context: Any) -> pb.GetPagesResponse:
         return await self._unary("GetPages", context,
@@ -342,5 +347,6 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
                                  request, mutates=True)
 
     async def Explain(self, request: pb.ExplainRequest, context: Any) -> pb.ExplainResponse:
+        PEER.set(context.peer())  # long calls take turns per client (access/turns.py)
         return await self._unary("Explain", context, lambda req: explain.explain(
-            self.service, self.limits, req), request)
+            self.service, self.limits, self.turns, req), request)
