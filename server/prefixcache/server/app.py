@@ -171,7 +171,8 @@ class PrefixCacheServer:
             if cfg.metrics_port >= 0:
                 self.metrics_port = self._serve_metrics()
             self.kv_events = start_kv_events(cfg.kv_events, self.service.engines,
-                                             cfg.tenants)
+                                             cfg.tenants,
+                                             cfg.tier.secret_file if cfg.tier else None)
             if self.kv_events is not None:
                 self.metrics.watch_kv_events(self.kv_events.publishers)
             self._start_tier()

@@ -243,3 +243,25 @@ def test_the_key_file_is_checked(tmp_path: Path) -> None:
         load_config(config_yaml(tmp_path, "all", key_file=good), env={})
     assert load_config(config_yaml(tmp_path, "hashed", key_file=good), env={}
                        ).server.kv_events.hash_key_file == str(good)
+
+
+def test_the_tier_secret_keys_hashed_events_when_no_key_file_is_set(tmp_path: Path) -> None:
+    # Every sidecar of a cluster holds the tier's secret: with it, they all publish the
+    # same keyed hashes, and a router given the derived key recomputes them.
+    from prefixcache.server.events.publisher import hash_key
+    from prefixcache.server.memory.page_seal import derive_key
+
+    secret = tmp_path / "tier.secret"
+    secret.write_bytes(os.urandom(32))
+    hashed = KvEventsConfig(enable_kv_cache_events=True, tenants="hashed")
+    derived = derive_key(secret.read_bytes(), "kv-events", None)
+    assert hash_key(hashed, str(secret)) == hash_key(hashed, str(secret)) == derived
+    assert hash_key(hashed) != derived  # no secret: a random key of this start
+    key_file = tmp_path / "events.key"
+    key_file.write_bytes(os.urandom(32))
+    assert hash_key(replace(hashed, hash_key_file=str(key_file)), str(secret)) \
+        == key_file.read_bytes()  # the events' own key comes first
+    assert hash_key(replace(hashed, tenants="all"), str(secret)) is None
+    secret.write_bytes(b"short")
+    with pytest.raises(ConfigError, match="secret"):
+        hash_key(hashed, str(secret))

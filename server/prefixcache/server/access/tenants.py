@@ -118,9 +118,9 @@ def client_identity(caller: Caller, peer: str, name: str) -> str:
     except ValueError:
         local = False
     if local:
-        uid = loopback_uid(host, port)
-        if uid is not None:
-            return f"local:uid={uid}"
+        owner = loopback_uid(host, port)
+        if owner is not None:
+            return f"local:uid={owner}"
     return f"host:{host}"
 
 

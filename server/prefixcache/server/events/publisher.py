@@ -54,6 +54,8 @@ from prefixcache.cache.index.change_log import Change, ChangeLog
 
 from ..config import ConfigError, KvEventsConfig
 from ..config.kv_events import MIN_KEY_BYTES, check_kv_events_tenants, read_key
+from ..config.tier import read_tier_secret
+from ..memory.page_seal import derive_key
 from .replay import END_SEQ, ReplayServer
 from .wire import EventEncoder
 
@@ -290,8 +292,10 @@ def _open(sock: zmq.Socket[bytes], endpoint: str, name: str, bind: bool | None =
 class KvEventPublishers:
     """The publishers of every model that has a change log (radix, swa and mamba)."""
 
-    def __init__(self, cfg: KvEventsConfig, engines: Mapping[str, Any]) -> None:
-        key = hash_key(cfg)  # before the context: a bad key file fails with nothing open
+    def __init__(self, cfg: KvEventsConfig, engines: Mapping[str, Any],
+                 tier_secret_file: str | None = None) -> None:
+        # Before the context: a bad key file fails with nothing open.
+        key = hash_key(cfg, tier_secret_file)
         self.context = zmq.Context()
         self.publishers: dict[str, KvEventPublisher] = {}
         for index, (name, engine) in enumerate(engines.items()):
@@ -336,16 +340,20 @@ class KvEventPublishers:
         self.context.destroy(linger=0)
 
 
-def hash_key(cfg: KvEventsConfig) -> bytes | None:
+def hash_key(cfg: KvEventsConfig, tier_secret_file: str | None = None) -> bytes | None:
     """The key of hashed events (``kv_events.tenants: hashed``): ``hash_key_file``'s
-    bytes, else a random one for this start (logged: routers cannot compute hashes from
-    tokens then); None for the other policies.
+    bytes; else one derived from the tier's cluster secret (``tier.secret_file``), so
+    every sidecar of the cluster publishes the same hashes; else a random one for this
+    start (logged: routers cannot compute hashes from tokens then); None for the other
+    policies.
 
     Raises:
-        ConfigError: the key file is unreadable or shorter than ``MIN_KEY_BYTES``.
+        ConfigError: a key or secret file is unreadable or too short.
     """
     if cfg.tenants != "hashed":
         return None
+    if cfg.hash_key_file is None and tier_secret_file is not None:
+        return derive_key(read_tier_secret(tier_secret_file), "kv-events", None)
     if cfg.hash_key_file is None:
         log.warning("kv_events: block hashes and namespace names are keyed with a random "
                     "key of this start (kv_events.hash_key_file is not set): routers "
@@ -356,7 +364,8 @@ def hash_key(cfg: KvEventsConfig) -> bytes | None:
 
 
 def start_kv_events(cfg: KvEventsConfig, engines: Mapping[str, Any],
-                    tenants: Sequence[Any] = ()) -> KvEventPublishers | None:
+                    tenants: Sequence[Any] = (),
+                    tier_secret_file: str | None = None) -> KvEventPublishers | None:
     """The running publishers, or None when ``server.kv_events`` leaves them off.
 
     Raises:
@@ -367,6 +376,6 @@ def start_kv_events(cfg: KvEventsConfig, engines: Mapping[str, Any],
     if not cfg.enable_kv_cache_events or cfg.publisher == "null":
         return None
     check_kv_events_tenants(cfg, tenants, "server.kv_events")
-    publishers = KvEventPublishers(cfg, engines)
+    publishers = KvEventPublishers(cfg, engines, tier_secret_file)
     publishers.start(asyncio.get_running_loop())
     return publishers
