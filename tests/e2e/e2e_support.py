@@ -32,7 +32,8 @@ TOL = 2e-5
 ENGINE_START_TIMEOUT = 300.0
 CALL_TIMEOUT = 300.0
 
-# The sidecar's models: the tiny Llama's KV geometry, pages of 16 and of 32.
+# The sidecar's models: the tiny Llama's KV geometry, pages of 16 and of 32; ``swa``
+# holds its sliding-window twin's KV (the same geometry, another model's KV).
 CONFIG = """\
 server:
   listen: unix:@SOCKET@
@@ -44,6 +45,9 @@ models:
     pool: @POOL@
   - name: p32
     page_size: 32
+    pool: @POOL@
+  - name: swa
+    page_size: 16
     pool: @POOL@
 """
 

@@ -1,5 +1,6 @@
 """A tiny Llama and its tokenizer, built locally with a fixed seed (nothing downloaded,
-no weights committed).
+no weights committed); with ``sliding_window``, the same model Mistral-style: every
+layer attends to the last ``sliding_window`` tokens only.
 
 The e2e tests and ``bench/e2e_vllm.py`` load it in vLLM and in transformers. Its KV
 geometry (``LAYERS`` x ``KV_HEADS`` x ``HEAD_DIM``) is what the sidecar's pool must hold.
@@ -25,12 +26,19 @@ SPECIALS = ("<unk>", "<s>", "</s>")
 
 
 def build(path: str | Path, *, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS,
-          kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, dtype: str = "float32") -> Path:
+          kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, dtype: str = "float32",
+          sliding_window: int | None = None) -> Path:
     """Write the model and tokenizer to ``path`` (created) and return it; idempotent.
     The defaults are the tests' model; ``bench/e2e_vllm.py`` builds a bigger one."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     out = Path(path)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
@@ -46,7 +54,10 @@ def build(path: str | Path, *, layers: int = LAYERS, hidden: int = HIDDEN, heads
     )
     fast.save_pretrained(out)
 
-    config = LlamaConfig(
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if sliding_window is None \
+        else (MistralConfig, MistralForCausalLM)
+    window = {} if sliding_window is None else {"sliding_window": sliding_window}
+    config = config_cls(
         vocab_size=VOCAB,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -60,9 +71,10 @@ def build(path: str | Path, *, layers: int = LAYERS, hidden: int = HIDDEN, heads
         bos_token_id=vocab["<s>"],
         eos_token_id=vocab["</s>"],
         torch_dtype=dtype,
+        **window,
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model = model_cls(config).to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     # Greedy runs must not stop at a random EOS: vLLM reads generation_config.json.
     (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True}))

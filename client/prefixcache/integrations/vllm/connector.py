@@ -157,7 +157,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                 log.warning("prefixcache: WriteKV cannot save from %d tensor-parallel "
                             "ranks; saves are off (use transfer 'attach')", tp_size)
                 config = dataclasses.replace(config, save="off")
-            self._scheduler = SchedulerCore(RpcBackend(config), config, block_size)
+            self._scheduler = SchedulerCore(
+                RpcBackend(config), config, block_size,
+                during_run_saves=frees_blocks_while_running(kv_cache_config))
         else:
             self._worker = WorkerCore(config, block_size, tp_rank=_tp_rank(),
                                       tp_size=tp_size)
@@ -191,7 +193,30 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
-        return PrefixCacheConnectorMetadata(self._sched.build_meta(preempted))
+        return PrefixCacheConnectorMetadata(
+            self._sched.build_meta(preempted, self._progress(scheduler_output)))
+
+    def _progress(self, scheduler_output: SchedulerOutput
+                  ) -> dict[str, tuple[int, list[int]]] | None:
+        """For the requests saved while they run that this step runs: their tokens
+        computed once it ran, and their block table now (with the null block where
+        vLLM freed blocks), as vLLM offers it to connectors (the scheduler output's
+        ``kv_connector_block_state``; before it, the KV cache manager's)."""
+        want = self._sched.saving_during_run()
+        if not want:
+            return None
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        manager = getattr(self, "_kv_cache_manager", None)
+        resolve = state.resolve_block_ids if state is not None else \
+            getattr(manager, "get_block_ids", None)
+        if resolve is None:  # no table: the finish saves what is left (saves.py)
+            return None
+        scheduled = scheduler_output.num_scheduled_tokens
+        out = {}
+        for req_id, before in computed_before(scheduler_output):
+            if req_id in want and req_id in scheduled:
+                out[req_id] = (before + int(scheduled[req_id]), list(resolve(req_id)[0]))
+        return out
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -275,6 +300,41 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             self._scheduler.close()
         if self._worker is not None:
             self._worker.close()
+
+
+def frees_blocks_while_running(kv_cache_config: Any) -> bool:
+    """Whether vLLM frees blocks of running requests in ``kv_cache_config``'s groups:
+    any group but full attention (sliding window, chunked local attention, ...),
+    whose requests the connector saves while they run."""
+    if kv_cache_config is None:  # vLLM releases before kv_cache_config
+        return False
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SinkFullAttentionSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    keeps = (FullAttentionSpec, MLAAttentionSpec, SinkFullAttentionSpec)
+
+    def keeps_blocks(spec: Any) -> bool:
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            return all(keeps_blocks(s) for s in spec.kv_cache_specs.values())
+        return type(spec) in keeps
+
+    return not all(keeps_blocks(group.kv_cache_spec)
+                   for group in kv_cache_config.kv_cache_groups)
+
+
+def computed_before(scheduler_output: Any) -> list[tuple[str, int]]:
+    """Each request the step runs, with its tokens computed before the step."""
+    out = [(r.req_id, int(r.num_computed_tokens))
+           for r in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    out.extend((req_id, int(n)) for req_id, n in zip(cached.req_ids,
+                                                     cached.num_computed_tokens,
+                                                     strict=True))
+    return out
 
 
 def attention_backends(vllm_config: Any, kv_caches: dict[str, Any]

@@ -4,12 +4,54 @@ the step's metadata to every worker process.
 
 Token positions are positions in the request: token ``t`` lives in vLLM block
 ``block_ids[t // block_size]`` at offset ``t % block_size``.
+
+The null block. vLLM's block 0 is its null block: a placeholder that holds no request's
+KV. A sliding-window request's table has it where blocks left the window (vLLM freed
+them), and a hit's table where vLLM needs no KV. A load never writes it and a save
+never reads it: the scheduler side plans none that would, and a worker fails one that
+does.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+NULL_BLOCK = 0
+
+
+def live_end(block_ids: Sequence[int], start: int, end: int, block_size: int) -> int:
+    """Where the tokens from ``start`` stop having a block that holds them: ``end``,
+    or the first token of the first null block (or of the first one beyond the table)
+    at or after ``start``'s block."""
+    for index in range(start // block_size, -(-end // block_size)):
+        if index >= len(block_ids) or block_ids[index] == NULL_BLOCK:
+            return max(index * block_size, start)
+    return end
+
+
+def live_from(block_ids: Sequence[int], start: int, end: int, block_size: int
+              ) -> int | None:
+    """The first token from ``start`` on whose block, and every later one's up to
+    ``end``, is not the null block (``end`` if every one is); None where a null block
+    follows a block that is not (vLLM puts null blocks before the live ones only)."""
+    first = start
+    seen_live = False
+    for index in range(start // block_size, -(-end // block_size)):
+        null = index < len(block_ids) and block_ids[index] == NULL_BLOCK
+        if null and seen_live:
+            return None
+        if null:
+            first = min((index + 1) * block_size, end)
+        else:
+            seen_live = True
+    return max(first, start)
+
+
+def touches_null(block_ids: Sequence[int], start: int, end: int, block_size: int) -> bool:
+    """Whether tokens ``start .. end`` fall into the null block."""
+    return live_end(block_ids, start, end, block_size) < end
 
 
 def _ints() -> array:
@@ -63,7 +105,11 @@ class SaveOp:
     only reports the request done, so that vLLM frees its blocks. ``ref``: the
     scheduler side's save, handed back to it when the copy fails
     (``WorkerCore.take_failed_saves``) so that it gives the slots back instead of
-    inserting them."""
+    inserting them.
+
+    ``during_run``: a running request's tokens computed by this step (or still in
+    blocks vLLM is about to free), copied after the step's forward (vLLM's
+    ``wait_for_save``) and not reported done: the request has not finished."""
 
     req_id: str
     block_ids: array = field(default_factory=_ints)
@@ -72,6 +118,7 @@ class SaveOp:
     server_epoch: int = 0
     session_id: str = ""
     ref: int = 0
+    during_run: bool = False
 
 
 @dataclass(slots=True)

@@ -6,6 +6,20 @@ Saves. A finished request's whole blocks are stored with one locking, allocating
 that releases the lock once all workers are done; the service frees what another
 request inserted meanwhile. vLLM keeps the request's blocks until then.
 
+Saves during the run. A sliding-window request loses its blocks while it runs: vLLM
+frees each block that left the window and puts the null block (``meta.NULL_BLOCK``) in
+its place, so at the finish only the last blocks are left. Such a save starts before
+the request runs (its Match leaves with the request's lookup, and vLLM is told to wait
+for it), and each step copies, after the forward, the prompt tokens the step computed
+(``SaveOp.during_run``), from blocks vLLM holds for the request in that step. The finish
+then copies what is still to copy and inserts, as above.
+
+Gaps. Only tokens copied from blocks that held them are inserted, and the tree needs
+every token from the first: a save stops at the first token whose block is the null
+block (or beyond the table) where it is to be copied, and inserts the tokens before
+it (``saves_cut``); the slots allocated beyond are given back. A block never read is
+never inserted, so no token is ever cached with another block's KV.
+
 Failed saves. A save whose copy fails in any worker comes back with the step's output
 as its generation (``SaveOp.ref``); when the request is done (``sends_done``) its slots
 are given back (``SaveAbort``: unlock, free) instead of inserted, so nothing
@@ -38,12 +52,12 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .backend import Done, Op, Release, SaveAbort, SaveAlloc, SaveCommit
-from .meta import SaveOp
+from .meta import SaveOp, live_end
 from .stats import SchedulerStats
 
 log = logging.getLogger("prefixcache.integrations.vllm")
@@ -65,6 +79,10 @@ class _Save:
     epoch: int = 0
     session_id: str = ""
     failed: bool = False  # a worker's copy failed: give the slots back, never insert
+    during_run: bool = False  # started before the request ran (the module docstring)
+    written: int = 0      # tokens prefix .. written are copied (or being copied)
+    end: int = 0          # tokens to insert at most: a gap or the finish lowers it
+    closed: bool = False  # the request finished: the last copy, then the insert
 
 
 class Saves:
@@ -75,41 +93,112 @@ class Saves:
         stats: the scheduler side's counters.
         queue: queues a call to the service for the core's next dispatch.
         session_alive: whether a session id is still the backend's live session.
+        block_size: vLLM's block size in tokens.
     """
 
     def __init__(self, stats: SchedulerStats, queue: Callable[[Op], None],
-                 session_alive: Callable[[str], bool]) -> None:
+                 session_alive: Callable[[str], bool], block_size: int) -> None:
         self.stats = stats
         self._queue = queue
         self._session_alive = session_alive
+        self.block_size = block_size
         self._saves: dict[str, _Save] = {}
 
     def __bool__(self) -> bool:
         return bool(self._saves)
 
-    def start(self, req_id: str, gen: int, tokens: array, extra_key: str | None,
-              block_ids: array) -> bool:
-        """Start saving a finished request's ``tokens``; False if it is being saved."""
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._saves
+
+    def start(self, req_id: str, gen: int, tokens: array, extra_key: str | None, *,
+              during_run: bool = False) -> bool:
+        """Start saving a request's ``tokens`` (its Match leaves with the next
+        dispatch); False if it is being saved. ``during_run``: before the request
+        runs, its copies made step by step (the module docstring); else the request
+        has finished and ``close`` follows at once."""
         if req_id in self._saves:
             return False
-        self._saves[req_id] = _Save(req_id, gen, tokens, extra_key, block_ids)
+        self._saves[req_id] = _Save(req_id, gen, tokens, extra_key, array("q"),
+                                    during_run=during_run, end=len(tokens))
         self._queue(SaveAlloc(req_id, tokens, extra_key))
         return True
 
-    def step_ops(self) -> list[SaveOp]:
-        """The copies for this step's workers: every save whose Match landed, once."""
+    def waiting(self, req_id: str) -> bool:
+        """Whether ``req_id`` has a save whose Match has not landed yet."""
+        save = self._saves.get(req_id)
+        return save is not None and not save.ready
+
+    def close(self, req_id: str, block_ids: array, limit: int) -> bool:
+        """The request finished with ``block_ids`` and at most its first ``limit``
+        tokens worth saving: copy what is left, then insert. False: no save."""
+        save = self._saves.get(req_id)
+        if save is None or save.closed:
+            return False
+        save.closed, save.block_ids = True, block_ids
+        save.end = min(save.end, max(limit, 0))
+        return True
+
+    def running(self) -> set[str]:
+        """The running requests whose saves still copy step by step: the requests
+        ``step_ops`` needs the progress of."""
+        return {s.req_id for s in self._saves.values()
+                if s.during_run and not s.closed and (not s.ready or s.written < s.end)}
+
+    def pending_finished(self) -> bool:
+        """Whether a finished request's save is not through yet."""
+        return any(s.closed for s in self._saves.values())
+
+    def step_ops(self, progress: Mapping[str, tuple[int, Sequence[int]]] | None = None
+                 ) -> list[SaveOp]:
+        """The copies for this step's workers: every finished request's save whose Match
+        landed, once; and the tokens of running requests (``progress``: request id ->
+        its tokens computed once this step ran, and its block table in this step) that
+        saves during the run can copy now."""
         out = []
         for save in self._saves.values():
-            if save.ready and not save.sent:
+            if not save.ready or save.sent:
+                continue
+            if save.closed:
                 save.sent = True
-                if len(save.allocated) and not self._session_alive(save.session_id):
-                    # The session that held the slots is gone, and the slots with it:
-                    # writing them could overwrite somebody else's KV.
-                    self.stats.saves_skipped += 1
-                    save.allocated, save.lock_id = array("q"), 0
-                out.append(SaveOp(save.req_id, save.block_ids, save.prefix,
-                                  save.allocated, save.epoch, save.session_id, save.gen))
-        return out
+                self._check_session(save)
+                out.append(self._copy(save, save.block_ids, save.end, during_run=False))
+            elif progress and save.req_id in progress and len(save.allocated):
+                computed, table = progress[save.req_id]
+                if min(computed, save.end) <= save.written or not self._check_session(save):
+                    continue
+                out.append(self._copy(save, array("q", table), computed, during_run=True))
+        return [op for op in out if op is not None]
+
+    def _check_session(self, save: _Save) -> bool:
+        """Whether the session that holds the save's slots is alive; if not, drop them:
+        writing them could overwrite somebody else's KV."""
+        if len(save.allocated) and not self._session_alive(save.session_id):
+            self.stats.saves_skipped += 1
+            save.allocated, save.lock_id = array("q"), 0
+            save.end = min(save.end, save.written)
+            return False
+        return True
+
+    def _copy(self, save: _Save, table: array, upto: int, *, during_run: bool
+              ) -> SaveOp | None:
+        """The copy of the save's tokens from ``written`` to ``upto`` (at most its
+        ``end``) out of ``table``, up to a gap (the module docstring): None where there
+        is nothing to copy and nothing to report."""
+        hi = min(upto, save.end)
+        if hi > save.written:
+            live = live_end(table, save.written, hi, self.block_size)
+            if live < hi:
+                self.stats.saves_cut += 1
+                save.end = hi = live
+        lo = save.written
+        if during_run and hi <= lo:
+            return None
+        if not during_run:
+            save.end = min(save.end, max(hi, lo))
+        slots = save.allocated[lo - save.prefix:hi - save.prefix] if hi > lo else array("q")
+        save.written = max(hi, lo)
+        return SaveOp(save.req_id, table, lo, slots, save.epoch, save.session_id, save.gen,
+                      during_run=during_run)
 
     def sends_done(self, req_ids: Iterable[str]) -> None:
         """Every worker finished the saves of ``req_ids``: insert what they wrote, or
@@ -122,11 +211,19 @@ class Saves:
                 self.stats.saves_failed += 1
                 self._queue(SaveAbort(save.allocated, save.lock_id, save.epoch))
                 continue
-            self._queue(SaveCommit(save.tokens[:save.prefix + len(save.allocated)],
-                                   save.extra_key, save.cached + save.allocated,
-                                   save.lock_id, save.epoch, len(save.cached)))
+            used = max(min(save.end, save.written) - save.prefix, 0)
+            spare = save.allocated[used:]
+            if not used:  # nothing new could be copied: nothing to insert
+                self.stats.saves_skipped += 1
+                self._queue(SaveAbort(spare, save.lock_id, save.epoch))
+                continue
+            self._queue(SaveCommit(save.tokens[:save.prefix + used], save.extra_key,
+                                   save.cached + save.allocated[:used], save.lock_id,
+                                   save.epoch, len(save.cached)))
+            if len(spare):
+                self._queue(SaveAbort(spare, 0, save.epoch))
             self.stats.saves += 1
-            self.stats.save_tokens += len(save.allocated)
+            self.stats.save_tokens += used
 
     def failed(self, refs: Iterable[int]) -> None:
         """The workers' saves whose copies failed, by ``SaveOp.ref``: their slots are
@@ -148,11 +245,14 @@ class Saves:
         save.ready = True
         if not ok:
             self.stats.saves_skipped += 1
+            save.end = 0
             return
         save.prefix, save.cached, save.allocated = reply.prefix_len, reply.slots, \
             reply.allocated
         save.lock_id, save.epoch = reply.lock_id, reply.server_epoch
         save.session_id = done.session_id
+        save.written = save.prefix
+        save.end = min(save.end, save.prefix + len(save.allocated))
         if not len(save.allocated):  # the tree had it all already
             self.stats.saves_skipped += 1
             if save.lock_id:

@@ -31,7 +31,11 @@ ranks' reports are one set; the release is one call, which was due anyway).
 
 Saves (``saves.py``). A finished request's whole blocks are stored with one locking,
 allocating Match, a copy by every worker, then an Insert once all workers are done;
-a save whose copy failed in any worker gives its slots back instead.
+a save whose copy failed in any worker gives its slots back instead. Where vLLM frees
+a request's blocks while it runs (``during_run_saves``: a sliding-window KV cache
+group), the save starts at the request's first probe, which answers "ask again" until
+its Match has landed, and its tokens are copied step by step as they are computed
+(``build_meta``'s ``progress``); a miss then waits a step too, as a lookup does.
 
 Disabled. A worker that cannot copy (an unknown KV layout, a pool that does not fit)
 says so with a step's output (``disable``): from then on the core looks nothing up and
@@ -48,7 +52,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import count
@@ -58,7 +62,7 @@ from .backend import Done, Lookup, Op, Release, SaveAlloc, SaveCommit
 from .config import ConnectorConfig
 from .fast_miss import FastMiss
 from .keys import RequestInfo, lookup_len, save_len
-from .meta import LoadOp, StepMeta
+from .meta import LoadOp, StepMeta, live_from
 from .saves import Saves
 from .stats import SchedulerStats
 
@@ -110,19 +114,23 @@ class SchedulerCore:
         config: the connector's settings.
         block_size: vLLM's block size in tokens; hits and saves are whole blocks.
         clock: seconds, for leases (monotonic).
+        during_run_saves: vLLM frees blocks of running requests (a sliding-window
+            group): save each request while it runs (see the module docstring).
     """
 
     def __init__(self, backend: Backend, config: ConnectorConfig, block_size: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 during_run_saves: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.backend = backend
         self.config = config
         self.block_size = block_size
         self.clock = clock
+        self.during_run_saves = during_run_saves
         self.stats = SchedulerStats()
         self._res: dict[str, _Reservation] = {}
-        self._saves = Saves(self.stats, self._queue, backend.session_alive)
+        self._saves = Saves(self.stats, self._queue, backend.session_alive, block_size)
         self._misses = FastMiss(backend.shadow_hit, block_size, clock,
                                 grace=max(2 * config.timeout, 1.0))
         self._gens = count(1)
@@ -140,12 +148,32 @@ class SchedulerCore:
         local hit), None while the lookup is out. Loads are synchronous (False)."""
         self._absorb()
         self.stats.probes += 1
-        if not self.config.load or self.disabled is not None:
+        if self.disabled is not None:
             return 0, False
         if info.miss_reason() is not None:
             self.stats.misses_ineligible += 1
             self._drop(info.req_id)
             return 0, False
+        waiting = self._save_before_run(info)
+        answer = self._answer(info, num_computed) if self.config.load else (0, False)
+        return (None, False) if waiting else answer
+
+    def _save_before_run(self, info: RequestInfo) -> bool:
+        """Start the save of a request whose blocks vLLM frees while it runs
+        (``during_run_saves``) at its first probe: its prompt's whole blocks. True while
+        its Match is out: vLLM must not run the request before its slots are known."""
+        if not self.during_run_saves or self.config.save == "off":
+            return False
+        if info.req_id not in self._saves:
+            n = info.num_prompt_tokens // self.block_size * self.block_size
+            if n == 0:
+                return False
+            self._saves.start(info.req_id, next(self._gens), array("q", info.tokens[:n]),
+                              info.extra_key, during_run=True)
+        return self._saves.waiting(info.req_id)
+
+    def _answer(self, info: RequestInfo, num_computed: int) -> tuple[int | None, bool]:
+        """The lookup's answer to a probe (``probe``)."""
         res = self._res.get(info.req_id)
         if res is not None and (res.attempt != info.attempt
                                 or res.state not in (_State.LOOKING, _State.READY)):
@@ -200,9 +228,13 @@ class SchedulerCore:
         res.block_ids = array("q", block_ids)
         res.num_external = num_external
 
-    def build_meta(self, preempted: Iterable[str] = ()) -> StepMeta:
+    def build_meta(self, preempted: Iterable[str] = (),
+                   progress: Mapping[str, tuple[int, Sequence[int]]] | None = None
+                   ) -> StepMeta:
         """``build_connector_meta``: the step's loads and saves for the workers. The
-        step's queued lookups leave now, as one batch."""
+        step's queued lookups leave now, as one batch. ``progress``: of the requests
+        ``saving_during_run`` names that this step runs, each one's tokens computed
+        once the step ran and its block table in this step."""
         self._absorb()
         self._steps += 1
         for req_id in preempted:
@@ -216,20 +248,27 @@ class SchedulerCore:
             if res.state is _State.ALLOCATED:
                 meta.loads.append(self._load_op(res))
                 res.state = _State.LOADING
-        meta.saves = self._saves.step_ops()
+        meta.saves = self._saves.step_ops(progress)
         self._flush()
         return meta
 
+    def saving_during_run(self) -> set[str]:
+        """The requests whose saves copy while they run (``during_run_saves``) and
+        still have tokens to copy: ``build_meta`` wants their progress."""
+        return self._saves.running()
+
     def finished(self, info: RequestInfo, block_ids: Sequence[int],
                  num_computed: int) -> bool:
-        """``request_finished``: release the request's reservation and start saving its
-        whole blocks. True: vLLM must keep the blocks until ``sends_done`` names it."""
+        """``request_finished``: release the request's reservation and save its whole
+        blocks (those the save has not copied while it ran). True: vLLM must keep the
+        blocks until ``sends_done`` names it."""
         self._absorb()
         self._drop(info.req_id)
         n = save_len(info, num_computed, len(block_ids), self.block_size, self.config.save)
-        keep = n > 0 and self.disabled is None and self._saves.start(info.req_id, next(self._gens),
-                                           array("q", info.tokens[:n]), info.extra_key,
-                                           array("q", block_ids))
+        if info.req_id not in self._saves and n > 0 and self.disabled is None:
+            self._saves.start(info.req_id, next(self._gens), array("q", info.tokens[:n]),
+                              info.extra_key)
+        keep = self._saves.close(info.req_id, array("q", block_ids), n)
         self._flush()
         return keep
 
@@ -300,7 +339,8 @@ class SchedulerCore:
             close()
 
     def has_pending_saves(self) -> bool:
-        return bool(self._saves)
+        """Whether a finished request's save is not through: vLLM must step on."""
+        return self._saves.pending_finished()
 
     def reservations(self) -> dict[str, str]:
         """Request id -> reservation state, for tests and debugging."""
@@ -310,6 +350,16 @@ class SchedulerCore:
 
     def _load_op(self, res: _Reservation) -> LoadOp:
         end = res.local + res.num_external
+        # Tokens in the null block (where vLLM needs no KV: sliding-window blocks
+        # before the window) are not loaded; a null block after a live one is a table
+        # this side does not understand.
+        start = live_from(res.block_ids, res.local, end, self.block_size)
+        if start is None:
+            log.warning("request %s: vLLM's block table for the hit has the null block "
+                        "after a block to load; it will be recomputed", res.req_id)
+            res.unused = "load_failed"
+            return LoadOp(res.req_id, res.block_ids, res.local, res.num_external, fail=True,
+                          ref=res.gen)
         if res.hit < 0 or end > res.hit:
             log.warning("request %s: vLLM counts %d external tokens from %d, the "
                         "reservation has %d; they will be recomputed", res.req_id,
@@ -319,8 +369,8 @@ class SchedulerCore:
                           ref=res.gen)
         self.stats.loads += 1
         self.stats.load_tokens += res.num_external
-        return LoadOp(res.req_id, res.block_ids, res.local, res.num_external,
-                      res.slots[res.local:end], res.epoch, res.session_id, res.tokens[:end],
+        return LoadOp(res.req_id, res.block_ids, start, end - start,
+                      res.slots[start:end], res.epoch, res.session_id, res.tokens[:end],
                       res.extra_key, ref=res.gen)
 
     def _drop(self, req_id: str, unused: str | None = None) -> None:

@@ -34,11 +34,18 @@ quietly (counted, logged at debug level): the one error line has said why.
 
 Saves. A finished request's new tokens are copied from its blocks into the slots the
 scheduler side allocated; the request is then reported done (vLLM frees its blocks and
-the scheduler side inserts). A save that fails is reported done all the same, and its
-save (``SaveOp.ref``) goes back with the step's output like a failed load's: the
-scheduler side then gives the slots back instead of inserting them, once every rank
-has reported the request done. The worker never frees them itself: another rank may
-not have started its copy into them yet (``scheduler.py``, "Failed saves").
+the scheduler side inserts). A running request's tokens saved during its run
+(``SaveOp.during_run``: blocks vLLM frees before the request finishes) are copied in
+``end_step``, after the forward that computed them, and not reported done. A save
+that fails is reported done all the same, and its save (``SaveOp.ref``) goes back with
+the step's output like a failed load's: the scheduler side then gives the slots back
+instead of inserting them, once every rank has reported the request done. The worker
+never frees them itself: another rank may not have started its copy into them yet
+(``scheduler.py``, "Failed saves").
+
+The null block (``meta.NULL_BLOCK``). A load whose tokens fall into it fails (its
+blocks are recomputed) and writes nothing; a save whose tokens fall into it fails and
+reads nothing: the scheduler side plans neither, so one is a table it misread.
 
 MLA. vLLM's MLA cache is one latent per token (``[blocks, block, head_size]``), held by
 an MLA pool (``pool.mla``: K only, one head of ``head_size``); an MLA model with a K/V
@@ -70,7 +77,7 @@ from .config import ConnectorConfig
 from .layerwise import HostCopies, StepLayers, copies_for
 from .layout import LayerView, UnknownLayout, layer_numbers, split_kv
 from .layout import unique_layers as _unique_layers
-from .meta import LoadOp, SaveOp, StepMeta
+from .meta import NULL_BLOCK, LoadOp, SaveOp, StepMeta, touches_null
 from .pool_access import PoolAccess, Rows, fit_pool, open_access
 
 log = logging.getLogger("prefixcache.integrations.vllm")
@@ -116,6 +123,8 @@ class WorkerCore:
         self._failures_reported: Counter[str] = Counter()
         # This step's layer-wise loads (``layerwise_load``), set by ``register``.
         self._step = StepLayers({}, HostCopies())
+        # This step's saves of running requests, copied after its forward.
+        self._after_forward: list[SaveOp] = []
 
     # ------------------------------------------------------------ vLLM's calls
 
@@ -143,6 +152,7 @@ class WorkerCore:
         as one CUDA graph and calls no wait), loads are issued layer by layer, each
         layer's complete once ``wait_layer`` returns for it."""
         self._step.begin()
+        self._after_forward = []
         if not meta:
             return
         if self.config.layerwise_load and by_layer:
@@ -151,7 +161,10 @@ class WorkerCore:
             for op in meta.loads:
                 self._load(op)
         for op in meta.saves:
-            self._save(op)
+            if op.during_run:
+                self._after_forward.append(op)
+            else:
+                self._save(op)
 
     def wait_layer(self, layer_name: str) -> bool:
         """``wait_for_layer_load``: the engine's stream waits for the copies into
@@ -161,8 +174,12 @@ class WorkerCore:
 
     def end_step(self) -> None:
         """``wait_for_save``: the engine's stream waits for every load of the step,
-        layers the forward never waited for included."""
+        layers the forward never waited for included; then the step's saves of running
+        requests copy what its forward computed."""
         self._step.wait_all()
+        ops, self._after_forward = self._after_forward, []
+        for op in ops:
+            self._save(op)
 
     @property
     def issued_layers(self) -> list[str]:
@@ -274,7 +291,7 @@ class WorkerCore:
         self.load_failures[reason] += 1
         first = op.start // self.block_size
         last = -(-op.end // self.block_size)
-        self._load_errors.update(op.block_ids[first:last])
+        self._load_errors.update(b for b in op.block_ids[first:last] if b != NULL_BLOCK)
         if op.ref:
             self._failed_refs.add(op.ref)
         why = LOAD_FAILURE_REASONS[reason] + (f": {detail}" if detail else "")
@@ -337,6 +354,9 @@ class WorkerCore:
         """The rows of ``op``'s slots, or None with the load failed."""
         if op.fail:
             self._fail(op, "scheduler")
+            return None
+        if touches_null(op.block_ids, op.start, op.end, self.block_size):
+            self._fail(op, "null_block")
             return None
         access = self._pool(op.server_epoch)
         if access is None:
@@ -401,6 +421,10 @@ class WorkerCore:
     def _save(self, op: SaveOp) -> None:
         try:
             if len(op.slots):
+                if touches_null(op.block_ids, op.start, op.start + len(op.slots),
+                                self.block_size):
+                    raise ValueError(f"tokens {op.start}..{op.start + len(op.slots)} "
+                                     "fall into vLLM's null block")
                 self._write(op)
                 self.saved_tokens += len(op.slots)
         except (PrefixCacheError, ValueError, RuntimeError) as err:
@@ -409,7 +433,8 @@ class WorkerCore:
                     "prefixcache save of request %s failed: %s", op.req_id, err)
             if op.ref:
                 self._failed_saves.add(op.ref)
-        self._sent.add(op.req_id)
+        if not op.during_run:
+            self._sent.add(op.req_id)
 
     def _write(self, op: SaveOp) -> None:
         access = self._pool(op.server_epoch)
@@ -432,6 +457,7 @@ LOAD_FAILURE_REASONS = {
                   "these tokens",
     "moved": "the slots no longer hold these tokens",
     "copy": "the copy failed",
+    "null_block": "vLLM's block table holds its null block where the tokens were to go",
 }
 
 
