@@ -203,6 +203,11 @@ class Engine:
         self.send({"op": "metrics"})
         return self.result()
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``LLM.reset_prefix_cache()``: whether vLLM reset its prefix cache."""
+        self.send({"op": "reset"})
+        return bool(self.result()["reset"])
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:

@@ -62,6 +62,7 @@ def step(core: SchedulerCore, worker: WorkerCore, finished: set[str] = frozenset
     sent = worker.finished_sends(set(finished))
     core.loads_failed(worker.take_failed_loads())
     core.saves_failed(worker.take_failed_saves())
+    core.saves_copied(worker.take_copied())
     core.sends_done(sent)
     settle(core)
     return meta
@@ -120,8 +121,9 @@ def test_a_sliding_window_request_is_saved_while_it_runs(server: ServerThread,
                                                          client: PrefixCacheClient) -> None:
     """With ``during_run_saves``: the first probe waits for the save's Match; each
     step's computed tokens are copied after its forward (end_step), from the blocks of
-    that step's table; vLLM then frees the first blocks (null in later tables), and the
-    finish inserts all 16 tokens, equal to the blocks that computed them."""
+    that step's table, though vLLM frees the first blocks meanwhile (null in later
+    tables); once the workers report the copies, the save inserts all 16 tokens, equal
+    to the blocks that computed them, and the finish holds no block."""
     core = make_scheduler(server.address, during_run_saves=True)
     worker = make_worker(server.address)
     try:
@@ -143,6 +145,7 @@ def test_a_sliding_window_request_is_saved_while_it_runs(server: ServerThread,
         assert worker.saved_tokens == 10
         assert worker.finished_sends({"A"}) == set()  # A runs on
         core.saves_failed(worker.take_failed_saves())
+        core.saves_copied(worker.take_copied())
         settle(core)
         # The next chunk: vLLM freed block 2 meanwhile.
         (op,) = step(core, worker, progress={"A": (18, [NULL_BLOCK, *A_BLOCKS[1:]])}).saves
@@ -151,11 +154,11 @@ def test_a_sliding_window_request_is_saved_while_it_runs(server: ServerThread,
         for blocks in (A_BLOCKS[:3], [NULL_BLOCK] * 3):  # the freed blocks are reused
             for part in caches.values():
                 part[:, blocks] = torch.randint_like(part[:, blocks], 0, 100)
-        assert core.finished(a, [NULL_BLOCK] * 3 + A_BLOCKS[3:], 20)
-        for _ in range(3):
-            step(core, worker, {"A"})
-        held, got = pool_rows(client, PROMPT)
-        assert held == 16 and not core.has_pending_saves()
+        held, got = pool_rows(client, PROMPT)  # A still runs
+        assert held == 16
+        assert not core.finished(a, [NULL_BLOCK] * 3 + A_BLOCKS[3:], 20)
+        step(core, worker, {"A"})
+        assert not core.has_pending_saves()
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
         assert worker.failed_saves == 0 and core.stats.saves_cut == 0
     finally:

@@ -43,7 +43,8 @@ def engine_step(core: SchedulerCore, preempted: set[str] = frozenset(),  # type:
         assert op.fail or not touches_null(op.block_ids, op.start, op.end, BLOCK)
     settle(core)
     core.saves_failed(s.ref for s in meta.saves if s.ref % 2)
-    core.sends_done(s.req_id for s in meta.saves)
+    core.saves_copied(s.report for s in meta.saves if s.during_run)
+    core.sends_done(s.req_id for s in meta.saves if not s.during_run)
     settle(core)
 
 
@@ -52,18 +53,20 @@ def with_nulls(n: int) -> list[int]:
     return [NULL_BLOCK] * n + TABLE[n:]
 
 
-@pytest.mark.parametrize("during_run", [False, True], ids=["at-finish", "during-run"])
+@pytest.mark.parametrize(("during_run", "save"), [(False, "all"), (False, "prompt"),
+                                                  (True, "all")],
+                         ids=["at-finish", "prompt-while-running", "sliding-window"])
 @settings(max_examples=20, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(actions=ACTIONS)
 def test_random_call_sequences_leave_nothing_behind(server: ServerThread,
                                                     client: PrefixCacheClient,
-                                                    during_run: bool,
+                                                    during_run: bool, save: str,
                                                     actions: list[tuple[str, int, int, int]]
                                                     ) -> None:
     client.reset("v")
     clock = Clock()
-    core = make_scheduler(server.address, clock=clock, lease_ttl=5.0, save="all",
+    core = make_scheduler(server.address, clock=clock, lease_ttl=5.0, save=save,
                           during_run_saves=during_run)
     attempts = [0] * 4
     answers: dict[tuple[int, int], int] = {}

@@ -388,9 +388,11 @@ def kv_cache_config(spec: Any) -> Any:
 def test_a_sliding_window_request_is_saved_while_it_runs_through_vllm_objects(
         server: ServerThread, client: PrefixCacheClient) -> None:
     """A sliding-window group (vLLM's ``SlidingWindowSpec``): the request's save starts
-    at its first probe; each step's computed tokens are copied after the forward, from
-    the table vLLM offers the connector (the scheduler output's block state), so the
-    finish inserts all four blocks though vLLM freed the first two meanwhile."""
+    at its first probe, which waits for it; each step's computed tokens are copied after
+    the forward, from the table vLLM offers the connector (the scheduler output's block
+    state), and reported with the step's worker metadata: all four blocks are inserted
+    while the request runs, though vLLM freed the first one meanwhile, and the finish
+    holds no block."""
     from vllm.v1.core.sched.output import KVConnectorBlockState, NewRequestData
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
@@ -445,18 +447,14 @@ def test_a_sliding_window_request_is_saved_while_it_runs_through_vllm_objects(
         second.num_scheduled_tokens = {"A": 8}
         run(second)
         assert worker._work.saved_tokens == 16
-        a.num_computed_tokens = 20
-        keep, _ = scheduler.request_finished(a, [0, 0, *A_BLOCKS[2:]])
-        assert keep
-        done = SchedulerOutput.make_empty()
-        done.finished_req_ids = {"A"}
-        for _ in range(2):
-            run(done)
-        with client.session(10.0) as s:
+        with client.session(10.0) as s:  # inserted while A runs, the copies reported
             hit = s.match("v", PROMPT, lock=True)
             rows = s.read_kv("v", hit.slots)
             s.unlock(hit.lock_id)
         assert hit.prefix_len == 16
+        a.num_computed_tokens = 20
+        keep, _ = scheduler.request_finished(a, [0, 0, *A_BLOCKS[2:]])
+        assert not keep  # nothing left to copy: vLLM frees the blocks at once
         got = [torch.stack([rows.k[n], rows.v[n]]).contiguous().view(torch.uint8)
                for n in range(LAYERS)]
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

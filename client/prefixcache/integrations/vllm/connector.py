@@ -61,11 +61,14 @@ class PrefixCacheWorkerMetadata(KVConnectorWorkerMetadata):
     failed_saves: set[int] = field(default_factory=set)
     # Why a worker disabled the connector ("" if none did): the scheduler side stops.
     disabled: str = ""
+    # The copies of running requests the workers made in the step (SaveOp.report).
+    copied: set[int] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, PrefixCacheWorkerMetadata):
             self.failed_loads |= other.failed_loads
             self.failed_saves |= other.failed_saves
+            self.copied |= other.copied
             self.disabled = self.disabled or other.disabled
         return self
 
@@ -229,6 +232,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         if isinstance(meta, PrefixCacheWorkerMetadata):
             self._sched.loads_failed(meta.failed_loads)
             self._sched.saves_failed(meta.failed_saves)
+            self._sched.saves_copied(meta.copied)
             if meta.disabled:
                 self._sched.disable(meta.disabled)
         self._sched.sends_done(connector_output.finished_sending or ())
@@ -268,9 +272,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         loads, saves = self._work.take_failed_loads(), self._work.take_failed_saves()
-        disabled = self._work.disabled or ""
-        return PrefixCacheWorkerMetadata(loads, saves, disabled) \
-            if loads or saves or disabled else None
+        copied, disabled = self._work.take_copied(), self._work.disabled or ""
+        return PrefixCacheWorkerMetadata(loads, saves, disabled, copied) \
+            if loads or saves or disabled or copied else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:
@@ -292,8 +296,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                                       per_engine_labelvalues)
 
     def has_pending_push_work(self) -> bool:
-        # Keep vLLM stepping until every finished request's save is through.
-        return self._scheduler is not None and self._scheduler.has_pending_saves()
+        # Keep vLLM stepping until every finished request's save is through, and every
+        # release of its locks sent.
+        return self._scheduler is not None and self._scheduler.has_pending_work()
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -107,9 +107,10 @@ class SaveOp:
     (``WorkerCore.take_failed_saves``) so that it gives the slots back instead of
     inserting them.
 
-    ``during_run``: a running request's tokens computed by this step (or still in
-    blocks vLLM is about to free), copied after the step's forward (vLLM's
-    ``wait_for_save``) and not reported done: the request has not finished."""
+    ``during_run``: a running request's prompt tokens computed so far, copied after
+    the step's forward (vLLM's ``wait_for_save``) and not reported done (the request
+    has not finished); the worker hands ``report`` back once it made the copy
+    (``WorkerCore.take_copied``), failed or not."""
 
     req_id: str
     block_ids: array = field(default_factory=_ints)
@@ -119,6 +120,7 @@ class SaveOp:
     session_id: str = ""
     ref: int = 0
     during_run: bool = False
+    report: int = 0
 
 
 @dataclass(slots=True)

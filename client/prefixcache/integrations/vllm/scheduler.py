@@ -29,13 +29,16 @@ generation (``LoadOp.ref``): the reservation's release, when it comes, tells the
 service ``load_failed``, so the service counts the hit under that outcome once (the
 ranks' reports are one set; the release is one call, which was due anyway).
 
-Saves (``saves.py``). A finished request's whole blocks are stored with one locking,
-allocating Match, a copy by every worker, then an Insert once all workers are done;
-a save whose copy failed in any worker gives its slots back instead. Where vLLM frees
-a request's blocks while it runs (``during_run_saves``: a sliding-window KV cache
-group), the save starts at the request's first probe, which answers "ask again" until
-its Match has landed, and its tokens are copied step by step as they are computed
-(``build_meta``'s ``progress``); a miss then waits a step too, as a lookup does.
+Saves (``saves.py``). A request's prompt is saved while it runs (``save: prompt``): the
+save's Match leaves with the request's lookup, each step's computed prompt tokens are
+copied after its forward (``build_meta``'s ``progress``), and the save inserts once the
+workers report every copy, so that a finished request holds no blocks for it. What
+that did not get (and ``save: all``'s output) is saved at the finish: one locking,
+allocating Match, a copy by every worker, then an Insert once all workers are done; a
+save whose copy failed in any worker gives its slots back instead. Where vLLM frees a
+request's blocks while it runs (``during_run_saves``: a sliding-window KV cache group),
+the first probe answers "ask again" until the save's Match has landed, so that no step
+runs before its copies can be planned; a miss then waits a step too, as a lookup does.
 
 Disabled. A worker that cannot copy (an unknown KV layout, a pool that does not fit)
 says so with a step's output (``disable``): from then on the core looks nothing up and
@@ -115,7 +118,8 @@ class SchedulerCore:
         block_size: vLLM's block size in tokens; hits and saves are whole blocks.
         clock: seconds, for leases (monotonic).
         during_run_saves: vLLM frees blocks of running requests (a sliding-window
-            group): save each request while it runs (see the module docstring).
+            group): vLLM waits for each request's save before it runs (see the module
+            docstring).
     """
 
     def __init__(self, backend: Backend, config: ConnectorConfig, block_size: int,
@@ -159,10 +163,12 @@ class SchedulerCore:
         return (None, False) if waiting else answer
 
     def _save_before_run(self, info: RequestInfo) -> bool:
-        """Start the save of a request whose blocks vLLM frees while it runs
-        (``during_run_saves``) at its first probe: its prompt's whole blocks. True while
-        its Match is out: vLLM must not run the request before its slots are known."""
-        if not self.during_run_saves or self.config.save == "off":
+        """Start the save of a request's prompt (its whole blocks) at its first probe,
+        to copy while it runs; ``save: all`` saves at the finish instead, unless vLLM
+        frees blocks of running requests (``during_run_saves``). True while such a
+        save's Match is out: the request must not run before its slots are known."""
+        mode = self.config.save
+        if mode == "off" or (mode == "all" and not self.during_run_saves):
             return False
         if info.req_id not in self._saves:
             n = info.num_prompt_tokens // self.block_size * self.block_size
@@ -170,7 +176,7 @@ class SchedulerCore:
                 return False
             self._saves.start(info.req_id, next(self._gens), array("q", info.tokens[:n]),
                               info.extra_key, during_run=True)
-        return self._saves.waiting(info.req_id)
+        return self.during_run_saves and self._saves.waiting(info.req_id)
 
     def _answer(self, info: RequestInfo, num_computed: int) -> tuple[int | None, bool]:
         """The lookup's answer to a probe (``probe``)."""
@@ -265,10 +271,13 @@ class SchedulerCore:
         self._absorb()
         self._drop(info.req_id)
         n = save_len(info, num_computed, len(block_ids), self.block_size, self.config.save)
-        if info.req_id not in self._saves and n > 0 and self.disabled is None:
-            self._saves.start(info.req_id, next(self._gens), array("q", info.tokens[:n]),
-                              info.extra_key)
-        keep = self._saves.close(info.req_id, array("q", block_ids), n)
+        blocks = array("q", block_ids)
+        keep = self._saves.finish(info.req_id, blocks, n)
+        if keep is None:
+            keep = n > 0 and self.disabled is None and self._saves.start(
+                info.req_id, next(self._gens), array("q", info.tokens[:n]), info.extra_key)
+            if keep:
+                self._saves.finish(info.req_id, blocks, n)
         self._flush()
         return keep
 
@@ -298,6 +307,12 @@ class SchedulerCore:
                 self.stats.loads_failed += release.unused != "load_failed"
                 release.unused = "load_failed"
 
+    def saves_copied(self, reports: Iterable[int]) -> None:
+        """The copies of running requests the workers made (``SaveOp.report``, over the
+        ranks of a step): a save whose copies are all made inserts."""
+        self._saves.copied(reports)
+        self._flush()
+
     def saves_failed(self, refs: Iterable[int]) -> None:
         """The workers' saves whose copies failed, by ``SaveOp.ref``, summed over the
         ranks: their slots are given back when ``sends_done`` names their requests,
@@ -306,7 +321,8 @@ class SchedulerCore:
 
     def disable(self, reason: str) -> None:
         """A worker disabled the connector (see the module docstring): look nothing up
-        and save nothing from now on. The reservations not yet loading are released."""
+        and save nothing from now on. The reservations not yet loading are released,
+        and the saves of running requests given back once no copy into them is out."""
         if self.disabled is not None:
             return
         self.disabled = reason
@@ -314,6 +330,7 @@ class SchedulerCore:
         for req_id in [k for k, r in self._res.items()
                        if r.state in (_State.LOOKING, _State.READY)]:
             self._drop(req_id)
+        self._saves.stop_running()
         self._flush()
 
     def close(self) -> None:
@@ -339,8 +356,19 @@ class SchedulerCore:
             close()
 
     def has_pending_saves(self) -> bool:
-        """Whether a finished request's save is not through: vLLM must step on."""
+        """Whether a finished request's save is not through."""
         return self._saves.pending_finished()
+
+    def has_pending_work(self) -> bool:
+        """Whether vLLM must step on with no request left (its
+        ``has_pending_push_work``): a finished request's save is not through, a release
+        waits for its step (``_later``) or for the next dispatch, or a call is out whose
+        answer may need one (a lock nobody wants any more). Each step absorbs and
+        dispatches; none of these outlives the calls' deadline."""
+        self._absorb()
+        in_flight = getattr(self.backend, "in_flight", None)
+        return (self._saves.pending_finished() or bool(self._later) or bool(self._queued)
+                or (in_flight is not None and in_flight()))
 
     def reservations(self) -> dict[str, str]:
         """Request id -> reservation state, for tests and debugging."""

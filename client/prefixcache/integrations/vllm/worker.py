@@ -35,8 +35,8 @@ quietly (counted, logged at debug level): the one error line has said why.
 Saves. A finished request's new tokens are copied from its blocks into the slots the
 scheduler side allocated; the request is then reported done (vLLM frees its blocks and
 the scheduler side inserts). A running request's tokens saved during its run
-(``SaveOp.during_run``: blocks vLLM frees before the request finishes) are copied in
-``end_step``, after the forward that computed them, and not reported done. A save
+(``SaveOp.during_run``) are copied in ``end_step``, after the forward that computed
+them, and reported by their ``report`` (``take_copied``), not done. A save
 that fails is reported done all the same, and its save (``SaveOp.ref``) goes back with
 the step's output like a failed load's: the scheduler side then gives the slots back
 instead of inserting them, once every rank has reported the request done. The worker
@@ -112,6 +112,7 @@ class WorkerCore:
         self._load_errors: set[int] = set()
         self._failed_refs: set[int] = set()
         self._failed_saves: set[int] = set()
+        self._copied: set[int] = set()
         self._sent: set[str] = set()
         self._finished_seen: set[str] = set()
         self.loaded_tokens = 0
@@ -217,6 +218,13 @@ class WorkerCore:
         scheduler side (``SchedulerCore.saves_failed``)."""
         refs, self._failed_saves = self._failed_saves, set()
         return refs
+
+    def take_copied(self) -> set[int]:
+        """The copies during the run (``SaveOp.report``) made since the last call, failed
+        ones too (their saves are in ``take_failed_saves``), for the scheduler side
+        (``SchedulerCore.saves_copied``)."""
+        reports, self._copied = self._copied, set()
+        return reports
 
     def take_load_failures(self) -> dict[str, int]:
         """Failed loads by reason since the last call (vLLM's connector stats)."""
@@ -433,7 +441,9 @@ class WorkerCore:
                     "prefixcache save of request %s failed: %s", op.req_id, err)
             if op.ref:
                 self._failed_saves.add(op.ref)
-        if not op.during_run:
+        if op.during_run:
+            self._copied.add(op.report)
+        else:
             self._sent.add(op.req_id)
 
     def _write(self, op: SaveOp) -> None:
