@@ -462,3 +462,57 @@ def test_a_sliding_window_request_is_saved_while_it_runs_through_vllm_objects(
     finally:
         scheduler.shutdown()
         worker.shutdown()
+
+
+def test_a_mamba_group_disables_the_connector_with_one_error_line(
+        server: ServerThread, client: PrefixCacheClient,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An attention group and a Mamba group (vLLM's hybrid manager, e.g. Nemotron-H):
+    the connector supports vLLM's hybrid manager, so vLLM starts, but the Mamba state is
+    not K/V per token: the worker says so in one error line, the scheduler side looks
+    nothing up and saves nothing, and vLLM computes everything."""
+    import logging
+
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    from prefixcache.integrations.vllm.connector import group_problem, layer_groups
+
+    assert base.supports_hma(base.KVConnectorBase_V1) is False
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
+                             dtype=torch.float16)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 8), (2, 4, 4)),
+                      dtypes=(torch.float32, torch.float32))
+    config_ = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.mixer"], mamba),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full)])
+    assert "KV cache group 0 is MambaSpec" in (group_problem(config_) or "")
+    assert layer_groups(config_) == {"model.layers.0.mixer": 0,
+                                     "model.layers.1.self_attn.attn": 1}
+    config = vllm_config(server.address)
+    with caplog.at_level(logging.INFO, "prefixcache.integrations.vllm"):
+        scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, config_)
+        worker = KVConnectorFactory.create_connector(config, Role.WORKER, config_)
+    try:
+        assert base.supports_hma(scheduler)
+        caplog.clear()  # (the test config's kv_load_failure_policy warns at start)
+        with caplog.at_level(logging.INFO, "prefixcache.integrations.vllm"):
+            worker.register_kv_caches(make_caches("bhn2d"))
+            b = request("B")
+            for _ in range(2):
+                assert scheduler.get_num_new_matched_tokens(b, 0) == (0, False)
+                step(scheduler, worker)
+            b.num_computed_tokens = 18
+            assert scheduler.request_finished_all_groups(b, ([], A_BLOCKS)) == (False, None)
+        assert scheduler._sched.stats.lookups == 0
+        assert client.stats("v")["v"].session_slots == 0
+        errors = [r.getMessage() for r in caplog.records
+                  if r.levelno >= logging.WARNING and r.name.startswith("prefixcache")]
+        assert len(errors) == 1 and "MambaSpec" in errors[0], errors
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()

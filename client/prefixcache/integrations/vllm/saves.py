@@ -71,7 +71,7 @@ from itertools import count
 from typing import Any
 
 from .backend import Done, Op, Release, SaveAbort, SaveAlloc, SaveCommit
-from .meta import SaveOp, live_end
+from .meta import SaveOp, Tables, as_tables, tables_live_end
 from .stats import SchedulerStats
 
 log = logging.getLogger("prefixcache.integrations.vllm")
@@ -90,7 +90,7 @@ class _Save:
     gen: int
     tokens: array
     extra_key: str | None
-    block_ids: array
+    tables: Tables
     ready: bool = False
     prefix: int = 0
     cached: array = field(default_factory=lambda: array("q"))
@@ -145,7 +145,7 @@ class Saves:
         has finished and ``finish`` follows at once."""
         if req_id in self:
             return False
-        self._saves[req_id] = _Save(req_id, gen, tokens, extra_key, array("q"),
+        self._saves[req_id] = _Save(req_id, gen, tokens, extra_key, (),
                                     during_run=during_run, end=len(tokens))
         self._queue(SaveAlloc(req_id, tokens, extra_key))
         return True
@@ -155,8 +155,8 @@ class Saves:
         save = self._saves.get(req_id)
         return save is not None and not save.ready
 
-    def finish(self, req_id: str, block_ids: array, limit: int) -> bool | None:
-        """The request finished with ``block_ids`` and at most its first ``limit``
+    def finish(self, req_id: str, tables: Tables, limit: int) -> bool | None:
+        """The request finished with ``tables`` and at most its first ``limit``
         tokens worth saving. Whether vLLM must keep its blocks for a copy still to
         make; None where no save of it is known (``start`` one for the finish)."""
         if req_id in self._saved:
@@ -170,7 +170,7 @@ class Saves:
         if save.end == 0 or (save.ready and save.written >= save.end):
             self._settle(save)  # nothing (more) to copy: the blocks may go
             return False
-        save.block_ids, save.final = block_ids, _Final.DUE
+        save.tables, save.final = tables, _Final.DUE
         return True
 
     def running(self) -> set[str]:
@@ -183,12 +183,12 @@ class Saves:
         """Whether a finished request's save is not through yet."""
         return any(s.closed for s in self._saves.values())
 
-    def step_ops(self, progress: Mapping[str, tuple[int, Sequence[int]]] | None = None
+    def step_ops(self, progress: Mapping[str, tuple[int, Sequence[Any]]] | None = None
                  ) -> list[SaveOp]:
         """The copies for this step's workers: every finished request's save whose Match
         landed, once; and the tokens of running requests (``progress``: request id ->
-        its tokens computed once this step ran, and its block table in this step) that
-        saves during the run can copy now."""
+        its tokens computed once this step ran, and its block table, or one per KV
+        cache group, in this step) that saves during the run can copy now."""
         out = []
         for save in list(self._saves.values()):
             if not save.ready:
@@ -196,14 +196,14 @@ class Saves:
             if save.final is _Final.DUE:
                 save.final = _Final.SENT
                 self._check_session(save)
-                out.append(self._copy(save, save.block_ids, save.end, during_run=False))
+                out.append(self._copy(save, save.tables, save.end, during_run=False))
             elif (not save.closed and save.during_run and progress
                   and save.req_id in progress and save.written < save.end):
                 computed, table = progress[save.req_id]
                 if min(computed, save.end) <= save.written or not self._check_session(save):
                     self._settle(save)
                     continue
-                op = self._copy(save, array("q", table), computed, during_run=True)
+                op = self._copy(save, as_tables(table), computed, during_run=True)
                 if op is None:
                     self._settle(save)
                 else:
@@ -220,15 +220,16 @@ class Saves:
             return False
         return True
 
-    def _copy(self, save: _Save, table: array, upto: int, *, during_run: bool
+    def _copy(self, save: _Save, tables: Tables, upto: int, *, during_run: bool
               ) -> SaveOp | None:
         """The copy of the save's tokens from ``written`` to ``upto`` (at most its
-        ``end``) out of ``table``, up to a gap (the module docstring): None where a copy
+        ``end``) out of ``tables``, up to a gap in any of them (the module docstring;
+        a pool row holds every group's layers of its token): None where a copy
         during the run has nothing to copy (a finish-time copy goes out even empty: the
         workers then report the request done)."""
         hi = min(upto, save.end)
         if hi > save.written:
-            live = live_end(table, save.written, hi, self.block_size)
+            live = tables_live_end(tables, save.written, hi, self.block_size)
             if live < hi:
                 self.stats.saves_cut += 1
                 save.end = hi = live
@@ -243,8 +244,10 @@ class Saves:
         if during_run:
             report = next(self._copies)
             save.unreported.add(report)
-        return SaveOp(save.req_id, table, lo, slots, save.epoch, save.session_id, save.gen,
-                      during_run=during_run, report=report)
+        first = tables[0] if tables else array("q")
+        return SaveOp(save.req_id, first, lo, slots, save.epoch, save.session_id, save.gen,
+                      during_run=during_run, report=report,
+                      group_block_ids=tables if len(tables) > 1 else ())
 
     def copied(self, reports: Iterable[int]) -> None:
         """The workers made these copies during the run (``SaveOp.report``; a failed

@@ -65,7 +65,7 @@ from .backend import Done, Lookup, Op, Release, SaveAlloc, SaveCommit
 from .config import ConnectorConfig
 from .fast_miss import FastMiss
 from .keys import RequestInfo, lookup_len, save_len
-from .meta import LoadOp, StepMeta, live_from
+from .meta import LoadOp, StepMeta, Tables, as_tables, live_from
 from .saves import Saves
 from .stats import SchedulerStats
 
@@ -103,7 +103,7 @@ class _Reservation:
     session_id: str = ""
     touched: float = 0.0
     local: int = 0
-    block_ids: array = field(default_factory=lambda: array("q"))
+    tables: Tables = ()  # the request's block table of each KV cache group
     num_external: int = 0
     # Why its hit goes unused, told to the service when it is released.
     unused: str | None = None
@@ -211,9 +211,11 @@ class SchedulerCore:
         extra = res.hit - num_computed
         return (extra, False) if extra > 0 else (0, False)
 
-    def allocated(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
-        """``update_state_after_alloc``: vLLM allocated ``block_ids`` and counts
-        ``num_external`` tokens as loaded from us (0: it will not load)."""
+    def allocated(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]],
+                  num_external: int) -> None:
+        """``update_state_after_alloc``: vLLM allocated ``block_ids`` (a table, or one
+        per KV cache group) and counts ``num_external`` tokens as loaded from us (0: it
+        will not load)."""
         res = self._res.get(req_id)
         if res is not None and res.state in (_State.ALLOCATED, _State.LOADING):
             return  # a second call for the same allocation (vLLM's async-load path)
@@ -225,22 +227,23 @@ class SchedulerCore:
             log.warning("request %s: vLLM allocated %d external tokens without a ready "
                         "reservation; they will be recomputed", req_id, num_external)
             res = _Reservation(req_id, -1, 0, array("q"), None, _State.ALLOCATED)
-            res.block_ids, res.hit = array("q", block_ids), -1
+            res.tables, res.hit = as_tables(block_ids), -1
             # Where vLLM's own hit ends is unknown here: every block fails.
-            res.num_external = len(block_ids) * self.block_size
+            res.num_external = max(map(len, res.tables), default=0) * self.block_size
             self._res[req_id] = res
             return
         res.state = _State.ALLOCATED
-        res.block_ids = array("q", block_ids)
+        res.tables = as_tables(block_ids)
         res.num_external = num_external
 
     def build_meta(self, preempted: Iterable[str] = (),
-                   progress: Mapping[str, tuple[int, Sequence[int]]] | None = None
+                   progress: Mapping[str, tuple[int, Sequence[Any]]] | None = None
                    ) -> StepMeta:
         """``build_connector_meta``: the step's loads and saves for the workers. The
         step's queued lookups leave now, as one batch. ``progress``: of the requests
         ``saving_during_run`` names that this step runs, each one's tokens computed
-        once the step ran and its block table in this step."""
+        once the step ran and its block table (or one per KV cache group) in this
+        step."""
         self._absorb()
         self._steps += 1
         for req_id in preempted:
@@ -263,15 +266,16 @@ class SchedulerCore:
         still have tokens to copy: ``build_meta`` wants their progress."""
         return self._saves.running()
 
-    def finished(self, info: RequestInfo, block_ids: Sequence[int],
+    def finished(self, info: RequestInfo, block_ids: Sequence[int] | Sequence[Sequence[int]],
                  num_computed: int) -> bool:
         """``request_finished``: release the request's reservation and save its whole
         blocks (those the save has not copied while it ran). True: vLLM must keep the
         blocks until ``sends_done`` names it."""
         self._absorb()
         self._drop(info.req_id)
-        n = save_len(info, num_computed, len(block_ids), self.block_size, self.config.save)
-        blocks = array("q", block_ids)
+        blocks = as_tables(block_ids)
+        n = save_len(info, num_computed, max(map(len, blocks), default=0), self.block_size,
+                     self.config.save)
         keep = self._saves.finish(info.req_id, blocks, n)
         if keep is None:
             keep = n > 0 and self.disabled is None and self._saves.start(
@@ -378,28 +382,31 @@ class SchedulerCore:
 
     def _load_op(self, res: _Reservation) -> LoadOp:
         end = res.local + res.num_external
+        first, groups = (res.tables[0] if res.tables else array("q")), \
+            (res.tables if len(res.tables) > 1 else ())
         # Tokens in the null block (where vLLM needs no KV: sliding-window blocks
         # before the window) are not loaded; a null block after a live one is a table
         # this side does not understand.
-        start = live_from(res.block_ids, res.local, end, self.block_size)
-        if start is None:
+        starts = [live_from(t, res.local, end, self.block_size) for t in res.tables]
+        if any(start is None for start in starts):
             log.warning("request %s: vLLM's block table for the hit has the null block "
                         "after a block to load; it will be recomputed", res.req_id)
             res.unused = "load_failed"
-            return LoadOp(res.req_id, res.block_ids, res.local, res.num_external, fail=True,
-                          ref=res.gen)
+            return LoadOp(res.req_id, first, res.local, res.num_external, fail=True,
+                          ref=res.gen, group_block_ids=groups)
         if res.hit < 0 or end > res.hit:
             log.warning("request %s: vLLM counts %d external tokens from %d, the "
                         "reservation has %d; they will be recomputed", res.req_id,
                         res.num_external, res.local, res.hit)
             res.unused = "load_failed"  # the service counts the reserved hit so
-            return LoadOp(res.req_id, res.block_ids, res.local, res.num_external, fail=True,
-                          ref=res.gen)
+            return LoadOp(res.req_id, first, res.local, res.num_external, fail=True,
+                          ref=res.gen, group_block_ids=groups)
+        start = min((s for s in starts if s is not None), default=res.local)
         self.stats.loads += 1
         self.stats.load_tokens += res.num_external
-        return LoadOp(res.req_id, res.block_ids, start, end - start,
+        return LoadOp(res.req_id, first, start, end - start,
                       res.slots[start:end], res.epoch, res.session_id, res.tokens[:end],
-                      res.extra_key, ref=res.gen)
+                      res.extra_key, ref=res.gen, group_block_ids=groups)
 
     def _drop(self, req_id: str, unused: str | None = None) -> None:
         """Forget a request's reservation and release its lock (a lookup still out is
