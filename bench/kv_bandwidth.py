@@ -143,7 +143,7 @@ def bench_vllm(client: PrefixCacheClient, target: str, model: str, page: int, n:
             worker = WorkerCore(ConnectorConfig(model=model, target=target, transfer="attach",
                                                 verify_loads=False), page)
             worker.register(caches, backend)
-            order = torch.randperm(blocks)
+            order = torch.randperm(blocks - 1) + 1  # block 0 is vLLM's null block
             save_ids = array("q", order[:n // page].tolist())
             load_ids = array("q", order[-(n // page):].tolist())
             save = StepMeta(saves=[SaveOp("s", save_ids, 0, slots, alloc.server_epoch,

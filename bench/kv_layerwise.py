@@ -106,7 +106,7 @@ def bench_vllm_cuda(client: PrefixCacheClient, target: str, model: str, page: in
     alloc = client.alloc(model, n, session=session)
     slots = array("q", alloc.slots)
     blocks = n // page + 4
-    order = torch.randperm(blocks)[:n // page].tolist()
+    order = (torch.randperm(blocks - 1) + 1)[:n // page].tolist()  # 0: vLLM's null block
     meta = StepMeta([LoadOp("l", array("q", order), 0, n, slots, alloc.server_epoch,
                             session.session_id)])
     nbytes = n * layers * 2 * heads * dim * 2

@@ -31,8 +31,11 @@ REPO = HERE.parents[1]
 TOL = 2e-5
 ENGINE_START_TIMEOUT = 300.0
 CALL_TIMEOUT = 300.0
+HYBRID_LAYERS = 4  # tiny_llama.build_gemma3's
 
-# The sidecar's models: the tiny Llama's KV geometry, pages of 16 and of 32.
+# The sidecar's models: the tiny Llama's KV geometry, pages of 16 and of 32; ``swa``
+# holds its sliding-window twin's KV (the same geometry, another model's KV); ``hybrid``
+# the Gemma-3-style model's (``tiny_llama.build_gemma3``: four layers).
 CONFIG = """\
 server:
   listen: unix:@SOCKET@
@@ -45,6 +48,12 @@ models:
   - name: p32
     page_size: 32
     pool: @POOL@
+  - name: swa
+    page_size: 16
+    pool: @POOL@
+  - name: hybrid
+    page_size: 16
+    pool: @POOL4@
 """
 
 
@@ -72,10 +81,12 @@ class Sidecar:
         self.socket = tmp / "pc.sock"
         self.target = f"unix:{self.socket}"
         self.config = tmp / "pc.yaml"
-        pool = (f"{{size: {size}, layers: {layers}, k_heads: {kv_heads}, "
-                f"k_head_dim: {head_dim}, dtype: float32}}")
-        self.config.write_text(
-            CONFIG.replace("@SOCKET@", str(self.socket)).replace("@POOL@", pool))
+        def pool(n: int) -> str:
+            return (f"{{size: {size}, layers: {n}, k_heads: {kv_heads}, "
+                    f"k_head_dim: {head_dim}, dtype: float32}}")
+        self.config.write_text(CONFIG.replace("@SOCKET@", str(self.socket))
+                               .replace("@POOL@", pool(layers))
+                               .replace("@POOL4@", pool(HYBRID_LAYERS)))
         self.log = tmp / "pc.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
@@ -198,6 +209,11 @@ class Engine:
     def metrics(self) -> dict[str, float]:
         self.send({"op": "metrics"})
         return self.result()
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``LLM.reset_prefix_cache()``: whether vLLM reset its prefix cache."""
+        self.send({"op": "reset"})
+        return bool(self.result()["reset"])
 
     def close(self) -> None:
         if self.proc.poll() is None:

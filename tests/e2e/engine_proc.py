@@ -4,7 +4,8 @@ Started by ``e2e_support.Engine``: ``python engine_proc.py '<json options>'``. v
 logs go to stderr; the protocol has stdout to itself: one JSON object per line each
 way. Commands: ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` answers
 ``{"outputs": [{"tokens", "logprobs", "cached", "finish"}], "seconds"}``;
-``{"op": "metrics"}`` answers vLLM's counters by name; ``{"op": "quit"}`` ends it.
+``{"op": "metrics"}`` answers vLLM's counters by name; ``{"op": "reset"}`` answers
+``{"reset": <what LLM.reset_prefix_cache() returned>}``; ``{"op": "quit"}`` ends it.
 Starting an engine costs tens of seconds on two cores, so each test module keeps its
 engines for all its checks. vLLM's CPU build runs three processes per engine (this one,
 the engine core and its worker: about 2 GB in all), so the tests close the engines they
@@ -56,6 +57,8 @@ def main() -> None:
         if cmd["op"] == "metrics":
             reply: dict[str, Any] = {
                 m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+        elif cmd["op"] == "reset":
+            reply = {"reset": bool(llm.reset_prefix_cache())}
         elif cmd["op"] == "generate":
             params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"],
                                     logprobs=1, ignore_eos=True)

@@ -100,3 +100,19 @@ def test_layerwise_loads_give_vllms_own_hit(sidecar: Sidecar, engines: dict,
         assert "not a layer vLLM registered" not in loader.log_tail(1 << 20)
     finally:
         loader.close()
+
+
+def test_reset_prefix_cache_right_after_the_replies(sidecar: Sidecar, engines: dict) -> None:
+    """``LLM.reset_prefix_cache()`` at once after ``generate`` returned is not refused:
+    the prompts were saved while they ran, so no finished request holds blocks for a
+    save. The reset empties vLLM's own cache: the same prompts then hit the sidecar."""
+    engine = engines[32, "p16", "a"]
+    batch = prompts(8, (100, 200))
+    engine.generate(batch)
+    assert engine.reset_prefix_cache(), engine.log_tail()
+    sidecar.wait_cached("p16", batch, unit=32)
+    before = engine.metrics().get("vllm:external_prefix_cache_hits", 0.0)
+    again = engine.generate(batch)
+    assert [o["cached"] for o in again] == [expected_hit(len(p), 32) for p in batch]
+    after = engine.metrics()["vllm:external_prefix_cache_hits"]
+    assert after - before == sum(o["cached"] for o in again)

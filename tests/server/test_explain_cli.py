@@ -160,8 +160,9 @@ def test_every_outcome_of_a_served_process(tmp_path: Path) -> None:
             _cache(stub, sid, A, None)  # the connector's namespace (no LoRA, no salt)
             grew(miss_namespace=16)
             clock = Clock()
+            # No change log to follow; no save (its own Match would count a hit too).
             core = make_scheduler(address, model="p", clock=clock, lease_ttl=5.0,
-                                  fast_miss=False)  # no change log to follow
+                                  fast_miss=False, save="off")
             try:
                 req = RequestInfo("r", [*A, 1, 2], len(A) + 2)
                 if core.probe(req, 0) == (None, False):  # the lookup is in flight

@@ -1,7 +1,9 @@
 """Fast misses (scheduler.py, "Fast misses"): a prompt the service holds no block of is
 answered "no hit" at its first probe, from the shadow index, with no lookup, no lock
 and no step spent waiting; anything the shadow cannot rule out still looks up. Against
-a real server, whose Subscribe stream feeds the connector's shadow."""
+a real server, whose Subscribe stream feeds the connector's shadow. Saves are off
+where a test counts calls or locks: a request's save (its own Match, at the first
+probe) is test_scheduler's and test_saves_during_run's."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def calls(core: SchedulerCore) -> int:
 def test_a_miss_is_answered_at_the_first_probe_without_a_call(
         server: ServerThread, client: PrefixCacheClient) -> None:
     cache(client, list(range(900, 916)))  # another prompt: the shadow is not empty
-    core = make_scheduler(server.address)
+    core = make_scheduler(server.address, save="off")
     try:
         before = calls(core)
         r = info("m")
@@ -55,7 +57,7 @@ def test_a_miss_is_answered_at_the_first_probe_without_a_call(
 def test_a_prefix_the_shadow_holds_still_looks_up_and_hits(
         server: ServerThread, client: PrefixCacheClient) -> None:
     cache(client, PROMPT[:12])
-    core = make_scheduler(server.address)
+    core = make_scheduler(server.address, save="off")
     try:
         r = info("h")
         assert core.probe(r, 0) == (None, False)  # a hit needs the lookup's lock

@@ -64,7 +64,7 @@ def locks(client: PrefixCacheClient) -> int:
 def test_first_probe_asks_again_and_lookups_leave_as_one_batch(
         server: ServerThread, client: PrefixCacheClient) -> None:
     cache(client, PROMPT[:12])
-    core = make_scheduler(server.address)
+    core = make_scheduler(server.address, save="off")  # locks: the lookups'
     try:
         reqs = [info(f"r{i}") for i in range(5)]
         assert [core.probe(r, 0) for r in reqs] == [(None, False)] * 5
@@ -147,7 +147,7 @@ def test_preemption_releases_and_a_new_attempt_looks_up_again(
 def test_aborted_requests_release_even_when_their_lookup_lands_later(
         server: ServerThread, client: PrefixCacheClient) -> None:
     cache(client, PROMPT[:16])
-    core = make_scheduler(server.address)
+    core = make_scheduler(server.address, save="off")  # locks: the lookups'
     try:
         r = info("x")
         assert core.probe(r, 0) == (None, False)
@@ -212,7 +212,7 @@ def test_a_load_vllm_counts_beyond_the_reservation_fails_and_is_counted(
 def test_allocation_without_external_tokens_releases(
         server: ServerThread, client: PrefixCacheClient) -> None:
     cache(client, PROMPT[:8])
-    core = make_scheduler(server.address)
+    core = make_scheduler(server.address, save="off")  # locks: the lookups'
     try:
         r = info("z")
         assert answer(core, r) == (8, False)
@@ -320,7 +320,8 @@ def test_the_service_down_means_misses_and_skipped_saves(tmp_path: object) -> No
         (save,) = core.build_meta().saves
         assert len(save.slots) == 0  # nothing to copy; vLLM frees the blocks
         core.sends_done({"down"})
-        assert core.stats.lookup_errors == 1 and core.stats.saves_skipped == 1
+        # Skipped twice: the save's Match at the first probe, and the finish's.
+        assert core.stats.lookup_errors == 1 and core.stats.saves_skipped == 2
         # Right after a failure, lookups are answered "miss" without waiting out a
         # deadline each.
         assert answer(core, info("next")) == (0, False)
@@ -365,12 +366,14 @@ def test_bad_settings_are_refused_with_the_key_named() -> None:
 def test_disabled_by_a_worker_it_looks_nothing_up_and_saves_nothing(
         server: ServerThread, client: PrefixCacheClient) -> None:
     """A worker disabled the connector (its step output says so): the reservations
-    not yet loading are released, and no later probe looks up, no finish saves."""
+    not yet loading are released, so are the saves of running requests, and no later
+    probe looks up, no finish saves."""
     cache(client, PROMPT[:12])
     core = make_scheduler(server.address)
     try:
         assert answer(core, info("r1")) == (12, False)
-        assert locks(client) == 1
+        assert locks(client) == 2  # the hit's, and the save's (its 4 slots allocated)
+        assert client.stats("v")["v"].session_slots == 4
         core.disable("layer 'l0': an unknown backend")
         quiesce(core)
         assert locks(client) == 0
@@ -381,5 +384,31 @@ def test_disabled_by_a_worker_it_looks_nothing_up_and_saves_nothing(
         quiesce(core)
         assert core.stats.lookups == lookups and core.stats.saves == 0
         assert client.stats("v")["v"].session_slots == 0
+    finally:
+        core.close()
+
+
+def test_vllm_steps_on_until_a_finished_requests_lock_is_released(
+        server: ServerThread, client: PrefixCacheClient) -> None:
+    """A loaded hit's lock outlives its request by two steps (the load may run a step
+    late), and its save concluded while it ran: with no request left, the core still
+    asks vLLM to step (``has_pending_work``) until the release is out, so that an idle
+    engine holds no lock."""
+    cache(client, PROMPT[:16])
+    core = make_scheduler(server.address)
+    try:
+        r = info("l")
+        assert answer(core, r) == (16, False)
+        core.allocated("l", [1, 2, 3, 4, 5], 16)
+        assert len(core.build_meta().loads) == 1
+        assert not core.finished(r, [1, 2, 3, 4, 5], 17)  # the tree has the prompt
+        assert not core.has_pending_saves() and core.has_pending_work()
+        steps = 0
+        while core.has_pending_work():
+            core.build_meta()
+            settle(core)
+            steps += 1
+            assert steps <= 4
+        assert locks(client) == 0
     finally:
         core.close()

@@ -375,3 +375,144 @@ def test_a_worker_that_disables_the_connector_stops_lookups_and_saves(
     finally:
         scheduler.shutdown()
         worker.shutdown()
+
+
+def kv_cache_config(spec: Any) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    names = [f"model.layers.{n}.self_attn.attn" for n in range(LAYERS)]
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+
+
+def test_a_sliding_window_request_is_saved_while_it_runs_through_vllm_objects(
+        server: ServerThread, client: PrefixCacheClient) -> None:
+    """A sliding-window group (vLLM's ``SlidingWindowSpec``): the request's save starts
+    at its first probe, which waits for it; each step's computed tokens are copied after
+    the forward, from the table vLLM offers the connector (the scheduler output's block
+    state), and reported with the step's worker metadata: all four blocks are inserted
+    while the request runs, though vLLM freed the first one meanwhile, and the finish
+    holds no block."""
+    from vllm.v1.core.sched.output import KVConnectorBlockState, NewRequestData
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from prefixcache.integrations.vllm.connector import frees_blocks_while_running
+
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
+                               dtype=torch.float16, sliding_window=2 * BLOCK)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
+                             dtype=torch.float16)
+    assert frees_blocks_while_running(kv_cache_config(window))
+    assert not frees_blocks_while_running(kv_cache_config(full))
+    config = vllm_config(server.address)
+    scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER,
+                                                    kv_cache_config(window))
+    worker = KVConnectorFactory.create_connector(config, Role.WORKER,
+                                                 kv_cache_config(window))
+    tables = {"A": list(A_BLOCKS)}
+
+    def run(out: SchedulerOutput) -> None:
+        out.kv_connector_block_state = KVConnectorBlockState(
+            set(out.num_scheduled_tokens), lambda req_id: (tables[req_id],), {})
+        meta = scheduler.build_connector_meta(out)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        sending, _ = worker.get_finished(out.finished_req_ids)
+        worker.clear_connector_metadata()
+        scheduler.update_connector_output(KVConnectorOutput(
+            finished_sending=sending,
+            kv_connector_worker_meta=worker.build_connector_worker_meta()))
+        scheduler._sched.backend.wait_idle(10.0)
+
+    try:
+        caches = make_caches("bhn2d")
+        worker.register_kv_caches(caches)
+        views = [split_kv(n, t, "bhn2d", DIM) for n, t in caches.items()]
+        want = [token_rows(v, A_BLOCKS, 16) for v in views]
+        a = request("A")
+        assert scheduler.get_num_new_matched_tokens(a, 0) == (None, False)
+        run(SchedulerOutput.make_empty())
+        assert scheduler.get_num_new_matched_tokens(a, 0) == (0, False)
+        scheduler.update_state_after_alloc(a, blocks(A_BLOCKS), 0)
+        first = SchedulerOutput.make_empty()  # a chunk of 10 prompt tokens
+        first.scheduled_new_reqs = [NewRequestData.from_request(a, (list(A_BLOCKS),))]
+        first.num_scheduled_tokens = {"A": 10}
+        run(first)
+        a.num_computed_tokens = 10
+        tables["A"] = [0, *A_BLOCKS[1:]]  # vLLM freed the first block: the null block
+        second = SchedulerOutput.make_empty()
+        second.scheduled_cached_reqs.req_ids = ["A"]
+        second.scheduled_cached_reqs.num_computed_tokens = [10]
+        second.num_scheduled_tokens = {"A": 8}
+        run(second)
+        assert worker._work.saved_tokens == 16
+        with client.session(10.0) as s:  # inserted while A runs, the copies reported
+            hit = s.match("v", PROMPT, lock=True)
+            rows = s.read_kv("v", hit.slots)
+            s.unlock(hit.lock_id)
+        assert hit.prefix_len == 16
+        a.num_computed_tokens = 20
+        keep, _ = scheduler.request_finished(a, [0, 0, *A_BLOCKS[2:]])
+        assert not keep  # nothing left to copy: vLLM frees the blocks at once
+        got = [torch.stack([rows.k[n], rows.v[n]]).contiguous().view(torch.uint8)
+               for n in range(LAYERS)]
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        assert not scheduler.has_pending_push_work()
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_a_mamba_group_disables_the_connector_with_one_error_line(
+        server: ServerThread, client: PrefixCacheClient,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An attention group and a Mamba group (vLLM's hybrid manager, e.g. Nemotron-H):
+    the connector supports vLLM's hybrid manager, so vLLM starts, but the Mamba state is
+    not K/V per token: the worker says so in one error line, the scheduler side looks
+    nothing up and saves nothing, and vLLM computes everything."""
+    import logging
+
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+
+    from prefixcache.integrations.vllm.connector import group_problem, layer_groups
+
+    assert base.supports_hma(base.KVConnectorBase_V1) is False
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
+                             dtype=torch.float16)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 8), (2, 4, 4)),
+                      dtypes=(torch.float32, torch.float32))
+    config_ = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.mixer"], mamba),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full)])
+    assert "KV cache group 0 is MambaSpec" in (group_problem(config_) or "")
+    assert layer_groups(config_) == {"model.layers.0.mixer": 0,
+                                     "model.layers.1.self_attn.attn": 1}
+    config = vllm_config(server.address)
+    with caplog.at_level(logging.INFO, "prefixcache.integrations.vllm"):
+        scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, config_)
+        worker = KVConnectorFactory.create_connector(config, Role.WORKER, config_)
+    try:
+        assert base.supports_hma(scheduler)
+        caplog.clear()  # (the test config's kv_load_failure_policy warns at start)
+        with caplog.at_level(logging.INFO, "prefixcache.integrations.vllm"):
+            worker.register_kv_caches(make_caches("bhn2d"))
+            b = request("B")
+            for _ in range(2):
+                assert scheduler.get_num_new_matched_tokens(b, 0) == (0, False)
+                step(scheduler, worker)
+            b.num_computed_tokens = 18
+            assert scheduler.request_finished_all_groups(b, ([], A_BLOCKS)) == (False, None)
+        assert scheduler._sched.stats.lookups == 0
+        assert client.stats("v")["v"].session_slots == 0
+        errors = [r.getMessage() for r in caplog.records
+                  if r.levelno >= logging.WARNING and r.name.startswith("prefixcache")]
+        assert len(errors) == 1 and "MambaSpec" in errors[0], errors
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()

@@ -280,7 +280,8 @@ def test_a_killed_service_fails_the_load_and_nothing_raises(
         assert worker.load_failures == {reason: 1}
         assert LOAD_FAILURE_REASONS[reason] in caplog.text
         assert "no longer hold" not in caplog.text
-        assert core.finished(b, B_BLOCKS, 18)  # a save starts, and is skipped
+        # B's save, at its first probe, found its prompt in the tree: nothing to save.
+        assert not core.finished(b, B_BLOCKS, 18)
         for _ in range(3):
             step(core, [worker], {"B"})
         assert not core.has_pending_saves()

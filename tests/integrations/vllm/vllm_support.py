@@ -61,16 +61,18 @@ class Clock:
 
 def make_scheduler(address: str, model: str = "v", clock: Clock | None = None, *,
                    block: int = BLOCK, wait_shadow: bool = True,
-                   **settings: object) -> SchedulerCore:
+                   during_run_saves: bool = False, **settings: object) -> SchedulerCore:
     """A scheduler core; with ``fast_miss`` (the default) it waits for its shadow
     index's first snapshot (``wait_shadow``), so that a test starts where an engine
-    runs: the shadow current, a miss answered at the first probe."""
+    runs: the shadow current, a miss answered at the first probe. ``during_run_saves``:
+    as for a sliding-window engine."""
     config = ConnectorConfig(model=model, target=address, **settings)  # type: ignore[arg-type]
     backend = RpcBackend(config)
     if wait_shadow and backend.shadow is not None and not backend.wait_fast_miss(10.0):
         raise TimeoutError("the connector's shadow index got no snapshot, or ListModels "
                            "did not answer")
-    return SchedulerCore(backend, config, block, clock or Clock())
+    return SchedulerCore(backend, config, block, clock or Clock(),
+                         during_run_saves=during_run_saves)
 
 
 def shadow_holds(core: SchedulerCore, tokens: Sequence[int], key: str | None = None

@@ -8,7 +8,9 @@
 
 The engine-free core holds all the logic: ``scheduler`` (asynchronous batched lookups,
 leased reservations) with ``fast_miss`` (misses answered from a shadow index) and
-``saves`` (whole-request saves), ``worker`` with ``attn_backends`` (each
+``saves`` (prompts saved while their requests run, the rest at the finish), ``meta``
+(the step's records; one block table per KV cache group under vLLM's hybrid KV cache
+manager; the null block), ``worker`` with ``attn_backends`` (each
 attention backend's KV layout), ``layout`` and ``pool_access`` (per-token copies
 between the pool and vLLM's blocks), ``layerwise`` (loads issued layer by layer on a
 GPU stream), ``keys`` and ``config``.

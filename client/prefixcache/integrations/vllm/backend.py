@@ -169,6 +169,11 @@ class RpcBackend:
             except queue.Empty:
                 return out
 
+    def in_flight(self) -> bool:
+        """Whether a call is out, or done and not drained yet."""
+        with self._lock:
+            return self._inflight > 0 or not self._done.empty()
+
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until no call is in flight (tests, shutdown); False on timeout."""
         with self._idle:

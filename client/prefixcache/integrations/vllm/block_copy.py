@@ -220,28 +220,32 @@ def view_spans(view: Any, block_ids: array, start: int, count: int, block_size: 
     return found
 
 
-def save_rows(layers: list[Any], block_ids: array, start: int, count: int, block_size: int
+def save_rows(layers: list[Any], tables: tuple[array, ...], start: int, count: int,
+              block_size: int
               ) -> tuple[Callable[[int], tuple[Any, Any | None]],
                          Callable[[int, Any, Any | None], None]]:
     """A save's two ways to the pool's rows of tokens ``start ..`` (``count`` of them):
     ``source(layer)``, the rows gathered token by token (for slots that are not one
     run), and ``fill(layer, k, v)``, which copies each span of whole kernel blocks
-    straight into the pool's rows ``k``/``v`` (slots that are one run)."""
+    straight into the pool's rows ``k``/``v`` (slots that are one run). Each layer
+    reads the block table of its KV cache group (``tables[view.group]``)."""
     positions: dict[int, tuple[Any, Any]] = {}
-    memo: SpanMemo = {}
+    memos: dict[int, SpanMemo] = {}
 
     def source(layer: int) -> tuple[Any, Any | None]:
         view = layers[layer]
         if layer not in positions:
-            positions[layer] = block_positions(block_ids, start, count, block_size,
-                                               view.kernel_block_size, view.k.device)
+            positions[layer] = block_positions(tables[view.group], start, count,
+                                               block_size, view.kernel_block_size,
+                                               view.k.device)
         blocks, offsets = positions[layer]
         k = gather_blocks(view.k, blocks, offsets)
         return k, None if view.v is None else gather_blocks(view.v, blocks, offsets)
 
     def fill(layer: int, k: Any, v: Any | None) -> None:
         view = layers[layer]
-        for span in view_spans(view, block_ids, start, count, block_size, memo):
+        memo = memos.setdefault(view.group, {})
+        for span in view_spans(view, tables[view.group], start, count, block_size, memo):
             save_span(view.k, span, k[span.lo:span.hi])
             if view.v is not None and v is not None:
                 save_span(view.v, span, v[span.lo:span.hi])

@@ -20,6 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+
+try:  # vLLM's hybrid KV cache manager (HMA): one block table per KV cache group
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # vLLM releases before it: one group, request_finished only
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -61,11 +67,14 @@ class PrefixCacheWorkerMetadata(KVConnectorWorkerMetadata):
     failed_saves: set[int] = field(default_factory=set)
     # Why a worker disabled the connector ("" if none did): the scheduler side stops.
     disabled: str = ""
+    # The copies of running requests the workers made in the step (SaveOp.report).
+    copied: set[int] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, PrefixCacheWorkerMetadata):
             self.failed_loads |= other.failed_loads
             self.failed_saves |= other.failed_saves
+            self.copied |= other.copied
             self.disabled = self.disabled or other.disabled
         return self
 
@@ -127,8 +136,14 @@ class PrefixCachePromMetrics(KVConnectorPromMetrics):
             self._failures.labels(*labels, reason).inc(int(count))
 
 
-class PrefixCacheConnector(KVConnectorBase_V1):
-    """prefixcache as vLLM's external KV cache tier (see the package docstring)."""
+class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """prefixcache as vLLM's external KV cache tier (see the package docstring).
+
+    It supports vLLM's hybrid KV cache manager for attention groups (full attention,
+    sliding window: each layer's copies use its group's block table) and refuses, with
+    one error line, a layout with any other group (Mamba state), which it would have
+    to save at block boundaries (``group_problem``): vLLM then computes everything.
+    """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
@@ -148,6 +163,8 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         self._scheduler: SchedulerCore | None = None
         self._worker: WorkerCore | None = None
+        self._groups = layer_groups(kv_cache_config)
+        self._group_problem = group_problem(kv_cache_config)
         # MLA ranks each hold the whole latent and rank 0 alone saves it, whole rows:
         # WriteKV serves that at any tensor-parallel size.
         mla = bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
@@ -157,7 +174,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                 log.warning("prefixcache: WriteKV cannot save from %d tensor-parallel "
                             "ranks; saves are off (use transfer 'attach')", tp_size)
                 config = dataclasses.replace(config, save="off")
-            self._scheduler = SchedulerCore(RpcBackend(config), config, block_size)
+            self._scheduler = SchedulerCore(
+                RpcBackend(config), config, block_size,
+                during_run_saves=frees_blocks_while_running(kv_cache_config))
+            if self._group_problem is not None:  # the workers say why, once
+                self._scheduler.disable(self._group_problem)
         else:
             self._worker = WorkerCore(config, block_size, tp_rank=_tp_rank(),
                                       tp_size=tp_size)
@@ -186,12 +207,37 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else ()
+        ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
         self._sched.allocated(request.request_id, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
-        return PrefixCacheConnectorMetadata(self._sched.build_meta(preempted))
+        return PrefixCacheConnectorMetadata(
+            self._sched.build_meta(preempted, self._progress(scheduler_output)))
+
+    def _progress(self, scheduler_output: SchedulerOutput
+                  ) -> dict[str, tuple[int, tuple[list[int], ...]]] | None:
+        """For the requests saved while they run that this step runs: their tokens
+        computed once it ran, and their block tables now (one per KV cache group, with
+        the null block where vLLM freed blocks), as vLLM offers them to connectors (the
+        scheduler output's ``kv_connector_block_state``; before it, the KV cache
+        manager's)."""
+        want = self._sched.saving_during_run()
+        if not want:
+            return None
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        manager = getattr(self, "_kv_cache_manager", None)
+        resolve = state.resolve_block_ids if state is not None else \
+            getattr(manager, "get_block_ids", None)
+        if resolve is None:  # no table: the finish saves what is left (saves.py)
+            return None
+        scheduled = scheduler_output.num_scheduled_tokens
+        out = {}
+        for req_id, before in computed_before(scheduler_output):
+            if req_id in want and req_id in scheduled:
+                out[req_id] = (before + int(scheduled[req_id]),
+                               tuple(list(table) for table in resolve(req_id)))
+        return out
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -199,11 +245,19 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                                         int(request.num_computed_tokens))
         return keep, None
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        keep = self._sched.finished(request_info(request), tuple(block_ids),
+                                    int(request.num_computed_tokens))
+        return keep, None
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, PrefixCacheWorkerMetadata):
             self._sched.loads_failed(meta.failed_loads)
             self._sched.saves_failed(meta.failed_saves)
+            self._sched.saves_copied(meta.copied)
             if meta.disabled:
                 self._sched.disable(meta.disabled)
         self._sched.sends_done(connector_output.finished_sending or ())
@@ -211,8 +265,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     # --------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self._group_problem is not None:
+            self._work.disable(self._group_problem)
+            return
         backends = attention_backends(self._vllm_config, kv_caches)
-        self._work.register(kv_caches, backends)
+        self._work.register(kv_caches, backends, self._groups)
         problem = check_cpu_layout(self._work, kv_caches, backends)
         if problem is not None:
             self._work.disable(problem)
@@ -243,9 +300,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         loads, saves = self._work.take_failed_loads(), self._work.take_failed_saves()
-        disabled = self._work.disabled or ""
-        return PrefixCacheWorkerMetadata(loads, saves, disabled) \
-            if loads or saves or disabled else None
+        copied, disabled = self._work.take_copied(), self._work.disabled or ""
+        return PrefixCacheWorkerMetadata(loads, saves, disabled, copied) \
+            if loads or saves or disabled or copied else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:
@@ -267,14 +324,79 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                                       per_engine_labelvalues)
 
     def has_pending_push_work(self) -> bool:
-        # Keep vLLM stepping until every finished request's save is through.
-        return self._scheduler is not None and self._scheduler.has_pending_saves()
+        # Keep vLLM stepping until every finished request's save is through, and every
+        # release of its locks sent.
+        return self._scheduler is not None and self._scheduler.has_pending_work()
 
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
         if self._worker is not None:
             self._worker.close()
+
+
+def layer_groups(kv_cache_config: Any) -> dict[str, int] | None:
+    """Each layer's KV cache group, where vLLM made more than one (its hybrid
+    manager): the group whose block table the layer's copies use."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) <= 1:
+        return None
+    return {name: index for index, group in enumerate(groups) for name in group.layer_names}
+
+
+def group_problem(kv_cache_config: Any) -> str | None:
+    """Why the connector cannot serve ``kv_cache_config``'s groups, or None: every
+    group must hold attention K/V per token (full attention, sliding window, MLA); a
+    Mamba group's state lives at block boundaries, which the connector does not save."""
+    if kv_cache_config is None:
+        return None
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) \
+            else (spec,)
+        for one in specs:
+            if not isinstance(one, AttentionSpec):
+                return (f"KV cache group {index} is {type(one).__name__} (layers "
+                        f"{', '.join(group.layer_names[:3])}...): the connector saves and "
+                        "loads attention K/V only, not Mamba or other state")
+    return None
+
+
+def frees_blocks_while_running(kv_cache_config: Any) -> bool:
+    """Whether vLLM frees blocks of running requests in ``kv_cache_config``'s groups:
+    any group but full attention (sliding window, chunked local attention, ...),
+    whose requests the connector saves while they run."""
+    if kv_cache_config is None:  # vLLM releases before kv_cache_config
+        return False
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SinkFullAttentionSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    keeps = (FullAttentionSpec, MLAAttentionSpec, SinkFullAttentionSpec)
+
+    def keeps_blocks(spec: Any) -> bool:
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            return all(keeps_blocks(s) for s in spec.kv_cache_specs.values())
+        return type(spec) in keeps
+
+    return not all(keeps_blocks(group.kv_cache_spec)
+                   for group in kv_cache_config.kv_cache_groups)
+
+
+def computed_before(scheduler_output: Any) -> list[tuple[str, int]]:
+    """Each request the step runs, with its tokens computed before the step."""
+    out = [(r.req_id, int(r.num_computed_tokens))
+           for r in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    out.extend((req_id, int(n)) for req_id, n in zip(cached.req_ids,
+                                                     cached.num_computed_tokens,
+                                                     strict=True))
+    return out
 
 
 def attention_backends(vllm_config: Any, kv_caches: dict[str, Any]

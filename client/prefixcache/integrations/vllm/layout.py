@@ -32,7 +32,7 @@ be smaller than vLLM's (a "kernel block"): vLLM block ``b`` is kernel blocks
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ class LayerView:
     k: Any
     v: Any | None
     layout: str
+    group: int = 0  # the layer's KV cache group: which of a request's block tables
 
     @property
     def mla(self) -> bool:
@@ -176,10 +177,14 @@ def split_kv(name: str, tensor: Any, layout: str, head_dim: int) -> LayerView:
     return LayerView(name, k, v, layout)
 
 
-def unique_layers(kv_caches: dict[str, Any]) -> list[tuple[str, Any]]:
-    """The layers in vLLM's order, once per tensor: layers that share a cache (KV
-    sharing across layers) hold one pool layer between them."""
-    numbers = layer_numbers(kv_caches)
+def unique_layers(kv_caches: dict[str, Any], groups: Mapping[str, int] | None = None
+                  ) -> list[tuple[str, Any]]:
+    """The layers in vLLM's order, once per tensor and KV cache group (``groups``: each
+    layer's): layers of one group that share a cache (KV sharing across layers) hold
+    one pool layer between them; layers of different groups that share a tensor (the
+    hybrid manager's one buffer under a layer of each group) keep their KV in blocks of
+    their own groups, one pool layer each."""
+    numbers = layer_numbers(kv_caches, groups)
     seen: set[int] = set()
     out = []
     for name, tensor in kv_caches.items():
@@ -189,13 +194,15 @@ def unique_layers(kv_caches: dict[str, Any]) -> list[tuple[str, Any]]:
     return out
 
 
-def layer_numbers(kv_caches: dict[str, Any]) -> dict[str, int]:
-    """Every layer's name and the index of its cache in ``unique_layers``: layers that
-    share a cache share its index."""
-    first: dict[tuple[int, tuple[int, ...]], int] = {}
+def layer_numbers(kv_caches: dict[str, Any], groups: Mapping[str, int] | None = None
+                  ) -> dict[str, int]:
+    """Every layer's name and the index of its cache in ``unique_layers``: layers of
+    one group that share a cache share its index."""
+    first: dict[tuple[int, tuple[int, ...], int], int] = {}
     out = {}
     for name, tensor in kv_caches.items():
-        key = (int(tensor.data_ptr()), tuple(tensor.shape))
+        group = groups.get(name, 0) if groups else 0
+        key = (int(tensor.data_ptr()), tuple(tensor.shape), group)
         out[name] = first.setdefault(key, len(first))
     return out
 

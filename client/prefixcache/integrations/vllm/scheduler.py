@@ -29,9 +29,16 @@ generation (``LoadOp.ref``): the reservation's release, when it comes, tells the
 service ``load_failed``, so the service counts the hit under that outcome once (the
 ranks' reports are one set; the release is one call, which was due anyway).
 
-Saves (``saves.py``). A finished request's whole blocks are stored with one locking,
-allocating Match, a copy by every worker, then an Insert once all workers are done;
-a save whose copy failed in any worker gives its slots back instead.
+Saves (``saves.py``). A request's prompt is saved while it runs (``save: prompt``): the
+save's Match leaves with the request's lookup, each step's computed prompt tokens are
+copied after its forward (``build_meta``'s ``progress``), and the save inserts once the
+workers report every copy, so that a finished request holds no blocks for it. What
+that did not get (and ``save: all``'s output) is saved at the finish: one locking,
+allocating Match, a copy by every worker, then an Insert once all workers are done; a
+save whose copy failed in any worker gives its slots back instead. Where vLLM frees a
+request's blocks while it runs (``during_run_saves``: a sliding-window KV cache group),
+the first probe answers "ask again" until the save's Match has landed, so that no step
+runs before its copies can be planned; a miss then waits a step too, as a lookup does.
 
 Disabled. A worker that cannot copy (an unknown KV layout, a pool that does not fit)
 says so with a step's output (``disable``): from then on the core looks nothing up and
@@ -48,7 +55,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import count
@@ -58,7 +65,7 @@ from .backend import Done, Lookup, Op, Release, SaveAlloc, SaveCommit
 from .config import ConnectorConfig
 from .fast_miss import FastMiss
 from .keys import RequestInfo, lookup_len, save_len
-from .meta import LoadOp, StepMeta
+from .meta import LoadOp, StepMeta, Tables, as_tables, live_from
 from .saves import Saves
 from .stats import SchedulerStats
 
@@ -96,7 +103,7 @@ class _Reservation:
     session_id: str = ""
     touched: float = 0.0
     local: int = 0
-    block_ids: array = field(default_factory=lambda: array("q"))
+    tables: Tables = ()  # the request's block table of each KV cache group
     num_external: int = 0
     # Why its hit goes unused, told to the service when it is released.
     unused: str | None = None
@@ -110,19 +117,24 @@ class SchedulerCore:
         config: the connector's settings.
         block_size: vLLM's block size in tokens; hits and saves are whole blocks.
         clock: seconds, for leases (monotonic).
+        during_run_saves: vLLM frees blocks of running requests (a sliding-window
+            group): vLLM waits for each request's save before it runs (see the module
+            docstring).
     """
 
     def __init__(self, backend: Backend, config: ConnectorConfig, block_size: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 during_run_saves: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.backend = backend
         self.config = config
         self.block_size = block_size
         self.clock = clock
+        self.during_run_saves = during_run_saves
         self.stats = SchedulerStats()
         self._res: dict[str, _Reservation] = {}
-        self._saves = Saves(self.stats, self._queue, backend.session_alive)
+        self._saves = Saves(self.stats, self._queue, backend.session_alive, block_size)
         self._misses = FastMiss(backend.shadow_hit, block_size, clock,
                                 grace=max(2 * config.timeout, 1.0))
         self._gens = count(1)
@@ -140,12 +152,34 @@ class SchedulerCore:
         local hit), None while the lookup is out. Loads are synchronous (False)."""
         self._absorb()
         self.stats.probes += 1
-        if not self.config.load or self.disabled is not None:
+        if self.disabled is not None:
             return 0, False
         if info.miss_reason() is not None:
             self.stats.misses_ineligible += 1
             self._drop(info.req_id)
             return 0, False
+        waiting = self._save_before_run(info)
+        answer = self._answer(info, num_computed) if self.config.load else (0, False)
+        return (None, False) if waiting else answer
+
+    def _save_before_run(self, info: RequestInfo) -> bool:
+        """Start the save of a request's prompt (its whole blocks) at its first probe,
+        to copy while it runs; ``save: all`` saves at the finish instead, unless vLLM
+        frees blocks of running requests (``during_run_saves``). True while such a
+        save's Match is out: the request must not run before its slots are known."""
+        mode = self.config.save
+        if mode == "off" or (mode == "all" and not self.during_run_saves):
+            return False
+        if info.req_id not in self._saves:
+            n = info.num_prompt_tokens // self.block_size * self.block_size
+            if n == 0:
+                return False
+            self._saves.start(info.req_id, next(self._gens), array("q", info.tokens[:n]),
+                              info.extra_key, during_run=True)
+        return self.during_run_saves and self._saves.waiting(info.req_id)
+
+    def _answer(self, info: RequestInfo, num_computed: int) -> tuple[int | None, bool]:
+        """The lookup's answer to a probe (``probe``)."""
         res = self._res.get(info.req_id)
         if res is not None and (res.attempt != info.attempt
                                 or res.state not in (_State.LOOKING, _State.READY)):
@@ -177,9 +211,11 @@ class SchedulerCore:
         extra = res.hit - num_computed
         return (extra, False) if extra > 0 else (0, False)
 
-    def allocated(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
-        """``update_state_after_alloc``: vLLM allocated ``block_ids`` and counts
-        ``num_external`` tokens as loaded from us (0: it will not load)."""
+    def allocated(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]],
+                  num_external: int) -> None:
+        """``update_state_after_alloc``: vLLM allocated ``block_ids`` (a table, or one
+        per KV cache group) and counts ``num_external`` tokens as loaded from us (0: it
+        will not load)."""
         res = self._res.get(req_id)
         if res is not None and res.state in (_State.ALLOCATED, _State.LOADING):
             return  # a second call for the same allocation (vLLM's async-load path)
@@ -191,18 +227,23 @@ class SchedulerCore:
             log.warning("request %s: vLLM allocated %d external tokens without a ready "
                         "reservation; they will be recomputed", req_id, num_external)
             res = _Reservation(req_id, -1, 0, array("q"), None, _State.ALLOCATED)
-            res.block_ids, res.hit = array("q", block_ids), -1
+            res.tables, res.hit = as_tables(block_ids), -1
             # Where vLLM's own hit ends is unknown here: every block fails.
-            res.num_external = len(block_ids) * self.block_size
+            res.num_external = max(map(len, res.tables), default=0) * self.block_size
             self._res[req_id] = res
             return
         res.state = _State.ALLOCATED
-        res.block_ids = array("q", block_ids)
+        res.tables = as_tables(block_ids)
         res.num_external = num_external
 
-    def build_meta(self, preempted: Iterable[str] = ()) -> StepMeta:
+    def build_meta(self, preempted: Iterable[str] = (),
+                   progress: Mapping[str, tuple[int, Sequence[Any]]] | None = None
+                   ) -> StepMeta:
         """``build_connector_meta``: the step's loads and saves for the workers. The
-        step's queued lookups leave now, as one batch."""
+        step's queued lookups leave now, as one batch. ``progress``: of the requests
+        ``saving_during_run`` names that this step runs, each one's tokens computed
+        once the step ran and its block table (or one per KV cache group) in this
+        step."""
         self._absorb()
         self._steps += 1
         for req_id in preempted:
@@ -216,20 +257,31 @@ class SchedulerCore:
             if res.state is _State.ALLOCATED:
                 meta.loads.append(self._load_op(res))
                 res.state = _State.LOADING
-        meta.saves = self._saves.step_ops()
+        meta.saves = self._saves.step_ops(progress)
         self._flush()
         return meta
 
-    def finished(self, info: RequestInfo, block_ids: Sequence[int],
+    def saving_during_run(self) -> set[str]:
+        """The requests whose saves copy while they run (``during_run_saves``) and
+        still have tokens to copy: ``build_meta`` wants their progress."""
+        return self._saves.running()
+
+    def finished(self, info: RequestInfo, block_ids: Sequence[int] | Sequence[Sequence[int]],
                  num_computed: int) -> bool:
-        """``request_finished``: release the request's reservation and start saving its
-        whole blocks. True: vLLM must keep the blocks until ``sends_done`` names it."""
+        """``request_finished``: release the request's reservation and save its whole
+        blocks (those the save has not copied while it ran). True: vLLM must keep the
+        blocks until ``sends_done`` names it."""
         self._absorb()
         self._drop(info.req_id)
-        n = save_len(info, num_computed, len(block_ids), self.block_size, self.config.save)
-        keep = n > 0 and self.disabled is None and self._saves.start(info.req_id, next(self._gens),
-                                           array("q", info.tokens[:n]), info.extra_key,
-                                           array("q", block_ids))
+        blocks = as_tables(block_ids)
+        n = save_len(info, num_computed, max(map(len, blocks), default=0), self.block_size,
+                     self.config.save)
+        keep = self._saves.finish(info.req_id, blocks, n)
+        if keep is None:
+            keep = n > 0 and self.disabled is None and self._saves.start(
+                info.req_id, next(self._gens), array("q", info.tokens[:n]), info.extra_key)
+            if keep:
+                self._saves.finish(info.req_id, blocks, n)
         self._flush()
         return keep
 
@@ -259,6 +311,12 @@ class SchedulerCore:
                 self.stats.loads_failed += release.unused != "load_failed"
                 release.unused = "load_failed"
 
+    def saves_copied(self, reports: Iterable[int]) -> None:
+        """The copies of running requests the workers made (``SaveOp.report``, over the
+        ranks of a step): a save whose copies are all made inserts."""
+        self._saves.copied(reports)
+        self._flush()
+
     def saves_failed(self, refs: Iterable[int]) -> None:
         """The workers' saves whose copies failed, by ``SaveOp.ref``, summed over the
         ranks: their slots are given back when ``sends_done`` names their requests,
@@ -267,7 +325,8 @@ class SchedulerCore:
 
     def disable(self, reason: str) -> None:
         """A worker disabled the connector (see the module docstring): look nothing up
-        and save nothing from now on. The reservations not yet loading are released."""
+        and save nothing from now on. The reservations not yet loading are released,
+        and the saves of running requests given back once no copy into them is out."""
         if self.disabled is not None:
             return
         self.disabled = reason
@@ -275,6 +334,7 @@ class SchedulerCore:
         for req_id in [k for k, r in self._res.items()
                        if r.state in (_State.LOOKING, _State.READY)]:
             self._drop(req_id)
+        self._saves.stop_running()
         self._flush()
 
     def close(self) -> None:
@@ -300,7 +360,19 @@ class SchedulerCore:
             close()
 
     def has_pending_saves(self) -> bool:
-        return bool(self._saves)
+        """Whether a finished request's save is not through."""
+        return self._saves.pending_finished()
+
+    def has_pending_work(self) -> bool:
+        """Whether vLLM must step on with no request left (its
+        ``has_pending_push_work``): a finished request's save is not through, a release
+        waits for its step (``_later``) or for the next dispatch, or a call is out whose
+        answer may need one (a lock nobody wants any more). Each step absorbs and
+        dispatches; none of these outlives the calls' deadline."""
+        self._absorb()
+        in_flight = getattr(self.backend, "in_flight", None)
+        return (self._saves.pending_finished() or bool(self._later) or bool(self._queued)
+                or (in_flight is not None and in_flight()))
 
     def reservations(self) -> dict[str, str]:
         """Request id -> reservation state, for tests and debugging."""
@@ -310,18 +382,31 @@ class SchedulerCore:
 
     def _load_op(self, res: _Reservation) -> LoadOp:
         end = res.local + res.num_external
+        first, groups = (res.tables[0] if res.tables else array("q")), \
+            (res.tables if len(res.tables) > 1 else ())
+        # Tokens in the null block (where vLLM needs no KV: sliding-window blocks
+        # before the window) are not loaded; a null block after a live one is a table
+        # this side does not understand.
+        starts = [live_from(t, res.local, end, self.block_size) for t in res.tables]
+        if any(start is None for start in starts):
+            log.warning("request %s: vLLM's block table for the hit has the null block "
+                        "after a block to load; it will be recomputed", res.req_id)
+            res.unused = "load_failed"
+            return LoadOp(res.req_id, first, res.local, res.num_external, fail=True,
+                          ref=res.gen, group_block_ids=groups)
         if res.hit < 0 or end > res.hit:
             log.warning("request %s: vLLM counts %d external tokens from %d, the "
                         "reservation has %d; they will be recomputed", res.req_id,
                         res.num_external, res.local, res.hit)
             res.unused = "load_failed"  # the service counts the reserved hit so
-            return LoadOp(res.req_id, res.block_ids, res.local, res.num_external, fail=True,
-                          ref=res.gen)
+            return LoadOp(res.req_id, first, res.local, res.num_external, fail=True,
+                          ref=res.gen, group_block_ids=groups)
+        start = min((s for s in starts if s is not None), default=res.local)
         self.stats.loads += 1
         self.stats.load_tokens += res.num_external
-        return LoadOp(res.req_id, res.block_ids, res.local, res.num_external,
-                      res.slots[res.local:end], res.epoch, res.session_id, res.tokens[:end],
-                      res.extra_key, ref=res.gen)
+        return LoadOp(res.req_id, first, start, end - start,
+                      res.slots[start:end], res.epoch, res.session_id, res.tokens[:end],
+                      res.extra_key, ref=res.gen, group_block_ids=groups)
 
     def _drop(self, req_id: str, unused: str | None = None) -> None:
         """Forget a request's reservation and release its lock (a lookup still out is

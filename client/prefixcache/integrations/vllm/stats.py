@@ -27,3 +27,6 @@ class SchedulerStats:
     saves_skipped: int = 0
     saves_failed: int = 0  # a worker's copy, or the Insert, failed
     saves_lost: int = 0
+    # Saves that stopped at a block vLLM had freed (the null block) before they could
+    # copy it: they insert the tokens before it (saves.py, "Gaps").
+    saves_cut: int = 0

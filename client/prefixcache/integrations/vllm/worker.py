@@ -34,11 +34,24 @@ quietly (counted, logged at debug level): the one error line has said why.
 
 Saves. A finished request's new tokens are copied from its blocks into the slots the
 scheduler side allocated; the request is then reported done (vLLM frees its blocks and
-the scheduler side inserts). A save that fails is reported done all the same, and its
-save (``SaveOp.ref``) goes back with the step's output like a failed load's: the
-scheduler side then gives the slots back instead of inserting them, once every rank
-has reported the request done. The worker never frees them itself: another rank may
-not have started its copy into them yet (``scheduler.py``, "Failed saves").
+the scheduler side inserts). A running request's tokens saved during its run
+(``SaveOp.during_run``) are copied in ``end_step``, after the forward that computed
+them, and reported by their ``report`` (``take_copied``), not done. A save
+that fails is reported done all the same, and its save (``SaveOp.ref``) goes back with
+the step's output like a failed load's: the scheduler side then gives the slots back
+instead of inserting them, once every rank has reported the request done. The worker
+never frees them itself: another rank may not have started its copy into them yet
+(``scheduler.py``, "Failed saves").
+
+The null block (``meta.NULL_BLOCK``). A load leaves out the tokens in a table's null
+blocks before its first live one (vLLM needs no KV there) and fails, writing nothing,
+where a null block follows a live one; a save whose tokens fall into it in any table
+fails and reads nothing: the scheduler side plans neither failure, so one is a table
+it misread.
+
+Groups. Under vLLM's hybrid KV cache manager each layer belongs to a KV cache group
+(``register``'s ``groups``) and its copies use that group's block table (``LoadOp.table``);
+layers of different groups on one tensor are separate layers of the pool.
 
 MLA. vLLM's MLA cache is one latent per token (``[blocks, block, head_size]``), held by
 an MLA pool (``pool.mla``: K only, one head of ``head_size``); an MLA model with a K/V
@@ -50,6 +63,7 @@ saves done without copying, and vLLM's request is done once rank 0's copy is.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -65,12 +79,12 @@ from prefixcache.client import (
 )
 
 from .attn_backends import BackendInfo, layout_for
-from .block_copy import Span, load_span, save_rows, view_spans
+from .block_copy import SpanMemo, load_span, save_rows, view_spans
 from .config import ConnectorConfig
 from .layerwise import HostCopies, StepLayers, copies_for
 from .layout import LayerView, UnknownLayout, layer_numbers, split_kv
 from .layout import unique_layers as _unique_layers
-from .meta import LoadOp, SaveOp, StepMeta
+from .meta import NULL_BLOCK, LoadOp, SaveOp, StepMeta, live_from, touches_null
 from .pool_access import PoolAccess, Rows, fit_pool, open_access
 
 log = logging.getLogger("prefixcache.integrations.vllm")
@@ -105,6 +119,7 @@ class WorkerCore:
         self._load_errors: set[int] = set()
         self._failed_refs: set[int] = set()
         self._failed_saves: set[int] = set()
+        self._copied: set[int] = set()
         self._sent: set[str] = set()
         self._finished_seen: set[str] = set()
         self.loaded_tokens = 0
@@ -116,26 +131,35 @@ class WorkerCore:
         self._failures_reported: Counter[str] = Counter()
         # This step's layer-wise loads (``layerwise_load``), set by ``register``.
         self._step = StepLayers({}, HostCopies())
+        # This step's saves of running requests, copied after its forward.
+        self._after_forward: list[SaveOp] = []
 
     # ------------------------------------------------------------ vLLM's calls
 
     def register(self, kv_caches: dict[str, Any],
-                 backends: Mapping[str, BackendInfo] | BackendInfo | None = None) -> None:
+                 backends: Mapping[str, BackendInfo] | BackendInfo | None = None,
+                 groups: Mapping[str, int] | None = None) -> None:
         """``register_kv_caches``: the engine's KV tensors, one per attention layer, and
-        the attention backend of each (a mapping by layer name, or one for all)."""
+        the attention backend of each (a mapping by layer name, or one for all);
+        ``groups``: each layer's KV cache group (vLLM's hybrid manager), whose block
+        table the layer's copies use (default: one group)."""
         layers = []
         try:
-            for name, tensor in _unique_layers(kv_caches):
+            for name, tensor in _unique_layers(kv_caches, groups):
                 info = backends.get(name) if isinstance(backends, Mapping) else backends
                 layout = layout_for(info, tensor, self.config.kv_layout)
                 head = info.head_size if info is not None else _head_size(tensor, layout)
-                layers.append(split_kv(name, tensor, layout, head))
+                view = split_kv(name, tensor, layout, head)
+                if groups:
+                    view = dataclasses.replace(view, group=groups.get(name, 0))
+                layers.append(view)
         except UnknownLayout as err:
             self.disable(f"layer {name!r}: {err}")
             return
         self.layers = layers
         if layers:
-            self._step = StepLayers(layer_numbers(kv_caches), copies_for(layers[0].device))
+            self._step = StepLayers(layer_numbers(kv_caches, groups),
+                                    copies_for(layers[0].device))
 
     def start_step(self, meta: StepMeta | None, *, by_layer: bool = True) -> None:
         """``start_load_kv``: every save of the step done on return, and every load;
@@ -143,6 +167,7 @@ class WorkerCore:
         as one CUDA graph and calls no wait), loads are issued layer by layer, each
         layer's complete once ``wait_layer`` returns for it."""
         self._step.begin()
+        self._after_forward = []
         if not meta:
             return
         if self.config.layerwise_load and by_layer:
@@ -151,7 +176,10 @@ class WorkerCore:
             for op in meta.loads:
                 self._load(op)
         for op in meta.saves:
-            self._save(op)
+            if op.during_run:
+                self._after_forward.append(op)
+            else:
+                self._save(op)
 
     def wait_layer(self, layer_name: str) -> bool:
         """``wait_for_layer_load``: the engine's stream waits for the copies into
@@ -161,8 +189,12 @@ class WorkerCore:
 
     def end_step(self) -> None:
         """``wait_for_save``: the engine's stream waits for every load of the step,
-        layers the forward never waited for included."""
+        layers the forward never waited for included; then the step's saves of running
+        requests copy what its forward computed."""
         self._step.wait_all()
+        ops, self._after_forward = self._after_forward, []
+        for op in ops:
+            self._save(op)
 
     @property
     def issued_layers(self) -> list[str]:
@@ -200,6 +232,13 @@ class WorkerCore:
         scheduler side (``SchedulerCore.saves_failed``)."""
         refs, self._failed_saves = self._failed_saves, set()
         return refs
+
+    def take_copied(self) -> set[int]:
+        """The copies during the run (``SaveOp.report``) made since the last call, failed
+        ones too (their saves are in ``take_failed_saves``), for the scheduler side
+        (``SchedulerCore.saves_copied``)."""
+        reports, self._copied = self._copied, set()
+        return reports
 
     def take_load_failures(self) -> dict[str, int]:
         """Failed loads by reason since the last call (vLLM's connector stats)."""
@@ -274,7 +313,8 @@ class WorkerCore:
         self.load_failures[reason] += 1
         first = op.start // self.block_size
         last = -(-op.end // self.block_size)
-        self._load_errors.update(op.block_ids[first:last])
+        for table in op.tables:
+            self._load_errors.update(b for b in table[first:last] if b != NULL_BLOCK)
         if op.ref:
             self._failed_refs.add(op.ref)
         why = LOAD_FAILURE_REASONS[reason] + (f": {detail}" if detail else "")
@@ -287,7 +327,7 @@ class WorkerCore:
         rows = self._open(op)
         if rows is None:
             return
-        memo: dict[tuple[int, str], list[Span]] = {}
+        memo: dict[int, SpanMemo] = {}
         try:
             for layer in range(len(self.layers)):
                 self._copy_layer(op, rows, layer, memo)
@@ -301,7 +341,7 @@ class WorkerCore:
         into layer 0, a mark, then layer 1's... A request whose copy fails is dropped
         from the later layers. Each is then checked as ``_load`` checks it, while its
         copies may still be in flight."""
-        live: list[tuple[LoadOp, Rows, dict[tuple[int, str], list[Span]]]] = []
+        live: list[tuple[LoadOp, Rows, dict[int, SpanMemo]]] = []
         for op in ops:
             access = self._pool(op.server_epoch) if not op.fail else None
             if access is not None and not access.mapped:
@@ -338,6 +378,9 @@ class WorkerCore:
         if op.fail:
             self._fail(op, "scheduler")
             return None
+        if any(live_from(t, op.start, op.end, self.block_size) is None for t in op.tables):
+            self._fail(op, "null_block")  # a null block after a live one
+            return None
         access = self._pool(op.server_epoch)
         if access is None:
             if self._disabled is not None:
@@ -352,17 +395,25 @@ class WorkerCore:
             return None
 
     def _copy_layer(self, op: LoadOp, rows: Rows, layer: int,
-                    memo: dict[tuple[int, str], list[Span]]) -> None:
+                    memo: dict[int, SpanMemo]) -> None:
         """``op``'s rows of cache ``layer`` into its blocks: whole kernel blocks in one
-        copy per side (block_copy.py)."""
+        copy per side (block_copy.py). The layer's group's table gives the blocks; its
+        tokens in null blocks before the first live one are left out (``meta``)."""
         view = self.layers[layer]
-        parts = view_spans(view, op.block_ids, op.start, op.num_tokens, self.block_size,
-                           memo)
+        table = op.table(view.group)
+        first = live_from(table, op.start, op.end, self.block_size)
+        if first is None:
+            raise ValueError("a null block after a live one in the block table")
+        if first >= op.end:
+            return
+        parts = view_spans(view, table, first, op.end - first, self.block_size,
+                           memo.setdefault(view.group, {}))
         k, v = rows(layer)
+        off = first - op.start
         for span in parts:
-            load_span(view.k, span, k[span.lo:span.hi, self._heads])
+            load_span(view.k, span, k[off + span.lo:off + span.hi, self._heads])
             if view.v is not None:
-                load_span(view.v, span, v[span.lo:span.hi, self._heads])
+                load_span(view.v, span, v[off + span.lo:off + span.hi, self._heads])
 
     def _verify(self, op: LoadOp) -> None:
         """Count ``op`` loaded, or failed if the tree no longer maps its tokens to the
@@ -401,6 +452,10 @@ class WorkerCore:
     def _save(self, op: SaveOp) -> None:
         try:
             if len(op.slots):
+                if any(touches_null(t, op.start, op.start + len(op.slots),
+                                    self.block_size) for t in op.tables):
+                    raise ValueError(f"tokens {op.start}..{op.start + len(op.slots)} "
+                                     "fall into vLLM's null block")
                 self._write(op)
                 self.saved_tokens += len(op.slots)
         except (PrefixCacheError, ValueError, RuntimeError) as err:
@@ -409,7 +464,10 @@ class WorkerCore:
                     "prefixcache save of request %s failed: %s", op.req_id, err)
             if op.ref:
                 self._failed_saves.add(op.ref)
-        self._sent.add(op.req_id)
+        if op.during_run:
+            self._copied.add(op.report)
+        else:
+            self._sent.add(op.req_id)
 
     def _write(self, op: SaveOp) -> None:
         access = self._pool(op.server_epoch)
@@ -417,7 +475,7 @@ class WorkerCore:
             raise RuntimeError(self._disabled or "pool unavailable")
         if not self._write_heads:
             return
-        source, fill = save_rows(self.layers, op.block_ids, op.start, len(op.slots),
+        source, fill = save_rows(self.layers, op.tables, op.start, len(op.slots),
                                  self.block_size)
         access.write(op.slots, source, self._heads, op.session_id, op.server_epoch, fill)
 
@@ -432,6 +490,7 @@ LOAD_FAILURE_REASONS = {
                   "these tokens",
     "moved": "the slots no longer hold these tokens",
     "copy": "the copy failed",
+    "null_block": "vLLM's block table holds its null block where the tokens were to go",
 }
 
 
