@@ -33,7 +33,7 @@ def as_tables(block_ids: Sequence[int] | Sequence[Sequence[int]]) -> Tables:
     manager's ``get_block_ids()``) or one list (a single group)."""
     if len(block_ids) and not isinstance(block_ids[0], int):
         return tuple(array("q", table) for table in block_ids)  # type: ignore[arg-type]
-    return (array("q", block_ids),)  # type: ignore[arg-type]
+    return (array("q", block_ids),)
 
 
 def live_end(block_ids: Sequence[int], start: int, end: int, block_size: int) -> int:

@@ -196,7 +196,9 @@ class Saves:
             if save.final is _Final.DUE:
                 save.final = _Final.SENT
                 self._check_session(save)
-                out.append(self._copy(save, save.tables, save.end, during_run=False))
+                final = self._copy(save, save.tables, save.end, during_run=False)
+                if final is not None:  # always: a finish-time copy goes out even empty
+                    out.append(final)
             elif (not save.closed and save.during_run and progress
                   and save.req_id in progress and save.written < save.end):
                 computed, table = progress[save.req_id]

@@ -175,11 +175,11 @@ class WorkerCore:
         else:
             for op in meta.loads:
                 self._load(op)
-        for op in meta.saves:
-            if op.during_run:
-                self._after_forward.append(op)
+        for save in meta.saves:
+            if save.during_run:
+                self._after_forward.append(save)
             else:
-                self._save(op)
+                self._save(save)
 
     def wait_layer(self, layer_name: str) -> bool:
         """``wait_for_layer_load``: the engine's stream waits for the copies into
