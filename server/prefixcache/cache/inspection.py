@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .distinct import has_repeats
 from .errors import IntegrityError
 from .eviction import EvictionQueue
 from .hashing import hash_pages
@@ -141,7 +142,7 @@ def _check_slots(cache: RadixView, slots: list[torch.Tensor], problems: list[str
     if not slots:
         return
     every = torch.cat(slots)
-    if len(torch.unique(every)) != len(every):
+    if has_repeats(every.cpu().numpy()):
         problems.append("a slot is referenced by two tree positions")
     is_allocated = getattr(cache.token_to_kv_pool_allocator, "is_allocated", None)
     if is_allocated is not None and not bool(is_allocated(every).all()):

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..distinct import distinct, distinct_first
 from ..errors import DoubleFreeError, InvalidInputError, SlotIndexError, check_count
 from .free_pages import FreePages, Pages
 from .slot_runs import Scratch, breaks, runs_in
@@ -305,7 +306,7 @@ class TokenToKVPoolAllocator:
         _check_range(idx, self.page_size, self._slot_end)
         repeated = idx[1:] == idx[:-1]
         if repeated.any():
-            bad = np.unique(idx[1:][repeated])[:_MAX_SHOWN].tolist()
+            bad = distinct(idx[1:][repeated])[:_MAX_SHOWN].tolist()
             raise DoubleFreeError(f"slots freed twice in one call: {bad}")
         if not self._live[idx].all():
             self._refuse_not_live(idx)
@@ -406,7 +407,7 @@ class TokenToKVPoolAllocator:
 
         Only for ``need_sort=False``, where the free list keeps free order.
         """
-        unique, first = np.unique(given // self.page_size, return_index=True)
+        unique, first = distinct_first(given // self.page_size)
         first = first[np.isin(unique, pages)]
         return given[np.sort(first)] // self.page_size
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..distinct import has_repeats
 from ..errors import CacheError
 from ..key import TOKEN_BYTES, RadixKey
 from ..pools.allocator import TokenToKVPoolAllocator, host_indices
@@ -184,7 +185,7 @@ def _restore(cache: RadixCache, allocator: TokenToKVPoolAllocator, image: TreeIm
     ps = allocator.page_size
     if slots.size and (int(slots.min()) < ps or int(slots.max()) >= (allocator.num_pages + 1) * ps):
         raise SnapshotError("a slot outside the pool")
-    if np.unique(slots).size != slots.size:
+    if has_repeats(slots, allocator.num_rows):
         raise SnapshotError("a slot in two places of the tree")
     _claim(allocator, slots)
     n = image.nodes
