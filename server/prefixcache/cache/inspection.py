@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from .distinct import has_repeats
@@ -141,11 +142,16 @@ def _check_node(cache: RadixView, node: TreeNode, problems: list[str]) -> None:
 def _check_slots(cache: RadixView, slots: list[torch.Tensor], problems: list[str]) -> None:
     if not slots:
         return
-    every = torch.cat(slots)
-    if has_repeats(every.cpu().numpy()):
+    every = np.concatenate([s.cpu().numpy() for s in slots]).astype(np.int64, copy=False)
+    allocator = cache.token_to_kv_pool_allocator
+    rows = getattr(allocator, "num_rows", None)
+    # Slots of a pool lie in [0, rows): counted by marks there, no sort.
+    bound = rows if isinstance(rows, int) and every.size and int(every.min()) >= 0 \
+        and int(every.max()) < rows else None
+    if has_repeats(every, bound):
         problems.append("a slot is referenced by two tree positions")
-    is_allocated = getattr(cache.token_to_kv_pool_allocator, "is_allocated", None)
-    if is_allocated is not None and not bool(is_allocated(every).all()):
+    is_allocated = getattr(allocator, "is_allocated", None)
+    if is_allocated is not None and not bool(is_allocated(torch.from_numpy(every)).all()):
         problems.append("a slot in the tree is free in the allocator")
 
 

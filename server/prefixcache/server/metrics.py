@@ -76,6 +76,12 @@ class Metrics:
         for model in service.engines:
             for reason in PoolExhaustedError.REASONS:
                 self.allocation_refusals.labels(model, reason)  # exported from the start
+        # Pages whose bytes did not match their seal, by where they came from.
+        self.integrity_failures = Counter(
+            "prefixcache_integrity_failures",
+            "Pages refused because their bytes or identity did not match their seal, "
+            "by model, source and reason.", ["model", "source", "reason"],
+            registry=self.registry)
         self.registry.register(_LivenessCollector(service))
         # RSS, CPU seconds, open fds (Linux /proc), and which build answers.
         ProcessCollector(registry=self.registry)
@@ -97,6 +103,9 @@ class Metrics:
 
     def refused(self, limit: str) -> None:
         self.refusals.labels(limit).inc()
+
+    def integrity_failed(self, model: str, source: str, reason: str, pages: int = 1) -> None:
+        self.integrity_failures.labels(model, source, reason).inc(pages)
 
     def allocation_refused(self, model: str, reason: str) -> None:
         self.allocation_refusals.labels(model, reason).inc()

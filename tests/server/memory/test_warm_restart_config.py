@@ -98,15 +98,19 @@ def _cached_then_stopped(tmp_path: Path, shm: Path) -> list[list[int]]:
     return keys
 
 
+Trees = list[tuple[bytes, bytes]]  # each tree's bytes and its seals
+
+
 def _rewrite(shm: Path, edit: Any) -> None:
     """Read the snapshot, change it with ``edit(manifest, trees)``, write it back
     whole and checksummed: a well-formed snapshot that must still be refused."""
     (path,) = shm.glob("*.snapshot")
-    read = warm_snapshot.consume(path)
+    read = warm_snapshot.consume(path, 1 << 30)
     assert read is not None
-    manifest, trees = read
-    trees = edit(manifest, trees)
-    warm_snapshot.write(path, manifest, trees, 0o600)
+    manifest = read.manifest
+    trees = edit(manifest, [(bytes(tree), bytes(seals)) for tree, seals in read.trees])
+    warm_snapshot.write(path, warm_snapshot.encode_body(
+        manifest, [([tree], seals) for tree, seals in trees]), 0o600)
 
 
 def test_another_snapshot_format_starts_cold(tmp_path: Path) -> None:
@@ -114,7 +118,7 @@ def test_another_snapshot_format_starts_cold(tmp_path: Path) -> None:
     shm.mkdir()
     keys = _cached_then_stopped(tmp_path, shm)
 
-    def newer(manifest: dict[str, Any], trees: list[bytes]) -> list[bytes]:
+    def newer(manifest: dict[str, Any], trees: Trees) -> Trees:
         manifest["version"] = warm_snapshot.VERSION + 1
         return trees
 
@@ -132,11 +136,11 @@ def test_a_tree_that_does_not_rebuild_leaves_every_model_empty(tmp_path: Path) -
     shm.mkdir()
     keys = _cached_then_stopped(tmp_path, shm)
 
-    def twice(manifest: dict[str, Any], trees: list[bytes]) -> list[bytes]:
-        image = decode(trees[0])
+    def twice(manifest: dict[str, Any], trees: Trees) -> Trees:
+        image = decode(trees[0][0])
         slots = image.slots.copy()
         slots[-1] = slots[0]
-        return [encode(replace(image, slots=slots))]
+        return [(encode(replace(image, slots=slots).parts()), trees[0][1])]
 
     _rewrite(shm, twice)
     with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
