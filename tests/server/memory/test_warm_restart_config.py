@@ -152,3 +152,20 @@ def test_a_tree_that_does_not_rebuild_leaves_every_model_empty(tmp_path: Path) -
         assert all(client.match("m", k).prefix_len == 0 for k in keys)
         with client.session(10) as s:  # the whole pool is usable again
             assert len(s.alloc("m", engine.allocator.available_size()).slots) == 64
+
+
+def test_another_services_start_leaves_a_stopped_warm_services_pool(tmp_path: Path) -> None:
+    """Between a warm service's stop and its next start, another service without warm
+    restart starts in the same shm_dir: its sweep leaves the marked files alone, and the
+    warm service comes back warm."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    keys = _cached_then_stopped(tmp_path, shm)
+    kept = sorted(p.name for p in shm.iterdir())
+    (tmp_path / "other").mkdir()
+    with running(tmp_path / "other", (RADIX,), shm_dir=str(shm)):
+        assert set(kept) <= {p.name for p in shm.iterdir()}
+    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
+            PrefixCacheClient(srv.address, timeout=10) as client:
+        assert srv.server.warm.outcome == "restored"
+        assert all(client.match("m", k).prefix_len == len(k) - len(k) % 2 for k in keys)
