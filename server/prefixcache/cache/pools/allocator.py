@@ -153,6 +153,8 @@ class TokenToKVPoolAllocator:
         """
         idx = host_indices(indices)
         _check_range(idx, 0, self.num_rows)
+        if idx.size and int(idx.max()) < self._slot_end:  # the usual case: no mask, no copy
+            return torch.from_numpy(self._live[idx] != 0)
         live = np.zeros(idx.size, dtype=np.bool_)
         inside = idx < self._slot_end
         live[inside] = self._live[idx[inside]] != 0

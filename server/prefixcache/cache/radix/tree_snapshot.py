@@ -308,17 +308,18 @@ def prune(image: TreeImage, keep: np.ndarray) -> TreeImage:
                    node_ids=None if image.node_ids is None else image.node_ids[kept])
 
 
-def restore(cache: RadixCache, allocator: TokenToKVPoolAllocator,
-            image: TreeImage) -> list[TreeNode]:
+def restore(cache: RadixCache, allocator: TokenToKVPoolAllocator, image: TreeImage,
+            check: bool = True) -> list[TreeNode]:
     """Rebuild ``image`` in the empty ``cache``, its slots taken from the empty
     ``allocator``; returns the new nodes, in the image's order. On SnapshotError both
-    are left empty."""
+    are left empty. ``check=False`` leaves the closing ``check_integrity`` to a caller
+    that checks more than the cache right after (and empties both if it fails)."""
     if type(cache) is not RadixCache or type(allocator) is not TokenToKVPoolAllocator:
         raise SnapshotError("only a plain RadixCache over a TokenToKVPoolAllocator")
     if cache.total_size() or allocator.num_allocated():
         raise SnapshotError("restore needs an empty cache and allocator")
     try:
-        return _restore(cache, allocator, image)
+        return _restore(cache, allocator, image, check)
     except Exception as exc:
         cache.reset()
         allocator.clear()
@@ -327,8 +328,8 @@ def restore(cache: RadixCache, allocator: TokenToKVPoolAllocator,
         raise SnapshotError(f"the tree could not be rebuilt: {exc}") from exc
 
 
-def _restore(cache: RadixCache, allocator: TokenToKVPoolAllocator,
-             image: TreeImage) -> list[TreeNode]:
+def _restore(cache: RadixCache, allocator: TokenToKVPoolAllocator, image: TreeImage,
+             check: bool) -> list[TreeNode]:
     if image.page_size != cache.page_size:
         raise SnapshotError(f"page size {image.page_size}, the cache's is {cache.page_size}")
     slots = image.slots
@@ -342,7 +343,8 @@ def _restore(cache: RadixCache, allocator: TokenToKVPoolAllocator,
         raise SnapshotError("a slot in two places of the tree")
     _claim(allocator, slots)
     nodes = _build(cache, image, slots)
-    cache.check_integrity()
+    if check:
+        cache.check_integrity()
     return nodes
 
 

@@ -271,7 +271,7 @@ class WarmRestart:
                 keep, good, failed = sealer.verify(image, takeover.per_unit[name], seals)
                 checked += image.tokens * sealer.row_bytes
                 kept = prune(image, keep)
-                built = restore(engine.cache, engine.allocator, kept)
+                built = restore(engine.cache, engine.allocator, kept, check=False)
                 if takeover.per_unit[name] == sealer.per_unit:
                     sealer.adopt(kept, [n.id for n in built], good)
                 tokens, nodes = tokens + kept.tokens, nodes + kept.nodes
