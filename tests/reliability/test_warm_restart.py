@@ -253,12 +253,12 @@ def test_a_crash_restores_the_last_checkpoint(tmp_path: Path, shm: Path) -> None
 
 def test_what_changed_after_the_checkpoint_misses(tmp_path: Path, shm: Path) -> None:
     """After the checkpoint, the cached prompts are evicted and their slots written with
-    other KV; then SIGKILL. The next start finds the checkpoint's pages changed: they
+    other KV (the pool has room for one set: they must reuse the slots); then SIGKILL. The next start finds the checkpoint's pages changed: they
     miss (counted, reason changed_after_checkpoint), never serving the other KV."""
-    first = Server(tmp_path, config(shm))
+    first = Server(tmp_path, config(shm, size=40))
     cached = cache_prompts(first.address, 7)
     first.stop()
-    second = Server(tmp_path, config(shm))  # restores, and checkpoints at once
+    second = Server(tmp_path, config(shm, size=40))  # restores, and checkpoints at once
     second.wait_checkpoint(0)
     with PrefixCacheClient(second.address, timeout=10) as client:
         assert client.evict("m", 10**6).evicted_tokens == 16 + 12 + 8
@@ -266,7 +266,7 @@ def test_what_changed_after_the_checkpoint_misses(tmp_path: Path, shm: Path) -> 
     old_slots = {s for slots, _, _ in cached.values() for s in slots}
     assert old_slots & {s for slots, _, _ in other.values() for s in slots}
     second.kill()
-    third = Server(tmp_path, config(shm))
+    third = Server(tmp_path, config(shm, size=40))
     try:
         assert third.outcomes()["restored_from_checkpoint"] == 1
         assert third.integrity_failures()["changed_after_checkpoint"] >= 1

@@ -140,18 +140,37 @@ def _check_node(cache: RadixView, node: TreeNode, problems: list[str]) -> None:
 
 
 def _check_slots(cache: RadixView, slots: list[torch.Tensor], problems: list[str]) -> None:
+    """No slot in two places, every slot allocated: node by node (marks over the
+    pool's rows where it has a known size), with no copy of the tree's slots."""
     if not slots:
         return
-    every = np.concatenate([s.cpu().numpy() for s in slots]).astype(np.int64, copy=False)
     allocator = cache.token_to_kv_pool_allocator
     rows = getattr(allocator, "num_rows", None)
-    # Slots of a pool lie in [0, rows): counted by marks there, no sort.
-    bound = rows if isinstance(rows, int) and every.size and int(every.min()) >= 0 \
-        and int(every.max()) < rows else None
-    if has_repeats(every, bound):
-        problems.append("a slot is referenced by two tree positions")
     is_allocated = getattr(allocator, "is_allocated", None)
-    if is_allocated is not None and not bool(is_allocated(torch.from_numpy(every)).all()):
+    marks = np.zeros(rows, dtype=np.bool_) if isinstance(rows, int) else None
+    seen: list[np.ndarray] = []
+    total = 0
+    free = False
+    for value in slots:
+        if not len(value):
+            continue
+        s = value.cpu().numpy()
+        total += s.size
+        if marks is not None and int(s.min()) >= 0 and int(s.max()) < marks.size:
+            marks[s] = True
+        else:
+            marks = None
+        seen.append(s)
+        if is_allocated is not None and not free \
+                and not bool(is_allocated(value).numpy().all()):
+            free = True
+    if marks is not None:
+        repeated = int(np.count_nonzero(marks)) != total
+    else:
+        repeated = has_repeats(np.concatenate(seen).astype(np.int64, copy=False))
+    if repeated:
+        problems.append("a slot is referenced by two tree positions")
+    if free:
         problems.append("a slot in the tree is free in the allocator")
 
 

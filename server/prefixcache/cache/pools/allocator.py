@@ -132,6 +132,26 @@ class TokenToKVPoolAllocator:
         self._group_depth = 0
         self._group_pending: list[list[Pages]] = []
 
+    def claim(self, slots: np.ndarray) -> None:
+        """Hand out exactly ``slots`` (distinct, each on a page of this pool) from an
+        empty allocator, as if each had been allocated and the rest of its page freed:
+        a page with any of them leaves the free list, every other page stays on it in
+        order (a warm restart's tree; one pass, no temporary the size of the pool).
+
+        Raises:
+            InvalidInputError: the allocator has slots handed out, or a slot lies
+                outside its pages.
+        """
+        if self._num_allocated or self._pages.available() != self.num_pages:
+            raise InvalidInputError("claim needs an empty allocator")
+        idx = host_indices(slots)
+        if idx.size:
+            _check_range(idx, self.page_size, self._slot_end)
+        self._live[idx] = 1
+        used = self._page_words.any(axis=1)
+        self._pages.only(np.flatnonzero(~used[1:]) + 1)
+        self._num_allocated = int(np.count_nonzero(self._live))
+
     def available_size(self) -> int:
         """How many slots ``alloc`` could hand out now (free pages * page_size)."""
         return self._pages.available() * self.page_size

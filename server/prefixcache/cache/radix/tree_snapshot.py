@@ -252,8 +252,10 @@ def _decode(data: memoryview) -> TreeImage:
     parent, namespace, key_lens, ticks = arrays
     keys = data[pos:pos + nkey]
     slots = np.frombuffer(data, dtype=_I64, count=stored, offset=pos + nkey)
-    if paged:
-        slots = (slots[:, None] * page_size + np.arange(page_size)).reshape(-1)
+    if paged:  # one pass into one new array (the page numbers are a 1/page_size of it)
+        out = np.empty((stored, page_size), dtype=np.int64)
+        np.add((slots * page_size)[:, None], np.arange(page_size), out=out)
+        slots = out.reshape(-1)
     index = np.arange(n, dtype=np.int64)
     if n and (not ((parent >= -1) & (parent < index)).all()
               or not ((namespace >= 0) & (namespace < len(namespaces))).all()
@@ -333,8 +335,7 @@ def _restore(cache: RadixCache, allocator: TokenToKVPoolAllocator, image: TreeIm
     if image.page_size != cache.page_size:
         raise SnapshotError(f"page size {image.page_size}, the cache's is {cache.page_size}")
     slots = image.slots
-    if slots.dtype != np.int64 or not (slots.flags.owndata and slots.flags.writeable
-                                       and slots.flags.c_contiguous):
+    if slots.dtype != np.int64 or not (slots.flags.writeable and slots.flags.c_contiguous):
         slots = np.array(slots, dtype=np.int64)  # not a view of the snapshot's file
     ps = allocator.page_size
     if slots.size and (int(slots.min()) < ps or int(slots.max()) >= (allocator.num_pages + 1) * ps):
@@ -394,15 +395,8 @@ def _build(cache: RadixCache, image: TreeImage, slots: np.ndarray) -> list[TreeN
 
 
 def _claim(allocator: TokenToKVPoolAllocator, slots: np.ndarray) -> None:
-    """Make exactly ``slots`` the allocator's handed-out slots (it starts empty): take
-    every page, then free every slot not in the tree. A page keeps only its tree slots
-    live, as after the frees that led to the snapshot."""
-    got = allocator.alloc_host(allocator.available_size())
-    if got is None:  # cannot happen: an empty allocator hands out all it has
-        raise SnapshotError("the allocator could not hand out its pages")
-    every = got[0]
-    keep = np.zeros(allocator.num_rows, dtype=bool)
-    keep[slots] = True
-    rest = every[~keep[every]]
-    if rest.size:
-        allocator.free(rest)
+    """Make exactly ``slots`` the allocator's handed-out slots (it starts empty). A
+    page keeps only its tree slots live, as after the frees that led to the snapshot."""
+    allocator.claim(slots)
+    if allocator.num_allocated() != slots.size:  # cannot happen: slots are distinct
+        raise SnapshotError("the allocator did not take the tree's slots")
