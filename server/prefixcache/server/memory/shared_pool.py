@@ -18,7 +18,19 @@ old way (``prefixcache-<pid>-<epoch>-...``) are left alone: nothing proves them 
 
 A warm restart (warm_restart.py) keeps a stopped service's buffer files: ``close``
 may keep them, and the next start takes them over (``adopt``), renaming each to its
-own owner name and mapping it as it is, instead of creating it zeroed.
+own owner name and mapping it as it is, instead of creating it zeroed. Between a stop
+(or a crash) and that start the owner is dead, so its files carry a mark
+(``<owner>-warm``: keep until when, for which service, ``mark_kept``): another
+service's sweep leaves them until then (``server.warm_keep``, at most ``MAX_KEEP``), and
+the same service's next start does not wait for it.
+
+Memory. A new file is sized with ``ftruncate``; its memory is reserved with
+``posix_fallocate`` (so that a full tmpfs is an error, not a SIGBUS on the first write
+to a page) at once for small files and, for large ones, by ``reserve`` on a thread
+after the start, since tmpfs reserves 3-4 GB/s here and a start must not wait seconds
+per GiB. Private CPU pools (no directory) are anonymous mappings in huge pages where
+the host allows (``private_zeros``): the kernel's zero pages, taken as first written,
+where ``torch.zeros`` would touch every byte at start.
 
 CUDA buffers need no files: ``DescribePool`` carries the fields of torch's
 ``_share_cuda_()`` as plain proto fields, and a worker opens them with
