@@ -177,15 +177,27 @@ def take(cache: RadixCache) -> TreeParts:
                      keys, slots, nodes)
 
 
+_CHUNK_PAGES = 1 << 16
+
+
 def _pages_of(slots: np.ndarray, page_size: int) -> np.ndarray | None:
     """The page numbers of ``slots`` when they are whole aligned pages, each page's
-    slots in order (as the allocator hands them out); None otherwise."""
+    slots in order (as the allocator hands them out); None otherwise. Checked a chunk
+    at a time, so no temporary grows with the node."""
     if page_size == 1 or slots.size % page_size:
         return None
     rows = slots.reshape(-1, page_size)
     first = rows[:, 0]
-    if (first % page_size).any() or (rows != first[:, None] + np.arange(page_size)).any():
+    if (first % page_size).any():
         return None
+    offsets = np.arange(page_size, dtype=np.int64)
+    expect = np.empty((min(_CHUNK_PAGES, rows.shape[0]), page_size), dtype=np.int64)
+    for lo in range(0, rows.shape[0], _CHUNK_PAGES):
+        part = rows[lo:lo + _CHUNK_PAGES]
+        want = expect[:part.shape[0]]
+        np.add(first[lo:lo + _CHUNK_PAGES, None], offsets, out=want)
+        if not np.array_equal(part, want):
+            return None
     return first // page_size
 
 

@@ -84,7 +84,7 @@ from . import warm_snapshot
 from .shared_pool import LOCK_SUFFIX, PREFIX, describe_buffers, mark_kept, service_tag
 from .sizing import Budget, measure
 from .tree_seals import TreeSeals, kv_rows
-from .warm_snapshot import Buffer, Refused, Snapshot
+from .warm_snapshot import Refused, Snapshot
 from .write_fence import quiesce
 
 log = logging.getLogger("prefixcache.server")
@@ -94,6 +94,8 @@ OUTCOMES = ("restored", "restored_from_checkpoint", "no_snapshot", "corrupt",
 CHECKPOINT_OUTCOMES = ("written", "no_room", "failed")
 # Chunk models keep nothing between requests: their pool is taken over, with no tree.
 SUPPORTED_KINDS = ("radix", "chunk")
+# A snapshot's body before it is encoded: the manifest, and each tree with its seals.
+Body = tuple[dict[str, Any], list[tuple[TreeParts, bytes]]]
 # How long a start waits for a killed run's worker to finish a copy it is inside.
 _FENCE_WAIT = 1.0
 
@@ -345,10 +347,11 @@ class WarmRestart:
                 return False
         return True
 
-    def body(self, service: Any, capture: Capture, clean: bool) -> list[Buffer]:
-        """The snapshot's body for a sealed capture: the manifest (this owner's pool
-        files as they are now), each tree without the nodes that left it before they
-        were sealed, and their seals."""
+    def body(self, service: Any, capture: Capture, clean: bool) -> Body:
+        """What the snapshot's body holds, for a sealed capture: the manifest (this
+        owner's pool files as they are now), each tree without the nodes that left it
+        before they were sealed, and their seals. Encoded by ``write`` (off the loop:
+        it reads nothing that changes)."""
         names = _tree_models(self.config)
         owner = service.shared.owner
         files = []
@@ -370,14 +373,18 @@ class WarmRestart:
             if drop:
                 tree = _without(tree, drop)
                 plan = sealer.plan(tree)
-            trees.append((encode_parts(tree), sealer.seals(plan)))
-        return warm_snapshot.encode_body(manifest, trees)
+            trees.append((tree, sealer.seals(plan)))
+        return manifest, trees
 
-    def write(self, service: Any, body: list[Buffer]) -> int:
-        """Write a snapshot body (safe off the event loop: it touches no tree), and
-        mark the pool files as kept for ``server.warm_keep`` seconds."""
+    def write(self, service: Any, body: Body) -> int:
+        """Encode and write a snapshot body (safe off the event loop: it reads only
+        what ``body`` holds), and mark the pool files as kept for ``server.warm_keep``
+        seconds."""
         cfg = self.config.server
-        size = warm_snapshot.write(self.path, body, service.shared.mode,
+        manifest, trees = body
+        parts = warm_snapshot.encode_body(manifest, [(encode_parts(tree), seals)
+                                                     for tree, seals in trees])
+        size = warm_snapshot.write(self.path, parts, service.shared.mode,
                                    cfg.warm_checkpoint_max_bytes or None)
         owner = service.shared.owner
         if owner is not None:
