@@ -33,7 +33,7 @@ import pytest
 import torch
 from harness import SOURCE_PATH, wait_serving
 
-from prefixcache.client import PrefixCacheClient, StaleEpoch
+from prefixcache.client import PrefixCacheClient, SessionLost, StaleEpoch
 from prefixcache.client.write_fence import open_fence
 
 ENV = {**os.environ, "PYTHONPATH": SOURCE_PATH,
@@ -253,8 +253,9 @@ def test_a_crash_restores_the_last_checkpoint(tmp_path: Path, shm: Path) -> None
 
 def test_what_changed_after_the_checkpoint_misses(tmp_path: Path, shm: Path) -> None:
     """After the checkpoint, the cached prompts are evicted and their slots written with
-    other KV (the pool has room for one set: they must reuse the slots); then SIGKILL. The next start finds the checkpoint's pages changed: they
-    miss (counted, reason changed_after_checkpoint), never serving the other KV."""
+    other KV (the pool has room for one set: they must reuse the slots); then SIGKILL.
+    The next start finds the checkpoint's pages changed: they miss (counted, reason
+    changed_after_checkpoint), never serving the other KV."""
     first = Server(tmp_path, config(shm, size=40))
     cached = cache_prompts(first.address, 7)
     first.stop()
@@ -503,3 +504,40 @@ def test_sigkill_at_random_points_serves_only_what_was_cached(tmp_path: Path,
         assert len(owners) == 1 and not list(shm.glob("*.tmp")), sorted(shm.iterdir())
     finally:
         last.stop()
+
+
+def test_a_crash_ends_the_killed_runs_fences_first(tmp_path: Path, shm: Path) -> None:
+    """After SIGKILL the killed run's fences were never ended: the next start ends them
+    before it checks a seal, so its worker copies nothing more (it reads "ended"); and
+    while a worker is inside a copy (holding its record) the start is cold."""
+    first = Server(tmp_path, config(shm, checkpoint=0.2))
+    cached = cache_prompts(first.address, 21)
+    with PrefixCacheClient(first.address, timeout=10) as client:
+        session = client.session(60)
+        fence = open_fence(client, session.info.session_id)
+        fence.check()  # the record holds its token: it may copy
+        first.wait_checkpoint(first.checkpoints_written())
+        first.kill()
+    second = Server(tmp_path, config(shm, checkpoint=0.2))
+    try:
+        assert second.outcomes()["restored_from_checkpoint"] == 1
+        with pytest.raises(SessionLost):
+            fence.check()  # ended by the start: the old worker copies nothing more
+        check_hits(second.address, cached)
+        with PrefixCacheClient(second.address, timeout=10) as client:
+            session = client.session(60)
+            inside = open_fence(client, session.info.session_id)
+            second.wait_checkpoint(second.checkpoints_written())
+            with inside.held():  # a copy under way when the service dies
+                second.kill()
+                third = Server(tmp_path, config(shm))
+            inside.close()
+        try:
+            assert "still copying" in cold_reason(third, "stale")
+            assert misses(third.address, cached)
+        finally:
+            third.stop()
+    finally:
+        fence.close()
+        if second.proc.poll() is None:
+            second.kill()

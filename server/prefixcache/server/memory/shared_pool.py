@@ -118,7 +118,7 @@ class SharedPools:
         """A ``buffer_factory`` for ``model``'s pools, or None to allocate as usual."""
         if self.directory is None or torch.device(device).type != "cpu":
             return None
-        tag = _UNSAFE.sub("_", model)[:64]
+        tag = file_tag(model)
         return lambda shape, dtype: self._zeros(tag, shape, dtype)
 
     def pool_factory(self, model: str, device: str
@@ -470,6 +470,11 @@ def _remove_if_gone(lock: Path, paths: list[Path], service: str | None = None
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def file_tag(model: str) -> str:
+    """The part of a buffer file's name that names its model (or other user)."""
+    return _UNSAFE.sub("_", model)[:64]
 
 
 def service_tag(listen: str) -> str:

@@ -81,11 +81,18 @@ from prefixcache.cache.radix.tree_snapshot import (
 
 from ..config import Config
 from . import warm_snapshot
-from .shared_pool import LOCK_SUFFIX, PREFIX, describe_buffers, mark_kept, service_tag
+from .shared_pool import (
+    LOCK_SUFFIX,
+    PREFIX,
+    describe_buffers,
+    file_tag,
+    mark_kept,
+    service_tag,
+)
 from .sizing import Budget, measure
 from .tree_seals import TreeSeals, kv_rows
 from .warm_snapshot import Refused, Snapshot
-from .write_fence import quiesce
+from .write_fence import FENCE_FILE, quiesce
 
 log = logging.getLogger("prefixcache.server")
 
@@ -269,13 +276,15 @@ class WarmRestart:
                                            strict=True):
                 engine = service.engines[name]
                 sealer = self._sealer(name, engine)
+                if takeover.per_unit[name] != sealer.per_unit:
+                    raise ValueError(f"model {name}'s seals cover {takeover.per_unit[name]} "
+                                     f"tokens each, this version's {sealer.per_unit}")
                 image = decode(tree)
-                keep, good, failed = sealer.verify(image, takeover.per_unit[name], seals)
+                keep, good, failed = sealer.verify(image, sealer.per_unit, seals)
                 checked += image.tokens * sealer.row_bytes
                 kept = prune(image, keep)
                 built = restore(engine.cache, engine.allocator, kept, check=False)
-                if takeover.per_unit[name] == sealer.per_unit:
-                    sealer.adopt(kept, [n.id for n in built], good)
+                sealer.adopt(kept, [n.id for n in built], good)
                 tokens, nodes = tokens + kept.tokens, nodes + kept.nodes
                 dropped += image.tokens - kept.tokens
                 if failed:
@@ -542,7 +551,7 @@ def _check_files(directory: Path, owner: str,
 def _end_fences(directory: Path, owner: str) -> None:
     """After a crash: end the killed run's write fences, so that no worker of it
     copies into the pool from now on; Refused (stale) if one is inside a copy."""
-    for path in directory.glob(f"{owner}-write-fence-*"):
+    for path in directory.glob(f"{owner}-{file_tag(FENCE_FILE)}-*"):
         try:
             quiet = quiesce(str(path), _FENCE_WAIT)
         except OSError as exc:

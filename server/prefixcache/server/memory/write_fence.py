@@ -83,6 +83,7 @@ from .shared_pool import SharedPools
 log = logging.getLogger("prefixcache.server")
 
 RECORD = struct.Struct("<q")
+FENCE_FILE = "write-fence"  # what the fence file is named after, as a model would be
 _FREE = 0
 
 
@@ -150,7 +151,7 @@ class WriteFences:
     def _open(self) -> int:
         if self._fd is not None:
             return self._fd
-        factory = self._shared.factory("write-fence", "cpu")
+        factory = self._shared.factory(FENCE_FILE, "cpu")
         if factory is None:
             raise PreconditionError("this service keeps its pools in private memory "
                                     "(shm_dir is empty): there is no write fence; "
