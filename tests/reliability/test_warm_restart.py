@@ -361,9 +361,11 @@ def test_a_worker_inside_a_copy_at_the_stop_means_no_snapshot(tmp_path: Path,
                                                               shm: Path) -> None:
     """A worker holding its write fence (mid-copy through the mapped pool) when the
     service stops could finish its copy into slots the next run hands out: the stop
-    writes no snapshot, and the next start is cold (the old files swept)."""
-    first = Server(tmp_path, config(shm))
+    writes no snapshot (the checkpoint written while serving goes too), and the next
+    start is cold: nothing of the old run is left in shm_dir."""
+    first = Server(tmp_path, config(shm, checkpoint=0.2))
     cached = cache_prompts(first.address, 15)
+    first.wait_checkpoint(first.checkpoints_written())
     with PrefixCacheClient(first.address, timeout=10) as client:
         session = client.session(30)
         session.alloc("m", 8)
@@ -373,7 +375,7 @@ def test_a_worker_inside_a_copy_at_the_stop_means_no_snapshot(tmp_path: Path,
         fence.close()
     lines = first.records("warm restart: no snapshot written; the next start is cold")
     assert len(lines) == 1 and "still copying" in lines[0]["reason"], lines
-    assert not list(shm.glob("*.snapshot"))
+    assert list(shm.iterdir()) == []  # no snapshot, checkpoint, mark or pool file
     second = Server(tmp_path, config(shm))
     try:
         cold_reason(second, "no_snapshot")

@@ -261,6 +261,9 @@ class SharedPools:
             # The lock file goes last, while still locked: until it is gone, a sweep
             # sees a live owner and leaves the files above alone.
             path, fd = self._lock
+            for mark in (f"{self._owner}{WARM_SUFFIX}", f"{self._owner}{WARM_SUFFIX}.tmp"):
+                with contextlib.suppress(FileNotFoundError):
+                    (path.parent / mark).unlink()
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             os.close(fd)
