@@ -15,9 +15,10 @@ cold start of the same run.
 
 Then the pool start (``--pool-gib``, default 0, 4 and 8): an empty server with rows of
 32 KiB (8 layers, 8 heads of 128, fp16), private and in shared memory, timed the same
-way, as a ratio to the 0 GiB start. A shared pool is reserved after the start: the
-seconds that took are reported beside it. Sizes the machine has no room for now (free
-memory, /dev/shm) are skipped, and said so.
+way (the fastest of ``--rounds``, interleaved), as a ratio to the 0 GiB start. A
+shared pool is reserved after the start: the seconds that took are reported beside
+it. Sizes the machine has no room for now (free memory, /dev/shm) are skipped, and
+said so.
 
     python bench/restart.py --tokens 1e6,10e6,50e6 --pool-gib 0,4,8 --json bench/out/restart.json
 """
@@ -192,43 +193,44 @@ def restarts(keys: list[Any], target: int, workdir: Path) -> dict[str, Any]:
     return out
 
 
-def pool_starts(gibs: list[float], workdir: Path) -> list[dict[str, Any]]:
-    rows = []
-    for shared in (False, True):
-        for gib in gibs:
-            nbytes = int(gib * (1 << 30))
-            if nbytes and not _room(nbytes, shared):
-                rows.append({"gib": gib, "shared": shared, "skipped": "no room now"})
-                continue
-            tmp = Path(tempfile.mkdtemp(prefix="poolstart-", dir=workdir))
-            shm = Path(tempfile.mkdtemp(prefix="pc-bench-pool-", dir="/dev/shm"))
-            tokens = max(64, nbytes // 32768)
-            cfg = (_config(shm, tokens, _ROW_32K, warm=False) if shared
-                   else _config(shm, tokens, _ROW_32K, warm=False).replace(
-                       f"shm_dir: \"{shm}\"", "shm_dir: \"off\""))
-            try:
-                times, reserve = [], []
-                for _ in range(2):
+def pool_starts(gibs: list[float], workdir: Path, rounds: int) -> list[dict[str, Any]]:
+    """Each (size, private or shared) start ``rounds`` times, interleaved so drift on a
+    shared machine hits them alike; the fastest of each."""
+    rows: dict[tuple[float, bool], dict[str, Any]] = {}
+    for _ in range(rounds):
+        for shared in (False, True):
+            for gib in gibs:
+                row = rows.setdefault((gib, shared), {"gib": gib, "shared": shared})
+                nbytes = int(gib * (1 << 30))
+                if "skipped" in row or (nbytes and not _room(nbytes, shared)):
+                    row["skipped"] = "no room now"
+                    continue
+                tmp = Path(tempfile.mkdtemp(prefix="poolstart-", dir=workdir))
+                shm = Path(tempfile.mkdtemp(prefix="pc-bench-pool-", dir="/dev/shm"))
+                cfg = _config(shm, max(64, nbytes // 32768), _ROW_32K, warm=False)
+                if not shared:
+                    cfg = cfg.replace(f"shm_dir: \"{shm}\"", "shm_dir: \"off\"")
+                try:
                     s = Serve(tmp, cfg, "pool")
-                    times.append(s.seconds)
+                    row["start_s"] = min(row.get("start_s", 1e9), s.seconds)
                     if shared and nbytes:
                         deadline = time.monotonic() + 120
                         while not s.records("pool memory reserved") and \
                                 time.monotonic() < deadline:
                             time.sleep(0.05)
                         got = s.records("pool memory reserved")
-                        reserve.append(got[0]["seconds"] if got else float("nan"))
+                        took = got[0]["seconds"] if got else float("nan")
+                        row["reserve_s"] = min(row.get("reserve_s", 1e9), took)
                     s.stop()
-                rows.append({"gib": gib, "shared": shared, "start_s": min(times),
-                             "reserve_s": min(reserve) if reserve else 0.0})
-            finally:
-                shutil.rmtree(shm, ignore_errors=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-    base = {r["shared"]: r["start_s"] for r in rows if r.get("gib") == 0 and "start_s" in r}
-    for r in rows:
+                finally:
+                    shutil.rmtree(shm, ignore_errors=True)
+                    shutil.rmtree(tmp, ignore_errors=True)
+    out = list(rows.values())
+    base = {r["shared"]: r["start_s"] for r in out if r["gib"] == 0 and "start_s" in r}
+    for r in out:
         if "start_s" in r and r["shared"] in base:
             r["over_empty"] = r["start_s"] / base[r["shared"]]
-    return rows
+    return out
 
 
 def main() -> int:
@@ -236,6 +238,7 @@ def main() -> int:
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--tokens", default="1e6,10e6,50e6", help="cache sizes, comma-separated")
     ap.add_argument("--pool-gib", default="0,4,8", help="pool sizes for the start, GiB")
+    ap.add_argument("--rounds", type=int, default=3, help="starts of each pool size")
     ap.add_argument("--json", type=Path, help="write the results as JSON")
     args = ap.parse_args()
     targets = [int(float(x)) for x in args.tokens.split(",") if x]
@@ -250,7 +253,7 @@ def main() -> int:
                 continue
             results["restarts"].append(restarts(keys, target, workdir))
             print(json.dumps(results["restarts"][-1]), flush=True)
-        results["pool_starts"] = pool_starts(gibs, workdir)
+        results["pool_starts"] = pool_starts(gibs, workdir, args.rounds)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print("| cached tokens | cold s | stop s | warm s (xcold) | after SIGKILL s (xcold) "

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -210,7 +211,20 @@ class PrefixCacheServer:
         logged: the pages not reserved could fault (SIGBUS) when first written."""
         shared = self.service.shared
         nbytes, started = shared.unreserved_bytes, time.monotonic()
-        why = await asyncio.to_thread(shared.reserve)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[str | None] = loop.create_future()
+
+        def reserve() -> None:
+            # At the lowest priority: seconds of kernel time for a large pool, which
+            # must not slow the calls the service is answering meanwhile.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            why = shared.reserve()
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(done.set_result, why)
+
+        threading.Thread(target=reserve, name="pool-reserve", daemon=True).start()
+        why = await done
         if why is None:
             log.info("pool memory reserved", extra={
                 "bytes": nbytes, "seconds": round(time.monotonic() - started, 3)})
