@@ -524,7 +524,7 @@ def kept_for(marker: Path) -> tuple[float, str] | None:
     except ValueError:
         return None
     now = time.time()
-    if not now < until <= now + MAX_KEEP:
+    if not now < until <= now + MAX_KEEP + 60:  # a minute of slack for rounding
         return None
     return until, words[3]
 
