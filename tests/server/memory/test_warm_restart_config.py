@@ -3,6 +3,7 @@ process; tests/reliability/test_warm_restart.py restarts real `prefixcache serve
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -169,3 +170,27 @@ def test_another_services_start_leaves_a_stopped_warm_services_pool(tmp_path: Pa
             PrefixCacheClient(srv.address, timeout=10) as client:
         assert srv.server.warm.outcome == "restored"
         assert all(client.match("m", k).prefix_len == len(k) - len(k) % 2 for k in keys)
+
+
+def test_a_checkpoint_that_does_not_fit_is_skipped_and_counted(tmp_path: Path) -> None:
+    """Over warm_checkpoint_max_bytes (as over shm_dir's free space) a checkpoint is
+    skipped, counted and logged; the service goes on serving, and a clean stop still
+    writes its snapshot when that fits."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True,
+                 warm_checkpoint_interval=0.05, warm_checkpoint_max_bytes=64) as srv, \
+            PrefixCacheClient(srv.address, timeout=10) as client, client.session(10) as s:
+        s.insert("m", [1, 2, 3, 4], list(s.alloc("m", 4).slots))
+        deadline = time.monotonic() + 30
+        while srv.server.warm.checkpoints["no_room"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert srv.server.warm.checkpoints["written"] == 0
+        assert not list(shm.glob("*.snapshot"))
+        assert client.match("m", [1, 2, 3, 4]).prefix_len == 4
+    assert len(list(shm.glob("*.snapshot"))) == 1  # the stop's is not capped
+    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
+            PrefixCacheClient(srv.address, timeout=10) as client:
+        assert srv.server.warm.outcome == "restored"
+        assert client.match("m", [1, 2, 3, 4]).prefix_len == 4

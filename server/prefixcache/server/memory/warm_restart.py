@@ -388,13 +388,14 @@ class WarmRestart:
     def write(self, service: Any, body: Body) -> int:
         """Encode and write a snapshot body (safe off the event loop: it reads only
         what ``body`` holds), and mark the pool files as kept for ``server.warm_keep``
-        seconds."""
+        seconds. ``warm_checkpoint_max_bytes`` caps checkpoints, not a clean stop's
+        snapshot (the free space of shm_dir caps both)."""
         cfg = self.config.server
         manifest, trees = body
         parts = warm_snapshot.encode_body(manifest, [(encode_parts(tree), seals)
                                                      for tree, seals in trees])
-        size = warm_snapshot.write(self.path, parts, service.shared.mode,
-                                   cfg.warm_checkpoint_max_bytes or None)
+        cap = None if manifest["clean"] else cfg.warm_checkpoint_max_bytes or None
+        size = warm_snapshot.write(self.path, parts, service.shared.mode, cap)
         owner = service.shared.owner
         if owner is not None:
             mark_kept(Path(cfg.shm_dir), owner, cfg.warm_keep, self.service)
