@@ -31,7 +31,13 @@ from .config import Config, ConfigError
 from .events.publisher import KvEventPublishers, start_kv_events
 from .listen import clear_stale_socket, keepalive_options, read_pem
 from .memory.checkpoints import Checkpoints
-from .memory.shared_pool import AdoptError, service_tag, shm_file_mode, sweep
+from .memory.shared_pool import (
+    AdoptError,
+    kept_elsewhere,
+    service_tag,
+    shm_file_mode,
+    sweep,
+)
 from .memory.sizing import check_fits, is_out_of_memory
 from .memory.warm_restart import Takeover, WarmRestart, WarmRestartCollector
 from .metrics import Metrics
@@ -120,11 +126,21 @@ class PrefixCacheServer:
             check_fits(self.config.models, cfg.shm_dir or None,
                        takeover.budget() if takeover is not None else None)
         except ConfigError as exc:
-            if not pinned:
+            kept, until = (kept_elsewhere(cfg.shm_dir, service_tag(cfg.listen))
+                           if cfg.shm_dir else (0, 0.0))
+            if not pinned and not kept:
                 raise
-            raise ConfigError(f"{exc}; {pinned / 2**20:.1f} MiB of what is taken is a dead "
-                              "server's pool that a process (a worker?) still maps: it is "
-                              "freed when that process unmaps it or exits") from exc
+            why = str(exc)
+            if pinned:
+                why += (f"; {pinned / 2**20:.1f} MiB of what is taken is a dead server's "
+                        "pool that a process (a worker?) still maps: it is freed when that "
+                        "process unmaps it or exits")
+            if kept:
+                why += (f"; {kept / 2**20:.1f} MiB of it is the pool of a stopped warm-"
+                        f"restart service, kept for its next start for "
+                        f"{max(0.0, until - time.time()):.0f} s more (server.warm_keep): "
+                        "start that service, or remove its files from shm_dir")
+            raise ConfigError(why) from exc
         try:
             return CacheService(self.config.models, cfg.session_ttl, cfg.session_ttl_min,
                                 cfg.session_ttl_max, shm_dir=cfg.shm_dir or None,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import SMALL_POOL, running
+from harness import SMALL_POOL, make_config, running
 
 from prefixcache.cache.radix.tree_snapshot import decode, encode
 from prefixcache.client import PrefixCacheClient
@@ -194,3 +194,22 @@ def test_a_checkpoint_that_does_not_fit_is_skipped_and_counted(tmp_path: Path) -
             PrefixCacheClient(srv.address, timeout=10) as client:
         assert srv.server.warm.outcome == "restored"
         assert client.match("m", [1, 2, 3, 4]).prefix_len == 4
+
+
+def test_a_start_that_does_not_fit_names_the_pool_a_warm_service_keeps(tmp_path: Path) -> None:
+    from prefixcache.server.app import PrefixCacheServer
+    from prefixcache.server.memory.shared_pool import WARM_SUFFIX, kept_elsewhere, mark_kept
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    owner = "prefixcache-4194311." + "a" * 16  # no such pid, its lock free: a dead owner
+    (shm / f"{owner}.lock").write_bytes(b"")
+    (shm / f"{owner}-m-0").write_bytes(bytes(1 << 20))
+    mark_kept(shm, owner, 600, "b" * 16)
+    assert kept_elsewhere(shm, "b" * 16) == (0, 0.0)  # its own: not kept from it
+    kept, until = kept_elsewhere(shm, "c" * 16)
+    assert kept >= 1 << 20 and until > time.time()
+    huge = replace(RADIX, pool=replace(RADIX.pool, size=1 << 40))
+    with pytest.raises(ConfigError, match="stopped warm-restart service"):
+        PrefixCacheServer(make_config(tmp_path, (huge,), shm_dir=str(shm)))
+    assert (shm / f"{owner}{WARM_SUFFIX}").exists() and (shm / f"{owner}-m-0").exists()

@@ -480,6 +480,28 @@ def file_tag(model: str) -> str:
     return _UNSAFE.sub("_", model)[:64]
 
 
+def kept_elsewhere(directory: str | Path, service: str | None) -> tuple[int, float]:
+    """(bytes, until when) of the pool files that other services' warm restarts keep
+    in ``directory`` (their owners gone, their marks holding): what a start that does
+    not fit should name, since the sweep leaves them."""
+    nbytes, until = 0, 0.0
+    owners: dict[str, list[Path]] = {}
+    with contextlib.suppress(OSError):
+        for path in Path(directory).glob(f"{PREFIX}*"):
+            match = _NAME.match(path.name)
+            if match is not None:
+                owners.setdefault(match.group(1), []).append(path)
+    for owner, paths in owners.items():
+        kept = kept_for(Path(directory) / f"{owner}{WARM_SUFFIX}")
+        if kept is None or kept[1] == service:
+            continue
+        for path in paths:
+            with contextlib.suppress(OSError):
+                nbytes += path.stat().st_blocks * 512
+        until = max(until, kept[0])
+    return nbytes, until
+
+
 def service_tag(listen: str) -> str:
     """A service's name among others sharing a shm_dir: from its listen address, which
     no two services on a host share."""
