@@ -1,34 +1,39 @@
-"""Warm restart: real `prefixcache serve` processes with
-``server.warm_restart: true`` and a small pool under a private shm_dir.
+"""Warm restart: real `prefixcache serve` processes with ``server.warm_restart: true``
+and a small pool under a private shm_dir.
 
-A clean stop (SIGTERM) keeps the pool files and writes a snapshot of the tree; a start
-with the same config takes both over: the prompts cached before hit again, their KV
-read back byte for byte, in a new epoch with nothing locked. Every inconsistency starts
-cold, says why in one log line and counts in prefixcache_warm_restarts_total: another
-pool geometry, a damaged or torn snapshot, a start after SIGKILL (the decision: a
-killed run leaves no snapshot, so nothing it may have half-written is ever served).
-The servers run in invariant mode (--check-integrity): every mutating call checks the
-cache, so a restored tree that broke an invariant would answer INTERNAL.
+A clean stop (SIGTERM) keeps the pool files and writes a sealed snapshot of the tree;
+while serving, checkpoints are written too. A start with the same config takes both
+over: the prompts cached before hit again, their KV read back byte for byte, in a new
+epoch with nothing locked, after a clean stop and after SIGKILL alike; a page whose
+bytes changed since (a late write into the mapped pool, slots given to other KV after
+the last checkpoint) is never served, and is counted. Every inconsistency starts cold,
+says why in one log line and counts in prefixcache_warm_restarts_total. The servers
+run in invariant mode (--check-integrity): every mutating call checks the cache, so a
+restored tree that broke an invariant would answer INTERNAL.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from harness import SOURCE_PATH, wait_serving
 
-from prefixcache.client import PrefixCacheClient, StaleEpoch
+from prefixcache.client import PrefixCacheClient, SessionLost, StaleEpoch
 from prefixcache.client.write_fence import open_fence
 
 ENV = {**os.environ, "PYTHONPATH": SOURCE_PATH,
@@ -36,11 +41,12 @@ ENV = {**os.environ, "PYTHONPATH": SOURCE_PATH,
 LAYERS = 2
 
 
-def config(shm: Path, size: int = 128, warm: bool = True) -> str:
+def config(shm: Path, size: int = 128, warm: bool = True, checkpoint: float = 30.0) -> str:
     return f"""\
 server:
   shm_dir: {shm}
   warm_restart: {str(warm).lower()}
+  warm_checkpoint_interval: {checkpoint}
 models:
   - name: m
     page_size: 4
@@ -71,12 +77,35 @@ class Server:
                  if line.startswith("{")]
         return [r for r in lines if r.get("event") == event]
 
-    def outcomes(self) -> dict[str, float]:
+    def metrics(self) -> str:
         port = self.records("serving")[0]["metrics_port"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            text = r.read().decode()
+            return r.read().decode()
+
+    def outcomes(self) -> dict[str, float]:
         return {m[1]: float(m[2]) for m in re.finditer(
-            r'^prefixcache_warm_restarts_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+            r'^prefixcache_warm_restarts_total\{outcome="(\w+)"\} (\S+)$', self.metrics(),
+            re.M)}
+
+    def integrity_failures(self) -> dict[str, float]:
+        """``prefixcache_integrity_failures_total`` of source snapshot, by reason (those
+        above 0: every pair is exported from the start)."""
+        found = {m[1]: float(m[2]) for m in re.finditer(
+            r'^prefixcache_integrity_failures_total\{source="snapshot",reason="(\w+)"\} '
+            r'(\S+)$', self.metrics(), re.M)}
+        return {reason: n for reason, n in found.items() if n}
+
+    def checkpoints_written(self) -> float:
+        found = re.search(r'^prefixcache_warm_checkpoints_total\{outcome="written"\} (\S+)$',
+                          self.metrics(), re.M)
+        return float(found[1]) if found else 0.0
+
+    def wait_checkpoint(self, after: float) -> None:
+        """Until a checkpoint beyond the ``after``-th is written."""
+        deadline = time.monotonic() + 30
+        while self.checkpoints_written() <= after:
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -165,16 +194,18 @@ def test_a_clean_restart_brings_the_cache_back_byte_for_byte(tmp_path: Path,
         first.stop()
     assert first.records("warm restart: snapshot written")
     snapshot = list(shm.glob("*.snapshot"))
-    assert len(snapshot) == 1 and len(pool_files(shm)) == 1 + 2 * LAYERS  # lock + K, V
+    # lock, mark (kept for a warm restart) + K, V
+    assert len(snapshot) == 1 and len(pool_files(shm)) == 2 + 2 * LAYERS
 
     second = Server(tmp_path, config(shm))
     try:
         restored = second.records("warm restart: cache restored")
         assert len(restored) == 1 and restored[0]["tokens"] == 16 + 12 + 8, restored
-        assert second.outcomes() == {"restored": 1, "no_snapshot": 0, "corrupt": 0,
-                                     "config_changed": 0, "foreign": 0, "stale": 0,
-                                     "unsupported": 0}
-        assert not snapshot[0].exists()  # consumed: a crash now leaves none
+        assert second.outcomes() == {"restored": 1, "restored_from_checkpoint": 0,
+                                     "no_snapshot": 0, "corrupt": 0, "config_changed": 0,
+                                     "foreign": 0, "stale": 0, "unsupported": 0}
+        # Consumed, and in its place at once this run's first checkpoint (its own names).
+        assert b'"clean": false' in snapshot[0].read_bytes()
         check_hits(second.address, cached)
         with PrefixCacheClient(second.address, timeout=10) as client:
             assert client.stats("m").server_epoch != old_epoch
@@ -203,23 +234,71 @@ def test_another_pool_geometry_starts_cold(tmp_path: Path, shm: Path) -> None:
         second.stop()
 
 
-def test_a_start_after_sigkill_is_cold(tmp_path: Path, shm: Path) -> None:
-    """The decision: a killed run wrote no snapshot after its last pool write (the one
-    its start read was removed), so the next start is cold and serves nothing the
-    killed run's workers may have half-written."""
-    first = Server(tmp_path, config(shm))
-    cache_prompts(first.address, 5)
-    first.stop()
-    second = Server(tmp_path, config(shm))  # warm: takes over the pool
-    assert second.records("warm restart: cache restored")
-    cached = cache_prompts(second.address, 7)  # more writes after the snapshot
-    second.kill()
-    third = Server(tmp_path, config(shm))
+def test_a_crash_restores_the_last_checkpoint(tmp_path: Path, shm: Path) -> None:
+    """SIGKILL loses what came after the last checkpoint, not the cache: the next start
+    restores the checkpoint from the pool files that are still there."""
+    first = Server(tmp_path, config(shm, checkpoint=0.2))
+    cached = cache_prompts(first.address, 5)
+    first.wait_checkpoint(first.checkpoints_written())
+    first.kill()
+    second = Server(tmp_path, config(shm))
     try:
-        assert "did not stop cleanly" in cold_reason(third, "no_snapshot")
+        assert second.outcomes()["restored_from_checkpoint"] == 1
+        restored = second.records("warm restart: cache restored")
+        assert restored[0]["outcome"] == "restored_from_checkpoint"
+        assert restored[0]["tokens"] == 16 + 12 + 8
+        check_hits(second.address, cached)
+        assert second.integrity_failures() == {}
+    finally:
+        second.kill()
+
+
+def test_what_changed_after_the_checkpoint_misses(tmp_path: Path, shm: Path) -> None:
+    """After the checkpoint, the cached prompts are evicted and their slots written with
+    other KV (the pool has room for one set: they must reuse the slots); then SIGKILL.
+    The next start finds the checkpoint's pages changed: they miss (counted, reason
+    changed_after_checkpoint), never serving the other KV."""
+    first = Server(tmp_path, config(shm, size=40))
+    cached = cache_prompts(first.address, 7)
+    first.stop()
+    second = Server(tmp_path, config(shm, size=40))  # restores, and checkpoints at once
+    second.wait_checkpoint(0)
+    with PrefixCacheClient(second.address, timeout=10) as client:
+        assert client.evict("m", 10**6).evicted_tokens == 16 + 12 + 8
+    other = cache_prompts(second.address, 40)  # into the freed slots, other KV
+    old_slots = {s for slots, _, _ in cached.values() for s in slots}
+    assert old_slots & {s for slots, _, _ in other.values() for s in slots}
+    second.kill()
+    third = Server(tmp_path, config(shm, size=40))
+    try:
+        assert third.outcomes()["restored_from_checkpoint"] == 1
+        assert third.integrity_failures()["changed_after_checkpoint"] >= 1
         assert misses(third.address, cached)
+        assert misses(third.address, other)  # written after the checkpoint
     finally:
         third.stop()
+
+
+def test_a_late_write_into_the_pool_is_never_served(tmp_path: Path, shm: Path) -> None:
+    """A process that maps the pool writes into an already-cached page after the clean
+    stop (through the mapping: tmpfs keeps the file's mtime). The next start restores
+    the rest and drops that page: a counted integrity failure and a miss, not a hit."""
+    first = Server(tmp_path, config(shm))
+    cached = cache_prompts(first.address, 9)
+    first.stop()
+    prompt = next(p for p in cached if p[0] >= 500)  # the one that shares no prefix
+    slot = cached[prompt][0][2]
+    (k0,) = [p for p in shm.iterdir() if p.name.endswith("-m-0")]  # K of layer 0
+    with k0.open("r+b") as f, mmap.mmap(f.fileno(), 0) as pool:
+        pool[slot * 16] ^= 0x01  # one bit of one row: 8 fp16 of K per row
+    second = Server(tmp_path, config(shm))
+    try:
+        assert second.outcomes()["restored"] == 1
+        assert second.integrity_failures() == {"seal_mismatch": 1.0}
+        assert misses(second.address, {prompt: None})
+        check_hits(second.address, {p: v for p, v in cached.items() if p != prompt})
+    finally:
+        second.stop()
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -243,10 +322,10 @@ def test_a_damaged_snapshot_starts_cold(tmp_path: Path, shm: Path, damage: str) 
         second.stop()
 
 
-@pytest.mark.parametrize("change", ["owner_alive", "written"])
+@pytest.mark.parametrize("change", ["owner_alive", "replaced"])
 def test_files_that_changed_hands_start_cold(tmp_path: Path, shm: Path, change: str) -> None:
     """Another owner's files (its lock held by a live process) are neither adopted nor
-    swept; a pool file written after the snapshot is not trusted."""
+    swept; a pool file replaced since the snapshot is not taken over."""
     first = Server(tmp_path, config(shm))
     cached = cache_prompts(first.address, 13)
     first.stop()
@@ -260,8 +339,9 @@ def test_files_that_changed_hands_start_cold(tmp_path: Path, shm: Path, change: 
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
     else:
         pool = next(p for p in shm.iterdir() if p.name.endswith("-m-0"))
-        with pool.open("r+b") as f:
-            f.write(b"\0")
+        copy = pool.with_name("copy")
+        copy.write_bytes(pool.read_bytes())
+        copy.rename(pool)  # the same bytes, another file (the old one lives until then)
     try:
         second = Server(tmp_path, config(shm))
         try:
@@ -269,7 +349,7 @@ def test_files_that_changed_hands_start_cold(tmp_path: Path, shm: Path, change: 
                 assert "is alive" in cold_reason(second, "foreign")
                 assert lock.exists()  # its files stay: nothing proves the owner dead
             else:
-                assert "written after the snapshot" in cold_reason(second, "stale")
+                assert "replaced since the snapshot" in cold_reason(second, "stale")
                 assert not lock.exists()
             assert misses(second.address, cached)
         finally:
@@ -283,9 +363,11 @@ def test_a_worker_inside_a_copy_at_the_stop_means_no_snapshot(tmp_path: Path,
                                                               shm: Path) -> None:
     """A worker holding its write fence (mid-copy through the mapped pool) when the
     service stops could finish its copy into slots the next run hands out: the stop
-    writes no snapshot, and the next start is cold (the old files swept)."""
-    first = Server(tmp_path, config(shm))
+    writes no snapshot (the checkpoint written while serving goes too), and the next
+    start is cold: nothing of the old run is left in shm_dir."""
+    first = Server(tmp_path, config(shm, checkpoint=0.2))
     cached = cache_prompts(first.address, 15)
+    first.wait_checkpoint(first.checkpoints_written())
     with PrefixCacheClient(first.address, timeout=10) as client:
         session = client.session(30)
         session.alloc("m", 8)
@@ -295,7 +377,7 @@ def test_a_worker_inside_a_copy_at_the_stop_means_no_snapshot(tmp_path: Path,
         fence.close()
     lines = first.records("warm restart: no snapshot written; the next start is cold")
     assert len(lines) == 1 and "still copying" in lines[0]["reason"], lines
-    assert not list(shm.glob("*.snapshot"))
+    assert list(shm.iterdir()) == []  # no snapshot, checkpoint, mark or pool file
     second = Server(tmp_path, config(shm))
     try:
         cold_reason(second, "no_snapshot")
@@ -343,3 +425,123 @@ def test_off_by_default_the_stop_removes_everything(tmp_path: Path, shm: Path) -
     assert sum(first.outcomes().values()) == 0  # exported, at 0
     first.stop()
     assert list(shm.iterdir()) == []
+
+
+def _kv_of(prompt: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V rows (layers, tokens, 1, 8) a prompt's tokens have, each row a
+    function of the prefix up to it: the page computed for a prefix is always the same,
+    whoever computed it."""
+    rows = []
+    for j in range(len(prompt)):
+        seed = hash(prompt[:j + 1]) & 0xFFFFFFFF
+        rows.append(np.random.default_rng(seed).standard_normal((2, LAYERS, 8)))
+    kv = torch.from_numpy(np.stack(rows, axis=2)).half()  # (2, layers, tokens, 8)
+    return kv[0].unsqueeze(2).contiguous(), kv[1].unsqueeze(2).contiguous()
+
+
+def _serve_randomly(address: str, rng: random.Random, prompts: set[tuple[int, ...]],
+                    seconds: float) -> None:
+    """Cache random prompts (shared prefixes, a pool small enough to evict) until the
+    server dies or ``seconds`` pass; each one's KV is ``_kv_of`` it."""
+    deadline = time.monotonic() + seconds
+    stems = [tuple(rng.randrange(1, 50) for _ in range(8)) for _ in range(4)]
+    try:
+        with PrefixCacheClient(address, timeout=5) as client, client.session(30) as s:
+            while time.monotonic() < deadline:
+                prompt = rng.choice(stems) + tuple(rng.randrange(1, 50)
+                                                   for _ in range(rng.randrange(4, 40)))
+                have = s.match("m", list(prompt), lock=True)
+                new = list(s.alloc("m", len(prompt) - have.prefix_len).slots)
+                k, v = _kv_of(prompt)
+                s.write_kv("m", new, k[:, have.prefix_len:], v[:, have.prefix_len:])
+                prompts.add(prompt)
+                done = s.insert("m", list(prompt), [*have.slots, *new])
+                s.unlock(have.lock_id)
+                if done.prefix_len > have.prefix_len:  # cached meanwhile: ours go back
+                    s.free("m", new[:done.prefix_len - have.prefix_len])
+    except Exception:  # the server was killed under us
+        return
+
+
+def _check_served(address: str, prompts: set[tuple[int, ...]]) -> int:
+    """Every hit's KV is its prefix's; returns the tokens hit."""
+    hit = 0
+    with PrefixCacheClient(address, timeout=10) as client, client.session(30) as s:
+        for prompt in sorted(prompts):
+            got = s.match("m", list(prompt), lock=True)
+            if got.prefix_len:
+                back = s.read_kv("m", list(got.slots))
+                k, v = _kv_of(prompt[:got.prefix_len])
+                for layer in range(LAYERS):
+                    assert back.k[layer].view(torch.int16).equal(k[layer].view(torch.int16))
+                    assert back.v[layer].view(torch.int16).equal(v[layer].view(torch.int16))
+                hit += got.prefix_len
+            s.unlock(got.lock_id)
+    return hit
+
+
+def test_sigkill_at_random_points_serves_only_what_was_cached(tmp_path: Path,
+                                                              shm: Path) -> None:
+    """SIGKILL at random points of serving and of checkpoints (every 20 ms), again and
+    again: each start comes up, serves only KV equal to what its prefix was cached
+    with, and leaves no file of a dead run or a torn checkpoint behind."""
+    rng = random.Random(1234)
+    prompts: set[tuple[int, ...]] = set()
+    text = config(shm, size=512, checkpoint=0.02)
+    outcomes = []
+    for _ in range(3):
+        server = Server(tmp_path, text)
+        outcomes += [k for k, v in server.outcomes().items() if v]
+        _check_served(server.address, prompts)
+        killer = threading.Timer(rng.uniform(0.3, 1.5), server.kill)
+        killer.start()
+        _serve_randomly(server.address, rng, prompts, 3.0)
+        killer.join()
+        server.kill()
+    last = Server(tmp_path, text)
+    try:
+        outcomes += [k for k, v in last.outcomes().items() if v]
+        assert _check_served(last.address, prompts) > 0
+        assert "restored_from_checkpoint" in outcomes, outcomes
+        owners = {p.name.split("-m-")[0].removesuffix(".lock").removesuffix("-warm")
+                  for p in shm.iterdir() if not p.name.endswith(".snapshot")}
+        assert len(owners) == 1 and not list(shm.glob("*.tmp")), sorted(shm.iterdir())
+    finally:
+        last.stop()
+
+
+def test_a_crash_ends_the_killed_runs_fences_first(tmp_path: Path, shm: Path) -> None:
+    """After SIGKILL the killed run's fences were never ended: the next start ends them
+    before it checks a seal, so its worker copies nothing more (it reads "ended"); and
+    while a worker is inside a copy (holding its record) the start is cold."""
+    first = Server(tmp_path, config(shm, checkpoint=0.2))
+    cached = cache_prompts(first.address, 21)
+    with PrefixCacheClient(first.address, timeout=10) as client:
+        session = client.session(60)
+        fence = open_fence(client, session.info.session_id)
+        fence.check()  # the record holds its token: it may copy
+        first.wait_checkpoint(first.checkpoints_written())
+        first.kill()
+    second = Server(tmp_path, config(shm, checkpoint=0.2))
+    try:
+        assert second.outcomes()["restored_from_checkpoint"] == 1
+        with pytest.raises(SessionLost):
+            fence.check()  # ended by the start: the old worker copies nothing more
+        check_hits(second.address, cached)
+        with PrefixCacheClient(second.address, timeout=10) as client:
+            session = client.session(60)
+            inside = open_fence(client, session.info.session_id)
+            second.wait_checkpoint(second.checkpoints_written())
+            with inside.held():  # a copy under way when the service dies
+                second.kill()
+                third = Server(tmp_path, config(shm))
+            inside.close()
+        try:
+            assert "still copying" in cold_reason(third, "stale")
+            assert misses(third.address, cached)
+        finally:
+            third.stop()
+    finally:
+        fence.close()
+        if second.proc.poll() is None:
+            second.kill()

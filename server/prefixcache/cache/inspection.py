@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
+from .distinct import has_repeats
 from .errors import IntegrityError
 from .eviction import EvictionQueue
 from .hashing import hash_pages
@@ -144,13 +146,37 @@ def _check_node(cache: RadixView, node: TreeNode, problems: list[str]) -> None:
 
 
 def _check_slots(cache: RadixView, slots: list[torch.Tensor], problems: list[str]) -> None:
+    """No slot in two places, every slot allocated: node by node (marks over the
+    pool's rows where it has a known size), with no copy of the tree's slots."""
     if not slots:
         return
-    every = torch.cat(slots)
-    if len(torch.unique(every)) != len(every):
+    allocator = cache.token_to_kv_pool_allocator
+    rows = getattr(allocator, "num_rows", None)
+    is_allocated = getattr(allocator, "is_allocated", None)
+    marks = np.zeros(rows, dtype=np.bool_) if isinstance(rows, int) else None
+    seen: list[np.ndarray] = []
+    total = 0
+    free = False
+    for value in slots:
+        if not len(value):
+            continue
+        s = value.cpu().numpy()
+        total += s.size
+        if marks is not None and int(s.min()) >= 0 and int(s.max()) < marks.size:
+            marks[s] = True
+        else:
+            marks = None
+        seen.append(s)
+        if is_allocated is not None and not free \
+                and not bool(is_allocated(value).numpy().all()):
+            free = True
+    if marks is not None:
+        repeated = int(np.count_nonzero(marks)) != total
+    else:
+        repeated = has_repeats(np.concatenate(seen).astype(np.int64, copy=False))
+    if repeated:
         problems.append("a slot is referenced by two tree positions")
-    is_allocated = getattr(cache.token_to_kv_pool_allocator, "is_allocated", None)
-    if is_allocated is not None and not bool(is_allocated(every).all()):
+    if free:
         problems.append("a slot in the tree is free in the allocator")
 
 

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
+import time
 from typing import Any
 
 import grpc
@@ -30,7 +32,14 @@ from .access.unix_peers import UnixPeerRelay
 from .config import Config, ConfigError
 from .events.publisher import KvEventPublishers, start_kv_events
 from .listen import clear_stale_socket, keepalive_options, read_pem
-from .memory.shared_pool import AdoptError, shm_file_mode, sweep
+from .memory.checkpoints import Checkpoints
+from .memory.shared_pool import (
+    AdoptError,
+    kept_elsewhere,
+    service_tag,
+    shm_file_mode,
+    sweep,
+)
 from .memory.sizing import check_fits, is_out_of_memory
 from .memory.warm_restart import Takeover, WarmRestart, WarmRestartCollector
 from .metrics import Metrics
@@ -84,6 +93,9 @@ class PrefixCacheServer:
             self.warm.restore(self.service, takeover)
         self.metrics = Metrics(self.service)
         self.metrics.registry.register(WarmRestartCollector(self.warm))
+        if self.warm is not None:
+            for (model, reason), pages in self.warm.integrity.items():
+                self.service.integrity.count("snapshot", reason, pages, model=model)
         self.servicer = PrefixCacheServicer(self.service, self.metrics, self.check_integrity,
                                             cfg.max_message_bytes,
                                             callers=Callers(cfg.admin_token, cfg.tenants))
@@ -99,6 +111,10 @@ class PrefixCacheServer:
         # A second stop signal: cut the drain short (hurry).
         self._cut = False
         self._hurry: asyncio.Future[None] | None = None
+        # Checkpoints of the trees while serving (warm_restart), once started.
+        self.checkpoints: Checkpoints | None = None
+        # Reserving the shared pools' memory after the start (shared_pool.reserve).
+        self._reserving: asyncio.Task[None] | None = None
         # KV events out (server.kv_events): one ZMQ publisher per tree model, or None.
         self.kv_events: KvEventPublishers | None = None
         # The shared cross-node KV tier (server.tier, tier/), or None.
@@ -108,18 +124,28 @@ class PrefixCacheServer:
         cfg = self.config.server
         # Dead services' pool files go first: the check counts only what this start adds
         # (a killed server's files would otherwise refuse its own restart).
-        pinned = sweep(cfg.shm_dir) if cfg.shm_dir else 0
+        pinned = sweep(cfg.shm_dir, service_tag(cfg.listen)) if cfg.shm_dir else 0
         # Every pool added up before any is allocated: a pool larger than the host would
         # otherwise fill /dev/shm, or wake the OOM killer, instead of failing here.
         try:
             check_fits(self.config.models, cfg.shm_dir or None,
                        takeover.budget() if takeover is not None else None)
         except ConfigError as exc:
-            if not pinned:
+            kept, until = (kept_elsewhere(cfg.shm_dir, service_tag(cfg.listen))
+                           if cfg.shm_dir else (0, 0.0))
+            if not pinned and not kept:
                 raise
-            raise ConfigError(f"{exc}; {pinned / 2**20:.1f} MiB of what is taken is a dead "
-                              "server's pool that a process (a worker?) still maps: it is "
-                              "freed when that process unmaps it or exits") from exc
+            why = str(exc)
+            if pinned:
+                why += (f"; {pinned / 2**20:.1f} MiB of what is taken is a dead server's "
+                        "pool that a process (a worker?) still maps: it is freed when that "
+                        "process unmaps it or exits")
+            if kept:
+                why += (f"; {kept / 2**20:.1f} MiB of it is the pool of a stopped warm-"
+                        f"restart service, kept for its next start for "
+                        f"{max(0.0, until - time.time()):.0f} s more (server.warm_keep): "
+                        "start that service, or remove its files from shm_dir")
+            raise ConfigError(why) from exc
         try:
             return CacheService(self.config.models, cfg.session_ttl, cfg.session_ttl_min,
                                 cfg.session_ttl_max, shm_dir=cfg.shm_dir or None,
@@ -128,7 +154,8 @@ class PrefixCacheServer:
                                              or cfg.change_log_capacity > 0),
                                 change_log_capacity=cfg.change_log_capacity
                                 or DEFAULT_CAPACITY,
-                                adopt=takeover.files if takeover is not None else None)
+                                adopt=takeover.files if takeover is not None else None,
+                                shm_service=service_tag(cfg.listen))
         except AdoptError as exc:  # a file changed between the check and the rename
             if takeover is None or self.warm is None:
                 raise
@@ -186,6 +213,14 @@ class PrefixCacheServer:
         for name in ("", SERVICE_NAME, *map(model_health_name, self.service.engines)):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._expire_leases())
+        if self.service.shared.unreserved_bytes:
+            self._reserving = asyncio.create_task(self._reserve_pools())
+        if self.warm is not None and cfg.warm_checkpoint_interval > 0:
+            self.checkpoints = Checkpoints(self.warm, self.service, cfg.warm_checkpoint_interval)
+            # After a restore at once: the restored tree's files have this owner's names.
+            self.checkpoints.start(0.0 if self.warm.outcome in ("restored",
+                                                                "restored_from_checkpoint")
+                                   else None)
         if self.check_integrity:
             log.warning("invariant mode is on: every call that changes a cache runs the "
                         "integrity check (slower; meant for staging)")
@@ -193,6 +228,35 @@ class PrefixCacheServer:
             "listen": self.address, "metrics_port": self.metrics_port,
             "models": ",".join(self.service.engines), "tls": bool(cfg.tls_cert),
             "auth": bool(cfg.token or cfg.admin_token), "epoch": self.service.epoch})
+
+    async def _reserve_pools(self) -> None:
+        """Reserve the shared pools' memory off the start's path (shared_pool.reserve);
+        a directory that filled up meanwhile turns health NOT_SERVING, with the reason
+        logged: the pages not reserved could fault (SIGBUS) when first written."""
+        shared = self.service.shared
+        nbytes, started = shared.unreserved_bytes, time.monotonic()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[str | None] = loop.create_future()
+
+        def reserve() -> None:
+            # At the lowest priority: seconds of kernel time for a large pool, which
+            # must not slow the calls the service is answering meanwhile.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            why = shared.reserve()
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(done.set_result, why)
+
+        threading.Thread(target=reserve, name="pool-reserve", daemon=True).start()
+        why = await done
+        if why is None:
+            log.info("pool memory reserved", extra={
+                "bytes": nbytes, "seconds": round(time.monotonic() - started, 3)})
+            return
+        log.error("the pools' shared memory could not be reserved; NOT_SERVING",
+                  extra={"reason": why})
+        for name in ("", SERVICE_NAME, *map(model_health_name, self.service.engines)):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _serve_metrics(self) -> int:
         cfg = self.config.server
@@ -334,6 +398,13 @@ class PrefixCacheServer:
         self._close_kv_events()  # after the last call: its changes go out first
         self._close_tier()
         self.metrics.close()
+        if self.checkpoints is not None:  # a checkpoint in flight lands before the snapshot
+            await self.checkpoints.close()
+            self.checkpoints = None
+        if self._reserving is not None:
+            self.service.shared.stop_reserving()
+            await self._reserving
+            self._reserving = None
         # Warm restart: every session ends, the trees are written down and the pool
         # files stay for the next start (none when it is not safe; logged).
         keep = self.warm.save(self.service) if self.warm is not None else frozenset()

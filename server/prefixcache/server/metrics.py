@@ -208,7 +208,9 @@ class _CacheCollector(Collector):
             "Pages refused, never served, because their seal did not check, by where they "
             "came from (tier, snapshot, disk) and why (seal_mismatch: bytes or identity "
             "changed; bad_seal: no seal; wrong_kind: a digest where a MAC is required, or "
-            "the reverse; size: not a page and its seal).", labels=["source", "reason"])
+            "the reverse; size: not a page and its seal; changed_after_checkpoint: after a "
+            "crash, slots that took other KV after the last checkpoint).",
+            labels=["source", "reason"])
         for (source, reason), n in list(svc.integrity.counts.items()):
             integrity.add_metric([source, reason], n)
         yield integrity

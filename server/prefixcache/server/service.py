@@ -44,6 +44,7 @@ class CacheService:
         change_logs: give each tree model a ``ChangeLog`` (``engine.change_log``).
         change_log_capacity: the changes each change log keeps (for Subscribe).
         adopt: pool files a warm restart takes over (``SharedPools``).
+        shm_service: this service's name in shm_dir (``shared_pool.service_tag``).
     """
 
     def __init__(self, models: tuple[ModelConfig, ...] | list[ModelConfig],
@@ -52,7 +53,8 @@ class CacheService:
                  shm_dir: str | None = None, shm_mode: int = 0o600,
                  limits: Limits | None = None, change_logs: bool = False,
                  change_log_capacity: int = DEFAULT_CAPACITY,
-                 adopt: dict[str, tuple[Path, int]] | None = None) -> None:
+                 adopt: dict[str, tuple[Path, int]] | None = None,
+                 shm_service: str | None = None) -> None:
         # A client that sees this change knows every handle it holds is gone.
         self.epoch = secrets.randbits(63) or 1
         # Node handles and lock ids are keyed permutations of counters, with a key drawn
@@ -64,7 +66,7 @@ class CacheService:
                                         self.limits.max_sessions,
                                         self.limits.max_sessions_per_client)
         # CPU pools in shared memory under shm_dir (None: private), for attach.
-        self.shared = SharedPools(shm_dir, self.epoch, shm_mode, adopt)
+        self.shared = SharedPools(shm_dir, self.epoch, shm_mode, adopt, shm_service)
         self.engines: dict[str, ModelEngine | SlotEngine] = {}
         try:
             for model in models:
@@ -74,7 +76,8 @@ class CacheService:
                          } if kind is ModelEngine else {}
                 self.engines[model.name] = kind(
                     model, self.sessions.next_lock_id,
-                    self.shared.factory(model.name, model.pool.device), self.ids, **extra)
+                    self.shared.pool_factory(model.name, model.pool.device), self.ids,
+                    **extra)
                 self.engines[model.name].quota = Quota.of(self.limits, self.engines[model.name])
                 if self.limits.tenants:  # Stats shows a tenant its namespaces' lookups
                     self.engines[model.name].tenant_counts = TenantCounts(self.limits.tenants)

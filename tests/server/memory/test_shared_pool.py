@@ -10,13 +10,23 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from server.harness import SOURCE_PATH, wait_serving
 
-from prefixcache.server.memory.shared_pool import SharedPools, remove_stale
+from prefixcache.server.memory.shared_pool import (
+    MAX_KEEP,
+    WARM_SUFFIX,
+    SharedPools,
+    kept_for,
+    mark_kept,
+    private_zeros,
+    remove_stale,
+)
 
 # Above the largest pid_max Linux allows (2**22): no process has this pid, here or in
 # any namespace, as the pid of a server in another container would look to us.
@@ -126,3 +136,75 @@ def test_a_running_servers_files_survive_a_sweep_by_another_process(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _mark(directory: Path, owner: str, text: str) -> Path:
+    path = directory / f"{owner}{WARM_SUFFIX}"
+    path.write_text(text)
+    return path
+
+
+def test_a_warm_services_marked_files_outlive_another_services_sweep(tmp_path: Path) -> None:
+    """A stopped (or killed) warm-restart service marks its files: another service's
+    sweep leaves them until the mark runs out; its own next start (the same service)
+    does not wait; a mark that is past, too far ahead or garbage holds nothing."""
+    now = time.time()
+    kept = f"prefixcache-{NO_SUCH_PID}.{'e' * 16}"
+    files = [*_files(tmp_path, kept), _mark(tmp_path, kept, f"keep-until {now + 60} "
+                                                           f"service {'a' * 16}\n")]
+    for i, text in enumerate([f"keep-until {now - 1} service {'a' * 16}",  # past
+                              f"keep-until {now + 2 * MAX_KEEP} service {'a' * 16}",
+                              "keep-until soon service x", ""]):
+        owner = f"prefixcache-{NO_SUCH_PID}.{i:016x}"
+        _files(tmp_path, owner)
+        _mark(tmp_path, owner, text)
+    assert remove_stale(tmp_path, "b" * 16) == 4 * 4  # lock, 2 buffers, mark each
+    assert sorted(tmp_path.iterdir()) == sorted(files)
+    assert remove_stale(tmp_path) == 0  # no service named: marks hold
+    assert remove_stale(tmp_path, "a" * 16) == len(files)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mark_kept_writes_what_kept_for_reads(tmp_path: Path) -> None:
+    owner = f"prefixcache-{NO_SUCH_PID}.{'f' * 16}"
+    mark_kept(tmp_path, owner, 30, "c" * 16)
+    got = kept_for(tmp_path / f"{owner}{WARM_SUFFIX}")
+    assert got is not None and got[1] == "c" * 16 and 0 < got[0] - time.time() <= 30.01
+    mark_kept(tmp_path, owner, 10 * MAX_KEEP, "c" * 16)  # capped, so it still holds
+    got = kept_for(tmp_path / f"{owner}{WARM_SUFFIX}")
+    assert got is not None and got[0] - time.time() <= MAX_KEEP + 0.01
+    assert [p.name for p in tmp_path.iterdir()] == [f"{owner}{WARM_SUFFIX}"]
+
+
+def test_big_pool_files_are_reserved_after_the_start(shm_dir: Path) -> None:
+    shared = SharedPools(str(shm_dir), epoch=1)
+    try:
+        factory = shared.factory("m", "cpu")
+        assert factory is not None
+        big = factory((96 << 20,), torch.uint8)  # over the reserve-now size: later
+        small = factory((1 << 20,), torch.uint8)
+        files = {p.name[-1]: p for p in shm_dir.iterdir() if not p.name.endswith(".lock")}
+        assert files["1"].stat().st_blocks * 512 >= 1 << 20  # reserved as made
+        assert files["0"].stat().st_blocks * 512 < 96 << 20  # sparse until reserve
+        assert shared.unreserved_bytes == 96 << 20
+        assert shared.reserve() is None and shared.unreserved_bytes == 0
+        assert files["0"].stat().st_blocks * 512 >= 96 << 20
+        assert not big.any() and not small.any()  # zeros either way
+    finally:
+        shared.close()
+
+
+def test_private_pools_are_zeros_mapped_lazily() -> None:
+    before = _rss()
+    buf = private_zeros((256 << 20,), torch.uint8)  # 256 MiB, not touched
+    assert _rss() - before < 32 << 20
+    assert buf.is_contiguous() and buf.shape == (256 << 20,)
+    buf[::4096].fill_(1)  # first writes fault pages in
+    assert int(buf[::4096].sum()) == (256 << 20) // 4096 and int(buf[1:4096].sum()) == 0
+    shaped = private_zeros((3, 5, 7), torch.bfloat16)
+    assert shaped.shape == (3, 5, 7) and not shaped.any()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -3,13 +3,14 @@ process; tests/reliability/test_warm_restart.py restarts real `prefixcache serve
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from harness import SMALL_POOL, running
+from harness import SMALL_POOL, make_config, running
 
 from prefixcache.cache.radix.tree_snapshot import decode, encode
 from prefixcache.client import PrefixCacheClient
@@ -98,15 +99,19 @@ def _cached_then_stopped(tmp_path: Path, shm: Path) -> list[list[int]]:
     return keys
 
 
+Trees = list[tuple[bytes, bytes]]  # each tree's bytes and its seals
+
+
 def _rewrite(shm: Path, edit: Any) -> None:
     """Read the snapshot, change it with ``edit(manifest, trees)``, write it back
     whole and checksummed: a well-formed snapshot that must still be refused."""
     (path,) = shm.glob("*.snapshot")
-    read = warm_snapshot.consume(path)
+    read = warm_snapshot.consume(path, 1 << 30)
     assert read is not None
-    manifest, trees = read
-    trees = edit(manifest, trees)
-    warm_snapshot.write(path, manifest, trees, 0o600)
+    manifest = read.manifest
+    trees = edit(manifest, [(bytes(tree), bytes(seals)) for tree, seals in read.trees])
+    warm_snapshot.write(path, warm_snapshot.encode_body(
+        manifest, [([tree], seals) for tree, seals in trees]), 0o600)
 
 
 def test_another_snapshot_format_starts_cold(tmp_path: Path) -> None:
@@ -114,7 +119,7 @@ def test_another_snapshot_format_starts_cold(tmp_path: Path) -> None:
     shm.mkdir()
     keys = _cached_then_stopped(tmp_path, shm)
 
-    def newer(manifest: dict[str, Any], trees: list[bytes]) -> list[bytes]:
+    def newer(manifest: dict[str, Any], trees: Trees) -> Trees:
         manifest["version"] = warm_snapshot.VERSION + 1
         return trees
 
@@ -132,11 +137,11 @@ def test_a_tree_that_does_not_rebuild_leaves_every_model_empty(tmp_path: Path) -
     shm.mkdir()
     keys = _cached_then_stopped(tmp_path, shm)
 
-    def twice(manifest: dict[str, Any], trees: list[bytes]) -> list[bytes]:
-        image = decode(trees[0])
+    def twice(manifest: dict[str, Any], trees: Trees) -> Trees:
+        image = decode(trees[0][0])
         slots = image.slots.copy()
         slots[-1] = slots[0]
-        return [encode(replace(image, slots=slots))]
+        return [(encode(replace(image, slots=slots).parts()), trees[0][1])]
 
     _rewrite(shm, twice)
     with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
@@ -148,3 +153,63 @@ def test_a_tree_that_does_not_rebuild_leaves_every_model_empty(tmp_path: Path) -
         assert all(client.match("m", k).prefix_len == 0 for k in keys)
         with client.session(10) as s:  # the whole pool is usable again
             assert len(s.alloc("m", engine.allocator.available_size()).slots) == 64
+
+
+def test_another_services_start_leaves_a_stopped_warm_services_pool(tmp_path: Path) -> None:
+    """Between a warm service's stop and its next start, another service without warm
+    restart starts in the same shm_dir: its sweep leaves the marked files alone, and the
+    warm service comes back warm."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    keys = _cached_then_stopped(tmp_path, shm)
+    kept = sorted(p.name for p in shm.iterdir())
+    (tmp_path / "other").mkdir()
+    with running(tmp_path / "other", (RADIX,), shm_dir=str(shm)):
+        assert set(kept) <= {p.name for p in shm.iterdir()}
+    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
+            PrefixCacheClient(srv.address, timeout=10) as client:
+        assert srv.server.warm.outcome == "restored"
+        assert all(client.match("m", k).prefix_len == len(k) - len(k) % 2 for k in keys)
+
+
+def test_a_checkpoint_that_does_not_fit_is_skipped_and_counted(tmp_path: Path) -> None:
+    """Over warm_checkpoint_max_bytes (as over shm_dir's free space) a checkpoint is
+    skipped, counted and logged; the service goes on serving, and a clean stop still
+    writes its snapshot when that fits."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True,
+                 warm_checkpoint_interval=0.05, warm_checkpoint_max_bytes=64) as srv, \
+            PrefixCacheClient(srv.address, timeout=10) as client, client.session(10) as s:
+        s.insert("m", [1, 2, 3, 4], list(s.alloc("m", 4).slots))
+        deadline = time.monotonic() + 30
+        while srv.server.warm.checkpoints["no_room"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert srv.server.warm.checkpoints["written"] == 0
+        assert not list(shm.glob("*.snapshot"))
+        assert client.match("m", [1, 2, 3, 4]).prefix_len == 4
+    assert len(list(shm.glob("*.snapshot"))) == 1  # the stop's is not capped
+    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
+            PrefixCacheClient(srv.address, timeout=10) as client:
+        assert srv.server.warm.outcome == "restored"
+        assert client.match("m", [1, 2, 3, 4]).prefix_len == 4
+
+
+def test_a_start_that_does_not_fit_names_the_pool_a_warm_service_keeps(tmp_path: Path) -> None:
+    from prefixcache.server.app import PrefixCacheServer
+    from prefixcache.server.memory.shared_pool import WARM_SUFFIX, kept_elsewhere, mark_kept
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    owner = "prefixcache-4194311." + "a" * 16  # no such pid, its lock free: a dead owner
+    (shm / f"{owner}.lock").write_bytes(b"")
+    (shm / f"{owner}-m-0").write_bytes(bytes(1 << 20))
+    mark_kept(shm, owner, 600, "b" * 16)
+    assert kept_elsewhere(shm, "b" * 16) == (0, 0.0)  # its own: not kept from it
+    kept, until = kept_elsewhere(shm, "c" * 16)
+    assert kept >= 1 << 20 and until > time.time()
+    huge = replace(RADIX, pool=replace(RADIX.pool, size=1 << 40))
+    with pytest.raises(ConfigError, match="stopped warm-restart service"):
+        PrefixCacheServer(make_config(tmp_path, (huge,), shm_dir=str(shm)))
+    assert (shm / f"{owner}{WARM_SUFFIX}").exists() and (shm / f"{owner}-m-0").exists()

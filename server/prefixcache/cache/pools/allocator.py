@@ -9,6 +9,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..distinct import distinct, distinct_first
 from ..errors import (
     DoubleFreeError,
     IntegrityError,
@@ -144,6 +145,26 @@ class TokenToKVPoolAllocator:
         self._group_depth = 0
         self._group_pending: list[Sequence[Pages]] = []
 
+    def claim(self, slots: np.ndarray) -> None:
+        """Hand out exactly ``slots`` (distinct, each on a page of this pool) from an
+        empty allocator, as if each had been allocated and the rest of its page freed:
+        a page with any of them leaves the free list, every other page stays on it in
+        order (a warm restart's tree; one pass, no temporary the size of the pool).
+
+        Raises:
+            InvalidInputError: the allocator has slots handed out, or a slot lies
+                outside its pages.
+        """
+        if self._num_allocated or self._pages.available() != self.num_pages:
+            raise InvalidInputError("claim needs an empty allocator")
+        idx = host_indices(slots)
+        if idx.size:
+            _check_range(idx, self.page_size, self._slot_end)
+        self._live[idx] = 1
+        used = self._page_words.any(axis=1)
+        self._pages.only(np.flatnonzero(~used[1:]) + 1)
+        self._num_allocated = int(np.count_nonzero(self._live))
+
     def available_size(self) -> int:
         """How many slots ``alloc`` could hand out now (free pages * page_size)."""
         return self._pages.available() * self.page_size
@@ -165,6 +186,8 @@ class TokenToKVPoolAllocator:
         """
         idx = host_indices(indices)
         _check_range(idx, 0, self.num_rows)
+        if idx.size and int(idx.max()) < self._slot_end:  # the usual case: no mask, no copy
+            return torch.from_numpy(self._live[idx] != 0)
         live = np.zeros(idx.size, dtype=np.bool_)
         inside = idx < self._slot_end
         live[inside] = self._live[idx[inside]] != 0
@@ -318,7 +341,7 @@ class TokenToKVPoolAllocator:
         _check_range(idx, self.page_size, self._slot_end)
         repeated = idx[1:] == idx[:-1]
         if repeated.any():
-            bad = np.unique(idx[1:][repeated])[:_MAX_SHOWN].tolist()
+            bad = distinct(idx[1:][repeated])[:_MAX_SHOWN].tolist()
             raise DoubleFreeError(f"slots freed twice in one call: {bad}")
         if not self._live[idx].all():
             self._refuse_not_live(idx)
@@ -426,7 +449,7 @@ class TokenToKVPoolAllocator:
 
         Only for ``need_sort=False``, where the free list keeps free order.
         """
-        unique, first = np.unique(given // self.page_size, return_index=True)
+        unique, first = distinct_first(given // self.page_size)
         first = first[np.isin(unique, pages)]
         ordered: np.ndarray = given[np.sort(first)] // self.page_size
         return ordered

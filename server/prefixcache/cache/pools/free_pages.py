@@ -40,6 +40,12 @@ class FreePages:
         self._released: list[Pages] = []
         self._num_released = 0
 
+    def only(self, pages: np.ndarray) -> None:
+        """Make ``pages`` (distinct, ascending, in ``1..num_pages``) the free list."""
+        self._free = self._base = pages
+        self._head = 0
+        self._released, self._num_released = [], 0
+
     def available(self) -> int:
         """Pages a ``take`` could hand out now, released ones included."""
         return self._free.size - self._head + self._num_released

@@ -26,6 +26,7 @@ from .checks import (
     MAX_GRACE_PERIOD,
     MAX_MESSAGE_BYTES,
     MAX_SESSION_TTL,
+    MAX_WARM_KEEP,
     build_model_config,
     build_server_config,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "CACHE_KINDS", "DEFAULT_MODELS", "DTYPES", "ENV_OTHER", "ENV_PREFIX",
     "KV_EVENTS_ENCODINGS", "KV_EVENTS_ENV", "KV_EVENTS_HASH_FORMATS", "KV_EVENTS_PUBLISHERS",
     "LOG_FORMATS", "LOG_LEVELS", "MAX_GRACE_PERIOD", "MAX_MESSAGE_BYTES", "MAX_SESSION_TTL",
+    "MAX_WARM_KEEP",
     "Config", "ConfigError", "KvEventsConfig", "MambaConfig", "ModelConfig", "PoolConfig",
     "ServerConfig", "TenantConfig", "load_config", "unknown_env_warning",
 ]

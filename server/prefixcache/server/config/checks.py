@@ -32,6 +32,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # Upper bounds of server settings: beyond them a value is a mistake (or overflows gRPC).
 MAX_SESSION_TTL = 86400.0
 MAX_GRACE_PERIOD = 3600.0
+# The longest a stopped warm-restart service's files are kept from others' sweeps.
+MAX_WARM_KEEP = 86400.0
 MAX_MESSAGE_BYTES = 2**31 - 1
 
 # Server settings parsed other than by the type of their default.
@@ -96,6 +98,13 @@ def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:
     check_int(cfg.change_log_capacity, f"{where}.change_log_capacity", 0)
     if cfg.shm_dir.lower() == "off":
         cfg = replace(cfg, shm_dir="")
+    if not (math.isfinite(cfg.warm_checkpoint_interval) and cfg.warm_checkpoint_interval >= 0):
+        raise ConfigError(f"{where}.warm_checkpoint_interval: seconds >= 0 (0: no "
+                          f"checkpoints), got {cfg.warm_checkpoint_interval}")
+    check_int(cfg.warm_checkpoint_max_bytes, f"{where}.warm_checkpoint_max_bytes", 0)
+    if not 0 < cfg.warm_keep <= MAX_WARM_KEEP:
+        raise ConfigError(f"{where}.warm_keep: seconds in (0, {MAX_WARM_KEEP:g}], "
+                          f"got {cfg.warm_keep}")
     if cfg.warm_restart and not cfg.shm_dir:
         raise ConfigError(f"{where}.warm_restart: needs shm_dir, where the pools outlive "
                           "the process (they are private memory with shm_dir off)")

@@ -119,12 +119,19 @@ class ServerConfig:
     # Invariant mode (staging): check the caches' integrity after every mutating call;
     # a failure answers INTERNAL and is logged.
     check_integrity: bool = False
-    # Warm restart (warm_restart.py): a clean stop (SIGTERM) keeps the CPU pools' files
-    # under shm_dir and writes a checksummed snapshot of the trees beside them; the next
-    # start with the same models takes both over, so cached prompts hit again. Radix
-    # and chunk models only (others start cold, logged); needs shm_dir. After a crash:
-    # cold.
+    # Warm restart (warm_restart.py): the CPU pools' files under shm_dir outlive the
+    # process, and a sealed snapshot of the trees is written beside them every
+    # warm_checkpoint_interval seconds while serving (0: only at a clean stop) and at a
+    # clean stop (SIGTERM); the next start with the same models takes both over and
+    # serves the pages whose seals verify, so cached prompts hit again, after a crash
+    # too. Radix and chunk models only (others start cold, logged); needs shm_dir. A
+    # checkpoint larger than warm_checkpoint_max_bytes (0: no cap but shm_dir's free
+    # space) is skipped. Another service's sweep of shm_dir leaves the pool files of a
+    # stopped or crashed warm-restart service for warm_keep seconds (at most a day).
     warm_restart: bool = False
+    warm_checkpoint_interval: float = 30.0
+    warm_checkpoint_max_bytes: int = 0
+    warm_keep: float = 3600.0
     # Limits: what one client may take of a service that others share. Each is generous
     # by default; a refusal names its setting and counts in prefixcache_refusals_total.
     # Sizes of request fields, in UTF-8 bytes (INVALID_ARGUMENT beyond them).

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from prefixcache.cache import RadixKey
+from prefixcache.cache.distinct import count_distinct
 from prefixcache.cache.radix.lookup_outcomes import LEASE_EXPIRED
 
 from ..access.tenant_stats import TenantCounts
@@ -95,7 +96,7 @@ class EngineBase:
         if page_size > 1:  # pages may now hold slots of both: count each one's again
             for who in (session, holder):
                 rows = np.flatnonzero(self._owner == who.tag)  # type: ignore[attr-defined]
-                pages = len(np.unique(rows // page_size))
+                pages = count_distinct(rows // page_size)
                 if pages:
                     who.pages[self.name] = pages
                 else:

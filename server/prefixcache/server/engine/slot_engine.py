@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from prefixcache.cache import EvictResult, IntegrityError, InvalidInputError, RadixKey
+from prefixcache.cache.distinct import has_repeats
 from prefixcache.cache.pools.kv_pool import BufferFactory, checked_buffer
 from prefixcache.cache.pools.slot_allocator import SlotAllocator
 from prefixcache.cache.radix.lookup_outcomes import CAPACITY
@@ -245,7 +246,7 @@ class SlotEngine(EngineBase):
         if not held.all():
             raise PreconditionError(f"slot {int(slots[np.argmin(held)])} is not held by this "
                                     "session")
-        if len(np.unique(slots)) != len(slots):
+        if has_repeats(slots):
             raise InvalidInputError("a slot is named twice")
 
     def _retake(self, rows: np.ndarray, window: np.ndarray | None) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from prefixcache.cache import InvalidInputError, TokenToKVPoolAllocator
+from prefixcache.cache.distinct import count_distinct, distinct, distinct_counts
 from prefixcache.cache.pools.allocator import host_indices
 
 from ..errors import PoolExhaustedError, PreconditionError
@@ -131,7 +132,7 @@ class SlotOwnership:
         else:
             blocks = page_blocks(slots, ps)
             if blocks is None:  # repeats or split pages: the sort sums them
-                blocks = np.unique(slots // ps, return_counts=True)
+                blocks = distinct_counts(slots // ps)
             pages, counts = blocks
             before = self._page_held[pages]
             after = before + sign * counts.astype(self._page_held.dtype)
@@ -172,8 +173,8 @@ class SlotOwnership:
             problems.append(f"{int(np.count_nonzero(counts != self._page_held))} pages count "
                             "held slots the owner array disagrees with")
         # Distinct (tag, page) pairs, then pages per tag: one pass, whatever the sessions.
-        pairs = np.unique(self._owner[rows] * len(self._page_held) + rows // self.page_size)
-        tags, held = np.unique(pairs // len(self._page_held), return_counts=True)
+        pairs = distinct(self._owner[rows] * len(self._page_held) + rows // self.page_size)
+        tags, held = distinct_counts(pairs // len(self._page_held))
         by_tag = dict(zip(tags.tolist(), held.tolist(), strict=True))
         for session in sessions:
             pages = by_tag.get(session.tag, 0)
@@ -270,7 +271,7 @@ class SlotOwnership:
             owner, tag = self._owner, session.tag
             parts = [np.flatnonzero(owner[lo:end] == tag) + lo for lo, end in tracked[1]]
             # A slot given twice (freed and given again) is in two runs: unique.
-            mine = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+            mine = distinct(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
             if len(mine) == session.slots.get(self.name, 0):
                 return mine
         return np.flatnonzero(self._owner == session.tag)
@@ -366,7 +367,7 @@ class SlotOwnership:
         self._set_owner(rows, None, session.tag)
         self._count_pages(session, rows, 1)
         if self.page_size > 1:  # a page may hold slots of two of them (a holder's)
-            pages = len(np.unique(rows // self.page_size))
+            pages = count_distinct(rows // self.page_size)
             session.pages[self.name] = pages
         self._track(session.tag, len(rows), None)
         session.slots[self.name] = session.slots.get(self.name, 0) + len(rows)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from prefixcache.cache import IntegrityError, InvalidInputError
+from prefixcache.cache.distinct import distinct_counts
 from prefixcache.cache.mamba.mamba_radix_cache import MambaRadixCache
 from prefixcache.cache.pools.kv_pool import BufferFactory
 from prefixcache.cache.pools.mamba_pool import MambaPool
@@ -85,7 +86,7 @@ class StateSlots:
 
     def disown(self, slots: np.ndarray) -> None:
         """The session no longer holds ``slots`` (the tree took them, or they were freed)."""
-        tags, counts = np.unique(self._owner[slots], return_counts=True)
+        tags, counts = distinct_counts(self._owner[slots])
         for tag, n in zip(tags.tolist(), counts.tolist(), strict=True):
             left = self._held_by.get(tag, 0) - n
             if left > 0:
@@ -109,7 +110,7 @@ class StateSlots:
         owned = int(np.count_nonzero(self._owner))
         if owned != self.held:
             raise IntegrityError(f"{owned} state slots owned by sessions, {self.held} counted")
-        tags, counts = np.unique(self._owner[self._owner != 0], return_counts=True)
+        tags, counts = distinct_counts(self._owner[self._owner != 0])
         if dict(zip(tags.tolist(), counts.tolist(), strict=True)) != self._held_by:
             raise IntegrityError("state slots counted per session disagree with their owners")
         in_use = self.pool.num_allocated_track_slots()

@@ -65,7 +65,10 @@ SEAL_MISMATCH: Final = "seal_mismatch"
 BAD_SEAL: Final = "bad_seal"
 WRONG_KIND: Final = "wrong_kind"
 SIZE: Final = "size"
-INTEGRITY_REASONS: Final = (SEAL_MISMATCH, BAD_SEAL, WRONG_KIND, SIZE)
+# A snapshot's page after a crash whose slots took other KV after the last checkpoint:
+# expected, unlike a seal mismatch after a clean stop, where nothing may change.
+CHANGED_AFTER_CHECKPOINT: Final = "changed_after_checkpoint"
+INTEGRITY_REASONS: Final = (SEAL_MISMATCH, BAD_SEAL, WRONG_KIND, SIZE, CHANGED_AFTER_CHECKPOINT)
 # Where a page came back from (its ``source``).
 INTEGRITY_SOURCES: Final = ("tier", "snapshot", "disk")
 # Seconds between two warnings of one source.

@@ -70,6 +70,7 @@ import fcntl
 import logging
 import os
 import struct
+import time
 
 import torch
 
@@ -82,6 +83,7 @@ from .shared_pool import SharedPools
 log = logging.getLogger("prefixcache.server")
 
 RECORD = struct.Struct("<q")
+FENCE_FILE = "write-fence"  # what the fence file is named after, as a model would be
 _FREE = 0
 
 
@@ -149,7 +151,7 @@ class WriteFences:
     def _open(self) -> int:
         if self._fd is not None:
             return self._fd
-        factory = self._shared.factory("write-fence", "cpu")
+        factory = self._shared.factory(FENCE_FILE, "cpu")
         if factory is None:
             raise PreconditionError("this service keeps its pools in private memory "
                                     "(shm_dir is empty): there is no write fence; "
@@ -254,3 +256,28 @@ def reply(fences: WriteFences, session: Session, epoch: int) -> pb.WriteFenceRes
     path, offset, token = fences.claim(session)
     return pb.WriteFenceResponse(shm_path=path, offset_bytes=offset, token=token,
                                  server_epoch=epoch)
+
+
+def quiesce(path: str, wait: float) -> bool:
+    """End every fence of a dead service's fence file at ``path``: write 0 into each
+    record, then wait up to ``wait`` seconds for an exclusive lock on the whole file.
+    True once taken (no worker is inside a copy, and every later one reads 0 and
+    copies nothing); False when a worker still holds its record (running, or stopped)."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        os.pwrite(fd, bytes(size - size % RECORD.size), 0)
+        whole = struct.pack("@hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0) + bytes(4)
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, whole)
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+    finally:
+        os.close(fd)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixcache.cache.distinct import distinct
 from prefixcache.cache.pools.allocator import host_indices
 
 from ..access.limits import Limits, request_tokens
@@ -143,9 +144,9 @@ class ReadGrant:
         self.kv_locked = self.state_locked = None
         if not locks:
             return
-        self.kv_locked = np.unique(np.concatenate([kv for kv, _, _ in locks.values()]))
+        self.kv_locked = distinct(np.concatenate([kv for kv, _, _ in locks.values()]))
         if getattr(self.engine, "states", None) is not None:
-            self.state_locked = np.unique(np.concatenate([st for _, st, _ in locks.values()]))
+            self.state_locked = distinct(np.concatenate([st for _, st, _ in locks.values()]))
 
     def _owner(self, state: bool) -> np.ndarray | None:
         if not state:

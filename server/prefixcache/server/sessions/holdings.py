@@ -14,8 +14,7 @@ import heapq
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-
+from prefixcache.cache.distinct import distinct_counts
 from prefixcache.v1 import prefix_cache_pb2 as pb
 
 from ..access.limits import truncate
@@ -35,7 +34,7 @@ def _state_slots(engines: Iterable[Any]) -> dict[int, int]:
         if states is None or not states.held:
             continue
         owners = states._owner[states._owner > 0]
-        tags, counts = np.unique(owners, return_counts=True)
+        tags, counts = distinct_counts(owners)
         for tag, n in zip(tags.tolist(), counts.tolist(), strict=True):
             held[tag] = held.get(tag, 0) + n
     return held
