@@ -375,7 +375,7 @@ SERVER_LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
 )
 CACHE_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "slot_values"),
+    ("errors", "slot_values", "distinct"),
     ("key", "pages", "pools"),
     ("node", "hashing", "base"),
     ("eviction", "index", "chunk_cache"),

@@ -91,7 +91,7 @@ class Server:
         """``prefixcache_integrity_failures_total`` of source snapshot, by reason (those
         above 0: every pair is exported from the start)."""
         found = {m[1]: float(m[2]) for m in re.finditer(
-            r'^prefixcache_integrity_failures_total\{source="snapshot",reason="(\w+)"\} '
+            r'^prefixcache_integrity_failures_total\{reason="(\w+)",source="snapshot"\} '
             r'(\S+)$', self.metrics(), re.M)}
         return {reason: n for reason, n in found.items() if n}
 

@@ -161,7 +161,7 @@ class TokenToKVPoolAllocator:
         if idx.size:
             _check_range(idx, self.page_size, self._slot_end)
         self._live[idx] = 1
-        used = self._page_words.any(axis=1)
+        used = np.asarray(self._page_words.any(axis=1))
         self._pages.only(np.flatnonzero(~used[1:]) + 1)
         self._num_allocated = int(np.count_nonzero(self._live))
 

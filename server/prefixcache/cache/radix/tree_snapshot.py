@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -97,7 +97,8 @@ class TreeImage:
     def token_bytes(self) -> np.ndarray:
         """Bytes per token of each node (its namespace's width)."""
         widths = np.asarray([w for _, w in self.namespaces] or [1], dtype=np.int64)
-        return widths[self.namespace] * TOKEN_BYTES
+        per_node: np.ndarray = widths[self.namespace] * TOKEN_BYTES
+        return per_node
 
     def slot_ends(self) -> np.ndarray:
         """Where each node's slots end in ``slots`` (its tokens, in ``keys``, end at
@@ -155,7 +156,9 @@ def take(cache: RadixCache) -> TreeParts:
     keys: list[bytes] = []
     slots: list[np.ndarray] = []
     nodes: list[TreeNode] = []
-    for (extra_key, width), ns_root in cache.root_node.children.items():
+    for ns_key, ns_root in cache.root_node.children.items():
+        # The root's children are the namespaces, keyed (extra_key, token width).
+        extra_key, width = cast(tuple[str | None, int], ns_key)
         ns = len(namespaces)
         namespaces.append((extra_key, width))
         stack: list[tuple[Any, int]] = [(child, -1) for child in ns_root.children.values()]
@@ -221,7 +224,7 @@ def encode_parts(tree: TreeParts) -> list[Buffer]:
 
 
 def _le(array: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(array, dtype=_I64)).cast("B")
+    return np.ascontiguousarray(array, dtype=_I64).data.cast("B")
 
 
 def encode(tree: TreeParts) -> bytes:

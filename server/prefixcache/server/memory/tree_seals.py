@@ -86,7 +86,7 @@ class TreeSeals:
         return identity("prefixcache/warm-seal/v1", self._base, namespace[0], namespace[1])
 
     def _parts(self, slots: np.ndarray, key: memoryview) -> Iterator[Any]:
-        yield memoryview(np.ascontiguousarray(slots, dtype="<i8")).cast("B")
+        yield np.ascontiguousarray(slots, dtype="<i8").data.cast("B")
         yield key
         lo, hi = int(slots[0]), int(slots[-1]) + 1
         one_run = hi - lo == slots.size and bool((np.diff(slots) == 1).all())
