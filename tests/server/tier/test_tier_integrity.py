@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -294,7 +295,12 @@ def test_bit_flips_in_a_fetched_object_never_serve_changed_bytes(
         _served_as_computed(b, FUZZ_TOKENS, page)
         assert _failures(b) == before + 1
     finally:
-        raw.upsert(keys[page], honest)  # the honest page back, for the next example
+        # B removes the refused object, off the lookup's path: let that land first, so
+        # that it cannot remove the honest page put back for the next example.
+        deadline = time.monotonic() + 5
+        while raw.exists(keys[page]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        raw.upsert(keys[page], honest)
 
 
 ALPHABET = [_tokens(100 + i, PAGE) for i in range(4)]  # pages that prompts share
