@@ -152,11 +152,10 @@ class RadixCache(RadixEviction, BasePrefixCache):
         self._touch_roots(ns_root)
         node, pos, values = ns_root, 0, []
         while pos < end:
-            step = self._descend(node, packed, pos, end, page_bytes)
+            step = self._descend(node, packed, pos, end, page_bytes, hit=True)
             if step is None:
                 break
             child, covered = step
-            covered.hit_count += 1
             values.append(covered.value)
             pos += len(covered.key_bytes)
             node = covered
@@ -268,23 +267,31 @@ class RadixCache(RadixEviction, BasePrefixCache):
         return packed, width, token_bytes, page_bytes, len(packed) - len(packed) % page_bytes
 
     def _descend(self, node: TreeNode, packed: bytes, pos: int, end: int, page_bytes: int,
-                 touch: bool = True) -> tuple[TreeNode, TreeNode] | None:
+                 touch: bool = True, hit: bool = False) -> tuple[TreeNode, TreeNode] | None:
         """Follow ``packed[pos:end]`` one edge down from ``node``.
 
         Returns ``(child, covered)``, or None if no child starts with the next page: the
         child the key enters and the node covering the part that matched, which is the
         child itself, or its new upper part when the key parts from it inside (split at
-        a page boundary).
+        a page boundary). ``hit`` counts a hit on ``covered``, before the touch ranks
+        it anew (a policy may rank by hits).
         """
         child = node.children.get(packed[pos : pos + page_bytes])
         if child is None:
             return None
+        if packed.startswith(child.key_bytes, pos):
+            if hit:
+                child.hit_count += 1
+            if touch:
+                self._touch(child)
+            return child, child
         if touch:
             self._touch(child)
-        if packed.startswith(child.key_bytes, pos):
-            return child, child
         matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
-        return child, self._split(child, matched // child.require_namespace().token_bytes)
+        upper = self._split(child, matched // child.require_namespace().token_bytes)
+        if hit:
+            upper.hit_count += 1
+        return child, upper
 
     def _touch(self, node: TreeNode) -> None:
         """Make ``node`` the most recently used (the next clock tick)."""
