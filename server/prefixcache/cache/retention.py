@@ -14,10 +14,12 @@ in the tree, so the tokens counted against its owner are all that its retention 
 a page of quota cannot hold a long prefix above it.
 
 Owners are counted: ``tokens[owner]`` is the length of the nodes it retains. A hint past
-the caller's ``limit`` retains the part of the path nearest the root that fits, in whole
-nodes (``CLIPPED``), or nothing (``REJECTED``). A hint on a node another owner retains
-raises the node's priority, seconds and expiry to the larger of both, and the node stays
-counted against the first owner.
+the caller's ``limit`` retains the part of the path nearest the root that fits
+(``CLIPPED``): the cache splits the first node that does not fit where the room ends (in
+whole pages), so less than a page of the limit is left; with less than a page left,
+nothing new is retained (``REJECTED`` if nothing of the path was retained already). A
+hint on a node another owner retains raises the node's priority, seconds and expiry to
+the larger of both, and the node stays counted against the first owner.
 
 Lapses are found with a heap of timers, lazily invalidated as the eviction queue is: a
 retained node without retained children has a live timer at (or before) its expiry; a
@@ -32,6 +34,7 @@ import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import count
+from typing import Protocol
 
 from .errors import InvalidInputError
 from .node import TreeNode
@@ -61,6 +64,13 @@ def check_hint(seconds: float, priority: int) -> None:
                                 f"got {priority!r}")
 
 
+class Splitter(Protocol):
+    """Cuts a node: the upper part of ``node`` with at most ``tokens`` of its tokens
+    (whole pages), None when that is not even a page."""
+
+    def __call__(self, node: TreeNode, tokens: int) -> TreeNode | None: ...
+
+
 class RetentionBook:
     """The retentions of one cache's nodes: owners' counts, timers, and the rules above.
 
@@ -69,26 +79,32 @@ class RetentionBook:
         on_change: told of each node whose rank changed (re-rank it if queued).
     """
 
-    __slots__ = ("_armed", "_heap", "_seq", "clock", "on_change", "tokens")
+    __slots__ = ("_armed", "_heap", "_seq", "clock", "evicted", "on_change", "tokens", "total")
 
     def __init__(self, clock: Callable[[], float],
                  on_change: Callable[[TreeNode], None]) -> None:
         self.clock = clock
         self.on_change = on_change
         self.tokens: dict[Hashable, int] = {}
+        # All owners' tokens together (a plain int: another thread may read it).
+        self.total = 0
+        # Tokens eviction took while their retention was in force (too little room).
+        self.evicted = 0
         self._heap: list[tuple[float, int, TreeNode]] = []
         self._armed: dict[int, tuple[float, int, TreeNode]] = {}
         self._seq = count()
 
     def retained_tokens(self) -> int:
         """Tokens retained, all owners together (lapses not yet found still count)."""
-        return sum(self.tokens.values())
+        return self.total
 
     def retain(self, path: Sequence[TreeNode], seconds: float, priority: int,
-               owner: Hashable = None, limit: int | None = None) -> RetainResult:
+               owner: Hashable = None, limit: int | None = None,
+               split: Splitter | None = None) -> RetainResult:
         """Retain ``path`` (nodes from the namespace root's child down, in that order)
         for ``seconds`` at ``priority`` on behalf of ``owner``, whose retained tokens
-        may not pass ``limit`` (None: no limit). ``seconds`` 0 releases instead
+        may not pass ``limit`` (None: no limit); ``split`` cuts the node that does not
+        fit (None: it is left out whole). ``seconds`` 0 releases instead
         (``release``).
 
         Raises:
@@ -119,7 +135,10 @@ class RetentionBook:
                 # Closed towards the root: every node below this one is unretained too.
                 if limit is not None and used + node.key_len > limit:
                     clipped = True
-                    break
+                    upper = split(node, limit - used) if split is not None else None
+                    if upper is None:
+                        break
+                    node = upper
                 used += node.key_len
                 node.retain_priority, node.retain_seconds = priority, seconds
                 node.retain_until, node.retain_owner = until, owner
@@ -129,7 +148,10 @@ class RetentionBook:
                 self._arm(node)
             covered += node.key_len
             self.on_change(node)
+            if clipped:
+                break
         if used:
+            self.total += used - self.tokens.get(owner, 0)
             self.tokens[owner] = used
         if not clipped:
             return RetainResult(ACCEPTED, covered)
@@ -155,15 +177,16 @@ class RetentionBook:
         if node.retain_until > now:
             node.retain_until = max(node.retain_until, now + node.retain_seconds)
 
-    def lapse_due(self, now: float | None = None) -> int:
-        """End every retention whose time has passed; how many ended."""
+    def lapse_due(self, now: float | None = None, limit: int | None = None) -> int:
+        """End every retention whose time has passed (with ``limit``, stop once about
+        that many ended); how many ended."""
         heap, armed = self._heap, self._armed
         if not heap:
             return 0
         if now is None:
             now = self.clock()
         ended = 0
-        while heap and heap[0][0] <= now:
+        while heap and heap[0][0] <= now and (limit is None or ended < limit):
             entry = heapq.heappop(heap)
             node = entry[2]
             if armed.get(node.id) is not entry:
@@ -179,7 +202,10 @@ class RetentionBook:
 
     def forget(self, node: TreeNode) -> None:
         """``node``, a retained leaf, leaves the tree."""
-        self._end(node, self.clock())
+        now = self.clock()
+        if node.retain_until > now:
+            self.evicted += node.key_len
+        self._end(node, now)
 
     def split(self, upper: TreeNode, lower: TreeNode) -> None:
         """``upper`` was cut off the top of ``lower``: it takes the same retention
@@ -193,6 +219,7 @@ class RetentionBook:
     def clear(self) -> None:
         """Forget every retention (the tree was reset)."""
         self.tokens.clear()
+        self.total = 0
         self._heap.clear()
         self._armed.clear()
 
@@ -221,8 +248,9 @@ class RetentionBook:
                 entry = self._armed.get(node.id)
                 if entry is None or entry[0] > node.retain_until:
                     problems.append(f"node {node.id} is retained with no timer by its expiry")
-        if counted != self.tokens:
-            problems.append(f"retained tokens by owner {self.tokens}, the tree has {counted}")
+        if counted != self.tokens or self.total != sum(counted.values()):
+            problems.append(f"retained tokens by owner {self.tokens} ({self.total} in all), "
+                            f"the tree has {counted}")
         stray = set(self._armed) - retained
         if stray:
             problems.append(f"timers of nodes not retained: {sorted(stray)[:8]}")
@@ -245,6 +273,7 @@ class RetentionBook:
             self._armed.pop(node.id, None)
             owner = node.retain_owner
             left = self.tokens.get(owner, 0) - node.key_len
+            self.total -= node.key_len
             if left > 0:
                 self.tokens[owner] = left
             else:

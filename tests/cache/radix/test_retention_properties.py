@@ -8,7 +8,8 @@ it without the cache's timers or counters:
 
 * a hint covers the path from the namespace root, nearest the root first; a node not
   yet retained is taken while the owner's tokens stay within its limit, and the first
-  one that does not fit ends the hint (clipped, or rejected if nothing was covered);
+  one that does not fit ends the hint (clipped, or rejected if nothing was covered),
+  after the cache split off its part that fits (the room left is then under a page);
   the owner's own node takes the new hint, another owner's the larger of both;
 * every touch (the nodes a match or an insert walks through) renews a retention in
   force for its seconds;
@@ -222,7 +223,10 @@ class RetentionMachine(RuleBasedStateMachine):
             return
         node = result.last_node
         got = self.cache.retain(node, seconds, priority, owner, limit)
-        # The model's rules, on the model's records.
+        # A clipped hint may have split the node that did not fit: the model takes the
+        # new upper part (unretained, as the lower part was) and applies its rules to
+        # the path as it is now.
+        self.sync_structure()
         self.lapse_model()
         used = self.owner_tokens().get(owner, 0)
         covered, clipped = 0, False
@@ -244,6 +248,8 @@ class RetentionMachine(RuleBasedStateMachine):
             covered += n.key_len
         outcome = ACCEPTED if not clipped else CLIPPED if covered else REJECTED
         assert (got.outcome, got.tokens) == (outcome, covered)
+        if clipped:  # the room left is used up, to less than a page
+            assert limit is not None and limit - used < PAGE
         event(f"retain {outcome}")
         self.agree()
 
@@ -443,17 +449,33 @@ def test_not_a_pin_retained_nodes_go_when_nothing_else_is_left() -> None:
     cache.evict(2)
     assert cache.total_size() == 0
     assert cache.retained_tokens() == 0
+    assert cache.retention is not None and cache.retention.evicted == 4
+    cache.check_integrity()
+
+
+def test_peek_node_finds_whole_nodes_without_touching() -> None:
+    now = [0.0]
+    cache, alloc = _cache(now)
+    node = _put(cache, alloc, [1, 2, 3, 4])
+    before = node.last_access_time
+    assert cache.peek_node(RadixKey([1, 2, 3, 4, 5])) == (node, 4)
+    assert cache.peek_node(RadixKey([1, 2, 3])) == (cache.root_node, 0)  # inside the node
+    assert cache.peek_node(RadixKey([9])) == (cache.root_node, 0)
+    assert node.last_access_time == before and node.hit_count == 0
     cache.check_integrity()
 
 
 def test_limit_clips_from_the_root_and_rejects_when_nothing_fits() -> None:
+    """A clipped hint splits the node that does not fit where the room ends."""
     now = [0.0]
     cache, alloc = _cache(now)
     _put(cache, alloc, [1, 2, 3])
     leaf = _put(cache, alloc, [1, 2, 3, 4, 5, 6])
     got = cache.retain(leaf, 60, 50, owner="t", limit=4)
-    assert (got.outcome, got.tokens) == (CLIPPED, 3)
-    assert cache.retention is not None and cache.retention.tokens == {"t": 3}
+    assert (got.outcome, got.tokens) == (CLIPPED, 4)  # [4, 5, 6] split after 4
+    assert cache.retention is not None and cache.retention.tokens == {"t": 4}
+    assert cache.match_prefix(RadixKey([1, 2, 3, 4])).last_node.retain_priority == 50
+    assert leaf.retain_priority == 0 and leaf.key_len == 2
     other = _put(cache, alloc, [7, 8])
     assert cache.retain(other, 60, 50, owner="t", limit=4).outcome == REJECTED
     assert cache.retain(other, 60, 50, owner="u", limit=4).outcome == ACCEPTED

@@ -205,6 +205,22 @@ class RadixCache(RadixEviction, BasePrefixCache):
             node = child
         return joined_slots(values, self.device)
 
+    def peek_node(self, key: RadixKey) -> tuple[TreeNode, int]:
+        """The deepest node whose whole path is a prefix of ``key``, and that path's
+        length in tokens (the root and 0 when there is none), read-only as
+        ``peek_prefix``: no split, touch or hit."""
+        packed, width, token_bytes, page_bytes, end = self._aligned(key)
+        node = self.root_node.children.get((key.extra_key, width))
+        pos, last = 0, self.root_node
+        while node is not None and pos < end:
+            child = node.children.get(packed[pos : pos + page_bytes])
+            if child is None or len(child.key_bytes) > end - pos \
+                    or not packed.startswith(child.key_bytes, pos):
+                break
+            pos += len(child.key_bytes)
+            node = last = child
+        return last, pos // token_bytes
+
     def insert(
         self,
         key: RadixKey,
@@ -262,7 +278,19 @@ class RadixCache(RadixEviction, BasePrefixCache):
             raise InvalidInputError(f"{type(self).__name__} keeps no retentions")
         path = self._path_to_root(node)
         path.reverse()
-        return self.retention.retain(path, seconds, priority, owner, limit)
+        return self.retention.retain(path, seconds, priority, owner, limit, self._cut)
+
+    def _cut(self, node: TreeNode, tokens: int) -> TreeNode | None:
+        """The upper part of ``node`` with the whole pages of ``tokens``, split off for
+        a clipped retention; the lower part keeps its recency (a hint is no use)."""
+        keep = tokens - tokens % self.page_size
+        if keep <= 0:
+            return None
+        when = node.last_access_time
+        upper = self._split(node, keep)
+        node.last_access_time = when
+        self._leaves.refresh(node)
+        return upper
 
     def retained_tokens(self) -> int:
         """Tokens whose retention has not been found lapsed (all owners)."""
