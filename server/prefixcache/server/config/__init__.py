@@ -38,6 +38,7 @@ from .kv_events import (
     KvEventsConfig,
     kv_events_settings,
 )
+from .retention import RetentionConfig
 from .tenants import TenantConfig
 from .types import CACHE_KINDS, DTYPES, Config, MambaConfig, ModelConfig, PoolConfig, ServerConfig
 from .values import ENV_PREFIX, ConfigError, as_mapping, reject_unknown
@@ -47,7 +48,7 @@ __all__ = [
     "KV_EVENTS_ENCODINGS", "KV_EVENTS_ENV", "KV_EVENTS_HASH_FORMATS", "KV_EVENTS_PUBLISHERS",
     "LOG_FORMATS", "LOG_LEVELS", "MAX_GRACE_PERIOD", "MAX_MESSAGE_BYTES", "MAX_SESSION_TTL",
     "Config", "ConfigError", "KvEventsConfig", "MambaConfig", "ModelConfig", "PoolConfig",
-    "ServerConfig", "TenantConfig", "load_config", "unknown_env_warning",
+    "RetentionConfig", "ServerConfig", "TenantConfig", "load_config", "unknown_env_warning",
 ]
 
 # A fresh machine has no config: one small CPU model so `prefixcache serve` just works.

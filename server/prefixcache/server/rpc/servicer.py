@@ -341,6 +341,9 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
                                  self._with_session(self._pages(page_rpcs.set_pages)),
                                  request, mutates=True)
 
+    async def Retain(self, request: pb.RetainRequest, context: Any) -> pb.RetainResponse:
+        return await self._unary("Retain", context, self._retain, request, mutates=True)
+
     async def Explain(self, request: pb.ExplainRequest, context: Any) -> pb.ExplainResponse:
         return await self._unary("Explain", context, lambda req: explain.explain(
             self.service, self.limits, req), request)
