@@ -65,6 +65,7 @@ class _Save:
     epoch: int = 0
     session_id: str = ""
     failed: bool = False  # a worker's copy failed: give the slots back, never insert
+    retain: Any = None  # the request's retention hint, passed on with the insert
 
 
 class Saves:
@@ -88,11 +89,11 @@ class Saves:
         return bool(self._saves)
 
     def start(self, req_id: str, gen: int, tokens: array, extra_key: str | None,
-              block_ids: array) -> bool:
+              block_ids: array, retain: Any = None) -> bool:
         """Start saving a finished request's ``tokens``; False if it is being saved."""
         if req_id in self._saves:
             return False
-        self._saves[req_id] = _Save(req_id, gen, tokens, extra_key, block_ids)
+        self._saves[req_id] = _Save(req_id, gen, tokens, extra_key, block_ids, retain=retain)
         self._queue(SaveAlloc(req_id, tokens, extra_key))
         return True
 
@@ -124,7 +125,7 @@ class Saves:
                 continue
             self._queue(SaveCommit(save.tokens[:save.prefix + len(save.allocated)],
                                    save.extra_key, save.cached + save.allocated,
-                                   save.lock_id, save.epoch, len(save.cached)))
+                                   save.lock_id, save.epoch, len(save.cached), save.retain))
             self.stats.saves += 1
             self.stats.save_tokens += len(save.allocated)
 

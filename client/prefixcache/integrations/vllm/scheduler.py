@@ -166,7 +166,8 @@ class SchedulerCore:
             gen = next(self._gens)
             self._res[info.req_id] = _Reservation(info.req_id, info.attempt, gen, tokens,
                                                   info.extra_key)
-            self._queued.append(Lookup((info.req_id, gen), tokens, info.extra_key))
+            self._queued.append(Lookup((info.req_id, gen), tokens, info.extra_key,
+                                       info.retention))
             self.stats.lookups += 1
             self.stats.lookup_tokens += length
             return None, False
@@ -229,7 +230,7 @@ class SchedulerCore:
         n = save_len(info, num_computed, len(block_ids), self.block_size, self.config.save)
         keep = n > 0 and self.disabled is None and self._saves.start(info.req_id, next(self._gens),
                                            array("q", info.tokens[:n]), info.extra_key,
-                                           array("q", block_ids))
+                                           array("q", block_ids), info.retention)
         self._flush()
         return keep
 
