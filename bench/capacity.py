@@ -16,7 +16,8 @@ over prompt tokens, every request counted) and ``runner``:
 * ``pool+retention`` (agentic): the same pool; every agent turn carries a retention hint
   (``--retain-seconds`` 600, priority high) and an agent chain that ends (a session, a
   subagent, a compaction) is released (seconds 0); one-off prompts carry none; one
-  tenant, at the service's default share of the pool (0.5);
+  tenant, with the whole pool as its share (the service's default without
+  ``server.tenants``) and with half (its default with one tenant configured);
 * ``pool+disk`` and ``pool+disk+retention`` (agentic): the same pool over the local disk
   tier, ``--disk-dir`` with ``--disk-bytes`` (default: 1.5 times the working set's pages,
   4 KiB each).
@@ -90,9 +91,9 @@ from bench.agentic_trace import (  # noqa: E402
 )
 from bench.trace import BLOCK_TOKENS, DEFAULT_TRACE, load_trace  # noqa: E402
 
-# Shares of the pool one tenant may retain (server.retention.tenant_share): the
-# service's default, and all of it (one tenant, as a sidecar of one deployment is).
-TENANT_SHARES = (0.5, 1.0)
+# Shares of the pool one tenant may retain (server.retention.tenant_share): all of it
+# (the default without server.tenants) and half (its default with one tenant set).
+TENANT_SHARES = (1.0, 0.5)
 HIGH = 75
 # A server row's page: one trace block, 4 KiB of KV (one layer and head of 1,024 fp16
 # values for K and for V), a whole direct-I/O block, as a disk tier stores it.
@@ -404,7 +405,7 @@ def server_rows(args: argparse.Namespace, trace: Trace, pool: int, n: int) -> li
                     "bytes": args.disk_bytes or 3 * PAGE_BYTES * trace.working_set // 2}
         with tempfile.TemporaryDirectory(prefix="capacity-") as tmp:
             out.append(replay_server(trace, pool, seconds, disk, args.time_scale, Path(tmp),
-                                     share=TENANT_SHARES[-1] if seconds else TENANT_SHARES[0]))
+                                     share=TENANT_SHARES[0]))
     return out
 
 

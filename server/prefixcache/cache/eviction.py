@@ -87,7 +87,10 @@ class Retaining:
     ``rank(entries, now)`` reads only ``retain_priority`` and ``retain_until`` besides
     what ``base`` reads, with arithmetic only, so a tier that keeps those fields as
     arrays ranks all its entries with one call, and orders them with the pool: lowest
-    first, the tuple's fields in order (``numpy.lexsort`` of the fields reversed).
+    first, the tuple's fields in order (``numpy.lexsort`` of the fields reversed). Such
+    a tier takes a node's two fields with its pages when the pool evicts them (the
+    cache's ``before_free`` hook runs while they are still set), moved to its own
+    clock (``retain_until`` is on this one's), and keeps them per page.
 
     Args:
         base: the policy without retention (``EVICTION_POLICIES``).

@@ -77,8 +77,8 @@ class CacheService:
                     model, self.sessions.next_lock_id,
                     self.shared.factory(model.name, model.pool.device), self.ids, **extra)
                 self.engines[model.name].quota = Quota.of(self.limits, self.engines[model.name])
-                self.engines[model.name].retentions = Retentions(self.limits.retention,
-                                                                 self.engines[model.name])
+                self.engines[model.name].retentions = Retentions(
+                    self.limits.retention, self.engines[model.name], len(self.limits.tenants))
                 if self.limits.tenants:  # Stats shows a tenant its namespaces' lookups
                     self.engines[model.name].tenant_counts = TenantCounts(self.limits.tenants)
         except BaseException:

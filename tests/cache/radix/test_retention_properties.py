@@ -510,3 +510,32 @@ def test_other_kinds_refuse_retention() -> None:
     with pytest.raises(InvalidInputError):
         cache.retain(node, 10, 50)
     assert torch.equal(cache.match_prefix(RadixKey([1, 2])).indices, slots)
+
+
+def test_the_retaining_policy_ranks_arrays_of_fields_as_it_ranks_nodes() -> None:
+    """A tier below the pool keeps the fields as arrays and ranks them with one call
+    (eviction.Retaining.rank): the order is the nodes' order, for every base policy."""
+    import numpy as np
+
+    from prefixcache.cache.eviction import Retaining
+    from prefixcache.cache.node import TreeNode
+
+    rng = np.random.default_rng(7)
+    n, now = 64, 100.0
+    fields = {"last_access_time": rng.integers(0, 50, n), "hit_count": rng.integers(0, 4, n),
+              "retain_priority": rng.choice([0, 0, 10, 75], n),
+              "retain_until": rng.choice([50.0, 150.0], n)}
+    nodes = []
+    for i in range(n):
+        node = TreeNode()
+        for name, values in fields.items():
+            setattr(node, name, values[i].item())
+        nodes.append(node)
+    ids = np.array([node.id for node in nodes])
+    entries = type("Entries", (), {**fields, "id": ids})
+    for name, base in EVICTION_POLICIES.items():
+        policy = Retaining(base, lambda: now)
+        ranks = policy.rank(entries, now)
+        order = np.lexsort([np.asarray(r, dtype=np.float64) for r in ranks][::-1])
+        expected = sorted(range(n), key=lambda i: (policy(nodes[i]), i))
+        assert order.tolist() == expected, name

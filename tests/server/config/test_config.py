@@ -87,7 +87,7 @@ def test_tokens_come_from_env_or_files(tmp_path: Path) -> None:
     ("server: {change_log_capacity: -1}", "server.change_log_capacity"),
     ("models: [{name: a, pool: {device: cudax}}]", "models[0].pool.device"),
     ("models: [{name: a, pool: {device: 'cuda:'}}]", "models[0].pool.device"),
-    ("server: {retention: {tenant_share: 0}}", "server.retention.tenant_share"),
+    ("server: {retention: {tenant_share: -0.1}}", "server.retention.tenant_share"),
     ("server: {retention: {tenant_share: 1.5}}", "server.retention.tenant_share"),
     ("server: {retention: {max_seconds: .inf}}", "server.retention.max_seconds"),
     ("server: {retention: {max_seconds: 0}}", "server.retention.max_seconds"),
@@ -143,3 +143,13 @@ def test_retention_from_yaml_and_env(tmp_path: Path) -> None:
     env = load_config(env={"PREFIXCACHE_RETENTION": '{"enabled": false}'}).server.retention
     assert env.enabled is False
     assert load_config(env={"PREFIXCACHE_RETENTION": "off"}).server.retention.enabled is False
+
+
+def test_the_default_retention_share_divides_the_pool_among_the_tenants() -> None:
+    from prefixcache.server.config import RetentionConfig
+    from prefixcache.server.config.retention import retention_share
+
+    assert retention_share(RetentionConfig(), 0) == 1.0
+    assert retention_share(RetentionConfig(), 1) == 0.5
+    assert retention_share(RetentionConfig(), 3) == 0.25
+    assert retention_share(RetentionConfig(tenant_share=0.3), 3) == 0.3

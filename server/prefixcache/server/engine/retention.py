@@ -2,7 +2,7 @@
 
 A hint (sessions/retention.py) retains the prefix that ends at a node, owned by the
 caller's tenant (every caller without a tenant's token counts as one tenant, None), and
-the tokens one tenant retains stay within ``server.retention.tenant_share`` of the pool.
+the tokens one tenant retains stay within its share of the pool (config/retention.py).
 Radix models keep retentions; on other kinds, or with retention off, a hint is rejected
 and the call it came with goes on as if it had none. Every hint is counted by outcome.
 """
@@ -15,6 +15,7 @@ from typing import Any
 from prefixcache.cache.retention import ACCEPTED, CLIPPED, REJECTED
 
 from ..config import RetentionConfig
+from ..config.retention import retention_share
 from ..sessions.retention import Hint
 
 OUTCOMES = (ACCEPTED, CLIPPED, REJECTED)
@@ -34,11 +35,11 @@ class Grant:
 class Retentions:
     """The retention side of one engine (its ``cache`` is read when a hint comes)."""
 
-    def __init__(self, config: RetentionConfig, engine: Any) -> None:
+    def __init__(self, config: RetentionConfig, engine: Any, tenants: int = 0) -> None:
         self.config = config
         self.engine = engine
         self.on = config.enabled and engine.kind == "radix"
-        self.limit = int(config.tenant_share * engine.config.pool.size)
+        self.limit = int(retention_share(config, tenants) * engine.config.pool.size)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)  # fixed keys: the metrics thread reads
 
     def grant(self, node: Any, hint: Hint, tenant: str | None) -> Grant:
