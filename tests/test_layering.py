@@ -378,7 +378,7 @@ CACHE_LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "slot_values", "distinct"),
     ("key", "pages", "pools"),
     ("node", "hashing", "base"),
-    ("eviction", "index", "chunk_cache"),
+    ("eviction", "index", "chunk_cache", "retention"),
     ("inspection",),
     ("radix",),
     ("mamba", "slot", "trie"),

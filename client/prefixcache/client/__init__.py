@@ -43,10 +43,13 @@ from .results import (
     ModelStats,
     PoolInfo,
     ResetReply,
+    Retained,
+    RetainReply,
     SessionInfo,
     StatsReply,
     UnlockReply,
 )
+from .retention import Retention
 from .sessions.aio_session import AsyncClientSession
 from .sessions.aio_stream import AsyncStreamSession
 from .sessions.session import ClientSession
@@ -134,6 +137,9 @@ __all__ = [
     "RequestHashes",
     "ResetReply",
     "ResourceExhausted",
+    "RetainReply",
+    "Retained",
+    "Retention",
     "SessionInfo",
     "SessionLost",
     "ShadowFollower",

@@ -16,6 +16,7 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from . import results, step
 from ._wire import extra_key_of, pack_slots, pack_tokens
 from .errors import InvalidArgument, PrefixCacheError
+from .retention import retention_pb
 
 SessionLike = Any  # a session object (with .session_id), a SessionInfo, or an id string
 R = TypeVar("R")
@@ -87,9 +88,11 @@ class Requests:
     def _op_stats(self, model: str) -> Op[results.StatsReply]:
         return Op("Stats", pb.StatsRequest(model=model), results.StatsReply.from_pb, True)
 
-    def _op_open_session(self, ttl: float | None, name: str | None) -> Op[results.SessionInfo]:
+    def _op_open_session(self, ttl: float | None, name: str | None,
+                         retain: Any = None) -> Op[results.SessionInfo]:
         request = pb.OpenSessionRequest(ttl_seconds=float(ttl or 0.0),
-                                        client_name=self.client_name if name is None else name)
+                                        client_name=self.client_name if name is None else name,
+                                        retention=retention_pb(retain))
         # Not retried: a lost reply would leave a session behind (until its lease lapses).
         return Op("OpenSession", request, results.SessionInfo.from_pb, False)
 
@@ -105,7 +108,8 @@ class Requests:
 
     def _op_match(self, model: str, tokens: Any, extra_key: str | None,
                   token_width: int | None, session: SessionLike, lock: bool, allocate: bool,
-                  request_id: int | None, as_pages: bool = False) -> Op[results.MatchReply]:
+                  request_id: int | None, as_pages: bool = False,
+                  retain: Any = None) -> Op[results.MatchReply]:
         data, width = pack_tokens(tokens, token_width)
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid) and (lock or allocate))
@@ -113,7 +117,8 @@ class Requests:
         request = pb.MatchRequest(model=model, token_ids=data, token_width=width,
                                   session_id=sid, lock=lock, allocate=allocate,
                                   request_id=rid, as_pages=bool(as_pages),
-                                  server_epoch=self._fence(session, None) if sid else 0)
+                                  server_epoch=self._fence(session, None) if sid else 0,
+                                  retention=retention_pb(retain))
         key = extra_key_of(tokens, extra_key)
         if key is not None:
             request.extra_key = key
@@ -125,8 +130,8 @@ class Requests:
     def _op_insert(self, model: str, tokens: Any, slots: Any, extra_key: str | None,
                    token_width: int | None, session: SessionLike, lock: bool,
                    release_lock_id: int, state_slot: int | None, slot_version: int,
-                   request_id: int | None,
-                   server_epoch: int | None = None) -> Op[results.InsertReply]:
+                   request_id: int | None, server_epoch: int | None = None,
+                   retain: Any = None) -> Op[results.InsertReply]:
         data, width = pack_tokens(tokens, token_width)
         sid = session_id_of(session)
         rid = self._next_request_id(request_id, bool(sid))
@@ -134,7 +139,8 @@ class Requests:
                                    slot_indices=pack_slots(slots), session_id=sid, lock=lock,
                                    release_lock_id=int(release_lock_id), request_id=rid,
                                    slot_version=int(slot_version),
-                                   server_epoch=self._fence(session, server_epoch))
+                                   server_epoch=self._fence(session, server_epoch),
+                                   retention=retention_pb(retain))
         key = extra_key_of(tokens, extra_key)
         if key is not None:
             request.extra_key = key
@@ -144,6 +150,19 @@ class Requests:
         # when repeated. With one, the request id makes the retry replay the answer.
         return Op("Insert", request, results.InsertReply.from_pb, bool(rid) or not sid,
                   lambda: results.InsertReply(skipped=True))
+
+    def _op_retain(self, model: str, tokens: Any, retain: Any, extra_key: str | None,
+                   token_width: int | None) -> Op[results.RetainReply]:
+        data, width = pack_tokens(tokens, token_width)
+        hint = retention_pb(retain)
+        request = pb.RetainRequest(model=model, token_ids=data, token_width=width,
+                                   retention=hint if hint is not None else pb.Retention())
+        key = extra_key_of(tokens, extra_key)
+        if key is not None:
+            request.extra_key = key
+        # The same hint again does the same: safe to retry.
+        return Op("Retain", request, results.RetainReply.from_pb, True,
+                  lambda: results.RetainReply(skipped=True))
 
     def _op_evict(self, model: str, num_tokens: int, swa_num_tokens: int,
                   mamba_num: int, session: SessionLike = None) -> Op[results.EvictReply]:

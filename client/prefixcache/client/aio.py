@@ -171,8 +171,9 @@ class AsyncPrefixCacheClient(ClientBase):
     # --------------------------------------------------------------- sessions
 
     async def open_session(self, ttl: float | None = None, name: str | None = None, *,
-                           timeout: float | None = None) -> results.SessionInfo:
-        return await self._run(self._op_open_session(ttl, name), timeout)
+                           timeout: float | None = None,
+                           retain: Any = None) -> results.SessionInfo:
+        return await self._run(self._op_open_session(ttl, name, retain), timeout)
 
     async def keep_alive(self, session: SessionLike, *, timeout: float | None = None) -> float:
         return await self._run(self._op_keep_alive(session), timeout)
@@ -183,11 +184,11 @@ class AsyncPrefixCacheClient(ClientBase):
 
     def session(self, ttl: float | None = None, *, name: str | None = None,
                 renew: bool = True, fail_open: bool | None = None,
-                timeout: float | None = None) -> AsyncClientSession:
+                timeout: float | None = None, retain: Any = None) -> AsyncClientSession:
         """A leased session renewed by a task every ``ttl / 3``; opened by
         ``async with`` (which closes it on exit) or by ``await``."""
         return AsyncClientSession(self, ttl, name=name, renew=renew, fail_open=fail_open,
-                                  timeout=timeout)
+                                  timeout=timeout, retain=retain)
 
     def stream_session(self, *, fail_open: bool | None = None, timeout: float | None = None,
                        keep_alive: bool = True) -> AsyncStreamSession:
@@ -202,9 +203,10 @@ class AsyncPrefixCacheClient(ClientBase):
                     token_width: int | None = None, session: SessionLike = None,
                     lock: bool = False, allocate: bool = False,
                     request_id: int | None = None, fail_open: bool | None = None,
-                    timeout: float | None = None, as_pages: bool = False) -> results.MatchReply:
+                    timeout: float | None = None, as_pages: bool = False,
+                    retain: Any = None) -> results.MatchReply:
         op = self._op_match(model, tokens, extra_key, token_width, session, lock, allocate,
-                            request_id, as_pages)
+                            request_id, as_pages, retain)
         return await self._run(op, timeout, fail_open)
 
     async def insert(self, model: str, tokens: Any, slots: Any, *,
@@ -213,11 +215,18 @@ class AsyncPrefixCacheClient(ClientBase):
                      release_lock_id: int = 0, state_slot: int | None = None,
                      slot_version: int = 0, request_id: int | None = None,
                      server_epoch: int | None = None, fail_open: bool | None = None,
-                     timeout: float | None = None) -> results.InsertReply:
+                     timeout: float | None = None, retain: Any = None) -> results.InsertReply:
         op = self._op_insert(model, tokens, slots, extra_key, token_width, session, lock,
                              release_lock_id, state_slot, slot_version, request_id,
-                             server_epoch)
+                             server_epoch, retain)
         return await self._run(op, timeout, fail_open)
+
+    async def retain(self, model: str, tokens: Any, retain: Any, *,
+                     extra_key: str | None = None, token_width: int | None = None,
+                     fail_open: bool | None = None,
+                     timeout: float | None = None) -> results.RetainReply:
+        return await self._run(self._op_retain(model, tokens, retain, extra_key, token_width),
+                               timeout, fail_open)
 
     async def evict(self, model: str, num_tokens: int = 0, *, swa_num_tokens: int = 0,
                     mamba_num: int = 0, session: SessionLike = None,

@@ -30,6 +30,40 @@ def _slots() -> array[int]:
     return array("q")
 
 
+_RETENTION_OUTCOMES = {
+    pb.RETENTION_OUTCOME_ACCEPTED: "accepted",
+    pb.RETENTION_OUTCOME_CLIPPED: "clipped",
+    pb.RETENTION_OUTCOME_REJECTED: "rejected",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Retained:
+    """What a retention hint did (client/retention.py).
+
+    Attributes:
+        outcome: "accepted", "clipped" (seconds or priority lowered to the service's
+            limits, or only the start of the prefix within the tenant's share) or
+            "rejected" (retention off, a cache kind without it, or no share left).
+        tokens: tokens of the prefix retained now.
+        seconds, priority: as granted.
+    """
+
+    outcome: str
+    tokens: int = 0
+    seconds: float = 0.0
+    priority: int = 0
+
+    @classmethod
+    def from_pb(cls, m: Any, field_name: str = "retention") -> Retained | None:
+        """The ``retention`` result of a reply, None when it has none."""
+        if not m.HasField(field_name):
+            return None
+        r = getattr(m, field_name)
+        return cls(_RETENTION_OUTCOMES.get(r.outcome, "unspecified"), r.retained_tokens,
+                   r.seconds, r.priority)
+
+
 def _opt(msg: Any, name: str) -> Any:
     return getattr(msg, name) if msg.HasField(name) else None
 
@@ -55,6 +89,8 @@ class MatchReply:
             as page ids instead (page ``p`` is slots ``[p * page_size, (p + 1) *
             page_size)``; the allocated slots are the first ``len(tokens) -
             prefix_len`` of their pages); ``slots`` and ``allocated`` are then empty.
+        retained: what the call's (or its session's) retention hint did; None
+            without one.
     """
 
     prefix_len: int = 0
@@ -71,6 +107,7 @@ class MatchReply:
     server_epoch: int = 0
     page_ids: array[int] = field(default_factory=_slots)
     allocated_page_ids: array[int] = field(default_factory=_slots)
+    retained: Retained | None = None
 
     @property
     def hit(self) -> bool:
@@ -95,7 +132,8 @@ class MatchReply:
                    _opt(m, "mamba_branching_seqlen"), _opt(m, "allocated_state_slot"),
                    _opt(m, "slot_version"), _opt(m, "allocated_slot_version"),
                    server_epoch=m.server_epoch, page_ids=unpack_slots(m.page_ids),
-                   allocated_page_ids=unpack_slots(m.allocated_page_ids))
+                   allocated_page_ids=unpack_slots(m.allocated_page_ids),
+                   retained=Retained.from_pb(m))
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +150,8 @@ class InsertReply:
         skipped: fail-open: nothing was inserted (the session still holds its slots,
             unless the service restarted or the session was lost).
         server_epoch: the service's epoch; the handles above are valid only in it.
+        retained: what the call's (or its session's) retention hint did; None
+            without one.
     """
 
     prefix_len: int = 0
@@ -122,11 +162,27 @@ class InsertReply:
     state_exist: bool = False
     skipped: bool = False
     server_epoch: int = 0
+    retained: Retained | None = None
 
     @classmethod
     def from_pb(cls, m: pb.InsertResponse) -> InsertReply:
         return cls(m.prefix_len, m.cached_len, m.node_id, m.lock_id,
-                   unpack_slots(m.freed_slots), m.state_exist, server_epoch=m.server_epoch)
+                   unpack_slots(m.freed_slots), m.state_exist, server_epoch=m.server_epoch,
+                   retained=Retained.from_pb(m))
+
+
+@dataclass(frozen=True, slots=True)
+class RetainReply:
+    """What ``retain`` did: ``prefix_len`` tokens of the request were cached (the
+    prefix the hint applied to) and ``retained`` (None only when ``skipped``)."""
+
+    prefix_len: int = 0
+    retained: Retained | None = None
+    skipped: bool = False
+
+    @classmethod
+    def from_pb(cls, m: pb.RetainResponse) -> RetainReply:
+        return cls(m.prefix_len, Retained.from_pb(m))
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,15 +430,17 @@ class StatsReply:
 
 @dataclass(frozen=True, slots=True)
 class SessionInfo:
-    """A leased session as OpenSession granted it."""
+    """A leased session as OpenSession granted it (``retained``: its default
+    retention as granted, None without one)."""
 
     session_id: str
     ttl: float
     server_epoch: int
+    retained: Retained | None = None
 
     @classmethod
     def from_pb(cls, m: pb.OpenSessionResponse) -> SessionInfo:
-        return cls(m.session_id, m.ttl_seconds, m.server_epoch)
+        return cls(m.session_id, m.ttl_seconds, m.server_epoch, Retained.from_pb(m))
 
 
 @dataclass(frozen=True, slots=True)

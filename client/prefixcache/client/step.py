@@ -22,6 +22,7 @@ from prefixcache.v1 import prefix_cache_pb2 as pb
 from ._wire import extra_key_of, pack_slots, pack_tokens
 from .errors import InvalidArgument, PrefixCacheError, StaleEpoch, Unavailable, error_for
 from .results import AllocReply, InsertReply, MatchReply, ModelStats, UnlockReply, _slots
+from .retention import retention_pb
 
 if TYPE_CHECKING:
     from array import array
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 class Admit:
     """A new request to admit: ``match`` with ``lock`` and ``allocate`` (both on by
     default). ``hint``: the prefix length the worker expects (from its shadow index);
-    the answer is always the service's, and ``StepReply.stale_hints`` counts misses."""
+    the answer is always the service's, and ``StepReply.stale_hints`` counts misses.
+    ``retain``: a retention hint for the matched prefix, as ``match`` takes it."""
 
     tokens: Any
     extra_key: str | None = None
@@ -41,6 +43,7 @@ class Admit:
     lock: bool = True
     allocate: bool = True
     hint: int | None = None
+    retain: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +53,8 @@ class Finish:
     freeing the slots the insert leaves with the session (the unaligned tail). ``lock``
     keeps the new node locked, as a chunked prefill that goes on does.
     ``keep_duplicates``: the session keeps its slots for tokens the tree had already,
-    instead of the service freeing them (radix, mamba and chunk models)."""
+    instead of the service freeing them (radix, mamba and chunk models).
+    ``retain``: a retention hint for the cached sequence, as ``insert`` takes it."""
 
     tokens: Any
     slots: Any
@@ -62,6 +66,7 @@ class Finish:
     state_slot: int | None = None
     slot_version: int = 0
     keep_duplicates: bool = False
+    retain: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +190,8 @@ def build_request(model: str, items: StepItems, session_id: str, request_id: int
                                    slot_indices=pack_slots(f.slots),
                                    release_lock_id=int(f.release_lock_id), lock=f.lock,
                                    keep_tail=f.keep_tail, slot_version=int(f.slot_version),
-                                   keep_duplicates=f.keep_duplicates)
+                                   keep_duplicates=f.keep_duplicates,
+                                   retention=retention_pb(f.retain))
         if (key := extra_key_of(f.tokens, f.extra_key)) is not None:
             out.extra_key = key
         if f.state_slot is not None:
@@ -196,7 +202,7 @@ def build_request(model: str, items: StepItems, session_id: str, request_id: int
     for a in items.admits:
         data, width = pack_tokens(a.tokens, a.token_width)
         admit = request.admits.add(token_ids=data, token_width=width, lock=a.lock,
-                                   allocate=a.allocate)
+                                   allocate=a.allocate, retention=retention_pb(a.retain))
         if (key := extra_key_of(a.tokens, a.extra_key)) is not None:
             admit.extra_key = key
         if a.hint is not None:

@@ -184,12 +184,14 @@ class PrefixCacheClient(ClientBase):
     # --------------------------------------------------------------- sessions
 
     def open_session(self, ttl: float | None = None, name: str | None = None, *,
-                     timeout: float | None = None) -> results.SessionInfo:
+                     timeout: float | None = None, retain: Any = None) -> results.SessionInfo:
         """Open a leased session (``ttl`` None or 0: the service's default lease).
 
         Nobody renews it: call ``keep_alive`` within the lease, or use ``session()``.
+        ``retain``: the retention hint of every call of the session that carries none
+        (an agent's conversation), as ``match`` takes it.
         """
-        return self._run(self._op_open_session(ttl, name), timeout)
+        return self._run(self._op_open_session(ttl, name, retain), timeout)
 
     def keep_alive(self, session: SessionLike, *, timeout: float | None = None) -> float:
         """Renew a lease; returns its length in seconds."""
@@ -202,7 +204,7 @@ class PrefixCacheClient(ClientBase):
 
     def session(self, ttl: float | None = None, *, name: str | None = None,
                 renew: bool = True, fail_open: bool | None = None,
-                timeout: float | None = None) -> ClientSession:
+                timeout: float | None = None, retain: Any = None) -> ClientSession:
         """Open a session whose lease a background thread renews every ``ttl / 3``.
 
         Use it as a context manager: leaving the block closes the session, which
@@ -214,15 +216,16 @@ class PrefixCacheClient(ClientBase):
         ``alloc`` that reaches the service opens it.
         """
         try:
-            opened: results.SessionInfo | SessionState = self.open_session(ttl, name,
-                                                                   timeout=timeout)
+            opened: results.SessionInfo | SessionState = self.open_session(
+                ttl, name, timeout=timeout, retain=retain)
         except FAIL_OPEN_ERRORS as err:
             # Raises unless failing open; then the first match or alloc opens it.
             self._stand_in("open_session", lambda: None, err, fail_open)
             log.warning("session not opened (%s): failing open until the service answers",
                         err)
             opened = SessionState.unopened(ttl, err)
-        session = ClientSession(self, opened, renew=renew, fail_open=fail_open, name=name)
+        session = ClientSession(self, opened, renew=renew, fail_open=fail_open, name=name,
+                                retain=retain)
         self._sessions.add(session)
         return session
 
@@ -232,16 +235,18 @@ class PrefixCacheClient(ClientBase):
               token_width: int | None = None, session: SessionLike = None,
               lock: bool = False, allocate: bool = False, request_id: int | None = None,
               fail_open: bool | None = None, timeout: float | None = None,
-              as_pages: bool = False) -> results.MatchReply:
+              as_pages: bool = False, retain: Any = None) -> results.MatchReply:
         """The longest cached prefix of ``tokens``, optionally locked, and slots for the
         rest with ``allocate`` (both need a ``session``). ``as_pages``: answer in page
         ids (``page_ids``, ``allocated_page_ids``) instead of slots.
 
         ``tokens``: ints (or equal-width tuples), an ``array``, a numpy array, a torch
         tensor, a ``RadixKey`` (which brings its ``extra_key``), or packed bytes.
+        ``retain``: a retention hint for the matched prefix (``Retention``, seconds, or
+        ``{"retain_seconds": s, "priority": p}``); ``reply.retained`` says what it did.
         """
         op = self._op_match(model, tokens, extra_key, token_width, session, lock, allocate,
-                            request_id, as_pages)
+                            request_id, as_pages, retain)
         return self._run(op, timeout, fail_open)
 
     def insert(self, model: str, tokens: Any, slots: Any, *, extra_key: str | None = None,
@@ -249,17 +254,27 @@ class PrefixCacheClient(ClientBase):
                lock: bool = False, release_lock_id: int = 0, state_slot: int | None = None,
                slot_version: int = 0, request_id: int | None = None,
                server_epoch: int | None = None, fail_open: bool | None = None,
-               timeout: float | None = None) -> results.InsertReply:
+               timeout: float | None = None, retain: Any = None) -> results.InsertReply:
         """Cache ``tokens`` with ``slots`` (one per token: the tree's own from a match,
         or slots the session holds). The service frees the session's slots the tree did
         not need and reports them in ``freed``; the unaligned tail stays the session's.
         ``lock`` locks the new node; ``release_lock_id`` then releases an older lock.
         ``server_epoch``: the epoch the slots and lock come from (default: the
-        session's, else the newest seen); the service refuses a stale one."""
+        session's, else the newest seen); the service refuses a stale one.
+        ``retain``: a retention hint for the cached sequence, as ``match`` takes it."""
         op = self._op_insert(model, tokens, slots, extra_key, token_width, session, lock,
                              release_lock_id, state_slot, slot_version, request_id,
-                             server_epoch)
+                             server_epoch, retain)
         return self._run(op, timeout, fail_open)
+
+    def retain(self, model: str, tokens: Any, retain: Any, *, extra_key: str | None = None,
+               token_width: int | None = None, fail_open: bool | None = None,
+               timeout: float | None = None) -> results.RetainReply:
+        """Set, change or end (seconds 0) the retention of the cached prefix of
+        ``tokens``, without a lookup: the prefix is neither touched nor counted as hit.
+        ``retain`` as ``match`` takes it; None ends the caller's retention."""
+        return self._run(self._op_retain(model, tokens, retain, extra_key, token_width),
+                         timeout, fail_open)
 
     def evict(self, model: str, num_tokens: int = 0, *, swa_num_tokens: int = 0,
               mamba_num: int = 0, session: SessionLike = None,

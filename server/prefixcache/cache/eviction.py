@@ -1,17 +1,18 @@
-"""Eviction policies (chosen by name) and the lazily-invalidated queue that orders candidates."""
+"""Eviction policies (chosen by name), retention on top of them, and the
+lazily-invalidated queue that orders candidates."""
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
 from itertools import count
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .errors import InvalidInputError
 from .node import TreeNode
 
 # What a policy ranks a node by: lower evicts first.
-Rank = int | tuple[int, int]
+Rank = int | tuple[int, ...]
 Priority = Callable[[TreeNode], Rank]
 
 
@@ -66,6 +67,53 @@ def get_eviction_policy(name: str) -> Priority:
     except KeyError:
         known = ", ".join(sorted(EVICTION_POLICIES))
         raise InvalidInputError(f"unknown eviction policy {name!r} (known: {known})") from None
+
+
+def held_priority(priority: Any, until: Any, now: Any) -> Any:
+    """The retention priority in force at ``now``: ``priority`` while ``until`` is
+    later, else 0. Arithmetic only, so it works on numbers and on numpy arrays alike."""
+    return priority * (until > now)
+
+
+class Retaining:
+    """The policy ``base`` with retention on top (retention.py).
+
+    A node whose retention is in force ranks after every node without one, a lower
+    priority before a higher one, and ``base`` orders nodes of one priority: the rank
+    is ``(held priority, *base rank)``. A retention that lapses lowers the rank without
+    a touch, so whoever keeps ranks must re-rank a node when it lapses (the cache does:
+    its retention book tells it).
+
+    ``rank(entries, now)`` reads only ``retain_priority`` and ``retain_until`` besides
+    what ``base`` reads, with arithmetic only, so a tier that keeps those fields as
+    arrays ranks all its entries with one call, and orders them with the pool: lowest
+    first, the tuple's fields in order (``numpy.lexsort`` of the fields reversed). Such
+    a tier takes a node's two fields with its pages when the pool evicts them (the
+    cache's ``before_free`` hook runs while they are still set), moved to its own
+    clock (``retain_until`` is on this one's), and keeps them per page.
+
+    Args:
+        base: the policy without retention (``EVICTION_POLICIES``).
+        clock: seconds, on the clock that set ``retain_until``.
+    """
+
+    __slots__ = ("base", "clock")
+
+    def __init__(self, base: Priority, clock: Callable[[], float]) -> None:
+        self.base = base
+        self.clock = clock
+
+    def __call__(self, node: TreeNode) -> Rank:
+        if not node.retain_priority:  # the usual case, with no clock read
+            base = self.base(node)
+            return (0, *base) if isinstance(base, tuple) else (0, base)
+        return self.rank(node, self.clock())  # type: ignore[no-any-return]
+
+    def rank(self, entries: Any, now: Any) -> Any:
+        """The rank of ``entries`` (a node, or arrays of nodes' fields) at ``now``."""
+        held = held_priority(entries.retain_priority, entries.retain_until, now)
+        base = self.base(entries)
+        return (held, *base) if isinstance(base, tuple) else (held, base)
 
 
 class EvictionQueue(Generic[N]):

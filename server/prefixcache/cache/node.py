@@ -47,6 +47,11 @@ class TreeNode:
     root); ``own_lock_ref`` counts the locks taken on this node itself, so that
     ``lock_ref == own_lock_ref + sum(child.lock_ref)`` always holds and an unlock that
     was never locked can be refused.
+
+    The ``retain_*`` fields are a retention (retention.py): a priority (0: none) that
+    ranks the node after unretained ones in eviction order until ``retain_until``, the
+    seconds it lasts after each touch, and the owner it counts against;
+    ``retained_children`` counts the children that have one.
     """
 
     children: dict[object, Self]
@@ -72,6 +77,11 @@ class TreeNode:
         "namespace",
         "own_lock_ref",
         "parent",
+        "retain_owner",
+        "retain_priority",
+        "retain_seconds",
+        "retain_until",
+        "retained_children",
         "swa_boundary_id",
         "swa_lock_ref",
         "swa_tombstone",
@@ -100,6 +110,11 @@ class TreeNode:
         self.last_access_time = last_access_time
         self.hit_count = 0
         self.hash_values = None
+        self.retain_priority = 0
+        self.retain_until = 0.0
+        self.retain_seconds = 0.0
+        self.retain_owner: object = None
+        self.retained_children = 0
         self.evicted = False
         self.id = next(_node_ids)
 

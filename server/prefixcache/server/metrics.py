@@ -168,6 +168,18 @@ class _CacheCollector(Collector):
             "prefixcache_hit_ratio_ceiling",
             "The hit ratio an infinite pool would reach: 1 - distinct / looked-up pages.",
             labels=["model"])
+        retained = GaugeMetricFamily(
+            "prefixcache_retained_tokens",
+            "Cached tokens under a client's retention (evicted after unretained ones).",
+            labels=["model"])
+        hints = CounterMetricFamily(
+            "prefixcache_retention_hints",
+            "Retention hints by outcome (accepted, clipped, rejected).",
+            labels=["model", "outcome"])
+        retained_evicted = CounterMetricFamily(
+            "prefixcache_retained_evicted_tokens",
+            "Tokens evicted while retained: the pool had no unretained tokens left.",
+            labels=["model"])
         for engine in list(svc.engines.values()):
             m = engine.name
             query.add_metric([m], engine.match_tokens)
@@ -194,8 +206,13 @@ class _CacheCollector(Collector):
             seen, best = lookups.ceiling()
             distinct.add_metric([m], seen)
             ceiling.add_metric([m], best)
+            kept = engine.retentions
+            retained.add_metric([m], kept.retained_tokens())
+            for outcome, n in kept.outcomes.items():
+                hints.add_metric([m, outcome], n)
+            retained_evicted.add_metric([m], kept.evicted_tokens())
         yield from (query, hit, ops, evicted, cached, slots, capacity, locks, outcomes,
-                    requested, distinct, ceiling)
+                    requested, distinct, ceiling, retained, hints, retained_evicted)
         yield GaugeMetricFamily("prefixcache_sessions", "Open sessions (leased and streams).",
                                 value=len(svc.sessions))
         yield CounterMetricFamily("prefixcache_leases_expired",

@@ -54,6 +54,9 @@ async def reap_leases(service: CacheService, poll: float, batch: int = BATCH) ->
         try:
             while service.expire_sessions(batch) >= batch:
                 await asyncio.sleep(0)
+            # Retentions whose time passed with no eviction or hint to find them.
+            while service.lapse_retentions(batch) >= batch:
+                await asyncio.sleep(0)
         except Exception:
             # A bug while releasing must not end the reaper in silence: every later
             # lease would then be kept forever. Said each tick until it is fixed.

@@ -20,6 +20,7 @@ from .access.tenant_stats import TenantCounts
 from .access.tenants import CALLER, PEER, client_identity
 from .config import ModelConfig
 from .engine.model_engine import ModelEngine
+from .engine.retention import Retentions
 from .engine.slot_engine import SlotEngine
 from .errors import NotFoundError, PreconditionError, StaleEpochError
 from .memory.page_seal import IntegrityFailures
@@ -79,6 +80,8 @@ class CacheService:
                     self.shared.pool_factory(model.name, model.pool.device), self.ids,
                     **extra)
                 self.engines[model.name].quota = Quota.of(self.limits, self.engines[model.name])
+                self.engines[model.name].retentions = Retentions(
+                    self.limits.retention, self.engines[model.name], len(self.limits.tenants))
                 if self.limits.tenants:  # Stats shows a tenant its namespaces' lookups
                     self.engines[model.name].tenant_counts = TenantCounts(self.limits.tenants)
         except BaseException:
@@ -117,6 +120,11 @@ class CacheService:
                 f"server_epoch {epoch} is not this service's ({self.epoch}): the service "
                 "restarted, and the sessions, nodes, locks and slots from before are gone",
                 self.epoch)
+
+    def lapse_retentions(self, batch: int) -> int:
+        """End up to ``batch`` retentions per model whose time has passed (the reaper's
+        tick); how many ended in the model that ended the most."""
+        return max((e.retentions.lapse(batch) for e in self.engines.values()), default=0)
 
     def open_session(self, ttl: float, name: str = "", client: str | None = None) -> Session:
         """A leased session of ``client`` (None: the calling client, from the call's

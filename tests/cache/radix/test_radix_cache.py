@@ -310,6 +310,18 @@ def test_lfu_policy_keeps_the_frequently_hit_leaf() -> None:
     assert cache.match_prefix(RadixKey([2])).prefix_len == 0
 
 
+def test_lfu_ranks_a_leaf_with_the_hit_of_its_last_match() -> None:
+    """A match counts its hit before it ranks the leaf anew, so a leaf hit once ranks
+    above a newer one never hit."""
+    cache = RadixCache(eviction_policy="lfu")
+    cache.insert(RadixKey([1]), t(1))
+    cache.match_prefix(RadixKey([1]))
+    cache.insert(RadixKey([2]), t(2))
+    cache.evict(1)
+    assert cache.match_prefix(RadixKey([1])).prefix_len == 1
+    assert cache.match_prefix(RadixKey([2])).prefix_len == 0
+
+
 def test_unknown_policy_is_refused() -> None:
     """An unknown eviction policy name is a clear error."""
     with pytest.raises(InvalidInputError, match="lru"):

@@ -8,7 +8,7 @@ import pytest
 from harness import ServerThread, pb, stub_for
 from integrations.vllm.vllm_support import BLOCK, Clock, make_scheduler, settle
 
-from prefixcache.client import PrefixCacheClient
+from prefixcache.client import PrefixCacheClient, Retention
 from prefixcache.integrations.vllm.config import ConnectorConfig
 from prefixcache.integrations.vllm.keys import RequestInfo, extra_key, lookup_len, save_len
 from prefixcache.integrations.vllm.scheduler import SchedulerCore
@@ -282,6 +282,36 @@ def test_a_save_stores_whole_blocks_once_every_worker_is_done(
         settle(core)
         assert client.match("v", PROMPT).prefix_len == 16
         assert core.stats.saves == 1 and not core.has_pending_saves()
+    finally:
+        core.close()
+
+
+def retained(server: ServerThread) -> int:
+    return int(server.run(lambda: server.service.engines["v"].retentions.retained_tokens()))
+
+
+def test_a_requests_retention_goes_with_its_save_and_its_lookup(
+        server: ServerThread, client: PrefixCacheClient) -> None:
+    """``kv_transfer_params`` of ``{"prefixcache": {...}}`` (RequestInfo.retention)
+    retains what the save inserts, and a later lookup renews it."""
+    core = make_scheduler(server.address)
+    try:
+        hint = Retention(600, "high")
+        r = RequestInfo("kept", [*PROMPT, 7, 8], len(PROMPT), retention=hint)
+        assert core.finished(r, [3, 4, 5, 6, 7], 18) is True
+        core.build_meta()
+        settle(core)
+        core.build_meta()
+        core.sends_done({"kept"})
+        settle(core)
+        assert client.match("v", PROMPT).prefix_len == 16
+        assert retained(server) == 16
+        client.retain("v", PROMPT, 0)  # ended: the lookup's hint sets it again
+        assert retained(server) == 0
+        assert answer(core, info("again", retention=hint)) == (16, False)
+        assert retained(server) == 16
+        core.finished(info("again"), [], 0)
+        quiesce(core)
     finally:
         core.close()
 

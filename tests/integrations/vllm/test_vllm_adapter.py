@@ -175,6 +175,21 @@ def test_lora_and_salt_of_a_vllm_request_pick_the_namespace(
         scheduler.shutdown()
 
 
+def test_kv_transfer_params_carry_a_retention_hint(server: ServerThread) -> None:
+    """A request's ``kv_transfer_params["prefixcache"]`` is its retention hint; a
+    malformed one is ignored (logged), never an error for the request."""
+    from prefixcache.client import Retention
+    from prefixcache.integrations.vllm.connector import request_info
+
+    hinted = request("hinted")
+    hinted.kv_transfer_params = {"prefixcache": {"retain_seconds": 600, "priority": "high"}}
+    assert request_info(hinted).retention == Retention(600.0, "high")
+    bad = request("bad")
+    bad.kv_transfer_params = {"prefixcache": {"retain_seconds": -1}}
+    assert request_info(bad).retention is None
+    assert request_info(request("plain")).retention is None
+
+
 def test_failed_loads_reach_vllms_stats_and_prometheus_by_reason(
         server: ServerThread) -> None:
     from prometheus_client import Counter, Gauge, Histogram, generate_latest

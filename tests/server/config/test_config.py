@@ -87,6 +87,12 @@ def test_tokens_come_from_env_or_files(tmp_path: Path) -> None:
     ("server: {change_log_capacity: -1}", "server.change_log_capacity"),
     ("models: [{name: a, pool: {device: cudax}}]", "models[0].pool.device"),
     ("models: [{name: a, pool: {device: 'cuda:'}}]", "models[0].pool.device"),
+    ("server: {retention: {tenant_share: -0.1}}", "server.retention.tenant_share"),
+    ("server: {retention: {tenant_share: 1.5}}", "server.retention.tenant_share"),
+    ("server: {retention: {max_seconds: .inf}}", "server.retention.max_seconds"),
+    ("server: {retention: {max_seconds: 0}}", "server.retention.max_seconds"),
+    ("server: {retention: {pin: true}}", "server.retention.pin"),
+    ("server: {retention: [1]}", "server.retention"),
 ])
 def test_errors_name_the_field(tmp_path: Path, yaml_text: str, field: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -124,3 +130,26 @@ def test_limits_at_their_bounds_are_accepted(tmp_path: Path) -> None:
                                       "models: [{name: a, pool: {device: 'cuda:1'}}]\n"), env={})
     assert (cfg.server.grace_period, cfg.server.session_ttl_max,
             cfg.server.max_message_bytes) == (3600, 86400, 2**31 - 1)
+
+
+def test_retention_from_yaml_and_env(tmp_path: Path) -> None:
+    """On by default; the section from YAML, or PREFIXCACHE_RETENTION as JSON or off."""
+    from prefixcache.server.config import RetentionConfig
+
+    assert load_config(env={}).server.retention == RetentionConfig()
+    cfg = load_config(write(tmp_path, "server: {retention: {max_seconds: 60, "
+                                      "tenant_share: 0.1}}\n"), env={})
+    assert cfg.server.retention == RetentionConfig(True, 60.0, 0.1)
+    env = load_config(env={"PREFIXCACHE_RETENTION": '{"enabled": false}'}).server.retention
+    assert env.enabled is False
+    assert load_config(env={"PREFIXCACHE_RETENTION": "off"}).server.retention.enabled is False
+
+
+def test_the_default_retention_share_divides_the_pool_among_the_tenants() -> None:
+    from prefixcache.server.config import RetentionConfig
+    from prefixcache.server.config.retention import retention_share
+
+    assert retention_share(RetentionConfig(), 0) == 1.0
+    assert retention_share(RetentionConfig(), 1) == 0.5
+    assert retention_share(RetentionConfig(), 3) == 0.25
+    assert retention_share(RetentionConfig(tenant_share=0.3), 3) == 0.3

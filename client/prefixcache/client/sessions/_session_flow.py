@@ -31,6 +31,7 @@ class LeasedSession(Protocol):
     client: Any  # a BlockingClient or an AsyncClient (_client_protocol)
     fail_open: bool | None
     name: str | None
+    retain: Any  # the session's default retention hint
 
     @property
     def info(self) -> SessionInfo | None: ...
@@ -131,7 +132,7 @@ def reopen_flow(session: LeasedSession, timeout: float | None) -> Flow[None]:
         return
     yield session._stop_renewal
     info: SessionInfo = yield partial(session.client.open_session, session.ttl, session.name,
-                                      timeout=timeout)
+                                      timeout=timeout, retain=session.retain)
     session.info = info
     state.replaced_by(info)
     if state.reopened:

@@ -65,8 +65,9 @@ class AsyncClientSession(_SessionCalls):
 
     def __init__(self, client: AsyncClient, ttl: float | None, *,
                  name: str | None = None, renew: bool = True, fail_open: bool | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, retain: Any = None) -> None:
         self.client = client
+        self.retain = retain  # its default retention hint, also for a reopened session
         self.requested_ttl = ttl
         self.name = name
         self.renew = renew
@@ -96,7 +97,8 @@ class AsyncClientSession(_SessionCalls):
         if self.info is None:
             try:
                 self.info = await self.client.open_session(self.requested_ttl, self.name,
-                                                           timeout=self.timeout)
+                                                           timeout=self.timeout,
+                                                           retain=self.retain)
             except FAIL_OPEN_ERRORS as err:
                 # As ClientSession: raises unless failing open; then the first match
                 # or alloc opens it.

@@ -36,8 +36,9 @@ class ClientSession:
 
     def __init__(self, client: BlockingClient, info: results.SessionInfo | SessionState,
                  *, renew: bool = True, fail_open: bool | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, retain: Any = None) -> None:
         self.client = client
+        self.retain = retain  # its default retention hint, also for a reopened session
         self._state = info if isinstance(info, SessionState) else SessionState(info)
         self.info = results.SessionInfo(self._state.session_id, self._state.ttl,
                                         self._state.server_epoch)

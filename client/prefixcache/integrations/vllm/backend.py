@@ -48,6 +48,7 @@ class Lookup:
     key: tuple[str, int]
     tokens: array
     extra_key: str | None
+    retain: Any = None  # the request's retention hint (keys.RequestInfo.retention)
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class SaveCommit:
     # slots[owned_from:] are the session's (allocated for the save); those before
     # are the tree's own, from the save's Match.
     owned_from: int = 0
+    retain: Any = None  # the request's retention hint, for what the insert caches
 
 
 @dataclass(slots=True)
@@ -309,7 +311,8 @@ class RpcBackend:
     def _dispatch_call(self, op: Op) -> Any:
         session = self._open()
         if isinstance(op, Lookup):
-            return session.match(self.model, op.tokens, extra_key=op.extra_key, lock=True)
+            return session.match(self.model, op.tokens, extra_key=op.extra_key, lock=True,
+                                 retain=op.retain)
         if isinstance(op, Release):
             return session.unlock(op.lock_id, server_epoch=op.server_epoch,
                                   unused=op.unused)
@@ -327,7 +330,8 @@ class RpcBackend:
 
     def _commit(self, session: ClientSession, op: SaveCommit) -> Any:
         reply = session.insert(self.model, op.tokens, op.slots, extra_key=op.extra_key,
-                               release_lock_id=op.lock_id, server_epoch=op.server_epoch)
+                               release_lock_id=op.lock_id, server_epoch=op.server_epoch,
+                               retain=op.retain)
         if reply.skipped:
             # Not inserted: the slots are still the session's unless the service
             # restarted, in which case they are gone with the lock.

@@ -31,6 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from prefixcache.client import InvalidArgument, Retention
+
 from .attn_backends import BackendInfo
 from .backend import RpcBackend
 from .config import ConnectorConfig
@@ -92,7 +94,24 @@ def request_info(request: Request) -> RequestInfo:
                         or getattr(request, "mm_positions", None)),
         prompt_embeds=getattr(request, "prompt_embeds", None) is not None,
         attempt=int(getattr(request, "num_preemptions", 0) or 0),
+        retention=retention_of(request),
     )
+
+
+def retention_of(request: Request) -> Retention | None:
+    """The request's retention hint: ``kv_transfer_params`` of
+    ``{"prefixcache": {"retain_seconds": 600, "priority": "high"}}``. A malformed one is
+    logged and ignored, so it never costs the request its cache."""
+    params = getattr(request, "kv_transfer_params", None)
+    hint = params.get("prefixcache") if isinstance(params, dict) else None
+    if hint is None:
+        return None
+    try:
+        return Retention.of(hint)
+    except (InvalidArgument, TypeError, AttributeError) as exc:
+        log.warning("request %s: kv_transfer_params prefixcache ignored: %s",
+                    request.request_id, exc)
+        return None
 
 
 @dataclass

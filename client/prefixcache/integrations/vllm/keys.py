@@ -13,6 +13,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Namespaces longer than this are replaced by a digest (the service caps extra_key).
 MAX_EXTRA_KEY_CHARS = 256
@@ -32,6 +33,8 @@ class RequestInfo:
         prompt_embeds: the prompt came as embeddings.
         attempt: vLLM's preemption count: a new attempt means vLLM dropped the
             request's blocks and computes (or loads) it again from scratch.
+        retention: the request's retention hint (``kv_transfer_params["prefixcache"]``,
+            a ``prefixcache.client.Retention``), passed on with its lookup and save.
     """
 
     req_id: str
@@ -42,6 +45,7 @@ class RequestInfo:
     multimodal: bool = False
     prompt_embeds: bool = False
     attempt: int = 0
+    retention: Any = None
 
     @property
     def num_tokens(self) -> int:

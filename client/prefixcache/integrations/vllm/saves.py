@@ -106,6 +106,7 @@ class _Save:
     closed: bool = False  # the request finished
     final: _Final = _Final.NONE
     unreported: set[int] = field(default_factory=set)  # copies the workers owe a report
+    retain: Any = None  # the request's retention hint, passed on with the insert
 
 
 class Saves:
@@ -138,15 +139,16 @@ class Saves:
         return req_id in self._saves or req_id in self._saved
 
     def start(self, req_id: str, gen: int, tokens: array, extra_key: str | None, *,
-              during_run: bool = False) -> bool:
+              during_run: bool = False, retain: Any = None) -> bool:
         """Start saving a request's ``tokens`` (its Match leaves with the next
         dispatch); False if it is being saved. ``during_run``: before the request
         runs, its copies made step by step (the module docstring); else the request
-        has finished and ``finish`` follows at once."""
+        has finished and ``finish`` follows at once. ``retain``: the request's retention
+        hint, passed on with the insert."""
         if req_id in self:
             return False
         self._saves[req_id] = _Save(req_id, gen, tokens, extra_key, (),
-                                    during_run=during_run, end=len(tokens))
+                                    during_run=during_run, end=len(tokens), retain=retain)
         self._queue(SaveAlloc(req_id, tokens, extra_key))
         return True
 
@@ -300,7 +302,7 @@ class Saves:
             return
         self._queue(SaveCommit(save.tokens[:save.prefix + used], save.extra_key,
                                save.cached + save.allocated[:used], save.lock_id,
-                               save.epoch, len(save.cached)))
+                               save.epoch, len(save.cached), save.retain))
         if len(spare):
             self._queue(SaveAbort(spare, 0, save.epoch))
         self.stats.saves += 1

@@ -175,7 +175,7 @@ class SchedulerCore:
             if n == 0:
                 return False
             self._saves.start(info.req_id, next(self._gens), array("q", info.tokens[:n]),
-                              info.extra_key, during_run=True)
+                              info.extra_key, during_run=True, retain=info.retention)
         return self.during_run_saves and self._saves.waiting(info.req_id)
 
     def _answer(self, info: RequestInfo, num_computed: int) -> tuple[int | None, bool]:
@@ -200,7 +200,8 @@ class SchedulerCore:
             gen = next(self._gens)
             self._res[info.req_id] = _Reservation(info.req_id, info.attempt, gen, tokens,
                                                   info.extra_key)
-            self._queued.append(Lookup((info.req_id, gen), tokens, info.extra_key))
+            self._queued.append(Lookup((info.req_id, gen), tokens, info.extra_key,
+                                       info.retention))
             self.stats.lookups += 1
             self.stats.lookup_tokens += length
             return None, False
@@ -279,7 +280,8 @@ class SchedulerCore:
         keep = self._saves.finish(info.req_id, blocks, n)
         if keep is None:
             keep = n > 0 and self.disabled is None and self._saves.start(
-                info.req_id, next(self._gens), array("q", info.tokens[:n]), info.extra_key)
+                info.req_id, next(self._gens), array("q", info.tokens[:n]), info.extra_key,
+                retain=info.retention)
             if keep:
                 self._saves.finish(info.req_id, blocks, n)
         self._flush()

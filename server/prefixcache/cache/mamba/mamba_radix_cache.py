@@ -99,6 +99,8 @@ class MambaRadixCache(MambaEviction, RadixCache):  # type: ignore[misc]
             keeps its KV, so dropping a state reports nothing unless the node goes).
     """
 
+    _retains = False  # its eviction has rules of its own
+
     def __init__(
         self,
         page_size: int = 1,

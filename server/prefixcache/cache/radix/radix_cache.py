@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Hashable
 from typing import ClassVar
 
 import torch
 
 from ..base import BasePrefixCache, InsertResult, MatchResult, SlotFreer
-from ..errors import CacheError, InvalidInputError
-from ..eviction import EvictionQueue, get_eviction_policy
+from ..errors import CacheError, IntegrityError, InvalidInputError
+from ..eviction import EvictionQueue, Priority, Retaining, get_eviction_policy
 from ..hashing import hash_pages
 from ..index.change_log import PageListener
-from ..inspection import check_radix_cache, format_tree
+from ..inspection import check_radix_cache, format_tree, walk
 from ..key import RadixKey
 from ..node import Namespace, TreeNode
+from ..retention import RetainResult, RetentionBook
 from ..slot_values import empty_slots, joined_slots, owned_slots
 from .radix_eviction import RadixEviction
 
@@ -60,6 +62,10 @@ class RadixCache(RadixEviction, BasePrefixCache):
     With ``sliding_window_size`` set, constructing a ``RadixCache`` gives an
     ``SWARadixCache``, which keeps this signature.
 
+    Retention (``retain``; retention.py): a retained prefix is evicted after unretained
+    ones while its retention lasts, and every touch renews it. This class alone keeps
+    retentions; its SWA and Mamba subclasses evict by their own rules and refuse them.
+
     Args:
         page_size: tokens per page; matches, inserts and splits are page-aligned.
         sliding_window_size: SWA window in tokens, or None for full attention.
@@ -72,12 +78,15 @@ class RadixCache(RadixEviction, BasePrefixCache):
             a page; ``compute_node_hash`` still hashes on demand, root-down, either way.
         listener: told of every change to the cached page set (a ``ChangeLog``; see
             change_log.py for the protocol). Attaching one turns on eager hashes.
+        clock: seconds (monotonic) for retentions.
     """
 
     # The class a RadixCache with a sliding window is built as: SWARadixCache, which
     # names itself with ``class SWARadixCache(RadixCache, windowed=True)``. It subclasses
     # this class, so this module cannot import it; the package's __init__ loads it.
     _windowed: ClassVar[type[RadixCache] | None] = None
+    # Whether this kind keeps retentions (its eviction ranks them).
+    _retains: ClassVar[bool] = True
 
     def __init_subclass__(cls, *, windowed: bool = False, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -102,6 +111,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
         eviction_policy: str = "lru",
         eager_page_hashes: bool = False,
         listener: PageListener | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise InvalidInputError(f"page_size must be an int >= 1, got {page_size!r}")
@@ -114,7 +124,11 @@ class RadixCache(RadixEviction, BasePrefixCache):
         self.listener = listener
         self.eager_page_hashes = eager_page_hashes or listener is not None
         self.eviction_policy = eviction_policy
-        self._leaves = EvictionQueue(get_eviction_policy(eviction_policy))
+        policy: Priority = get_eviction_policy(eviction_policy)
+        if self._retains:
+            policy = Retaining(policy, clock)
+        self._leaves = EvictionQueue(policy)
+        self.retention = RetentionBook(clock, self._leaves.refresh) if self._retains else None
         self.reset()
 
     def reset(self) -> None:
@@ -125,6 +139,8 @@ class RadixCache(RadixEviction, BasePrefixCache):
         self._evictable = 0
         self._protected = 0
         self._leaves.clear()
+        if self.retention is not None:
+            self.retention.clear()
         self._gone_nodes: list[TreeNode] = []  # deleted, not yet told to the listener
         if self.listener is not None:
             self.listener.cleared(self)
@@ -152,11 +168,10 @@ class RadixCache(RadixEviction, BasePrefixCache):
         self._touch_roots(ns_root)
         node, pos, values = ns_root, 0, []
         while pos < end:
-            step = self._descend(node, packed, pos, end, page_bytes)
+            step = self._descend(node, packed, pos, end, page_bytes, hit=True)
             if step is None:
                 break
             child, covered = step
-            covered.hit_count += 1
             values.append(covered.value)
             pos += len(covered.key_bytes)
             node = covered
@@ -189,6 +204,22 @@ class RadixCache(RadixEviction, BasePrefixCache):
                 break
             node = child
         return joined_slots(values, self.device)
+
+    def peek_node(self, key: RadixKey) -> tuple[TreeNode, int]:
+        """The deepest node whose whole path is a prefix of ``key``, and that path's
+        length in tokens (the root and 0 when there is none), read-only as
+        ``peek_prefix``: no split, touch or hit."""
+        packed, width, token_bytes, page_bytes, end = self._aligned(key)
+        node = self.root_node.children.get((key.extra_key, width))
+        pos, last = 0, self.root_node
+        while node is not None and pos < end:
+            child = node.children.get(packed[pos : pos + page_bytes])
+            if child is None or len(child.key_bytes) > end - pos \
+                    or not packed.startswith(child.key_bytes, pos):
+                break
+            pos += len(child.key_bytes)
+            node = last = child
+        return last, pos // token_bytes
 
     def insert(
         self,
@@ -232,6 +263,39 @@ class RadixCache(RadixEviction, BasePrefixCache):
             node = self._add_leaf(node, packed[pos:end], run)
         return InsertResult(prefix_len, node)
 
+    def retain(self, node: TreeNode, seconds: float, priority: int, owner: Hashable = None,
+               limit: int | None = None) -> RetainResult:
+        """Retain the prefix ending at ``node`` for ``seconds`` (renewed by every touch)
+        at ``priority`` (1 to 99), counted against ``owner``, whose retained tokens may
+        not pass ``limit``; ``seconds`` 0 ends ``owner``'s retention of it. The rules,
+        and what is clipped past the limit, are retention.py's.
+
+        Raises:
+            InvalidInputError: a bad hint, or a cache kind that keeps no retentions.
+            LockError: ``node`` is evicted or not in this cache.
+        """
+        if self.retention is None:
+            raise InvalidInputError(f"{type(self).__name__} keeps no retentions")
+        path = self._path_to_root(node)
+        path.reverse()
+        return self.retention.retain(path, seconds, priority, owner, limit, self._cut)
+
+    def _cut(self, node: TreeNode, tokens: int) -> TreeNode | None:
+        """The upper part of ``node`` with the whole pages of ``tokens``, split off for
+        a clipped retention; the lower part keeps its recency (a hint is no use)."""
+        keep = tokens - tokens % self.page_size
+        if keep <= 0:
+            return None
+        when = node.last_access_time
+        upper = self._split(node, keep)
+        node.last_access_time = when
+        self._leaves.refresh(node)
+        return upper
+
+    def retained_tokens(self) -> int:
+        """Tokens whose retention has not been found lapsed (all owners)."""
+        return self.retention.retained_tokens() if self.retention is not None else 0
+
     def compute_node_hash(self, node: TreeNode) -> list[str]:
         """The node's chained page hashes, computing any missing ones root-down first."""
         if node.key_len == 0:
@@ -258,6 +322,12 @@ class RadixCache(RadixEviction, BasePrefixCache):
             IntegrityError: naming every disagreement found.
         """
         check_radix_cache(self)
+        if self.retention is not None:
+            problems = self.retention.problems(
+                node for ns_root in self.root_node.children.values()
+                for node, _ in walk(ns_root))
+            if problems:
+                raise IntegrityError("; ".join(problems[:12]))
 
     def _aligned(self, key: RadixKey) -> tuple[bytes, int, int, int, int]:
         """``key`` packed: its bytes, token width, bytes per token and per page, and the
@@ -268,28 +338,38 @@ class RadixCache(RadixEviction, BasePrefixCache):
         return packed, width, token_bytes, page_bytes, len(packed) - len(packed) % page_bytes
 
     def _descend(self, node: TreeNode, packed: bytes, pos: int, end: int, page_bytes: int,
-                 touch: bool = True) -> tuple[TreeNode, TreeNode] | None:
+                 touch: bool = True, hit: bool = False) -> tuple[TreeNode, TreeNode] | None:
         """Follow ``packed[pos:end]`` one edge down from ``node``.
 
         Returns ``(child, covered)``, or None if no child starts with the next page: the
         child the key enters and the node covering the part that matched, which is the
         child itself, or its new upper part when the key parts from it inside (split at
-        a page boundary).
+        a page boundary). ``hit`` counts a hit on ``covered``, before the touch ranks
+        it anew (a policy may rank by hits).
         """
         child = node.children.get(packed[pos : pos + page_bytes])
         if child is None:
             return None
+        if packed.startswith(child.key_bytes, pos):
+            if hit:
+                child.hit_count += 1
+            if touch:
+                self._touch(child)
+            return child, child
         if touch:
             self._touch(child)
-        if packed.startswith(child.key_bytes, pos):
-            return child, child
         matched = common_prefix(child.key_bytes, packed, pos, end, page_bytes)
-        return child, self._split(child, matched // child.require_namespace().token_bytes)
+        upper = self._split(child, matched // child.require_namespace().token_bytes)
+        if hit:
+            upper.hit_count += 1
+        return child, upper
 
     def _touch(self, node: TreeNode) -> None:
         """Make ``node`` the most recently used (the next clock tick)."""
         self._clock += 1
         node.last_access_time = self._clock
+        if node.retain_priority and self.retention is not None:
+            self.retention.renew(node)
         self._leaves.refresh(node)
 
     def _touch_roots(self, ns_root: TreeNode) -> None:
@@ -362,6 +442,8 @@ class RadixCache(RadixEviction, BasePrefixCache):
         upper.swa_lock_ref = child.swa_lock_ref
         upper.swa_tombstone = child.swa_tombstone
         upper.hit_count = child.hit_count
+        if child.retain_priority and self.retention is not None:
+            self.retention.split(upper, child)
         upper.swa_boundary_id, child.swa_boundary_id = child.swa_boundary_id, None
         if child.hash_values is not None:
             pages = split_len // self.page_size

@@ -19,6 +19,7 @@ from ..errors import CacheError, IntegrityError, LockError, check_count
 from ..eviction import EvictionQueue
 from ..index.change_log import PageListener
 from ..node import NO_SLOTS, TreeNode
+from ..retention import RetentionBook
 
 
 class RadixEviction:
@@ -33,6 +34,7 @@ class RadixEviction:
     _evictable: int
     _protected: int
     _gone_nodes: list[TreeNode]
+    retention: RetentionBook | None
     # Told of each node as it leaves the tree (its key and parents still readable), to
     # remember evicted pages (page_ids.EvictionRecorder); must be cheap and not raise.
     eviction_observer: Callable[[TreeNode], None] | None = None
@@ -59,6 +61,8 @@ class RadixEviction:
             check_count(num_tokens, "num_tokens")
         if type(swa_num_tokens) is not int or swa_num_tokens < 0:
             check_count(swa_num_tokens, "swa_num_tokens")
+        if self.retention is not None:  # a lapsed retention ranks its node anew first
+            self.retention.lapse_due()
         evicted, freed, gone = 0, [], []
         before_free = self.before_free
         while evicted < num_tokens:
@@ -133,6 +137,8 @@ class RadixEviction:
         if ns is None or node.children or node.lock_ref:  # only an unlocked leaf may go
             raise IntegrityError(f"node {node.id} is not an unlocked leaf; it cannot be "
                                  "deleted")
+        if node.retain_priority and self.retention is not None:
+            self.retention.forget(node)
         parent = node.parent
         del parent.children[node.key_bytes[: ns.page_bytes]]
         self._evictable -= node.key_len

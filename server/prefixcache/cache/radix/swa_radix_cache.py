@@ -42,6 +42,8 @@ class SWARadixCache(RadixCache, windowed=True):
     tombstoning reports nothing, and reviving one stores no new page either.
     """
 
+    _retains = False  # its eviction has rules of its own
+
     def __init__(
         self,
         page_size: int = 1,

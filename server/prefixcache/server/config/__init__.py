@@ -39,6 +39,7 @@ from .kv_events import (
     KvEventsConfig,
     kv_events_settings,
 )
+from .retention import RetentionConfig
 from .tenants import TenantConfig
 from .types import CACHE_KINDS, DTYPES, Config, MambaConfig, ModelConfig, PoolConfig, ServerConfig
 from .values import ENV_PREFIX, ConfigError, as_mapping, reject_unknown
@@ -49,7 +50,7 @@ __all__ = [
     "LOG_FORMATS", "LOG_LEVELS", "MAX_GRACE_PERIOD", "MAX_MESSAGE_BYTES", "MAX_SESSION_TTL",
     "MAX_WARM_KEEP",
     "Config", "ConfigError", "KvEventsConfig", "MambaConfig", "ModelConfig", "PoolConfig",
-    "ServerConfig", "TenantConfig", "load_config", "unknown_env_warning",
+    "RetentionConfig", "ServerConfig", "TenantConfig", "load_config", "unknown_env_warning",
 ]
 
 # A fresh machine has no config: one small CPU model so `prefixcache serve` just works.

@@ -13,6 +13,7 @@ from dataclasses import fields, replace
 from typing import Any, TypeVar
 
 from .kv_events import check_kv_events_tenants, parse_kv_events
+from .retention import parse_retention
 from .tenants import check_tenant_tokens, parse_tenants
 from .tier import parse_tier
 from .types import CACHE_KINDS, DTYPES, MambaConfig, ModelConfig, PoolConfig, ServerConfig
@@ -37,12 +38,13 @@ MAX_WARM_KEEP = 86400.0
 MAX_MESSAGE_BYTES = 2**31 - 1
 
 # Server settings parsed other than by the type of their default.
-_PARSERS = {"socket_mode": file_mode,
+_PARSERS: dict[str, Callable[[Any, Any, str], Any]] = {"socket_mode": file_mode,
             "shm_mode": lambda v, d, w: None if v is None or v == "" else file_mode(v, 0, w),
             # "auto": the derived cap of quotas.Quota.of (None).
             "max_session_locked_tokens":
                 lambda v, d, w: None if v == "auto" else coerce(v, 0, w),
-            "kv_events": parse_kv_events, "tenants": parse_tenants, "tier": parse_tier}
+            "kv_events": parse_kv_events, "tenants": parse_tenants, "tier": parse_tier,
+            "retention": parse_retention}
 
 
 def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:

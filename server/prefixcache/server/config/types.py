@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .kv_events import KvEventsConfig
+from .retention import RetentionConfig
 from .tenants import TenantConfig
 from .tier import TierConfig
 
@@ -216,6 +217,8 @@ class ServerConfig:
     shm_mode: int | None = None
     # Tokens bound to extra_key namespaces (tenants.py) (config/tenants.py).
     tenants: tuple[TenantConfig, ...] = ()
+    # Clients' retention hints: on, and their bounds (config/retention.py).
+    retention: RetentionConfig = field(default_factory=lambda: RetentionConfig())
     # With a capacity, each radix, swa and mamba model keeps a change log of its cached
     # pages, which Subscribe streams to workers' shadow indexes (and KV events publish),
     # and a page-hash index for the page RPCs (SGLang's HiCache backend): this many

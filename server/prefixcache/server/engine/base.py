@@ -18,12 +18,13 @@ from prefixcache.cache.distinct import count_distinct
 from prefixcache.cache.radix.lookup_outcomes import LEASE_EXPIRED
 
 from ..access.tenant_stats import TenantCounts
-from ..config import ModelConfig
+from ..config import ModelConfig, RetentionConfig
 from ..errors import NotFoundError, PreconditionError
 from ..sessions.opaque_ids import OpaqueIds
 from ..sessions.quotas import NO_QUOTA, Quota, prefix_tokens
 from ..sessions.session import HeldLock, Session
 from .lookups import Lookups
+from .retention import Retentions
 
 OPERATIONS = ("match", "insert", "evict", "lock", "unlock", "alloc")
 # Why tokens left the cache: an Evict call, room for an allocation, or an admin Reset.
@@ -68,6 +69,8 @@ class EngineBase:
         self.tenant_counts: TenantCounts | None = None
         # Lookups by outcome, and the hit-rate ceiling (lookups.py).
         self.lookups = Lookups(config.page_size)
+        # Clients' retention hints (retention.py); the service sets each model's.
+        self.retentions = Retentions(RetentionConfig(), self)
         # Who takes the slots a session frees while one of its workers may still copy
         # into them through the mapped pool (the service's ``WriteFences.holder``).
         self.fence_holder: Callable[[Session], Session | None] | None = None

@@ -59,7 +59,7 @@ def derive(limits: Limits, models: Iterable[ModelConfig]) -> dict[str, int]:
     ids, slots, hashes = tokens * 4 * MAX_TOKEN_WIDTH, tokens * _SLOT_BYTES, \
         tokens * _HASH_BYTES
     caps = dict.fromkeys(_CONTROL, base)
-    caps.update(MatchRequest=base + ids, ExplainRequest=base + ids,
+    caps.update(MatchRequest=base + ids, ExplainRequest=base + ids, RetainRequest=base + ids,
                 InsertRequest=base + ids + slots,
                 FreeRequest=base + 2 * slots, ReadKVRequest=base + 2 * slots,
                 ExistsPagesRequest=base + hashes, GetPagesRequest=base + hashes,

@@ -346,6 +346,9 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
                                  self._with_session(self._pages(page_rpcs.set_pages)),
                                  request, mutates=True)
 
+    async def Retain(self, request: pb.RetainRequest, context: Any) -> pb.RetainResponse:
+        return await self._unary("Retain", context, self._retain, request, mutates=True)
+
     async def Explain(self, request: pb.ExplainRequest, context: Any) -> pb.ExplainResponse:
         PEER.set(context.peer())  # long calls take turns per client (access/turns.py)
         return await self._unary("Explain", context, lambda req: explain.explain(

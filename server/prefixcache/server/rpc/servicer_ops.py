@@ -26,7 +26,7 @@ from ..service import CacheService
 from ..sessions import holdings, replays
 from ..sessions.evict_policy import EvictPolicy
 from ..sessions.session import Session
-from . import reply_caps
+from . import reply_caps, retention
 from .step import StepExecutor, model_stats, refuse_keep_duplicates
 
 _KINDS = {
@@ -90,6 +90,7 @@ class CacheOps:
         key = decode_key(req.token_ids, req.token_width, _extra_key(req),
                          engine.config.vocab_size, request_tokens(self.limits, engine.config))
         reply_caps.check(self.limits, "Match", reply_caps.match_size(engine, req))
+        hint = retention.of_call(req, session, self.limits.retention)
         if req.as_pages:
             _check_pages(engine)
             out = engine.match(key, session, req.lock, req.allocate, as_pages=True)
@@ -108,6 +109,8 @@ class CacheOps:
         else:
             reply.slot_indices = encode_slots(out.indices)
             reply.allocated_slots = encode_slots(out.allocated)
+        if hint is not None:
+            retention.apply(engine, out.node_id, hint, reply)
         if session is not None and (req.lock or req.allocate):
             replays.remember(session, "match", req, reply)
         return reply
@@ -121,6 +124,7 @@ class CacheOps:
         slots = decode_slots(req.slot_indices,
                              max_count=request_tokens(self.limits, engine.config))
         state = req.state_slot if req.HasField("state_slot") else None
+        hint = retention.of_call(req, session, self.limits.retention)
         if engine.kind == "slot":
             refuse_keep_duplicates(req, engine)
             out = engine.insert(key, slots, session, req.lock, req.release_lock_id, state,
@@ -132,6 +136,8 @@ class CacheOps:
             prefix_len=out.prefix_len, cached_len=out.cached_len, node_id=out.node_id,
             lock_id=out.lock_id, freed_slots=encode_slots(out.freed),
             state_exist=out.state_exist, server_epoch=self.service.epoch)
+        if hint is not None:
+            retention.apply(engine, out.node_id, hint, reply)
         if session is not None:
             replays.remember(session, "insert", req, reply)
         return reply
@@ -243,9 +249,13 @@ class CacheOps:
     def _open_session(self, req: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
         if req.ttl_seconds < 0 or req.ttl_seconds != req.ttl_seconds:
             raise InvalidInputError(f"ttl_seconds must be >= 0, got {req.ttl_seconds}")
+        default = retention.hint(req, self.limits.retention)
         session = self.service.open_session(req.ttl_seconds, req.client_name)
-        return pb.OpenSessionResponse(session_id=session.id, ttl_seconds=session.ttl or 0.0,
-                                      server_epoch=self.service.epoch)
+        session.retention = default
+        return pb.OpenSessionResponse(
+            session_id=session.id, ttl_seconds=session.ttl or 0.0,
+            server_epoch=self.service.epoch,
+            retention=retention.of_session(default) if default is not None else None)
 
     def _keep_alive(self, req: pb.KeepAliveRequest) -> pb.KeepAliveResponse:
         session = self.service.session(req.session_id)
@@ -263,6 +273,9 @@ class CacheOps:
     def _reset(self, req: pb.ResetRequest) -> pb.ResetResponse:
         tokens, locks = self.service.reset(req.model)
         return pb.ResetResponse(dropped_tokens=tokens, dropped_locks=locks)
+
+    def _retain(self, req: pb.RetainRequest) -> pb.RetainResponse:
+        return retention.retain(self.service, self.limits, req)
 
     def _pages(self, handler: Callable[..., Any]) -> Callable[[Any, Session | None], Any]:
         return lambda req, session: handler(self.service, self.limits, req, session)

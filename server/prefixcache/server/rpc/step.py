@@ -39,7 +39,7 @@ from ..engine.slot_engine import SlotEngine
 from ..errors import OverLimitError, PreconditionError, ServiceError
 from ..sessions import replays
 from ..sessions.session import Session
-from . import reply_caps
+from . import reply_caps, retention
 
 Engine = ModelEngine | SlotEngine
 # Classifies (and logs, counts) a failed item's exception: the servicer's ``_refusal``.
@@ -169,7 +169,10 @@ class StepExecutor:
     def _admit(self, result: pb.StepResult, engine: Engine, session: Session,
                item: pb.StepAdmit, cap: int) -> None:
         key = self._key(item, engine, cap)
+        hint = retention.of_call(item, session, self.limits.retention)
         fill_match(result.admit, engine.match(key, session, item.lock, item.allocate))
+        if hint is not None:
+            retention.apply(engine, result.admit.node_id, hint, result.admit)
 
     def _finish(self, result: pb.StepResult, engine: Engine, session: Session,
                 item: pb.StepFinish, cap: int) -> None:
@@ -179,6 +182,7 @@ class StepExecutor:
         # The tail is checked before the insert, so that a finish whose free would be
         # refused is refused whole, instead of inserting and then failing.
         tail = None if item.keep_tail else _tail(engine, session, len(key), slots)
+        hint = retention.of_call(item, session, self.limits.retention)
         if engine.kind == "slot":
             refuse_keep_duplicates(item, engine)
             out = engine.insert(key, slots, session, item.lock, item.release_lock_id, state,
@@ -189,6 +193,8 @@ class StepExecutor:
         if tail is not None and len(tail):
             engine.free(session, tail)
         fill_insert(result.finish, out)
+        if hint is not None:
+            retention.apply(engine, out.node_id, hint, result.finish)
 
     def _unlock(self, result: pb.StepResult, engine: Engine, session: Session,
                 lock_id: int, cap: int) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import NotFoundError, OverLimitError
 from .opaque_ids import OpaqueIds
+from .retention import Hint
 
 if TYPE_CHECKING:
     from prefixcache.cache import TreeNode
@@ -98,6 +99,7 @@ class Session:
         client: Who it belongs to (``tenants.client_identity``), for
             ``max_sessions_per_client`` and the Evict budget.
         internal: The service's own (the tier's): no client quota applies to it.
+        retention: The retention hint of its calls that carry none (retention.py).
     """
 
     id: str
@@ -118,6 +120,7 @@ class Session:
     streams: int = 0
     keepalive_slot: float = float("-inf")
     client: str = ""
+    retention: Hint | None = None
     internal: bool = False
 
     def renew(self, now: float) -> None:
