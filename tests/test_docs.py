@@ -21,6 +21,7 @@ from prefixcache.server.config import (
     TenantConfig,
     load_config,
 )
+from prefixcache.server.config.disk import DiskConfig
 from prefixcache.server.config.tier import TierConfig
 from prefixcache.server.config.values import files_read_later
 
@@ -29,6 +30,7 @@ REFERENCE = {
     "`server`": ServerConfig,
     "`server.kv_events`": KvEventsConfig,
     "`server.tier`": TierConfig,
+    "`server.disk`": DiskConfig,
     "`server.tenants[]`": TenantConfig,
     "`models[]`": ModelConfig,
     "`models[].pool`": PoolConfig,

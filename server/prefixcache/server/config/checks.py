@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from typing import Any, TypeVar
 
+from .disk import parse_disk
 from .kv_events import check_kv_events_tenants, parse_kv_events
 from .tenants import check_tenant_tokens, parse_tenants
 from .tier import parse_tier
@@ -40,7 +41,8 @@ _PARSERS = {"socket_mode": file_mode,
             # "auto": the derived cap of quotas.Quota.of (None).
             "max_session_locked_tokens":
                 lambda v, d, w: None if v == "auto" else coerce(v, 0, w),
-            "kv_events": parse_kv_events, "tenants": parse_tenants, "tier": parse_tier}
+            "kv_events": parse_kv_events, "tenants": parse_tenants, "tier": parse_tier,
+            "disk": parse_disk}
 
 
 def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:

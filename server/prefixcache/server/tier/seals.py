@@ -99,7 +99,8 @@ def seal_pages(seal: PageSeal, idents: Sequence[bytes], ptrs: Parts, sizes: Part
 
 
 def checked_get(backend: TierBackend, keys: list[str], ptrs: Parts, sizes: Parts,
-                check: Callable[[int], str | None], object_bytes: int) -> list[int]:
+                check: Callable[[int], str | None], object_bytes: int,
+                deadline: float | None = None) -> list[int]:
     """``get_into``, then each page's seal checked (``check(i)``: None, or why page
     ``i`` is refused): the store's codes, each refused page's replaced by its
     ``INTEGRITY_CODES`` code. Every page read is checked, past a refused one too, so
@@ -108,8 +109,9 @@ def checked_get(backend: TierBackend, keys: list[str], ptrs: Parts, sizes: Parts
 
     A read of an object whose size is not ``object_bytes`` fails in Mooncake (the
     buffers are larger: TRANSFER_FAIL; smaller: INVALID_PARAMS); the store is then asked
-    the object's size, so that a wrong-sized object is told from a dead peer."""
-    codes = backend.get_into(keys, ptrs, sizes)
+    the object's size, so that a wrong-sized object is told from a dead peer.
+    ``deadline`` (monotonic seconds) is the store's to keep, if it can."""
+    codes = backend.get_into(keys, ptrs, sizes, deadline)
     refused: list[str] = []
     for i, code in enumerate(codes):
         reason: str | None = None
