@@ -1,7 +1,9 @@
 """Real parts for the disk tier's tests: a DiskStore on a real file system over a real
 KVPool (``StoreRig``: pages staged and sealed as the tier stages them, read back into
-fresh pool rows), and a small tmpfs of its own where the machine lets us mount one
-(``small_filesystem``: a file system that fills up)."""
+fresh pool rows), a small tmpfs of its own where the machine lets us mount one
+(``small_filesystem``: a file system that fills up), and ``prefixcache serve``
+subprocesses with the disk tier on (``start``) with a prompt's KV written, evicted to
+disk and read back (``cache``, ``demote``, ``read``)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,15 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from tier_harness import Node
 
 from prefixcache.cache.eviction import get_eviction_policy
 from prefixcache.cache.pools.kv_pool import KVPool
+from prefixcache.client import PrefixCacheClient
 from prefixcache.server.tier.disk.slot_file import probe_direct
 from prefixcache.server.tier.disk.store import DiskStore, slots_for
 from prefixcache.server.tier.layout import PageLayout
@@ -26,6 +31,67 @@ from prefixcache.server.tier.staging import Staging
 
 PS = 4
 IDENTITY = b"disk-tier-tests!"
+MODEL = "m"
+PAGE = PS
+ROW = (2, 8)
+POOL = 256
+DEMOTED = r'prefixcache_disk_demoted_pages_total\{model="m"\}'
+READY = r'prefixcache_disk_capacity_bytes\{model="m"\}'
+
+
+def disk_config(path: Path, nbytes: int = 8 << 20, **disk: Any) -> dict[str, Any]:
+    return {"server": {"shm_dir": "off", "check_integrity": True,
+                       "disk": {"path": str(path), "bytes": nbytes, "timeout": 5.0, **disk}},
+            "models": [{"name": MODEL, "kind": "radix", "page_size": PAGE,
+                        "pool": {"size": POOL, "layers": 2, "k_heads": ROW[0],
+                                 "k_head_dim": ROW[1], "dtype": "float16"}}]}
+
+
+def start(tmp: Path, name: str, path: Path, **disk: Any) -> Node:
+    node = Node(tmp, name, disk_config(path, **disk))
+    node.wait(READY, 1)
+    return node
+
+
+def tokens_of(seed: int, n: int = 24) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 30000, n).tolist()
+
+
+def cache(node: Node, tokens: list[int], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    kv = [torch.randn(len(tokens), *ROW, generator=gen).half() for _ in range(4)]
+    with PrefixCacheClient(node.address, timeout=10) as client, client.session() as s:
+        slots = client.alloc(MODEL, len(tokens), session=s).slots
+        client.write_kv(MODEL, slots, kv[:2], kv[2:], session=s)
+        client.insert(MODEL, tokens, slots, session=s)
+    return kv
+
+
+def demote(node: Node, tokens: list[int], seed: int) -> list[torch.Tensor]:
+    before = node.metric(DEMOTED)
+    kv = cache(node, tokens, seed)
+    with PrefixCacheClient(node.address, timeout=10) as client:
+        client.evict(MODEL, POOL)
+    node.wait(DEMOTED, before + len(tokens) // PAGE)
+    return kv
+
+
+def read(node: Node, tokens: list[int]) -> tuple[int, list[torch.Tensor]]:
+    with PrefixCacheClient(node.address, timeout=10) as client, client.session() as s:
+        reply = client.match(MODEL, tokens, session=s, lock=True)
+        if not reply.prefix_len:
+            return 0, []
+        data = client.read_kv(MODEL, reply.slots, session=s)
+        return reply.prefix_len, [*data.k, *data.v]
+
+
+def same(got: list[torch.Tensor], want: list[torch.Tensor], n: int) -> bool:
+    return len(got) == len(want) and all(
+        g.view(torch.int16).equal(w[:n].view(torch.int16))
+        for g, w in zip(got, want, strict=True))
+
+
+
 
 
 class StoreRig:
