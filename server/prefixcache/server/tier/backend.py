@@ -7,6 +7,7 @@ error codes (Mooncake's, which errors are named after), never exceptions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 # Mooncake Store's codes (mooncake-store/include/types.h) as seen on this machine type.
@@ -57,10 +58,13 @@ class TierBackend(Protocol):
         ...
 
     def get_into(self, keys: list[str], ptrs: Parts, sizes: Parts,
-                 deadline: float | None = None) -> list[int]:
+                 deadline: float | None = None,
+                 check: Callable[[int], None] | None = None) -> list[int]:
         """Read each object into its parts: bytes read, or a negative code, per key.
         A store that can stops before ``deadline`` (monotonic seconds; None: none) and
-        answers ``PAST_DEADLINE`` for the objects it did not read."""
+        answers ``PAST_DEADLINE`` for the objects it did not read, and calls
+        ``check(i)`` for object ``i`` as soon as it is read whole (on any of its
+        threads), so that checks overlap the reads."""
         ...
 
     def put_from(self, keys: list[str], ptrs: Parts, sizes: Parts) -> list[int]:

@@ -58,6 +58,9 @@ log = logging.getLogger("prefixcache.server")
 
 # Pages of one put job at most (a longer node is written as several jobs).
 MAX_JOB_PAGES = 256
+# Bytes of one write-back job (at least a page): staged and queued in turn, so that the
+# write of one overlaps the copy of the next.
+WRITE_JOB_BYTES = 4 << 20
 
 
 class _Listener:
@@ -124,6 +127,8 @@ class ModelTier:
             self.staging = Staging.for_pool(self.layout, engine.pool_size, staging_stride)
             self._forward_free = cache.before_free
             cache.before_free = self._before_free
+        self.write_job_pages = max(1, min(MAX_JOB_PAGES,
+                                          WRITE_JOB_BYTES // max(self.layout.page_bytes, 1)))
         self.seal_slots = SealSlots(seal_slot_count(
             engine.pool_size // self.page_size, self.max_fetch_slots // self.page_size,
             self.staging.pages if self.staging is not None else 0))
@@ -320,24 +325,26 @@ class ModelTier:
             pages = fit
         if not pages:
             return
-        if not tier.puts.has_room(-(-pages // MAX_JOB_PAGES)):
+        step = self.write_job_pages
+        if not tier.puts.has_room(-(-pages // step)):
             self.count(self.drops, "queue_full", pages)
             return
         seals = self.seal_slots.take(pages)
         if seals is None:
             self.count(self.drops, "seal_slots", pages)
             return
-        taken = self.staging.copy(rows[:pages * ps])
-        if taken is None:  # cannot be (room checked), but never raise in an eviction
-            self.seal_slots.release(seals)
-            self.count(self.drops, "staging_full", pages)
-            return
         ns = self.keys.namespace(extra_key, width)
-        hashes, keys = hashes[:pages], keys[:pages]
         staging, seal_slots = self.staging, self.seal_slots
-        for at in range(0, pages, MAX_JOB_PAGES):
-            end = at + MAX_JOB_PAGES
-            mine, my_seals = taken[at:end], seals[at:end]
+        # A job per few MiB, each queued as soon as it is copied: the put thread writes
+        # one while this copies the next.
+        for at in range(0, pages, step):
+            end = min(at + step, pages)
+            mine = staging.copy(rows[at * ps:end * ps])
+            if mine is None:  # cannot be (room checked), but never raise in an eviction
+                seal_slots.release(seals[at:])
+                self.count(self.drops, "staging_full", pages - at)
+                return
+            my_seals = seals[at:end]
             ptrs, sizes = staging.parts(mine)
             # Staged bytes are private: no Reset changes them.
             job = self.sealed_job(keys[at:end], ptrs, sizes, ns, hashes[at:end], my_seals,

@@ -20,6 +20,7 @@ pages is one aligned buffer, written to a run of disk slots by one O_DIRECT call
 
 from __future__ import annotations
 
+import itertools
 import mmap
 
 import numpy as np
@@ -73,23 +74,38 @@ class Staging:
 
     def copy(self, slots: np.ndarray) -> list[int] | None:
         """Copy the rows of ``slots`` (whole pages, host indices) into free staging
-        pages; returns them, or None (nothing copied) when too few are free."""
+        pages; returns them, or None (nothing copied) when too few are free.
+
+        Pages whose slots are one run, run after run in the pool, and land in
+        consecutive staging pages (the usual case: the allocator hands out runs) are
+        copied as one block per buffer, at memcpy speed; any other page row by row (a
+        gather: measured 4x slower here, 2 KiB rows)."""
         ps = self.layout.page_size
         n = len(slots) // ps
         if n == 0 or n > len(self._free):
             return None
         taken = [self._free.pop() for _ in range(n)]
-        first = taken[0]
-        rows = slots.reshape(n, ps)
-        if taken[-1] - first == n - 1 and taken == list(range(first, first + n)):
-            # Consecutive staging pages (the usual case): gather straight into them.
-            dst = self._pages[first:first + n]
+        pages = slots.reshape(n, ps)
+        firsts = pages[:, 0]
+        whole = (pages - firsts[:, None] == np.arange(ps)).all(axis=1)
+        dest = np.asarray(taken)
+        # A page continues the run before it when both it and that page are whole,
+        # its first slot follows that page's last, and its staging page follows too.
+        joined = np.zeros(n, dtype=bool)
+        joined[1:] = whole[1:] & whole[:-1] & (firsts[1:] == firsts[:-1] + ps) & \
+            (dest[1:] == dest[:-1] + 1)
+        starts = [*np.flatnonzero(~joined).tolist(), n]
+        for a, b in itertools.pairwise(starts):
+            if not whole[a]:  # a page alone, its slots scattered
+                for src, off, part in zip(self._src, self.offsets, self.part_bytes,
+                                          strict=True):
+                    self._pages[taken[a], off:off + part] = np.take(src, pages[a],
+                                                                    axis=0).reshape(-1)
+                continue
+            first, m = int(firsts[a]), b - a
+            dst = self._pages[taken[a]:taken[a] + m]
             for src, off, part in zip(self._src, self.offsets, self.part_bytes, strict=True):
-                np.take(src, rows, axis=0, mode="clip",
-                        out=dst[:, off:off + part].reshape(n, ps, -1))
-        else:
-            for src, off, part in zip(self._src, self.offsets, self.part_bytes, strict=True):
-                self._pages[taken, off:off + part] = np.take(src, rows, axis=0).reshape(n, -1)
+                dst[:, off:off + part] = src[first:first + m * ps].reshape(m, part)
         return taken
 
     def parts(self, taken: list[int]) -> tuple[Parts, Parts]:

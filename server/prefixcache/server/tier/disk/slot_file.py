@@ -34,7 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,9 +170,16 @@ class SlotFile:
 
     # -------------------------------------------------------------------- I/O
 
-    def read(self, runs: Sequence[Run], deadline: float | None = None) -> list[Done]:
-        """Read each run (all requests at once, over the pool)."""
-        return self._each(runs, self._read_one, deadline)
+    def read(self, runs: Sequence[Run], deadline: float | None = None,
+             landed: Callable[[int, int], None] | None = None) -> list[Done]:
+        """Read each run (all requests at once, over the pool); ``landed(first slot,
+        bytes)`` after each request, on the thread that made it."""
+        def one(run: Run, until: float | None) -> int:
+            n = self._read_one(run, until)
+            if landed is not None and n > 0:
+                landed(run.first, n)
+            return n
+        return self._each(runs, one, deadline)
 
     def write(self, runs: Sequence[Run]) -> list[Done]:
         """Write each run (all requests at once, over the pool)."""
@@ -183,13 +190,27 @@ class SlotFile:
         requests = [(i, part) for i, run in enumerate(runs) for part in self._cut(run)]
         with self._cv:
             self._busy += len(requests)
-        futures = [(i, part, self._pool.submit(self._counted, one, part, deadline))
-                   for i, part in requests]
+        # The first request runs on this thread (one alone costs no hop), the others on
+        # the pool meanwhile.
+        futures: list[tuple[int, Run, Future[int] | None]] = [
+            (i, part, self._pool.submit(self._counted, one, part, deadline) if k else None)
+            for k, (i, part) in enumerate(requests)]
         done = [Done() for _ in runs]
+        first: int | OSError = 0
+        if futures:
+            try:
+                first = self._counted(one, futures[0][1], deadline)
+            except OSError as exc:
+                first = exc
         for i, part, fut in futures:
             got = done[i]
             try:
-                n = fut.result()
+                if fut is None:
+                    if isinstance(first, OSError):
+                        raise first
+                    n = first
+                else:
+                    n = fut.result()
             except OSError as exc:
                 if got.stop is None:
                     got.stop, got.errno = "error", exc.errno or 0

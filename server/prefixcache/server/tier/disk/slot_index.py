@@ -187,14 +187,18 @@ class SlotIndex:
     def _evict(self, order: np.ndarray, want: int) -> None:
         """Evict up to ``want`` of ``order`` that are still held and unpinned."""
         gone: list[int] = []
+        at = 0
+        while len(gone) < want and at < len(order):
+            chunk = order[at:at + want + 64].tolist()  # Python ints outside the lock
+            at += len(chunk)
+            with self.lock:
+                for slot in chunk:
+                    if len(gone) >= want:
+                        break
+                    if self.used[slot] and not self.pins[slot]:
+                        self._clear(slot)
+                        gone.append(slot)
         with self.lock:
-            for slot in order.tolist():
-                if len(gone) >= want:
-                    break
-                if not self.used[slot] or self.pins[slot]:
-                    continue
-                self._clear(slot)
-                gone.append(slot)
             self.evicted += len(gone)
             self._push_free(gone)
 
@@ -205,7 +209,7 @@ class SlotIndex:
             for slot, key, seq in zip(slots, keys, ids, strict=True):
                 old = self.where.get(key)
                 if old is not None:  # written twice meanwhile: keep the newer
-                    self._forget(old)
+                    self._forget([old])
                 self.used[slot] = True
                 self.keys[slot] = np.frombuffer(key, dtype=np.uint8)
                 self.where[key] = slot
@@ -231,28 +235,22 @@ class SlotIndex:
 
     def drop(self, keys: Iterable[bytes]) -> list[int]:
         """Forget the pages ``keys`` (those held); returns their slots."""
-        gone = []
         with self.lock:
-            for key in keys:
-                slot = self.where.get(key)
-                if slot is not None:
-                    self._forget(slot)
-                    gone.append(slot)
+            gone = [slot for slot in map(self.where.get, keys) if slot is not None]
+            self._forget(gone)
         return gone
 
     def drop_from(self, first: int) -> int:
         """Forget every page in slots ``first`` and after (a file cut short); how many."""
         with self.lock:
             gone = (np.flatnonzero(self.used[first:]) + first).tolist()
-            for slot in gone:
-                self._forget(slot)
+            self._forget(gone)
         return len(gone)
 
     def clear(self) -> None:
         """Forget every page, and every record of one (the files were made anew)."""
         with self.lock:
-            for slot in np.flatnonzero(self.used).tolist():
-                self._forget(slot)
+            self._forget(np.flatnonzero(self.used).tolist())
             self.stale[:] = False
 
     def load(self, slots: np.ndarray, keys: np.ndarray, seals: np.ndarray,
@@ -290,13 +288,15 @@ class SlotIndex:
         if self.where.get(key) == slot:
             del self.where[key]
 
-    def _forget(self, slot: int) -> None:
-        """Clear ``slot`` and free it, or mark it to be freed once its reads are done."""
-        self._clear(slot)
-        if self.pins[slot]:
-            self._orphans[slot] = True
-        else:
-            self._push_free([slot])
+    def _forget(self, slots: list[int]) -> None:
+        """Clear ``slots`` and free them, or mark those being read to be freed once
+        their reads are done."""
+        for slot in slots:
+            self._clear(slot)
+        mine = np.asarray(slots, dtype=np.int64)
+        busy = self.pins[mine] > 0
+        self._orphans[mine[busy]] = True
+        self._push_free(mine[~busy].tolist())
 
     def _push_free(self, slots: list[int]) -> None:
         if not slots:

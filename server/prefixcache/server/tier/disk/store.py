@@ -38,6 +38,7 @@ import logging
 import mmap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -197,11 +198,13 @@ class DiskStore:
         return here + SEAL_BYTES
 
     def get_into(self, keys: list[str], ptrs: Parts, sizes: Parts,
-                 deadline: float | None = None) -> list[int]:
+                 deadline: float | None = None,
+                 check: Callable[[int], None] | None = None) -> list[int]:
         """Read the leading run of ``keys`` held into their parts (the last part of each
         its seal): ``object_bytes`` per page read whole; then the code of the first page
         that was not (short, PAST_DEADLINE, IO_ERROR, OBJECT_NOT_FOUND) and of those
-        after it."""
+        after it. ``check(i)`` runs for each page read whole as its request lands, on
+        the I/O thread that read it (seal checks overlap the other reads)."""
         codes = [OBJECT_NOT_FOUND] * len(keys)
         self._repair()
         slots, seals = self.index.pin([self.digest(k) for k in keys])
@@ -211,6 +214,13 @@ class DiskStore:
                 return codes
             file = self.file
             runs: list[Run] = []
+            page_of = {slot: i for i, slot in enumerate(slots)}
+
+            def landed(first: int, nbytes: int) -> None:
+                if check is not None:
+                    for slot in range(first, first + nbytes // self.slot_bytes):
+                        check(page_of[slot])
+
             for i, slot in enumerate(slots):
                 views = self._views(ptrs[i][:-1], sizes[i][:-1])
                 addresses = list(ptrs[i][:-1])
@@ -221,7 +231,7 @@ class DiskStore:
                     runs.append(Run(slot))
                 runs[-1].add_page(views, addresses)
                 ctypes.memmove(ptrs[i][-1], seals[i].ctypes.data, SEAL_BYTES)
-            done = file.read(runs, deadline)
+            done = file.read(runs, deadline, landed)
             at = 0
             for run, got in zip(runs, done, strict=True):
                 for j in range(len(run.pages)):
