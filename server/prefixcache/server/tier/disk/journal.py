@@ -136,11 +136,12 @@ class IndexFiles:
         # A key in two slots (written twice before a crash): the later write wins.
         order = slots[np.argsort(fields["id"][slots], kind="stable")]
         where = dict(zip(fields["key"][order].tolist(), order.tolist(), strict=True))
-        keep = np.fromiter(sorted(where.values()), dtype=np.int64, count=len(where))
+        keep = np.fromiter(where.values(), dtype=np.int64, count=len(where))
+        keep.sort()
         index.load(keep, np.frombuffer(fields["key"][keep].tobytes(), dtype=np.uint8).reshape(
             -1, KEY_BYTES), np.frombuffer(fields["seal"][keep].tobytes(),
                                           dtype=np.uint8).reshape(-1, SEAL_BYTES),
-                   fields["time"][keep], fields["hits"][keep], fields["id"][keep])
+                   fields["time"][keep], fields["hits"][keep], fields["id"][keep], where)
         index.seq = max(index.seq, self.covered,
                         int(records["seq"].max()) if records is not None and len(records)
                         else 0)

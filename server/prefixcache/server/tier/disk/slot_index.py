@@ -254,8 +254,10 @@ class SlotIndex:
             self.stale[:] = False
 
     def load(self, slots: np.ndarray, keys: np.ndarray, seals: np.ndarray,
-             last_access: np.ndarray, hits: np.ndarray, ids: np.ndarray) -> None:
-        """Set the pages a start found (journal.py), on an empty index."""
+             last_access: np.ndarray, hits: np.ndarray, ids: np.ndarray,
+             where: dict[bytes, int] | None = None) -> None:
+        """Set the pages a start found (journal.py), on an empty index (``where``: their
+        keys' slots, if made already)."""
         with self.lock:
             self.used[slots] = True
             self.keys[slots] = keys
@@ -263,7 +265,8 @@ class SlotIndex:
             self.last_access[slots] = last_access
             self.hits[slots] = hits
             self.ids[slots] = ids
-            self.where = dict(zip(map(bytes, keys), slots.tolist(), strict=True))
+            self.where = where if where is not None else dict(
+                zip(map(bytes, keys), slots.tolist(), strict=True))
             self.seq = int(ids.max()) if len(ids) else 0
             free = np.flatnonzero(~self.used)
             self._free[:len(free)] = free[::-1]

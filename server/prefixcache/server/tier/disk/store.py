@@ -70,10 +70,14 @@ PAGES_FILE = "pages"
 
 def slots_for(nbytes: int, slot_bytes: int) -> int:
     """Slots a store of ``nbytes`` in all (slots, index and journal) holds."""
-    slots = nbytes // slot_bytes
-    while slots and slots * slot_bytes + metadata_bytes(slots) > nbytes:
-        slots -= max(1, (slots * slot_bytes + metadata_bytes(slots) - nbytes) // slot_bytes)
-    return max(slots, 0)
+    low, high = 0, nbytes // slot_bytes  # the most that fit: a binary search
+    while low < high:
+        mid = (low + high + 1) // 2
+        if mid * slot_bytes + metadata_bytes(mid) <= nbytes:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def stored_bytes(folder: Path) -> int:
