@@ -29,11 +29,11 @@ MIN_DISK_BYTES = 1 << 20
 class DiskConfig:
     """``server.disk``: where the disk tier keeps its pages, how much, and its reads."""
 
-    # A directory of this sidecar's own (made if missing, with its parent present).
-    path: str = ""
+    # A directory of this sidecar's own (it must exist, and be writable).
+    path: str
     # Bytes the tier may take there in all (page slots, index and journal); the files
     # are made at start, so a file system that cannot hold them refuses the start.
-    bytes: int = 0
+    bytes: int
     # Admission: a page the pool evicts is written once lookups hit it this many times.
     min_hits: int = 0
     # Seconds a lookup's disk reads may take (plus their bytes over min_fetch_bandwidth);
@@ -62,9 +62,9 @@ def parse_disk(value: Any, default: Any, where: str) -> DiskConfig | None:
             raise ConfigError(f"{where}: not a JSON object: {exc}") from None
     data = dict(as_mapping(value, where))
     reject_unknown(data, tuple(f.name for f in fields(DiskConfig)), where)
-    cfg = DiskConfig()
-    cfg = replace(cfg, **{name: coerce(item, getattr(cfg, name), f"{where}.{name}")
-                          for name, item in data.items()})
+    base = DiskConfig(path="", bytes=0)
+    cfg = replace(base, **{name: coerce(item, getattr(base, name), f"{where}.{name}")
+                           for name, item in data.items()})
     if not isinstance(cfg.path, str) or not cfg.path.strip():
         raise ConfigError(f"{where}.path: the directory the disk tier keeps its pages in")
     if cfg.bytes < MIN_DISK_BYTES:
