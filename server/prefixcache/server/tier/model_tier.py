@@ -58,6 +58,10 @@ log = logging.getLogger("prefixcache.server")
 
 # Pages of one put job at most (a longer node is written as several jobs).
 MAX_JOB_PAGES = 256
+# Why a page was not written (prefixcache_*_dropped_pages_total{reason}, exported from
+# 0); a write a bug refused is counted under its exception's name too.
+DROP_REASONS = ("queue_full", "staging_full", "seal_slots", "pin_limit", "reset",
+                "unavailable", "breaker_open", "disk_full")
 # Bytes of one write-back job (at least a page): staged and queued in turn, so that the
 # write of one overlaps the copy of the next.
 WRITE_JOB_BYTES = 4 << 20
@@ -145,7 +149,7 @@ class ModelTier:
         self.put_pages = 0
         self.put_bytes = 0
         self.put_failed = 0
-        self.drops: dict[str, int] = {}
+        self.drops: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self.refused = 0  # fetched pages whose seal did not check
 
     def count(self, table: dict[str, int], label: str, n: int = 1) -> None:
