@@ -53,13 +53,14 @@ def _model(pool: int = POOL) -> ModelConfig:
 class Sidecar:
     """A server with the disk tier on, and its /metrics."""
 
-    def __init__(self, tmp: Path, disk: dict[str, Any] | None = None, pool: int = POOL
-                 ) -> None:
+    def __init__(self, tmp: Path, disk: dict[str, Any] | None = None, pool: int = POOL,
+                 **server: Any) -> None:
         (tmp / "disk").mkdir(exist_ok=True)
         cfg = DiskConfig(path=str(tmp / "disk"), bytes=8 << 20, timeout=5.0,
                          **(disk or {}))
         self.thread = ServerThread(make_config(tmp, [_model(pool)], disk=cfg, shm_dir="",
-                                               metrics_port=0, metrics_host="127.0.0.1"))
+                                               metrics_port=0, metrics_host="127.0.0.1",
+                                               **server))
         self.address = self.thread.address
 
     def metrics(self) -> dict[str, float]:
@@ -343,3 +344,39 @@ def test_a_reset_keeps_the_disk_tier(sidecar: Sidecar) -> None:
         client.reset(MODEL)
     hit, got = _read(sidecar, tokens)
     assert hit == len(tokens) and _same(got, kv, hit)
+
+
+def test_with_the_tier_secret_disk_pages_carry_a_mac_and_a_new_secret_starts_empty(
+        tmp_path: Path) -> None:
+    """With ``server.tier.secret_file`` the disk tier seals with the keyed MAC (kind 2)
+    and keys its object keys; a start under another secret finds none of the pages."""
+    import os
+
+    from prefixcache.server.config.tier import TierConfig
+    from prefixcache.server.memory.page_seal import MAC
+
+    secret = tmp_path / "secret"
+
+    def start(key: bytes) -> Sidecar:
+        secret.write_bytes(key)
+        return Sidecar(tmp_path, tier=TierConfig(master="127.0.0.1:1",  # no master
+                                                 secret_file=str(secret)))
+
+    car = start(os.urandom(32))
+    tokens = _tokens(13)
+    try:
+        kv = _cache(car, tokens, seed=13)
+        car.evict_all()
+        car.wait(DEMOTED, len(tokens) // PAGE)
+        store = car.thread.server.tier.tiers[0].models[MODEL].backend
+        assert set(store.index.seals[store.index.used][:, 0].tolist()) == {MAC}
+        hit, got = _read(car, tokens)
+        assert hit == len(tokens) and _same(got, kv, hit)
+    finally:
+        car.stop()
+    car = start(os.urandom(32))
+    try:
+        assert car.metric(r'prefixcache_disk_pages\{model="m"\}') == 0
+        assert _read(car, tokens)[0] == 0
+    finally:
+        car.stop()
