@@ -1,5 +1,5 @@
 """The disk tier under real vLLM engines: a prompt one engine saved is evicted from a
-small pool to disk (by other prompts' allocations, then an Evict), and a new engine
+small pool (2048 tokens) to disk (by other prompts' allocations, then an Evict), and a new engine
 loads it: the sidecar reads it back from disk, its KV bytes are the ones saved, bit for
 bit, and the new engine's output is vLLM's own prefix-cache hit's."""
 
@@ -22,7 +22,8 @@ BLOCK = 32
 def disk_sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
     tmp = tmp_path_factory.mktemp("pcd")
     (tmp / "disk").mkdir()
-    side = Sidecar(tmp, size=1024, disk=tmp / "disk")  # a pool of 1024 tokens
+    # A pool of 2048 tokens: its write-back staging (a quarter) holds a prompt's pages.
+    side = Sidecar(tmp, size=2048, disk=tmp / "disk")
     yield side
     side.stop()
 
@@ -48,16 +49,19 @@ def test_a_prompt_evicted_to_disk_is_loaded_by_a_new_engine(
         disk_sidecar.wait_cached(MODEL, [prompt], unit=BLOCK)
         cached, saved = _kv(disk_sidecar, prompt)
         assert cached == 288  # the whole blocks but the one holding the last token
+        own = saver.generate([prompt])  # what vLLM's own hit answers (its local cache)
+        assert own[0]["cached"] == expected_hit(len(prompt), BLOCK)
         # Other prompts fill the small pool: allocations evict the first one's pages
         # (written back to disk); an Evict then takes whatever is left of it.
-        saver.generate(prompts(42, (300, 300, 300)))
+        saver.generate(prompts(42, (300,) * 6))
         disk_sidecar.client.evict(MODEL, 1 << 20)
         deadline = time.monotonic() + 60
         while disk_sidecar.metric("prefixcache_disk_pages") < cached // 16:
-            assert time.monotonic() < deadline, "the prompt's pages never reached the disk"
+            assert time.monotonic() < deadline, (
+                "the prompt's pages never reached the disk: dropped "
+                f"{disk_sidecar.metric('prefixcache_disk_demote_dropped_pages_total')}, "
+                f"demoted {disk_sidecar.metric('prefixcache_disk_demoted_pages_total')}")
             time.sleep(0.1)
-        own = saver.generate([prompt])  # what vLLM's own hit answers (its local cache)
-        assert own[0]["cached"] == expected_hit(len(prompt), BLOCK)
     finally:
         saver.close()
     before = disk_sidecar.metric("prefixcache_disk_promoted_bytes_total")
