@@ -15,7 +15,7 @@ same way (elementwise: arithmetic and tuples of fields) ranks disk slots too. Wi
 read, a deeper page counts as used a microsecond earlier than the one before it, so
 ties evict the tail of a prefix first (the pages after a missing one are never found).
 A batch of at least ``EVICT_FRACTION`` of the slots goes at once, ranked on a copy of
-the fields taken under the lock and sorted outside it.
+the fields and sorted outside the lock.
 
 A slot whose page is forgotten (evicted, dropped) is **stale** until the journal says
 so: its page's record is still there, and would bring the page back after a crash.
@@ -71,8 +71,7 @@ class SlotIndex:
         self.stale = np.zeros(slots, dtype=bool)
         self._orphans = np.zeros(slots, dtype=bool)  # forgotten while pinned
         self.where: dict[bytes, int] = {}
-        # Free slots, a stack popped from the end: kept descending, so a batch takes
-        # consecutive slots where they are free together.
+        # Free slots, a stack popped from the end (the smallest on top at first).
         self._free = np.arange(slots - 1, -1, -1, dtype=np.int64)
         self._top = slots
         self.seq = 0  # the last write sequence number handed out
@@ -150,8 +149,9 @@ class SlotIndex:
         policy); returns them and the stale ones among them (the caller journals their
         freeing before it writes over them, then calls ``settled``). Reserved slots hold
         no page until ``commit``, or go back with ``release``."""
-        with self.lock:
-            snapshot = self._snapshot() if self._top < n else None
+        # The ranking reads the fields without the lock (a value a read changes meanwhile
+        # only moves a page's rank); _evict checks each slot again under it.
+        snapshot = self._snapshot() if self._top < n else None
         if snapshot is not None:
             order = self._rank(*snapshot)
             self._evict(order, max(n, int(self.slots * EVICT_FRACTION)))
@@ -302,10 +302,11 @@ class SlotIndex:
         self._push_free(mine[~busy].tolist())
 
     def _push_free(self, slots: list[int]) -> None:
+        """Put ``slots`` on top of the free stack, the smallest last (popped first), so
+        that a batch freed together is taken again as runs of consecutive slots."""
         if not slots:
             return
         n = len(slots)
-        merged = np.concatenate([self._free[:self._top], np.asarray(slots, dtype=np.int64)])
-        merged[::-1].sort()  # descending: the smallest on top
-        self._free[:self._top + n] = merged
+        mine = np.sort(np.asarray(slots, dtype=np.int64))[::-1]
+        self._free[self._top:self._top + n] = mine
         self._top += n
