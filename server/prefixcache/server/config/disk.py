@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from .tier import MAX_TIER_TIMEOUT
-from .values import ConfigError, as_mapping, check_int, coerce, reject_unknown
+from .values import ConfigError, as_mapping, check_int, coerce, note_unread, reject_unknown
 
 # A disk tier smaller than this holds too few pages to be one.
 MIN_DISK_BYTES = 1 << 20
@@ -78,4 +79,7 @@ def parse_disk(value: Any, default: Any, where: str) -> DiskConfig | None:
     if not (math.isfinite(cfg.min_fetch_bandwidth) and cfg.min_fetch_bandwidth > 0):
         raise ConfigError(f"{where}.min_fetch_bandwidth: bytes per second, more than 0, "
                           f"got {cfg.min_fetch_bandwidth}")
+    if not Path(cfg.path).is_dir():
+        # --check-config says so (the start refuses it, naming it, where it runs).
+        note_unread(f"{where}.path: {cfg.path} is not a directory here")
     return cfg

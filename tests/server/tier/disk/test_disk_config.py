@@ -53,3 +53,14 @@ def test_a_model_with_disk_false_stays_out(tmp_path: Path) -> None:
         assert list(srv.server.tier.tiers[0].models) == ["in"]
         assert srv.server.tier.models.keys() == {"in"}
     assert [p.name.split("-")[0] for p in (tmp_path / "d").iterdir() if p.is_dir()] == ["in"]
+
+
+def test_check_config_says_when_the_path_is_not_here(tmp_path: Path) -> None:
+    from test_cli import _env, _run
+
+    (tmp_path / "c.yaml").write_text(f"server:\n  disk: {{path: {tmp_path / 'nope'}, "
+                                     "bytes: 1073741824}\nmodels:\n  - name: m\n")
+    done = _run("serve", "--check-config", "--config", str(tmp_path / "c.yaml"),
+                cwd=tmp_path, env=_env())
+    assert done.returncode == 1, done.stderr
+    assert f"server.disk.path: {tmp_path / 'nope'} is not a directory here" in done.stdout
