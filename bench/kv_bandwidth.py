@@ -13,6 +13,12 @@ For a model geometry (default: 32 layers, 8 KV heads, head dim 128, bfloat16), p
   in SGLang's ``layer_first`` layout, mapped pool;
 - ``readkv`` / ``writekv``: ReadKV / WriteKV over gRPC, on a unix socket and on TCP
   (127.0.0.1): a worker without the pool mapped.
+- ``disk_promote`` / ``disk_demote``: the disk tier (``kv_disk.py``): pages read from
+  disk into the pool as a lookup does, and evicted pages written to disk, against a
+  plain ``O_DIRECT`` read and write of the same bytes on the same file system
+  (``--disk-dir``, default the system's temporary directory), at ``--disk-pages`` page
+  counts (1, 64 and 4096 pages of 16 tokens, ``--disk-layers`` layers: 4 by default, so
+  4096 pages are 1 GiB; the pool and the plain buffers hold as much again).
 
 Ceilings, in the same run: a plain torch copy of the same bytes between the same two
 buffers (pool and vLLM cache, pool and host pool), and a raw socket transfer of the same
@@ -300,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-verify", action="store_true",
                     help="skip the byte-for-byte checks of the first prompt length")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--disk-pages", type=str, default="1,64,4096",
+                    help="page counts of the disk tier's rows (comma-separated; '' for none)")
+    ap.add_argument("--disk-layers", type=int, default=4)
+    ap.add_argument("--disk-dir", type=Path, default=None,
+                    help="the file system the disk tier's rows run on")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: vLLM's blocks on the GPU, vllm_load whole and layer-wise "
                          "only (kv_layerwise.py)")
@@ -318,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = _cuda_rows(tokens, pages, size, layers, repeat)
     else:
         rows = _cpu_rows(args, tokens, pages, size, layers, repeat)
+        counts = [int(x) for x in args.disk_pages.split(",") if x]
+        if counts:
+            from bench.kv_disk import bench_disk
+
+            with tempfile.TemporaryDirectory(prefix="kvbw-disk-", dir=args.disk_dir) as d:
+                rows += bench_disk(Path(d), args.disk_layers, 16, counts, repeat, _row)
     _print(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
@@ -397,6 +414,8 @@ def _print(rows: list[dict]) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         where = " ".join(filter(None, (r.get("layout") or r.get("transport"), r.get("mode"))))
+        if "pages" in r:
+            where = f"{r['pages']} pages" + ("" if r["direct_io"] else " (buffered)")
         print(f"| {r['path']} | {where} | {r.get('page_size', '')} | {r['tokens']} | "
               f"{r['bytes'] / 1e6:.1f} | {r['gb_per_s']:.2f} | {r['ceiling_gb_per_s']:.2f} | "
               f"{r['ratio']:.2f} | {r.get('grpc_floor_gb_per_s') or ''} |")

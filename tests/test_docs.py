@@ -22,6 +22,7 @@ from prefixcache.server.config import (
     TenantConfig,
     load_config,
 )
+from prefixcache.server.config.disk import DiskConfig
 from prefixcache.server.config.tier import TierConfig
 from prefixcache.server.config.values import files_read_later
 
@@ -31,6 +32,7 @@ REFERENCE = {
     "`server.kv_events`": KvEventsConfig,
     "`server.tier`": TierConfig,
     "`server.retention`": RetentionConfig,
+    "`server.disk`": DiskConfig,
     "`server.tenants[]`": TenantConfig,
     "`models[]`": ModelConfig,
     "`models[].pool`": PoolConfig,

@@ -15,6 +15,7 @@ import pytest
 _REPO = Path(__file__).resolve().parents[2]
 BENCH = _REPO / "bench" / "kv_bandwidth.py"
 PATHS = {"vllm_load", "vllm_save", "sglang_get", "sglang_set", "readkv", "writekv"}
+DISK_PATHS = {"disk_promote", "disk_demote"}
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
@@ -29,10 +30,17 @@ def test_kv_bandwidth_rows_and_bytes(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out = tmp_path / "kv.json"
     proc = run_bench("--layers", "2", "--tokens", "64", "--pages", "16", "--repeat", "1",
+                     "--disk-pages", "1,4", "--disk-layers", "2", "--disk-dir", str(tmp_path),
                      "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
-    assert {r["path"] for r in rows} == PATHS
+    assert {r["path"] for r in rows} == PATHS | DISK_PATHS
+    disk = [r for r in rows if r["path"] in DISK_PATHS]
+    rows = [r for r in rows if r["path"] in PATHS]
+    # Pages of 16 tokens x 2 layers x (K + V) x 8 heads x 128 dims x 2 bytes.
+    assert sorted((r["path"], r["pages"], r["bytes"]) for r in disk) == sorted(
+        (p, n, n * 16 * 2 * 2 * 8 * 128 * 2) for p in DISK_PATHS for n in (1, 4))
+    assert all(r["gb_per_s"] > 0 and r["ceiling_gb_per_s"] > 0 for r in disk)
     # 64 tokens x 2 layers x (K + V) x 8 heads x 128 dims x 2 bytes (bfloat16).
     want = 64 * 2 * 2 * 8 * 128 * 2
     for r in rows:

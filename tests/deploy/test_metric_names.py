@@ -104,7 +104,8 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
     paths = "|".join(map(re.escape, sorted(moved, key=len, reverse=True)))
 
     def move(value: str) -> str:  # one pass: a moved path may contain another (/tmp)
-        return re.sub(rf"(?<![\w/])({paths})(?=/|$)", lambda m: moved[m[1]], value)
+        # A path ends where the value or a JSON string (PREFIXCACHE_DISK's) does.
+        return re.sub(rf"(?<![\w/])({paths})(?=[/\"]|$)", lambda m: moved[m[1]], value)
 
     env = {**_base_env(), **{k: move(v) for k, v in env_of(container).items()}}
     env["PREFIXCACHE_METRICS_PORT"] = "0"

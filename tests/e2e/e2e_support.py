@@ -11,10 +11,12 @@ import os
 import queue
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -76,7 +78,7 @@ class Sidecar:
 
     def __init__(self, tmp: Path, *, layers: int = tiny_llama.LAYERS,
                  kv_heads: int = tiny_llama.KV_HEADS, head_dim: int = tiny_llama.HEAD_DIM,
-                 size: int = 16384) -> None:
+                 size: int = 16384, disk: Path | None = None) -> None:
         self.tmp = tmp
         self.socket = tmp / "pc.sock"
         self.target = f"unix:{self.socket}"
@@ -84,9 +86,18 @@ class Sidecar:
         def pool(n: int) -> str:
             return (f"{{size: {size}, layers: {n}, k_heads: {kv_heads}, "
                     f"k_head_dim: {head_dim}, dtype: float32}}")
-        self.config.write_text(CONFIG.replace("@SOCKET@", str(self.socket))
-                               .replace("@POOL@", pool(layers))
-                               .replace("@POOL4@", pool(HYBRID_LAYERS)))
+        config = (CONFIG.replace("@SOCKET@", str(self.socket))
+                  .replace("@POOL@", pool(layers)).replace("@POOL4@", pool(HYBRID_LAYERS)))
+        self.metrics_port = 0
+        if disk is not None:  # the disk tier below the pool (docs/disk-tier.md)
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                self.metrics_port = probe.getsockname()[1]
+            config = config.replace("metrics_port: -1", f"metrics_port: {self.metrics_port}"
+                                    "\n  metrics_host: 127.0.0.1").replace(
+                "server:\n", f"server:\n  disk: {{path: '{disk}', bytes: 268435456, "
+                "timeout: 30}\n", 1)
+        self.config.write_text(config)
         self.log = tmp / "pc.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
@@ -123,6 +134,14 @@ class Sidecar:
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
         self.client.close()
+
+    def metric(self, name: str) -> float:
+        """The sum of the samples of metric ``name`` (needs ``disk``: /metrics is on)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+        return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+                   if line.startswith((name + " ", name + "{")))
 
     def cached_len(self, model: str, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the sidecar holds (a Match without lock)."""

@@ -117,7 +117,7 @@ class PrefixCacheServer:
         self._reserving: asyncio.Task[None] | None = None
         # KV events out (server.kv_events): one ZMQ publisher per tree model, or None.
         self.kv_events: KvEventPublishers | None = None
-        # The shared cross-node KV tier (server.tier, tier/), or None.
+        # The tiers below the pools (server.disk, server.tier: tier/chain.py), or None.
         self.tier: Any = None
 
     def _build(self, takeover: Takeover | None) -> CacheService:
@@ -267,11 +267,12 @@ class PrefixCacheServer:
                               f"{cfg.metrics_port}: {exc.strerror or exc}") from exc
 
     def _start_tier(self) -> None:
-        """The shared cross-node tier (server.tier), connecting in the background."""
-        from .tier import start_tier
+        """The tiers below the pools: the disk tier (server.disk), opened now, and the
+        shared cross-node one (server.tier), connecting in the background."""
+        from .tier import start_tiers
         from .tier.metrics import TierCollector
 
-        self.tier = start_tier(self.config.server.tier, self.service)
+        self.tier = start_tiers(self.config.server, self.service)
         if self.tier is not None:
             self.servicer.tier = self.tier
             self.metrics.registry.register(TierCollector(self.tier))

@@ -114,7 +114,7 @@ def _add_serve(commands: Any) -> None:
 
 # Settings with no flag of their own: structured ones (the config file, or their own
 # environment variables) and secrets, which belong in files (their *_file flags).
-_NO_FLAG = frozenset({"kv_events", "tenants", "tier", "retention", "token", "admin_token",
+_NO_FLAG = frozenset({"kv_events", "tenants", "tier", "retention", "disk", "token", "admin_token",
                       "metrics_token"})
 
 

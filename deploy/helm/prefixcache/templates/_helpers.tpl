@@ -81,6 +81,11 @@ exec:
 {{- toJson $tier -}}
 {{- end }}
 
+{{/* server.disk as JSON (PREFIXCACHE_DISK). */}}
+{{- define "prefixcache.disk" -}}
+{{- toJson (merge (dict "path" .Values.disk.path "bytes" (int64 .Values.disk.bytes)) .Values.disk.settings) -}}
+{{- end }}
+
 {{/* The master's own labels: never the sidecar's selector, so neither's Deployment or
 Service selects the other's pods. */}}
 {{- define "prefixcache.masterSelectorLabels" -}}

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from typing import Any, TypeVar
 
+from .disk import parse_disk
 from .kv_events import check_kv_events_tenants, parse_kv_events
 from .retention import parse_retention
 from .tenants import check_tenant_tokens, parse_tenants
@@ -44,7 +45,8 @@ _PARSERS: dict[str, Callable[[Any, Any, str], Any]] = {"socket_mode": file_mode,
             "max_session_locked_tokens":
                 lambda v, d, w: None if v == "auto" else coerce(v, 0, w),
             "kv_events": parse_kv_events, "tenants": parse_tenants, "tier": parse_tier,
-            "retention": parse_retention}
+            "retention": parse_retention,
+            "disk": parse_disk}
 
 
 def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:

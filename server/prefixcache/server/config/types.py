@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .disk import DiskConfig
 from .kv_events import KvEventsConfig
 from .retention import RetentionConfig
 from .tenants import TenantConfig
@@ -77,6 +78,8 @@ class ModelConfig:
     open_reads: bool = False
     # With server.tier on: false keeps this model's pages out of the shared tier.
     tier: bool = True
+    # With server.disk on: false keeps this model's pages off the disk tier.
+    disk: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +234,8 @@ class ServerConfig:
     kv_events: KvEventsConfig = field(default_factory=lambda: KvEventsConfig())
     # The shared cross-node KV tier (config/tier.py, server/tier/); None: off.
     tier: TierConfig | None = None
+    # The local disk tier below each pool (config/disk.py, server/tier/disk/); None: off.
+    disk: DiskConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,10 +93,13 @@ def identity(*fields: str | bytes | int | None) -> bytes:
     return bytes(out)
 
 
-def address_views(ptrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
-    """Read-only views of raw memory (a page's parts in a pool), for sealing in place."""
-    return [memoryview((ctypes.c_char * size).from_address(ptr)).cast("B").toreadonly()
-            for ptr, size in zip(ptrs, sizes, strict=True)]
+def address_views(ptrs: Sequence[int], sizes: Sequence[int], writable: bool = False
+                  ) -> list[memoryview]:
+    """Views of raw memory (a page's parts in a pool), for sealing in place; read-only
+    unless ``writable`` (a disk read lands in them)."""
+    views = [memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+             for ptr, size in zip(ptrs, sizes, strict=True)]
+    return views if writable else [v.toreadonly() for v in views]
 
 
 class PageSeal:
@@ -166,16 +169,16 @@ def derive_key(secret: bytes, purpose: str, tenant: str | None) -> bytes:
 
 
 class MemoryRegions:
-    """Read-only views of parts of known memory regions (a pool's buffers, staging,
-    seal slots), sliced from one view per region: a page of a 32-layer model has 64
-    parts, and a ctypes object per part (``address_views``) would cost more than
-    hashing them."""
+    """Views of parts of known memory regions (a pool's buffers, staging, seal slots),
+    sliced from one view per region: a page of a 32-layer model has 64 parts, and a
+    ctypes object per part (``address_views``) would cost more than hashing them.
+    Read-only unless ``writable``."""
 
-    def __init__(self, regions: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, regions: Sequence[tuple[int, int]], writable: bool = False) -> None:
         ordered = sorted((ptr, size) for ptr, size in regions if size > 0)
         self._starts = [ptr for ptr, _ in ordered]
         self._ends = [ptr + size for ptr, size in ordered]
-        self._views = address_views(self._starts, [size for _, size in ordered])
+        self._views = address_views(self._starts, [size for _, size in ordered], writable)
 
     def views(self, ptrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview]:
         """A view of each part ``(ptrs[i], sizes[i])``.

@@ -7,6 +7,7 @@ error codes (Mooncake's, which errors are named after), never exceptions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 # Mooncake Store's codes (mooncake-store/include/types.h) as seen on this machine type.
@@ -18,12 +19,19 @@ ERROR_NAMES = {
     -706: "OBJECT_HAS_LEASE",
     -800: "TRANSFER_FAIL",          # the peer that held the bytes is gone
     -900: "RPC_FAIL",               # the master is unreachable
+    # The disk tier's own (never Mooncake's).
+    -2001: "TIMEOUT",               # not read: the lookup's deadline came first
+    -2002: "DISK_FULL",             # the file system is full (ENOSPC, EDQUOT, EFBIG)
+    -2003: "IO_ERROR",              # any other OSError of a read or write
 }
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
+PAST_DEADLINE = -2001
+DISK_FULL = -2002
+IO_ERROR = -2003
 
 
 def code_name(code: int) -> str:
@@ -49,8 +57,14 @@ class TierBackend(Protocol):
         """1 (held), 0 (not held) or a negative code, per key."""
         ...
 
-    def get_into(self, keys: list[str], ptrs: Parts, sizes: Parts) -> list[int]:
-        """Read each object into its parts: bytes read, or a negative code, per key."""
+    def get_into(self, keys: list[str], ptrs: Parts, sizes: Parts,
+                 deadline: float | None = None,
+                 check: Callable[[int], None] | None = None) -> list[int]:
+        """Read each object into its parts: bytes read, or a negative code, per key.
+        A store that can stops before ``deadline`` (monotonic seconds; None: none) and
+        answers ``PAST_DEADLINE`` for the objects it did not read, and calls
+        ``check(i)`` for object ``i`` as soon as it is read whole (on any of its
+        threads), so that checks overlap the reads."""
         ...
 
     def put_from(self, keys: list[str], ptrs: Parts, sizes: Parts) -> list[int]:

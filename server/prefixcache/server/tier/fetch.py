@@ -1,21 +1,27 @@
-"""The read path: after a local hit, the pages that follow it, from the store.
+"""The read path: after a local hit, the pages that follow it, from a tier's store.
 
 ``prefetch(tier, engine, key)`` runs before a lookup is answered (servicer.py's Match):
 
 1. On the loop: the local hit, and the chained hashes of the whole pages after it
    (chained on the hit's last page, so they are the hashes the writer used).
-2. Off the loop: one ``exists`` over their keys; the leading run found is wanted.
+2. One ``exists`` over their keys (``Tier.probe``: off the loop for Mooncake, in the
+   disk tier's index on it); the leading run found is wanted.
 3. On the loop: the local hit again (the tree may have grown meanwhile), locked for the
    tier's session; fresh slots for the wanted pages, allocated to that session and
    moved at once into the model's quarantine (store_read.py, engine/slots.py).
 4. Off the loop: ``get_into`` those slots' rows (and each page's seal) straight from
    the store, then every page's seal checked against the page's identity (seals.py).
+   A store that stops at the deadline (the disk tier) answers its leading pages; the
+   rest is a miss.
 5. On the loop, once that thread has returned: the slots go back to the session, the
    leading run read whole and checked (every byte of every page) is inserted after the
    local hit, and the rest freed. The lookup that follows finds it in the tree, so it
    is answered as a hit like any local one.
 
-The lookup's store calls together are bounded by its deadline (``tier.timeout``, grown
+Tiers stack (chain.py): the disk tier's prefetch runs first, so Mooncake's sees its
+pages as part of the local hit and fetches only what follows them.
+
+The lookup's store calls together are bounded by its deadline (``timeout``, grown
 by each fetch's bytes: store_read.Deadline); a failure, a timeout or anything short
 counts as a miss and leaves the tree as it was; a page refused for its seal is counted
 and ends the hit before it. No room for a fetch (the pool, ``tier.max_fetch_slots``) is
@@ -67,18 +73,15 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: Deadline | None
     if local:
         mt.hit(hit.last_node)
     if local >= aligned:
-        mt.hit_tokens["local"] += local
-        mt.count(mt.lookups, "local")
+        mt.looked_up(local, 0, "local")
         return 0
     why = tier.available()
     if why is not None:
-        mt.hit_tokens["local"] += local
-        mt.count(mt.lookups, why)
+        mt.looked_up(local, 0, why)
         return 0
     want = min((aligned - local) // ps, fetch_limit(mt))
     if want <= 0:
-        mt.hit_tokens["local"] += local
-        mt.count(mt.lookups, "capacity")
+        mt.looked_up(local, 0, "capacity")
         return 0
     hashes = _hashes_after(cache, hit.last_node if local else None, local, want, packed,
                            width, ps)
@@ -86,20 +89,17 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: Deadline | None
     # One deadline for the whole lookup, grown by what it fetches.
     if deadline is None:
         deadline = Deadline(tier.cfg)
-    codes, _ = await tier.call("exists", tier.backend.exists, keys, deadline=deadline.at)
+    codes = await tier.probe(mt, keys, deadline)
     found = leading_run(codes, lambda c: c == 1)
     failed = codes is None or (found < len(codes) and codes[found] < 0)
     if failed and codes is not None:
         tier.error("exists", code_name(codes[found]))
     if found == 0:
-        mt.hit_tokens["local"] += local
-        mt.count(mt.lookups, "error" if failed else "miss")
+        mt.looked_up(local, 0, "error" if failed else "miss")
         return 0
     got, why = await _fetch(tier, mt, key, local, mt.keys.namespace(key.extra_key, width),
                             hashes[:found], keys[:found], deadline)
-    mt.hit_tokens["local"] += local
-    mt.hit_tokens["remote"] += got
-    mt.count(mt.lookups, "remote" if got else why)
+    mt.looked_up(local, got, why)
     return got
 
 

@@ -55,23 +55,20 @@ async def prefetch_pages(tier: Any, mt: ModelTier, namespace: tuple[str | None, 
             break
         local += 1
     if local == count:
-        mt.hit_tokens["local"] += local * ps
-        mt.count(mt.lookups, "local")
+        mt.looked_up(local * ps, 0, "local")
         return 0
     why = tier.available()
     if why is not None:
-        mt.hit_tokens["local"] += local * ps
-        mt.count(mt.lookups, why)
+        mt.looked_up(local * ps, 0, why)
         return 0
     limit = fetch_limit(mt)
     if limit <= 0:
-        mt.hit_tokens["local"] += local * ps
-        mt.count(mt.lookups, "capacity")
+        mt.looked_up(local * ps, 0, "capacity")
         return 0
     wanted = [_hash(data, i) for i in range(local, min(local + limit, count))]
     keys = mt.keys.keys(namespace[0], namespace[1], wanted)
     deadline = Deadline(tier.cfg)
-    codes, _ = await tier.call("exists", tier.backend.exists, keys, deadline=deadline.at)
+    codes = await tier.probe(mt, keys, deadline)
     found = leading_run(codes, lambda c: c == 1)
     failed = codes is None or (found < len(codes) and codes[found] < 0)
     if failed and codes is not None:
@@ -81,9 +78,7 @@ async def prefetch_pages(tier: Any, mt: ModelTier, namespace: tuple[str | None, 
         prior = _hash(data, local - 1) if local else None
         got, why = await _fetch_pages(tier, mt, pages, namespace, prior, wanted[:found],
                                       keys[:found], deadline)
-    mt.hit_tokens["local"] += local * ps
-    mt.hit_tokens["remote"] += got * ps
-    mt.count(mt.lookups, "remote" if got else why)
+    mt.looked_up(local * ps, got * ps, why)
     return got
 
 

@@ -1,4 +1,4 @@
-"""ModelTier: one model's side of the tier: new pages out to the store, and counters.
+"""ModelTier: one model's side of a tier: new pages out to its store, and counters.
 
 It listens to the model's tree (it wraps the cache's listener, passing every event on),
 so every way pages enter the tree (Insert, Step, Session streams, SetPages) writes them
@@ -15,17 +15,23 @@ to the store with no hook in those paths:
   there, and are not written back.
 * With ``tier.min_hits`` > 0 a node is written only once lookups that consult the tier
   (Match, Step admits, the Session stream's) hit it that many times (``hit``).
-* With ``tier.write: on_evict`` (write-back) nothing is written at insert: the cache's
-  ``before_free`` hook (``evicting``) shows each node eviction takes while its slots
-  still hold its KV; its rows are copied into a bounded staging buffer (staging.py)
-  at once, if the put queue and the staging buffer have room (else a counted drop),
-  and put from there in the background. A Reset frees no node through eviction, so
-  writes nothing back.
+* With ``tier.write: on_evict`` (write-back; the disk tier always) nothing is written
+  at insert: the cache's ``before_free`` hook (``evicting``) shows each node eviction
+  takes while its slots still hold its KV; its rows are copied into a bounded staging
+  buffer (staging.py) at once, if the put queue and the staging buffer have room (else
+  a counted drop), and put from there in the background. Pages the store says it holds
+  already (the disk tier's index: ``Tier.held``) are not staged again. A Reset frees no
+  node through eviction, so writes nothing back. Each tier's hook calls the one set
+  before it (the disk tier's and Mooncake's both see every eviction).
 * Every page put carries its seal (seals.py), computed on the put thread into a seal
   slot the job holds until it is answered; no free seal slot is a counted drop
   (``seal_slots``). A write-through job sealed after a Reset is not put (the rows it
   sealed may be another page's by then); rows that change after it was sealed no
   longer match their seal, so a fetch refuses them.
+
+Counters: a lookup's hit tokens by where they were found (``local``: the pool, counted
+by the first tier a model's lookups go through only; then this tier's ``found`` label),
+and its result by outcome (``Tier.kind``).
 
 Not thread-safe: the loop's, like the engine.
 """
@@ -52,6 +58,13 @@ log = logging.getLogger("prefixcache.server")
 
 # Pages of one put job at most (a longer node is written as several jobs).
 MAX_JOB_PAGES = 256
+# Why a page was not written (prefixcache_*_dropped_pages_total{reason}, exported from
+# 0); a write a bug refused is counted under its exception's name too.
+DROP_REASONS = ("queue_full", "staging_full", "seal_slots", "pin_limit", "reset",
+                "unavailable", "breaker_open", "disk_full")
+# Bytes of one write-back job (at least a page): staged and queued in turn, so that the
+# write of one overlaps the copy of the next.
+WRITE_JOB_BYTES = 4 << 20
 
 
 class _Listener:
@@ -80,9 +93,13 @@ class _Listener:
 class ModelTier:
     """The tier's hooks into one radix model (``engine``) and its counters."""
 
-    def __init__(self, tier: Any, engine: Any, secret: bytes | None = None) -> None:
+    def __init__(self, tier: Any, engine: Any, secret: bytes | None = None, *,
+                 backend: Any = None, staging_stride: int | None = None) -> None:
         self.tier = tier
         self.engine = engine
+        # The store this model's pages go to (Mooncake's client, set once connected; a
+        # disk store of its own).
+        self.backend = backend
         self.name = engine.name
         self.page_size = engine.page_size
         self.keys = KeyMaker(engine.config, tier.service.limits.tenants, secret)
@@ -111,34 +128,48 @@ class ModelTier:
         self.write_back = tier.cfg.write == "on_evict"
         self.staging: Staging | None = None
         if self.write_back:
-            self.staging = Staging.for_pool(self.layout, engine.pool_size)
-            cache.before_free = self.evicting
+            self.staging = Staging.for_pool(self.layout, engine.pool_size, staging_stride)
+            self._forward_free = cache.before_free
+            cache.before_free = self._before_free
+        self.write_job_pages = max(1, min(MAX_JOB_PAGES,
+                                          WRITE_JOB_BYTES // max(self.layout.page_bytes, 1)))
         self.seal_slots = SealSlots(seal_slot_count(
             engine.pool_size // self.page_size, self.max_fetch_slots // self.page_size,
             self.staging.pages if self.staging is not None else 0))
         # Views of the memory objects are made of, for sealing and checking in place.
         self.memory = MemoryRegions(self.regions())
         # Counters (read by metrics.py at scrape time).
-        self.hit_tokens = {"local": 0, "remote": 0}
+        self.found = tier.kind.found
+        # False where a tier above this one serves the model: it counts the pool's hits.
+        self.counts_local = True
+        self.hit_tokens = {"local": 0, self.found: 0}
         self.lookups: dict[str, int] = {}
         self.fetch_bytes = 0
         self.fetch_seconds = 0.0
         self.put_pages = 0
         self.put_bytes = 0
         self.put_failed = 0
-        self.drops: dict[str, int] = {}
+        self.drops: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self.refused = 0  # fetched pages whose seal did not check
 
     def count(self, table: dict[str, int], label: str, n: int = 1) -> None:
         table[label] = table.get(label, 0) + n
+
+    def looked_up(self, local: int, got: int, why: str) -> None:
+        """Count a lookup: ``local`` tokens hit above this tier, ``got`` found here, and
+        its result (``why`` when nothing was found)."""
+        if self.counts_local:
+            self.hit_tokens["local"] += local
+        self.hit_tokens[self.found] += got
+        self.count(self.lookups, self.found if got else why)
 
     def close(self) -> None:
         """Give the cache its listener back."""
         cache = self.engine.cache
         if cache.listener is self._listener:
             cache.listener = self._listener.forward
-        if getattr(cache, "before_free", None) == self.evicting:
-            cache.before_free = None
+        if self.staging is not None and getattr(cache, "before_free", None) == self._before_free:
+            cache.before_free = self._forward_free
 
     def regions(self) -> list[tuple[int, int]]:
         """The memory puts and fetches use, to register with the store."""
@@ -161,7 +192,8 @@ class ModelTier:
             seal_pages(ns.seal, idents, ptrs, sizes, memory, slots, seals)
             return generation is None or generation == self.generation
 
-        return PutJob(keys, ptrs, sizes, lambda c: None, seal)
+        put = self.backend.put_from if self.backend is not None else None
+        return PutJob(keys, ptrs, sizes, lambda c: None, seal, put)
 
     # ------------------------------------------------------------ write path
 
@@ -257,6 +289,14 @@ class ModelTier:
                     self._unlock(lock_id, generation, tokens)
                 return
 
+    def _before_free(self, node: Any, slots: Any) -> None:
+        if self._forward_free is not None:
+            try:
+                self._forward_free(node, slots)
+            except Exception:  # counted as the cache counts its hook's failures
+                self.engine.cache.before_free_errors += 1
+        self.evicting(node, slots)
+
     def evicting(self, node: Any, slots: Any) -> None:
         """The cache's ``before_free`` (write-back): stage ``node``'s pages and queue
         their put, or count a drop. Inside an eviction: a copy, never a store call."""
@@ -266,10 +306,21 @@ class ModelTier:
             return
         if self.min_hits and self._hits.get(node, 0) < self.min_hits:
             return  # not admitted
-        why = tier.available()
-        if why not in (None, "busy") or tier.puts is None:  # lookups in flight: no matter
+        why = tier.write_refusal(self)
+        if why is not None or tier.puts is None:
             self.count(self.drops, why or "unavailable", pages)
             return
+        extra_key, width, hashes = page_names(node)
+        keys = self.keys.keys(extra_key, width, hashes[:pages])
+        rows = host_indices(slots)[:pages * ps]
+        held = tier.held(self, keys)
+        if held is not None:  # the store has some already: stage the others only
+            wanted = [i for i, h in enumerate(held) if not h]
+            if len(wanted) < pages:
+                keys = [keys[i] for i in wanted]
+                hashes = [hashes[i] for i in wanted]
+                rows = rows.reshape(pages, ps)[wanted].reshape(-1)
+                pages = len(wanted)
         # As many leading pages as the staging buffer holds (the pages after a missing
         # one are never found: lookups fetch a leading run).
         fit = min(pages, self.staging.available)
@@ -278,26 +329,26 @@ class ModelTier:
             pages = fit
         if not pages:
             return
-        if not tier.puts.has_room(-(-pages // MAX_JOB_PAGES)):
+        step = self.write_job_pages
+        if not tier.puts.has_room(-(-pages // step)):
             self.count(self.drops, "queue_full", pages)
             return
         seals = self.seal_slots.take(pages)
         if seals is None:
             self.count(self.drops, "seal_slots", pages)
             return
-        taken = self.staging.copy(host_indices(slots)[:pages * ps])
-        if taken is None:  # cannot be (room checked), but never raise in an eviction
-            self.seal_slots.release(seals)
-            self.count(self.drops, "staging_full", pages)
-            return
-        extra_key, width, hashes = page_names(node)
         ns = self.keys.namespace(extra_key, width)
-        hashes = hashes[:pages]
-        keys = self.keys.keys(extra_key, width, hashes)
         staging, seal_slots = self.staging, self.seal_slots
-        for at in range(0, pages, MAX_JOB_PAGES):
-            end = at + MAX_JOB_PAGES
-            mine, my_seals = taken[at:end], seals[at:end]
+        # A job per few MiB, each queued as soon as it is copied: the put thread writes
+        # one while this copies the next.
+        for at in range(0, pages, step):
+            end = min(at + step, pages)
+            mine = staging.copy(rows[at * ps:end * ps])
+            if mine is None:  # cannot be (room checked), but never raise in an eviction
+                seal_slots.release(seals[at:])
+                self.count(self.drops, "staging_full", pages - at)
+                return
+            my_seals = seals[at:end]
             ptrs, sizes = staging.parts(mine)
             # Staged bytes are private: no Reset changes them.
             job = self.sealed_job(keys[at:end], ptrs, sizes, ns, hashes[at:end], my_seals,
@@ -318,8 +369,8 @@ class ModelTier:
         if generation != self.generation:
             # A Reset freed the rows while they were read: what was stored may be
             # another page's bytes. Remove it (best effort, off the loop).
-            if tier.ready and tier.backend is not None and codes:
-                tier.loop.run_in_executor(tier._pool, tier.backend.remove, job.keys)
+            if tier.ready and self.backend is not None and codes:
+                tier.loop.run_in_executor(tier._pool, self.backend.remove, job.keys)
             self.count(self.drops, "reset", len(job.keys))
             return
         if not codes:

@@ -141,7 +141,10 @@ class MooncakeBackend:
     def exists(self, keys: list[str]) -> list[int]:
         return list(self._store.batch_is_exist(keys))
 
-    def get_into(self, keys: list[str], ptrs: Parts, sizes: Parts) -> list[int]:
+    def get_into(self, keys: list[str], ptrs: Parts, sizes: Parts,
+                 deadline: float | None = None, check: Any = None) -> list[int]:
+        # The deadline is the caller's (a transfer in flight cannot be cut short), and
+        # so are the checks, after the call.
         return chunked(self._store.batch_get_into_multi_buffers, self._budget, keys, ptrs,
                        sizes, stop_on=lambda code: code < 0)
 

@@ -99,7 +99,8 @@ def seal_pages(seal: PageSeal, idents: Sequence[bytes], ptrs: Parts, sizes: Part
 
 
 def checked_get(backend: TierBackend, keys: list[str], ptrs: Parts, sizes: Parts,
-                check: Callable[[int], str | None], object_bytes: int) -> list[int]:
+                check: Callable[[int], str | None], object_bytes: int,
+                deadline: float | None = None) -> list[int]:
     """``get_into``, then each page's seal checked (``check(i)``: None, or why page
     ``i`` is refused): the store's codes, each refused page's replaced by its
     ``INTEGRITY_CODES`` code. Every page read is checked, past a refused one too, so
@@ -108,13 +109,20 @@ def checked_get(backend: TierBackend, keys: list[str], ptrs: Parts, sizes: Parts
 
     A read of an object whose size is not ``object_bytes`` fails in Mooncake (the
     buffers are larger: TRANSFER_FAIL; smaller: INVALID_PARAMS); the store is then asked
-    the object's size, so that a wrong-sized object is told from a dead peer."""
-    codes = backend.get_into(keys, ptrs, sizes)
+    the object's size, so that a wrong-sized object is told from a dead peer.
+    ``deadline`` (monotonic seconds) is the store's to keep, if it can; a store that
+    checks pages as they land (the disk tier) runs ``check`` itself, each page once."""
+    verdicts: dict[int, str | None] = {}
+
+    def early(i: int) -> None:
+        verdicts[i] = check(i)
+
+    codes = backend.get_into(keys, ptrs, sizes, deadline, early)
     refused: list[str] = []
     for i, code in enumerate(codes):
         reason: str | None = None
         if code == object_bytes:
-            reason = check(i)
+            reason = verdicts[i] if i in verdicts else check(i)
         elif code >= 0 or code in (TRANSFER_FAIL, INVALID_PARAMS):
             size = backend.object_size(keys[i])
             if size >= 0 and size != object_bytes:

@@ -1,4 +1,5 @@
-"""Tier: the shared KV tier of one server, and every store call it makes.
+"""Tier: one tier below the pools of a server (a store, its threads and each model's
+hooks), and MooncakeTier, the shared cross-node one; the disk tier is disk/.
 
 Concurrency. The engines are single-writer on the event loop (servicer.py), and a
 store call blocks (a dead master holds each for about 4 s). So every call runs on a
@@ -30,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.cache.index.page_index import DIGEST_BYTES
@@ -59,6 +61,24 @@ RECONNECT_SECONDS = 2.0
 CLOSE_SECONDS = 2.0
 
 
+@dataclass(frozen=True, slots=True)
+class TierKind:
+    """What tells one tier below the pools from another: its name (its session's,
+    ``prefixcache-<name>``, and its threads'), where its hits count (``found``:
+    ``prefixcache_tier_hit_tokens_total{tier}``, and its lookups' result when it found
+    pages), its ``source`` in ``prefixcache_integrity_failures_total``, and the model
+    setting that opts a model out of it (``models[].<flag>``)."""
+
+    name: str
+    found: str
+    source: str
+    flag: str
+
+
+MOONCAKE = TierKind("tier", "remote", "tier", "tier")
+DISK = TierKind("disk", "disk", "disk", "disk")
+
+
 def _open_backend(cfg: TierConfig) -> TierBackend:
     from .mooncake_backend import MooncakeBackend
 
@@ -80,106 +100,53 @@ def _guarded(step: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Tier:
-    """The tier of one server: the store client, its threads, and each model's hooks.
+    """One tier of one server: its store calls, its threads, and each model's hooks.
 
     Args:
-        cfg: ``server.tier``.
-        service: The CacheService whose tree models it serves (``models[].tier`` on).
+        cfg: Its settings (``server.tier``, ``server.disk``): ``timeout``,
+            ``min_fetch_bandwidth``, ``write``, ``min_hits``, ``max_fetch_slots``.
+        service: The CacheService whose tree models it serves.
         loop: The service's event loop.
-        open_backend: Makes the store client (blocking; raises TierUnavailable).
+        kind: Which tier (``MOONCAKE``, ``DISK``).
     """
 
-    def __init__(self, cfg: TierConfig, service: Any, loop: asyncio.AbstractEventLoop,
-                 open_backend: Callable[[TierConfig], TierBackend] = _open_backend) -> None:
+    def __init__(self, cfg: Any, service: Any, loop: asyncio.AbstractEventLoop,
+                 kind: TierKind = MOONCAKE) -> None:
         self.cfg = cfg
+        self.kind = kind
         self.loop = loop
-        self.backend: TierBackend | None = None
-        self._open_backend = open_backend
-        self._pool = ThreadPoolExecutor(MAX_INFLIGHT, thread_name_prefix="prefixcache-tier")
+        self._pool = ThreadPoolExecutor(MAX_INFLIGHT,
+                                        thread_name_prefix=f"prefixcache-{kind.name}")
         self.inflight = 0
         self.cooldown = max(1.0, 4 * cfg.timeout)
         self._open_until = 0.0
         self.closed = False
+        self.connected = False
         self.puts: PutQueue | None = None
         # Locks of pages being written and slots being fetched belong to this session,
         # so the service's audits and Reset see them like any worker's; it is the
         # service's own, so no client quota applies to it.
-        secret = read_tier_secret(cfg.secret_file) if cfg.secret_file else None
-        self.keyed = secret is not None
-        self.session = service.sessions.open(None, "prefixcache-tier")
+        self.session = service.sessions.open(None, f"prefixcache-{kind.name}")
         self.session.internal = True
         self.service = service
         self.models: dict[str, ModelTier] = {}
-        for name, engine in service.engines.items():
-            if not (engine.config.tier and engine.kind == "radix"):
-                continue
-            if engine.config.pool.device != "cpu":
-                log.warning("the tier serves CPU pools only: this model stays out of it",
-                            extra={"model": name, "device": engine.config.pool.device})
-                continue
-            self.models[name] = ModelTier(self, engine, secret)
         # Store calls that failed, by op and code (a timeout is "TIMEOUT").
         self.errors: dict[tuple[str, str], int] = {}
-        self._stop = threading.Event()
-        self._connector = threading.Thread(target=self._connect, name="prefixcache-tier-setup",
-                                           daemon=True)
+
+    def serves(self, engine: Any) -> bool:
+        """Whether ``engine``'s model takes part (radix models with CPU pools)."""
+        if not (getattr(engine.config, self.kind.flag) and engine.kind == "radix"):
+            return False
+        if engine.config.pool.device != "cpu":
+            log.warning("a tier serves CPU pools only: this model stays out of it", extra={
+                "tier": self.kind.name, "model": engine.name,
+                "device": engine.config.pool.device})
+            return False
+        return True
 
     @property
     def ready(self) -> bool:
-        return self.backend is not None and not self.closed
-
-    def start(self) -> None:
-        if not self.keyed:
-            log.warning("tier pages are sealed with a digest only: it catches corruption, "
-                        "but the tier trusts every client of the master to write the "
-                        "pages it serves; set tier.secret_file (docs/security.md)",
-                        extra={"master": self.cfg.master})
-        self._connector.start()
-
-    def _connect(self) -> None:
-        """Set the store client up (retrying while the master is down), register every
-        model's pool with it, then start the put queue. On its own thread."""
-        warned = False
-        while not self._stop.is_set():
-            # Mooncake's setup holds the GIL (the whole event loop) while it retries an
-            # unreachable master, about 4 s a try: call it only once the master's port
-            # answers.
-            if not _reachable(self.cfg.master):
-                if not warned:
-                    log.warning("tier master unreachable, retrying", extra={
-                        "master": self.cfg.master, "retry_seconds": RECONNECT_SECONDS})
-                    warned = True
-                self._stop.wait(RECONNECT_SECONDS)
-                continue
-            try:
-                backend = self._open_backend(self.cfg)
-                for mt in self.models.values():
-                    for ptr, size in mt.regions():
-                        backend.register(ptr, size)
-            except TierUnavailable as exc:
-                log.warning("tier unavailable, retrying", extra={"reason": str(exc),
-                                                                 "retry_seconds":
-                                                                 RECONNECT_SECONDS})
-                self._stop.wait(RECONNECT_SECONDS)
-                continue
-            except Exception:
-                log.exception("tier setup failed, retrying")
-                self._stop.wait(RECONNECT_SECONDS)
-                continue
-            try:
-                self.loop.call_soon_threadsafe(self._connected, backend)
-            except RuntimeError:  # the loop is gone
-                backend.close()
-            return
-
-    def _connected(self, backend: TierBackend) -> None:
-        if self.closed:
-            threading.Thread(target=backend.close, daemon=True).start()
-            return
-        self.puts = PutQueue(backend.put_from, self.loop.call_soon_threadsafe)
-        self.backend = backend
-        log.info("tier connected", extra={"master": self.cfg.master,
-                                          "models": ",".join(self.models)})
+        return self.connected and not self.closed
 
     # ----------------------------------------------------------------- lookups
 
@@ -257,6 +224,23 @@ class Tier:
 
     # ------------------------------------------------------------ store calls
 
+    async def probe(self, mt: ModelTier, keys: list[str], deadline: Deadline
+                    ) -> list[int] | None:
+        """Which of ``keys`` the store holds (``exists``'s codes), or None (counted)."""
+        codes, _ = await self.call("exists", mt.backend.exists, keys, deadline=deadline.at)
+        return codes
+
+    def held(self, mt: ModelTier, keys: list[str]) -> list[bool] | None:
+        """Whether the store holds each of ``keys``, where that is known on the loop at
+        no cost (None: not known); each held one counts as used now."""
+        return None
+
+    def write_refusal(self, mt: ModelTier) -> str | None:
+        """Why a write-back of ``mt``'s pages would be dropped now (a drop reason), or
+        None. Lookups in flight (``busy``) are no reason."""
+        why = self.available()
+        return None if why == "busy" else why
+
     def available(self) -> str | None:
         """Why a store call would not be made now (a metric label), or None."""
         if not self.ready:
@@ -313,17 +297,111 @@ class Tier:
     # --------------------------------------------------------------- lifetime
 
     def close(self) -> None:
-        """Stop the threads and leave the store (its segment, and what it holds, go)."""
+        """Stop the threads and leave the store."""
         if self.closed:
             return
         self.closed = True
-        self._stop.set()
         if self.puts is not None:
             for job in self.puts.close(CLOSE_SECONDS):
                 job.done([])
         for mt in self.models.values():
             mt.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._leave()
+        if not self.session.closed:
+            self.service.close_session(self.session)
+
+    def _leave(self) -> None:
+        """Close the store (after the put thread)."""
+
+
+class MooncakeTier(Tier):
+    """The shared cross-node tier on Mooncake Store (``server.tier``), connecting in the
+    background.
+
+    Args:
+        cfg: ``server.tier``.
+        service: The CacheService whose tree models it serves (``models[].tier`` on).
+        loop: The service's event loop.
+        open_backend: Makes the store client (blocking; raises TierUnavailable).
+    """
+
+    def __init__(self, cfg: TierConfig, service: Any, loop: asyncio.AbstractEventLoop,
+                 open_backend: Callable[[TierConfig], TierBackend] = _open_backend) -> None:
+        # The secret is read before the tier's session opens (a bad file opens none).
+        secret = read_tier_secret(cfg.secret_file) if cfg.secret_file else None
+        super().__init__(cfg, service, loop, MOONCAKE)
+        self.backend: TierBackend | None = None
+        self._open_backend = open_backend
+        self.keyed = secret is not None
+        for name, engine in service.engines.items():
+            if self.serves(engine):
+                self.models[name] = ModelTier(self, engine, secret)
+        self._stop = threading.Event()
+        self._connector = threading.Thread(target=self._connect, name="prefixcache-tier-setup",
+                                           daemon=True)
+
+    def start(self) -> None:
+        if not self.keyed:
+            log.warning("tier pages are sealed with a digest only: it catches corruption, "
+                        "but the tier trusts every client of the master to write the "
+                        "pages it serves; set tier.secret_file (docs/security.md)",
+                        extra={"master": self.cfg.master})
+        self._connector.start()
+
+    def _connect(self) -> None:
+        """Set the store client up (retrying while the master is down), register every
+        model's pool with it, then start the put queue. On its own thread."""
+        warned = False
+        while not self._stop.is_set():
+            # Mooncake's setup holds the GIL (the whole event loop) while it retries an
+            # unreachable master, about 4 s a try: call it only once the master's port
+            # answers.
+            if not _reachable(self.cfg.master):
+                if not warned:
+                    log.warning("tier master unreachable, retrying", extra={
+                        "master": self.cfg.master, "retry_seconds": RECONNECT_SECONDS})
+                    warned = True
+                self._stop.wait(RECONNECT_SECONDS)
+                continue
+            try:
+                backend = self._open_backend(self.cfg)
+                for mt in self.models.values():
+                    for ptr, size in mt.regions():
+                        backend.register(ptr, size)
+            except TierUnavailable as exc:
+                log.warning("tier unavailable, retrying", extra={"reason": str(exc),
+                                                                 "retry_seconds":
+                                                                 RECONNECT_SECONDS})
+                self._stop.wait(RECONNECT_SECONDS)
+                continue
+            except Exception:
+                log.exception("tier setup failed, retrying")
+                self._stop.wait(RECONNECT_SECONDS)
+                continue
+            try:
+                self.loop.call_soon_threadsafe(self._connected, backend)
+            except RuntimeError:  # the loop is gone
+                backend.close()
+            return
+
+    def _connected(self, backend: TierBackend) -> None:
+        if self.closed:
+            threading.Thread(target=backend.close, daemon=True).start()
+            return
+        self.puts = PutQueue(backend.put_from, self.loop.call_soon_threadsafe)
+        for mt in self.models.values():
+            mt.backend = backend
+        self.backend = backend
+        self.connected = True
+        log.info("tier connected", extra={"master": self.cfg.master,
+                                          "models": ",".join(self.models)})
+
+    def close(self) -> None:
+        self._stop.set()
+        super().close()
+
+    def _leave(self) -> None:
         backend, self.backend = self.backend, None
         # Leaving the store takes about 1 s, and Mooncake's close holds the GIL all along
         # (7 s against a dead master): skipped when the master is gone, which then drops
@@ -332,8 +410,6 @@ class Tier:
             closer = threading.Thread(target=_close_quietly, args=(backend,), daemon=True)
             closer.start()
             closer.join(CLOSE_SECONDS)
-        if not self.session.closed:
-            self.service.close_session(self.session)
 
 
 def _reachable(address: str, timeout: float = 1.0) -> bool:
@@ -353,12 +429,12 @@ def _close_quietly(backend: TierBackend) -> None:
         log.exception("tier close failed")
 
 
-def start_tier(cfg: TierConfig | None, service: Any) -> Tier | None:
-    """The server's tier, connecting in the background; None when ``server.tier`` is off
-    or no model takes part. Call on the service's event loop."""
+def start_tier(cfg: TierConfig | None, service: Any) -> MooncakeTier | None:
+    """The server's Mooncake tier, connecting in the background; None when
+    ``server.tier`` is off or no model takes part. Call on the service's event loop."""
     if cfg is None:
         return None
-    tier = Tier(cfg, service, asyncio.get_running_loop())
+    tier = MooncakeTier(cfg, service, asyncio.get_running_loop())
     if not tier.models:
         tier.close()
         log.warning("server.tier is on but no model uses it (radix models only; "

@@ -14,9 +14,10 @@ slots freed once the thread has returned, and nothing else is released.
 
 The thread checks every page's seal before it returns (seals.py): a page refused there
 ends the run read whole, is counted (``prefixcache_integrity_failures_total
-{source="tier"}``) and is never inserted. The tier's fetches hold at most
-``tier.max_fetch_slots`` of a model's slots at once (``ModelTier.fetching``), and the
-tier's session is not a client: no per-session quota applies to it.
+{source="tier"}``, ``{source="disk"}`` for the disk tier) and is never inserted. The
+tier's fetches hold at most ``tier.max_fetch_slots`` of a model's slots at once
+(``ModelTier.fetching``), and the tier's session is not a client: no per-session quota
+applies to it.
 
 A lookup's deadline (``Deadline``) is ``tier.timeout`` from its start plus, for each
 fetch, the fetch's bytes over ``tier.min_fetch_bandwidth``: a large hit has the time
@@ -169,7 +170,7 @@ class StoreRead:
         everything is released already or will be once the thread returns."""
         tier, mt, engine, slots = self.tier, self.mt, self.engine, self.slots
         start = time.perf_counter()
-        backend = tier.backend
+        backend = mt.backend if tier.ready else None
         codes: list[int] | None = None
         fut: asyncio.Future[Any] | None = None
         if backend is not None:  # else closed while we asked
@@ -177,10 +178,10 @@ class StoreRead:
             idents = [ns.ident(h) for h in hashes]
             check = page_checker(ns.seal, idents, ptrs, sizes, mt.memory,
                                  mt.seal_slots, self.seals)
+            until = deadline.grow(len(keys) * mt.object_bytes)
             fetch = functools.partial(checked_get, backend, keys, ptrs, sizes, check,
-                                      mt.object_bytes)
-            codes, fut = await tier.call(
-                "get", fetch, deadline=deadline.grow(len(keys) * mt.object_bytes))
+                                      mt.object_bytes, until)
+            codes, fut = await tier.call("get", fetch, deadline=until)
         if codes is None:
             self.failed = True
             safely(self.release)  # the lock; the slots are not the session's
@@ -202,7 +203,8 @@ class StoreRead:
             reason = INTEGRITY_CODES.get(codes[i])
             if reason is not None:
                 mt.refused += 1
-                tier.service.integrity.count("tier", reason, model=mt.name, key=keys[i])
+                tier.service.integrity.count(tier.kind.source, reason, model=mt.name,
+                                             key=keys[i])
         if whole < len(codes):
             code = codes[whole]
             if code in INTEGRITY_CODES:

@@ -3,9 +3,10 @@
 Nothing waits on a write: the event loop hands a job over (``offer``) and goes on; a
 full queue refuses the job, and the caller counts the drop. The thread takes up to
 ``batch_jobs`` jobs at once, seals their pages (each job's ``seal``: the pages' seals
-into their seal slots, seals.py) and stores them all in one batch call, then hands
-each job's answer back to the loop (``done``, called there), which releases the pages
-and seal slots the job pinned.
+into their seal slots, seals.py) and stores them in one batch call per store (a job's
+``put``: Mooncake's one client, or each model's disk store), then hands each job's
+answer back to the loop (``done``, called there), which releases the pages and seal
+slots the job pinned.
 """
 
 from __future__ import annotations
@@ -39,19 +40,21 @@ class PutJob:
     done: Callable[[list[int]], None]
     # Seals the pages; False: they are not to be stored (answered with no codes).
     seal: Callable[[], bool] | None = None
+    # The store's batch put (None: the queue's); jobs with equal ones share a call.
+    put: Callable[[list[str], Parts, Parts], list[int]] | None = None
 
 
 class PutQueue:
     """A bounded queue of put jobs and the thread that stores them.
 
     Args:
-        put: The backend's batch put (blocking), or raise.
+        put: The backend's batch put (blocking; or raise) for jobs without their own.
         call_soon: Runs a callable on the event loop (``loop.call_soon_threadsafe``).
         max_jobs: Jobs waiting at most; one more is refused.
         batch_jobs: Jobs stored by one batch call at most.
     """
 
-    def __init__(self, put: Callable[[list[str], Parts, Parts], list[int]],
+    def __init__(self, put: Callable[[list[str], Parts, Parts], list[int]] | None,
                  call_soon: Callable[..., Any], max_jobs: int = MAX_JOBS,
                  batch_jobs: int = BATCH_JOBS) -> None:
         self._put = put
@@ -112,22 +115,32 @@ class PutQueue:
                 except Exception:  # a job that cannot be sealed is not stored
                     log.exception("tier put: sealing failed")
                     failed.append(job)
-            keys = [k for job in sealed for k in job.keys]
-            ptrs = [p for job in sealed for p in job.ptrs]
-            sizes = [s for job in sealed for s in job.sizes]
-            try:
-                codes = self._put(keys, ptrs, sizes) if keys else []
-            except Exception:  # a backend bug must not end the thread
-                log.exception("tier put failed")
-                codes = []
-            at = 0
             answers: list[tuple[PutJob, list[int]]] = [(job, []) for job in failed]
-            for job in sealed:
-                n = len(job.keys)
-                answers.append((job, codes[at:at + n] if len(codes) == len(keys) else []))
-                at += n
-            for job, mine in answers:
+            while sealed:
+                put = sealed[0].put or self._put
+                mine = [job for job in sealed if (job.put or self._put) == put]
+                sealed = [job for job in sealed if (job.put or self._put) != put]
+                answers.extend(self._store(put, mine))
+            for job, codes in answers:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: server gone
-                    self._call_soon(job.done, mine)
+                    self._call_soon(job.done, codes)
             with self._cv:
                 self.busy = 0
+
+    def _store(self, put: Callable[[list[str], Parts, Parts], list[int]] | None,
+               jobs: list[PutJob]) -> list[tuple[PutJob, list[int]]]:
+        """Store ``jobs`` with one call of ``put``; each job with its codes."""
+        keys = [k for job in jobs for k in job.keys]
+        ptrs = [p for job in jobs for p in job.ptrs]
+        sizes = [s for job in jobs for s in job.sizes]
+        try:
+            codes = put(keys, ptrs, sizes) if keys and put is not None else []
+        except Exception:  # a backend bug must not end the thread
+            log.exception("tier put failed")
+            codes = []
+        answers, at = [], 0
+        for job in jobs:
+            n = len(job.keys)
+            answers.append((job, codes[at:at + n] if len(codes) == len(keys) else []))
+            at += n
+        return answers
