@@ -84,8 +84,7 @@ class _Gen:
 
     def turn_tokens(self) -> float:
         lo, hi = self.p.turn_tokens_clip
-        return min(hi, max(lo, self.lognormal(self.p.turn_tokens_median,
-                                              self.p.turn_tokens_sigma)))
+        return min(hi, max(lo, self.lognormal(self.p.turn_tokens_median, self.p.turn_tokens_sigma)))
 
     def gap(self, humans: bool = True) -> float:
         p = self.p
@@ -94,8 +93,16 @@ class _Gen:
             return min(hi, max(lo, self.lognormal(p.human_gap_median_s, p.human_gap_sigma)))
         return self.rng.expovariate(1.0 / p.tool_gap_mean_s)
 
-    def run(self, chain: array, t: float, turns: int, system: array, *,
-            humans: bool = True, fork_at: int | None = None) -> tuple[array, float]:
+    def run(
+        self,
+        chain: array,
+        t: float,
+        turns: int,
+        system: array,
+        *,
+        humans: bool = True,
+        fork_at: int | None = None,
+    ) -> tuple[array, float]:
         """An agent's turns from time ``t`` on ``chain``; returns its last chain and
         the time after its last turn."""
         p = self.p
@@ -136,10 +143,8 @@ def agentic_trace(p: AgentParams) -> list[Request]:
         chain = array("I", system)
         chain.extend(g.fresh(g.rng.uniform(*p.first_prompt_tokens)))
         turns = max(2, round(g.lognormal(p.turns_median, p.turns_sigma)))
-        fork_at = (g.rng.randint(1, turns - 1) if g.rng.random() < p.subagent_share
-                   else None)
-        chain, t = g.run(chain, g.rng.uniform(0.0, p.arrival_s), turns, system,
-                         fork_at=fork_at)
+        fork_at = g.rng.randint(1, turns - 1) if g.rng.random() < p.subagent_share else None
+        chain, t = g.run(chain, g.rng.uniform(0.0, p.arrival_s), turns, system, fork_at=fork_at)
         g.out.append(Request(t, RELEASE, chain, len(chain)))
     turns = sum(1 for r in g.out if r.kind == TURN)
     end = max(r.t for r in g.out)

@@ -152,8 +152,10 @@ def mooncake_trace(limit: int | None) -> Trace:
     reqs = load_trace(DEFAULT_TRACE, limit)
     with open(DEFAULT_TRACE, encoding="utf-8") as fh:  # load_trace keeps no times
         times = [json.loads(line)["timestamp"] / 1000 for line in fh if line.strip()]
-    events = [Event(t, TURN, array("I", r.hash_ids), r.input_length)
-              for t, r in zip(times[:len(reqs)], reqs, strict=True)]
+    events = [
+        Event(t, TURN, array("I", r.hash_ids), r.input_length)
+        for t, r in zip(times[: len(reqs)], reqs, strict=True)
+    ]
     return Trace("mooncake_conversation", BLOCK_TOKENS, events)
 
 
@@ -161,6 +163,7 @@ def agent_trace(params: AgentParams) -> Trace:
     def event(r: Request) -> Event:
         blocks = r.blocks()
         return Event(r.t, r.kind, blocks, len(blocks) * BLOCK)
+
     return Trace("agentic", BLOCK, [event(r) for r in agentic_trace(params)])
 
 
@@ -196,8 +199,9 @@ class Tally:
         return self.agent_hit / self.agent_total
 
 
-def replay_library(trace: Trace, pool_blocks: int, retain_seconds: float | None,
-                   share: float = TENANT_SHARES[0]) -> Row:
+def replay_library(
+    trace: Trace, pool_blocks: int, retain_seconds: float | None, share: float = TENANT_SHARES[0]
+) -> Row:
     """The trace through a RadixCache of ``pool_blocks`` tokens, as a worker drives it
     (match and lock, evict for room, allocate, insert), on the trace's clock."""
     import torch
@@ -245,34 +249,55 @@ def replay_library(trace: Trace, pool_blocks: int, retain_seconds: float | None,
     config = "pool" if pool_blocks < trace.working_set + trace.largest else "infinite"
     if retain_seconds is not None:
         config += "+retention"
-    return Row(trace.name, config, "library", pool_blocks * trace.block_tokens,
-               trace.working_set * trace.block_tokens, tally.requests, tally.ratio(),
-               tally.agent_ratio(), share if retain_seconds is not None else None,
-               book.evicted * trace.block_tokens if book is not None and retain_seconds
-               else None, tally.refused, time.perf_counter() - t0)
+    return Row(
+        trace.name,
+        config,
+        "library",
+        pool_blocks * trace.block_tokens,
+        trace.working_set * trace.block_tokens,
+        tally.requests,
+        tally.ratio(),
+        tally.agent_ratio(),
+        share if retain_seconds is not None else None,
+        book.evicted * trace.block_tokens if book is not None and retain_seconds else None,
+        tally.refused,
+        time.perf_counter() - t0,
+    )
 
 
 # ----------------------------------------------------------------- over gRPC
 
 
-def replay_server(trace: Trace, pool_blocks: int, retain_seconds: float | None,
-                  disk: dict[str, Any] | None, time_scale: float, tmp: Path,
-                  share: float = TENANT_SHARES[0]) -> Row:
+def replay_server(
+    trace: Trace,
+    pool_blocks: int,
+    retain_seconds: float | None,
+    disk: dict[str, Any] | None,
+    time_scale: float,
+    tmp: Path,
+    share: float = TENANT_SHARES[0],
+) -> Row:
     """The trace over gRPC against a ``prefixcache serve`` with a pool of
     ``pool_blocks`` tokens (and ``server.disk`` = ``disk`` when given), the trace's
     time compressed ``time_scale`` times and requests paced to it."""
     from prefixcache.client import Retention
 
-    model = {"name": "m", "kind": "radix", "page_size": 1,
-             "pool": {"size": pool_blocks, "layers": 1, "k_heads": 1,
-                      "k_head_dim": PAGE_BYTES // 4}}
+    model = {
+        "name": "m",
+        "kind": "radix",
+        "page_size": 1,
+        "pool": {"size": pool_blocks, "layers": 1, "k_heads": 1, "k_head_dim": PAGE_BYTES // 4},
+    }
     server: dict[str, Any] = {}
     if retain_seconds is not None:
         server["retention"] = {"tenant_share": share, "max_seconds": 86400.0}
     if disk is not None:
         server["disk"] = disk
-    config = "pool" + ("+disk" if disk is not None else "") + \
-        ("+retention" if retain_seconds is not None else "")
+    config = (
+        "pool"
+        + ("+disk" if disk is not None else "")
+        + ("+retention" if retain_seconds is not None else "")
+    )
     node = _Server(tmp, model, server)
     tally = Tally(trace.block_tokens)
     hint = None if retain_seconds is None else Retention(retain_seconds / time_scale, HIGH)
@@ -281,9 +306,16 @@ def replay_server(trace: Trace, pool_blocks: int, retain_seconds: float | None,
         try:
             client = node.connect()
         except RuntimeError as exc:
-            return Row(trace.name, config, "server", pool_blocks * trace.block_tokens,
-                       trace.working_set * trace.block_tokens, 0, 0.0,
-                       skipped=f"the server refused the config: {exc}")
+            return Row(
+                trace.name,
+                config,
+                "server",
+                pool_blocks * trace.block_tokens,
+                trace.working_set * trace.block_tokens,
+                0,
+                0.0,
+                skipped=f"the server refused the config: {exc}",
+            )
         start = time.monotonic()
         with client.session(60.0) as s:
             for e in trace.events:
@@ -302,14 +334,23 @@ def replay_server(trace: Trace, pool_blocks: int, retain_seconds: float | None,
                     tally.refused += 1
                     continue
                 tally.add(e, m.prefix_len)
-                s.insert("m", e.blocks, m.all_slots(), release_lock_id=m.lock_id,
-                         retain=turn_hint)
+                s.insert("m", e.blocks, m.all_slots(), release_lock_id=m.lock_id, retain=turn_hint)
     finally:
         node.stop()
-    return Row(trace.name, config, "server", pool_blocks * trace.block_tokens,
-               trace.working_set * trace.block_tokens, tally.requests, tally.ratio(),
-               tally.agent_ratio(), share if retain_seconds is not None else None, None,
-               tally.refused, time.perf_counter() - t0)
+    return Row(
+        trace.name,
+        config,
+        "server",
+        pool_blocks * trace.block_tokens,
+        trace.working_set * trace.block_tokens,
+        tally.requests,
+        tally.ratio(),
+        tally.agent_ratio(),
+        share if retain_seconds is not None else None,
+        None,
+        tally.refused,
+        time.perf_counter() - t0,
+    )
 
 
 class _Server:
@@ -322,16 +363,29 @@ class _Server:
 
         from bench.tier_nodes import child_env
 
-        (tmp / "pc.yaml").write_text(yaml.safe_dump(
-            {"server": {"shm_dir": "off", "metrics_port": -1, **server}, "models": [model]}))
+        (tmp / "pc.yaml").write_text(
+            yaml.safe_dump(
+                {"server": {"shm_dir": "off", "metrics_port": -1, **server}, "models": [model]}
+            )
+        )
         self.address = f"unix:{tmp / 'pc.sock'}"
         self.log = tmp / "stderr"
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c",
-                 "from prefixcache.server.cli import main; raise SystemExit(main())",
-                 "serve", "--config", str(tmp / "pc.yaml"), "--listen", self.address],
-                env=child_env(), stdout=subprocess.DEVNULL, stderr=err)
+                [
+                    sys.executable,
+                    "-c",
+                    "from prefixcache.server.cli import main; raise SystemExit(main())",
+                    "serve",
+                    "--config",
+                    str(tmp / "pc.yaml"),
+                    "--listen",
+                    self.address,
+                ],
+                env=child_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
         self.client: Any = None
 
     def connect(self) -> Any:
@@ -378,8 +432,10 @@ def rows(args: argparse.Namespace) -> list[Row]:
             pool = max(trace.largest + 1, int(pool_share * trace.working_set))
             out.append(replay_library(trace, pool, None))
             if agentic:
-                out += [replay_library(trace, pool, args.retain_seconds, share)
-                        for share in TENANT_SHARES]
+                out += [
+                    replay_library(trace, pool, args.retain_seconds, share)
+                    for share in TENANT_SHARES
+                ]
             out += server_rows(args, trace, pool, len(out))
         print(table([r for r in out if r.trace == trace.name]), file=sys.stderr)
     return out
@@ -401,46 +457,75 @@ def server_rows(args: argparse.Namespace, trace: Trace, pool: int, n: int) -> li
             path = Path(args.disk_dir) / f"{trace.name}-{n + len(out)}"
             path.mkdir(parents=True, exist_ok=True)
             # The working set's pages and half as much again, or what --disk-bytes says.
-            disk = {"path": str(path),
-                    "bytes": args.disk_bytes or 3 * PAGE_BYTES * trace.working_set // 2}
+            disk = {
+                "path": str(path),
+                "bytes": args.disk_bytes or 3 * PAGE_BYTES * trace.working_set // 2,
+            }
         with tempfile.TemporaryDirectory(prefix="capacity-") as tmp:
-            out.append(replay_server(trace, pool, seconds, disk, args.time_scale, Path(tmp),
-                                     share=TENANT_SHARES[0]))
+            out.append(
+                replay_server(
+                    trace, pool, seconds, disk, args.time_scale, Path(tmp), share=TENANT_SHARES[0]
+                )
+            )
     return out
 
 
 def table(rows: Iterable[Row]) -> str:
-    lines = ["| trace | config | runner | pool / working set (tokens) | tenant share "
-             "| hit ratio | agent turns |", "|---|---|---|---|---:|---:|---:|"]
+    lines = [
+        "| trace | config | runner | pool / working set (tokens) | tenant share "
+        "| hit ratio | agent turns |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
     for r in rows:
         agent = "" if r.agent_hit_ratio is None else f"{r.agent_hit_ratio:.3f}"
         hit = f"skipped: {r.skipped[:60]}..." if r.skipped else f"{r.hit_ratio:.3f}"
         share = "" if r.tenant_share is None else f"{r.tenant_share:g}"
-        lines.append(f"| {r.trace} | {r.config} | {r.runner} | {r.pool_tokens / 1e6:.1f} M / "
-                     f"{r.working_set_tokens / 1e6:.1f} M | {share} | {hit} | {agent} |")
+        lines.append(
+            f"| {r.trace} | {r.config} | {r.runner} | {r.pool_tokens / 1e6:.1f} M / "
+            f"{r.working_set_tokens / 1e6:.1f} M | {share} | {hit} | {agent} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", required=True, help="write the rows here")
-    parser.add_argument("--quick", action="store_true",
-                        help="2,000 Mooncake requests and 20 agent sessions")
-    parser.add_argument("--pool-share", type=float, action="append",
-                        help="the pool as a share of each trace's working set; repeatable "
-                        "(default 0.05)")
+    parser.add_argument(
+        "--quick", action="store_true", help="2,000 Mooncake requests and 20 agent sessions"
+    )
+    parser.add_argument(
+        "--pool-share",
+        type=float,
+        action="append",
+        help="the pool as a share of each trace's working set; repeatable (default 0.05)",
+    )
     parser.add_argument("--retain-seconds", type=float, default=600.0)
-    parser.add_argument("--server", action="store_true",
-                        help="also the pool rows over gRPC against prefixcache serve")
+    parser.add_argument(
+        "--server",
+        action="store_true",
+        help="also the pool rows over gRPC against prefixcache serve",
+    )
     parser.add_argument("--disk-dir", help="the disk tier's rows, with their files here")
-    parser.add_argument("--disk-bytes", type=int, default=0,
-                        help="server.disk.bytes (0: 1.5 times the working set's pages)")
-    parser.add_argument("--time-scale", type=float, default=100.0,
-                        help="trace seconds per second of a server replay")
+    parser.add_argument(
+        "--disk-bytes",
+        type=int,
+        default=0,
+        help="server.disk.bytes (0: 1.5 times the working set's pages)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=100.0,
+        help="trace seconds per second of a server replay",
+    )
     args = parser.parse_args(argv)
     out = rows(args)
-    doc = {"host": platform.node(), "python": platform.python_version(),
-           "args": vars(args), "rows": [asdict(r) for r in out]}
+    doc = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "args": vars(args),
+        "rows": [asdict(r) for r in out],
+    }
     Path(args.json).write_text(json.dumps(doc, indent=2))
     emit(table(out))
     return 0

@@ -46,10 +46,22 @@ def _config(tmp: Path, tokens: int, disk: Path | None) -> dict[str, Any]:
     if disk is not None:
         # Page slots, their index twice and the journal: 512 + 232 bytes a page.
         server["disk"] = {"path": str(disk), "bytes": pages * 800 + (64 << 20)}
-    return {"server": server, "models": [{
-        "name": "m", "page_size": PAGE,
-        "pool": {"size": 65536, "layers": 1, "k_heads": 1, "k_head_dim": 8,
-                 "dtype": "float16"}}]}
+    return {
+        "server": server,
+        "models": [
+            {
+                "name": "m",
+                "page_size": PAGE,
+                "pool": {
+                    "size": 65536,
+                    "layers": 1,
+                    "k_heads": 1,
+                    "k_head_dim": 8,
+                    "dtype": "float16",
+                },
+            }
+        ],
+    }
 
 
 def _fill(tmp: Path, tokens: int, disk: Path, crash: bool) -> int:
@@ -96,13 +108,28 @@ def _ready_seconds(tmp: Path, name: str, config: dict[str, Any]) -> float:
     (folder / "pc.yaml").write_text(yaml.safe_dump(config))
     sock = folder / "pc.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
-    env.update(PYTHONPATH=os.pathsep.join([str(_REPO / "server"), str(_REPO / "client")]),
-               OMP_NUM_THREADS="1")
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(_REPO / "server"), str(_REPO / "client")]),
+        OMP_NUM_THREADS="1",
+    )
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "prefixcache.server.cli", "serve",
-                             "--config", str(folder / "pc.yaml"), "--listen", f"unix:{sock}"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefixcache.server.cli",
+            "serve",
+            "--config",
+            str(folder / "pc.yaml"),
+            "--listen",
+            f"unix:{sock}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     from prefixcache.client import PrefixCacheClient
+
     try:
         while True:
             if proc.poll() is not None:
@@ -138,20 +165,27 @@ def main(argv: list[str] | None = None) -> int:
             held = _fill(tmp, tokens, full, crash=False)
             fill_s = time.perf_counter() - t0
             _fill(tmp, tokens, killed, crash=True)
-            cases = {"none": _config(tmp, tokens, None), "empty": _config(tmp, tokens, empty),
-                     "full": _config(tmp, tokens, full),
-                     "killed": _config(tmp, tokens, killed)}
+            cases = {
+                "none": _config(tmp, tokens, None),
+                "empty": _config(tmp, tokens, empty),
+                "full": _config(tmp, tokens, full),
+                "killed": _config(tmp, tokens, killed),
+            }
             best = {case: float("inf") for case in cases}
             for r in range(args.repeat + 1):
                 for case, config in cases.items():
                     seconds = _ready_seconds(tmp, f"{case}-{r}", config)
                     if r or not args.repeat:  # the first round warms the caches
                         best[case] = min(best[case], seconds)
-            row = {"tokens": tokens, "pages": held, "fill_seconds": round(fill_s, 2),
-                   **{f"{case}_s": round(s, 3) for case, s in best.items()},
-                   "full_over_empty": round(best["full"] / best["empty"], 2),
-                   "killed_over_empty": round(best["killed"] / best["empty"], 2),
-                   "full_over_none": round(best["full"] / best["none"], 2)}
+            row = {
+                "tokens": tokens,
+                "pages": held,
+                "fill_seconds": round(fill_s, 2),
+                **{f"{case}_s": round(s, 3) for case, s in best.items()},
+                "full_over_empty": round(best["full"] / best["empty"], 2),
+                "killed_over_empty": round(best["killed"] / best["empty"], 2),
+                "full_over_none": round(best["full"] / best["none"], 2),
+            }
             rows.append(row)
             print(json.dumps(row))
             shutil.rmtree(tmp, ignore_errors=True)

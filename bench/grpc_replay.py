@@ -77,8 +77,11 @@ class Latency:
     @staticmethod
     def of(ns: list[int]) -> Latency:
         s = sorted(ns) or [0]
-        return Latency(s[len(s) // 2] / 1e3, s[min(len(s) - 1, len(s) * 99 // 100)] / 1e3,
-                       sum(s) / len(s) / 1e3)
+        return Latency(
+            s[len(s) // 2] / 1e3,
+            s[min(len(s) - 1, len(s) * 99 // 100)] / 1e3,
+            sum(s) / len(s) / 1e3,
+        )
 
 
 @dataclass
@@ -109,14 +112,29 @@ class Round:
     server_cpu_s: float
 
 
-def run_round(kind: str, mode: str, n: int, server: ServerProcess, tokens_path: Path,
-              spans: list[tuple[int, int]]) -> Round:
+def run_round(
+    kind: str,
+    mode: str,
+    n: int,
+    server: ServerProcess,
+    tokens_path: Path,
+    spans: list[tuple[int, int]],
+) -> Round:
     ctx = mp.get_context("spawn")
     barriers = (ctx.Barrier(n + 1), ctx.Barrier(n + 1))
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, daemon=True, args=(
-        WorkerSpec(kind, mode, server.target, str(tokens_path), spans[i::n], i), barriers, out))
-        for i in range(n)]
+    procs = [
+        ctx.Process(
+            target=worker,
+            daemon=True,
+            args=(
+                WorkerSpec(kind, mode, server.target, str(tokens_path), spans[i::n], i),
+                barriers,
+                out,
+            ),
+        )
+        for i in range(n)
+    ]
     for p in procs:
         p.start()
     results: list[WorkerResult] = []
@@ -139,8 +157,11 @@ def run_round(kind: str, mode: str, n: int, server: ServerProcess, tokens_path: 
             p.kill()
     failures = [r.failure for r in results if r.failure]
     if failures or len(results) != n:
-        raise RuntimeError(f"{kind}/{mode}/{n} workers failed:\n" + "\n".join(failures)
-                           + (f"\n{server.name} log:\n{server.log_tail()}" if failures else ""))
+        raise RuntimeError(
+            f"{kind}/{mode}/{n} workers failed:\n"
+            + "\n".join(failures)
+            + (f"\n{server.name} log:\n{server.log_tail()}" if failures else "")
+        )
     return Round(results, cpu1 - cpu0)
 
 
@@ -148,8 +169,9 @@ def summarize(kind: str, mode: str, n: int, rounds: list[Round]) -> Run:
     """One Run of every round of one side: counts and CPU summed, latencies pooled."""
     results = [r for rnd in rounds for r in rnd.results]
     requests = sum(r.requests for r in results)
-    wall = sum(max(r.t_end for r in rnd.results) - min(r.t_start for r in rnd.results)
-               for rnd in rounds)
+    wall = sum(
+        max(r.t_end for r in rnd.results) - min(r.t_start for r in rnd.results) for rnd in rounds
+    )
     errors: dict[str, int] = {}
     for r in results:
         for k, v in r.errors.items():
@@ -158,16 +180,26 @@ def summarize(kind: str, mode: str, n: int, rounds: list[Round]) -> Run:
     insert = [x for r in results for x in r.insert_ns]
     prefill = [a + b for r in results for a, b in zip(r.match_ns, r.insert_ns, strict=True)]
     per_req = 1e6 / max(requests, 1)
-    return Run(kind, mode, n, requests, errors, wall, requests / wall if wall > 0 else 0.0,
-               Latency.of(match), Latency.of(insert), Latency.of(prefill),
-               sum(r.cpu_s for r in results) * per_req,
-               sum(rnd.server_cpu_s for rnd in rounds) * per_req)
+    return Run(
+        kind,
+        mode,
+        n,
+        requests,
+        errors,
+        wall,
+        requests / wall if wall > 0 else 0.0,
+        Latency.of(match),
+        Latency.of(insert),
+        Latency.of(prefill),
+        sum(r.cpu_s for r in results) * per_req,
+        sum(rnd.server_cpu_s for rnd in rounds) * per_req,
+    )
 
 
 def _slices(spans: list[tuple[int, int]], rounds: int) -> list[list[tuple[int, int]]]:
     """``spans`` cut into ``rounds`` consecutive slices (trace order is kept)."""
     k = max(1, min(rounds, len(spans)))
-    return [spans[len(spans) * i // k: len(spans) * (i + 1) // k] for i in range(k)]
+    return [spans[len(spans) * i // k : len(spans) * (i + 1) // k] for i in range(k)]
 
 
 def _fmt(x: float) -> str:
@@ -179,56 +211,74 @@ def _ratio(a: float, b: float) -> str:
 
 
 def print_tables(triples: list[tuple[Run, Run, Run]]) -> None:
-    print("\n| mode | workers | requests (errors) | req/s | echo req/s | Match p50 / p99 µs "
-          "| echo p50 / p99 µs | Match ÷ echo | Insert p50 / p99 µs | echo p50 / p99 µs "
-          "| Insert ÷ echo | prefill p50 µs (echo) | prefill ÷ echo | token hit |")
+    print(
+        "\n| mode | workers | requests (errors) | req/s | echo req/s | Match p50 / p99 µs "
+        "| echo p50 / p99 µs | Match ÷ echo | Insert p50 / p99 µs | echo p50 / p99 µs "
+        "| Insert ÷ echo | prefill p50 µs (echo) | prefill ÷ echo | token hit |"
+    )
     print("|---|---:|---:|---:|---:|---|---|---:|---|---|---:|---|---:|---:|")
     for svc, _, echo in triples:
         errs = sum(svc.errors.values())
-        print(f"| {svc.mode} | {svc.workers} | {svc.requests:,} ({errs}) | "
-              f"{_fmt(svc.req_per_s)} | {_fmt(echo.req_per_s)} | "
-              f"{_fmt(svc.match.p50_us)} / {_fmt(svc.match.p99_us)} | "
-              f"{_fmt(echo.match.p50_us)} / {_fmt(echo.match.p99_us)} | "
-              f"**{_ratio(svc.match.p50_us, echo.match.p50_us)}** | "
-              f"{_fmt(svc.insert.p50_us)} / {_fmt(svc.insert.p99_us)} | "
-              f"{_fmt(echo.insert.p50_us)} / {_fmt(echo.insert.p99_us)} | "
-              f"**{_ratio(svc.insert.p50_us, echo.insert.p50_us)}** | "
-              f"{_fmt(svc.prefill.p50_us)} ({_fmt(echo.prefill.p50_us)}) | "
-              f"**{_ratio(svc.prefill.p50_us, echo.prefill.p50_us)}** | "
-              f"{svc.stats.get('hit_ratio', 0.0):.4f} |")
-    print("\nServer CPU per request (µs; user+system; a request is two RPCs) of the service, "
-          "the protobuf floor (the same interface, no cache) and the raw-bytes echo, and the "
-          "service's own handler time (server-side mean µs per call, from /metrics):\n")
-    print("| mode | workers | server CPU: service / floor / echo | **service ÷ echo** "
-          "| floor ÷ echo | service ÷ floor | client CPU: service / echo "
-          "| handler Match / Insert | evicted tokens | leftover locks / slots |")
+        print(
+            f"| {svc.mode} | {svc.workers} | {svc.requests:,} ({errs}) | "
+            f"{_fmt(svc.req_per_s)} | {_fmt(echo.req_per_s)} | "
+            f"{_fmt(svc.match.p50_us)} / {_fmt(svc.match.p99_us)} | "
+            f"{_fmt(echo.match.p50_us)} / {_fmt(echo.match.p99_us)} | "
+            f"**{_ratio(svc.match.p50_us, echo.match.p50_us)}** | "
+            f"{_fmt(svc.insert.p50_us)} / {_fmt(svc.insert.p99_us)} | "
+            f"{_fmt(echo.insert.p50_us)} / {_fmt(echo.insert.p99_us)} | "
+            f"**{_ratio(svc.insert.p50_us, echo.insert.p50_us)}** | "
+            f"{_fmt(svc.prefill.p50_us)} ({_fmt(echo.prefill.p50_us)}) | "
+            f"**{_ratio(svc.prefill.p50_us, echo.prefill.p50_us)}** | "
+            f"{svc.stats.get('hit_ratio', 0.0):.4f} |"
+        )
+    print(
+        "\nServer CPU per request (µs; user+system; a request is two RPCs) of the service, "
+        "the protobuf floor (the same interface, no cache) and the raw-bytes echo, and the "
+        "service's own handler time (server-side mean µs per call, from /metrics):\n"
+    )
+    print(
+        "| mode | workers | server CPU: service / floor / echo | **service ÷ echo** "
+        "| floor ÷ echo | service ÷ floor | client CPU: service / echo "
+        "| handler Match / Insert | evicted tokens | leftover locks / slots |"
+    )
     print("|---|---:|---|---:|---:|---:|---|---|---:|---|")
     for svc, floor, echo in triples:
         prefix = "Session/" if svc.mode == "stream" else ""
-        match_key, insert_key = (f"{prefix}match", f"{prefix}insert") if prefix \
-            else ("Match", "Insert")
+        match_key, insert_key = (
+            (f"{prefix}match", f"{prefix}insert") if prefix else ("Match", "Insert")
+        )
         h = svc.handler_us
         cpu = svc.server_cpu_us_per_req, floor.server_cpu_us_per_req, echo.server_cpu_us_per_req
-        print(f"| {svc.mode} | {svc.workers} | {' / '.join(map(_fmt, cpu))} | "
-              f"**{_ratio(cpu[0], cpu[2])}** | {_ratio(cpu[1], cpu[2])} | "
-              f"{_ratio(cpu[0], cpu[1])} | {_fmt(svc.client_cpu_us_per_req)} / "
-              f"{_fmt(echo.client_cpu_us_per_req)} | "
-              f"{h.get(match_key, 0.0):,.0f} / {h.get(insert_key, 0.0):,.0f} | "
-              f"{svc.stats.get('evicted_tokens', 0):,} | "
-              f"{svc.stats.get('locks', '?')} / {svc.stats.get('session_slots', '?')} |")
+        print(
+            f"| {svc.mode} | {svc.workers} | {' / '.join(map(_fmt, cpu))} | "
+            f"**{_ratio(cpu[0], cpu[2])}** | {_ratio(cpu[1], cpu[2])} | "
+            f"{_ratio(cpu[0], cpu[1])} | {_fmt(svc.client_cpu_us_per_req)} / "
+            f"{_fmt(echo.client_cpu_us_per_req)} | "
+            f"{h.get(match_key, 0.0):,.0f} / {h.get(insert_key, 0.0):,.0f} | "
+            f"{svc.stats.get('evicted_tokens', 0):,} | "
+            f"{svc.stats.get('locks', '?')} / {svc.stats.get('session_slots', '?')} |"
+        )
     for run in (r for triple in triples for r in triple):
         if run.errors:
             print(f"\n{run.kind} {run.mode}/{run.workers}: errors {run.errors}")
 
 
-def run_config(mode: str, n: int, servers: dict[str, ServerProcess], args: argparse.Namespace,
-               tmp: Path, tokens_path: Path, spans: list[tuple[int, int]]
-               ) -> tuple[Run, Run, Run]:
+def run_config(
+    mode: str,
+    n: int,
+    servers: dict[str, ServerProcess],
+    args: argparse.Namespace,
+    tmp: Path,
+    tokens_path: Path,
+    spans: list[tuple[int, int]],
+) -> tuple[Run, Run, Run]:
     """The service, the floor and the echo over the same requests, interleaved round by
     round (the service keeps its cache across rounds), so that a slow patch of a shared
     machine falls on all three rather than on one."""
-    service, port = start_service(tmp, args.budget, args.page_size, f"{mode}{n}",
-                                  args.change_log_capacity)
+    service, port = start_service(
+        tmp, args.budget, args.page_size, f"{mode}{n}", args.change_log_capacity
+    )
     sides = {"service": service, "floor": servers["floor"], "echo": servers["echo"]}
     rounds: dict[str, list[Round]] = {kind: [] for kind in sides}
     try:
@@ -240,30 +290,46 @@ def run_config(mode: str, n: int, servers: dict[str, ServerProcess], args: argpa
         s.handler_us = handler_times(port)
     finally:
         service.stop()
-    print(f"{mode} x{n}: service {s.req_per_s:,.0f} req/s, floor {f.req_per_s:,.0f}, echo "
-          f"{e.req_per_s:,.0f}; server CPU per prefill {s.server_cpu_us_per_req:,.0f} / "
-          f"{f.server_cpu_us_per_req:,.0f} / {e.server_cpu_us_per_req:,.0f} µs "
-          f"({_ratio(s.server_cpu_us_per_req, e.server_cpu_us_per_req)}x the echo's), hit "
-          f"{s.stats['hit_ratio']:.4f}", file=sys.stderr)
+    print(
+        f"{mode} x{n}: service {s.req_per_s:,.0f} req/s, floor {f.req_per_s:,.0f}, echo "
+        f"{e.req_per_s:,.0f}; server CPU per prefill {s.server_cpu_us_per_req:,.0f} / "
+        f"{f.server_cpu_us_per_req:,.0f} / {e.server_cpu_us_per_req:,.0f} µs "
+        f"({_ratio(s.server_cpu_us_per_req, e.server_cpu_us_per_req)}x the echo's), hit "
+        f"{s.stats['hit_ratio']:.4f}",
+        file=sys.stderr,
+    )
     return s, f, e
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add = ap.add_argument
     add("--trace", type=Path, default=DEFAULT_TRACE)
     add("--limit", type=int, default=3000, help="replay the first N requests (default 3000)")
-    add("--workers", type=int, action="append",
-        help="concurrent client processes; repeatable (default 1 and 8)")
+    add(
+        "--workers",
+        type=int,
+        action="append",
+        help="concurrent client processes; repeatable (default 1 and 8)",
+    )
     add("--modes", default="unary,stream", help="comma-separated: unary, stream")
-    add("--rounds", type=int, default=3,
-        help="slices of the requests, each run on service, floor and echo in turn (default 3)")
+    add(
+        "--rounds",
+        type=int,
+        default=3,
+        help="slices of the requests, each run on service, floor and echo in turn (default 3)",
+    )
     add("--budget", type=int, default=1_000_000, help="KV pool size in tokens (default 1M)")
     add("--page-size", type=int, default=16)
-    add("--change-log-capacity", type=int, metavar="N",
+    add(
+        "--change-log-capacity",
+        type=int,
+        metavar="N",
         help="server.change_log_capacity for the service (0: no change log, so no page "
-        "hashes at insert); default: the server's default")
+        "hashes at insert); default: the server's default",
+    )
     add("--json", type=Path, metavar="OUT", help="write every run as JSON")
     args = ap.parse_args(argv)
     workers = args.workers or [1, 8]
@@ -279,9 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.monotonic()
     trace = load_expanded(args.trace, args.page_size, args.limit)
     total = trace.total_tokens
-    print(f"{args.trace.name}: {len(trace.keys):,} requests, {total:,} tokens "
-          f"(mean {total / max(len(trace.keys), 1):,.0f}); pool {args.budget:,} tokens, "
-          f"page {args.page_size}", file=sys.stderr)
+    print(
+        f"{args.trace.name}: {len(trace.keys):,} requests, {total:,} tokens "
+        f"(mean {total / max(len(trace.keys), 1):,.0f}); pool {args.budget:,} tokens, "
+        f"page {args.page_size}",
+        file=sys.stderr,
+    )
     triples: list[tuple[Run, Run, Run]] = []
     with tempfile.TemporaryDirectory(prefix="pc-grpc-bench-") as tmpdir:
         tmp = Path(tmpdir)
@@ -304,18 +373,32 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for server in servers.values():
                 server.stop()
-    print(f"\n{args.trace.name}, first {len(spans):,} requests in {args.rounds} rounds, pool "
-          f"{args.budget:,} tokens, page {args.page_size}; grpcio {grpc.__version__}, Python "
-          f"{platform.python_version()}, {os.cpu_count()} CPUs; total "
-          f"{time.monotonic() - t_all:.0f} s")
+    print(
+        f"\n{args.trace.name}, first {len(spans):,} requests in {args.rounds} rounds, pool "
+        f"{args.budget:,} tokens, page {args.page_size}; grpcio {grpc.__version__}, Python "
+        f"{platform.python_version()}, {os.cpu_count()} CPUs; total "
+        f"{time.monotonic() - t_all:.0f} s"
+    )
     print_tables(triples)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "trace": str(args.trace), "limit": args.limit, "budget": args.budget,
-            "page_size": args.page_size, "rounds": args.rounds, "grpcio": grpc.__version__,
-            "runs": [{"service": asdict(s), "floor": asdict(f), "echo": asdict(e)}
-                     for s, f, e in triples]}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "trace": str(args.trace),
+                    "limit": args.limit,
+                    "budget": args.budget,
+                    "page_size": args.page_size,
+                    "rounds": args.rounds,
+                    "grpcio": grpc.__version__,
+                    "runs": [
+                        {"service": asdict(s), "floor": asdict(f), "echo": asdict(e)}
+                        for s, f, e in triples
+                    ],
+                },
+                indent=2,
+            )
+        )
     failed = any(run.requests == 0 for triple in triples for run in triple)
     return 1 if failed else 0
 

@@ -32,12 +32,18 @@ class ServerProcess:
         self.name = name
         self.target = f"unix:{socket_path}"
         self.log_path = log_path
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(
-                       [*_SERVER_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join(
+                [*_SERVER_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        )
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, cwd=_REPO)
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=_REPO
+        )
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 120.0) -> None:
@@ -53,8 +59,10 @@ class ServerProcess:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     ready.cancel()
                     self.stop()
-                    raise RuntimeError(f"{self.name} did not start (exit {self.proc.returncode})"
-                                       f"; its log:\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"{self.name} did not start (exit {self.proc.returncode})"
+                        f"; its log:\n{self.log_tail()}"
+                    )
 
     def cpu_s(self) -> float:
         with open(f"/proc/{self.proc.pid}/stat", encoding="ascii") as fh:
@@ -85,19 +93,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_service(tmp: Path, budget: int, page_size: int, tag: str,
-                  change_log_capacity: int | None = None) -> tuple[ServerProcess, int]:
+def start_service(
+    tmp: Path, budget: int, page_size: int, tag: str, change_log_capacity: int | None = None
+) -> tuple[ServerProcess, int]:
     config = tmp / "bench.yaml"
-    server = ("" if change_log_capacity is None
-              else f"server:\n  change_log_capacity: {change_log_capacity}\n")
+    server = (
+        ""
+        if change_log_capacity is None
+        else f"server:\n  change_log_capacity: {change_log_capacity}\n"
+    )
     config.write_text(
         f"{server}models:\n  - name: {MODEL}\n    kind: radix\n    page_size: {page_size}\n"
         f"    pool: {{size: {budget}, layers: 1, k_heads: 1, k_head_dim: 8, "
-        "dtype: float16}\n")
+        "dtype: float16}\n"
+    )
     port = _free_port()
-    argv = [sys.executable, "-c", _SERVE, "serve", "--config", str(config),
-            "--listen", f"unix:{tmp / 'pc.sock'}", "--metrics-host", "127.0.0.1",
-            "--metrics-port", str(port), "--grace-period", "1", "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-c",
+        _SERVE,
+        "serve",
+        "--config",
+        str(config),
+        "--listen",
+        f"unix:{tmp / 'pc.sock'}",
+        "--metrics-host",
+        "127.0.0.1",
+        "--metrics-port",
+        str(port),
+        "--grace-period",
+        "1",
+        "--log-level",
+        "warning",
+    ]
     log = tmp / f"server-{tag}.log"
     return ServerProcess("prefixcache serve", argv, tmp / "pc.sock", log), port
 
@@ -108,8 +136,7 @@ def start_echo(tmp: Path) -> ServerProcess:
 
 
 def start_floor(tmp: Path) -> ServerProcess:
-    argv = [sys.executable, str(_REPO / "bench" / "floor_server.py"),
-            f"unix:{tmp / 'floor.sock'}"]
+    argv = [sys.executable, str(_REPO / "bench" / "floor_server.py"), f"unix:{tmp / 'floor.sock'}"]
     return ServerProcess("floor server", argv, tmp / "floor.sock", tmp / "floor.log")
 
 
@@ -121,15 +148,18 @@ def service_stats(target: str) -> dict[str, Any]:
         reply = pb_grpc.PrefixCacheStub(channel).Stats(pb.StatsRequest(model=MODEL), timeout=30)
     m = reply.models[0]
     return {
-        "match_tokens": m.match_tokens_total, "hit_tokens": m.hit_tokens_total,
+        "match_tokens": m.match_tokens_total,
+        "hit_tokens": m.hit_tokens_total,
         "hit_ratio": m.hit_tokens_total / m.match_tokens_total if m.match_tokens_total else 0.0,
-        "evicted_tokens": m.evicted_tokens_total, "cached_tokens":
-            m.evictable_tokens + m.protected_tokens, "locks": m.locks,
-        "session_slots": m.session_slots, "sessions": reply.sessions,
+        "evicted_tokens": m.evicted_tokens_total,
+        "cached_tokens": m.evictable_tokens + m.protected_tokens,
+        "locks": m.locks,
+        "session_slots": m.session_slots,
+        "sessions": reply.sessions,
     }
 
 
-_METRIC = re.compile(r'^prefixcache_rpc_duration_seconds_(sum|count)\{([^}]*)\} (\S+)$')
+_METRIC = re.compile(r"^prefixcache_rpc_duration_seconds_(sum|count)\{([^}]*)\} (\S+)$")
 
 
 def handler_times(port: int) -> dict[str, float]:
@@ -144,5 +174,4 @@ def handler_times(port: int) -> dict[str, float]:
         if labels.get("code") != "OK":
             continue
         acc.setdefault(labels["method"], {})[m.group(1)] = float(m.group(3))
-    return {method: v["sum"] / v["count"] * 1e6 for method, v in acc.items()
-            if v.get("count")}
+    return {method: v["sum"] / v["count"] * 1e6 for method, v in acc.items() if v.get("count")}

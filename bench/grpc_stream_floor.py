@@ -27,10 +27,15 @@ async def _serve(target: str) -> None:
             sent += n
 
     limit = 64 * 1024 * 1024
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", limit),
-                                      ("grpc.max_receive_message_length", limit)])
-    handler = grpc.method_handlers_generic_handler("floor.Floor", {
-        "Stream": grpc.unary_stream_rpc_method_handler(stream)})
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+        ]
+    )
+    handler = grpc.method_handlers_generic_handler(
+        "floor.Floor", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}
+    )
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(target)
     await server.start()
@@ -41,8 +46,13 @@ def reader(target: str) -> tuple[grpc.Channel, object]:
     """A channel and a callable: ``call(total, chunk)`` reads ``total`` bytes in messages
     of ``chunk`` into one reused buffer."""
     limit = 64 * 1024 * 1024
-    channel = grpc.insecure_channel(target, options=[("grpc.max_send_message_length", limit),
-                                                     ("grpc.max_receive_message_length", limit)])
+    channel = grpc.insecure_channel(
+        target,
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+        ],
+    )
     stream = channel.unary_stream(METHOD)
     sink: dict[int, memoryview] = {}
 
@@ -52,10 +62,11 @@ def reader(target: str) -> tuple[grpc.Channel, object]:
             buf = sink[total] = memoryview(bytearray(total))
         got = 0
         for message in stream(f"{total},{chunk}".encode()):
-            buf[got:got + len(message)] = message
+            buf[got : got + len(message)] = message
             got += len(message)
         if got != total:
             raise RuntimeError(f"floor stream ended at {got} of {total} bytes")
+
     return channel, call
 
 

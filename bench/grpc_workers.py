@@ -18,8 +18,10 @@ from bench import echo_server
 from bench.grpc_servers import MODEL
 
 MAX_MESSAGE = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE),
-                   ("grpc.max_send_message_length", MAX_MESSAGE)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+]
 WARMUP_CALLS = 20
 BARRIER_TIMEOUT_S = 600.0
 
@@ -51,8 +53,10 @@ def worker(spec: WorkerSpec, barriers: tuple[Any, Any], out: Any) -> None:
     """Process entry: replay this worker's requests, put a WorkerResult on ``out``."""
     result = WorkerResult(spec.index)
     try:
-        with open(spec.tokens_path, "rb") as fh, \
-                mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with (
+            open(spec.tokens_path, "rb") as fh,
+            mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm,
+        ):
             keys = [bytes(mm[a:b]) for a, b in spec.spans]
         replay = _replay_echo if spec.kind == "echo" else _replay_service
         asyncio.run(replay(spec, keys, barriers, result))
@@ -67,8 +71,9 @@ def _count(result: WorkerResult, what: str) -> None:
     result.errors[what] = result.errors.get(what, 0) + 1
 
 
-async def _replay_service(spec: WorkerSpec, keys: list[bytes], barriers: tuple[Any, Any],
-                          result: WorkerResult) -> None:
+async def _replay_service(
+    spec: WorkerSpec, keys: list[bytes], barriers: tuple[Any, Any], result: WorkerResult
+) -> None:
     from prefixcache.v1 import prefix_cache_pb2 as pb
     from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc
 
@@ -76,14 +81,18 @@ async def _replay_service(spec: WorkerSpec, keys: list[bytes], barriers: tuple[A
     async with grpc.aio.insecure_channel(spec.target, options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.PrefixCacheStub(channel)
         if spec.mode == "unary":
-            sid = (await stub.OpenSession(pb.OpenSessionRequest(
-                ttl_seconds=600, client_name=f"bench-{spec.index}"))).session_id
+            sid = (
+                await stub.OpenSession(
+                    pb.OpenSessionRequest(ttl_seconds=600, client_name=f"bench-{spec.index}")
+                )
+            ).session_id
             for _ in range(WARMUP_CALLS):
                 await stub.Stats(pb.StatsRequest(model=MODEL))
             _start(result, barriers[0])
             for key in keys:
-                match = pb.MatchRequest(model=MODEL, token_ids=key, session_id=sid, lock=True,
-                                        allocate=True)
+                match = pb.MatchRequest(
+                    model=MODEL, token_ids=key, session_id=sid, lock=True, allocate=True
+                )
                 t0 = perf()
                 try:
                     m = await stub.Match(match)
@@ -92,8 +101,12 @@ async def _replay_service(spec: WorkerSpec, keys: list[bytes], barriers: tuple[A
                     continue
                 t1 = perf()
                 insert = pb.InsertRequest(
-                    model=MODEL, token_ids=key, slot_indices=m.slot_indices + m.allocated_slots,
-                    session_id=sid, release_lock_id=m.lock_id)
+                    model=MODEL,
+                    token_ids=key,
+                    slot_indices=m.slot_indices + m.allocated_slots,
+                    session_id=sid,
+                    release_lock_id=m.lock_id,
+                )
                 t1b = perf()
                 try:
                     await stub.Insert(insert)
@@ -121,16 +134,16 @@ async def _replay_service(spec: WorkerSpec, keys: list[bytes], barriers: tuple[A
             await call.write(req)
             reply = await call.read()
             if reply is grpc.aio.EOF or reply.seq != req.seq:
-                raise RuntimeError(f"Session stream: expected the reply to {req.seq}, "
-                                   f"got {reply}")
+                raise RuntimeError(f"Session stream: expected the reply to {req.seq}, got {reply}")
             return reply
 
         for _ in range(WARMUP_CALLS):
             await op(request(stats=pb.StatsRequest(model=MODEL)))
         _start(result, barriers[0])
         for key in keys:
-            match = request(match=pb.MatchRequest(model=MODEL, token_ids=key, lock=True,
-                                                  allocate=True))
+            match = request(
+                match=pb.MatchRequest(model=MODEL, token_ids=key, lock=True, allocate=True)
+            )
             t0 = perf()
             r = await op(match)
             t1 = perf()
@@ -138,9 +151,14 @@ async def _replay_service(spec: WorkerSpec, keys: list[bytes], barriers: tuple[A
                 _count(result, f"Match {_code_name(r.error.code)}")
                 continue
             m = r.match
-            insert = request(insert=pb.InsertRequest(
-                model=MODEL, token_ids=key, slot_indices=m.slot_indices + m.allocated_slots,
-                release_lock_id=m.lock_id))
+            insert = request(
+                insert=pb.InsertRequest(
+                    model=MODEL,
+                    token_ids=key,
+                    slot_indices=m.slot_indices + m.allocated_slots,
+                    release_lock_id=m.lock_id,
+                )
+            )
             t1b = perf()
             r = await op(insert)
             t2 = perf()
@@ -166,21 +184,24 @@ async def _undo_unary(stub: Any, pb: Any, sid: str, m: Any) -> None:
     """After a failed Insert, hand back the match's slots and lock (best effort)."""
     try:
         if m.allocated_slots:
-            await stub.Free(pb.FreeRequest(model=MODEL, slot_indices=m.allocated_slots,
-                                           session_id=sid))
+            await stub.Free(
+                pb.FreeRequest(model=MODEL, slot_indices=m.allocated_slots, session_id=sid)
+            )
         if m.lock_id:
             await stub.Unlock(pb.UnlockRequest(lock_id=m.lock_id, session_id=sid))
     except grpc.aio.AioRpcError:
         pass
 
 
-async def _replay_echo(spec: WorkerSpec, keys: list[bytes], barriers: tuple[Any, Any],
-                       result: WorkerResult) -> None:
+async def _replay_echo(
+    spec: WorkerSpec, keys: list[bytes], barriers: tuple[Any, Any], result: WorkerResult
+) -> None:
     perf = time.perf_counter_ns
     # Same sizes as the service's messages: Match sends 4 B/token and gets 8 B/token of
     # slots back; Insert sends 4 + 8 B/token and gets a few bytes back.
-    shapes = [(echo_server.request(2 * len(k), len(k)), echo_server.request(8, 3 * len(k)))
-              for k in keys]
+    shapes = [
+        (echo_server.request(2 * len(k), len(k)), echo_server.request(8, 3 * len(k))) for k in keys
+    ]
     async with grpc.aio.insecure_channel(spec.target, options=CHANNEL_OPTIONS) as channel:
         small = echo_server.request(16, 16)
         if spec.mode == "unary":

@@ -33,10 +33,18 @@ def run(check: bool, requests: int, tokens: int, pool: int, page: int) -> float:
     """Seconds for ``requests`` prefills against a fresh server."""
     with tempfile.TemporaryDirectory() as tmp:
         config = Config(
-            ServerConfig(listen=f"unix:{Path(tmp) / 'pc.sock'}", metrics_port=-1, shm_dir="",
-                         check_integrity=check),
-            (ModelConfig(name="m", page_size=page,
-                         pool=PoolConfig(size=pool, k_heads=1, k_head_dim=4)),))
+            ServerConfig(
+                listen=f"unix:{Path(tmp) / 'pc.sock'}",
+                metrics_port=-1,
+                shm_dir="",
+                check_integrity=check,
+            ),
+            (
+                ModelConfig(
+                    name="m", page_size=page, pool=PoolConfig(size=pool, k_heads=1, k_head_dim=4)
+                ),
+            ),
+        )
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, daemon=True)
         thread.start()
@@ -44,20 +52,32 @@ def run(check: bool, requests: int, tokens: int, pool: int, page: int) -> float:
         asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
         rng = np.random.default_rng(0)
         prefix = rng.integers(0, 50000, tokens // 2)
-        prompts = [np.concatenate([prefix, rng.integers(0, 50000, tokens - len(prefix))])
-                   .astype("<u4").tobytes() for _ in range(requests)]
+        prompts = [
+            np.concatenate([prefix, rng.integers(0, 50000, tokens - len(prefix))])
+            .astype("<u4")
+            .tobytes()
+            for _ in range(requests)
+        ]
         try:
             with grpc.insecure_channel(server.address) as channel:
                 stub = pb_grpc.PrefixCacheStub(channel)
                 sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=600)).session_id
                 start = time.perf_counter()
                 for ids in prompts:
-                    m = stub.Match(pb.MatchRequest(model="m", token_ids=ids, session_id=sid,
-                                                   lock=True, allocate=True))
-                    stub.Insert(pb.InsertRequest(
-                        model="m", token_ids=ids, session_id=sid,
-                        slot_indices=m.slot_indices + m.allocated_slots,
-                        release_lock_id=m.lock_id))
+                    m = stub.Match(
+                        pb.MatchRequest(
+                            model="m", token_ids=ids, session_id=sid, lock=True, allocate=True
+                        )
+                    )
+                    stub.Insert(
+                        pb.InsertRequest(
+                            model="m",
+                            token_ids=ids,
+                            session_id=sid,
+                            slot_indices=m.slot_indices + m.allocated_slots,
+                            release_lock_id=m.lock_id,
+                        )
+                    )
                 elapsed = time.perf_counter() - start
                 stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
         finally:
@@ -79,12 +99,18 @@ def main() -> None:
     args = parser.parse_args()
     times = {}
     for check in (False, True):
-        times[check] = min(run(check, args.requests, args.tokens, args.pool, args.page)
-                           for _ in range(args.repeat))
+        times[check] = min(
+            run(check, args.requests, args.tokens, args.pool, args.page) for _ in range(args.repeat)
+        )
     off, on = times[False], times[True]
-    result = {"requests": args.requests, "tokens": args.tokens, "pool": args.pool,
-              "off_ms_per_prefill": 1000 * off / args.requests,
-              "on_ms_per_prefill": 1000 * on / args.requests, "ratio": on / off}
+    result = {
+        "requests": args.requests,
+        "tokens": args.tokens,
+        "pool": args.pool,
+        "off_ms_per_prefill": 1000 * off / args.requests,
+        "on_ms_per_prefill": 1000 * on / args.requests,
+        "ratio": on / off,
+    }
     if args.json:
         print(json.dumps(result))
         return

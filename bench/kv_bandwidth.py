@@ -71,26 +71,45 @@ from prefixcache.integrations.vllm.worker import WorkerCore  # noqa: E402
 
 HEADS, DIM, DTYPE = 8, 128, torch.bfloat16
 _V1 = "vllm.v1.attention.backends."
-LAYOUTS = {"bhn2d": BackendInfo(_V1 + "flash_attn.FlashAttentionBackend", DIM),
-           "cpu_vec": BackendInfo(_V1 + "cpu_attn.CPUAttentionBackend", DIM, "vec")}
+LAYOUTS = {
+    "bhn2d": BackendInfo(_V1 + "flash_attn.FlashAttentionBackend", DIM),
+    "cpu_vec": BackendInfo(_V1 + "cpu_attn.CPUAttentionBackend", DIM, "vec"),
+}
 
 
 def _pool_yaml(name: str, page: int, size: int, layers: int) -> str:
-    return (f"  - name: {name}\n    kind: radix\n    page_size: {page}\n"
-            f"    pool: {{size: {size}, layers: {layers}, k_heads: {HEADS}, "
-            f"k_head_dim: {DIM}, dtype: bfloat16}}\n")
+    return (
+        f"  - name: {name}\n    kind: radix\n    page_size: {page}\n"
+        f"    pool: {{size: {size}, layers: {layers}, k_heads: {HEADS}, "
+        f"k_head_dim: {DIM}, dtype: bfloat16}}\n"
+    )
 
 
 def start_server(tmp: Path, tag: str, listen: str, models: str) -> ServerProcess:
     config = tmp / f"{tag}.yaml"
     # The SGLang backend looks pages up by hash: that needs the change log.
     config.write_text("server:\n  change_log_capacity: 65536\nmodels:\n" + models)
-    argv = [sys.executable, "-c", _SERVE, "serve", "--config", str(config), "--listen",
-            listen, *([] if listen.startswith("unix:") else ["--insecure"]),
-            "--metrics-port", "-1", "--grace-period", "1", "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-c",
+        _SERVE,
+        "serve",
+        "--config",
+        str(config),
+        "--listen",
+        listen,
+        *([] if listen.startswith("unix:") else ["--insecure"]),
+        "--metrics-port",
+        "-1",
+        "--grace-period",
+        "1",
+        "--log-level",
+        "warning",
+    ]
     if listen.startswith("unix:"):
-        return ServerProcess(f"prefixcache serve ({tag})", argv, Path(listen[5:]),
-                             tmp / f"{tag}.log")
+        return ServerProcess(
+            f"prefixcache serve ({tag})", argv, Path(listen[5:]), tmp / f"{tag}.log"
+        )
     return _tcp_server(argv, listen, tmp / f"{tag}.log")
 
 
@@ -99,44 +118,63 @@ def _tcp_server(argv: list[str], listen: str, log: Path) -> ServerProcess:
     # the same way, with its own target.
     proc = ServerProcess.__new__(ServerProcess)
     proc.name, proc.target, proc.log_path = "prefixcache serve (tcp)", listen, log
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([*_SERVER_PATHS,
-                                           *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([*_SERVER_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     proc._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-    proc.proc = subprocess.Popen(argv, env=env, stdout=proc._log, stderr=subprocess.STDOUT,
-                                 cwd=_REPO)
+    proc.proc = subprocess.Popen(
+        argv, env=env, stdout=proc._log, stderr=subprocess.STDOUT, cwd=_REPO
+    )
     proc._wait_ready()
     return proc
 
 
 def _row(path: str, nbytes: int, seconds: float, ceiling_s: float, **extra: Any) -> dict:
     gbs, ceil = nbytes / seconds / 1e9, nbytes / ceiling_s / 1e9
-    return {"path": path, "bytes": nbytes, "gb_per_s": round(gbs, 3),
-            "ceiling_gb_per_s": round(ceil, 3), "ratio": round(gbs / ceil, 3), **extra}
+    return {
+        "path": path,
+        "bytes": nbytes,
+        "gb_per_s": round(gbs, 3),
+        "ceiling_gb_per_s": round(ceil, 3),
+        "ratio": round(gbs / ceil, 3),
+        **extra,
+    }
 
 
-def _layer_pairs(pool: Any, layers: int, first: int, n: int, other: list[Any],
-                 to_pool: bool) -> list[tuple[Any, Any]]:
+def _layer_pairs(
+    pool: Any, layers: int, first: int, n: int, other: list[Any], to_pool: bool
+) -> list[tuple[Any, Any]]:
     """(dst, src) flat byte views: each layer's K and V rows of ``n`` pool slots from
     ``first`` and the same number of bytes of the other buffer of that layer."""
     pairs = []
     for layer in range(layers):
         done = 0
         for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
-            src = buf[first:first + n].view(torch.uint8).reshape(-1)
-            dst = other[layer].view(torch.uint8).reshape(-1)[done:done + src.numel()]
+            src = buf[first : first + n].view(torch.uint8).reshape(-1)
+            dst = other[layer].view(torch.uint8).reshape(-1)[done : done + src.numel()]
             done += src.numel()
             pairs.append((src, dst) if to_pool else (dst, src))
     return pairs
 
 
-def bench_vllm(client: PrefixCacheClient, target: str, model: str, page: int, n: int,
-               layers: int, repeat: int, verify: bool, floor: Any = None) -> list[dict]:
+def bench_vllm(
+    client: PrefixCacheClient,
+    target: str,
+    model: str,
+    page: int,
+    n: int,
+    layers: int,
+    repeat: int,
+    verify: bool,
+    floor: Any = None,
+) -> list[dict]:
     rows = []
     session = client.session(60, name="kv-bandwidth")
     alloc = client.alloc(model, n, session=session)
-    slots = array("q", bytes(alloc.slots)) if not isinstance(alloc.slots, array) \
-        else alloc.slots
+    slots = array("q", bytes(alloc.slots)) if not isinstance(alloc.slots, array) else alloc.slots
     first = slots[0]
     contiguous = list(slots) == list(range(first, first + n))
     pool = client.attach_pool(model)
@@ -144,43 +182,55 @@ def bench_vllm(client: PrefixCacheClient, target: str, model: str, page: int, n:
     try:
         for layout, backend in LAYOUTS.items():
             blocks = n // page + 4
-            caches = {f"model.layers.{i}.self_attn.attn":
-                      torch.randn(blocks, HEADS, page, 2 * DIM).to(DTYPE) for i in range(layers)}
-            worker = WorkerCore(ConnectorConfig(model=model, target=target, transfer="attach",
-                                                verify_loads=False), page)
+            caches = {
+                f"model.layers.{i}.self_attn.attn": torch.randn(blocks, HEADS, page, 2 * DIM).to(
+                    DTYPE
+                )
+                for i in range(layers)
+            }
+            worker = WorkerCore(
+                ConnectorConfig(model=model, target=target, transfer="attach", verify_loads=False),
+                page,
+            )
             worker.register(caches, backend)
             order = torch.randperm(blocks - 1) + 1  # block 0 is vLLM's null block
-            save_ids = array("q", order[:n // page].tolist())
-            load_ids = array("q", order[-(n // page):].tolist())
-            save = StepMeta(saves=[SaveOp("s", save_ids, 0, slots, alloc.server_epoch,
-                                          session.session_id)])
-            load = StepMeta(loads=[LoadOp("l", load_ids, 0, n, slots, alloc.server_epoch,
-                                          session.session_id)])
+            save_ids = array("q", order[: n // page].tolist())
+            load_ids = array("q", order[-(n // page) :].tolist())
+            save = StepMeta(
+                saves=[SaveOp("s", save_ids, 0, slots, alloc.server_epoch, session.session_id)]
+            )
+            load = StepMeta(
+                loads=[LoadOp("l", load_ids, 0, n, slots, alloc.server_epoch, session.session_id)]
+            )
             tensors = list(caches.values())
             # The ceiling: the same bytes, plainly, between the pool's rows and vLLM's cache.
             first_rows = first if contiguous else 1
             to_pool = flat_copy(_layer_pairs(pool, layers, first_rows, n, tensors, True))
             to_cache = flat_copy(_layer_pairs(pool, layers, first_rows, n, tensors, False))
-            t_save, c_save = paired_seconds(lambda w=worker, m=save: w.start_step(m),
-                                            to_pool, repeat)
+            t_save, c_save = paired_seconds(
+                lambda w=worker, m=save: w.start_step(m), to_pool, repeat
+            )
             if verify:  # the ceiling's copy ran last: copy once more, then check
                 worker.start_step(save)
                 _verify_vllm(worker, pool, slots, save_ids, page, n)
-            t_load, c_load = paired_seconds(lambda w=worker, m=load: w.start_step(m),
-                                            to_cache, repeat)
+            t_load, c_load = paired_seconds(
+                lambda w=worker, m=load: w.start_step(m), to_cache, repeat
+            )
             if verify:
                 worker.start_step(load)
                 _verify_vllm(worker, pool, slots, load_ids, page, n)
             if worker.failed_saves or worker.failed_loads:
-                raise RuntimeError(f"{layout}: {worker.failed_saves} saves and "
-                                   f"{worker.failed_loads} loads failed")
+                raise RuntimeError(
+                    f"{layout}: {worker.failed_saves} saves and {worker.failed_loads} loads failed"
+                )
             extra = {"layout": layout, "page_size": page, "tokens": n, "layers": layers}
             rows.append(_row("vllm_load", nbytes, t_load, c_load, **extra))
             rows.append(_row("vllm_save", nbytes, t_save, c_save, **extra))
             worker.close()
             del caches, tensors
-        rows += bench_rpc(client, model, slots, session, layers, n, repeat, "unix", pool,
-                          verify, floor)
+        rows += bench_rpc(
+            client, model, slots, session, layers, n, repeat, "unix", pool, verify, floor
+        )
     finally:
         pool.close()
         client.free(model, slots, session=session, server_epoch=alloc.server_epoch)
@@ -188,8 +238,9 @@ def bench_vllm(client: PrefixCacheClient, target: str, model: str, page: int, n:
     return rows
 
 
-def _verify_vllm(worker: WorkerCore, pool: Any, slots: array, block_ids: array, page: int,
-                 n: int) -> None:
+def _verify_vllm(
+    worker: WorkerCore, pool: Any, slots: array, block_ids: array, page: int, n: int
+) -> None:
     """The request's tokens in ``block_ids`` are the pool rows of ``slots``, byte for byte
     (read through the layout's views, the slow way)."""
     index = torch.frombuffer(slots, dtype=torch.int64)
@@ -203,12 +254,23 @@ def _verify_vllm(worker: WorkerCore, pool: Any, slots: array, block_ids: array, 
                 raise RuntimeError(f"layer {layer} ({view.layout}): bytes differ")
 
 
-def bench_rpc(client: PrefixCacheClient, model: str, slots: array, session: Any,
-              layers: int, n: int, repeat: int, transport: str, pool: Any | None,
-              verify: bool, floor: Any = None) -> list[dict]:
+def bench_rpc(
+    client: PrefixCacheClient,
+    model: str,
+    slots: array,
+    session: Any,
+    layers: int,
+    n: int,
+    repeat: int,
+    transport: str,
+    pool: Any | None,
+    verify: bool,
+    floor: Any = None,
+) -> list[dict]:
     nbytes = n * layers * 2 * HEADS * DIM * DTYPE.itemsize
     ks = [torch.randn(n, HEADS, DIM).to(DTYPE) for _ in range(layers)]
     vs = [torch.randn(n, HEADS, DIM).to(DTYPE) for _ in range(layers)]
+
     def write() -> None:
         client.write_kv(model, slots, ks, vs, session=session)
 
@@ -222,12 +284,15 @@ def bench_rpc(client: PrefixCacheClient, model: str, slots: array, session: Any,
     if verify:
         write()
         data = read()
-        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                   for a, b in zip(data.k + data.v, ks + vs, strict=True))
+        same = all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in zip(data.k + data.v, ks + vs, strict=True)
+        )
         if pool is not None:
             index = torch.frombuffer(slots, dtype=torch.int64)
-            same = same and all(torch.equal(pool.k_buffer[i].index_select(0, index), ks[i])
-                                for i in range(layers))
+            same = same and all(
+                torch.equal(pool.k_buffer[i].index_select(0, index), ks[i]) for i in range(layers)
+            )
         if not same:
             raise RuntimeError(f"ReadKV/WriteKV over {transport}: bytes differ")
     raw = RawSocket(transport)
@@ -247,8 +312,16 @@ def bench_rpc(client: PrefixCacheClient, model: str, slots: array, session: Any,
     return [read_row, _row("writekv", nbytes, t_write, c_write, **extra)]
 
 
-def bench_sglang(client: PrefixCacheClient, target: str, model: str, page: int, n: int,
-                 layers: int, repeat: int, verify: bool) -> list[dict]:
+def bench_sglang(
+    client: PrefixCacheClient,
+    target: str,
+    model: str,
+    page: int,
+    n: int,
+    layers: int,
+    repeat: int,
+    verify: bool,
+) -> list[dict]:
     host_k = torch.randn(layers, 2 * n, HEADS, DIM).to(DTYPE)
     host_v = torch.randn(layers, 2 * n, HEADS, DIM).to(DTYPE)
     core = HiCacheCore(Settings(target=target, model=model, transfer="attach"))
@@ -259,19 +332,22 @@ def bench_sglang(client: PrefixCacheClient, target: str, model: str, page: int, 
 
     def put() -> None:
         batch = next(fresh)
-        keys[0] = [hashlib.sha256(f"{model}-{n}-{batch}-{i}".encode()).hexdigest()
-                   for i in range(n // page)]
+        keys[0] = [
+            hashlib.sha256(f"{model}-{n}-{batch}-{i}".encode()).hexdigest()
+            for i in range(n // page)
+        ]
         if not all(core.set(keys[0], indices)):
             raise RuntimeError("batch_set_v1 stored nothing")
 
     def get() -> None:
         if not all(core.get(keys[0], indices + n)):
             raise RuntimeError("batch_get_v1 found nothing")
+
     pool = client.attach_pool(model)
     to_pool, to_host = [], []
     for i in range(layers):
         for buf, host in ((pool.k_buffer[i], host_k[i]), (pool.v_buffer[i], host_v[i])):
-            rows = buf[1:n + 1].view(torch.uint8).reshape(-1)
+            rows = buf[1 : n + 1].view(torch.uint8).reshape(-1)
             to_pool.append((rows, host[:n].view(torch.uint8).reshape(-1)))
             to_host.append((host[n:].view(torch.uint8).reshape(-1), rows))
     try:
@@ -282,18 +358,20 @@ def bench_sglang(client: PrefixCacheClient, target: str, model: str, page: int, 
         # ... so the checked copy runs last.
         put()
         get()
-        if verify and not (torch.equal(host_k[:, n:].view(torch.uint8),
-                                       host_k[:, :n].view(torch.uint8))
-                           and torch.equal(host_v[:, n:].view(torch.uint8),
-                                           host_v[:, :n].view(torch.uint8))):
+        if verify and not (
+            torch.equal(host_k[:, n:].view(torch.uint8), host_k[:, :n].view(torch.uint8))
+            and torch.equal(host_v[:, n:].view(torch.uint8), host_v[:, :n].view(torch.uint8))
+        ):
             raise RuntimeError("batch_get_v1 did not bring back what batch_set_v1 stored")
     finally:
         core.close()
         pool.close()
     nbytes = n * layers * 2 * HEADS * DIM * DTYPE.itemsize
     extra = {"layout": "layer_first", "page_size": page, "tokens": n, "layers": layers}
-    return [_row("sglang_get", nbytes, t_get, c_get, **extra),
-            _row("sglang_set", nbytes, t_set, c_set, **extra)]
+    return [
+        _row("sglang_get", nbytes, t_get, c_get, **extra),
+        _row("sglang_set", nbytes, t_set, c_set, **extra),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,21 +381,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=str, default=None, help="comma-separated")
     ap.add_argument("--pages", type=str, default="16,64")
     ap.add_argument("--repeat", type=int, default=None)
-    ap.add_argument("--no-verify", action="store_true",
-                    help="skip the byte-for-byte checks of the first prompt length")
+    ap.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the byte-for-byte checks of the first prompt length",
+    )
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--disk-pages", type=str, default="1,64,4096",
-                    help="page counts of the disk tier's rows (comma-separated; '' for none)")
+    ap.add_argument(
+        "--disk-pages",
+        type=str,
+        default="1,64,4096",
+        help="page counts of the disk tier's rows (comma-separated; '' for none)",
+    )
     ap.add_argument("--disk-layers", type=int, default=4)
-    ap.add_argument("--disk-dir", type=Path, default=None,
-                    help="the file system the disk tier's rows run on")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cuda: vLLM's blocks on the GPU, vllm_load whole and layer-wise "
-                         "only (kv_layerwise.py)")
+    ap.add_argument(
+        "--disk-dir", type=Path, default=None, help="the file system the disk tier's rows run on"
+    )
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: vLLM's blocks on the GPU, vllm_load whole and layer-wise "
+        "only (kv_layerwise.py)",
+    )
     args = ap.parse_args(argv)
     layers = args.layers or (4 if args.quick else 32)
-    tokens = [int(x) for x in (args.tokens or ("2048,8192" if args.quick
-                                               else "2048,8192,16384")).split(",")]
+    tokens = [
+        int(x)
+        for x in (args.tokens or ("2048,8192" if args.quick else "2048,8192,16384")).split(",")
+    ]
     pages = [int(x) for x in args.pages.split(",")]
     repeat = args.repeat or 3
     torch.manual_seed(0)
@@ -341,8 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cuda_rows(tokens: list[int], pages: list[int], size: int, layers: int,
-               repeat: int) -> list[dict]:
+def _cuda_rows(
+    tokens: list[int], pages: list[int], size: int, layers: int, repeat: int
+) -> list[dict]:
     from bench.kv_layerwise import bench_vllm_cuda
 
     rows: list[dict] = []
@@ -354,15 +447,31 @@ def _cuda_rows(tokens: list[int], pages: list[int], size: int, layers: int,
             with PrefixCacheClient(server.target, timeout=60) as client:
                 for n in tokens:
                     for page in pages:
-                        rows += bench_vllm_cuda(client, server.target, f"p{page}", page, n,
-                                                layers, HEADS, DIM, repeat, _row)
+                        rows += bench_vllm_cuda(
+                            client,
+                            server.target,
+                            f"p{page}",
+                            page,
+                            n,
+                            layers,
+                            HEADS,
+                            DIM,
+                            repeat,
+                            _row,
+                        )
         finally:
             server.stop()
     return rows
 
 
-def _cpu_rows(args: argparse.Namespace, tokens: list[int], pages: list[int], size: int,
-              layers: int, repeat: int) -> list[dict]:
+def _cpu_rows(
+    args: argparse.Namespace,
+    tokens: list[int],
+    pages: list[int],
+    size: int,
+    layers: int,
+    repeat: int,
+) -> list[dict]:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvbw-") as tmp_name:
         tmp = Path(tmp_name)
@@ -370,26 +479,47 @@ def _cpu_rows(args: argparse.Namespace, tokens: list[int], pages: list[int], siz
         server = start_server(tmp, "unix", f"unix:{tmp / 'pc.sock'}", models)
         port = _free_port()
         tcp = start_server(tmp, "tcp", f"127.0.0.1:{port}", _pool_yaml("tcp", 16, size, layers))
-        floor_server = ServerProcess("gRPC floor", [sys.executable, str(_REPO / "bench" /
-                                     "grpc_stream_floor.py"), f"unix:{tmp / 'floor.sock'}"],
-                                     tmp / "floor.sock", tmp / "floor.log")
+        floor_server = ServerProcess(
+            "gRPC floor",
+            [
+                sys.executable,
+                str(_REPO / "bench" / "grpc_stream_floor.py"),
+                f"unix:{tmp / 'floor.sock'}",
+            ],
+            tmp / "floor.sock",
+            tmp / "floor.log",
+        )
         floor_channel, floor = grpc_floor_reader(floor_server.target)
         try:
-            with PrefixCacheClient(server.target, timeout=60) as client, \
-                    PrefixCacheClient(tcp.target, timeout=60) as tcp_client:
+            with (
+                PrefixCacheClient(server.target, timeout=60) as client,
+                PrefixCacheClient(tcp.target, timeout=60) as tcp_client,
+            ):
                 for n in tokens:
                     verify = not args.no_verify and n == tokens[0]
                     for page in pages:
                         model = f"p{page}"
-                        rows += bench_vllm(client, server.target, model, page, n, layers,
-                                           repeat, verify, floor)
-                        rows += bench_sglang(client, server.target, model, page, n,
-                                             layers, repeat, verify)
+                        rows += bench_vllm(
+                            client, server.target, model, page, n, layers, repeat, verify, floor
+                        )
+                        rows += bench_sglang(
+                            client, server.target, model, page, n, layers, repeat, verify
+                        )
                         client.reset(model)
                     session = tcp_client.session(60, name="kv-bandwidth-tcp")
                     alloc = tcp_client.alloc("tcp", n, session=session)
-                    rows += bench_rpc(tcp_client, "tcp", alloc.slots, session, layers, n,
-                                      repeat, "tcp", None, verify)
+                    rows += bench_rpc(
+                        tcp_client,
+                        "tcp",
+                        alloc.slots,
+                        session,
+                        layers,
+                        n,
+                        repeat,
+                        "tcp",
+                        None,
+                        verify,
+                    )
                     session.close()
         finally:
             floor_channel.close()
@@ -416,9 +546,11 @@ def _print(rows: list[dict]) -> None:
         where = " ".join(filter(None, (r.get("layout") or r.get("transport"), r.get("mode"))))
         if "pages" in r:
             where = f"{r['pages']} pages" + ("" if r["direct_io"] else " (buffered)")
-        print(f"| {r['path']} | {where} | {r.get('page_size', '')} | {r['tokens']} | "
-              f"{r['bytes'] / 1e6:.1f} | {r['gb_per_s']:.2f} | {r['ceiling_gb_per_s']:.2f} | "
-              f"{r['ratio']:.2f} | {r.get('grpc_floor_gb_per_s') or ''} |")
+        print(
+            f"| {r['path']} | {where} | {r.get('page_size', '')} | {r['tokens']} | "
+            f"{r['bytes'] / 1e6:.1f} | {r['gb_per_s']:.2f} | {r['ceiling_gb_per_s']:.2f} | "
+            f"{r['ratio']:.2f} | {r.get('grpc_floor_gb_per_s') or ''} |"
+        )
 
 
 if __name__ == "__main__":

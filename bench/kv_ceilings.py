@@ -26,8 +26,9 @@ def best_seconds(fn: Callable[[], Any], repeat: int) -> float:
     return best
 
 
-def paired_seconds(fn: Callable[[], Any], ceiling: Callable[[], Any],
-                   repeat: int) -> tuple[float, float]:
+def paired_seconds(
+    fn: Callable[[], Any], ceiling: Callable[[], Any], repeat: int
+) -> tuple[float, float]:
     """The fastest run of ``fn`` and of ``ceiling``, run in turn (so that both see the
     same load from others on the machine), after one warm-up each."""
     fn()
@@ -44,9 +45,11 @@ def paired_seconds(fn: Callable[[], Any], ceiling: Callable[[], Any],
 def flat_copy(pairs: list[tuple[Any, Any]]) -> Callable[[], None]:
     """One ``copy_`` per (destination, source) pair of flat byte views: the plain copy
     of the same bytes between the same buffers."""
+
     def run() -> None:
         for dst, src in pairs:
             dst.copy_(src)
+
     return run
 
 
@@ -97,6 +100,7 @@ class RawSocket:
                     raise OSError("raw socket closed early")
                 got += n
             sender.join()
+
         return run
 
     def close(self) -> None:

@@ -70,29 +70,33 @@ def _aligned(nbytes: int) -> tuple[mmap.mmap, memoryview]:
     return buf, memoryview(buf)[:nbytes]
 
 
-def bench_disk(folder: Path, layers: int, page: int, counts: list[int], repeat: int,
-               row: Any) -> list[dict]:
+def bench_disk(
+    folder: Path, layers: int, page: int, counts: list[int], repeat: int, row: Any
+) -> list[dict]:
     rows: list[dict] = []
     for n in counts:
         rows += _bench_count(folder, layers, page, n, repeat, row)
     return rows
 
 
-def _bench_count(folder: Path, layers: int, page: int, n: int, repeat: int,
-                 row: Any) -> list[dict]:
+def _bench_count(folder: Path, layers: int, page: int, n: int, repeat: int, row: Any) -> list[dict]:
     run = folder / f"disk-{n}"
     run.mkdir()
     page_bytes = page * layers * 2 * HEADS * DIM * 2
     pool_pages = n + 8
     nbytes = (repeat + 2) * n * page_bytes + metadata_bytes((repeat + 2) * n) + (16 << 20)
-    model = ModelConfig(name="d", page_size=page, pool=PoolConfig(
-        size=pool_pages * page, layers=layers, k_heads=HEADS, k_head_dim=DIM,
-        dtype="bfloat16"))
-    disk = DiskConfig(path=str(run / "tier"), bytes=nbytes, timeout=60.0,
-                      max_fetch_slots=n * page)
+    model = ModelConfig(
+        name="d",
+        page_size=page,
+        pool=PoolConfig(
+            size=pool_pages * page, layers=layers, k_heads=HEADS, k_head_dim=DIM, dtype="bfloat16"
+        ),
+    )
+    disk = DiskConfig(path=str(run / "tier"), bytes=nbytes, timeout=60.0, max_fetch_slots=n * page)
     (run / "tier").mkdir()
-    server = _Server(Config(ServerConfig(listen=f"unix:{run / 'pc.sock'}", metrics_port=-1,
-                                         disk=disk), (model,)))
+    server = _Server(
+        Config(ServerConfig(listen=f"unix:{run / 'pc.sock'}", metrics_port=-1, disk=disk), (model,))
+    )
     try:
         return _measure(server, run, n, page, page_bytes, repeat, row)
     finally:
@@ -102,15 +106,17 @@ def _bench_count(folder: Path, layers: int, page: int, n: int, repeat: int,
         run.rmdir()
 
 
-def _measure(server: _Server, run: Path, n: int, page: int, page_bytes: int, repeat: int,
-             row: Any) -> list[dict]:
+def _measure(
+    server: _Server, run: Path, n: int, page: int, page_bytes: int, repeat: int, row: Any
+) -> list[dict]:
     engine = server.server.service.engines["d"]
     tier = server.server.tier.tiers[0]
     mt = tier.models["d"]
     store = mt.backend
     for buf in [*engine.kv_pool.k_buffer, *engine.kv_pool.v_buffer]:
-        buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.view(torch.uint8).shape,
-                                                  dtype=torch.uint8))
+        buf.view(torch.uint8).copy_(
+            torch.randint(0, 256, buf.view(torch.uint8).shape, dtype=torch.uint8)
+        )
     node_pages = max(1, min(mt.staging.pages, n))
     nbytes = n * page_bytes
     plain = run / "plain"
@@ -121,7 +127,8 @@ def _measure(server: _Server, run: Path, n: int, page: int, page_bytes: int, rep
     pages_fd = os.open(store.file.path, os.O_RDONLY | (os.O_DIRECT if store.align else 0))
     wbuf, wview = _aligned(nbytes)
     np.frombuffer(wview, dtype=np.uint8)[:] = np.random.default_rng(0).integers(
-        0, 256, nbytes, dtype=np.uint8)
+        0, 256, nbytes, dtype=np.uint8
+    )
     rbuf, rview = _aligned(nbytes)
     session = server.server.service.sessions.open(None, "bench")
     digest: dict[int, str] = {}
@@ -138,7 +145,7 @@ def _measure(server: _Server, run: Path, n: int, page: int, page_bytes: int, rep
             end = min(end, n) * page
             head = np.asarray(engine.cache.match_prefix(key[:end]).indices, dtype=np.int64)
             head = head[:end]
-            engine.insert(key[:end], np.concatenate([head, slots[len(head):end]]), session)
+            engine.insert(key[:end], np.concatenate([head, slots[len(head) : end]]), session)
         return key
 
     async def demote(key: RadixKey) -> float:
@@ -158,8 +165,9 @@ def _measure(server: _Server, run: Path, n: int, page: int, page_bytes: int, rep
         while got < n * page:
             got_now = await prefetch(tier, mt, key)
             if not got_now:
-                raise RuntimeError(f"promotion stopped at {got} of {n * page} tokens "
-                                   f"({mt.lookups})")
+                raise RuntimeError(
+                    f"promotion stopped at {got} of {n * page} tokens ({mt.lookups})"
+                )
             got = engine.cache.match_prefix(key).prefix_len
         return time.perf_counter() - start
 
@@ -199,12 +207,20 @@ def _measure(server: _Server, run: Path, n: int, page: int, page_bytes: int, rep
         wbuf.close()
         rbuf.close()
         server.call(_close(server.server.service, session))
-    extra = {"pages": n, "page_bytes": page_bytes, "page_size": page,
-             "direct_io": bool(store.align)}
-    best = {k: min(v[1:] or v) for k, v in (("d", demote_s), ("w", write_s),
-                                            ("p", promote_s), ("r", read_s))}
-    return [row("disk_promote", nbytes, best["p"], best["r"], tokens=n * page, **extra),
-            row("disk_demote", nbytes, best["d"], best["w"], tokens=n * page, **extra)]
+    extra = {
+        "pages": n,
+        "page_bytes": page_bytes,
+        "page_size": page,
+        "direct_io": bool(store.align),
+    }
+    best = {
+        k: min(v[1:] or v)
+        for k, v in (("d", demote_s), ("w", write_s), ("p", promote_s), ("r", read_s))
+    }
+    return [
+        row("disk_promote", nbytes, best["p"], best["r"], tokens=n * page, **extra),
+        row("disk_demote", nbytes, best["d"], best["w"], tokens=n * page, **extra),
+    ]
 
 
 def _bytes_digest(mt: Any, slots: np.ndarray) -> str:

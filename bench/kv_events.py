@@ -61,11 +61,19 @@ def _free_port() -> int:
 
 def _config_yaml(args: argparse.Namespace, events: bool, port: int) -> str:
     page_size, pool = args.page_size, args.pool
-    kv = (f"  kv_events:\n    enable_kv_cache_events: true\n"
-          f"    endpoint: tcp://*:{port}\n    hwm: {args.hwm}\n"
-          f"    buffer_steps: {args.buffer_steps}\n") if events else ""
-    return (f"server:\n{kv}models:\n  - name: bench\n    page_size: {page_size}\n"
-            f"    pool: {{size: {pool}, layers: 1, k_heads: 1, k_head_dim: 8}}\n")
+    kv = (
+        (
+            f"  kv_events:\n    enable_kv_cache_events: true\n"
+            f"    endpoint: tcp://*:{port}\n    hwm: {args.hwm}\n"
+            f"    buffer_steps: {args.buffer_steps}\n"
+        )
+        if events
+        else ""
+    )
+    return (
+        f"server:\n{kv}models:\n  - name: bench\n    page_size: {page_size}\n"
+        f"    pool: {{size: {pool}, layers: 1, k_heads: 1, k_head_dim: 8}}\n"
+    )
 
 
 def _wait_serving(proc: subprocess.Popen[bytes], target: str) -> None:
@@ -102,15 +110,32 @@ def run_one(config: str, keys: list[Any], args: argparse.Namespace) -> dict[str,
     events_on = config != "off"
     port, metrics_port = _free_port(), _free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "pc.yaml").write_text(
-            _config_yaml(args, events_on, port))
+        (Path(tmp) / "pc.yaml").write_text(_config_yaml(args, events_on, port))
         target = f"unix:{tmp}/pc.sock"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(_REPO / "server"), str(_REPO / "client")]), "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(_REPO / "server"), str(_REPO / "client")]),
+            "OMP_NUM_THREADS": "1",
+        }
         proc = subprocess.Popen(
-            [sys.executable, "-c", _SERVE, "serve", "--config", f"{tmp}/pc.yaml",
-             "--listen", target, "--metrics-port", str(metrics_port), "--shm-dir", "off"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-c",
+                _SERVE,
+                "serve",
+                "--config",
+                f"{tmp}/pc.yaml",
+                "--listen",
+                target,
+                "--metrics-port",
+                str(metrics_port),
+                "--shm-dir",
+                "off",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         ctx = zmq.Context()
         stuck = reader = None
         try:
@@ -125,9 +150,11 @@ def run_one(config: str, keys: list[Any], args: argparse.Namespace) -> dict[str,
                 stuck.connect(f"tcp://127.0.0.1:{port}")
                 stuck.setsockopt(zmq.SUBSCRIBE, b"")  # and never a recv
             elif config == "reading_subscriber":
-                reader = subprocess.Popen([sys.executable, "-c", _READER,
-                                           f"tcp://127.0.0.1:{port}"],
-                                          stdout=subprocess.PIPE, env=env)
+                reader = subprocess.Popen(
+                    [sys.executable, "-c", _READER, f"tcp://127.0.0.1:{port}"],
+                    stdout=subprocess.PIPE,
+                    env=env,
+                )
                 assert reader.stdout is not None
                 reader.stdout.readline()
             time.sleep(0.3)
@@ -158,21 +185,33 @@ def _replay(target: str, keys: list[Any]) -> dict[str, Any]:
         for key in keys:
             packed = key.tobytes()
             t0 = time.perf_counter()
-            m = stub.Match(pb.MatchRequest(model="bench", token_ids=packed, session_id=session,
-                                           allocate=True))
+            m = stub.Match(
+                pb.MatchRequest(model="bench", token_ids=packed, session_id=session, allocate=True)
+            )
             t1 = time.perf_counter()
-            stub.Insert(pb.InsertRequest(model="bench", token_ids=packed, session_id=session,
-                                         slot_indices=m.slot_indices + m.allocated_slots))
+            stub.Insert(
+                pb.InsertRequest(
+                    model="bench",
+                    token_ids=packed,
+                    session_id=session,
+                    slot_indices=m.slot_indices + m.allocated_slots,
+                )
+            )
             t2 = time.perf_counter()
             match_s.append(t1 - t0)
             insert_s.append(t2 - t1)
             hit += m.prefix_len
             total += len(key)
         wall = time.perf_counter() - start
-    return {"requests": len(keys), "requests_per_s": len(keys) / wall,
-            "match_p50_us": _pct(match_s, 0.5) * 1e6, "match_p99_us": _pct(match_s, 0.99) * 1e6,
-            "insert_p50_us": _pct(insert_s, 0.5) * 1e6,
-            "insert_p99_us": _pct(insert_s, 0.99) * 1e6, "hit_ratio": hit / max(total, 1)}
+    return {
+        "requests": len(keys),
+        "requests_per_s": len(keys) / wall,
+        "match_p50_us": _pct(match_s, 0.5) * 1e6,
+        "match_p99_us": _pct(match_s, 0.99) * 1e6,
+        "insert_p50_us": _pct(insert_s, 0.5) * 1e6,
+        "insert_p99_us": _pct(insert_s, 0.99) * 1e6,
+        "hit_ratio": hit / max(total, 1),
+    }
 
 
 def main() -> int:
@@ -182,12 +221,24 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--pool", type=int, default=400_000, help="pool size in tokens")
     ap.add_argument("--rounds", type=int, default=3, help="runs per configuration")
-    ap.add_argument("--hwm", type=int, default=1000,
-                    help="server.kv_events.hwm (default 1000, as the Helm chart sets)")
-    ap.add_argument("--buffer-steps", type=int, default=1000,
-                    help="server.kv_events.buffer_steps (default 1000, as the chart)")
-    ap.add_argument("--config", action="append", choices=CONFIGS,
-                    help="run only these (repeatable); default all")
+    ap.add_argument(
+        "--hwm",
+        type=int,
+        default=1000,
+        help="server.kv_events.hwm (default 1000, as the Helm chart sets)",
+    )
+    ap.add_argument(
+        "--buffer-steps",
+        type=int,
+        default=1000,
+        help="server.kv_events.buffer_steps (default 1000, as the chart)",
+    )
+    ap.add_argument(
+        "--config",
+        action="append",
+        choices=CONFIGS,
+        help="run only these (repeatable); default all",
+    )
     ap.add_argument("--json", type=Path, help="write every run as JSON")
     args = ap.parse_args()
     keys = load_expanded(args.trace, args.page_size, args.limit).keys
@@ -198,12 +249,18 @@ def main() -> int:
             result = run_one(config, keys, args)
             result["round"] = round_
             runs.append(result)
-            print(f"round {round_} {config:18s} match p99 {result['match_p99_us']:8.0f} us",
-                  file=sys.stderr)
-    print(f"\n{len(keys)} requests, page {args.page_size}, pool {args.pool} tokens, "
-          f"hwm {args.hwm}, {args.rounds} rounds (median of the rounds)\n")
-    print("| config | req/s | Match p50 µs | Match p99 µs | Insert p50 µs | Insert p99 µs "
-          "| batches sent |")
+            print(
+                f"round {round_} {config:18s} match p99 {result['match_p99_us']:8.0f} us",
+                file=sys.stderr,
+            )
+    print(
+        f"\n{len(keys)} requests, page {args.page_size}, pool {args.pool} tokens, "
+        f"hwm {args.hwm}, {args.rounds} rounds (median of the rounds)\n"
+    )
+    print(
+        "| config | req/s | Match p50 µs | Match p99 µs | Insert p50 µs | Insert p99 µs "
+        "| batches sent |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for config in configs:
         mine = [r for r in runs if r["config"] == config]
@@ -212,11 +269,14 @@ def main() -> int:
             return statistics.median(r[field] for r in mine)
 
         ev = [r.get("events", {}) for r in mine]
-        sent = statistics.median(e.get("prefixcache_kv_event_batches_published_total", 0)
-                                 for e in ev)
-        print(f"| {config} | {med('requests_per_s'):.0f} | {med('match_p50_us'):.0f} | "
-              f"{med('match_p99_us'):.0f} | {med('insert_p50_us'):.0f} | "
-              f"{med('insert_p99_us'):.0f} | {sent:.0f} |")
+        sent = statistics.median(
+            e.get("prefixcache_kv_event_batches_published_total", 0) for e in ev
+        )
+        print(
+            f"| {config} | {med('requests_per_s'):.0f} | {med('match_p50_us'):.0f} | "
+            f"{med('match_p99_us'):.0f} | {med('insert_p50_us'):.0f} | "
+            f"{med('insert_p99_us'):.0f} | {sent:.0f} |"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(runs, indent=1))

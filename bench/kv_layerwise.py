@@ -65,8 +65,9 @@ def host_seconds(worker: WorkerCore, meta: StepMeta, repeat: int) -> float:
     return best
 
 
-def overlap(whole: WorkerCore, by_layer: WorkerCore, meta: StepMeta, repeat: int = 5
-            ) -> dict[str, Any]:
+def overlap(
+    whole: WorkerCore, by_layer: WorkerCore, meta: StepMeta, repeat: int = 5
+) -> dict[str, Any]:
     """Times of ``meta``'s loads with a simulated forward (see the module docstring);
     both cores hold the same geometry of caches on one GPU."""
     names = [view.name for view in by_layer.layers]
@@ -86,19 +87,31 @@ def overlap(whole: WorkerCore, by_layer: WorkerCore, meta: StepMeta, repeat: int
 
     t_compute = cuda_seconds(lambda: forward(None), repeat)
     t_serial = cuda_seconds(lambda: (whole.start_step(meta), forward(None)), repeat)
-    t_layerwise = cuda_seconds(lambda: (by_layer.start_step(meta), forward(by_layer)),
-                               repeat)
-    return {"load_s": t_load, "compute_s": t_compute, "serial_s": t_serial,
-            "layerwise_s": t_layerwise,
-            "hidden": (t_serial - t_layerwise) / min(t_load, t_compute),
-            "issue_host_s": host_seconds(by_layer, meta, repeat),
-            "whole_host_s": host_seconds(whole, meta, repeat),
-            "matmuls_per_layer": reps}
+    t_layerwise = cuda_seconds(lambda: (by_layer.start_step(meta), forward(by_layer)), repeat)
+    return {
+        "load_s": t_load,
+        "compute_s": t_compute,
+        "serial_s": t_serial,
+        "layerwise_s": t_layerwise,
+        "hidden": (t_serial - t_layerwise) / min(t_load, t_compute),
+        "issue_host_s": host_seconds(by_layer, meta, repeat),
+        "whole_host_s": host_seconds(whole, meta, repeat),
+        "matmuls_per_layer": reps,
+    }
 
 
-def bench_vllm_cuda(client: PrefixCacheClient, target: str, model: str, page: int, n: int,
-                    layers: int, heads: int, dim: int, repeat: int,
-                    row: Callable[..., dict]) -> list[dict]:
+def bench_vllm_cuda(
+    client: PrefixCacheClient,
+    target: str,
+    model: str,
+    page: int,
+    n: int,
+    layers: int,
+    heads: int,
+    dim: int,
+    repeat: int,
+    row: Callable[..., dict],
+) -> list[dict]:
     """``vllm_load`` rows, whole and layer-wise, and a whole ``vllm_save`` row, for
     ``n`` tokens in pages of ``page``;
     ``row(path, bytes, seconds, ceiling_seconds, **extra)`` makes each."""
@@ -106,20 +119,31 @@ def bench_vllm_cuda(client: PrefixCacheClient, target: str, model: str, page: in
     alloc = client.alloc(model, n, session=session)
     slots = array("q", alloc.slots)
     blocks = n // page + 4
-    order = (torch.randperm(blocks - 1) + 1)[:n // page].tolist()  # 0: vLLM's null block
-    meta = StepMeta([LoadOp("l", array("q", order), 0, n, slots, alloc.server_epoch,
-                            session.session_id)])
+    order = (torch.randperm(blocks - 1) + 1)[: n // page].tolist()  # 0: vLLM's null block
+    meta = StepMeta(
+        [LoadOp("l", array("q", order), 0, n, slots, alloc.server_epoch, session.session_id)]
+    )
     nbytes = n * layers * 2 * heads * dim * 2
     cores: dict[str, tuple[WorkerCore, dict[str, Any]]] = {}
     rows = []
     try:
         for mode in ("whole", "layerwise"):
-            worker = WorkerCore(ConnectorConfig(model=model, target=target,
-                                                transfer="attach", verify_loads=False,
-                                                layerwise_load=mode == "layerwise"), page)
-            caches = {f"model.layers.{i}.self_attn.attn":
-                      torch.zeros(blocks, heads, page, 2 * dim, dtype=torch.bfloat16,
-                                  device="cuda") for i in range(layers)}
+            worker = WorkerCore(
+                ConnectorConfig(
+                    model=model,
+                    target=target,
+                    transfer="attach",
+                    verify_loads=False,
+                    layerwise_load=mode == "layerwise",
+                ),
+                page,
+            )
+            caches = {
+                f"model.layers.{i}.self_attn.attn": torch.zeros(
+                    blocks, heads, page, 2 * dim, dtype=torch.bfloat16, device="cuda"
+                )
+                for i in range(layers)
+            }
             worker.register(caches, BackendInfo(FLASH, dim))
             cores[mode] = (worker, caches)
             worker.start_step(meta)  # maps and pins the pool
@@ -129,31 +153,45 @@ def bench_vllm_cuda(client: PrefixCacheClient, target: str, model: str, page: in
         whole, want = cores["whole"]
         by_layer, got = cores["layerwise"]
         torch.cuda.synchronize()
-        if not all(torch.equal(want[k].view(torch.int16), got[k].view(torch.int16))
-                   for k in want):
+        if not all(torch.equal(want[k].view(torch.int16), got[k].view(torch.int16)) for k in want):
             raise RuntimeError("layer-wise loads differ from whole loads")
         pool = by_layer._access.pool  # type: ignore[union-attr]
         pinned = bool(pool.k_buffer[0].is_pinned())
         ceiling = cuda_seconds(_plain_copy(pool, slots, list(got.values())), repeat)
-        extra = {"layout": "bhn2d", "page_size": page, "tokens": n, "layers": layers,
-                 "device": torch.cuda.get_device_name(), "pinned": pinned}
+        extra = {
+            "layout": "bhn2d",
+            "page_size": page,
+            "tokens": n,
+            "layers": layers,
+            "device": torch.cuda.get_device_name(),
+            "pinned": pinned,
+        }
         t_whole = cuda_seconds(lambda: whole.start_step(meta), repeat)
-        t_layer = cuda_seconds(lambda: (by_layer.start_step(meta), by_layer.end_step()),
-                               repeat)
+        t_layer = cuda_seconds(lambda: (by_layer.start_step(meta), by_layer.end_step()), repeat)
         rows.append(row("vllm_load", nbytes, t_whole, ceiling, mode="whole", **extra))
-        rows.append(row("vllm_load", nbytes, t_layer, ceiling, mode="layerwise",
-                        **extra, **{k: round(v, 6) if isinstance(v, float) else v
-                                    for k, v in overlap(whole, by_layer, meta,
-                                                        repeat).items()}))
+        rows.append(
+            row(
+                "vllm_load",
+                nbytes,
+                t_layer,
+                ceiling,
+                mode="layerwise",
+                **extra,
+                **{
+                    k: round(v, 6) if isinstance(v, float) else v
+                    for k, v in overlap(whole, by_layer, meta, repeat).items()
+                },
+            )
+        )
         # The save: the same blocks back into the same pool rows, against the flat copy
         # the other way.
-        save = StepMeta(saves=[SaveOp("s", array("q", order), 0, slots, alloc.server_epoch,
-                                      session.session_id)])
+        save = StepMeta(
+            saves=[SaveOp("s", array("q", order), 0, slots, alloc.server_epoch, session.session_id)]
+        )
         t_save = cuda_seconds(lambda: whole.start_step(save), repeat)
         if whole.failed_saves:
             raise RuntimeError("the save failed")
-        back = cuda_seconds(_plain_copy(pool, slots, list(want.values()), to_pool=True),
-                            repeat)
+        back = cuda_seconds(_plain_copy(pool, slots, list(want.values()), to_pool=True), repeat)
         rows.append(row("vllm_save", nbytes, t_save, back, mode="whole", **extra))
     finally:
         for worker, _ in cores.values():
@@ -163,8 +201,9 @@ def bench_vllm_cuda(client: PrefixCacheClient, target: str, model: str, page: in
     return rows
 
 
-def _plain_copy(pool: Any, slots: array, caches: list[Any], to_pool: bool = False
-                ) -> Callable[[], None]:
+def _plain_copy(
+    pool: Any, slots: array, caches: list[Any], to_pool: bool = False
+) -> Callable[[], None]:
     """The same bytes from the same pool rows into the same CUDA tensors (``to_pool``:
     back), flat: one asynchronous copy per layer and side (the slots are one run of
     fresh rows)."""
@@ -175,8 +214,8 @@ def _plain_copy(pool: Any, slots: array, caches: list[Any], to_pool: bool = Fals
     for layer, cache in enumerate(caches):
         flat, done = cache.view(torch.uint8).reshape(-1), 0
         for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
-            src = buf[first:first + n].view(torch.uint8).reshape(-1)
-            pairs.append((flat[done:done + src.numel()], src))
+            src = buf[first : first + n].view(torch.uint8).reshape(-1)
+            pairs.append((flat[done : done + src.numel()], src))
             done += src.numel()
 
     def run() -> None:
@@ -185,4 +224,5 @@ def _plain_copy(pool: Any, slots: array, caches: list[Any], to_pool: bool = Fals
                 src.copy_(dst, non_blocking=True)
             else:
                 dst.copy_(src, non_blocking=True)
+
     return run

@@ -104,8 +104,9 @@ class Latency:
     @staticmethod
     def of(ns: list[int]) -> Latency:
         s = sorted(ns) or [0]
-        return Latency(len(ns), s[len(s) // 2] / 1e3, s[min(len(s) - 1, len(s) * 99 // 100)] / 1e3,
-                       s[-1] / 1e3)
+        return Latency(
+            len(ns), s[len(s) // 2] / 1e3, s[min(len(s) - 1, len(s) * 99 // 100)] / 1e3, s[-1] / 1e3
+        )
 
 
 @dataclass
@@ -149,9 +150,12 @@ def run(args: argparse.Namespace) -> Report:
     cap = args.budget // (3 * args.workers)
     cap -= cap % args.page_size
     n_requests = len(trace.keys)
-    print(f"{args.trace.name}: {n_requests:,} requests; keys cut to {cap:,} tokens; pool "
-          f"{args.budget:,} tokens, page {args.page_size}; {args.workers} workers for "
-          f"{args.duration:g} s", file=sys.stderr)
+    print(
+        f"{args.trace.name}: {n_requests:,} requests; keys cut to {cap:,} tokens; pool "
+        f"{args.budget:,} tokens, page {args.page_size}; {args.workers} workers for "
+        f"{args.duration:g} s",
+        file=sys.stderr,
+    )
     with tempfile.TemporaryDirectory(prefix="pc-load-") as tmpdir:
         tmp = Path(tmpdir)
         tokens_path = tmp / "tokens.bin"
@@ -201,29 +205,61 @@ def run(args: argparse.Namespace) -> Report:
     rpcs = sum(lat.count for lat in latency.values())
     query = sum(r.query_tokens for r in results)
     return Report(
-        workers=args.workers, duration_s=wall, budget=args.budget, page_size=args.page_size,
-        trace_requests=len(spans), max_key_tokens=cap, requests=requests, reopens=reopens,
+        workers=args.workers,
+        duration_s=wall,
+        budget=args.budget,
+        page_size=args.page_size,
+        trace_requests=len(spans),
+        max_key_tokens=cap,
+        requests=requests,
+        reopens=reopens,
         req_per_s=requests / wall if wall > 0 else 0.0,
-        rpc_per_s=rpcs / wall if wall > 0 else 0.0, errors=errors,
-        first_errors=[e for r in results for e in r.first_errors][:10], latency=latency,
+        rpc_per_s=rpcs / wall if wall > 0 else 0.0,
+        errors=errors,
+        first_errors=[e for r in results for e in r.first_errors][:10],
+        latency=latency,
         hit_ratio=sum(r.hit_tokens for r in results) / query if query else 0.0,
-        warmup_s=warm, rss_start_kib=run_samples[0][1] if run_samples else 0,
-        rss_warm_kib=rss_warm, rss_end_kib=rss_end,
+        warmup_s=warm,
+        rss_start_kib=run_samples[0][1] if run_samples else 0,
+        rss_warm_kib=rss_warm,
+        rss_end_kib=rss_end,
         rss_max_after_warm_kib=max(after, default=0),
         rss_growth_pct=(rss_end - rss_warm) / rss_warm * 100 if rss_warm else 0.0,
-        rss_timeline=samples, stats=stats, counts=counts, server_exit=code)
+        rss_timeline=samples,
+        stats=stats,
+        counts=counts,
+        server_exit=code,
+    )
 
 
-def _run_workers(args: argparse.Namespace, server: ServerProcess, tokens_path: Path,
-                 spans: list[tuple[int, int]]) -> tuple[list[WorkerResult], float]:
+def _run_workers(
+    args: argparse.Namespace, server: ServerProcess, tokens_path: Path, spans: list[tuple[int, int]]
+) -> tuple[list[WorkerResult], float]:
     ctx = mp.get_context("spawn")
     n = args.workers
     barrier = ctx.Barrier(n + 1)
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, daemon=True, args=(
-        WorkerSpec(server.target, str(tokens_path), spans[i::n] or spans, i, args.duration,
-                   args.reopen_every, args.decode_tokens, args.side_every), barrier, out))
-        for i in range(n)]
+    procs = [
+        ctx.Process(
+            target=worker,
+            daemon=True,
+            args=(
+                WorkerSpec(
+                    server.target,
+                    str(tokens_path),
+                    spans[i::n] or spans,
+                    i,
+                    args.duration,
+                    args.reopen_every,
+                    args.decode_tokens,
+                    args.side_every,
+                ),
+                barrier,
+                out,
+            ),
+        )
+        for i in range(n)
+    ]
     for p in procs:
         p.start()
     t_run = 0.0
@@ -244,8 +280,11 @@ def _run_workers(args: argparse.Namespace, server: ServerProcess, tokens_path: P
             p.kill()
     failures = [r.failure for r in results if r.failure]
     if failures or len(results) != n:
-        raise RuntimeError(f"{n - len(results)} of {n} workers sent nothing back; failures:\n"
-                           + "\n".join(failures) + f"\nserver log:\n{server.log_tail()}")
+        raise RuntimeError(
+            f"{n - len(results)} of {n} workers sent nothing back; failures:\n"
+            + "\n".join(failures)
+            + f"\nserver log:\n{server.log_tail()}"
+        )
     return results, t_run
 
 
@@ -254,36 +293,49 @@ def _mib(kib: int) -> str:
 
 
 def print_report(rep: Report) -> None:
-    print(f"\n{rep.workers} workers, {rep.duration_s:,.0f} s; pool {rep.budget:,} tokens, page "
-          f"{rep.page_size}; {rep.trace_requests:,} trace requests cut to {rep.max_key_tokens:,} "
-          f"tokens; Python {platform.python_version()}, {os.cpu_count()} CPUs\n")
+    print(
+        f"\n{rep.workers} workers, {rep.duration_s:,.0f} s; pool {rep.budget:,} tokens, page "
+        f"{rep.page_size}; {rep.trace_requests:,} trace requests cut to {rep.max_key_tokens:,} "
+        f"tokens; Python {platform.python_version()}, {os.cpu_count()} CPUs\n"
+    )
     errs = sum(rep.errors.values())
     print("| requests | req/s | RPC/s | errors | session reopens | token hit | evicted tokens |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
-    print(f"| {rep.requests:,} | {rep.req_per_s:,.1f} | {rep.rpc_per_s:,.0f} | {errs} | "
-          f"{rep.reopens:,} | {rep.hit_ratio:.3f} | {rep.stats.get('evicted_tokens', 0):,} |")
+    print(
+        f"| {rep.requests:,} | {rep.req_per_s:,.1f} | {rep.rpc_per_s:,.0f} | {errs} | "
+        f"{rep.reopens:,} | {rep.hit_ratio:.3f} | {rep.stats.get('evicted_tokens', 0):,} |"
+    )
     print("\n| op | calls | p50 µs | p99 µs | max µs |")
     print("|---|---:|---:|---:|---:|")
     for op, lat in rep.latency.items():
-        print(f"| {op} | {lat.count:,} | {lat.p50_us:,.0f} | {lat.p99_us:,.0f} | "
-              f"{lat.max_us:,.0f} |")
-    print(f"\n| server RSS MiB: start | end of warm-up ({rep.warmup_s:.0f} s) | max after "
-          "warm-up | end | growth after warm-up |")
+        print(
+            f"| {op} | {lat.count:,} | {lat.p50_us:,.0f} | {lat.p99_us:,.0f} | {lat.max_us:,.0f} |"
+        )
+    print(
+        f"\n| server RSS MiB: start | end of warm-up ({rep.warmup_s:.0f} s) | max after "
+        "warm-up | end | growth after warm-up |"
+    )
     print("|---:|---:|---:|---:|---:|")
-    print(f"| {_mib(rep.rss_start_kib)} | {_mib(rep.rss_warm_kib)} | "
-          f"{_mib(rep.rss_max_after_warm_kib)} | {_mib(rep.rss_end_kib)} | "
-          f"{rep.rss_growth_pct:+.2f}% |")
+    print(
+        f"| {_mib(rep.rss_start_kib)} | {_mib(rep.rss_warm_kib)} | "
+        f"{_mib(rep.rss_max_after_warm_kib)} | {_mib(rep.rss_end_kib)} | "
+        f"{rep.rss_growth_pct:+.2f}% |"
+    )
     s = rep.stats
-    print(f"\nafter the workers exit: locks {s['locks']}, session slots {s['session_slots']}, "
-          f"sessions {s['sessions']}, protected tokens {s['protected_tokens']}, free slots "
-          f"{s['free_slots']:,} + cached {s['cached_tokens']:,} of {s['pool_size']:,}; "
-          f"server exit code {rep.server_exit}")
+    print(
+        f"\nafter the workers exit: locks {s['locks']}, session slots {s['session_slots']}, "
+        f"sessions {s['sessions']}, protected tokens {s['protected_tokens']}, free slots "
+        f"{s['free_slots']:,} + cached {s['cached_tokens']:,} of {s['pool_size']:,}; "
+        f"server exit code {rep.server_exit}"
+    )
     for name, m in s["models"].items():
         if name != MODEL:
-            print(f"{name}: {m['match_tokens']:,} tokens matched, hit {m['hit_ratio']:.3f}, "
-                  f"{m['evicted_tokens']:,} evicted; after: locks {m['locks']}, session "
-                  f"slots {m['session_slots']}, state slots {m['session_state_slots']}, "
-                  f"protected {m['protected_tokens']}, free slots {m['free_slots']:,}")
+            print(
+                f"{name}: {m['match_tokens']:,} tokens matched, hit {m['hit_ratio']:.3f}, "
+                f"{m['evicted_tokens']:,} evicted; after: locks {m['locks']}, session "
+                f"slots {m['session_slots']}, state slots {m['session_state_slots']}, "
+                f"protected {m['protected_tokens']}, free slots {m['free_slots']:,}"
+            )
     if rep.counts:
         print(f"expected outcomes: {rep.counts}")
     step = max(1, len(rep.rss_timeline) // 10)
@@ -294,8 +346,9 @@ def print_report(rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add = ap.add_argument
     add("--duration", type=float, default=600.0, help="seconds of load (default 600)")
     add("--workers", type=int, default=8, help="client processes (default 8)")
@@ -303,17 +356,33 @@ def main(argv: list[str] | None = None) -> int:
     add("--page-size", type=int, default=16)
     add("--trace", type=Path, default=DEFAULT_TRACE)
     add("--limit", type=int, default=3000, help="use the first N trace requests (default 3000)")
-    add("--reopen-every", type=int, default=200,
-        help="close and reopen the session every N requests (default 200)")
+    add(
+        "--reopen-every",
+        type=int,
+        default=200,
+        help="close and reopen the session every N requests (default 200)",
+    )
     add("--decode-tokens", type=int, default=8, help="base size of each decode alloc")
-    add("--side-every", type=int, default=1, metavar="N",
+    add(
+        "--side-every",
+        type=int,
+        default=1,
+        metavar="N",
         help="one request on the swa, mamba, slot and chunk models (in turn) every N "
-        "radix requests (default 1; 0: the radix model only)")
-    add("--check-integrity", action="store_true",
-        help="run the service in invariant mode (integrity check after every change)")
+        "radix requests (default 1; 0: the radix model only)",
+    )
+    add(
+        "--check-integrity",
+        action="store_true",
+        help="run the service in invariant mode (integrity check after every change)",
+    )
     add("--warmup", type=float, help="seconds (default: 20%% of --duration, at least 5)")
-    add("--max-rss-growth", type=float, metavar="PCT",
-        help="fail when RSS grows more than PCT %% after warm-up")
+    add(
+        "--max-rss-growth",
+        type=float,
+        metavar="PCT",
+        help="fail when RSS grows more than PCT %% after warm-up",
+    )
     add("--json", type=Path, metavar="OUT", help="write the report as JSON")
     args = ap.parse_args(argv)
     if args.workers < 1 or args.duration <= 0 or args.reopen_every < 2 or args.side_every < 0:
@@ -327,9 +396,14 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(asdict(rep), indent=1))
     s = rep.stats
-    bad = (rep.errors or rep.requests == 0 or held_after(s) or s["sessions"]
-           or rep.server_exit != 0
-           or (args.max_rss_growth is not None and rep.rss_growth_pct > args.max_rss_growth))
+    bad = (
+        rep.errors
+        or rep.requests == 0
+        or held_after(s)
+        or s["sessions"]
+        or rep.server_exit != 0
+        or (args.max_rss_growth is not None and rep.rss_growth_pct > args.max_rss_growth)
+    )
     return 1 if bad else 0
 
 

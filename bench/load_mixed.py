@@ -53,19 +53,23 @@ def models_yaml(workers: int) -> str:
         f"  - name: slot\n    kind: slot\n    max_seq_len: {SLOT_MAX_SEQ_LEN}\n"
         f"    pool: {{size: {workers + 2}, {kv}}}\n"
         f"  - name: chunk\n    kind: chunk\n    page_size: 1\n"
-        f"    pool: {{size: {_SIDE_POOL}, {kv}}}\n")
+        f"    pool: {{size: {_SIDE_POOL}, {kv}}}\n"
+    )
 
 
 def _model_stats(m: Any) -> dict[str, Any]:
-    return {"locks": m.locks, "session_slots": m.session_slots,
-            "session_state_slots": m.session_state_slots,
-            "free_slots": m.free_slots, "pool_size": m.pool_size,
-            "cached_tokens": m.evictable_tokens + m.protected_tokens,
-            "protected_tokens": m.protected_tokens,
-            "evicted_tokens": m.evicted_tokens_total,
-            "match_tokens": m.match_tokens_total,
-            "hit_ratio": m.hit_tokens_total / m.match_tokens_total
-            if m.match_tokens_total else 0.0}
+    return {
+        "locks": m.locks,
+        "session_slots": m.session_slots,
+        "session_state_slots": m.session_state_slots,
+        "free_slots": m.free_slots,
+        "pool_size": m.pool_size,
+        "cached_tokens": m.evictable_tokens + m.protected_tokens,
+        "protected_tokens": m.protected_tokens,
+        "evicted_tokens": m.evicted_tokens_total,
+        "match_tokens": m.match_tokens_total,
+        "hit_ratio": m.hit_tokens_total / m.match_tokens_total if m.match_tokens_total else 0.0,
+    }
 
 
 def final_stats(target: str) -> dict[str, Any]:
@@ -80,9 +84,12 @@ def final_stats(target: str) -> dict[str, Any]:
 
 def held_after(stats: dict[str, Any]) -> list[str]:
     """What any model still holds once every session has gone."""
-    return [f"{name}: {key} {s[key]}" for name, s in stats["models"].items()
-            for key in ("locks", "session_slots", "session_state_slots", "protected_tokens")
-            if s[key]]
+    return [
+        f"{name}: {key} {s[key]}"
+        for name, s in stats["models"].items()
+        for key in ("locks", "session_slots", "session_state_slots", "protected_tokens")
+        if s[key]
+    ]
 
 
 def start_service(tmp: Path, args: Any) -> ServerProcess:
@@ -91,11 +98,25 @@ def start_service(tmp: Path, args: Any) -> ServerProcess:
     config.write_text(
         f"models:\n  - name: {MODEL}\n    kind: radix\n    page_size: {args.page_size}\n"
         f"    pool: {{size: {args.budget}, layers: 1, k_heads: 1, k_head_dim: 8, "
-        "dtype: float16}\n" + (models_yaml(args.workers) if args.side_every else ""))
-    argv = [sys.executable, "-c", _SERVE, "serve", "--config", str(config),
-            "--listen", f"unix:{tmp / 'pc.sock'}", "--metrics-port", "-1",
-            "--grace-period", "1", "--log-level", "warning",
-            *(["--check-integrity"] if args.check_integrity else [])]
+        "dtype: float16}\n" + (models_yaml(args.workers) if args.side_every else "")
+    )
+    argv = [
+        sys.executable,
+        "-c",
+        _SERVE,
+        "serve",
+        "--config",
+        str(config),
+        "--listen",
+        f"unix:{tmp / 'pc.sock'}",
+        "--metrics-port",
+        "-1",
+        "--grace-period",
+        "1",
+        "--log-level",
+        "warning",
+        *(["--check-integrity"] if args.check_integrity else []),
+    ]
     return ServerProcess("prefixcache serve", argv, tmp / "pc.sock", tmp / "server-load.log")
 
 
@@ -133,8 +154,12 @@ class SideRequests:
         self.turn += 1
         key = side_key(self.rng)
         foreign = foreign_lock if foreign_lock and self.rng.randrange(4) == 0 else 0
-        flow = {"swa": self._radix_like, "mamba": self._radix_like, "slot": self._slot,
-                "chunk": self._chunk}[kind]
+        flow = {
+            "swa": self._radix_like,
+            "mamba": self._radix_like,
+            "slot": self._slot,
+            "chunk": self._chunk,
+        }[kind]
         held: list[int] = []  # lock ids to release on error
         owned: list[Any] = []  # slot arrays to free on error
         try:
@@ -152,64 +177,101 @@ class SideRequests:
                 self.error(f"{kind} undo", undo)
         return kind
 
-    def _refused_release(self, session: Any, model: str, key: list[int], slots: Any,
-                         lock_id: int, held: list[int], **kwargs: Any) -> None:
+    def _refused_release(
+        self,
+        session: Any,
+        model: str,
+        key: list[int],
+        slots: Any,
+        lock_id: int,
+        held: list[int],
+        **kwargs: Any,
+    ) -> None:
         """An insert naming another model's lock: it must be refused, changing nothing."""
         from prefixcache.client import FailedPrecondition
 
         try:
-            wrong = session.insert(model, key, slots, release_lock_id=lock_id, lock=True,
-                                   **kwargs)
+            wrong = session.insert(model, key, slots, release_lock_id=lock_id, lock=True, **kwargs)
         except FailedPrecondition:
             self._count("cross-model release_lock_id refused")
             return
         held.append(wrong.lock_id)  # the regression took a lock: release it on error
-        self.error(f"{model} cross-model release",
-                   RuntimeError(f"an insert releasing another model's lock {lock_id} "
-                                "was accepted"))
+        self.error(
+            f"{model} cross-model release",
+            RuntimeError(f"an insert releasing another model's lock {lock_id} was accepted"),
+        )
 
-    def _radix_like(self, session: Any, model: str, key: list[int], held: list[int],
-                    owned: list[Any], foreign: int) -> None:
+    def _radix_like(
+        self,
+        session: Any,
+        model: str,
+        key: list[int],
+        held: list[int],
+        owned: list[Any],
+        foreign: int,
+    ) -> None:
         m = session.match(model, key, lock=True, allocate=True)
         held.append(m.lock_id)
         owned.append(m.allocated)
-        state = {"state_slot": m.allocated_state_slot} \
-            if m.allocated_state_slot is not None else {}
+        state = {"state_slot": m.allocated_state_slot} if m.allocated_state_slot is not None else {}
         if foreign:
             self._refused_release(session, model, key, m.all_slots(), foreign, held, **state)
-        ins = session.insert(model, key, m.all_slots(), release_lock_id=m.lock_id, lock=True,
-                             **state)
+        ins = session.insert(
+            model, key, m.all_slots(), release_lock_id=m.lock_id, lock=True, **state
+        )
         held[:] = [ins.lock_id]
         owned.clear()
         if ins.lock_id:
             session.unlock(ins.lock_id)
         held.clear()
 
-    def _slot(self, session: Any, model: str, key: list[int], held: list[int],
-              owned: list[Any], foreign: int) -> None:
+    def _slot(
+        self,
+        session: Any,
+        model: str,
+        key: list[int],
+        held: list[int],
+        owned: list[Any],
+        foreign: int,
+    ) -> None:
         prompt = key[: SLOT_MAX_SEQ_LEN - 8]
         m = session.match(model, prompt, lock=True, allocate=True)
         held.append(m.lock_id)
         owned.append(m.allocated)
         if m.prefix_len:
-            self._count("slot reused in place" if list(m.allocated) == list(m.slots)
-                        else "slot copied")
+            self._count(
+                "slot reused in place" if list(m.allocated) == list(m.slots) else "slot copied"
+            )
         version = m.allocated_slot_version or 0
         if foreign:
-            self._refused_release(session, model, prompt, m.allocated, foreign, held,
-                                  slot_version=version)
-        prefill = session.insert(model, prompt, m.allocated, slot_version=version,
-                                 lock=True, release_lock_id=m.lock_id)
+            self._refused_release(
+                session, model, prompt, m.allocated, foreign, held, slot_version=version
+            )
+        prefill = session.insert(
+            model, prompt, m.allocated, slot_version=version, lock=True, release_lock_id=m.lock_id
+        )
         held[:] = [prefill.lock_id]
         generated = [self.rng.randrange(1, 50_000) for _ in range(1 + self.rng.randrange(8))]
-        session.insert(model, prompt + generated, m.allocated, slot_version=version,
-                       release_lock_id=prefill.lock_id)
+        session.insert(
+            model,
+            prompt + generated,
+            m.allocated,
+            slot_version=version,
+            release_lock_id=prefill.lock_id,
+        )
         held.clear()
         session.free(model, m.allocated)
         owned.clear()
 
-    def _chunk(self, session: Any, model: str, key: list[int], held: list[int],
-               owned: list[Any], foreign: int) -> None:
+    def _chunk(
+        self,
+        session: Any,
+        model: str,
+        key: list[int],
+        held: list[int],
+        owned: list[Any],
+        foreign: int,
+    ) -> None:
         m = session.match(model, key, allocate=True)
         owned.append(m.allocated)
         if foreign:

@@ -71,14 +71,21 @@ def _replay(spec: WorkerSpec, barrier: Any, result: WorkerResult) -> None:
 
     perf = time.perf_counter_ns
     ns = result.ns
-    client = PrefixCacheClient(spec.target, timeout=CALL_TIMEOUT_S, fail_open=False,
-                               client_name=f"load-{spec.index}")
-    with open(spec.tokens_path, "rb") as fh, \
-            mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm, client:
+    client = PrefixCacheClient(
+        spec.target, timeout=CALL_TIMEOUT_S, fail_open=False, client_name=f"load-{spec.index}"
+    )
+    with (
+        open(spec.tokens_path, "rb") as fh,
+        mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm,
+        client,
+    ):
         session = client.session(ttl=SESSION_TTL_S, name=f"load-{spec.index}")
         client.stats(MODEL)  # connected
-        side = SideRequests(spec.index, lambda op, err: _error(result, op, err),
-                            result.counts) if spec.side_every else None
+        side = (
+            SideRequests(spec.index, lambda op, err: _error(result, op, err), result.counts)
+            if spec.side_every
+            else None
+        )
         barrier.wait(START_TIMEOUT_S)
         result.t_start = time.monotonic()
         end = result.t_start + spec.duration
@@ -102,14 +109,20 @@ def _replay(spec: WorkerSpec, barrier: Any, result: WorkerResult) -> None:
                 ns["reopen"].append(perf() - t0)
                 result.reopens += 1
                 continue
-            _request(session, key, spec.decode_tokens + i % 7, result,
-                     side if side is not None and i % spec.side_every == 0 else None)
+            _request(
+                session,
+                key,
+                spec.decode_tokens + i % 7,
+                result,
+                side if side is not None and i % spec.side_every == 0 else None,
+            )
         result.t_end = time.monotonic()
         session.close()
 
 
-def _request(session: Any, key: bytes, decode: int, result: WorkerResult,
-             side: SideRequests | None = None) -> None:
+def _request(
+    session: Any, key: bytes, decode: int, result: WorkerResult, side: SideRequests | None = None
+) -> None:
     """One prefill (and a side request while it is locked) and two decode steps; errors
     are counted and undone best effort."""
     from prefixcache.client import PrefixCacheError

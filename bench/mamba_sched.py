@@ -105,13 +105,13 @@ class MambaScheduler:
         slots = torch.cat([hit.indices, new])
         aligned = len(tokens) // ps * ps
         done = cache.insert(key[:aligned], slots[:aligned], mamba_value=track)
-        self.allocator.free(slots[hit.prefix_len:done.prefix_len])
+        self.allocator.free(slots[hit.prefix_len : done.prefix_len])
         if done.mamba_exist:
             self.states.free_track_slot(track)
         now = cache.match_prefix(key)  # the request's KV is the tree's from here on
         cache.inc_lock_ref(now.last_node)
         cache.dec_lock_ref(hit.last_node)
-        slots = torch.cat([now.indices, slots[now.prefix_len:]])
+        slots = torch.cat([now.indices, slots[now.prefix_len :]])
         return _Seq(req, tokens, slots, now.last_node, now.prefix_len)
 
     def _finish(self, seq: _Seq) -> None:
@@ -121,10 +121,10 @@ class MambaScheduler:
         if track is not None:
             key = RadixKey(seq.tokens[:aligned])
             done = cache.insert(key, seq.slots[:aligned], mamba_value=track)
-            self.allocator.free(seq.slots[seq.cached:done.prefix_len])
+            self.allocator.free(seq.slots[seq.cached : done.prefix_len])
             if done.mamba_exist:
                 self.states.free_track_slot(track)
             self.allocator.free(seq.slots[aligned:])
         else:  # nothing new to cache (or no state slot): the request's own slots go
-            self.allocator.free(seq.slots[seq.cached:])
+            self.allocator.free(seq.slots[seq.cached :])
         cache.dec_lock_ref(seq.node)

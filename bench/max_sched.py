@@ -80,8 +80,7 @@ class MaxScheduler:
         while self.waiting and len(self.running) < self.batch:
             req = self.waiting[0]
             prompt = req.origin_input_ids
-            node, blocks = trie.match_prefix(prompt[:-1]) if len(prompt) > 1 else \
-                (trie.root, [])
+            node, blocks = trie.match_prefix(prompt[:-1]) if len(prompt) > 1 else (trie.root, [])
             trie.mark_in_use_by(node, req.rid)
             need = -(-(len(prompt) + 1) // ps) - len(blocks)
             got: list[int] = []
@@ -93,8 +92,7 @@ class MaxScheduler:
                 trie.mark_not_in_use_by(node, req.rid)
                 break
             self.waiting.pop(0)
-            self.running.append(_Seq(req, array("I", prompt), blocks + got, node,
-                                     len(blocks) * ps))
+            self.running.append(_Seq(req, array("I", prompt), blocks + got, node, len(blocks) * ps))
             out.admitted += 1
             out.prompt_tokens += len(prompt)
             out.hit_tokens += len(blocks) * ps
@@ -119,18 +117,19 @@ class MaxScheduler:
         end = len(seq.tokens) // ps * ps
         if end <= seq.committed:
             return
-        todo = seq.tokens[seq.committed:end]
+        todo = seq.tokens[seq.committed : end]
         node, have = trie.match_prefix(todo, node=seq.node)
         first = seq.committed // ps
         for mine, tree in zip(seq.blocks[first:], have, strict=False):
             if mine != tree:
                 self.release_block(mine)
-        seq.blocks[first:first + len(have)] = have
+        seq.blocks[first : first + len(have)] = have
         seq.committed += len(have) * ps
         if seq.committed < end:
             first = seq.committed // ps
-            node = trie.insert(seq.tokens[seq.committed:end], seq.blocks[first:end // ps],
-                               node=node)
+            node = trie.insert(
+                seq.tokens[seq.committed : end], seq.blocks[first : end // ps], node=node
+            )
             seq.committed = end
         seq.node = node
         trie.mark_in_use_by(node, seq.req.rid)

@@ -58,8 +58,15 @@ def victim_prompt(i: int, shared: int, unique: int) -> list[int]:
 class Ctx:
     """What an attack gets: the server, the pool shape, a stop flag and its counters."""
 
-    def __init__(self, target: str, pool_size: int, stop: Any, armed: Any,
-                 huge: int = 50 << 20, extras: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        pool_size: int,
+        stop: Any,
+        armed: Any,
+        huge: int = 50 << 20,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
         self.target = target
         # What the newer surfaces' attacks need (noisy_surfaces.py): the replay
         # endpoint, a tenant's token.
@@ -88,8 +95,7 @@ class Ctx:
             self.codes[code] += 1
 
     def session(self, ttl: float = 60.0, name: str = "attacker") -> str:
-        reply = self.call("OpenSession", pb.OpenSessionRequest(ttl_seconds=ttl,
-                                                               client_name=name))
+        reply = self.call("OpenSession", pb.OpenSessionRequest(ttl_seconds=ttl, client_name=name))
         if reply is None:
             raise RuntimeError("the attacker could not open its session")
         self.sessions.append(reply.session_id)
@@ -107,9 +113,11 @@ class Ctx:
 
 def _threads(ctx: Ctx, n: int, body: Callable[[], None]) -> None:
     """``body`` in a loop on ``n`` threads until stopped (armed at once)."""
+
     def loop() -> None:
         while ctx.running():
             body()
+
     workers = [threading.Thread(target=loop, daemon=True) for _ in range(n)]
     for w in workers:
         w.start()
@@ -120,12 +128,12 @@ def _threads(ctx: Ctx, n: int, body: Callable[[], None]) -> None:
 
 # ------------------------------------------------------------------ take everything
 
+
 def pool_grab(ctx: Ctx) -> None:
     """Allocate slots until refused, hold them, and keep asking."""
     sid = ctx.session()
     while ctx.running():
-        if ctx.call("Alloc", pb.AllocRequest(model=MODEL, num_slots=512,
-                                             session_id=sid)) is None:
+        if ctx.call("Alloc", pb.AllocRequest(model=MODEL, num_slots=512, session_id=sid)) is None:
             ctx.armed.set()
             ctx.stop.wait(0.01)
 
@@ -138,15 +146,32 @@ def lock_everything(ctx: Ctx, shared: int = 256, unique: int = 256) -> None:
     while ctx.running():
         i += 1
         tokens = toks(list(range(7_000_000 + i * 512, 7_000_000 + i * 512 + 512)))
-        m = ctx.call("Match", pb.MatchRequest(model=MODEL, token_ids=tokens, lock=True,
-                                              allocate=True, session_id=sid))
+        m = ctx.call(
+            "Match",
+            pb.MatchRequest(
+                model=MODEL, token_ids=tokens, lock=True, allocate=True, session_id=sid
+            ),
+        )
         if m is not None:
-            ctx.call("Insert", pb.InsertRequest(
-                model=MODEL, token_ids=tokens, slot_indices=m.allocated_slots, lock=True,
-                session_id=sid))
-        mine = ctx.call("Match", pb.MatchRequest(
-            model=MODEL, token_ids=toks(victim_prompt(i % 32, shared, unique)), lock=True,
-            session_id=sid))
+            ctx.call(
+                "Insert",
+                pb.InsertRequest(
+                    model=MODEL,
+                    token_ids=tokens,
+                    slot_indices=m.allocated_slots,
+                    lock=True,
+                    session_id=sid,
+                ),
+            )
+        mine = ctx.call(
+            "Match",
+            pb.MatchRequest(
+                model=MODEL,
+                token_ids=toks(victim_prompt(i % 32, shared, unique)),
+                lock=True,
+                session_id=sid,
+            ),
+        )
         if m is None or mine is None:
             ctx.armed.set()
             ctx.stop.wait(0.01)
@@ -155,8 +180,9 @@ def lock_everything(ctx: Ctx, shared: int = 256, unique: int = 256) -> None:
 def session_flood(ctx: Ctx) -> None:
     """Open sessions until refused (server.max_sessions), and keep trying."""
     while ctx.running():
-        reply = ctx.call("OpenSession", pb.OpenSessionRequest(ttl_seconds=60.0,
-                                                              client_name="flood"))
+        reply = ctx.call(
+            "OpenSession", pb.OpenSessionRequest(ttl_seconds=60.0, client_name="flood")
+        )
         if reply is None:
             ctx.armed.set()
             ctx.stop.wait(0.005)
@@ -166,10 +192,10 @@ def session_flood(ctx: Ctx) -> None:
 
 # ------------------------------------------------------------------ grow memory
 
+
 def huge_extra_key(ctx: Ctx) -> None:
     """Matches whose extra_key is 50 MiB (``ctx.huge``)."""
-    request = pb.MatchRequest(model=MODEL, token_ids=toks([1, 2, 3]),
-                              extra_key="k" * ctx.huge)
+    request = pb.MatchRequest(model=MODEL, token_ids=toks([1, 2, 3]), extra_key="k" * ctx.huge)
     _threads(ctx, 2, lambda: ctx.call("Match", request))
 
 
@@ -181,6 +207,7 @@ def huge_client_names(ctx: Ctx) -> None:
         reply = ctx.call("OpenSession", request)
         if reply is not None:
             ctx.sessions.append(reply.session_id)
+
     _threads(ctx, 2, body)
 
 
@@ -188,8 +215,7 @@ def half_sent_writekv(ctx: Ctx, streams: int = 16) -> None:
     """WriteKV streams that send a header and most of a row, then stall; more are
     opened as the server refuses or ends them."""
     sid = ctx.session()
-    reply = ctx.call("Alloc", pb.AllocRequest(model=MODEL, num_slots=streams,
-                                              session_id=sid))
+    reply = ctx.call("Alloc", pb.AllocRequest(model=MODEL, num_slots=streams, session_id=sid))
     if reply is None:
         raise RuntimeError("the attacker could not allocate its slots")
     held = slots_of(reply.slot_indices)
@@ -201,14 +227,24 @@ def half_sent_writekv(ctx: Ctx, streams: int = 16) -> None:
             while ctx.running():
                 call = stub.WriteKV()
                 try:
-                    await call.write(pb.KVChunk(header=pb.WriteKVHeader(
-                        model=MODEL, slot_indices=pack([int(held[i])]), layers=[0],
-                        session_id=sid)))
+                    await call.write(
+                        pb.KVChunk(
+                            header=pb.WriteKVHeader(
+                                model=MODEL,
+                                slot_indices=pack([int(held[i])]),
+                                layers=[0],
+                                session_id=sid,
+                            )
+                        )
+                    )
                     # A refused header is answered at once; the data goes out after.
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(asyncio.shield(call), 0.05)
-                    await call.write(pb.KVChunk(role=pb.BUFFER_ROLE_K, layer=0,
-                                                offset_bytes=0, data=b"\0" * (row - 1)))
+                    await call.write(
+                        pb.KVChunk(
+                            role=pb.BUFFER_ROLE_K, layer=0, offset_bytes=0, data=b"\0" * (row - 1)
+                        )
+                    )
                     await asyncio.wait_for(asyncio.shield(call), 0.5)
                     ctx.count("OK")
                 except TimeoutError:  # the server waits for the rest: stalled
@@ -224,10 +260,12 @@ def half_sent_writekv(ctx: Ctx, streams: int = 16) -> None:
 
     async def main() -> None:
         await asyncio.gather(*(one(i) for i in range(streams)))
+
     asyncio.run(main())
 
 
 # ------------------------------------------------------------------ stall the loop
+
 
 def max_size_match(ctx: Ctx) -> None:
     """Matches as large as a request may be (the pool size in tokens), never cached."""
@@ -235,9 +273,11 @@ def max_size_match(ctx: Ctx) -> None:
 
     def body() -> None:
         base = 50_000_000 + next(counter) * ctx.pool_size
-        request = pb.MatchRequest(model=MODEL,
-                                  token_ids=toks(np.arange(base, base + ctx.pool_size)))
+        request = pb.MatchRequest(
+            model=MODEL, token_ids=toks(np.arange(base, base + ctx.pool_size))
+        )
         ctx.call("Match", request)
+
     _threads(ctx, 2, body)
 
 
@@ -247,8 +287,9 @@ def readkv_amplification(ctx: Ctx) -> None:
     reply = ctx.call("Alloc", pb.AllocRequest(model=MODEL, num_slots=1, session_id=sid))
     if reply is None:
         raise RuntimeError("the attacker could not allocate its slot")
-    request = pb.ReadKVRequest(model=MODEL, session_id=sid,
-                               slot_indices=reply.slot_indices * 1_000_000)
+    request = pb.ReadKVRequest(
+        model=MODEL, session_id=sid, slot_indices=reply.slot_indices * 1_000_000
+    )
     _threads(ctx, 2, lambda: _drain(ctx, request))
 
 
@@ -258,8 +299,9 @@ def tiny_chunks(ctx: Ctx) -> None:
     reply = ctx.call("Alloc", pb.AllocRequest(model=MODEL, num_slots=256, session_id=sid))
     if reply is None:
         raise RuntimeError("the attacker could not allocate its slots")
-    request = pb.ReadKVRequest(model=MODEL, session_id=sid, max_chunk_bytes=1,
-                               slot_indices=reply.slot_indices)
+    request = pb.ReadKVRequest(
+        model=MODEL, session_id=sid, max_chunk_bytes=1, slot_indices=reply.slot_indices
+    )
     _threads(ctx, 2, lambda: _drain(ctx, request))
 
 
@@ -279,12 +321,14 @@ def keepalive_storm(ctx: Ctx, concurrency: int = 64) -> None:
                         ctx.count("OK")
                     except grpc.RpcError as exc:
                         ctx.count(exc.code().name)
+
             tasks = [asyncio.create_task(loop()) for _ in range(concurrency)]
             ctx.armed.set()
             await asyncio.to_thread(ctx.stop.wait)
             for task in tasks:  # paced calls may wait long: the attack is over
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
     asyncio.run(main())
 
 
@@ -298,8 +342,9 @@ def exists_pages_flood(ctx: Ctx, threads: int = 8) -> None:
     """ExistsPages of 1M random page hashes (32 MiB), 8 in parallel, with a session (the
     bench server wants one)."""
     sid = ctx.session()
-    request = pb.ExistsPagesRequest(model=BIG, page_hashes=np.random.default_rng(1).bytes(
-        32 * BIG_TOKENS), session_id=sid)
+    request = pb.ExistsPagesRequest(
+        model=BIG, page_hashes=np.random.default_rng(1).bytes(32 * BIG_TOKENS), session_id=sid
+    )
     _threads(ctx, threads, lambda: ctx.call("ExistsPages", request, timeout=120))
 
 
@@ -317,6 +362,7 @@ def resubscribe_storm(ctx: Ctx, threads: int = 8) -> None:
             ctx.count(exc.code().name)
         finally:
             call.cancel()
+
     _threads(ctx, threads, body)
 
 
@@ -354,8 +400,16 @@ ATTACKS: dict[str, Callable[[Ctx], None]] = {
 }
 
 
-def attacker(target: str, pool_size: int, huge: int, commands: Any, stop: Any, armed: Any,
-             out: Any, extras: dict[str, Any] | None = None) -> None:
+def attacker(
+    target: str,
+    pool_size: int,
+    huge: int,
+    commands: Any,
+    stop: Any,
+    armed: Any,
+    out: Any,
+    extras: dict[str, Any] | None = None,
+) -> None:
     """The attacker process: for each attack name on ``commands`` (None: done), run it
     until ``stop``, clean up, and put its counters (or its failure) on ``out``."""
     while (name := commands.get()) is not None:
@@ -369,5 +423,6 @@ def attacker(target: str, pool_size: int, huge: int, commands: Any, stop: Any, a
         finally:
             started = time.monotonic()
             ctx.close()
-            out.put({"codes": dict(ctx.codes), "error": error,
-                     "cleanup_s": time.monotonic() - started})
+            out.put(
+                {"codes": dict(ctx.codes), "error": error, "cleanup_s": time.monotonic() - started}
+            )

@@ -28,15 +28,24 @@ class _Details(NamedTuple):
     compression: Any
 
 
-class _Token(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-             grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _Token(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, token: str) -> None:
         self.token = token
 
     def _details(self, d: Any) -> Any:
-        return _Details(d.method, d.timeout, _with_token(d.metadata, self.token),
-                        d.credentials, getattr(d, "wait_for_ready", None),
-                        getattr(d, "compression", None))
+        return _Details(
+            d.method,
+            d.timeout,
+            _with_token(d.metadata, self.token),
+            d.credentials,
+            getattr(d, "wait_for_ready", None),
+            getattr(d, "compression", None),
+        )
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._details(details), request)
@@ -58,17 +67,20 @@ def channel(target: str, token: str | None, options: Any = None) -> grpc.Channel
 
 
 def _aio_details(d: Any, token: str) -> Any:
-    return grpc.aio.ClientCallDetails(d.method, d.timeout,
-                                      grpc.aio.Metadata(*_with_token(d.metadata, token)),
-                                      d.credentials, d.wait_for_ready)
+    return grpc.aio.ClientCallDetails(
+        d.method,
+        d.timeout,
+        grpc.aio.Metadata(*_with_token(d.metadata, token)),
+        d.credentials,
+        d.wait_for_ready,
+    )
 
 
 class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, token: str) -> None:
         self.token = token
 
-    async def intercept_unary_unary(self, continuation: Any, details: Any,
-                                    request: Any) -> Any:
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(_aio_details(details, self.token), request)
 
 
@@ -76,8 +88,7 @@ class _AioStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
     def __init__(self, token: str) -> None:
         self.token = token
 
-    async def intercept_stream_unary(self, continuation: Any, details: Any,
-                                     requests: Any) -> Any:
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(_aio_details(details, self.token), requests)
 
 

@@ -62,13 +62,19 @@ from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc  # noqa: E402
 
 POOL = 32768  # tokens; 4 layers x (K + V) x 2 heads x 64 x fp16: 64 MiB
 SERVER = {
-    "shm_dir": "off", "log_level": "warning", "session_ttl_min": 0.5,
-    "max_sessions": 256, "max_session_slots": POOL // 4,
-    "max_session_locked_tokens": POOL // 4, "max_session_streams": 8,
-    "max_inflight_write_bytes": 16 << 20, "max_inflight_write_bytes_total": 64 << 20,
+    "shm_dir": "off",
+    "log_level": "warning",
+    "session_ttl_min": 0.5,
+    "max_sessions": 256,
+    "max_session_slots": POOL // 4,
+    "max_session_locked_tokens": POOL // 4,
+    "max_session_streams": 8,
+    "max_inflight_write_bytes": 16 << 20,
+    "max_inflight_write_bytes_total": 64 << 20,
     # The newer surfaces (noisy_surfaces.py): a change log (Subscribe, page RPCs), an
     # evict cap, and a tenant; KV events with a replay socket are added per run.
-    "change_log_capacity": 65536, "max_evict_tokens": 4096,
+    "change_log_capacity": 65536,
+    "max_evict_tokens": 4096,
     "tenants": [{"name": "t1", "token": "noisy-tenant-token", "namespaces": ["t1/"]}],
     "token": "noisy-token",  # with a tenant, every call needs a token (noisy_auth.py)
 }
@@ -81,8 +87,12 @@ VICTIM_TTL = 1.0
 def kv_events(tmp: Path) -> dict[str, Any]:
     """KV events on ipc sockets under ``tmp``, with a replay socket; tenants' namespaces
     hashed (the bench server has a tenant)."""
-    return {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp}/kv-events",
-            "replay_endpoint": f"ipc://{tmp}/kv-replay", "tenants": "hashed"}
+    return {
+        "enable_kv_cache_events": True,
+        "endpoint": f"ipc://{tmp}/kv-events",
+        "replay_endpoint": f"ipc://{tmp}/kv-replay",
+        "tenants": "hashed",
+    }
 
 
 def start_server(tmp: Path) -> ServerProcess:
@@ -94,9 +104,20 @@ def start_server(tmp: Path) -> ServerProcess:
         "dtype: float16}\n"
         f"  - name: {BIG}\n    kind: radix\n    page_size: 1\n"
         f"    pool: {{size: {BIG_TOKENS}, layers: 1, k_heads: 1, k_head_dim: 1, "
-        "dtype: float16}\n")
-    argv = [sys.executable, "-c", _SERVE, "serve", "--config", str(tmp / "noisy.yaml"),
-            "--listen", f"unix:{tmp / 'pc.sock'}", "--metrics-port", "-1"]
+        "dtype: float16}\n"
+    )
+    argv = [
+        sys.executable,
+        "-c",
+        _SERVE,
+        "serve",
+        "--config",
+        str(tmp / "noisy.yaml"),
+        "--listen",
+        f"unix:{tmp / 'pc.sock'}",
+        "--metrics-port",
+        "-1",
+    ]
     return ServerProcess("prefixcache serve", argv, tmp / "pc.sock", tmp / "server.log")
 
 
@@ -106,8 +127,9 @@ class Victim:
     def __init__(self, target: str) -> None:
         self.channel = noisy_auth.channel(target, TOKEN)
         self.stub = pb_grpc.PrefixCacheStub(self.channel)
-        self.sid = self.stub.OpenSession(pb.OpenSessionRequest(
-            ttl_seconds=VICTIM_TTL, client_name="victim"), timeout=10).session_id
+        self.sid = self.stub.OpenSession(
+            pb.OpenSessionRequest(ttl_seconds=VICTIM_TTL, client_name="victim"), timeout=10
+        ).session_id
         self.lease_lost: list[str] = []
         self.errors: list[str] = []
         self.calls = 0
@@ -127,13 +149,26 @@ class Victim:
 
     def prefill(self) -> None:
         self.calls += 1
-        tokens = toks(victim_prompt(self.calls % 32, SHARED, UNIQUE)
-                      + [900_000 + self.calls * SUFFIX + j for j in range(SUFFIX)])
-        m = self.stub.Match(pb.MatchRequest(model=MODEL, token_ids=tokens, lock=True,
-                                            allocate=True, session_id=self.sid), timeout=30)
-        self.stub.Insert(pb.InsertRequest(
-            model=MODEL, token_ids=tokens, slot_indices=m.slot_indices + m.allocated_slots,
-            release_lock_id=m.lock_id, session_id=self.sid), timeout=30)
+        tokens = toks(
+            victim_prompt(self.calls % 32, SHARED, UNIQUE)
+            + [900_000 + self.calls * SUFFIX + j for j in range(SUFFIX)]
+        )
+        m = self.stub.Match(
+            pb.MatchRequest(
+                model=MODEL, token_ids=tokens, lock=True, allocate=True, session_id=self.sid
+            ),
+            timeout=30,
+        )
+        self.stub.Insert(
+            pb.InsertRequest(
+                model=MODEL,
+                token_ids=tokens,
+                slot_indices=m.slot_indices + m.allocated_slots,
+                release_lock_id=m.lock_id,
+                session_id=self.sid,
+            ),
+            timeout=30,
+        )
 
     def run(self, seconds: float) -> list[float]:
         """Prefills back to back for ``seconds``; their latencies in ms."""
@@ -184,8 +219,11 @@ class Attacker:
         ctx = mp.get_context("spawn")
         self.commands, self.out = ctx.Queue(), ctx.Queue()
         self.stop, self.armed = ctx.Event(), ctx.Event()
-        self.proc = ctx.Process(target=attacker, daemon=True, args=(
-            target, POOL, huge, self.commands, self.stop, self.armed, self.out, extras))
+        self.proc = ctx.Process(
+            target=attacker,
+            daemon=True,
+            args=(target, POOL, huge, self.commands, self.stop, self.armed, self.out, extras),
+        )
         self.proc.start()
 
     def start(self, name: str) -> bool:
@@ -215,8 +253,14 @@ class Attacker:
             self.proc.kill()
 
 
-def run_one(name: str | None, server: ServerProcess, victim: Victim,
-            attacker: Attacker | None, duration: float, warmup: float) -> dict[str, Any]:
+def run_one(
+    name: str | None,
+    server: ServerProcess,
+    victim: Victim,
+    attacker: Attacker | None,
+    duration: float,
+    warmup: float,
+) -> dict[str, Any]:
     """The victim alone (``name`` None) or under one attack: one row of the table."""
     lost, errors = len(victim.lease_lost), len(victim.errors)
     row: dict[str, Any] = {"attack": name or "quiet (baseline)", "attacker": {}, "error": ""}
@@ -231,15 +275,19 @@ def run_one(name: str | None, server: ServerProcess, victim: Victim,
         row["attacker"] = result["codes"]
         row["error"] = row["error"] or result["error"]
         victim.run(0.2)  # the lease must hold through the attacker's cleanup too
-    row.update(prefills=len(latencies), p50_ms=round(_pct(latencies, 50), 2),
-               p99_ms=round(_pct(latencies, 99), 2),
-               victim_errors=victim.errors[errors:],
-               lease_held=len(victim.lease_lost) == lost)
+    row.update(
+        prefills=len(latencies),
+        p50_ms=round(_pct(latencies, 50), 2),
+        p99_ms=round(_pct(latencies, 99), 2),
+        victim_errors=victim.errors[errors:],
+        lease_held=len(victim.lease_lost) == lost,
+    )
     return row
 
 
-def run(attacks: list[str], duration: float, warmup: float = 0.5,
-        huge: int = 50 << 20) -> list[dict[str, Any]]:
+def run(
+    attacks: list[str], duration: float, warmup: float = 0.5, huge: int = 50 << 20
+) -> list[dict[str, Any]]:
     """Start a server, then the baseline and every attack in ``attacks``; the rows.
     ``huge``: the size of the huge extra_key."""
     with tempfile.TemporaryDirectory(prefix="noisy-") as tmp:
@@ -250,8 +298,11 @@ def run(attacks: list[str], duration: float, warmup: float = 0.5,
             try:
                 rows = [run_one(None, server, victim, None, duration, warmup)]
                 if attacks:
-                    extras = {"replay": kv_events(Path(tmp))["replay_endpoint"],
-                              "tenant_token": TENANT_TOKEN, "token": TOKEN}
+                    extras = {
+                        "replay": kv_events(Path(tmp))["replay_endpoint"],
+                        "tenant_token": TENANT_TOKEN,
+                        "token": TOKEN,
+                    }
                     attacker = Attacker(server.target, huge, extras)
                 for name in attacks:
                     rows.append(run_one(name, server, victim, attacker, duration, warmup))
@@ -267,29 +318,48 @@ def run(attacks: list[str], duration: float, warmup: float = 0.5,
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| attack | prefills | p50 ms | p99 ms | victim errors | lease held | "
-             "attacker calls | server RSS MiB |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| attack | prefills | p50 ms | p99 ms | victim errors | lease held | "
+        "attacker calls | server RSS MiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        calls = ", ".join(f"{k} {v}" for k, v in sorted(r["attacker"].items(),
-                                                          key=lambda kv: -kv[1]))
+        calls = ", ".join(
+            f"{k} {v}" for k, v in sorted(r["attacker"].items(), key=lambda kv: -kv[1])
+        )
         if r["error"]:
             calls = f"{calls} (attack failed: {r['error']})"
-        lines.append(f"| {r['attack']} | {r['prefills']} | {r['p50_ms']} | {r['p99_ms']} | "
-                     f"{len(r['victim_errors'])} | {'yes' if r['lease_held'] else 'NO'} | "
-                     f"{calls or '-'} | {r['rss_mib']} |")
+        lines.append(
+            f"| {r['attack']} | {r['prefills']} | {r['p50_ms']} | {r['p99_ms']} | "
+            f"{len(r['victim_errors'])} | {'yes' if r['lease_held'] else 'NO'} | "
+            f"{calls or '-'} | {r['rss_mib']} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=5.0,
-                        help="seconds the victim is measured per row (default 5)")
-    parser.add_argument("--warmup", type=float, default=0.5,
-                        help="seconds of each attack before measuring (default 0.5)")
-    parser.add_argument("--attacks", default=",".join(ATTACKS),
-                        help="comma-separated attack names (default: all)")
-    parser.add_argument("--huge-mib", type=int, default=50,
-                        help="size of the huge extra_key, MiB (default 50, the issue's)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=5.0,
+        help="seconds the victim is measured per row (default 5)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=0.5,
+        help="seconds of each attack before measuring (default 0.5)",
+    )
+    parser.add_argument(
+        "--attacks", default=",".join(ATTACKS), help="comma-separated attack names (default: all)"
+    )
+    parser.add_argument(
+        "--huge-mib",
+        type=int,
+        default=50,
+        help="size of the huge extra_key, MiB (default 50, the issue's)",
+    )
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     args = parser.parse_args(argv)
     attacks = [a.strip() for a in args.attacks.split(",") if a.strip()]
@@ -303,8 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['attack']}: victim error: {err}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"server": SERVER, "pool": POOL, "rows": rows},
-                                        indent=2))
+        args.json.write_text(json.dumps({"server": SERVER, "pool": POOL, "rows": rows}, indent=2))
     bad = [r for r in rows if not r["lease_held"] or r["victim_errors"] or r["error"]]
     return 1 if bad else 0
 

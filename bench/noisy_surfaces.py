@@ -98,8 +98,11 @@ def subscribe_churn(ctx: Any, readers: int = 6, idle: int = 10) -> None:
                     ctx.count(call.code().name)
             held[:] = [c for c in held if c.is_active()]
             while len(held) < idle:
-                held.append(stub_idle.Subscribe(pb.SubscribeRequest(
-                    model=MODEL, session_id=sid), timeout=600))
+                held.append(
+                    stub_idle.Subscribe(
+                        pb.SubscribeRequest(model=MODEL, session_id=sid), timeout=600
+                    )
+                )
                 ctx.count("idle stream")
             ctx.stop.wait(0.05)
 
@@ -123,7 +126,7 @@ def page_rpcs(ctx: Any) -> None:
     count = min(ctx.pool_size, 1 << 20)  # page size 1: one page per token
     hashes = os.urandom(32 * count)
     exists = pb.ExistsPagesRequest(model=MODEL, page_hashes=hashes, session_id=sid)
-    anonymous = pb.ExistsPagesRequest(model=MODEL, page_hashes=hashes[:32 * 1024])
+    anonymous = pb.ExistsPagesRequest(model=MODEL, page_hashes=hashes[: 32 * 1024])
     get = pb.GetPagesRequest(model=MODEL, page_hashes=hashes, session_id=sid)
 
     def body() -> None:
@@ -132,6 +135,7 @@ def page_rpcs(ctx: Any) -> None:
         reply = ctx.call("GetPages", get)
         for lock_id in reply.lock_ids if reply is not None else ():
             ctx.call("Unlock", pb.UnlockRequest(lock_id=lock_id, session_id=sid))
+
     _threads(ctx, 4, body)
 
 
@@ -142,8 +146,9 @@ def tenant_probes(ctx: Any) -> None:
     if not token:
         raise RuntimeError("the bench server has no tenant")
     metadata = (("authorization", f"Bearer {token}"),)
-    reply = ctx.stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60, client_name="tenant"),
-                                 metadata=metadata, timeout=30)
+    reply = ctx.stub.OpenSession(
+        pb.OpenSessionRequest(ttl_seconds=60, client_name="tenant"), metadata=metadata, timeout=30
+    )
     ctx.sessions.append(reply.session_id)
     sid = reply.session_id
     counter = iter(range(1 << 62))
@@ -159,16 +164,26 @@ def tenant_probes(ctx: Any) -> None:
         n = next(counter)
         call("Lock", pb.LockRequest(model=MODEL, node_id=n % 4096 + 1, session_id=sid))
         call("Match", pb.MatchRequest(model=MODEL, token_ids=_toks(range(1, 257))))
-        call("Match", pb.MatchRequest(model=MODEL, token_ids=_toks(range(n, n + 64)),
-                                      extra_key="t1/own", lock=True, allocate=True,
-                                      session_id=sid))
+        call(
+            "Match",
+            pb.MatchRequest(
+                model=MODEL,
+                token_ids=_toks(range(n, n + 64)),
+                extra_key="t1/own",
+                lock=True,
+                allocate=True,
+                session_id=sid,
+            ),
+        )
         call("Evict", pb.EvictRequest(model=MODEL, num_tokens=64, session_id=sid))
         call("Stats", pb.StatsRequest(model=MODEL))
+
     _threads(ctx, 4, body)
 
 
 def _threads(ctx: Any, n: int, body: Any) -> None:
     from bench.noisy_attacks import _threads as run  # noisy_attacks imports this module
+
     run(ctx, n, body)
 
 

@@ -77,29 +77,45 @@ def rows(sizes: list[int], budget_s: float) -> list[list[str]]:
                 if pack(given) != want:
                     raise SystemExit(f"{pack.__module__} packs {label} differently")
             copy_us, client_us, server_us = best_us(
-                [copy, lambda g=given: client_pack(g), lambda g=given: server_pack(g)],
-                budget_s)
-            out.append([label, f"{n:,}", f"{copy_us:.2f}", f"{client_us:.2f}",
-                        f"{client_us / copy_us:.1f}x", f"{server_us:.2f}",
-                        f"{server_us / copy_us:.1f}x"])
+                [copy, lambda g=given: client_pack(g), lambda g=given: server_pack(g)], budget_s
+            )
+            out.append(
+                [
+                    label,
+                    f"{n:,}",
+                    f"{copy_us:.2f}",
+                    f"{client_us:.2f}",
+                    f"{client_us / copy_us:.1f}x",
+                    f"{server_us:.2f}",
+                    f"{server_us / copy_us:.1f}x",
+                ]
+            )
     return out
 
 
 def table(body: list[list[str]]) -> str:
-    head = ["input", "tokens", "copy µs", "client µs", "client ÷ copy", "server µs",
-            "server ÷ copy"]
-    lines = ["| " + " | ".join(head) + " |",
-             "|---|" + "---:|" * (len(head) - 1)]
+    head = [
+        "input",
+        "tokens",
+        "copy µs",
+        "client µs",
+        "client ÷ copy",
+        "server µs",
+        "server ÷ copy",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, action="append",
-                        help="key length (repeatable; default 13500 and 128)")
-    parser.add_argument("--budget-ms", type=float, default=120.0,
-                        help="time spent on each row (default 120 ms)")
+    parser.add_argument(
+        "--tokens", type=int, action="append", help="key length (repeatable; default 13500 and 128)"
+    )
+    parser.add_argument(
+        "--budget-ms", type=float, default=120.0, help="time spent on each row (default 120 ms)"
+    )
     args = parser.parse_args(argv)
     print(table(rows(args.tokens or [13_500, 128], args.budget_ms / 1e3)))
 

@@ -43,7 +43,7 @@ def replay(keys: list, budget: int, page_size: int) -> dict[str, float]:
         t0 = time.thread_time_ns()
         out = engine.match(key, session, lock=True, allocate=True)
         t1 = time.thread_time_ns()
-        slots = np.concatenate([out.indices[:out.prefix_len], out.allocated])
+        slots = np.concatenate([out.indices[: out.prefix_len], out.allocated])
         t2 = time.thread_time_ns()
         engine.insert(key, slots, session, release_lock_id=out.lock_id)
         t3 = time.thread_time_ns()
@@ -51,8 +51,12 @@ def replay(keys: list, budget: int, page_size: int) -> dict[str, float]:
         insert_ns += t3 - t2
     svc.check_integrity()
     n = max(len(keys), 1)
-    return {"requests": len(keys), "prefill_us": (match_ns + insert_ns) / n / 1e3,
-            "match_us": match_ns / n / 1e3, "insert_us": insert_ns / n / 1e3}
+    return {
+        "requests": len(keys),
+        "prefill_us": (match_ns + insert_ns) / n / 1e3,
+        "match_us": match_ns / n / 1e3,
+        "insert_us": insert_ns / n / 1e3,
+    }
 
 
 def main() -> None:
@@ -66,9 +70,11 @@ def main() -> None:
     trace = load_expanded(args.trace, args.page_size, args.limit)
     out = replay(trace.keys, args.budget, args.page_size)
     out["mean_tokens"] = trace.total_tokens / max(len(trace.keys), 1)
-    print(f"{out['requests']} prefills of {out['mean_tokens']:,.0f} tokens (mean), page "
-          f"{args.page_size}: {out['prefill_us']:,.1f} µs each (Match {out['match_us']:,.1f}, "
-          f"Insert {out['insert_us']:,.1f})")
+    print(
+        f"{out['requests']} prefills of {out['mean_tokens']:,.0f} tokens (mean), page "
+        f"{args.page_size}: {out['prefill_us']:,.1f} µs each (Match {out['match_us']:,.1f}, "
+        f"Insert {out['insert_us']:,.1f})"
+    )
     if args.json:
         args.json.write_text(json.dumps(out))
 

@@ -40,8 +40,16 @@ class _Running:
 class RawScheduler:
     """One Step per scheduling step, over ``client`` (see the module docstring)."""
 
-    def __init__(self, client: Any, model: str, *, page_size: int, batch: int,
-                 ttl: float = 60.0, shadow_wait: float = 10.0) -> None:
+    def __init__(
+        self,
+        client: Any,
+        model: str,
+        *,
+        page_size: int,
+        batch: int,
+        ttl: float = 60.0,
+        shadow_wait: float = 10.0,
+    ) -> None:
         self.client = client
         self.model = model
         self.page_size = page_size
@@ -75,22 +83,37 @@ class RawScheduler:
         for req in self.waiting:
             hashes = self._hashes.get(req.rid)
             if hashes is None:
-                hashes = RequestHashes(req.origin_input_ids[: self._key_len(req)],
-                                       page_size=ps, extra_key=req.extra_key)
+                hashes = RequestHashes(
+                    req.origin_input_ids[: self._key_len(req)],
+                    page_size=ps,
+                    extra_key=req.extra_key,
+                )
                 self._hashes[req.rid] = hashes
             req.num_matched_prefix_tokens = self.shadow.match(hashes)
         self.waiting.sort(key=lambda r: -r.num_matched_prefix_tokens)
         # Admission within the batch and the budget (counters of the last reply).
         c = self.counters
-        budget = c.free_slots + c.evictable_tokens - sum(
-            int(min(r.req.max_new_tokens - len(r.req.output_ids), CLIP_MAX_NEW_TOKENS)
-                * NEW_TOKEN_RATIO) for r in self.running)
+        budget = (
+            c.free_slots
+            + c.evictable_tokens
+            - sum(
+                int(
+                    min(r.req.max_new_tokens - len(r.req.output_ids), CLIP_MAX_NEW_TOKENS)
+                    * NEW_TOKEN_RATIO
+                )
+                for r in self.running
+            )
+        )
         chosen: list[Req] = []
         for req in self.waiting:
             if len(self.running) + len(chosen) >= self.batch:
                 break
-            total = len(req.origin_input_ids) - req.num_matched_prefix_tokens \
-                + min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS) + ps
+            total = (
+                len(req.origin_input_ids)
+                - req.num_matched_prefix_tokens
+                + min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+                + ps
+            )
             if total >= budget:
                 break
             budget -= total
@@ -100,10 +123,19 @@ class RawScheduler:
         need = [r for r in self.running if not r.spare]
         pages = len(need) + len(chosen)
         reply = self.session.step(
-            self.model, finishes=self._finishes, frees=self._frees,
+            self.model,
+            finishes=self._finishes,
+            frees=self._frees,
             decodes=[pages * ps] if pages else [],
-            admits=[Admit(req.origin_input_ids[: self._key_len(req)], req.extra_key,
-                          hint=req.num_matched_prefix_tokens) for req in chosen])
+            admits=[
+                Admit(
+                    req.origin_input_ids[: self._key_len(req)],
+                    req.extra_key,
+                    hint=req.num_matched_prefix_tokens,
+                )
+                for req in chosen
+            ],
+        )
         for answered, result in zip(self._answers, reply.finishes, strict=True):
             answered(result)
         self._finishes, self._frees, self._answers = [], [], []
@@ -147,15 +179,16 @@ class RawScheduler:
         # The forward: an output token each; the finished go with the next step.
         for r in list(self.running):
             req = r.req
-            req.output_ids.append(OUT_BASE + (req.rid * 4096 + len(req.output_ids))
-                                  % (1 << 30))
+            req.output_ids.append(OUT_BASE + (req.rid * 4096 + len(req.output_ids)) % (1 << 30))
             if len(req.output_ids) >= req.max_new_tokens:
                 n = len(r.slots)  # committed: every written position
                 tokens = req.origin_input_ids + req.output_ids[: n - len(req.origin_input_ids)]
-                self._finishes.append(Finish(tokens, r.slots, release_lock_id=r.lock_id,
-                                             extra_key=req.extra_key))
-                self._answers.append(self.own.queued(req, tokens.tobytes(), 1, req.extra_key,
-                                                     last=True))
+                self._finishes.append(
+                    Finish(tokens, r.slots, release_lock_id=r.lock_id, extra_key=req.extra_key)
+                )
+                self._answers.append(
+                    self.own.queued(req, tokens.tobytes(), 1, req.extra_key, last=True)
+                )
                 if r.spare:
                     self._frees.append(r.spare)
                 self.running.remove(r)

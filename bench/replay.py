@@ -51,8 +51,12 @@ class OpStats:
     @staticmethod
     def of(ns: array) -> OpStats:
         s = sorted(ns) or [0]
-        return OpStats(len(ns), sum(s) / len(s) / 1e3, s[len(s) // 2] / 1e3,
-                       s[min(len(s) - 1, len(s) * 99 // 100)] / 1e3)
+        return OpStats(
+            len(ns),
+            sum(s) / len(s) / 1e3,
+            s[len(s) // 2] / 1e3,
+            s[min(len(s) - 1, len(s) * 99 // 100)] / 1e3,
+        )
 
 
 @dataclass
@@ -103,8 +107,12 @@ def _default_allocator(budget: int, page_size: int) -> Any:
 
 
 def yardstick_impl() -> Impl:
-    return Impl("yardstick", lambda alloc, ps: PlainRadixCache(ps, alloc),
-                lambda arr: arr.tolist(), lambda x: x)
+    return Impl(
+        "yardstick",
+        lambda alloc, ps: PlainRadixCache(ps, alloc),
+        lambda arr: arr.tolist(),
+        lambda x: x,
+    )
 
 
 # What the caller holds its token ids in, for `ours` (the pre-built array('I') is
@@ -131,9 +139,12 @@ def ours_impl(eager_hashes: bool = False, key_type: str = "packed") -> Impl:
     name = "ours+hashes" if eager_hashes else "ours"
     if key_type != "packed":
         name += f"/{key_type}"
-    return Impl(name,
-                lambda alloc, ps: RadixCache(page_size=ps, token_to_kv_pool_allocator=alloc, **kw),
-                KEY_TYPES[key_type], RadixKey)
+    return Impl(
+        name,
+        lambda alloc, ps: RadixCache(page_size=ps, token_to_kv_pool_allocator=alloc, **kw),
+        KEY_TYPES[key_type],
+        RadixKey,
+    )
 
 
 def supports_eager_hashes() -> bool:
@@ -147,8 +158,7 @@ def supports_eager_hashes() -> bool:
 def _status_kb(field_name: str) -> int | None:
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
-            return next((int(ln.split()[1]) for ln in fh if ln.startswith(field_name + ":")),
-                        None)
+            return next((int(ln.split()[1]) for ln in fh if ln.startswith(field_name + ":")), None)
     except OSError:
         return None
 
@@ -164,7 +174,10 @@ def _reset_peak_rss() -> bool:
 
 
 def replay(
-    impl: Impl, keys: list[array], budget: int, page_size: int,
+    impl: Impl,
+    keys: list[array],
+    budget: int,
+    page_size: int,
     make_allocator: Callable[[int, int], Any] = _default_allocator,
     profile_top: int = 0,
 ) -> RunResult:
@@ -183,7 +196,8 @@ def replay(
     prepare, wrap = impl.prepare, impl.wrap
     times = {op: array("q") for op in OPS}
     t_key, t_match, t_lock, t_evict, t_alloc, t_cat, t_insert, t_free, t_unlock = (
-        times[op].append for op in OPS)
+        times[op].append for op in OPS
+    )
     prefix_lens = array("q")
     clock = time.perf_counter_ns
     failed = hit = evicted = prep_ns = prep_cpu = errors = 0
@@ -263,20 +277,32 @@ def replay(
     # Read before check_integrity (its scans are not the cache's cost); without a VmHWM
     # reset, fall back to the process's lifetime peak (KiB on Linux).
     peak = (_status_kb("VmHWM") if peak_reset else None) or resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss
+        resource.RUSAGE_SELF
+    ).ru_maxrss
     integrity = _integrity(cache, alloc, capacity)
     if errors:
         integrity = f"{errors} request(s) raised, first {first_error}; {integrity}"
     wall, tokens = time.perf_counter() - t_wall, sum(len(k) for k in keys)
     return RunResult(
-        impl=impl.name, budget=budget, page_size=page_size, requests=len(keys),
-        failed=failed, errors=errors, tokens=tokens, hit_tokens=hit,
-        hit_ratio=hit / tokens if tokens else 0.0, loop_s=loop_ns / 1e9,
-        prep_s=prep_ns / 1e9, wall_s=wall,
+        impl=impl.name,
+        budget=budget,
+        page_size=page_size,
+        requests=len(keys),
+        failed=failed,
+        errors=errors,
+        tokens=tokens,
+        hit_tokens=hit,
+        hit_ratio=hit / tokens if tokens else 0.0,
+        loop_s=loop_ns / 1e9,
+        prep_s=prep_ns / 1e9,
+        wall_s=wall,
         req_per_s=len(keys) / (loop_ns / 1e9) if loop_ns else 0.0,
-        evicted_tokens=evicted, peak_rss_mb=peak / 1024,
-        peak_rss_delta_mb=(peak - rss0) / 1024, integrity=integrity,
-        ops={op: OpStats.of(ns) for op, ns in times.items()}, prefix_lens=prefix_lens,
+        evicted_tokens=evicted,
+        peak_rss_mb=peak / 1024,
+        peak_rss_delta_mb=(peak - rss0) / 1024,
+        integrity=integrity,
+        ops={op: OpStats.of(ns) for op, ns in times.items()},
+        prefix_lens=prefix_lens,
         cpu_s=loop_cpu / 1e9,
     )
 
@@ -297,31 +323,38 @@ def first_divergence(a: RunResult, b: RunResult) -> str | None:
         return None
     for i, (x, y) in enumerate(zip(a.prefix_lens, b.prefix_lens, strict=False)):
         if x != y:
-            return (f"{b.impl} vs {a.impl} (budget {a.budget:,}): request {i} matched {y} "
-                    f"tokens, expected {x}; totals {b.hit_tokens:,} vs {a.hit_tokens:,}")
+            return (
+                f"{b.impl} vs {a.impl} (budget {a.budget:,}): request {i} matched {y} "
+                f"tokens, expected {x}; totals {b.hit_tokens:,} vs {a.hit_tokens:,}"
+            )
     return None
 
 
-HEADER = ("| impl | budget | page | requests (failed/raised) | token hit | req/s | vs yardstick "
-          "| CPU µs/req | vs yardstick (CPU) "
-          "| match p50 / p99 µs | insert p50 / p99 µs | alloc p50 / p99 µs "
-          "| evict calls, mean µs | peak RSS MiB (Δ run) | loop s | wall s | integrity |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---:|---:|---|")
+HEADER = (
+    "| impl | budget | page | requests (failed/raised) | token hit | req/s | vs yardstick "
+    "| CPU µs/req | vs yardstick (CPU) "
+    "| match p50 / p99 µs | insert p50 / p99 µs | alloc p50 / p99 µs "
+    "| evict calls, mean µs | peak RSS MiB (Δ run) | loop s | wall s | integrity |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---:|---:|---|"
+)
 
 
 def table_row(r: RunResult, yard: RunResult | None) -> str:
     o = r.ops
     ratio = f"{r.req_per_s / yard.req_per_s:.2f}x" if yard and yard.req_per_s else "-"
-    cpu_ratio = (f"{yard.cpu_us_per_req / r.cpu_us_per_req:.2f}x"
-                 if yard and r.cpu_us_per_req else "-")
+    cpu_ratio = (
+        f"{yard.cpu_us_per_req / r.cpu_us_per_req:.2f}x" if yard and r.cpu_us_per_req else "-"
+    )
     pq = lambda s: f"{s.p50_us:,.1f} / {s.p99_us:,.1f}"  # noqa: E731
     ev = o["evict"]
-    return (f"| {r.impl} | {r.budget:,} | {r.page_size} | {r.requests:,} ({r.failed}/{r.errors}) "
-            f"| {r.hit_ratio:.4f} | {r.req_per_s:,.0f} | {ratio} | {r.cpu_us_per_req:,.0f} "
-            f"| {cpu_ratio} | {pq(o['match'])} "
-            f"| {pq(o['insert'])} | {pq(o['alloc'])} | {ev.calls:,}, {ev.mean_us:,.0f} "
-            f"| {r.peak_rss_mb:,.0f} ({r.peak_rss_delta_mb:+,.0f}) | {r.loop_s:.1f} "
-            f"| {r.wall_s:.1f} | {r.integrity} |")
+    return (
+        f"| {r.impl} | {r.budget:,} | {r.page_size} | {r.requests:,} ({r.failed}/{r.errors}) "
+        f"| {r.hit_ratio:.4f} | {r.req_per_s:,.0f} | {ratio} | {r.cpu_us_per_req:,.0f} "
+        f"| {cpu_ratio} | {pq(o['match'])} "
+        f"| {pq(o['insert'])} | {pq(o['alloc'])} | {ev.calls:,}, {ev.mean_us:,.0f} "
+        f"| {r.peak_rss_mb:,.0f} ({r.peak_rss_delta_mb:+,.0f}) | {r.loop_s:.1f} "
+        f"| {r.wall_s:.1f} | {r.integrity} |"
+    )
 
 
 def _in_child(fn: Callable[[], RunResult]) -> RunResult:
@@ -354,9 +387,11 @@ def _in_child(fn: Callable[[], RunResult]) -> RunResult:
 
 
 def print_tables(trace: Path, results: list[RunResult], notes: list[str]) -> None:
-    print(f"\n{trace.name}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, Python "
-          f"{platform.python_version()}, torch {torch.__version__} ({torch.get_num_threads()} "
-          f"thread), {os.cpu_count()} CPUs\n")
+    print(
+        f"\n{trace.name}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, Python "
+        f"{platform.python_version()}, torch {torch.__version__} ({torch.get_num_threads()} "
+        f"thread), {os.cpu_count()} CPUs\n"
+    )
     print(HEADER)
     for r in results:
         yard = next((y for y in results if y.impl == "yardstick" and y.budget == r.budget), None)
@@ -379,16 +414,31 @@ def main(argv: list[str] | None = None) -> int:
     add("--page-size", type=int, default=16)
     add("--limit", type=int, help="replay only the first N requests")
     add("--impl", choices=("ours", "yardstick", "both"), default="both")
-    add("--keys", default=",".join(KEY_TYPES),
+    add(
+        "--keys",
+        default=",".join(KEY_TYPES),
         help="comma-separated key types for `ours` rows, from "
-        f"{', '.join(KEY_TYPES)} (default: all); `packed` is the plain `ours` row")
-    add("--hash-pages", action="store_true",
-        help="add an 'ours+hashes' row if RadixCache accepts eager_page_hashes")
-    add("--profile", type=int, metavar="TOP", default=0,
-        help="cProfile each run and print the TOP entries by own time (slows runs)")
-    add("--torch-threads", type=int, default=1,
+        f"{', '.join(KEY_TYPES)} (default: all); `packed` is the plain `ours` row",
+    )
+    add(
+        "--hash-pages",
+        action="store_true",
+        help="add an 'ours+hashes' row if RadixCache accepts eager_page_hashes",
+    )
+    add(
+        "--profile",
+        type=int,
+        metavar="TOP",
+        default=0,
+        help="cProfile each run and print the TOP entries by own time (slows runs)",
+    )
+    add(
+        "--torch-threads",
+        type=int,
+        default=1,
         help="torch intra-op threads (default 1: tiny tensor ops on a busy 2-core VM "
-        "run up to ~8x slower with a 2-thread pool)")
+        "run up to ~8x slower with a 2-thread pool)",
+    )
     add("--no-fork", action="store_true", help="run in this process (RSS deltas then skew)")
     add("--json", type=Path, metavar="OUT", help="write all results as JSON")
     args = ap.parse_args(argv)
@@ -397,8 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.trace.exists():
         ap.error(f"trace not found: {args.trace}")
     trace = load_expanded(args.trace, args.page_size, args.limit)
-    print(f"{args.trace.name}: {len(trace.keys):,} requests, {trace.total_tokens:,} tokens; "
-          f"key build {trace.build_s:.1f} s (not timed)", file=sys.stderr)
+    print(
+        f"{args.trace.name}: {len(trace.keys):,} requests, {trace.total_tokens:,} tokens; "
+        f"key build {trace.build_s:.1f} s (not timed)",
+        file=sys.stderr,
+    )
     impls = [yardstick_impl()] if args.impl in ("yardstick", "both") else []
     key_types = [k.strip() for k in args.keys.split(",") if k.strip()]
     if bad := [k for k in key_types if k not in KEY_TYPES]:
@@ -416,12 +469,16 @@ def main(argv: list[str] | None = None) -> int:
     for budget in budgets:
         yard: RunResult | None = None
         for impl in impls:
-            job = functools.partial(replay, impl, trace.keys, budget, args.page_size,
-                                    profile_top=args.profile)
+            job = functools.partial(
+                replay, impl, trace.keys, budget, args.page_size, profile_top=args.profile
+            )
             r = _in_child(job) if fork else job()
-            print(f"{impl.name} {budget:,}: {r.req_per_s:,.0f} req/s, "
-                  f"{r.cpu_us_per_req:,.0f} CPU µs/req, hit {r.hit_ratio:.4f}, "
-                  f"{r.wall_s:.1f} s", file=sys.stderr)
+            print(
+                f"{impl.name} {budget:,}: {r.req_per_s:,.0f} req/s, "
+                f"{r.cpu_us_per_req:,.0f} CPU µs/req, hit {r.hit_ratio:.4f}, "
+                f"{r.wall_s:.1f} s",
+                file=sys.stderr,
+            )
             if impl.name == "yardstick":
                 yard = r
             elif yard is not None and (note := first_divergence(yard, r)):
@@ -432,8 +489,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         runs = [{k: v for k, v in asdict(r).items() if k != "prefix_lens"} for r in results]
-        args.json.write_text(json.dumps({"trace": str(args.trace), "key_build_s": trace.build_s,
-                                         "runs": runs, "mismatches": notes}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "trace": str(args.trace),
+                    "key_build_s": trace.build_s,
+                    "runs": runs,
+                    "mismatches": notes,
+                },
+                indent=2,
+            )
+        )
     return 1 if notes else 0
 
 

@@ -50,8 +50,12 @@ from bench.trace import DEFAULT_TRACE, expand, load_trace  # noqa: E402
 from prefixcache.v1 import prefix_cache_pb2 as pb  # noqa: E402
 from prefixcache.v1 import prefix_cache_pb2_grpc as pb_grpc  # noqa: E402
 
-_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(_REPO / p) for p in ("server", "client")),
-        "OMP_NUM_THREADS": "1", "PREFIXCACHE_LOG_FORMAT": "json"}
+_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(str(_REPO / p) for p in ("server", "client")),
+    "OMP_NUM_THREADS": "1",
+    "PREFIXCACHE_LOG_FORMAT": "json",
+}
 PAGE = 16
 _ROW_32K = "layers: 8, k_heads: 8, k_head_dim: 128"
 _TINY = "layers: 1, k_heads: 1, k_head_dim: 1"
@@ -67,14 +71,32 @@ class Serve:
         started = time.perf_counter()
         with self.log.open("wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
-                 str(tmp / f"{name}.yaml"), "--listen", self.address, "--metrics-port", "0"],
-                env=_ENV, stdout=subprocess.DEVNULL, stderr=err)
+                [
+                    sys.executable,
+                    "-m",
+                    "prefixcache.server.cli",
+                    "serve",
+                    "--config",
+                    str(tmp / f"{name}.yaml"),
+                    "--listen",
+                    self.address,
+                    "--metrics-port",
+                    "0",
+                ],
+                env=_ENV,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
         # Reconnect at once: gRPC's default backoff (1 s, then more) would round every
         # start up to whole seconds.
-        self.channel = grpc.insecure_channel(self.address, options=[
-            ("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
-            ("grpc.max_reconnect_backoff_ms", 20)])
+        self.channel = grpc.insecure_channel(
+            self.address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 10),
+                ("grpc.min_reconnect_backoff_ms", 10),
+                ("grpc.max_reconnect_backoff_ms", 20),
+            ],
+        )
         self.stub = pb_grpc.PrefixCacheStub(self.channel)
         while True:
             try:
@@ -82,8 +104,9 @@ class Serve:
                 break
             except grpc.RpcError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"serve exited {self.proc.returncode}:\n"
-                                       f"{self.log.read_text()[-3000:]}") from None
+                    raise RuntimeError(
+                        f"serve exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}"
+                    ) from None
                 time.sleep(0.005)
         self.seconds = time.perf_counter() - started
 
@@ -117,9 +140,11 @@ class Serve:
 
 
 def _config(shm: Path, pool: int, rows: str, warm: bool = True) -> str:
-    return (f"server:\n  shm_dir: \"{shm}\"\n  warm_restart: {str(warm).lower()}\n"
-            f"models:\n  - name: m\n    page_size: {PAGE}\n"
-            f"    pool: {{size: {pool}, {rows}}}\n")
+    return (
+        f'server:\n  shm_dir: "{shm}"\n  warm_restart: {str(warm).lower()}\n'
+        f"models:\n  - name: m\n    page_size: {PAGE}\n"
+        f"    pool: {{size: {pool}, {rows}}}\n"
+    )
 
 
 def _fill(stub: Any, keys: list[Any], target: int) -> int:
@@ -128,11 +153,19 @@ def _fill(stub: Any, keys: list[Any], target: int) -> int:
     cached = 0
     for key in keys:
         packed = key.tobytes()
-        m = stub.Match(pb.MatchRequest(model="m", token_ids=packed, session_id=session,
-                                       allocate=True), timeout=600)
-        stub.Insert(pb.InsertRequest(model="m", token_ids=packed, session_id=session,
-                                     slot_indices=m.slot_indices + m.allocated_slots),
-                    timeout=600)
+        m = stub.Match(
+            pb.MatchRequest(model="m", token_ids=packed, session_id=session, allocate=True),
+            timeout=600,
+        )
+        stub.Insert(
+            pb.InsertRequest(
+                model="m",
+                token_ids=packed,
+                session_id=session,
+                slot_indices=m.slot_indices + m.allocated_slots,
+            ),
+            timeout=600,
+        )
         cached += len(key) - m.prefix_len
         if cached >= target:
             break
@@ -213,14 +246,13 @@ def pool_starts(gibs: list[float], workdir: Path, rounds: int) -> list[dict[str,
                 shm = Path(tempfile.mkdtemp(prefix="pc-bench-pool-", dir="/dev/shm"))
                 cfg = _config(shm, max(64, nbytes // 32768), _ROW_32K, warm=False)
                 if not shared:
-                    cfg = cfg.replace(f"shm_dir: \"{shm}\"", "shm_dir: \"off\"")
+                    cfg = cfg.replace(f'shm_dir: "{shm}"', 'shm_dir: "off"')
                 try:
                     s = Serve(tmp, cfg, "pool")
                     row["start_s"] = min(row.get("start_s", 1e9), s.seconds)
                     if shared and nbytes:
                         deadline = time.monotonic() + 120
-                        while not s.records("pool memory reserved") and \
-                                time.monotonic() < deadline:
+                        while not s.records("pool memory reserved") and time.monotonic() < deadline:
                             time.sleep(0.05)
                         got = s.records("pool memory reserved")
                         took = got[0]["seconds"] if got else float("nan")
@@ -260,17 +292,21 @@ def main() -> int:
         results["pool_starts"] = pool_starts(gibs, workdir, args.rounds)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print("| cached tokens | cold s | stop s | warm s (xcold) | after SIGKILL s (xcold) "
-          "| restored | restore tok/s |")
+    print(
+        "| cached tokens | cold s | stop s | warm s (xcold) | after SIGKILL s (xcold) "
+        "| restored | restore tok/s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in results["restarts"]:
         if "skipped" in r:
             print(f"| {r['tokens_target'] / 1e6:.0f} M | skipped: {r['skipped']} |||||")
             continue
-        print(f"| {r['cached_tokens'] / 1e6:.1f} M | {r['cold_s']:.2f} | {r['stop_s']:.2f} | "
-              f"{r['warm_s']:.2f} ({r['warm_over_cold']:.2f}x) | {r['after_kill_s']:.2f} "
-              f"({r['after_kill_over_cold']:.2f}x) | {r['restored_tokens'] / 1e6:.1f} M / "
-              f"{r['after_kill_tokens'] / 1e6:.1f} M | {r['restore_tokens_per_s'] / 1e6:.1f} M |")
+        print(
+            f"| {r['cached_tokens'] / 1e6:.1f} M | {r['cold_s']:.2f} | {r['stop_s']:.2f} | "
+            f"{r['warm_s']:.2f} ({r['warm_over_cold']:.2f}x) | {r['after_kill_s']:.2f} "
+            f"({r['after_kill_over_cold']:.2f}x) | {r['restored_tokens'] / 1e6:.1f} M / "
+            f"{r['after_kill_tokens'] / 1e6:.1f} M | {r['restore_tokens_per_s'] / 1e6:.1f} M |"
+        )
     print()
     print("| pool | private start s (xempty) | shared start s (xempty) | shared reserved after |")
     print("|---|---|---|---|")
@@ -279,8 +315,11 @@ def main() -> int:
         cells = []
         for shared in (False, True):
             r = by.get((gib, shared), {})
-            cells.append(f"{r['start_s']:.2f} ({r.get('over_empty', 1):.2f}x)"
-                         if "start_s" in r else r.get("skipped", "-"))
+            cells.append(
+                f"{r['start_s']:.2f} ({r.get('over_empty', 1):.2f}x)"
+                if "start_s" in r
+                else r.get("skipped", "-")
+            )
         reserve = by.get((gib, True), {}).get("reserve_s", 0.0)
         print(f"| {gib:g} GiB | {cells[0]} | {cells[1]} | {reserve:.2f} s |")
     if args.json:

@@ -68,8 +68,15 @@ from prefixcache.client import (  # noqa: E402
 from prefixcache.client.worker.sglang_local import LocalSGLangCache  # noqa: E402
 
 MODEL = "bench"
-BACKENDS = ("inprocess", "client", "remote_radix_cache", "max_inprocess", "remote_radix_trie",
-            "mamba_inprocess", "remote_mamba")
+BACKENDS = (
+    "inprocess",
+    "client",
+    "remote_radix_cache",
+    "max_inprocess",
+    "remote_radix_trie",
+    "mamba_inprocess",
+    "remote_mamba",
+)
 _SERVE = "import sys; from prefixcache.server.cli import main; sys.exit(main())"
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -93,15 +100,18 @@ class Requests:
         return Req(i, self.prompts[i], self.outputs[i])
 
 
-def load_requests(path: Path, page_size: int, limit: int, scale: float,
-                  max_output: int) -> Requests:
+def load_requests(
+    path: Path, page_size: int, limit: int, scale: float, max_output: int
+) -> Requests:
     """The first ``limit`` requests: prompts as in ``trace.expand``, output lengths the
     trace's times ``scale``, at least 1 and at most ``max_output``."""
     traces = load_trace(path, limit)
     with open(path, encoding="utf-8") as fh:
-        outputs = [max(1, min(round(int(json.loads(line)["output_length"]) * scale),
-                              max_output))
-                   for line, _ in zip(fh, range(limit), strict=False) if line.strip()]
+        outputs = [
+            max(1, min(round(int(json.loads(line)["output_length"]) * scale), max_output))
+            for line, _ in zip(fh, range(limit), strict=False)
+            if line.strip()
+        ]
     return Requests(expand(traces, page_size), outputs[: len(traces)])
 
 
@@ -124,22 +134,26 @@ class Run:
 
     def summary(self) -> dict[str, Any]:
         def mean(name: str) -> float:
-            xs = self.samples.get(name, [])[self.warmup:]
+            xs = self.samples.get(name, [])[self.warmup :]
             return sum(xs) / len(xs) if xs else 0.0
 
         def peak(name: str) -> float:
-            xs = self.samples.get(name, [])[self.warmup:]
+            xs = self.samples.get(name, [])[self.warmup :]
             return max(xs) if xs else 0.0
 
         return {
-            "backend": self.backend, "steps": self.steps, "warmup_steps": self.warmup,
-            "rpcs_per_step": mean("rpcs"), "rpcs_per_step_max": peak("rpcs"),
+            "backend": self.backend,
+            "steps": self.steps,
+            "warmup_steps": self.warmup,
+            "rpcs_per_step": mean("rpcs"),
+            "rpcs_per_step_max": peak("rpcs"),
             "cache_wall_ms_per_step": mean("wall_ms"),
             "cache_wall_ms_per_step_max": peak("wall_ms"),
             "worker_cpu_ms_per_step": mean("worker_cpu_ms"),
             "server_cpu_ms_per_step": mean("server_cpu_ms"),
             "hit_ratio": self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "admitted": self.admitted, "finished": self.finished,
+            "admitted": self.admitted,
+            "finished": self.finished,
             "first_step_wall_ms": self.samples.get("wall_ms", [0.0])[0],
             "first_step_rpcs": self.samples.get("rpcs", [0.0])[0],
             "shadow_lag_events_p50": _pct(self.lag_events, 50),
@@ -157,8 +171,14 @@ def _pct(xs: list[Any], q: int) -> float:
     return float(s[min(len(s) - 1, len(s) * q // 100)])
 
 
-def drive(name: str, sched: Any, reqs: Requests, args: argparse.Namespace,
-          rpcs: Any = lambda: 0, server: ServerProcess | None = None) -> Run:
+def drive(
+    name: str,
+    sched: Any,
+    reqs: Requests,
+    args: argparse.Namespace,
+    rpcs: Any = lambda: 0,
+    server: ServerProcess | None = None,
+) -> Run:
     """Run ``args.steps`` steps, keeping ``args.waiting`` requests waiting."""
     run = Run(name, args.steps, args.warmup)
     nxt = 0
@@ -198,12 +218,30 @@ def start_server(tmp: Path, args: argparse.Namespace, tag: str) -> ServerProcess
         f"    page_size: {args.page_size}\n"
         f"    pool: {{size: {args.pool}, layers: 1, k_heads: 1, k_head_dim: 4, "
         "dtype: float16}\n"
-        + (f"    mamba: {{state_slots: {args.states}, layers: 1, conv_state_shape: [4, 3], "
-           "temporal_state_shape: [1, 4, 4]}\n" if mamba else ""))
+        + (
+            f"    mamba: {{state_slots: {args.states}, layers: 1, conv_state_shape: [4, 3], "
+            "temporal_state_shape: [1, 4, 4]}\n"
+            if mamba
+            else ""
+        )
+    )
     sock = tmp / f"{tag}.sock"
-    argv = [sys.executable, "-c", _SERVE, "serve", "--config", str(config),
-            "--listen", f"unix:{sock}", "--metrics-port", "0", "--grace-period", "1",
-            "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-c",
+        _SERVE,
+        "serve",
+        "--config",
+        str(config),
+        "--listen",
+        f"unix:{sock}",
+        "--metrics-port",
+        "0",
+        "--grace-period",
+        "1",
+        "--log-level",
+        "warning",
+    ]
     return ServerProcess(f"prefixcache serve ({tag})", argv, sock, tmp / f"{tag}.log")
 
 
@@ -217,10 +255,21 @@ def run_backend(name: str, reqs: Requests, args: argparse.Namespace, tmp: Path) 
         return drive(name, sched, reqs, args)
     if name == "mamba_inprocess":
         allocator = TokenToKVPoolAllocator(args.pool, "cpu", args.page_size)
-        states = MambaPool(max_reqs=1, max_track_slots=args.states, num_layers=1,
-                           conv_state_shape=(4, 3), temporal_state_shape=(1, 4, 4))
-        return drive(name, MambaScheduler(MambaRadixCache(args.page_size, allocator, states),
-                                          args.page_size, args.batch), reqs, args)
+        states = MambaPool(
+            max_reqs=1,
+            max_track_slots=args.states,
+            num_layers=1,
+            conv_state_shape=(4, 3),
+            temporal_state_shape=(1, 4, 4),
+        )
+        return drive(
+            name,
+            MambaScheduler(
+                MambaRadixCache(args.page_size, allocator, states), args.page_size, args.batch
+            ),
+            reqs,
+            args,
+        )
     server = start_server(tmp, args, name)
     try:
         client = CountingClient(server.target, timeout=60.0)
@@ -233,16 +282,24 @@ def run_backend(name: str, reqs: Requests, args: argparse.Namespace, tmp: Path) 
             trie.close()
         elif name == "remote_mamba":
             mcache = RemoteMambaRadixCache(client, MODEL, ttl=60.0)
-            run = drive(name, MambaScheduler(mcache, args.page_size, args.batch), reqs, args,
-                        lambda: client.rpcs, server)
+            run = drive(
+                name,
+                MambaScheduler(mcache, args.page_size, args.batch),
+                reqs,
+                args,
+                lambda: client.rpcs,
+                server,
+            )
             run.extra = {"queued_errors": len(mcache.errors)}
             mcache.close()
         elif name == "client":
             sched = RawScheduler(client, MODEL, page_size=args.page_size, batch=args.batch)
             run = drive(name, sched, reqs, args, lambda: client.rpcs, server)
             _lags(run, sched.shadow)
-            run.extra = {"stale_hints": sched.stale_hints,
-                         "failed_admissions": sched.failed_admissions}
+            run.extra = {
+                "stale_hints": sched.stale_hints,
+                "failed_admissions": sched.failed_admissions,
+            }
             sched.close()
         else:
             cache = RemoteRadixCache(client, MODEL, ttl=60.0, shadow_wait=10.0)
@@ -250,9 +307,15 @@ def run_backend(name: str, reqs: Requests, args: argparse.Namespace, tmp: Path) 
             sched = Scheduler(cache, batch=args.batch, chunk=args.chunk)
             run = drive(name, sched, reqs, args, lambda: client.rpcs, server)
             _lags(run, w.shadow)
-            run.extra = {"speculated": w.speculated, "used": w.used, "released": w.released,
-                         "shortfalls": w.shortfalls, "on_demand_calls": w.on_demand_calls,
-                         "queued_errors": len(cache.errors), "stopped_by": sched.stopped_by}
+            run.extra = {
+                "speculated": w.speculated,
+                "used": w.used,
+                "released": w.released,
+                "shortfalls": w.shortfalls,
+                "on_demand_calls": w.on_demand_calls,
+                "queued_errors": len(cache.errors),
+                "stopped_by": sched.stopped_by,
+            }
             cache.close()
         client.close()
         return run
@@ -267,19 +330,35 @@ def main(argv: list[str] | None = None) -> int:
     add("--waiting", type=int, default=128, help="requests kept waiting (default 128)")
     add("--batch", type=int, default=128, help="most requests running (default 128)")
     add("--steps", type=int, default=300, help="scheduling steps per backend (default 300)")
-    add("--warmup", type=int, default=1,
-        help="first steps left out of the per-step means (default 1: the initial fill)")
+    add(
+        "--warmup",
+        type=int,
+        default=1,
+        help="first steps left out of the per-step means (default 1: the initial fill)",
+    )
     add("--chunk", type=int, default=None, help="chunked prefill budget per step (tokens)")
     add("--page-size", type=int, default=16)
     add("--pool", type=int, default=4 * 1024 * 1024, help="KV pool in tokens (default 4M)")
-    add("--states", type=int, default=4096,
-        help="Mamba state slots of the mamba backends (default 4096)")
-    add("--output-scale", type=float, default=0.25,
+    add(
+        "--states",
+        type=int,
+        default=4096,
+        help="Mamba state slots of the mamba backends (default 4096)",
+    )
+    add(
+        "--output-scale",
+        type=float,
+        default=0.25,
         help="output lengths are the trace's times this (default 0.25: mean ~90 tokens, "
-             "so requests finish at every step, not all at once)")
+        "so requests finish at every step, not all at once)",
+    )
     add("--max-output", type=int, default=1024, help="and at most this (default 1024)")
-    add("--requests", type=int, default=None,
-        help="trace requests to load (default: enough for the run)")
+    add(
+        "--requests",
+        type=int,
+        default=None,
+        help="trace requests to load (default: enough for the run)",
+    )
     add("--backends", default=",".join(BACKENDS))
     add("--json", type=Path, metavar="OUT")
     args = ap.parse_args(argv)
@@ -288,24 +367,29 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown backends {bad}; choose from {', '.join(BACKENDS)}")
     torch.set_num_threads(1)  # small tensor ops: the thread pool only costs here
     limit = args.requests or args.waiting + args.batch + args.steps * 4
-    reqs = load_requests(args.trace, args.page_size, limit, args.output_scale,
-                         args.max_output)
+    reqs = load_requests(args.trace, args.page_size, limit, args.output_scale, args.max_output)
     results = []
     with tempfile.TemporaryDirectory(prefix="sched-bench-") as tmp:
         for name in backends:
             results.append(run_backend(name, reqs, args, Path(tmp)).summary())
-    print(f"{args.waiting} waiting, batch {args.batch}, {args.steps} steps "
-          f"(means over steps {args.warmup + 1}..), page {args.page_size}, "
-          f"pool {args.pool}, chunk {args.chunk}\n")
-    print("| backend | RPCs/step (max) | cache wall ms/step | worker CPU ms | server CPU ms "
-          "| hit ratio | shadow lag events p50/p99 | lag ms p50/p99 |")
+    print(
+        f"{args.waiting} waiting, batch {args.batch}, {args.steps} steps "
+        f"(means over steps {args.warmup + 1}..), page {args.page_size}, "
+        f"pool {args.pool}, chunk {args.chunk}\n"
+    )
+    print(
+        "| backend | RPCs/step (max) | cache wall ms/step | worker CPU ms | server CPU ms "
+        "| hit ratio | shadow lag events p50/p99 | lag ms p50/p99 |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['backend']} | {r['rpcs_per_step']:.2f} ({r['rpcs_per_step_max']:.0f}) "
-              f"| {r['cache_wall_ms_per_step']:.2f} | {r['worker_cpu_ms_per_step']:.2f} "
-              f"| {r['server_cpu_ms_per_step']:.2f} | {r['hit_ratio']:.4f} "
-              f"| {r['shadow_lag_events_p50']:.0f}/{r['shadow_lag_events_p99']:.0f} "
-              f"| {r['shadow_lag_ms_p50']:.2f}/{r['shadow_lag_ms_p99']:.2f} |")
+        print(
+            f"| {r['backend']} | {r['rpcs_per_step']:.2f} ({r['rpcs_per_step_max']:.0f}) "
+            f"| {r['cache_wall_ms_per_step']:.2f} | {r['worker_cpu_ms_per_step']:.2f} "
+            f"| {r['server_cpu_ms_per_step']:.2f} | {r['hit_ratio']:.4f} "
+            f"| {r['shadow_lag_events_p50']:.0f}/{r['shadow_lag_events_p99']:.0f} "
+            f"| {r['shadow_lag_ms_p50']:.2f}/{r['shadow_lag_ms_p99']:.2f} |"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -144,14 +144,15 @@ class Scheduler:
 
     def _rank(self) -> None:
         for req in self.waiting:
-            tokens = req.origin_input_ids + req.output_ids if req.output_ids \
-                else req.origin_input_ids
+            tokens = (
+                req.origin_input_ids + req.output_ids if req.output_ids else req.origin_input_ids
+            )
             # As SGLang: one token is always computed, so the match stops before it.
-            result = self.cache.match_prefix(MatchPrefixParams(
-                _Key(tokens, req.extra_key, limit=len(tokens) - 1), req=req))
+            result = self.cache.match_prefix(
+                MatchPrefixParams(_Key(tokens, req.extra_key, limit=len(tokens) - 1), req=req)
+            )
             req.prefix_indices, req.last_node = result.device_indices, result.last_device_node
-            req.last_host_node, req.best_match_node = result.last_host_node, \
-                result.best_match_node
+            req.last_host_node, req.best_match_node = result.last_host_node, result.best_match_node
             req.host_hit_length = result.host_hit_length
             req.num_matched_prefix_tokens = len(req.prefix_indices) + req.host_hit_length
         self.waiting.sort(key=lambda r: -r.num_matched_prefix_tokens)
@@ -168,8 +169,11 @@ class Scheduler:
             self.cache.dec_lock_ref(node, receipt)
 
     def _admit(self, out: StepResult) -> list[Req]:
-        reserved = sum(int(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS)
-                           * NEW_TOKEN_RATIO) for r in self.running if r is not self.chunked)
+        reserved = sum(
+            int(min(r.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * NEW_TOKEN_RATIO)
+            for r in self.running
+            if r is not self.chunked
+        )
         rem_chunk = self.chunk
         admitted: list[Req] = []
         if self.chunked is not None:  # the chunked request goes on first
@@ -201,8 +205,9 @@ class Scheduler:
                     stop = "budget"
                     break
                 if req.host_hit_length:
-                    loaded = self.cache.init_load_back(InitLoadBackParams(
-                        req.best_match_node, req.host_hit_length, req=req))
+                    loaded = self.cache.init_load_back(
+                        InitLoadBackParams(req.best_match_node, req.host_hit_length, req=req)
+                    )
                     if loaded is None:
                         stop = "load_back"
                         break
@@ -240,20 +245,22 @@ class Scheduler:
         prefix_lens, seq_lens, last_loc = [], [], []
         for req in admitted:
             if req.req_pool_idx is None:
-                req.req_pool_idx = self.pool.alloc(len(req.origin_input_ids)
-                                                   + req.max_new_tokens)
+                req.req_pool_idx = self.pool.alloc(len(req.origin_input_ids) + req.max_new_tokens)
             prefix = len(req.prefix_indices)
             prefix_lens.append(prefix)
             seq_lens.append(prefix + req.extend_input_len)
             last_loc.append(int(req.prefix_indices[-1]) if prefix else -1)
         need = sum(seq_lens) - sum(prefix_lens)
-        slots = self._alloc(lambda: self.alloc.alloc_extend(
-            _t(prefix_lens), _t(prefix_lens), _t(seq_lens), _t(seq_lens), _t(last_loc),
-            need), need + len(admitted) * self.page_size)
+        slots = self._alloc(
+            lambda: self.alloc.alloc_extend(
+                _t(prefix_lens), _t(prefix_lens), _t(seq_lens), _t(seq_lens), _t(last_loc), need
+            ),
+            need + len(admitted) * self.page_size,
+        )
         at = 0
         for req, pre, seq in zip(admitted, prefix_lens, seq_lens, strict=True):
             row = (req.req_pool_idx, slice(0, seq))
-            self.pool.write(row, torch.cat([req.prefix_indices, slots[at:at + seq - pre]]))
+            self.pool.write(row, torch.cat([req.prefix_indices, slots[at : at + seq - pre]]))
             at += seq - pre
             if req not in self.running:
                 self.running.append(req)
@@ -264,13 +271,17 @@ class Scheduler:
         if not reqs:
             return
         seq_lens = [r.seq_len for r in reqs]
-        last_loc = [int(self.pool.req_to_token[r.req_pool_idx, r.seq_len - 2:r.seq_len - 1])
-                    for r in reqs]
-        slots = self._alloc(lambda: self.alloc.alloc_decode(
-            _t(seq_lens), _t(seq_lens), _t(last_loc)), len(reqs) * self.page_size)
+        last_loc = [
+            int(self.pool.req_to_token[r.req_pool_idx, r.seq_len - 2 : r.seq_len - 1]) for r in reqs
+        ]
+        slots = self._alloc(
+            lambda: self.alloc.alloc_decode(_t(seq_lens), _t(seq_lens), _t(last_loc)),
+            len(reqs) * self.page_size,
+        )
         for req, slot in zip(reqs, slots, strict=True):
-            self.pool.write((req.req_pool_idx, slice(req.seq_len - 1, req.seq_len)),
-                            slot.reshape(1))
+            self.pool.write(
+                (req.req_pool_idx, slice(req.seq_len - 1, req.seq_len)), slot.reshape(1)
+            )
         out.decode_tokens = len(reqs)
 
     def _alloc(self, call: Any, need: int) -> torch.Tensor:
@@ -286,8 +297,7 @@ class Scheduler:
         for req in [*decoding, *admitted]:
             if req is self.chunked:
                 continue
-            req.output_ids.append(OUT_BASE + (req.rid * 4096 + len(req.output_ids))
-                                  % (1 << 30))
+            req.output_ids.append(OUT_BASE + (req.rid * 4096 + len(req.output_ids)) % (1 << 30))
         for req in list(self.running):
             if req is self.chunked:
                 self.cache.cache_unfinished_req(req, chunked=True)

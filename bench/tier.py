@@ -63,29 +63,50 @@ from bench.trace import DEFAULT_TRACE, load_expanded  # noqa: E402
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    parser.add_argument("--synthetic", action="store_true",
-                        help="a synthetic conversation trace instead of the file")
+    parser.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="a synthetic conversation trace instead of the file",
+    )
     parser.add_argument("--limit", type=int, default=200, help="requests replayed")
     parser.add_argument("--page-size", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--fetch-requests", type=int, default=8,
-                        help="requests the fetch measurement replays (0: none)")
+    parser.add_argument(
+        "--fetch-requests",
+        type=int,
+        default=8,
+        help="requests the fetch measurement replays (0: none)",
+    )
     parser.add_argument("--fetch-page-size", type=int, default=64)
     parser.add_argument("--fetch-layers", type=int, default=2)
     parser.add_argument("--fetch-heads", type=int, default=4)
     parser.add_argument("--fetch-head-dim", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds of the fetch measurements (the best counts)")
-    parser.add_argument("--fetch-only", action="store_true",
-                        help="only the fetch measurement (no hit-ratio runs)")
-    parser.add_argument("--no-split", dest="split", action="store_false",
-                        help="skip Mooncake's reads of an object per page and buffer")
-    parser.add_argument("--no-seal", dest="seal", action="store_false",
-                        help="skip the fetch with seal checks against the same without")
-    parser.add_argument("--seal-pages", type=int, default=512,
-                        help="pages the seal measurement reads (at the --fetch-* geometry)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of the fetch measurements (the best counts)"
+    )
+    parser.add_argument(
+        "--fetch-only", action="store_true", help="only the fetch measurement (no hit-ratio runs)"
+    )
+    parser.add_argument(
+        "--no-split",
+        dest="split",
+        action="store_false",
+        help="skip Mooncake's reads of an object per page and buffer",
+    )
+    parser.add_argument(
+        "--no-seal",
+        dest="seal",
+        action="store_false",
+        help="skip the fetch with seal checks against the same without",
+    )
+    parser.add_argument(
+        "--seal-pages",
+        type=int,
+        default=512,
+        help="pages the seal measurement reads (at the --fetch-* geometry)",
+    )
     parser.add_argument("--seal-batch", type=int, default=128, help="pages a call")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -98,16 +119,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     row_bytes = args.heads * args.head_dim * 2
     parts = [args.page_size * row_bytes] * (2 * args.layers)
     page_bytes = sum(parts)
-    out: dict[str, Any] = {"trace": str(path or "synthetic"), "requests": len(keys),
-                           "tokens": sum(map(len, keys)), "page_size": args.page_size,
-                           "page_bytes": page_bytes, "pool_tokens": pool_tokens}
+    out: dict[str, Any] = {
+        "trace": str(path or "synthetic"),
+        "requests": len(keys),
+        "tokens": sum(map(len, keys)),
+        "page_size": args.page_size,
+        "page_bytes": page_bytes,
+        "pool_tokens": pool_tokens,
+    }
     with tempfile.TemporaryDirectory(prefix="tier-bench-") as tmp_name:
         tmp = Path(tmp_name)
         if not args.fetch_only:
             out.update(hit_ratios(args, keys, model, unique, page_bytes, tmp))
         if args.fetch_requests:
-            out.update(fetch_phase(args, trace_keys(args, args.fetch_page_size,
-                                                    args.fetch_requests), tmp))
+            out.update(
+                fetch_phase(args, trace_keys(args, args.fetch_page_size, args.fetch_requests), tmp)
+            )
         if args.seal:
             seal_dir = tmp / "seal"
             seal_dir.mkdir()
@@ -117,8 +144,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out["tier_vs_single"] = out["two_nodes_tier_hit_ratio"] / single if single else None
     if out.get("mooncake_get_gbps_object_per_buffer"):
         out["page_bytes_parts"] = 2 * args.fetch_layers
-        out["object_per_buffer_vs_page"] = (out["mooncake_get_gbps_object_per_buffer"]
-                                            / out["mooncake_get_gbps_object_per_page"])
+        out["object_per_buffer_vs_page"] = (
+            out["mooncake_get_gbps_object_per_buffer"] / out["mooncake_get_gbps_object_per_page"]
+        )
     if out.get("mooncake_get_gbps"):
         out["fetch_vs_mooncake"] = out["fetch_gbps"] / out["mooncake_get_gbps"]
         out["fetch_vs_mooncake_median"] = float(np.median(out["fetch_vs_mooncake_rounds"]))
@@ -129,8 +157,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _print(out: dict[str, Any]) -> None:
-    print(f"trace {out['trace']}: {out['requests']} requests, {out['tokens']} tokens, "
-          f"pages of {out['page_size']} tokens ({out['page_bytes']} bytes)")
+    print(
+        f"trace {out['trace']}: {out['requests']} requests, {out['tokens']} tokens, "
+        f"pages of {out['page_size']} tokens ({out['page_bytes']} bytes)"
+    )
     if "single_hit_ratio" in out:
         print("| run | token hit ratio |")
         print("|---|---|")
@@ -138,52 +168,76 @@ def _print(out: dict[str, Any]) -> None:
         print(f"| two nodes, no tier | {out['two_nodes_no_tier_hit_ratio']:.4f} |")
         print(f"| two nodes, tier | {out['two_nodes_tier_hit_ratio']:.4f} |")
     if out.get("tier_vs_single") is not None:
-        print(f"two nodes with the tier / one sidecar: {out['tier_vs_single']:.3f} "
-              "(target >= 0.95)")
+        print(
+            f"two nodes with the tier / one sidecar: {out['tier_vs_single']:.3f} (target >= 0.95)"
+        )
     if out.get("mooncake_get_gbps"):
-        print(f"fetches of {out['fetch_requests']} requests' pages, "
-              f"{out['fetch_page_bytes']} bytes each:")
+        print(
+            f"fetches of {out['fetch_requests']} requests' pages, "
+            f"{out['fetch_page_bytes']} bytes each:"
+        )
         print("| fetch | GB/s |")
         print("|---|---|")
-        print(f"| ours (Match's fetch, {out['fetch_pages_per_lookup']} pages a lookup) | "
-              f"{out['fetch_gbps']:.3f} |")
+        print(
+            f"| ours (Match's fetch, {out['fetch_pages_per_lookup']} pages a lookup) | "
+            f"{out['fetch_gbps']:.3f} |"
+        )
         if "replay_fetch_gbps" in out:
-            print(f"| ours, during the two-node replay ({out['page_bytes']}-byte pages) | "
-                  f"{out['replay_fetch_gbps']:.3f} |")
-        print(f"| Mooncake batch_get_into, same pages and batches | "
-              f"{out['mooncake_get_gbps']:.3f} |")
+            print(
+                f"| ours, during the two-node replay ({out['page_bytes']}-byte pages) | "
+                f"{out['replay_fetch_gbps']:.3f} |"
+            )
+        print(
+            f"| Mooncake batch_get_into, same pages and batches | {out['mooncake_get_gbps']:.3f} |"
+        )
         print(f"| memcpy, same bytes | {out['memcpy_gbps']:.3f} |")
         rounds = ", ".join(f"{r:.2f}" for r in out["fetch_vs_mooncake_rounds"])
-        print(f"ours / Mooncake's: {out['fetch_vs_mooncake']:.3f} best over best, "
-              f"{out['fetch_vs_mooncake_median']:.3f} median of the rounds ({rounds}); "
-              "target >= 0.8")
+        print(
+            f"ours / Mooncake's: {out['fetch_vs_mooncake']:.3f} best over best, "
+            f"{out['fetch_vs_mooncake_median']:.3f} median of the rounds ({rounds}); "
+            "target >= 0.8"
+        )
     if out.get("mooncake_get_gbps_object_per_buffer"):
         print(f"the object split, Mooncake alone, {out['split_pages']} pages, call by call:")
         print("| Mooncake batch_get_into | GB/s |")
         print("|---|---|")
-        print(f"| an object per page ({out['page_bytes_parts']} parts) | "
-              f"{out['mooncake_get_gbps_object_per_page']:.3f} |")
-        print("| an object per page and K/V buffer | "
-              f"{out['mooncake_get_gbps_object_per_buffer']:.3f} |")
+        print(
+            f"| an object per page ({out['page_bytes_parts']} parts) | "
+            f"{out['mooncake_get_gbps_object_per_page']:.3f} |"
+        )
+        print(
+            "| an object per page and K/V buffer | "
+            f"{out['mooncake_get_gbps_object_per_buffer']:.3f} |"
+        )
         split = ", ".join(f"{r:.2f}" for r in out["object_per_buffer_vs_page_rounds"])
-        print(f"per buffer / per page: {out['object_per_buffer_vs_page']:.3f} best over "
-              f"best, rounds {split}")
-        print(f"a lookup's exists probe ({out['fetch_pages_per_lookup']} pages): "
-              f"{out['exists_ms_object_per_page']:.2f} ms per page object, "
-              f"{out['exists_ms_object_per_buffer']:.2f} ms per page and buffer")
+        print(
+            f"per buffer / per page: {out['object_per_buffer_vs_page']:.3f} best over "
+            f"best, rounds {split}"
+        )
+        print(
+            f"a lookup's exists probe ({out['fetch_pages_per_lookup']} pages): "
+            f"{out['exists_ms_object_per_page']:.2f} ms per page object, "
+            f"{out['exists_ms_object_per_buffer']:.2f} ms per page and buffer"
+        )
     if "seal_check_gbps_digest" in out:
-        print(f"seal checks, {out['seal_pages']} pages of {out['seal_page_bytes']} bytes, "
-              f"{out['seal_batch']} a call, call by call:")
-        print("| seal | fetch GB/s unchecked | checked | checked / unchecked time: best "
-              "over best (rounds) | median of the call pairs | check alone GB/s |")
+        print(
+            f"seal checks, {out['seal_pages']} pages of {out['seal_page_bytes']} bytes, "
+            f"{out['seal_batch']} a call, call by call:"
+        )
+        print(
+            "| seal | fetch GB/s unchecked | checked | checked / unchecked time: best "
+            "over best (rounds) | median of the call pairs | check alone GB/s |"
+        )
         print("|---|---|---|---|---|---|")
         for kind in ("digest", "mac"):
             rounds = ", ".join(f"{r:.2f}" for r in out[f"fetch_checked_cost_{kind}_rounds"])
-            print(f"| {kind} | {out[f'fetch_gbps_{kind}_unchecked']:.3f} | "
-                  f"{out[f'fetch_gbps_{kind}_checked']:.3f} | "
-                  f"{out[f'fetch_checked_cost_{kind}']:.3f} ({rounds}) | "
-                  f"{out[f'fetch_checked_cost_{kind}_median']:.3f} | "
-                  f"{out[f'seal_check_gbps_{kind}']:.1f} |")
+            print(
+                f"| {kind} | {out[f'fetch_gbps_{kind}_unchecked']:.3f} | "
+                f"{out[f'fetch_gbps_{kind}_checked']:.3f} | "
+                f"{out[f'fetch_checked_cost_{kind}']:.3f} ({rounds}) | "
+                f"{out[f'fetch_checked_cost_{kind}_median']:.3f} | "
+                f"{out[f'seal_check_gbps_{kind}']:.1f} |"
+            )
         print("target: checked / unchecked <= 1.10")
 
 

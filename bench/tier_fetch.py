@@ -77,8 +77,10 @@ def paired_round(node: Sidecar, keys: list[Any], reader: MooncakeReader) -> tupl
             theirs_seconds += reader.read(at, n)
             at += n
     theirs_bytes = ours_bytes  # the same pages' bytes
-    return (ours_bytes / ours_seconds / 1e9 if ours_seconds else 0.0,
-            theirs_bytes / theirs_seconds / 1e9 if theirs_seconds else 0.0)
+    return (
+        ours_bytes / ours_seconds / 1e9 if ours_seconds else 0.0,
+        theirs_bytes / theirs_seconds / 1e9 if theirs_seconds else 0.0,
+    )
 
 
 class MooncakeReader:
@@ -90,10 +92,13 @@ class MooncakeReader:
         self.parts, self.pages = parts, pages
         self.page_bytes = sum(parts)
         prefix = f"bench/{name}/{len(parts)}x{parts[0]}/"
-        self.writer = subprocess.Popen([sys.executable, "-c", _WRITER, master, str(pages),
-                                        json.dumps(parts), prefix],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       env=child_env(), text=True)
+        self.writer = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, master, str(pages), json.dumps(parts), prefix],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=child_env(),
+            text=True,
+        )
         self.store: Any = None
         try:
             line = self.writer.stdout.readline() if self.writer.stdout else ""
@@ -103,8 +108,7 @@ class MooncakeReader:
             from mooncake.store import MooncakeDistributedStore
 
             self.store = MooncakeDistributedStore()
-            if self.store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "",
-                                master):
+            if self.store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master):
                 raise RuntimeError("Mooncake setup failed")
             self.buf = np.zeros(pages * self.page_bytes, np.uint8)
             self.store.register_buffer(self.buf.ctypes.data, self.buf.nbytes)
@@ -117,14 +121,22 @@ class MooncakeReader:
     def read(self, at: int, n: int) -> float:
         """Read pages ``at`` to ``at + n`` in one call: its seconds."""
         base = self.buf.ctypes.data
-        ptrs = [[base + i * self.page_bytes + sum(self.parts[:j])
-                 for j in range(len(self.parts))] for i in range(at, at + n)]
-        keys, sizes = self.keys[at:at + n], [self.parts] * n
+        ptrs = [
+            [base + i * self.page_bytes + sum(self.parts[:j]) for j in range(len(self.parts))]
+            for i in range(at, at + n)
+        ]
+        keys, sizes = self.keys[at : at + n], [self.parts] * n
         start = time.perf_counter()
         # In calls of at most MAX_CALL_PARTS parts, as the tier's backend makes them
         # (Mooncake's TCP transport rejects what it cannot queue).
-        codes = chunked(self.store.batch_get_into_multi_buffers, self.budget, keys, ptrs,
-                        sizes, stop_on=lambda code: False)
+        codes = chunked(
+            self.store.batch_get_into_multi_buffers,
+            self.budget,
+            keys,
+            ptrs,
+            sizes,
+            stop_on=lambda code: False,
+        )
         seconds = time.perf_counter() - start
         if any(c != self.page_bytes for c in codes):
             raise RuntimeError(f"Mooncake get failed: {sorted(set(codes))}")
@@ -141,7 +153,7 @@ class MooncakeReader:
     def exists(self, at: int, n: int) -> float:
         """Probe pages ``at`` to ``at + n`` in one ``batch_is_exist`` (as a lookup asks
         before it reads): its seconds."""
-        keys = self.keys[at:at + n]
+        keys = self.keys[at : at + n]
         start = time.perf_counter()
         codes = self.store.batch_is_exist(keys)
         seconds = time.perf_counter() - start
@@ -157,7 +169,7 @@ class MooncakeReader:
         for _ in range(rounds):
             start = time.perf_counter()
             for i in range(0, buf.nbytes, step):
-                np.copyto(dst[i:i + step], buf[i:i + step])
+                np.copyto(dst[i : i + step], buf[i : i + step])
             best = min(best, time.perf_counter() - start)
         return buf.nbytes / best / 1e9
 
@@ -178,8 +190,9 @@ def _batches(pages: int, batch: int) -> list[int]:
 SPLIT_PAGES = 512
 
 
-def split_gbps(master: str, parts: list[int], pages: int, batch: int,
-               rounds: int = 3) -> dict[str, Any]:
+def split_gbps(
+    master: str, parts: list[int], pages: int, batch: int, rounds: int = 3
+) -> dict[str, Any]:
     """The object split (docs/across-nodes.md), Mooncake alone: the same bytes read as
     an object per page (``parts`` its parts, ``batch`` pages a call) and as an object per
     page and buffer (``len(parts)`` times the objects and the batch), the two
@@ -212,14 +225,17 @@ def split_gbps(master: str, parts: list[int], pages: int, batch: int,
             split.close()
     finally:
         whole.close()
-    return {"split_pages": pages,
-            "mooncake_get_gbps_object_per_page": max(page_gbps),
-            "mooncake_get_gbps_object_per_buffer": max(buffer_gbps),
-            "object_per_buffer_vs_page_rounds": [b / p for p, b in zip(page_gbps, buffer_gbps,
-                                                                       strict=True)],
-            # A lookup's exists probe (its batch of keys in one call), best of the rounds.
-            "exists_ms_object_per_page": 1e3 * min(page_probe),
-            "exists_ms_object_per_buffer": 1e3 * min(buffer_probe)}
+    return {
+        "split_pages": pages,
+        "mooncake_get_gbps_object_per_page": max(page_gbps),
+        "mooncake_get_gbps_object_per_buffer": max(buffer_gbps),
+        "object_per_buffer_vs_page_rounds": [
+            b / p for p, b in zip(page_gbps, buffer_gbps, strict=True)
+        ],
+        # A lookup's exists probe (its batch of keys in one call), best of the rounds.
+        "exists_ms_object_per_page": 1e3 * min(page_probe),
+        "exists_ms_object_per_buffer": 1e3 * min(buffer_probe),
+    }
 
 
 # The other process of MooncakeReader: puts the pages into its own segment and holds
@@ -258,14 +274,21 @@ def fetch_phase(args: argparse.Namespace, keys: list[Any], tmp: Path) -> dict[st
     reads of as many pages, in the same batches, from another process's segment."""
     page_size = args.fetch_page_size
     unique = unique_pages(keys, page_size)
-    geometry = argparse.Namespace(page_size=page_size, layers=args.fetch_layers,
-                                  heads=args.fetch_heads, head_dim=args.fetch_head_dim)
+    geometry = argparse.Namespace(
+        page_size=page_size,
+        layers=args.fetch_layers,
+        heads=args.fetch_heads,
+        head_dim=args.fetch_head_dim,
+    )
     model = model_config(geometry, (unique + 2) * page_size + max(map(len, keys)))
     row = args.fetch_heads * args.fetch_head_dim * 2
     parts = [page_size * row] * (2 * args.fetch_layers)
     master = Master(tmp)
-    tier = {"master": master.address, "timeout": 10.0,
-            "segment_bytes": max(64 << 20, 2 * unique * sum(parts))}
+    tier = {
+        "master": master.address,
+        "timeout": 10.0,
+        "segment_bytes": max(64 << 20, 2 * unique * sum(parts)),
+    }
     # The reader starts beside the writer (it looks nothing up until the writer is done).
     nodes = [Sidecar(tmp, "fetch-writer", model, tier), Sidecar(tmp, "fetch-reader", model, tier)]
     out: dict[str, Any] = {"fetch_page_bytes": sum(parts), "fetch_requests": len(keys)}
@@ -300,8 +323,9 @@ def fetch_phase(args: argparse.Namespace, keys: list[Any], tmp: Path) -> dict[st
         if args.split:
             # The other split (docs/across-nodes.md): an object per page and buffer
             # (layer, K or V), the same bytes in len(parts) times the objects.
-            out.update(split_gbps(master.address, parts, pages,
-                                  out["fetch_pages_per_lookup"], args.rounds))
+            out.update(
+                split_gbps(master.address, parts, pages, out["fetch_pages_per_lookup"], args.rounds)
+            )
     finally:
         if reader is not None:
             reader.close()

@@ -46,10 +46,18 @@ class Master:
         self.port = _free_port()
         log = open(tmp / "master.log", "w")  # noqa: SIM115 (lives with the process)
         self.proc = subprocess.Popen(
-            ["mooncake_master", f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
-             f"--metrics_port={_free_port()}", "--metrics_host=127.0.0.1",
-             "--enable_metric_reporting=false"],
-            env={**os.environ, "GLOG_minloglevel": "1"}, stdout=log, stderr=log)
+            [
+                "mooncake_master",
+                f"--rpc_port={self.port}",
+                "--rpc_address=127.0.0.1",
+                f"--metrics_port={_free_port()}",
+                "--metrics_host=127.0.0.1",
+                "--enable_metric_reporting=false",
+            ],
+            env={**os.environ, "GLOG_minloglevel": "1"},
+            stdout=log,
+            stderr=log,
+        )
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -76,8 +84,9 @@ class Master:
 class Sidecar:
     """One ``prefixcache serve`` (a node), with its metrics scraped over HTTP."""
 
-    def __init__(self, tmp: Path, name: str, model: dict[str, Any],
-                 tier: dict[str, Any] | None) -> None:
+    def __init__(
+        self, tmp: Path, name: str, model: dict[str, Any], tier: dict[str, Any] | None
+    ) -> None:
         folder = tmp / name
         folder.mkdir()
         server: dict[str, Any] = {"shm_dir": "off"}
@@ -88,18 +97,33 @@ class Sidecar:
         self.metrics_port = _free_port()
         self.stderr = open(folder / "stderr", "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            [*_CLI, "serve", "--config", str(folder / "pc.yaml"), "--listen", self.address,
-             "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1"],
-            env=child_env(), stdout=subprocess.DEVNULL, stderr=self.stderr)
+            [
+                *_CLI,
+                "serve",
+                "--config",
+                str(folder / "pc.yaml"),
+                "--listen",
+                self.address,
+                "--metrics-port",
+                str(self.metrics_port),
+                "--metrics-host",
+                "127.0.0.1",
+            ],
+            env=child_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=self.stderr,
+        )
         self.client: PrefixCacheClient | None = None
         self.pages_out = 0.0
         pool = model["pool"]
-        self.page_bytes = (model["page_size"] * pool["k_heads"] * pool["k_head_dim"] * 2
-                           * 2 * pool["layers"])
+        self.page_bytes = (
+            model["page_size"] * pool["k_heads"] * pool["k_head_dim"] * 2 * 2 * pool["layers"]
+        )
 
     def metric(self, pattern: str) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                    timeout=10) as reply:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10
+        ) as reply:
             text = reply.read().decode()
         total = 0.0
         for line in text.splitlines():
@@ -119,8 +143,9 @@ class Sidecar:
             except OSError:
                 value = float("nan")
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{pattern} stayed at {value} (< {minimum}); see "
-                                   f"{self.stderr.name}")
+                raise RuntimeError(
+                    f"{pattern} stayed at {value} (< {minimum}); see {self.stderr.name}"
+                )
             time.sleep(0.05)
 
     def connect(self) -> PrefixCacheClient:
@@ -133,8 +158,9 @@ class Sidecar:
                 return self.client
             except Exception:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the sidecar did not start; see {self.stderr.name}"
-                                       ) from None
+                    raise RuntimeError(
+                        f"the sidecar did not start; see {self.stderr.name}"
+                    ) from None
                 time.sleep(0.1)
 
     def stop(self) -> None:
@@ -167,9 +193,17 @@ def stop_all(nodes: list[Sidecar]) -> None:
 
 
 def model_config(args: argparse.Namespace, pool_tokens: int) -> dict[str, Any]:
-    return {"name": MODEL, "page_size": args.page_size,
-            "pool": {"size": pool_tokens, "layers": args.layers, "k_heads": args.heads,
-                     "k_head_dim": args.head_dim, "dtype": "float16"}}
+    return {
+        "name": MODEL,
+        "page_size": args.page_size,
+        "pool": {
+            "size": pool_tokens,
+            "layers": args.layers,
+            "k_heads": args.heads,
+            "k_head_dim": args.head_dim,
+            "dtype": "float16",
+        },
+    }
 
 
 _WRITTEN = r"prefixcache_tier_put_(pages|failed_pages|dropped_pages)_total\{.*\}"
@@ -204,7 +238,7 @@ def unique_pages(keys: list[Any], page_size: int) -> int:
     for key in keys:
         data, prior = memoryview(key).cast("B"), b""
         for at in range(0, len(data) - step + 1, step):
-            prior = hashlib.sha256(prior + data[at:at + step]).digest()
+            prior = hashlib.sha256(prior + data[at : at + step]).digest()
             seen.add(prior)
     return len(seen)
 

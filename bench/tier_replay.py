@@ -11,8 +11,14 @@ from typing import Any
 from bench.tier_nodes import Master, Sidecar, replay, stop_all
 
 
-def hit_ratios(args: argparse.Namespace, keys: list[Any], model: dict[str, Any], unique: int,
-               page_bytes: int, tmp: Path) -> dict[str, Any]:
+def hit_ratios(
+    args: argparse.Namespace,
+    keys: list[Any],
+    model: dict[str, Any],
+    unique: int,
+    page_bytes: int,
+    tmp: Path,
+) -> dict[str, Any]:
     """The three replays: one sidecar, two without the tier, two with it (the sidecars
     without the tier start together, and so do those with it)."""
     out: dict[str, Any] = {}
@@ -23,8 +29,11 @@ def hit_ratios(args: argparse.Namespace, keys: list[Any], model: dict[str, Any],
     finally:
         stop_all(plain)
     master = Master(tmp)
-    tier = {"master": master.address, "timeout": 5.0,
-            "segment_bytes": max(64 << 20, 2 * unique * page_bytes)}
+    tier = {
+        "master": master.address,
+        "timeout": 5.0,
+        "segment_bytes": max(64 << 20, 2 * unique * page_bytes),
+    }
     pair = [Sidecar(tmp, f"tier{i}", model, tier) for i in range(2)]
     try:
         for node in pair:

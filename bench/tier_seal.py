@@ -44,16 +44,28 @@ class SealedPages:
         self.parts, self.pages = parts, pages
         self.page_bytes = sum(parts)
         self.writer = subprocess.Popen(
-            [sys.executable, "-c", _WRITER, master, str(pages), json.dumps(parts),
-             json.dumps({k: (v.hex() if v else None) for k, v in KINDS.items()})],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), text=True)
+            [
+                sys.executable,
+                "-c",
+                _WRITER,
+                master,
+                str(pages),
+                json.dumps(parts),
+                json.dumps({k: (v.hex() if v else None) for k, v in KINDS.items()}),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=child_env(),
+            text=True,
+        )
         self.backend: Any = None
         try:
             line = self.writer.stdout.readline() if self.writer.stdout else ""
             if line.strip() != "ready":
                 raise RuntimeError(f"the sealed-page writer did not start: {line!r}")
-            self.backend = MooncakeBackend(TierConfig(master=master, local_hostname="127.0.0.1",
-                                                      segment_bytes=16 << 20))
+            self.backend = MooncakeBackend(
+                TierConfig(master=master, local_hostname="127.0.0.1", segment_bytes=16 << 20)
+            )
             # One buffer per K/V part, page i's part at row i: a pool's layout.
             self.buffers = [np.zeros((pages, size), np.uint8) for size in parts]
             self.slots = SealSlots(pages)
@@ -72,19 +84,30 @@ class SealedPages:
 
     def _call(self, kind: str, at: int, n: int) -> tuple[list[str], Any, Any]:
         keys = [f"bench/seal/{kind}/{i}" for i in range(at, at + n)]
-        ptrs = [[int(b.ctypes.data) + i * size for b, size in zip(self.buffers, self.parts,
-                                                                   strict=True)]
-                for i in range(at, at + n)]
+        ptrs = [
+            [
+                int(b.ctypes.data) + i * size
+                for b, size in zip(self.buffers, self.parts, strict=True)
+            ]
+            for i in range(at, at + n)
+        ]
         sizes = [list(self.parts)] * n
-        return keys, *sealed(ptrs, sizes, self.slots.ptrs(self.taken[at:at + n]))
+        return keys, *sealed(ptrs, sizes, self.slots.ptrs(self.taken[at : at + n]))
 
     def read(self, kind: str, at: int, n: int, check: bool) -> float:
         """Read pages ``at`` to ``at + n`` in one call (checked or not): its seconds."""
         keys, ptrs, sizes = self._call(kind, at, n)
         object_bytes = self.page_bytes + 32
         seal = PageSeal(KINDS[kind])
-        checker = page_checker(seal, [_ident(i) for i in range(at, at + n)], ptrs, sizes,
-                               self.memory, self.slots, self.taken[at:at + n])
+        checker = page_checker(
+            seal,
+            [_ident(i) for i in range(at, at + n)],
+            ptrs,
+            sizes,
+            self.memory,
+            self.slots,
+            self.taken[at : at + n],
+        )
         start = time.perf_counter()
         if check:
             codes = checked_get(self.backend, keys, ptrs, sizes, checker, object_bytes)
@@ -98,8 +121,15 @@ class SealedPages:
     def seal_gbps(self, kind: str, rounds: int) -> float:
         """The seal check alone over every page in memory: GB/s, best of ``rounds``."""
         _, ptrs, sizes = self._call(kind, 0, self.pages)
-        check = page_checker(PageSeal(KINDS[kind]), [_ident(i) for i in range(self.pages)],
-                             ptrs, sizes, self.memory, self.slots, self.taken)
+        check = page_checker(
+            PageSeal(KINDS[kind]),
+            [_ident(i) for i in range(self.pages)],
+            ptrs,
+            sizes,
+            self.memory,
+            self.slots,
+            self.taken,
+        )
         best = float("inf")
         for _ in range(rounds):
             start = time.perf_counter()
@@ -127,8 +157,7 @@ def seal_phase(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     pages, batch = args.seal_pages, args.seal_batch
     batches = [(at, min(batch, pages - at)) for at in range(0, pages, batch)]
     master = Master(tmp)
-    out: dict[str, Any] = {"seal_pages": pages, "seal_page_bytes": sum(parts),
-                           "seal_batch": batch}
+    out: dict[str, Any] = {"seal_pages": pages, "seal_page_bytes": sum(parts), "seal_batch": batch}
     reader: SealedPages | None = None
     try:
         reader = SealedPages(master.address, parts, pages)
@@ -154,8 +183,9 @@ def seal_phase(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             out[f"fetch_gbps_{kind}_checked"] = max(checked)
             out[f"fetch_checked_cost_{kind}"] = max(plain) / max(checked)
             out[f"fetch_checked_cost_{kind}_median"] = float(np.median(pairs))
-            out[f"fetch_checked_cost_{kind}_rounds"] = [p / c for p, c in zip(plain, checked,
-                                                                              strict=True)]
+            out[f"fetch_checked_cost_{kind}_rounds"] = [
+                p / c for p, c in zip(plain, checked, strict=True)
+            ]
             out[f"seal_check_gbps_{kind}"] = reader.seal_gbps(kind, args.rounds)
     finally:
         if reader is not None:

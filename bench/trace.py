@@ -75,8 +75,7 @@ def synthetic_trace(limit: int, seed: int = 0) -> list[TraceRequest]:
         grown = sessions[i] + tuple(range(next_id, next_id + rng.randint(1, 3)))
         next_id += 3
         sessions[i] = grown
-        out.append(TraceRequest(len(grown) * BLOCK_TOKENS - rng.randrange(BLOCK_TOKENS),
-                                grown))
+        out.append(TraceRequest(len(grown) * BLOCK_TOKENS - rng.randrange(BLOCK_TOKENS), grown))
     return out
 
 

@@ -74,8 +74,7 @@ def import_sglang() -> types.ModuleType:
             del sys.modules[name]
         # transformers reads which packages exist once, at import: before the stand-in.
         importlib.import_module("transformers")
-        for name in ("torchvision", "torchvision.transforms",
-                     "torchvision.transforms.functional"):
+        for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"):
             _stand_in(name)
     return importlib.import_module("sglang.srt.mem_cache.radix_cache")
 
@@ -96,13 +95,19 @@ class _Count:
 class SGLangTree:
     """Real SGLang's RadixCache behind the calls ``replay`` makes (one call each)."""
 
-    def __init__(self, radix: types.ModuleType, base: types.ModuleType, alloc: Any,
-                 page_size: int) -> None:
+    def __init__(
+        self, radix: types.ModuleType, base: types.ModuleType, alloc: Any, page_size: int
+    ) -> None:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-        self.cache = radix.RadixCache(CacheInitParams(
-            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc,
-            page_size=page_size))
+        self.cache = radix.RadixCache(
+            CacheInitParams(
+                disable=False,
+                req_to_token_pool=None,
+                token_to_kv_pool_allocator=alloc,
+                page_size=page_size,
+            )
+        )
         self._match_params = base.MatchPrefixParams
         self._insert_params = base.InsertParams
         self._evict_params = base.EvictParams
@@ -124,8 +129,9 @@ class SGLangTree:
         return _Count(full_evicted=done.num_tokens_evicted)
 
     def insert(self, key: Any, value: Any) -> _Count:
-        return _Count(prefix_len=self.cache.insert(self._insert_params(key=key, value=value))
-                      .prefix_len)
+        return _Count(
+            prefix_len=self.cache.insert(self._insert_params(key=key, value=value)).prefix_len
+        )
 
     def total_size(self) -> int:
         return self.cache.total_size()
@@ -147,9 +153,12 @@ def _allocator(budget: int, page_size: int) -> Any:
 def sglang_impl(key_type: str) -> Impl:
     radix = import_sglang()
     base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
-    return Impl(f"sglang/{key_type}",
-                lambda alloc, ps: SGLangTree(radix, base, alloc, ps),
-                KEY_TYPES[key_type], radix.RadixKey)
+    return Impl(
+        f"sglang/{key_type}",
+        lambda alloc, ps: SGLangTree(radix, base, alloc, ps),
+        KEY_TYPES[key_type],
+        radix.RadixKey,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,8 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     add("--limit", type=int, default=3000, help="replay the first N requests")
     add("--keys", default="list,array_q", help="key types, from list, array_q")
     add("--rounds", type=int, default=3, help="interleaved rounds; the best of each is shown")
-    add("--profile", type=int, metavar="TOP", default=0,
-        help="cProfile each run and print the TOP entries by own time")
+    add(
+        "--profile",
+        type=int,
+        metavar="TOP",
+        default=0,
+        help="cProfile each run and print the TOP entries by own time",
+    )
     args = ap.parse_args(argv)
     key_types = [k for k in args.keys.split(",") if k]
     if bad := [k for k in key_types if k not in ("list", "array_q")]:
@@ -173,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     import sglang
 
     trace = load_expanded(args.trace, args.page_size, args.limit)
-    print(f"{args.trace.name}: {len(trace.keys):,} requests, {trace.total_tokens:,} tokens; "
-          f"sglang {sglang.__version__}", file=sys.stderr)
+    print(
+        f"{args.trace.name}: {len(trace.keys):,} requests, {trace.total_tokens:,} tokens; "
+        f"sglang {sglang.__version__}",
+        file=sys.stderr,
+    )
     pairs = [(k, ours_impl(key_type=k), sglang_impl(k)) for k in key_types]
     best: dict[str, RunResult] = {}
     ratios: dict[str, list[float]] = {k: [] for k in key_types}
@@ -183,33 +200,50 @@ def main(argv: list[str] | None = None) -> int:
         for key_type, ours, theirs in pairs:
             runs = []
             for impl in (ours, theirs):
-                job = functools.partial(replay, impl, trace.keys, args.budget, args.page_size,
-                                        make_allocator=_allocator, profile_top=args.profile)
+                job = functools.partial(
+                    replay,
+                    impl,
+                    trace.keys,
+                    args.budget,
+                    args.page_size,
+                    make_allocator=_allocator,
+                    profile_top=args.profile,
+                )
                 r = _in_child(job)
                 runs.append(r)
-                print(f"round {rnd + 1} {impl.name}: {r.cpu_us_per_req:,.1f} CPU µs/req, "
-                      f"{r.req_per_s:,.0f} req/s, hit {r.hit_ratio:.4f}, {r.integrity}",
-                      file=sys.stderr)
+                print(
+                    f"round {rnd + 1} {impl.name}: {r.cpu_us_per_req:,.1f} CPU µs/req, "
+                    f"{r.req_per_s:,.0f} req/s, hit {r.hit_ratio:.4f}, {r.integrity}",
+                    file=sys.stderr,
+                )
                 if impl.name not in best or r.cpu_s < best[impl.name].cpu_s:
                     best[impl.name] = r
             # Ours and SGLang ran back to back: their ratio is the round's reading.
             ratios[key_type].append(runs[1].cpu_s / runs[0].cpu_s)
             if rnd == 0 and (note := first_divergence(*runs)):
                 notes.append(note)
-    print(f"\n{args.trace.name}, first {len(trace.keys):,} requests, budget {args.budget:,}, "
-          f"page {args.page_size}, sglang {sglang.__version__}, {args.rounds} rounds: CPU "
-          "best of the rounds; SGLang ÷ ours per round (back-to-back runs), median [range]\n")
-    print("| keys | ours CPU µs/req | SGLang CPU µs/req | **SGLang ÷ ours** | token hit "
-          "| ours match / insert / evict µs | SGLang match / insert / evict µs |")
+    print(
+        f"\n{args.trace.name}, first {len(trace.keys):,} requests, budget {args.budget:,}, "
+        f"page {args.page_size}, sglang {sglang.__version__}, {args.rounds} rounds: CPU "
+        "best of the rounds; SGLang ÷ ours per round (back-to-back runs), median [range]\n"
+    )
+    print(
+        "| keys | ours CPU µs/req | SGLang CPU µs/req | **SGLang ÷ ours** | token hit "
+        "| ours match / insert / evict µs | SGLang match / insert / evict µs |"
+    )
     print("|---|---:|---:|---:|---:|---|---|")
     for key_type, ours, theirs in pairs:
         a, b = best[ours.name], best[theirs.name]
-        ops = lambda r: " / ".join(f"{r.ops[o].mean_us:,.1f}"  # noqa: E731
-                                   for o in ("match", "insert", "evict"))
+
+        def ops(r: Any) -> str:
+            return " / ".join(f"{r.ops[o].mean_us:,.1f}" for o in ("match", "insert", "evict"))
+
         r = sorted(ratios[key_type])
-        print(f"| {key_type} | {a.cpu_us_per_req:,.1f} | {b.cpu_us_per_req:,.1f} "
-              f"| **{statistics.median(r):.2f}x** [{r[0]:.2f}-{r[-1]:.2f}] | {a.hit_ratio:.4f} "
-              f"| {ops(a)} | {ops(b)} |")
+        print(
+            f"| {key_type} | {a.cpu_us_per_req:,.1f} | {b.cpu_us_per_req:,.1f} "
+            f"| **{statistics.median(r):.2f}x** [{r[0]:.2f}-{r[-1]:.2f}] | {a.hit_ratio:.4f} "
+            f"| {ops(a)} | {ops(b)} |"
+        )
     for note in notes:
         print(f"\nHIT MISMATCH: {note}")
     return 1 if notes else 0

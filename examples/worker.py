@@ -39,8 +39,9 @@ from prefixcache.client import PrefixCacheClient, ResourceExhausted  # noqa: E40
 class Worker:
     """One worker process: a client, one leased session, and the pool's layout."""
 
-    def __init__(self, client: PrefixCacheClient, model: str, mode: str, decode_steps: int,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, client: PrefixCacheClient, model: str, mode: str, decode_steps: int, seed: int = 0
+    ) -> None:
         self.client, self.model, self.mode = client, model, mode
         self.decode_steps = decode_steps
         self.info = client.describe_pool(model)
@@ -49,14 +50,15 @@ class Worker:
         self.dtype = getattr(torch, self.info.dtype)
         gen = torch.Generator().manual_seed(seed)
         # "Compute": slices of one random bank, so the model costs nothing here.
-        self._bank = torch.randn((4096, self.info.k_head_num, self.info.k_head_dim),
-                                 generator=gen).to(self.dtype)
+        self._bank = torch.randn(
+            (4096, self.info.k_head_num, self.info.k_head_dim), generator=gen
+        ).to(self.dtype)
         self._next_token = 1 << 31  # generated ids, never in the trace's prompts
         self.hit_tokens = self.prompt_tokens = self.skipped = 0
 
     def _kv(self, n: int, layer: int) -> torch.Tensor:
         start = (layer * 977 + n) % (len(self._bank) - min(n, len(self._bank)) + 1)
-        rows = self._bank[start:start + n]
+        rows = self._bank[start : start + n]
         return rows if len(rows) == n else rows.repeat(n // len(rows) + 1, 1, 1)[:n]
 
     def _write(self, slots: Any) -> None:
@@ -97,7 +99,7 @@ class Worker:
             self._next_token += 1
         done = s.insert(model, seq, slots, release_lock_id=prefill.lock_id)
         # The unaligned tail stays the session's: give it back.
-        tail = slots[done.cached_len:]
+        tail = slots[done.cached_len :]
         if len(tail):
             s.free(model, tail)
         return True
@@ -114,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--limit", type=int, default=200, help="requests to replay")
-    parser.add_argument("--kv", choices=("attach", "transfer"), default="attach",
-                        help="write KV into the mapped pool, or through WriteKV")
+    parser.add_argument(
+        "--kv",
+        choices=("attach", "transfer"),
+        default="attach",
+        help="write KV into the mapped pool, or through WriteKV",
+    )
     parser.add_argument("--decode-steps", type=int, default=4)
     args = parser.parse_args(argv)
 
@@ -123,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         page = c.list_models()[args.model].page_size
         path = args.trace if args.trace.exists() else None
         if path is None:
-            print(f"{args.trace} not found: replaying a synthetic conversation trace",
-                  file=sys.stderr)
+            print(
+                f"{args.trace} not found: replaying a synthetic conversation trace", file=sys.stderr
+            )
         trace = load_expanded(path, page, args.limit)
         worker = Worker(c, args.model, args.kv, args.decode_steps)
         start = time.perf_counter()
@@ -133,9 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         worker.close()
         stats = c.stats(args.model)[args.model]
     ratio = worker.hit_tokens / max(worker.prompt_tokens, 1)
-    print(f"{served} requests in {elapsed:.2f} s: {served / elapsed:.1f} requests/s, "
-          f"hit ratio {ratio:.3f} ({args.kv}; {worker.skipped} too big for the pool; "
-          f"{stats.cached_tokens} tokens cached)")
+    print(
+        f"{served} requests in {elapsed:.2f} s: {served / elapsed:.1f} requests/s, "
+        f"hit ratio {ratio:.3f} ({args.kv}; {worker.skipped} too big for the pool; "
+        f"{stats.cached_tokens} tokens cached)"
+    )
     return 0
 
 

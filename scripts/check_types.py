@@ -25,10 +25,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = REPO / "mypy-baseline.txt"
-HEADER = ("# mypy's known errors, one a line (file: error: message  [code]).\n"
-          "# It may only shrink: scripts/check_types.py.\n")
-_ERROR = re.compile(r"^(?P<path>[^:\s]+\.pyi?):\d+(?::\d+)?: error: (?P<message>.*?)"
-                    r"  \[(?P<code>[a-z0-9-]+)\]$")
+HEADER = (
+    "# mypy's known errors, one a line (file: error: message  [code]).\n"
+    "# It may only shrink: scripts/check_types.py.\n"
+)
+_ERROR = re.compile(
+    r"^(?P<path>[^:\s]+\.pyi?):\d+(?::\d+)?: error: (?P<message>.*?)"
+    r"  \[(?P<code>[a-z0-9-]+)\]$"
+)
 
 
 def errors_of(output: str) -> list[str]:
@@ -56,23 +60,37 @@ def compare(current: list[str], baseline: list[str]) -> tuple[list[str], list[st
     """(new, fixed): per file and code, errors beyond the baseline's count, and
     baseline entries no error stands for any more, each as ``path [code] (+n)``."""
     now, known = counts(current), counts(baseline)
-    new = [f"{path} [{code}] (+{now[path, code] - known[path, code]})"
-           for path, code in sorted(now) if now[path, code] > known[path, code]]
-    fixed = [f"{path} [{code}] (-{known[path, code] - now[path, code]})"
-             for path, code in sorted(known) if known[path, code] > now[path, code]]
+    new = [
+        f"{path} [{code}] (+{now[path, code] - known[path, code]})"
+        for path, code in sorted(now)
+        if now[path, code] > known[path, code]
+    ]
+    fixed = [
+        f"{path} [{code}] (-{known[path, code] - now[path, code]})"
+        for path, code in sorted(known)
+        if known[path, code] > now[path, code]
+    ]
     return new, fixed
 
 
 def read_baseline(path: Path = BASELINE) -> list[str]:
     if not path.exists():
         return []
-    return sorted(line for line in path.read_text().splitlines()
-                  if line.strip() and not line.startswith("#"))
+    return sorted(
+        line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")
+    )
 
 
 def run_mypy(cache_dir: str | None) -> str:
-    command = [sys.executable, "-m", "mypy", "--no-error-summary", "--show-error-codes",
-               "--no-pretty", "--hide-error-context"]
+    command = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--no-error-summary",
+        "--show-error-codes",
+        "--no-pretty",
+        "--hide-error-context",
+    ]
     if cache_dir:
         command += ["--cache-dir", cache_dir]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
@@ -84,19 +102,26 @@ def run_mypy(cache_dir: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--update", action="store_true",
-                        help="rewrite the baseline to the current errors (it may not grow)")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="rewrite the baseline to the current errors (it may not grow)",
+    )
     parser.add_argument("--cache-dir", help="mypy's cache directory")
     args = parser.parse_args(argv)
     current = errors_of(run_mypy(args.cache_dir))
     new, fixed = compare(current, read_baseline())
     if new:
-        print("mypy finds errors the baseline does not list (fix them; the baseline "
-              "may only shrink):\n  " + "\n  ".join(new))
+        print(
+            "mypy finds errors the baseline does not list (fix them; the baseline "
+            "may only shrink):\n  " + "\n  ".join(new)
+        )
         return 1
     if fixed and not args.update:
-        print("errors the baseline lists are fixed: run python scripts/check_types.py "
-              "--update to shrink it:\n  " + "\n  ".join(fixed))
+        print(
+            "errors the baseline lists are fixed: run python scripts/check_types.py "
+            "--update to shrink it:\n  " + "\n  ".join(fixed)
+        )
         return 1
     if args.update:
         BASELINE.write_text(HEADER + "".join(f"{entry}\n" for entry in current))

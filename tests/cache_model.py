@@ -196,12 +196,13 @@ MAX_TOKENS = 8 * 16 + 15
 POLICIES = ["lru", *sorted(set(EVICTION_POLICIES) - {"lru"})]
 
 
-
 # CI budget: about 120 cases of up to 50 steps per machine. The long
 # variant (about 8x) runs only when PREFIXCACHE_SLOW=1, since CI runs every test:
 #   PREFIXCACHE_SLOW=1 python -m pytest -m slow tests/cache/radix/test_radix_properties.py
-LONG = pytest.mark.skipif(not os.environ.get("PREFIXCACHE_SLOW"),
-                          reason="set PREFIXCACHE_SLOW=1 for the long property runs")
+LONG = pytest.mark.skipif(
+    not os.environ.get("PREFIXCACHE_SLOW"),
+    reason="set PREFIXCACHE_SLOW=1 for the long property runs",
+)
 
 
 class CacheHarness(RuleBasedStateMachine):
@@ -294,5 +295,10 @@ class RecordingAllocator(TokenToKVPoolAllocator):
 
 def machine_settings(examples: int, steps: int) -> settings:
     """Settings for a state machine run: no deadline (the host is shared), replayable."""
-    return settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+    return settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        print_blob=True,
+    )

@@ -25,15 +25,19 @@ def code_blocks(lang: str, page: Path | None = None) -> list[tuple[Path, str]]:
     """Every ```lang fenced block of one page, or of all pages: (page, text) pairs."""
     out = []
     for path in [page] if page else pages():
-        out += [(path, block) for block in
-                re.findall(rf"^ *```{lang}\n(.*?)^ *```", path.read_text(),
-                           re.DOTALL | re.MULTILINE)]
+        out += [
+            (path, block)
+            for block in re.findall(
+                rf"^ *```{lang}\n(.*?)^ *```", path.read_text(), re.DOTALL | re.MULTILINE
+            )
+        ]
     return out
 
 
 def section(page: Path, heading: str) -> str:
     """The text under a `## heading` of `page`, up to the next `## ` heading."""
-    match = re.search(rf"^## {re.escape(heading)}\n(.*?)^## ", page.read_text(),
-                      re.MULTILINE | re.DOTALL)
+    match = re.search(
+        rf"^## {re.escape(heading)}\n(.*?)^## ", page.read_text(), re.MULTILINE | re.DOTALL
+    )
     assert match, f'{page.name} has no "## {heading}" section followed by another'
     return match[1]

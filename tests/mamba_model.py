@@ -6,7 +6,6 @@ state) and every cache operation with the checks that the test module's docstrin
 The invariants and rules are in the test module's ``MambaHarness``.
 """
 
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -104,9 +103,14 @@ class MambaOps(CacheHarness):
         self.fresh_notified: set[int] = set()
 
     def _new_mamba_cache(self, eager_hashes: bool) -> MambaRadixCache:
-        return MambaRadixCache(self.PAGE, self.alloc, self.pool, self._on_evict,
-                               mamba_cache_chunk_size=self.chunk,
-                               eager_page_hashes=eager_hashes)
+        return MambaRadixCache(
+            self.PAGE,
+            self.alloc,
+            self.pool,
+            self._on_evict,
+            mamba_cache_chunk_size=self.chunk,
+            eager_page_hashes=eager_hashes,
+        )
 
     @initialize(eager_hashes=st.booleans(), chunk=st.sampled_from([1, 3]))
     def configure(self, eager_hashes: bool, chunk: int) -> None:  # type: ignore[override]
@@ -128,14 +132,29 @@ class MambaOps(CacheHarness):
     def snapshot(self) -> Any:
         c = self.cache
         nodes = sorted(
-            (n.id, n.key_len, n.lock_ref, n.own_lock_ref, n.mamba_lock_ref, n.evicted,
-             None if n.mamba_value is None else tuple(ints(n.mamba_value)),
-             tuple(ints(n.value)))
-            for n in walk(c.root_node))
+            (
+                n.id,
+                n.key_len,
+                n.lock_ref,
+                n.own_lock_ref,
+                n.mamba_lock_ref,
+                n.evicted,
+                None if n.mamba_value is None else tuple(ints(n.mamba_value)),
+                tuple(ints(n.value)),
+            )
+            for n in walk(c.root_node)
+        )
         order = ([n.id for n in c.full_lru_list], [n.id for n in c.mamba_lru_list])
-        return (c.evictable_size(), c.protected_size(), c.mamba_evictable_size(),
-                c.mamba_protected_size(), self.alloc.num_allocated(),
-                self.pool.num_allocated_track_slots(), nodes, order)
+        return (
+            c.evictable_size(),
+            c.protected_size(),
+            c.mamba_evictable_size(),
+            c.mamba_protected_size(),
+            self.alloc.num_allocated(),
+            self.pool.num_allocated_track_slots(),
+            nodes,
+            order,
+        )
 
     def _refused(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         before = self.snapshot()
@@ -157,7 +176,8 @@ class MambaOps(CacheHarness):
             v = self.alloc.alloc(n)
             event("alloc: evicted under pressure" if v is not None else "alloc: pool exhausted")
             assert v is not None or self.cache.evictable_size() == 0, (
-                "eviction freed enough tokens but the pool still cannot allocate")
+                "eviction freed enough tokens but the pool still cannot allocate"
+            )
         if v is None:
             return None
         slots = ints(v)
@@ -169,8 +189,11 @@ class MambaOps(CacheHarness):
         if slot is None:
             self._evict(0, 1)
             slot = self.pool.alloc_track_slot()
-            event("state alloc: evicted a state" if slot is not None
-                  else "state alloc: pool exhausted")
+            event(
+                "state alloc: evicted a state"
+                if slot is not None
+                else "state alloc: pool exhausted"
+            )
             assert slot is not None or self.cache.mamba_evictable_size() == 0
         if slot is not None:
             self.held_states.add(slot)
@@ -193,8 +216,11 @@ class MambaOps(CacheHarness):
             ns, width, tokens, _ = node_path(node)
             end = len(tokens)
             cut = min(end, held)
-            if (ns, width) == (seq.ns, seq.width) and end - node.key_len < held \
-                    and tokens[:cut] == seq.tokens[:cut]:
+            if (
+                (ns, width) == (seq.ns, seq.width)
+                and end - node.key_len < held
+                and tokens[:cut] == seq.tokens[:cut]
+            ):
                 out.append((end, (ns, width, tokens)))
         return sorted(out)
 
@@ -210,18 +236,24 @@ class MambaOps(CacheHarness):
         walked = self._walked(seq, held)
         m, freed, states = self._call(self.cache.match_prefix, seq.key())
         assert freed == [] and states == [], "match_prefix freed slots"
-        best = max([0] + [n for n in range(self.PAGE, held + 1, self.PAGE)
-                          if state_key(seq, n) in self.state_at])
+        best = max(
+            [0]
+            + [
+                n
+                for n in range(self.PAGE, held + 1, self.PAGE)
+                if state_key(seq, n) in self.state_at
+            ]
+        )
         n = m.prefix_len
         # The node the walk splits first, then the answered state alone (SGLang's
         # _match_post_processor refreshes only the used node in the Mamba list).
-        self._refresh([k for end, k in walked if end > held]
-                      + [k for end, k in walked if end == n])
+        self._refresh([k for end, k in walked if end > held] + [k for end, k in walked if end == n])
         assert n == best, f"match of {seq} gave {n}; the deepest held state is at {best}"
         assert ints(m.indices) == self.model.slots(seq, n), "match indices differ"
         walked = held // self.chunk * self.chunk
         assert m.mamba_branching_seqlen == (walked if walked > best else None), (
-            f"branching seqlen {m.mamba_branching_seqlen}: walked {held}, answered {best}")
+            f"branching seqlen {m.mamba_branching_seqlen}: walked {held}, answered {best}"
+        )
         if best < held:
             event("match cut back to a node with state")
         node = m.last_node
@@ -233,8 +265,15 @@ class MambaOps(CacheHarness):
         self._remember(Handle(node, seq, n))
         return m
 
-    def _insert(self, seq: Seq, kv: list[int], matched: int, state: int,
-                try_unaligned: bool, try_stateless: bool) -> Any:
+    def _insert(
+        self,
+        seq: Seq,
+        kv: list[int],
+        matched: int,
+        state: int,
+        try_unaligned: bool,
+        try_stateless: bool,
+    ) -> Any:
         """Insert the aligned key with ``state``; the caller's frees follow the result."""
         model, cache = self.model, self.cache
         a = model.aligned(seq)
@@ -257,8 +296,7 @@ class MambaOps(CacheHarness):
                     self._remember(Handle(r.last_node, seq, a))
         exist = a == 0 or state_key(seq, a) in self.state_at
         walked = self._walked(seq, present)
-        r, freed, states = self._call(cache.insert, seq.key(a), tensor(kv[:a]),
-                                      mamba_value=state)
+        r, freed, states = self._call(cache.insert, seq.key(a), tensor(kv[:a]), mamba_value=state)
         # Every state walked through, top-down; the existing state at the end is the
         # last of them, a new or adopted one comes after (below).
         self._refresh([k for _, k in walked])
@@ -279,8 +317,12 @@ class MambaOps(CacheHarness):
             self._refresh([state_key(seq, a)])
             self.held_states.remove(state)
         if a:
-            assert node_path(r.last_node)[:4] == (seq.ns, seq.width, seq.tokens[:a],
-                                                  model.slots(seq, a))
+            assert node_path(r.last_node)[:4] == (
+                seq.ns,
+                seq.width,
+                seq.tokens[:a],
+                model.slots(seq, a),
+            )
             assert ints(r.last_node.mamba_value) == [self.state_at[state_key(seq, a)]]
             self._remember(Handle(r.last_node, seq, a))
         else:
@@ -298,14 +340,17 @@ class MambaOps(CacheHarness):
         r, freed, states = self._call(cache.evict, num, mamba_num)
         if num == 0:
             assert states == [self.state_at[k] for k in lru[:mamba_num]], (
-                "the Mamba phase did not free the least recently used unlocked states")
+                "the Mamba phase did not free the least recently used unlocked states"
+            )
         assert len(set(freed)) == len(freed) == r.full_evicted
         assert len(set(states)) == len(states) == r.mamba_evicted
         assert r.full_evicted <= before_ev and r.mamba_evicted <= before_mamba
         assert r.full_evicted >= num or cache.evictable_size() == 0, (
-            f"evict({num}) stopped at {r.full_evicted} with tokens left")
+            f"evict({num}) stopped at {r.full_evicted} with tokens left"
+        )
         assert r.mamba_evicted >= mamba_num or cache.mamba_evictable_size() == 0, (
-            f"evict(mamba={mamba_num}) stopped at {r.mamba_evicted} with states left")
+            f"evict(mamba={mamba_num}) stopped at {r.mamba_evicted} with states left"
+        )
         if mamba_num == 0:
             assert r.full_evicted == 0 if num == 0 else r.full_evicted < num + MAX_TOKENS
         for s in freed:
@@ -330,8 +375,7 @@ class MambaOps(CacheHarness):
         _, freed, states = self._call(self.cache.inc_lock_ref, handle.node)
         assert freed == states == []
         node = handle.node
-        state = ints(node.mamba_value)[0] if node.key_len and node.mamba_value is not None \
-            else None
+        state = ints(node.mamba_value)[0] if node.key_len and node.mamba_value is not None else None
         lock = Lock(handle, self.model.slots(handle.seq, handle.length), state, owner)
         self.locks.append(lock)
         return lock

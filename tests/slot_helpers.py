@@ -9,8 +9,9 @@ from prefixcache.cache.pools.slot_allocator import SlotAllocator
 from prefixcache.cache.slot.slot_cache import SlotPrefixCache
 
 
-def make(capacity: int = 100, slots: int = 4, **kwargs: Any) -> tuple[SlotAllocator,
-                                                                      SlotPrefixCache]:
+def make(
+    capacity: int = 100, slots: int = 4, **kwargs: Any
+) -> tuple[SlotAllocator, SlotPrefixCache]:
     alloc = SlotAllocator(slots)
     return alloc, SlotPrefixCache(alloc, capacity, **kwargs)
 
@@ -31,12 +32,30 @@ def make_stale(alloc: SlotAllocator, slot: int) -> None:
 def snapshot(cache: SlotPrefixCache) -> Any:
     """Everything a refused call must leave alone, the allocator included."""
     nodes = sorted(
-        (n.id, n.key_bytes, n.slot, n.version, n.depth, n.lock_ref, n.own_lock_ref,
-         n.last_access_time, n.hit_count, n.parent.id)
+        (
+            n.id,
+            n.key_bytes,
+            n.slot,
+            n.version,
+            n.depth,
+            n.lock_ref,
+            n.own_lock_ref,
+            n.last_access_time,
+            n.hit_count,
+            n.parent.id,
+        )
         for n, _ in walk(cache.root_node)
     )
     alloc = cache.allocator
-    return (cache.total_size(), cache.evictable_size(), cache.protected_size(),
-            cache.num_nodes(), cache.num_pins(), nodes, sorted(cache._tips),
-            cache._leaves.node_ids(), list(alloc._free),
-            [alloc.version(s) for s in range(alloc.max_slots)])
+    return (
+        cache.total_size(),
+        cache.evictable_size(),
+        cache.protected_size(),
+        cache.num_nodes(),
+        cache.num_pins(),
+        nodes,
+        sorted(cache._tips),
+        cache._leaves.node_ids(),
+        list(alloc._free),
+        [alloc.version(s) for s in range(alloc.max_slots)],
+    )

@@ -29,8 +29,9 @@ def test_the_readme_has_config_blocks() -> None:
 @pytest.mark.parametrize("index", range(len(_config_blocks())))
 def test_every_readme_config_block_is_valid_as_written(tmp_path: Path, index: int) -> None:
     (tmp_path / "c.yaml").write_text(_config_blocks()[index])
-    done = _run("serve", "--check-config", "--config", str(tmp_path / "c.yaml"),
-                cwd=tmp_path, env=_env())
+    done = _run(
+        "serve", "--check-config", "--config", str(tmp_path / "c.yaml"), cwd=tmp_path, env=_env()
+    )
     # 1: valid, but names files or devices this machine lacks (/etc/..., cuda:0).
     assert done.returncode in (0, 1), done.stderr
     assert "config error" not in done.stderr and "config OK" in done.stdout, done.stdout
@@ -38,12 +39,14 @@ def test_every_readme_config_block_is_valid_as_written(tmp_path: Path, index: in
 
 def test_check_config_tells_invalid_from_not_for_this_host(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("server: {session_tll: 3}\n")
-    bad = _run("serve", "--check-config", "--config", str(tmp_path / "bad.yaml"),
-               cwd=tmp_path, env=_env())
+    bad = _run(
+        "serve", "--check-config", "--config", str(tmp_path / "bad.yaml"), cwd=tmp_path, env=_env()
+    )
     assert bad.returncode == 2 and "session_tll" in bad.stderr, bad.stderr
     missing = tmp_path / "no-such-token"
-    elsewhere = _run("serve", "--check-config", "--token-file", str(missing), cwd=tmp_path,
-                     env=_env())
+    elsewhere = _run(
+        "serve", "--check-config", "--token-file", str(missing), cwd=tmp_path, env=_env()
+    )
     assert elsewhere.returncode == 1, elsewhere.stderr
     assert f"server.token_file: cannot read {missing}" in elsewhere.stdout
     good = _run("serve", "--check-config", cwd=tmp_path, env=_env())
@@ -51,18 +54,30 @@ def test_check_config_tells_invalid_from_not_for_this_host(tmp_path: Path) -> No
 
 
 def test_every_scalar_server_key_has_a_flag() -> None:
-    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.values()
-                 if a.prog.endswith("serve"))
+    serve = next(
+        a
+        for a in build_parser()._subparsers._group_actions[0].choices.values()
+        if a.prog.endswith("serve")
+    )
     dests = {a.dest for a in serve._actions}
-    missing = [f.name for f in fields(ServerConfig)
-               if f.name not in _NO_FLAG and f.name not in dests]
+    missing = [
+        f.name for f in fields(ServerConfig) if f.name not in _NO_FLAG and f.name not in dests
+    ]
     assert missing == []
 
 
 def test_flags_reach_the_config_and_are_checked(tmp_path: Path) -> None:
     """`--session-ttl` was refused before; now it is read, and checked like the file's."""
-    ok = _run("serve", "--check-config", "--session-ttl", "5", "--max-sessions", "3",
-              cwd=tmp_path, env=_env())
+    ok = _run(
+        "serve",
+        "--check-config",
+        "--session-ttl",
+        "5",
+        "--max-sessions",
+        "3",
+        cwd=tmp_path,
+        env=_env(),
+    )
     assert ok.returncode == 0, ok.stderr
     bad = _run("serve", "--check-config", "--session-ttl", "abc", cwd=tmp_path, env=_env())
     assert bad.returncode == 2 and "server.session_ttl" in bad.stderr, bad.stderr

@@ -25,10 +25,15 @@ def _prefixcache_script() -> str:
     return script
 
 
-def _run(*args: str, cwd: Path, env: dict[str, str] | None = None
-         ) -> subprocess.CompletedProcess[str]:
+def _run(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [_prefixcache_script(), *args], cwd=cwd, capture_output=True, text=True, timeout=120,
+        [_prefixcache_script(), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env=env,
     )
 
@@ -80,22 +85,34 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     the socket mode written as operators write it (0660), and one misspelt setting."""
     tmp = tmp_path_factory.mktemp("serve")
     sock = tmp / "pc.sock"
-    env = _env(PREFIXCACHE_LISTEN=f"unix:{sock}", PREFIXCACHE_SOCKET_MODE="0660",
-               PREFIXCACHE_METRICS_PORT="-1", PREFIXCACHE_SHM_DIR="off",
-               PREFIXCACHE_GRACE_PERIOD="1", PREFIXCACHE_GRACE_PERIODS="5")
+    env = _env(
+        PREFIXCACHE_LISTEN=f"unix:{sock}",
+        PREFIXCACHE_SOCKET_MODE="0660",
+        PREFIXCACHE_METRICS_PORT="-1",
+        PREFIXCACHE_SHM_DIR="off",
+        PREFIXCACHE_GRACE_PERIOD="1",
+        PREFIXCACHE_GRACE_PERIODS="5",
+    )
     stderr = tmp / "stderr"
     with open(stderr, "w") as err:
-        proc = subprocess.Popen([_prefixcache_script(), "serve"], cwd=tmp, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=err, text=True)
+        proc = subprocess.Popen(
+            [_prefixcache_script(), "serve"],
+            cwd=tmp,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
     running = Server(proc, f"unix:{sock}", sock, stderr, tmp)
     try:
         deadline = time.monotonic() + 60
         # What a startup probe does: `prefixcache health` until it passes.
         while _run("health", "--target", running.address, cwd=tmp, env=_env()).returncode:
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"serve exited {proc.returncode} or never served:\n"
-                            f"{stderr.read_text()}")
+                pytest.fail(
+                    f"serve exited {proc.returncode} or never served:\n{stderr.read_text()}"
+                )
             time.sleep(0.2)
         yield running
     finally:
@@ -116,25 +133,31 @@ def test_serve_reads_an_octal_socket_mode_written_0660(server: Server) -> None:
 
 def test_serve_warns_once_of_an_unknown_variable(server: Server) -> None:
     """A misspelt PREFIXCACHE_* variable is named once, not ignored in silence."""
-    lines = [line for line in server.stderr.read_text().splitlines()
-             if "PREFIXCACHE_GRACE_PERIODS" in line]
+    lines = [
+        line
+        for line in server.stderr.read_text().splitlines()
+        if "PREFIXCACHE_GRACE_PERIODS" in line
+    ]
     assert len(lines) == 1, server.stderr.read_text()
     assert "warning" in lines[0] and "did you mean PREFIXCACHE_GRACE_PERIOD?" in lines[0]
 
 
-@pytest.mark.parametrize("service", ["", "prefixcache.v1.PrefixCache",
-                                     "prefixcache.v1.PrefixCache/default"])
+@pytest.mark.parametrize(
+    "service", ["", "prefixcache.v1.PrefixCache", "prefixcache.v1.PrefixCache/default"]
+)
 def test_health_exits_0_when_serving(server: Server, service: str) -> None:
     # The address from PREFIXCACHE_LISTEN, as in the server's own container.
-    result = _run("health", "--service", service, cwd=server.tmp,
-                  env=_env(PREFIXCACHE_LISTEN=server.address))
+    result = _run(
+        "health", "--service", service, cwd=server.tmp, env=_env(PREFIXCACHE_LISTEN=server.address)
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(server.address) and result.stdout.endswith(": SERVING\n")
 
 
 def test_health_fails_for_an_unknown_service(server: Server) -> None:
-    result = _run("health", "--target", server.address, "--service", "nope", cwd=server.tmp,
-                  env=_env())
+    result = _run(
+        "health", "--target", server.address, "--service", "nope", cwd=server.tmp, env=_env()
+    )
     assert result.returncode == 1
     (line,) = result.stderr.splitlines()
     assert "'nope'" in line and "NOT_FOUND" in line, line
@@ -142,8 +165,7 @@ def test_health_fails_for_an_unknown_service(server: Server) -> None:
 
 def test_health_fails_fast_without_a_server(tmp_path: Path) -> None:
     start = time.monotonic()
-    result = _run("health", "--target", f"unix:{tmp_path / 'none.sock'}", cwd=tmp_path,
-                  env=_env())
+    result = _run("health", "--target", f"unix:{tmp_path / 'none.sock'}", cwd=tmp_path, env=_env())
     assert result.returncode == 1
     assert time.monotonic() - start < 3  # the deadline is 3 s; a missing socket fails first
     (line,) = result.stderr.splitlines()
@@ -154,8 +176,10 @@ def test_health_fails_fast_without_a_server(tmp_path: Path) -> None:
 def test_client_commands_connect_to_prefixcache_target(server: Server, command: str) -> None:
     """`prefixcache stats` used to ignore PREFIXCACHE_TARGET (what workers are given) and
     ask PREFIXCACHE_LISTEN (which the image sets to the container's own socket)."""
-    env = _env(PREFIXCACHE_TARGET=server.address,
-               PREFIXCACHE_LISTEN=f"unix:{server.tmp / 'elsewhere.sock'}")
+    env = _env(
+        PREFIXCACHE_TARGET=server.address,
+        PREFIXCACHE_LISTEN=f"unix:{server.tmp / 'elsewhere.sock'}",
+    )
     result = _run(command, cwd=server.tmp, env=env)
     assert result.returncode == 0, result.stderr
     if command == "stats":
@@ -166,11 +190,14 @@ def test_client_commands_connect_to_prefixcache_target(server: Server, command: 
 def test_client_side_commands_load_no_torch(tmp_path: Path, command: str) -> None:
     """`prefixcache health` is a probe run every few seconds: it must not load torch (2+ s
     of CPU). It did once the config became a package whose facade imported the cache."""
-    check = ("import sys\n"
-             "from prefixcache.server.cli import main\n"
-             f"code = main([{command!r}, '--target', 'unix:{tmp_path}/none.sock'])\n"
-             "assert code == 1, code\n"
-             "assert 'torch' not in sys.modules, 'torch loaded'\n")
-    result = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60)
+    check = (
+        "import sys\n"
+        "from prefixcache.server.cli import main\n"
+        f"code = main([{command!r}, '--target', 'unix:{tmp_path}/none.sock'])\n"
+        "assert code == 1, code\n"
+        "assert 'torch' not in sys.modules, 'torch loaded'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr

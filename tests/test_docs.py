@@ -64,8 +64,10 @@ def test_the_readme_is_a_short_front_door() -> None:
 
 
 def test_the_readme_links_every_docs_page() -> None:
-    linked = {(README.parent / m.split("#")[0]).resolve()
-              for m in LINK.findall(_prose(README.read_text()))}
+    linked = {
+        (README.parent / m.split("#")[0]).resolve()
+        for m in LINK.findall(_prose(README.read_text()))
+    }
     docs = sorted(DOCS.glob("*.md"))
     assert len(docs) >= 7
     assert [p.name for p in docs if p.resolve() not in linked] == []
@@ -75,9 +77,12 @@ def test_the_readme_names_every_switch_of_the_test_suite() -> None:
     """A new user runs the README's test command; the variables that change what it
     runs (long runs, required e2e) are named there, next to it."""
     repo = README.parent
-    switches = {name for folder in ("tests", "bench") for path in (repo / folder).rglob("*.py")
-                for name in re.findall(r'os\.environ(?:\.get\(|\[)"(PREFIXCACHE_\w+)"',
-                                       path.read_text())}
+    switches = {
+        name
+        for folder in ("tests", "bench")
+        for path in (repo / folder).rglob("*.py")
+        for name in re.findall(r'os\.environ(?:\.get\(|\[)"(PREFIXCACHE_\w+)"', path.read_text())
+    }
     assert {"PREFIXCACHE_SLOW", "PREFIXCACHE_E2E"} <= switches  # the scan finds them
     readme = _prose(README.read_text())
     assert sorted(s for s in switches if s not in readme) == []
@@ -92,8 +97,7 @@ def test_every_link_resolves(page: Path) -> None:
             continue  # https://..., mailto:
         path, _, anchor = target.partition("#")
         file = (page.parent / path).resolve() if path else page
-        if not file.exists() or (anchor and file.suffix == ".md"
-                                 and anchor not in _anchors(file)):
+        if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _anchors(file)):
             broken.append(target)
     assert broken == [], f"{page.name}: {broken}"
 
@@ -138,8 +142,10 @@ def test_the_configuration_reference_documents_every_key(title: str) -> None:
         cell = documented[f.name]
         value = re.match(r"`([^`]*)`", cell)
         if not value:  # "required", "see below"
-            assert _default(f) is MISSING or not isinstance(_default(f), (int, float, str)), \
-                (f.name, cell)
+            assert _default(f) is MISSING or not isinstance(_default(f), (int, float, str)), (
+                f.name,
+                cell,
+            )
             continue
         assert yaml.safe_load(value[1]) == _default(f), (title, f.name, cell)
 
@@ -154,13 +160,19 @@ def test_the_readme_has_an_across_nodes_section() -> None:
     assert "mooncake_master" in section and "pip install '.[server,tier]'" in section
     (block,) = re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)
     with files_read_later() as unread:  # the secret file is the nodes', not this host's
-        tier = load_config(None, env={"PREFIXCACHE_TIER": json.dumps(
-            yaml.safe_load(block)["server"]["tier"])}).server.tier
+        tier = load_config(
+            None, env={"PREFIXCACHE_TIER": json.dumps(yaml.safe_load(block)["server"]["tier"])}
+        ).server.tier
     assert tier is not None and tier.master == "10.0.0.5:50051"
     assert tier.secret_file is not None and all(tier.secret_file in n for n in unread)
     prose = " ".join(_prose(section).split())
-    for said in ("What you see", 'tier="remote"', "When the master restarts",
-                 "the store is empty", "nothing fails"):
+    for said in (
+        "What you see",
+        'tier="remote"',
+        "When the master restarts",
+        "the store is empty",
+        "nothing fails",
+    ):
         assert said in prose, said
 
 
@@ -170,8 +182,9 @@ def test_the_architecture_page_names_files_that_exist() -> None:
     repository, so the request path and the concept table cannot drift from the code."""
     repo = README.parent
     roots = [repo, repo / "server" / "prefixcache", repo / "client" / "prefixcache"]
-    rows = [line for line in (DOCS / "architecture.md").read_text().splitlines()
-            if line.startswith("|")]
+    rows = [
+        line for line in (DOCS / "architecture.md").read_text().splitlines() if line.startswith("|")
+    ]
     named = {n for row in rows for n in re.findall(r"`([\w./-]+(?:\.py|/))`", row)}
     assert len(named) > 40  # the scan finds the tables' paths
     assert sorted(n for n in named if not any((root / n).exists() for root in roots)) == []

@@ -40,15 +40,24 @@ SERVER_FORBIDDEN = ("prefixcache.client",)
 # adapter modules named here import their engine, and nothing else under
 # prefixcache.integrations imports any engine, even lazily.
 ENGINES = ("vllm", "sglang")
-ENGINE_ADAPTERS = {"prefixcache/integrations/vllm/connector.py": ("vllm",),
-                   "prefixcache/integrations/sglang/backend.py": ("sglang",)}
+ENGINE_ADAPTERS = {
+    "prefixcache/integrations/vllm/connector.py": ("vllm",),
+    "prefixcache/integrations/sglang/backend.py": ("sglang",),
+}
 INTEGRATIONS_FORBIDDEN_AT_IMPORT = ("torch", "prefixcache.server", "prefixcache.cache")
 CLIENT_FORBIDDEN = ("prefixcache.integrations",)
 # Wire formats both sides speak (prefixcache.wire): the client and the server import
 # them, so they hold neither's specifics and load with the standard library alone.
-WIRE_FORBIDDEN = ("prefixcache.client", "prefixcache.server", "prefixcache.cache",
-                  "prefixcache.integrations", "prefixcache.v1", "torch", "grpc",
-                  "google.protobuf")
+WIRE_FORBIDDEN = (
+    "prefixcache.client",
+    "prefixcache.server",
+    "prefixcache.cache",
+    "prefixcache.integrations",
+    "prefixcache.v1",
+    "torch",
+    "grpc",
+    "google.protobuf",
+)
 
 
 def imported_modules(source: str, package: str, *, import_time_only: bool = False) -> set[str]:
@@ -262,8 +271,10 @@ def test_only_engine_adapters_import_engines() -> None:
         source = path.read_text()
         bad = violations(imported_modules(source, package), engines)
         if not allowed:
-            bad += violations(imported_modules(source, package, import_time_only=True),
-                              INTEGRATIONS_FORBIDDEN_AT_IMPORT)
+            bad += violations(
+                imported_modules(source, package, import_time_only=True),
+                INTEGRATIONS_FORBIDDEN_AT_IMPORT,
+            )
         problems += [f"{rel} imports {module}" for module in bad]
     assert problems == []
     for rel in ENGINE_ADAPTERS:
@@ -272,9 +283,11 @@ def test_only_engine_adapters_import_engines() -> None:
 
 def test_importing_an_integration_loads_no_engine(tmp_path: Path) -> None:
     """The real import: the package (and its cores) without vLLM or torch."""
-    code = ("import sys, prefixcache.integrations.vllm, prefixcache.integrations.vllm.scheduler,"
-            " prefixcache.integrations.vllm.worker; "
-            "assert not {'vllm', 'torch'} & set(sys.modules), 'engine or torch loaded'")
+    code = (
+        "import sys, prefixcache.integrations.vllm, prefixcache.integrations.vllm.scheduler,"
+        " prefixcache.integrations.vllm.worker; "
+        "assert not {'vllm', 'torch'} & set(sys.modules), 'engine or torch loaded'"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
@@ -287,8 +300,11 @@ def test_no_import_cycles() -> None:
     downward, and shared names live below both users."""
     graph = import_graph([REPO / "server", REPO / "client"])
     # Not vacuous: the walk found the packages and their imports.
-    assert {"prefixcache.cache.radix.radix_cache", "prefixcache.server.engine.model_engine",
-            "prefixcache.client.sync"} <= set(graph)
+    assert {
+        "prefixcache.cache.radix.radix_cache",
+        "prefixcache.server.engine.model_engine",
+        "prefixcache.client.sync",
+    } <= set(graph)
     assert "prefixcache.cache.inspection" in graph["prefixcache.cache.radix.radix_cache"]
     assert import_cycles(graph) == []
 
@@ -302,14 +318,18 @@ def test_cycle_finder_sees_hidden_cycles(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("from .a import A\nfrom .c import C\n")
     (pkg / "a.py").write_text("from .b import B\nA = 1\n")
     (pkg / "b.py").write_text("def f():\n    from .a import A\n    return A\nB = 2\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nfrom . import d\n"
-                              "if TYPE_CHECKING:\n    from prefixcache.demo.e import E\nC = 3\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom . import d\n"
+        "if TYPE_CHECKING:\n    from prefixcache.demo.e import E\nC = 3\n"
+    )
     (pkg / "d.py").write_text("from prefixcache.demo import A\n")
     (pkg / "e.py").write_text("import prefixcache.demo.c\nE = 4\n")
     graph = import_graph([tmp_path])
     assert graph["prefixcache.demo.d"] == set()  # the package's __init__ is no target
-    assert import_cycles(graph) == [["prefixcache.demo.a", "prefixcache.demo.b"],
-                                    ["prefixcache.demo.c", "prefixcache.demo.e"]]
+    assert import_cycles(graph) == [
+        ["prefixcache.demo.a", "prefixcache.demo.b"],
+        ["prefixcache.demo.c", "prefixcache.demo.e"],
+    ]
 
 
 # ------------------------------------------------------------------ package rules
@@ -332,7 +352,8 @@ def package_graph(roots: list[Path]) -> dict[str, set[str]]:
     files left out: a facade re-exports downward by design)."""
     packages = {
         ".".join(init.parent.relative_to(root).parts)
-        for root in roots for init in (root / "prefixcache").rglob("__init__.py")
+        for root in roots
+        for init in (root / "prefixcache").rglob("__init__.py")
     }
     folded: dict[str, set[str]] = {}
     for name, targets in import_graph(roots).items():
@@ -340,7 +361,8 @@ def package_graph(roots: list[Path]) -> dict[str, set[str]]:
             continue
         unit = unit_of(name, packages)
         folded.setdefault(unit, set()).update(
-            u for u in (unit_of(t, packages) for t in targets) if u != unit)
+            u for u in (unit_of(t, packages) for t in targets) if u != unit
+        )
     return folded
 
 
@@ -348,8 +370,12 @@ def test_packages_import_one_way() -> None:
     """Subpackages are layers: no two of them (or a package and a module beside it)
     import each other, even through others."""
     graph = package_graph([REPO / "server", REPO / "client"])
-    assert {"prefixcache.server.rpc", "prefixcache.server.engine", "prefixcache.cache.pools",
-            "prefixcache.client.worker"} <= set(graph)
+    assert {
+        "prefixcache.server.rpc",
+        "prefixcache.server.engine",
+        "prefixcache.cache.pools",
+        "prefixcache.client.worker",
+    } <= set(graph)
     assert "prefixcache.server.sessions" in graph["prefixcache.server.engine"]
     assert import_cycles(graph) == []
 
@@ -386,8 +412,9 @@ CACHE_LAYERS: tuple[tuple[str, ...], ...] = (
 LAYERED = {"prefixcache.server": SERVER_LAYERS, "prefixcache.cache": CACHE_LAYERS}
 
 
-def layer_violations(graph: dict[str, set[str]], package: str,
-                     layers: tuple[tuple[str, ...], ...]) -> list[str]:
+def layer_violations(
+    graph: dict[str, set[str]], package: str, layers: tuple[tuple[str, ...], ...]
+) -> list[str]:
     """Every import in ``graph`` (module -> modules) between units of ``package`` that
     does not go to a strictly lower layer, as "importer imports imported (why)"; and
     every unit of ``package`` that ``layers`` does not place."""
@@ -395,7 +422,7 @@ def layer_violations(graph: dict[str, set[str]], package: str,
     prefix = package + "."
 
     def unit(module: str) -> str | None:
-        return module[len(prefix):].split(".")[0] if module.startswith(prefix) else None
+        return module[len(prefix) :].split(".")[0] if module.startswith(prefix) else None
 
     problems = []
     for module, targets in sorted(graph.items()):
@@ -421,8 +448,9 @@ def test_layers_import_downward_only(package: str) -> None:
     of the service and of the cache library imports only units of lower layers."""
     graph = import_graph([REPO / "server", REPO / "client"])
     layers = LAYERED[package]
-    units = {name[len(package) + 1:].split(".")[0] for name in graph
-             if name.startswith(package + ".")}
+    units = {
+        name[len(package) + 1 :].split(".")[0] for name in graph if name.startswith(package + ".")
+    }
     listed = {unit for group in layers for unit in group}
     assert sorted(listed - units) == [], "layers name units that do not exist"
     assert layer_violations(graph, package, layers) == []
@@ -452,10 +480,15 @@ def layer_diagram(layers: tuple[tuple[str, ...], ...]) -> str:
 
 def test_the_architecture_page_prints_the_checked_order() -> None:
     """docs/architecture.md shows the same layers, in the same order, as this file."""
-    blocks = re.findall(r"^```text\n(.*?)^```", section(DOCS / "architecture.md", "Layers"),
-                        re.DOTALL | re.MULTILINE)
-    assert [b.rstrip("\n") for b in blocks] == [layer_diagram(SERVER_LAYERS),
-                                                 layer_diagram(CACHE_LAYERS)]
+    blocks = re.findall(
+        r"^```text\n(.*?)^```",
+        section(DOCS / "architecture.md", "Layers"),
+        re.DOTALL | re.MULTILINE,
+    )
+    assert [b.rstrip("\n") for b in blocks] == [
+        layer_diagram(SERVER_LAYERS),
+        layer_diagram(CACHE_LAYERS),
+    ]
 
 
 def test_package_folding_finds_cycles(tmp_path: Path) -> None:
@@ -471,8 +504,9 @@ def test_package_folding_finds_cycles(tmp_path: Path) -> None:
     (top / "high" / "d.py").write_text("from ..low.b import B\n")
     (top / "low" / "b.py").write_text("B = 2\n")
     assert import_cycles(import_graph([tmp_path])) == []
-    assert import_cycles(package_graph([tmp_path])) == [["prefixcache.top.high",
-                                                         "prefixcache.top.low"]]
+    assert import_cycles(package_graph([tmp_path])) == [
+        ["prefixcache.top.high", "prefixcache.top.low"]
+    ]
 
 
 def test_no_product_folder_holds_more_than_15_modules() -> None:

@@ -12,8 +12,11 @@ from prefixcache.client import PrefixCacheClient
 
 def test_library_example_runs_and_reuses_prefixes() -> None:
     """The prefill example caches a prompt and a second call with the same prefix hits it."""
-    blocks = [b for _, b in code_blocks("python", DOCS / "clients.md")
-              if "def prefill(token_ids: list[int], lora" in b]
+    blocks = [
+        b
+        for _, b in code_blocks("python", DOCS / "clients.md")
+        if "def prefill(token_ids: list[int], lora" in b
+    ]
     assert len(blocks) == 1, "docs/clients.md has no (or two) library prefill examples"
     scope: dict = {}
     exec(blocks[0], scope)
@@ -38,8 +41,7 @@ def test_every_python_example_runs() -> None:
         try:
             exec(block, {})
         except Exception as exc:
-            raise AssertionError(f"a python block of {page.name} fails: {exc!r}\n{block}") \
-                from exc
+            raise AssertionError(f"a python block of {page.name} fails: {exc!r}\n{block}") from exc
 
 
 def test_the_readme_client_example_runs_against_a_server(tmp_path: Path) -> None:

@@ -19,12 +19,15 @@ OUTSIDE = re.compile(
 
 
 def tracked_text_files() -> list[Path]:
-    names = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
+    names = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     suffixes = {".py", ".md", ".toml", ".yaml", ".yml", ".cfg", ".txt", ".sh", ""}
-    return [REPO / n for n in names
-            if Path(n).suffix in suffixes and not n.startswith("bench/traces/")
-            and (REPO / n).is_file()]
+    return [
+        REPO / n
+        for n in names
+        if Path(n).suffix in suffixes and not n.startswith("bench/traces/") and (REPO / n).is_file()
+    ]
 
 
 def test_no_file_reaches_outside_the_checkout() -> None:

@@ -34,7 +34,8 @@ def test_errors_are_read_without_line_numbers_or_notes() -> None:
     ]
     assert check_types.counts(errors) == {
         ("client/prefixcache/integrations/vllm/worker.py", "empty-body"): 1,
-        ("server/prefixcache/server/app.py", "union-attr"): 2}
+        ("server/prefixcache/server/app.py", "union-attr"): 2,
+    }
 
 
 def test_a_new_error_fails_and_a_fixed_one_must_leave_the_baseline() -> None:
@@ -44,12 +45,17 @@ def test_a_new_error_fails_and_a_fixed_one_must_leave_the_baseline() -> None:
     moved = check_types.errors_of(OUTPUT.replace(":12:", ":99:").replace('"y"', '"v"'))
     assert check_types.compare(moved, baseline) == ([], [])
     more = check_types.errors_of(
-        OUTPUT + "server/prefixcache/server/app.py:5: error: Bad  [union-attr]\n")
+        OUTPUT + "server/prefixcache/server/app.py:5: error: Bad  [union-attr]\n"
+    )
     assert check_types.compare(more, baseline) == (
-        ["server/prefixcache/server/app.py [union-attr] (+1)"], [])
+        ["server/prefixcache/server/app.py [union-attr] (+1)"],
+        [],
+    )
     fewer = baseline[:1] + baseline[2:]
     assert check_types.compare(fewer, baseline) == (
-        [], ["server/prefixcache/server/app.py [union-attr] (-1)"])
+        [],
+        ["server/prefixcache/server/app.py [union-attr] (-1)"],
+    )
 
 
 def test_the_baseline_is_the_checker_s_own_format() -> None:
@@ -57,8 +63,9 @@ def test_the_baseline_is_the_checker_s_own_format() -> None:
     that it could not parse would count as nothing)."""
     entries = check_types.read_baseline()
     assert entries == sorted(entries)
-    rebuilt = [f"{e.split(': error: ', 1)[0]}:1: error: {e.split(': error: ', 1)[1]}"
-               for e in entries]
+    rebuilt = [
+        f"{e.split(': error: ', 1)[0]}:1: error: {e.split(': error: ', 1)[1]}" for e in entries
+    ]
     assert check_types.errors_of("\n".join(rebuilt)) == entries
 
 

@@ -30,8 +30,9 @@ class Refused(Exception):
 
 
 class MNode:
-    def __init__(self, tokens: list[int], blocks: list[Any], parent: MNode | None,
-                 time: int) -> None:
+    def __init__(
+        self, tokens: list[int], blocks: list[Any], parent: MNode | None, time: int
+    ) -> None:
         self.tokens, self.blocks, self.parent, self.time = tokens, blocks, parent, time
         self.children: dict[tuple[int, ...], MNode] = {}
         self.seqs: set[Any] = set()
@@ -53,7 +54,7 @@ class ModelTrie:
     def _common(self, a: list[int], b: list[int]) -> int:
         """Tokens of a and b that agree, in whole pages."""
         n = 0
-        while n + self.ps <= min(len(a), len(b)) and a[n:n + self.ps] == b[n:n + self.ps]:
+        while n + self.ps <= min(len(a), len(b)) and a[n : n + self.ps] == b[n : n + self.ps]:
             n += self.ps
         return n
 
@@ -67,7 +68,7 @@ class ModelTrie:
     def _split(self, node: MNode, n: int) -> MNode:
         upper = MNode(node.tokens[:n], node.blocks[: n // self.ps], node.parent, node.time)
         upper.seqs = set(node.seqs)
-        node.tokens, node.blocks = node.tokens[n:], node.blocks[n // self.ps:]
+        node.tokens, node.blocks = node.tokens[n:], node.blocks[n // self.ps :]
         upper.parent.children[self._key(upper.tokens)] = upper
         upper.children = {self._key(node.tokens): node}
         node.parent = upper
@@ -107,7 +108,7 @@ class ModelTrie:
             if n < len(child.tokens):
                 break
             probe = child
-        new = blocks[at // self.ps:]
+        new = blocks[at // self.ps :]
         stored = set(self.all_blocks())
         if len(set(new)) != len(new) or stored & set(new):
             raise Refused("value", "a block stored twice")
@@ -122,7 +123,7 @@ class ModelTrie:
             n = self._common(child.tokens, tokens)
             if n < len(child.tokens):
                 child = self._split(child, n)
-            tokens, blocks = tokens[n:], blocks[n // self.ps:]
+            tokens, blocks = tokens[n:], blocks[n // self.ps :]
             cur = child
         return cur
 
@@ -182,7 +183,7 @@ class ModelTrie:
             if leaf.seqs:
                 continue
             take = min(n - len(out), len(leaf.blocks))
-            out += leaf.blocks[len(leaf.blocks) - take:]
+            out += leaf.blocks[len(leaf.blocks) - take :]
             leaf.blocks = leaf.blocks[: len(leaf.blocks) - take]
             first = self._key(leaf.tokens)
             leaf.tokens = leaf.tokens[: len(leaf.tokens) - take * self.ps]

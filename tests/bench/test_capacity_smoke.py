@@ -22,10 +22,14 @@ def test_quick_rows(tmp_path: Path) -> None:
     assert capacity.main(["--json", str(out), "--quick"], emit=printed.append) == 0
     rows = json.loads(out.read_text())["rows"]
     by = {(r["trace"], r["config"], r["tenant_share"]): r for r in rows}
-    assert set(by) == {("mooncake_conversation", "infinite", None),
-                       ("mooncake_conversation", "pool", None),
-                       ("agentic", "infinite", None), ("agentic", "pool", None),
-                       ("agentic", "pool+retention", 0.5), ("agentic", "pool+retention", 1.0)}
+    assert set(by) == {
+        ("mooncake_conversation", "infinite", None),
+        ("mooncake_conversation", "pool", None),
+        ("agentic", "infinite", None),
+        ("agentic", "pool", None),
+        ("agentic", "pool+retention", 0.5),
+        ("agentic", "pool+retention", 1.0),
+    }
     assert all(r["runner"] == "library" and r["skipped"] is None for r in rows)
     for trace in ("mooncake_conversation", "agentic"):
         infinite, pool = by[(trace, "infinite", None)], by[(trace, "pool", None)]

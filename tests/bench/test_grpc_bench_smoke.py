@@ -21,14 +21,42 @@ def test_grpc_replay_runs_every_config(tmp_path: Path) -> None:
     pytest.importorskip("grpc")
     pytest.importorskip("torch")
     out = tmp_path / "grpc.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(_REPO / "server"), str(_REPO / "client"),
-         *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(
+            [
+                str(_REPO / "server"),
+                str(_REPO / "client"),
+                *filter(None, [os.environ.get("PYTHONPATH")]),
+            ]
+        ),
+    )
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--trace", str(TRACE), "--limit", "20", "--workers", "1",
-         "--workers", "2", "--modes", "unary,stream", "--budget", "200000",
-         "--json", str(out)],
-        cwd=_REPO, env=env, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(BENCH),
+            "--trace",
+            str(TRACE),
+            "--limit",
+            "20",
+            "--workers",
+            "1",
+            "--workers",
+            "2",
+            "--modes",
+            "unary,stream",
+            "--budget",
+            "200000",
+            "--json",
+            str(out),
+        ],
+        cwd=_REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     # The first table: one row per configuration, req/s in the fourth column.

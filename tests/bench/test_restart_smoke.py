@@ -16,9 +16,24 @@ def test_restart_bench_restores_what_it_cached(tmp_path: Path) -> None:
     out = tmp_path / "restart.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(_REPO / "bench" / "restart.py"), "--tokens", "5e4",
-         "--pool-gib", "0", "--rounds", "1", "--json", str(out)],
-        cwd=_REPO, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(_REPO / "bench" / "restart.py"),
+            "--tokens",
+            "5e4",
+            "--pool-gib",
+            "0",
+            "--rounds",
+            "1",
+            "--json",
+            str(out),
+        ],
+        cwd=_REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     (run,) = data["restarts"]

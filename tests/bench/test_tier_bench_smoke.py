@@ -23,16 +23,30 @@ from tier_harness import needs_mooncake  # noqa: E402
 
 from bench.tier import main  # noqa: E402
 
-LONG = pytest.mark.skipif(not os.environ.get("PREFIXCACHE_SLOW"),
-                          reason="set PREFIXCACHE_SLOW=1 for the whole tier bench")
+LONG = pytest.mark.skipif(
+    not os.environ.get("PREFIXCACHE_SLOW"), reason="set PREFIXCACHE_SLOW=1 for the whole tier bench"
+)
 TINY_FETCH = ["--fetch-page-size", "16", "--fetch-heads", "1", "--fetch-head-dim", "16"]
 
 
 def test_tier_bench_fetch_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     needs_mooncake()
-    out = main(["--synthetic", "--limit", "2", "--fetch-only", "--no-split",
-                "--fetch-requests", "2", *TINY_FETCH, "--rounds", "2",
-                "--json", str(tmp_path / "tier.json")])
+    out = main(
+        [
+            "--synthetic",
+            "--limit",
+            "2",
+            "--fetch-only",
+            "--no-split",
+            "--fetch-requests",
+            "2",
+            *TINY_FETCH,
+            "--rounds",
+            "2",
+            "--json",
+            str(tmp_path / "tier.json"),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "Mooncake batch_get_into, same pages and batches" in printed
     assert "| one sidecar" not in printed  # no hit-ratio runs
@@ -53,8 +67,22 @@ def test_tier_bench_fetch_only(tmp_path: Path, capsys: pytest.CaptureFixture[str
 @pytest.mark.slow  # seven server processes and two masters start
 def test_tier_bench_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     needs_mooncake()
-    out = main(["--synthetic", "--limit", "6", "--page-size", "16", "--fetch-requests", "3",
-                *TINY_FETCH, "--rounds", "1", "--json", str(tmp_path / "tier.json")])
+    out = main(
+        [
+            "--synthetic",
+            "--limit",
+            "6",
+            "--page-size",
+            "16",
+            "--fetch-requests",
+            "3",
+            *TINY_FETCH,
+            "--rounds",
+            "1",
+            "--json",
+            str(tmp_path / "tier.json"),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "| two nodes, tier |" in printed and "Mooncake batch_get_into" in printed
     # Nothing is evicted, so the two nodes sharing through the tier hit what one does,

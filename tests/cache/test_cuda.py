@@ -20,8 +20,17 @@ def test_radix_cache_over_a_cuda_pool_round_trips_kv() -> None:
     """Slots come back on the GPU, KV written by slot reads back through a later hit."""
     page = 16
     allocator = TokenToKVPoolAllocator(4096, device="cuda", page_size=page)
-    pool = KVPool(4096, page_size=page, dtype=torch.bfloat16, layer_num=2, k_head_num=4,
-                  k_head_dim=64, v_head_num=2, v_head_dim=32, device="cuda")
+    pool = KVPool(
+        4096,
+        page_size=page,
+        dtype=torch.bfloat16,
+        layer_num=2,
+        k_head_num=4,
+        k_head_dim=64,
+        v_head_num=2,
+        v_head_dim=32,
+        device="cuda",
+    )
     cache = RadixCache(page_size=page, token_to_kv_pool_allocator=allocator)
     prompt = list(range(200))
     slots = allocator.alloc(len(prompt))
@@ -49,8 +58,11 @@ def test_swa_cache_over_cuda_allocators() -> None:
     allocator = SWATokenToKVPoolAllocator(256, 256, device="cuda")
     cache = RadixCache(sliding_window_size=4, token_to_kv_pool_allocator=allocator)
     cache.insert(RadixKey(list(range(8))), allocator.alloc(8))
-    cache.insert(RadixKey(list(range(16))), torch.cat([cache.match_prefix(
-        RadixKey(list(range(8)))).indices, allocator.alloc(8)]), prev_prefix_len=8)
+    cache.insert(
+        RadixKey(list(range(16))),
+        torch.cat([cache.match_prefix(RadixKey(list(range(8)))).indices, allocator.alloc(8)]),
+        prev_prefix_len=8,
+    )
     assert cache.evict(0, 1).swa_evicted == 8
     assert cache.match_prefix(RadixKey(list(range(16)))).prefix_len == 16
     assert cache.match_prefix(RadixKey(list(range(10)))).prefix_len == 0

@@ -55,15 +55,17 @@ def _best(fn: Callable[[], object]) -> float:
     return best
 
 
-@pytest.mark.parametrize(("name", "fn", "limit"), [
-    ("distinct", distinct, 8.0),
-    ("distinct_counts", distinct_counts, 8.0),
-    ("has_repeats", has_repeats, 8.0),
-    ("count_distinct (marks)", lambda v: count_distinct(v, 1 << 21), 8.0),
-    ("distinct_first", distinct_first, 20.0),
-])
-def test_cost_stays_a_sort_s(name: str, fn: Callable[[np.ndarray], object],
-                             limit: float) -> None:
+@pytest.mark.parametrize(
+    ("name", "fn", "limit"),
+    [
+        ("distinct", distinct, 8.0),
+        ("distinct_counts", distinct_counts, 8.0),
+        ("has_repeats", has_repeats, 8.0),
+        ("count_distinct (marks)", lambda v: count_distinct(v, 1 << 21), 8.0),
+        ("distinct_first", distinct_first, 20.0),
+    ],
+)
+def test_cost_stays_a_sort_s(name: str, fn: Callable[[np.ndarray], object], limit: float) -> None:
     values = np.random.default_rng(7).integers(0, 1 << 21, 1 << 20)
     sort = _best(lambda: np.sort(values))
     ratio = _best(lambda: fn(values)) / sort

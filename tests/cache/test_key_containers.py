@@ -24,18 +24,33 @@ bad_ids = st.sampled_from([-1, -(2**31), -(2**63), U32, U32 + 1, 2**40, 2**63 - 
 
 def containers(ids: list[int]) -> list[Any]:
     """``ids`` in every container that can hold them exactly."""
-    out: list[Any] = [tuple(ids), array("I", ids), array("q", ids), array("l", ids),
-                      array("L", ids), array("Q", ids), np.array(ids, dtype=np.int64),
-                      np.array(ids, dtype=np.uint32), np.array(ids, dtype=np.uint64),
-                      np.array(ids, dtype=">i8"), np.array(ids, dtype=np.int64)[::-1][::-1],
-                      np.array(ids, dtype=object), torch.tensor(ids, dtype=torch.int64)]
+    out: list[Any] = [
+        tuple(ids),
+        array("I", ids),
+        array("q", ids),
+        array("l", ids),
+        array("L", ids),
+        array("Q", ids),
+        np.array(ids, dtype=np.int64),
+        np.array(ids, dtype=np.uint32),
+        np.array(ids, dtype=np.uint64),
+        np.array(ids, dtype=">i8"),
+        np.array(ids, dtype=np.int64)[::-1][::-1],
+        np.array(ids, dtype=object),
+        torch.tensor(ids, dtype=torch.int64),
+    ]
     top = max(ids, default=0)
-    for bits, codes, np_type, torch_type in ((31, "i", np.int32, torch.int32),
-                                             (15, "h", np.int16, torch.int16),
-                                             (7, "b", np.int8, torch.int8)):
+    for bits, codes, np_type, torch_type in (
+        (31, "i", np.int32, torch.int32),
+        (15, "h", np.int16, torch.int16),
+        (7, "b", np.int8, torch.int8),
+    ):
         if top < 2**bits:
-            out += [array(codes, ids), np.array(ids, dtype=np_type),
-                    torch.tensor(ids, dtype=torch_type)]
+            out += [
+                array(codes, ids),
+                np.array(ids, dtype=np_type),
+                torch.tensor(ids, dtype=torch_type),
+            ]
     for bits, codes, np_type in ((16, "H", np.uint16), (8, "B", np.uint8)):
         if top < 2**bits:
             out += [array(codes, ids), np.array(ids, dtype=np_type)]
@@ -58,9 +73,12 @@ def test_two_dimensional_arrays_are_tuple_tokens(flat: list[int], width: int) ->
     rows = [tuple(flat[i : i + width]) for i in range(0, len(flat), width)]
     want = pack_tokens(rows)
     assert want[1] == width
-    for given_ids in (np.array(rows, dtype=np.int64), np.array(rows, dtype=np.uint32),
-                      np.asfortranarray(np.array(rows, dtype=np.int64)),
-                      torch.tensor(rows, dtype=torch.int64)):
+    for given_ids in (
+        np.array(rows, dtype=np.int64),
+        np.array(rows, dtype=np.uint32),
+        np.asfortranarray(np.array(rows, dtype=np.int64)),
+        torch.tensor(rows, dtype=torch.int64),
+    ):
         assert pack_tokens(given_ids) == want
         assert len(RadixKey(given_ids)) == len(rows)
 
@@ -71,24 +89,43 @@ def test_out_of_range_ids_are_refused_alike(ids: list[int], bad: int, where: int
     ids = [*ids[:where], bad, *ids[where:]]
     with pytest.raises(TokenRangeError):
         pack_tokens(ids)
-    holders: list[Any] = [array("q", ids), np.array(ids, dtype=np.int64),
-                          torch.tensor(ids, dtype=torch.int64), np.array(ids, dtype=">i8")]
+    holders: list[Any] = [
+        array("q", ids),
+        np.array(ids, dtype=np.int64),
+        torch.tensor(ids, dtype=torch.int64),
+        np.array(ids, dtype=">i8"),
+    ]
     if bad >= 0:
         holders += [array("Q", ids), np.array(ids, dtype=np.uint64)]
     if all(-(2**31) <= i < 2**31 for i in ids):
-        holders += [array("i", ids), np.array(ids, dtype=np.int32),
-                    torch.tensor(ids, dtype=torch.int32)]
+        holders += [
+            array("i", ids),
+            np.array(ids, dtype=np.int32),
+            torch.tensor(ids, dtype=torch.int32),
+        ]
     for holder in holders:
         with pytest.raises(TokenRangeError, match=r"\[0, 2\*\*32\)"):
             pack_tokens(holder)
 
 
-@pytest.mark.parametrize("bad", [
-    [1.0, 2.0], np.array([1.0, 2.0]), torch.tensor([1.0, 2.0]), array("d", [1.0]),
-    array("f", [1.0]), np.array([True, False]), torch.tensor([True, False]),
-    np.array([1 + 0j]), np.array(["1"]), np.zeros((2, 2, 2), dtype=np.int64),
-    np.zeros((2, 0), dtype=np.int64), np.int64(3), array("u", "ab"),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [1.0, 2.0],
+        np.array([1.0, 2.0]),
+        torch.tensor([1.0, 2.0]),
+        array("d", [1.0]),
+        array("f", [1.0]),
+        np.array([True, False]),
+        torch.tensor([True, False]),
+        np.array([1 + 0j]),
+        np.array(["1"]),
+        np.zeros((2, 2, 2), dtype=np.int64),
+        np.zeros((2, 0), dtype=np.int64),
+        np.int64(3),
+        array("u", "ab"),
+    ],
+)
 def test_non_integer_containers_are_refused(bad: Any) -> None:
     """Floats and bools are refused, never truncated or read as 0/1."""
     with pytest.raises(InvalidInputError):
@@ -96,6 +133,12 @@ def test_non_integer_containers_are_refused(bad: Any) -> None:
 
 
 def test_empty_containers_pack_empty() -> None:
-    for empty in ([], (), array("q"), np.zeros(0, np.int64), np.zeros((0, 2), np.int64),
-                  torch.zeros(0, dtype=torch.int64)):
+    for empty in (
+        [],
+        (),
+        array("q"),
+        np.zeros(0, np.int64),
+        np.zeros((0, 2), np.int64),
+        torch.zeros(0, dtype=torch.int64),
+    ):
         assert pack_tokens(empty) == (b"", 1)

@@ -34,8 +34,12 @@ class IdNdarray(np.ndarray):
 
 
 def test_subclasses_pack_like_their_base() -> None:
-    for given_ids in (IdList(IDS), IdArray("q", IDS), np.array(IDS).view(IdNdarray),
-                      torch.nn.Parameter(torch.tensor(IDS), requires_grad=False)):
+    for given_ids in (
+        IdList(IDS),
+        IdArray("q", IDS),
+        np.array(IDS).view(IdNdarray),
+        torch.nn.Parameter(torch.tensor(IDS), requires_grad=False),
+    ):
         assert pack_tokens(given_ids) == WANT, type(given_ids)
     with pytest.raises(TokenRangeError):
         pack_tokens(IdArray("q", [-1]))
@@ -57,10 +61,14 @@ def test_plans_of_other_byte_orders_and_widths_never_mix() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, U32 - 1), min_size=2, max_size=30), st.integers(0, 29),
-       st.sampled_from([-1, -(2**31), U32, 2**40]))
-def test_strided_views_check_exactly_their_own_elements(ids: list[int], where: int,
-                                                        bad: int) -> None:
+@given(
+    st.lists(st.integers(0, U32 - 1), min_size=2, max_size=30),
+    st.integers(0, 29),
+    st.sampled_from([-1, -(2**31), U32, 2**40]),
+)
+def test_strided_views_check_exactly_their_own_elements(
+    ids: list[int], where: int, bad: int
+) -> None:
     where %= len(ids)
     full = np.array(ids, dtype=np.int64)
     full[where] = bad
@@ -76,8 +84,12 @@ def test_strided_views_check_exactly_their_own_elements(ids: list[int], where: i
 def test_fortran_and_transposed_2d_ids_pack_in_row_order() -> None:
     rows = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int64)
     want = pack_tokens([(1, 2, 3), (4, 5, 6)])
-    for given_ids in (np.asfortranarray(rows), np.asfortranarray(rows.astype(np.int32)),
-                      np.ascontiguousarray(rows.T).T, torch.from_numpy(rows.T.copy()).T):
+    for given_ids in (
+        np.asfortranarray(rows),
+        np.asfortranarray(rows.astype(np.int32)),
+        np.ascontiguousarray(rows.T).T,
+        torch.from_numpy(rows.T.copy()).T,
+    ):
         assert pack_tokens(given_ids) == want, given_ids
     negative = np.asfortranarray(np.array([[1, 2], [3, -4]], dtype=np.int32))
     with pytest.raises(TokenRangeError):
@@ -86,16 +98,18 @@ def test_fortran_and_transposed_2d_ids_pack_in_row_order() -> None:
         pack_tokens(np.asfortranarray(np.array([[1, 2], [U32, 4]], dtype=np.uint64)))
 
 
-@pytest.mark.parametrize("given_ids, error", [
-    ([1, (2, 3)], InvalidInputError),  # ints then tuples: the array loop stops midway
-    ([(1, 2), (3,)], InvalidInputError),
-    ([1, 2, -3], TokenRangeError),
-    ((1, U32), TokenRangeError),
-    ([1, 2.0], InvalidInputError),
-    ([1, "2"], InvalidInputError),
-])
-def test_lists_the_array_loop_refuses_get_the_general_errors(given_ids: Any,
-                                                             error: type) -> None:
+@pytest.mark.parametrize(
+    "given_ids, error",
+    [
+        ([1, (2, 3)], InvalidInputError),  # ints then tuples: the array loop stops midway
+        ([(1, 2), (3,)], InvalidInputError),
+        ([1, 2, -3], TokenRangeError),
+        ((1, U32), TokenRangeError),
+        ([1, 2.0], InvalidInputError),
+        ([1, "2"], InvalidInputError),
+    ],
+)
+def test_lists_the_array_loop_refuses_get_the_general_errors(given_ids: Any, error: type) -> None:
     with pytest.raises(error):
         pack_tokens(given_ids)
 

@@ -23,12 +23,15 @@ def test_page_form_round_trips() -> None:
     assert to_page_ids(np.array([5, 3, 9]), 1).tolist() == [5, 3, 9]
 
 
-@pytest.mark.parametrize("slots, good", [
-    ([8, 9, 11, 10], 0),          # out of order inside the page
-    ([9, 10, 11, 12], 0),         # not aligned
-    ([4, 5, 6, 7, 9, 10], 1),     # short tail that does not start a page
-    ([4, 5, 6, 7, 12, 13, 14, 16], 1),
-])
+@pytest.mark.parametrize(
+    "slots, good",
+    [
+        ([8, 9, 11, 10], 0),  # out of order inside the page
+        ([9, 10, 11, 12], 0),  # not aligned
+        ([4, 5, 6, 7, 9, 10], 1),  # short tail that does not start a page
+        ([4, 5, 6, 7, 12, 13, 14, 16], 1),
+    ],
+)
 def test_broken_pages_are_found(slots: list[int], good: int) -> None:
     array = np.array(slots, dtype=np.int64)
     assert whole_pages(array, 4) == good
@@ -37,10 +40,11 @@ def test_broken_pages_are_found(slots: list[int], good: int) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(page_size=st.sampled_from([1, 2, 4, 16]),
-       ops=st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=30))
-def test_paged_allocator_hands_out_whole_pages(page_size: int,
-                                               ops: list[tuple[bool, int]]) -> None:
+@given(
+    page_size=st.sampled_from([1, 2, 4, 16]),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=30),
+)
+def test_paged_allocator_hands_out_whole_pages(page_size: int, ops: list[tuple[bool, int]]) -> None:
     """Whatever the alloc / free history, every allocation has a page form."""
     alloc = TokenToKVPoolAllocator(128, page_size=page_size)
     held: list[np.ndarray] = []

@@ -34,8 +34,9 @@ class Gone(list[int]):
         self.append(node_id)
 
 
-def _fill(cache: RadixCache,
-          alloc: TokenToKVPoolAllocator | SWATokenToKVPoolAllocator) -> list[int]:
+def _fill(
+    cache: RadixCache, alloc: TokenToKVPoolAllocator | SWATokenToKVPoolAllocator
+) -> list[int]:
     """Three leaves, the middle one holding slots the caller then frees behind the tree."""
     ids, slots = [], []
     for key in ([1, 2], [3, 4], [5, 6]):
@@ -112,8 +113,7 @@ def test_mamba_evict_survives_refused_frees() -> None:
     states = []
     for key in ([1, 2], [3, 4], [5, 6]):
         states.append(pool.alloc_track_slot())
-        ids.append(cache.insert(RadixKey(key), alloc.alloc(2),
-                                mamba_value=states[-1]).last_node.id)
+        ids.append(cache.insert(RadixKey(key), alloc.alloc(2), mamba_value=states[-1]).last_node.id)
     pool.free_track_slot(states[0])  # a state freed behind the tree
     alloc.free(cache.match_prefix(RadixKey([3, 4])).indices)  # and KV
     with pytest.raises(DoubleFreeError):
@@ -124,18 +124,26 @@ def test_mamba_evict_survives_refused_frees() -> None:
     cache.check_integrity()
 
 
-@pytest.mark.parametrize("make", [
-    lambda a: RadixCache(1, None, a),
-    lambda a: RadixCache(1, 4, SWATokenToKVPoolAllocator(32, 32)),
-    lambda a: MambaRadixCache(1, a, MambaPool(max_reqs=1, max_track_slots=2)),
-], ids=["radix", "swa", "mamba"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda a: RadixCache(1, None, a),
+        lambda a: RadixCache(1, 4, SWATokenToKVPoolAllocator(32, 32)),
+        lambda a: MambaRadixCache(1, a, MambaPool(max_reqs=1, max_track_slots=2)),
+    ],
+    ids=["radix", "swa", "mamba"],
+)
 def test_insert_without_slots_is_refused_when_an_allocator_is_attached(
-        make: Callable[[TokenToKVPoolAllocator], RadixCache]) -> None:
+    make: Callable[[TokenToKVPoolAllocator], RadixCache],
+) -> None:
     """value=None stores the token ids as slots: fine without a pool, never with one."""
     alloc = TokenToKVPoolAllocator(32)
     cache = make(alloc)
-    kwargs = {"mamba_value": cache.mamba_pool.alloc_track_slot()} \
-        if isinstance(cache, MambaRadixCache) else {}
+    kwargs = (
+        {"mamba_value": cache.mamba_pool.alloc_track_slot()}
+        if isinstance(cache, MambaRadixCache)
+        else {}
+    )
     with pytest.raises(InvalidInputError, match="value"):
         cache.insert(RadixKey([1, 2, 3]), **kwargs)
     assert cache.total_size() == 0 and not cache.root_node.children

@@ -22,8 +22,7 @@ def test_caller_tensor_changed_after_insert_leaves_tree_alone() -> None:
     slots.fill_(0)
     assert torch.equal(cache.match_prefix(RadixKey(list(range(12)))).indices, kept)
     # A split (a match ending inside the node) copies both parts again.
-    assert torch.equal(cache.match_prefix(RadixKey([*range(8), 99, 99, 99, 99])).indices,
-                       kept[:8])
+    assert torch.equal(cache.match_prefix(RadixKey([*range(8), 99, 99, 99, 99])).indices, kept[:8])
     assert torch.equal(cache.match_prefix(RadixKey(list(range(12)))).indices, kept)
     cache.check_integrity()
 
@@ -32,8 +31,7 @@ def test_match_result_is_the_callers_to_change() -> None:
     cache, alloc = _cache()
     slots = alloc.alloc(8)
     cache.insert(RadixKey(list(range(8))), slots)
-    cache.insert(RadixKey([*range(8), 20, 21, 22, 23]),
-                 torch.cat((slots, alloc.alloc(4))))
+    cache.insert(RadixKey([*range(8), 20, 21, 22, 23]), torch.cat((slots, alloc.alloc(4))))
     first = cache.match_prefix(RadixKey([*range(8), 20, 21, 22, 23]))
     expected = first.indices.clone()
     first.indices.fill_(-1)
@@ -53,8 +51,7 @@ def test_helpers_keep_torch_semantics_for_every_dtype() -> None:
         assert joined.dtype == dtype and torch.equal(joined, torch.cat([value[:2], value[5:]]))
         value[0] = 50
         assert int(joined[0]) == 0
-    mixed = joined_slots([torch.arange(2, dtype=torch.int32), torch.arange(2)],
-                         torch.device("cpu"))
+    mixed = joined_slots([torch.arange(2, dtype=torch.int32), torch.arange(2)], torch.device("cpu"))
     assert mixed.dtype == torch.int64  # promoted, as torch.cat does
     empty = empty_slots(torch.device("cpu"))
     assert empty.dtype == torch.int64 and empty.shape == (0,)

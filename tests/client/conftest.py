@@ -13,11 +13,22 @@ from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig
 MODELS = (
     ModelConfig(name="m", page_size=1, vocab_size=1000, pool=SMALL_POOL),
     ModelConfig(name="p", page_size=4, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4)),
-    ModelConfig(name="h", kind="mamba", page_size=2, pool=SMALL_POOL,
-                mamba=MambaConfig(state_slots=4, working_slots=2, layers=2,
-                                  conv_state_shape=(3, 2), temporal_state_shape=(2, 2, 2))),
-    ModelConfig(name="s", kind="slot", max_seq_len=16,
-                pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)),
+    ModelConfig(
+        name="h",
+        kind="mamba",
+        page_size=2,
+        pool=SMALL_POOL,
+        mamba=MambaConfig(
+            state_slots=4,
+            working_slots=2,
+            layers=2,
+            conv_state_shape=(3, 2),
+            temporal_state_shape=(2, 2, 2),
+        ),
+    ),
+    ModelConfig(
+        name="s", kind="slot", max_seq_len=16, pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)
+    ),
 )
 
 

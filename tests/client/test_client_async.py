@@ -24,11 +24,13 @@ from prefixcache.client import (
 )
 
 
-def run(server: ServerThread, body: Callable[[AsyncPrefixCacheClient], Awaitable[Any]],
-        **kwargs: Any) -> Any:
+def run(
+    server: ServerThread, body: Callable[[AsyncPrefixCacheClient], Awaitable[Any]], **kwargs: Any
+) -> Any:
     async def main() -> Any:
         async with AsyncPrefixCacheClient(server.address, **kwargs) as client:
             return await body(client)
+
     return asyncio.run(main())
 
 
@@ -46,8 +48,9 @@ def test_every_call(server: ServerThread) -> None:
             tokens = list(range(300, 310))
             miss = await s.match("p", tokens, lock=True, allocate=True)
             assert (miss.prefix_len, len(miss.allocated)) == (0, 10)
-            ins = await s.insert("p", tokens, miss.all_slots(), lock=True,
-                                 release_lock_id=miss.lock_id)
+            ins = await s.insert(
+                "p", tokens, miss.all_slots(), lock=True, release_lock_id=miss.lock_id
+            )
             assert (ins.prefix_len, ins.cached_len) == (0, 8) and ins.lock_id
             st = (await c.stats("p"))["p"]
             assert (st.protected_tokens, st.session_slots) == (8, 2)  # the tail stays ours
@@ -71,6 +74,7 @@ def test_every_call(server: ServerThread) -> None:
         opened = await c.session(ttl=3)  # awaiting opens it without a block
         assert opened.session_id
         assert await opened.close() is not None
+
     run(server, body)
 
 
@@ -99,6 +103,7 @@ def test_errors_reset_and_a_deadline(server: ServerThread) -> None:
         with pytest.raises(DeadlineExceeded):
             await c.stats(timeout=0.05)
         await asyncio.sleep(0.3)
+
     run(server, body)
 
 
@@ -116,13 +121,14 @@ def test_renewal_task_keeps_the_lease(server: ServerThread) -> None:
             assert kept.renewals >= 2 and kept.lost is None
             await lapsing.close()
         assert (await c.stats("m"))["m"].locks == 0
+
     run(server, body)
 
 
-def test_a_session_dropped_after_renewing_stops_its_task_and_lapses(
-        server: ServerThread) -> None:
+def test_a_session_dropped_after_renewing_stops_its_task_and_lapses(server: ServerThread) -> None:
     """As the blocking session's thread: the renewal task holds its session only
     weakly, also between renewals, so dropping it ends the task and the lease."""
+
     async def body(c: AsyncPrefixCacheClient) -> None:
         s = await c.session(ttl=0.3)
         m = await s.match("m", [62, 63], allocate=True)
@@ -140,6 +146,7 @@ def test_a_session_dropped_after_renewing_stops_its_task_and_lapses(
         while (await c.stats("m"))["m"].locks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert (await c.stats("m"))["m"].locks == 0
+
     run(server, body)
 
 
@@ -160,6 +167,7 @@ def test_async_fail_open_with_the_server_stopped(tmp_path: Path) -> None:
             await s.alloc("m", 1)
         assert await s.close() is None
         await c.close()
+
     asyncio.run(main())
 
 
@@ -170,8 +178,7 @@ def test_stream_session_carries_a_prefill_and_releases_on_close(server: ServerTh
         async with c.stream_session() as s:
             m = await s.match("m", tokens, lock=True, allocate=True)
             assert (m.prefix_len, len(m.allocated)) == (0, 6)
-            ins = await s.insert("m", tokens, m.all_slots(), lock=True,
-                                 release_lock_id=m.lock_id)
+            ins = await s.insert("m", tokens, m.all_slots(), lock=True, release_lock_id=m.lock_id)
             assert ins.cached_len == 6 and ins.lock_id
             # Pipelined: several calls in flight at once, answered in order.
             replies = await asyncio.gather(*(s.match("m", tokens[:k]) for k in range(1, 6)))
@@ -194,6 +201,7 @@ def test_stream_session_carries_a_prefill_and_releases_on_close(server: ServerTh
         assert (st.locks, st.session_slots) == (0, 0)
         with pytest.raises(Unavailable):
             await s.match("m", tokens)
+
     run(server, body)
 
 
@@ -208,15 +216,18 @@ def test_stream_session_deadline_and_fail_open(server: ServerThread) -> None:
             await asyncio.sleep(0.3)
             assert not (await s.match("m", [1])).skipped  # late answers were dropped
         assert c.fail_open_count == 1
+
     run(server, body)
 
 
 def test_async_token_auth(tmp_path: Path) -> None:
     with running(tmp_path, token="t0k", admin_token="adm") as srv:
+
         async def body(c: AsyncPrefixCacheClient) -> None:
             assert (await c.list_models()).models
             with pytest.raises(PermissionDenied):
                 await c.reset("m")
             async with c.stream_session() as s:
                 assert (await s.match("m", [1])).prefix_len == 0
+
         run(srv, body, token="t0k")

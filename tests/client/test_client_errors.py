@@ -29,7 +29,8 @@ from prefixcache.client.errors import error_for
 
 
 def test_invalid_argument_not_found_failed_precondition_resource_exhausted(
-        client: PrefixCacheClient) -> None:
+    client: PrefixCacheClient,
+) -> None:
     with pytest.raises(InvalidArgument) as bad:
         client.match("m", b"\x00" * 5)  # not whole uint32 words
     assert bad.value.code is grpc.StatusCode.INVALID_ARGUMENT and "bytes" in bad.value.details
@@ -75,8 +76,9 @@ def test_a_server_bug_is_internal(server: ServerThread, client: PrefixCacheClien
         server.run(delattr, engine, "evict")
 
 
-def test_a_slow_server_is_deadline_exceeded(server: ServerThread,
-                                            client: PrefixCacheClient) -> None:
+def test_a_slow_server_is_deadline_exceeded(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """The server's event loop is stuck for 0.5 s; a 0.1 s deadline runs out."""
     server.loop.call_soon_threadsafe(time.sleep, 0.5)
     start = time.monotonic()
@@ -119,8 +121,10 @@ def test_a_stopped_server_is_unavailable(tmp_path: Path) -> None:
         client.list_models()
     assert isinstance(err.value, ConnectionError)
     client.close()
-    with PrefixCacheClient(str(tmp_path / "never.sock"), retries=0) as nobody, \
-            pytest.raises(Unavailable):
+    with (
+        PrefixCacheClient(str(tmp_path / "never.sock"), retries=0) as nobody,
+        pytest.raises(Unavailable),
+    ):
         nobody.stats()
 
 
@@ -153,24 +157,45 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
 
 
 def test_tls_mutual_tls_and_a_token(pki: PKI, tmp_path: Path) -> None:
-    with running(tmp_path, listen="127.0.0.1:0", tls_cert=str(pki.server.cert),
-                 tls_key=str(pki.server.key), tls_client_ca=str(pki.ca.cert),
-                 token="t0k") as srv:
+    with running(
+        tmp_path,
+        listen="127.0.0.1:0",
+        tls_cert=str(pki.server.cert),
+        tls_key=str(pki.server.key),
+        tls_client_ca=str(pki.ca.cert),
+        token="t0k",
+    ) as srv:
         port = srv.address.rpartition(":")[2]
-        with PrefixCacheClient(f"localhost:{port}", root_certificates=pki.ca.cert,
-                               private_key=pki.client.key, certificate_chain=pki.client.cert,
-                               token="t0k") as good:
+        with PrefixCacheClient(
+            f"localhost:{port}",
+            root_certificates=pki.ca.cert,
+            private_key=pki.client.key,
+            certificate_chain=pki.client.cert,
+            token="t0k",
+        ) as good:
             assert [m.name for m in good.list_models().models] == ["m"]
-        with PrefixCacheClient(srv.address, root_certificates=pki.ca.cert.read_bytes(),
-                               private_key=pki.client.key.read_bytes(),
-                               certificate_chain=pki.client.cert.read_bytes(),
-                               token="nope") as wrong, pytest.raises(Unauthenticated):
+        with (
+            PrefixCacheClient(
+                srv.address,
+                root_certificates=pki.ca.cert.read_bytes(),
+                private_key=pki.client.key.read_bytes(),
+                certificate_chain=pki.client.cert.read_bytes(),
+                token="nope",
+            ) as wrong,
+            pytest.raises(Unauthenticated),
+        ):
             wrong.stats()
-        with PrefixCacheClient(srv.address, root_certificates=pki.ca.cert, token="t0k",
-                               retries=0, timeout=3) as no_cert, pytest.raises(Unavailable):
+        with (
+            PrefixCacheClient(
+                srv.address, root_certificates=pki.ca.cert, token="t0k", retries=0, timeout=3
+            ) as no_cert,
+            pytest.raises(Unavailable),
+        ):
             no_cert.stats()  # mutual TLS: no client certificate, no handshake
-        with PrefixCacheClient(srv.address, retries=0, timeout=3) as clear, \
-                pytest.raises(Unavailable):
+        with (
+            PrefixCacheClient(srv.address, retries=0, timeout=3) as clear,
+            pytest.raises(Unavailable),
+        ):
             clear.stats()
     with pytest.raises(InvalidArgument):
         PrefixCacheClient("localhost:1", private_key=pki.client.key)

@@ -24,8 +24,7 @@ from prefixcache.client.results import CloseReply
 
 def prefill(s: ClientSession, model: str, tokens: list[int], *, keep_lock: bool = False) -> int:
     m = s.match(model, tokens, lock=True, allocate=True)
-    return s.insert(model, tokens, m.all_slots(), lock=keep_lock,
-                    release_lock_id=m.lock_id).lock_id
+    return s.insert(model, tokens, m.all_slots(), lock=keep_lock, release_lock_id=m.lock_id).lock_id
 
 
 def test_leaving_the_block_releases_locks_and_slots(client: PrefixCacheClient) -> None:
@@ -68,7 +67,8 @@ def test_renewal_keeps_locks_past_the_lease(client: PrefixCacheClient) -> None:
 
 
 def test_a_session_dropped_without_close_stops_renewing_and_lapses(
-        client: PrefixCacheClient) -> None:
+    client: PrefixCacheClient,
+) -> None:
     s = client.session(ttl=0.3)
     prefill(s, "m", [30, 31], keep_lock=True)
     thread = s._thread
@@ -77,7 +77,8 @@ def test_a_session_dropped_without_close_stops_renewing_and_lapses(
 
 
 def test_a_session_dropped_after_renewing_stops_renewing_and_lapses(
-        client: PrefixCacheClient) -> None:
+    client: PrefixCacheClient,
+) -> None:
     """The renewal thread holds its session only weakly, also between renewals: once
     it has renewed, dropping the session still ends the thread and the lease."""
     s = client.session(ttl=0.3)
@@ -91,8 +92,9 @@ def test_a_session_dropped_after_renewing_stops_renewing_and_lapses(
     _renewal_ends_and_lease_lapses(client, thread)
 
 
-def _renewal_ends_and_lease_lapses(client: PrefixCacheClient,
-                                   thread: threading.Thread | None) -> None:
+def _renewal_ends_and_lease_lapses(
+    client: PrefixCacheClient, thread: threading.Thread | None
+) -> None:
     """After the test dropped its only reference to a session renewed by ``thread``."""
     gc.collect()
     assert thread is not None
@@ -199,8 +201,9 @@ def test_fail_open_covers_opening_an_async_session(tmp_path: Path) -> None:
     asyncio.run(_open_async_before_the_sidecar(tmp_path))
 
 
-def test_fail_open_on_a_slow_or_draining_server(server: ServerThread,
-                                                client: PrefixCacheClient) -> None:
+def test_fail_open_on_a_slow_or_draining_server(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     open_client = PrefixCacheClient(server.address, fail_open=True, timeout=0.1, retries=0)
     server.loop.call_soon_threadsafe(time.sleep, 0.4)
     start = time.monotonic()
@@ -245,15 +248,21 @@ sys.stdin.read()  # hold everything until killed
 
 
 def test_a_killed_worker_s_locks_and_slots_are_released_after_its_lease(
-        server: ServerThread, client: PrefixCacheClient, tmp_path: Path) -> None:
+    server: ServerThread, client: PrefixCacheClient, tmp_path: Path
+) -> None:
     import os
     import signal
     import subprocess
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    worker = subprocess.Popen([sys.executable, "-c", _WORKER, server.address], env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, server.address],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert worker.stdout is not None and worker.stdout.readline().strip() == "ready"
         time.sleep(1.0)  # past two leases: only renewal keeps the worker's claims alive

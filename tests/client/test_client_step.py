@@ -44,10 +44,13 @@ def test_a_scheduling_step_in_one_call(client: PrefixCacheClient) -> None:
         assert first.counters == client.stats("p")["p"] == client.counters["p"]
         assert a.server_epoch == first.server_epoch == client.server_epoch
 
-        done = s.step("p", finishes=[Finish(list(range(10)), a.all_slots(),
-                                            release_lock_id=a.lock_id)],
-                      unlocks=[b.lock_id], frees=[b.allocated, Free(first.decoded_slots())],
-                      admits=[list(range(12))])
+        done = s.step(
+            "p",
+            finishes=[Finish(list(range(10)), a.all_slots(), release_lock_id=a.lock_id)],
+            unlocks=[b.lock_id],
+            frees=[b.allocated, Free(first.decoded_slots())],
+            admits=[list(range(12))],
+        )
         (ins,), (hit,) = done.finishes, done.admits
         assert isinstance(ins, InsertReply) and ins.cached_len == 8
         assert done.unlocks == (UnlockReply(),) and done.frees == (FreeReply(), FreeReply())
@@ -57,8 +60,11 @@ def test_a_scheduling_step_in_one_call(client: PrefixCacheClient) -> None:
         bad = s.step("m", unlocks=[10**12], decodes=[10**6], admits=[[5000], [1, 2]])
         assert not bad.ok
         kinds = [(name, i, type(err)) for name, i, err in bad.errors()]
-        assert kinds == [("unlocks", 0, NotFound), ("decodes", 0, ResourceExhausted),
-                         ("admits", 0, InvalidArgument)]
+        assert kinds == [
+            ("unlocks", 0, NotFound),
+            ("decodes", 0, ResourceExhausted),
+            ("admits", 0, InvalidArgument),
+        ]
         assert isinstance(bad.admits[1], MatchReply)
     with pytest.raises(InvalidArgument):  # malformed on this side: nothing is sent
         client.step("m", session=s, admits=[Admit([1], token_width=9)])
@@ -74,8 +80,13 @@ def test_a_retried_step_is_answered_again(client: PrefixCacheClient) -> None:
 
 
 def _everything() -> dict:
-    return {"finishes": [Finish([1, 2], [1, 2])], "unlocks": [3], "frees": [[4]],
-            "decodes": [1], "admits": [[1, 2], Admit([3], allocate=False)]}
+    return {
+        "finishes": [Finish([1, 2], [1, 2])],
+        "unlocks": [3],
+        "frees": [[4]],
+        "decodes": [1],
+        "admits": [[1, 2], Admit([3], allocate=False)],
+    }
 
 
 def _check_failed_open(reply: StepReply) -> None:
@@ -98,6 +109,7 @@ def test_a_step_fails_open_as_a_whole(tmp_path: Path) -> None:
     async def run() -> None:
         async with AsyncPrefixCacheClient(dead, timeout=0.3, retries=0, fail_open=True) as c:
             _check_failed_open(await c.step("m", session="abc", **_everything()))
+
     asyncio.run(run())
 
 
@@ -110,11 +122,15 @@ def test_a_lost_session_sends_only_what_names_no_old_handle(client: PrefixCacheC
     while s.lost is None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert isinstance(s.lost, NotFound)
-    reply = s.step("m", unlocks=[kept.lock_id], frees=[[7]],
-                   finishes=[Finish([1], [7], keep_tail=True)], admits=[[950, 951, 952]],
-                   decodes=[1])
-    assert all(isinstance(r, SessionLost)
-               for r in (*reply.unlocks, *reply.frees, *reply.finishes))
+    reply = s.step(
+        "m",
+        unlocks=[kept.lock_id],
+        frees=[[7]],
+        finishes=[Finish([1], [7], keep_tail=True)],
+        admits=[[950, 951, 952]],
+        decodes=[1],
+    )
+    assert all(isinstance(r, SessionLost) for r in (*reply.unlocks, *reply.frees, *reply.finishes))
     assert reply.admits[0].prefix_len == 2 and len(reply.decodes[0].slots) == 1
     assert s.reopened == 1 and not s.lost
     with pytest.raises(StaleEpoch):
@@ -130,14 +146,15 @@ def test_async_sessions_and_the_stream_step(server: ServerThread) -> None:
             async with c.session() as s:
                 r = await s.step("m", admits=[[960, 961]], decodes=1)
                 m = r.admits[0]
-                done = await s.step("m", finishes=[Finish([960, 961], m.all_slots())],
-                                    frees=[r.decodes[0].slots])
+                done = await s.step(
+                    "m", finishes=[Finish([960, 961], m.all_slots())], frees=[r.decodes[0].slots]
+                )
                 assert done.ok and done.counters.session_slots == 0
             async with c.stream_session() as st:
                 r = await st.step("m", admits=[[960, 961, 962]], decodes=[2, 10**6])
-                assert r.admits[0].prefix_len == 2 and isinstance(r.decodes[1],
-                                                                 ResourceExhausted)
+                assert r.admits[0].prefix_len == 2 and isinstance(r.decodes[1], ResourceExhausted)
                 assert r.counters.session_slots == 3 and r.counters.locks == 1
             await asyncio.sleep(0.05)  # the stream's end released what it held
             assert (await c.stats("m"))["m"].locks == 0
+
     asyncio.run(run())

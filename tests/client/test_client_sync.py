@@ -22,18 +22,25 @@ def test_list_models_describe_pool_and_stats(client: PrefixCacheClient) -> None:
     models = client.list_models()
     assert [m.name for m in models.models] == ["m", "p", "h", "s"]
     assert [m.cache_kind for m in models.models] == ["radix", "radix", "mamba", "slot"]
-    assert (models["m"].page_size, models["m"].pool_size, models["m"].vocab_size) \
-        == (1, 256, 1000)
+    assert (models["m"].page_size, models["m"].pool_size, models["m"].vocab_size) == (1, 256, 1000)
     assert models["h"].state_pool_size == 4
     assert models.server_epoch and client.server_epoch == models.server_epoch
     pool = client.describe_pool("m")
-    assert (pool.layer_num, pool.k_head_num, pool.k_head_dim, pool.dtype, pool.device) \
-        == (1, 1, 4, "float16", "cpu")
+    assert (pool.layer_num, pool.k_head_num, pool.k_head_dim, pool.dtype, pool.device) == (
+        1,
+        1,
+        4,
+        "float16",
+        "cpu",
+    )
     assert (pool.pool_size, pool.num_rows, pool.mamba) == (256, 257, None)
     mamba = client.describe_pool("h").mamba
     assert mamba is not None
-    assert (mamba.conv_state_shape, mamba.temporal_state_shape, mamba.state_slots) \
-        == ((3, 2), (2, 2, 2), 4)
+    assert (mamba.conv_state_shape, mamba.temporal_state_shape, mamba.state_slots) == (
+        (3, 2),
+        (2, 2, 2),
+        4,
+    )
     assert client.describe_pool("s").max_seq_len == 16
     every = client.stats()
     assert isinstance(every, StatsReply)
@@ -50,8 +57,7 @@ def test_two_call_prefill_then_a_hit(client: PrefixCacheClient) -> None:
     tokens = [1, 2, 3, 4, 5]
     with client.session(ttl=30, name="worker-0") as s:
         miss = s.match("m", tokens, lock=True, allocate=True)
-        assert (miss.prefix_len, miss.lock_id, len(miss.slots), len(miss.allocated)) \
-            == (0, 0, 0, 5)
+        assert (miss.prefix_len, miss.lock_id, len(miss.slots), len(miss.allocated)) == (0, 0, 0, 5)
         assert not miss.hit and not miss.skipped
         ins = s.insert("m", tokens, miss.all_slots(), release_lock_id=miss.lock_id)
         assert (ins.prefix_len, ins.cached_len, len(ins.freed)) == (0, 5, 0) and ins.node_id
@@ -63,8 +69,9 @@ def test_two_call_prefill_then_a_hit(client: PrefixCacheClient) -> None:
         assert hit.slots_tensor().tolist() == list(hit.slots)
         assert hit.allocated_tensor().dtype == torch.int64
         assert client.stats("m")["m"].protected_tokens == 5
-        done = s.insert("m", [*tokens, 6, 7], hit.all_slots(), lock=True,
-                        release_lock_id=hit.lock_id)
+        done = s.insert(
+            "m", [*tokens, 6, 7], hit.all_slots(), lock=True, release_lock_id=hit.lock_id
+        )
         assert (done.prefix_len, done.cached_len) == (5, 7) and done.lock_id
         assert client.stats("m")["m"].protected_tokens == 7
         s.unlock(done.lock_id)
@@ -81,10 +88,19 @@ def test_every_kind_of_token_and_slot_input(client: PrefixCacheClient) -> None:
         slots = list(m.allocated)
         s.insert("m", np.array(tokens, dtype=np.int32), torch.tensor(slots, dtype=torch.int32))
     as_u32 = array("I", tokens)
-    for given in (tokens, tuple(tokens), range(21, 25), as_u32, array("q", tokens),
-                  np.array(tokens), np.array(tokens, dtype=np.uint32),
-                  torch.tensor(tokens), torch.tensor(tokens, dtype=torch.int32),
-                  (np.int64(t) for t in tokens), as_u32.tobytes()):
+    for given in (
+        tokens,
+        tuple(tokens),
+        range(21, 25),
+        as_u32,
+        array("q", tokens),
+        np.array(tokens),
+        np.array(tokens, dtype=np.uint32),
+        torch.tensor(tokens),
+        torch.tensor(tokens, dtype=torch.int32),
+        (np.int64(t) for t in tokens),
+        as_u32.tobytes(),
+    ):
         reply = client.match("m", given)
         assert (reply.prefix_len, list(reply.slots)) == (4, slots), type(given)
     # Tuple tokens are their own namespace: two width-2 tokens never alias four ids.
@@ -94,8 +110,18 @@ def test_every_kind_of_token_and_slot_input(client: PrefixCacheClient) -> None:
     assert client.match("m", as_u32.tobytes(), token_width=2).prefix_len == 0
     # An extra_key is a namespace too, and "" is not None.
     assert client.match("m", tokens, extra_key="").prefix_len == 0
-    for bad in ([-1], [2**32], [1.5], ["a"], "abc", np.array([1.0]), torch.tensor([True]),
-                [(1, 2), (3,)], np.zeros((2, 2, 2), dtype=np.int64), 7):
+    for bad in (
+        [-1],
+        [2**32],
+        [1.5],
+        ["a"],
+        "abc",
+        np.array([1.0]),
+        torch.tensor([True]),
+        [(1, 2), (3,)],
+        np.zeros((2, 2, 2), dtype=np.int64),
+        7,
+    ):
         with pytest.raises(InvalidArgument):
             client.match("m", bad)
     with pytest.raises(InvalidArgument):

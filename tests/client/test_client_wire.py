@@ -19,22 +19,38 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_every_input_packs_to_the_same_bytes() -> None:
     want = np.array([1, 2, 70000], dtype="<u4").tobytes()
-    for given in ([1, 2, 70000], (1, 2, 70000), array("I", [1, 2, 70000]),
-                  array("q", [1, 2, 70000]), np.array([1, 2, 70000], dtype=np.int64),
-                  torch.tensor([1, 2, 70000]), torch.tensor([1, 2, 70000], dtype=torch.int32),
-                  iter([1, 2, 70000]), want):
+    for given in (
+        [1, 2, 70000],
+        (1, 2, 70000),
+        array("I", [1, 2, 70000]),
+        array("q", [1, 2, 70000]),
+        np.array([1, 2, 70000], dtype=np.int64),
+        torch.tensor([1, 2, 70000]),
+        torch.tensor([1, 2, 70000], dtype=torch.int32),
+        iter([1, 2, 70000]),
+        want,
+    ):
         assert pack_tokens(given) == (want, 1), type(given)
     pairs = np.array([1, 2, 3, 4], dtype="<u4").tobytes()
-    for given in ([(1, 2), (3, 4)], [[1, 2], [3, 4]], np.array([[1, 2], [3, 4]]),
-                  torch.tensor([[1, 2], [3, 4]])):
+    for given in (
+        [(1, 2), (3, 4)],
+        [[1, 2], [3, 4]],
+        np.array([[1, 2], [3, 4]]),
+        torch.tensor([[1, 2], [3, 4]]),
+    ):
         assert pack_tokens(given) == (pairs, 2), type(given)
     assert pack_tokens([1, 2, 3, 4], token_width=2) == (pairs, 2)
     assert pack_tokens([]) == (b"", 1)
     with pytest.raises(InvalidArgument):
         pack_tokens([1, 2, 3], token_width=2)
     slots = np.array([5, -1, 2**40], dtype="<i8").tobytes()
-    for given in ([5, -1, 2**40], array("q", [5, -1, 2**40]), np.array([5, -1, 2**40]),
-                  torch.tensor([5, -1, 2**40]), slots):
+    for given in (
+        [5, -1, 2**40],
+        array("q", [5, -1, 2**40]),
+        np.array([5, -1, 2**40]),
+        torch.tensor([5, -1, 2**40]),
+        slots,
+    ):
         assert pack_slots(given) == slots, type(given)
     assert pack_slots(None) == b"" and pack_slots(3) == pack_slots([3])
     assert pack_slots(torch.tensor([[1, 2], [3, 4]])) == pack_slots([1, 2, 3, 4])
@@ -71,6 +87,7 @@ def test_the_client_works_without_numpy_or_torch() -> None:
         "client.close()\n"
     )
     env = {"PYTHONPATH": f"{REPO / 'client'}", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60, env=env, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=REPO
+    )
     assert result.returncode == 0, result.stderr

@@ -24,9 +24,22 @@ def test_worker_runs_against_a_real_server(tmp_path: Path) -> None:
     with serve_process(tmp_path, CONFIG) as (_, address):
         for mode in ("attach", "transfer"):
             out = subprocess.run(
-                [sys.executable, str(REPO / "examples" / "worker.py"), "--target", address,
-                 "--limit", "6", "--kv", mode],
-                env=env, capture_output=True, text=True, timeout=120, check=True).stdout
+                [
+                    sys.executable,
+                    str(REPO / "examples" / "worker.py"),
+                    "--target",
+                    address,
+                    "--limit",
+                    "6",
+                    "--kv",
+                    mode,
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+            ).stdout
             assert "requests/s" in out and "hit ratio" in out and mode in out, out
         with PrefixCacheClient(address) as client:
             stats = client.stats("default")["default"]
@@ -40,9 +53,22 @@ def test_worker_runs_without_the_trace_files(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with serve_process(tmp_path, CONFIG) as (_, address):
         done = subprocess.run(
-            [sys.executable, str(REPO / "examples" / "worker.py"), "--target", address,
-             "--limit", "20", "--trace", str(tmp_path / "missing.jsonl")],
-            env=env, capture_output=True, text=True, timeout=120, check=True)
+            [
+                sys.executable,
+                str(REPO / "examples" / "worker.py"),
+                "--target",
+                address,
+                "--limit",
+                "20",
+                "--trace",
+                str(tmp_path / "missing.jsonl"),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         assert "synthetic" in done.stderr, done.stderr
         assert "20 requests" in done.stdout, done.stdout
         ratio = float(done.stdout.split("hit ratio ")[1].split()[0])

@@ -18,8 +18,7 @@ ids = st.integers(0, 2**32 - 1)
 
 
 @settings(max_examples=60, deadline=None)
-@given(tokens=st.lists(ids, max_size=40), page_size=st.integers(1, 6),
-       split=st.integers(0, 40))
+@given(tokens=st.lists(ids, max_size=40), page_size=st.integers(1, 6), split=st.integers(0, 40))
 def test_chain_equals_hash_pages(tokens: list[int], page_size: int, split: int) -> None:
     """Whole pages only, chained from nothing; extending later changes nothing."""
     packed = RadixKey(tokens).packed()[0]
@@ -65,8 +64,9 @@ def test_lazy_and_partial() -> None:
     assert len(request.keys()) == 2
 
 
-@pytest.mark.parametrize("kwargs", [{"page_size": 0}, {"page_size": True},
-                                    {"page_size": 1, "extra_key": 5}])
+@pytest.mark.parametrize(
+    "kwargs", [{"page_size": 0}, {"page_size": True}, {"page_size": 1, "extra_key": 5}]
+)
 def test_bad_arguments(kwargs: dict) -> None:
     with pytest.raises(InvalidArgument):
         RequestHashes([1], **kwargs)
@@ -81,10 +81,15 @@ def test_extend_refuses_another_width() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(tokens=st.lists(st.integers(0, 9), max_size=30), page_size=st.integers(1, 4),
-       split=st.integers(0, 30), other=st.lists(st.integers(0, 9), max_size=30))
-def test_grow_to_takes_an_extension_only(tokens: list[int], page_size: int, split: int,
-                                         other: list[int]) -> None:
+@given(
+    tokens=st.lists(st.integers(0, 9), max_size=30),
+    page_size=st.integers(1, 4),
+    split=st.integers(0, 30),
+    other=st.lists(st.integers(0, 9), max_size=30),
+)
+def test_grow_to_takes_an_extension_only(
+    tokens: list[int], page_size: int, split: int, other: list[int]
+) -> None:
     """grow_to hashes as a fresh request would when the tokens extend the old ones, and
     refuses (unchanged) when they do not."""
     grown = RequestHashes(tokens[:split], page_size=page_size)
@@ -100,10 +105,16 @@ def test_grow_to_takes_an_extension_only(tokens: list[int], page_size: int, spli
 
 
 @settings(max_examples=60, deadline=None)
-@given(tokens=st.lists(st.integers(0, 9), max_size=30), page_size=st.integers(1, 4),
-       split=st.integers(0, 30), cut=st.integers(0, 30), hashed=st.integers(0, 10))
+@given(
+    tokens=st.lists(st.integers(0, 9), max_size=30),
+    page_size=st.integers(1, 4),
+    split=st.integers(0, 30),
+    cut=st.integers(0, 30),
+    hashed=st.integers(0, 10),
+)
 def test_extended_and_prefix_share_hashes_and_hash_as_fresh(
-        tokens: list[int], page_size: int, split: int, cut: int, hashed: int) -> None:
+    tokens: list[int], page_size: int, split: int, cut: int, hashed: int
+) -> None:
     """A chain grown by ``extended`` or cut by ``prefix`` keys its pages as a fresh
     request of the same tokens, whatever was hashed before; the original is unchanged."""
     base = RequestHashes(tokens[:split], page_size=page_size)

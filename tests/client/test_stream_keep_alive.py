@@ -29,8 +29,10 @@ def short_ttl_server(tmp_path_factory: pytest.TempPathFactory):
 async def _idle(address: str, keep_alive: bool, seconds: float) -> tuple[float | None, int]:
     """Open a stream, take 3 slots, stay silent ``seconds``, then ask for Stats; the
     TTL it learnt and the session slots the model counts at the end."""
-    async with AsyncPrefixCacheClient(address, timeout=5.0) as client, \
-            client.stream_session(keep_alive=keep_alive) as stream:
+    async with (
+        AsyncPrefixCacheClient(address, timeout=5.0) as client,
+        client.stream_session(keep_alive=keep_alive) as stream,
+    ):
         await stream.alloc("m", 3)
         await asyncio.sleep(seconds)
         try:
@@ -56,8 +58,16 @@ def test_without_keep_alive_the_idle_stream_lapses(short_ttl_server) -> None:
 def test_the_keep_alive_op_answers_the_stream_ttl(short_ttl_server) -> None:
     channel, stub = stub_for(short_ttl_server.address)
     with channel:
-        replies = stub.Session(iter([pb.SessionRequest(seq=7, keep_alive=pb.KeepAliveRequest(
-            server_epoch=short_ttl_server.service.epoch))]), timeout=10)
+        replies = stub.Session(
+            iter(
+                [
+                    pb.SessionRequest(
+                        seq=7,
+                        keep_alive=pb.KeepAliveRequest(server_epoch=short_ttl_server.service.epoch),
+                    )
+                ]
+            ),
+            timeout=10,
+        )
         (reply,) = list(replies)
         assert reply.seq == 7 and reply.keep_alive.ttl_seconds == TTL
-

@@ -25,13 +25,23 @@ valid_ids = st.lists(st.one_of(st.sampled_from(_EDGES), st.integers(0, U32 - 1))
 
 
 def token_containers(ids: list[int]) -> list[Any]:
-    out: list[Any] = [tuple(ids), array("I", ids), array("q", ids), array("L", ids),
-                      array("Q", ids), np.array(ids, dtype=np.int64),
-                      np.array(ids, dtype=np.uint32), np.array(ids, dtype=">i8"),
-                      torch.tensor(ids, dtype=torch.int64)]
+    out: list[Any] = [
+        tuple(ids),
+        array("I", ids),
+        array("q", ids),
+        array("L", ids),
+        array("Q", ids),
+        np.array(ids, dtype=np.int64),
+        np.array(ids, dtype=np.uint32),
+        np.array(ids, dtype=">i8"),
+        torch.tensor(ids, dtype=torch.int64),
+    ]
     if all(i < 2**31 for i in ids):
-        out += [array("i", ids), np.array(ids, dtype=np.int32),
-                torch.tensor(ids, dtype=torch.int32)]
+        out += [
+            array("i", ids),
+            np.array(ids, dtype=np.int32),
+            torch.tensor(ids, dtype=torch.int32),
+        ]
     if all(i < 2**16 for i in ids):
         out += [array("H", ids), np.array(ids, dtype=np.uint16)]
     return out
@@ -49,8 +59,12 @@ def test_every_container_packs_tokens_like_the_list(ids: list[int]) -> None:
 @given(valid_ids, st.sampled_from([-1, -(2**31), U32, 2**40, 2**63 - 1]), st.integers(0, 40))
 def test_out_of_range_tokens_are_refused_alike(ids: list[int], bad: int, where: int) -> None:
     ids = [*ids[:where], bad, *ids[where:]]
-    holders: list[Any] = [ids, array("q", ids), np.array(ids, dtype=np.int64),
-                          torch.tensor(ids, dtype=torch.int64)]
+    holders: list[Any] = [
+        ids,
+        array("q", ids),
+        np.array(ids, dtype=np.int64),
+        torch.tensor(ids, dtype=torch.int64),
+    ]
     if bad >= 0:
         holders += [array("Q", ids), np.array(ids, dtype=np.uint64)]
     if all(-(2**31) <= i < 2**31 for i in ids):
@@ -64,8 +78,12 @@ def test_out_of_range_tokens_are_refused_alike(ids: list[int], bad: int, where: 
 @given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=30))
 def test_every_container_packs_slots_like_the_list(slots: list[int]) -> None:
     want = pack_slots(slots)
-    holders: list[Any] = [array("q", slots), array("l", slots), np.array(slots, dtype=np.int64),
-                          torch.tensor(slots, dtype=torch.int64)]
+    holders: list[Any] = [
+        array("q", slots),
+        array("l", slots),
+        np.array(slots, dtype=np.int64),
+        torch.tensor(slots, dtype=torch.int64),
+    ]
     if all(s >= 0 for s in slots):
         holders += [array("Q", slots), np.array(slots, dtype=np.uint64)]
     if all(-(2**31) <= s < 2**31 for s in slots):
@@ -78,10 +96,19 @@ def test_every_container_packs_slots_like_the_list(slots: list[int]) -> None:
         pack_slots(np.array([2**63], dtype=np.uint64))
 
 
-@pytest.mark.parametrize("bad", [
-    [1.5], array("d", [1.0]), np.array([1.0]), torch.tensor([1.0]), np.array([True]),
-    torch.tensor([True]), np.zeros((2, 2, 2), dtype=np.int64), "12",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [1.5],
+        array("d", [1.0]),
+        np.array([1.0]),
+        torch.tensor([1.0]),
+        np.array([True]),
+        torch.tensor([True]),
+        np.zeros((2, 2, 2), dtype=np.int64),
+        "12",
+    ],
+)
 def test_non_integer_tokens_are_refused(bad: Any) -> None:
     with pytest.raises(InvalidArgument):
         pack_tokens(bad)
@@ -111,6 +138,7 @@ def test_arrays_pack_without_numpy() -> None:
         "        raise SystemExit(f'{bad} was packed')\n"
     )
     env = {"PYTHONPATH": f"{REPO / 'client'}", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60, env=env, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=REPO
+    )
     assert result.returncode == 0, result.stderr

@@ -41,9 +41,14 @@ class Packed:
 
 
 def test_subclasses_and_other_containers_pack_like_the_list() -> None:
-    for given_ids in (IdList(IDS), IdArray("q", IDS), np.array(IDS).view(IdNdarray),
-                      torch.nn.Parameter(torch.tensor(IDS), requires_grad=False),
-                      iter(IDS), range(0, 0)):
+    for given_ids in (
+        IdList(IDS),
+        IdArray("q", IDS),
+        np.array(IDS).view(IdNdarray),
+        torch.nn.Parameter(torch.tensor(IDS), requires_grad=False),
+        iter(IDS),
+        range(0, 0),
+    ):
         want = WANT if not isinstance(given_ids, range) else (b"", 1)
         assert pack_tokens(given_ids) == want, type(given_ids)
     assert pack_tokens(Packed()) == (b"\x01\0\0\0\x02\0\0\0", 2)
@@ -76,10 +81,14 @@ def test_plans_of_other_byte_orders_and_wire_widths_never_mix() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, U32 - 1), min_size=2, max_size=30), st.integers(0, 29),
-       st.sampled_from([-1, -(2**31), U32, 2**40]))
-def test_strided_views_check_exactly_their_own_elements(ids: list[int], where: int,
-                                                        bad: int) -> None:
+@given(
+    st.lists(st.integers(0, U32 - 1), min_size=2, max_size=30),
+    st.integers(0, 29),
+    st.sampled_from([-1, -(2**31), U32, 2**40]),
+)
+def test_strided_views_check_exactly_their_own_elements(
+    ids: list[int], where: int, bad: int
+) -> None:
     where %= len(ids)
     full = np.array(ids, dtype=np.int64)
     full[where] = bad
@@ -95,18 +104,29 @@ def test_strided_views_check_exactly_their_own_elements(ids: list[int], where: i
 def test_fortran_and_transposed_2d_ids_pack_in_row_order() -> None:
     rows = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int64)
     want = pack_tokens([(1, 2, 3), (4, 5, 6)])
-    for given_ids in (np.asfortranarray(rows), np.asfortranarray(rows.astype(np.int32)),
-                      torch.from_numpy(rows.T.copy()).T):
+    for given_ids in (
+        np.asfortranarray(rows),
+        np.asfortranarray(rows.astype(np.int32)),
+        torch.from_numpy(rows.T.copy()).T,
+    ):
         assert pack_tokens(given_ids) == want
     assert pack_slots(np.asfortranarray(rows)) == pack_slots([1, 2, 3, 4, 5, 6])
     with pytest.raises(InvalidArgument):
         pack_tokens(np.asfortranarray(np.array([[1, 2], [3, -4]], dtype=np.int32)))
 
 
-@pytest.mark.parametrize("given_ids", [
-    [1, (2, 3)],  # ints then tuples: the array loop stops midway
-    [(1, 2), (3,)], [1, 2, -3], (1, U32), [1, 2.0], [1, "2"], [np.float64(1.0)],
-])
+@pytest.mark.parametrize(
+    "given_ids",
+    [
+        [1, (2, 3)],  # ints then tuples: the array loop stops midway
+        [(1, 2), (3,)],
+        [1, 2, -3],
+        (1, U32),
+        [1, 2.0],
+        [1, "2"],
+        [np.float64(1.0)],
+    ],
+)
 def test_lists_the_array_loop_refuses_get_the_general_errors(given_ids: Any) -> None:
     with pytest.raises(InvalidArgument):
         pack_tokens(given_ids)
@@ -117,8 +137,7 @@ def test_lists_of_tuples_and_numpy_scalars_and_token_width_still_pack() -> None:
     assert pairs[1] == 2
     assert pack_tokens(((1, 2), (3, 4))) == pairs
     assert pack_tokens(np.array([[1, 2], [3, 4]], dtype=np.uint32)) == pairs
-    for flat in ([1, 2, 3, 4], array("q", [1, 2, 3, 4]), np.arange(1, 5),
-                 torch.arange(1, 5)):
+    for flat in ([1, 2, 3, 4], array("q", [1, 2, 3, 4]), np.arange(1, 5), torch.arange(1, 5)):
         assert pack_tokens(flat, token_width=2) == pairs, type(flat)
         with pytest.raises(InvalidArgument):
             pack_tokens(flat, token_width=3)

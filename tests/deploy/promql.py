@@ -13,14 +13,50 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-FUNCTIONS = frozenset({
-    "abs", "absent", "avg", "avg_over_time", "bottomk", "ceil", "changes", "clamp",
-    "clamp_max", "clamp_min", "count", "count_over_time", "delta", "deriv", "floor",
-    "group", "histogram_quantile", "idelta", "increase", "irate", "label_replace",
-    "last_over_time", "max", "max_over_time", "min", "min_over_time", "quantile",
-    "quantile_over_time", "rate", "resets", "round", "scalar", "sort", "sort_desc",
-    "stddev", "sum", "sum_over_time", "time", "topk", "vector",
-})
+FUNCTIONS = frozenset(
+    {
+        "abs",
+        "absent",
+        "avg",
+        "avg_over_time",
+        "bottomk",
+        "ceil",
+        "changes",
+        "clamp",
+        "clamp_max",
+        "clamp_min",
+        "count",
+        "count_over_time",
+        "delta",
+        "deriv",
+        "floor",
+        "group",
+        "histogram_quantile",
+        "idelta",
+        "increase",
+        "irate",
+        "label_replace",
+        "last_over_time",
+        "max",
+        "max_over_time",
+        "min",
+        "min_over_time",
+        "quantile",
+        "quantile_over_time",
+        "rate",
+        "resets",
+        "round",
+        "scalar",
+        "sort",
+        "sort_desc",
+        "stddev",
+        "sum",
+        "sum_over_time",
+        "time",
+        "topk",
+        "vector",
+    }
+)
 GROUPING = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
 OPERATORS = frozenset({"and", "or", "unless", "bool", "offset"})
 
@@ -81,7 +117,7 @@ def parse(text: str) -> Expr:
             end = text.find("]", i)
             if end < 0:
                 raise PromQLError(f"unclosed '[' in {text!r}")
-            _check_range(text[i + 1:end], text)
+            _check_range(text[i + 1 : end], text)
             i = end + 1
         elif c == "{":
             raise PromQLError(f"a selector without a metric name in {text!r}")
@@ -108,7 +144,7 @@ def _after_word(text: str, i: int, word: str, expr: Expr) -> int:
                 return i
             raise PromQLError(f"{word} without a label list in {expr.text!r}")
         end = text.index(")", j)
-        labels = [s.strip() for s in text[j + 1:end].split(",") if s.strip()]
+        labels = [s.strip() for s in text[j + 1 : end].split(",") if s.strip()]
         for label in labels:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", label):
                 raise PromQLError(f"bad label {label!r} in {word}(...) of {expr.text!r}")
@@ -127,7 +163,7 @@ def _after_word(text: str, i: int, word: str, expr: Expr) -> int:
         end = text.find("}", j)
         if end < 0:
             raise PromQLError(f"unclosed '{{' in {expr.text!r}")
-        body, pos = text[j + 1:end], 0
+        body, pos = text[j + 1 : end], 0
         while pos < len(body):
             m = _MATCHER.match(body, pos)
             if not m or m.end() == pos:
@@ -145,6 +181,5 @@ def _skip_space(text: str, i: int) -> int:
 
 
 def _check_range(inner: str, text: str) -> None:
-    if not re.fullmatch(r"\s*(\$\w+|\d+[smhdwy](\d+[smhdwy])*)(:(\$\w+|\d+[smhdwy]))?\s*",
-                        inner):
+    if not re.fullmatch(r"\s*(\$\w+|\d+[smhdwy](\d+[smhdwy])*)(:(\$\w+|\d+[smhdwy]))?\s*", inner):
         raise PromQLError(f"bad range [{inner}] in {text!r}")

@@ -23,8 +23,12 @@ DOCKERFILE = REPO / "Dockerfile"
 
 # The plain manifests, by what a reader applies together.
 CPU_FILES = ("configmap.yaml", "deployment.yaml", "service.yaml")
-GPU_FILES = ("gpu/configmap.yaml", "gpu/deployment.yaml", "gpu/resourceclaimtemplate.yaml",
-             "service.yaml")
+GPU_FILES = (
+    "gpu/configmap.yaml",
+    "gpu/deployment.yaml",
+    "gpu/resourceclaimtemplate.yaml",
+    "service.yaml",
+)
 MONITORING_FILES = ("monitoring/servicemonitor.yaml", "monitoring/prometheusrule.yaml")
 # The shared tier: its mooncake_master, and the CPU pod with server.tier on.
 TIER_MASTER_FILE = "tier/mooncake-master.yaml"
@@ -35,8 +39,9 @@ MIN_KUBERNETES = "1.29.0"
 MIN_KUBERNETES_GPU = "1.34.0"
 # Labels Prometheus adds to every series it scrapes from a target (job and instance
 # always; the rest with Kubernetes service discovery).
-TARGET_LABELS = frozenset({"job", "instance", "namespace", "pod", "service", "container",
-                           "endpoint"})
+TARGET_LABELS = frozenset(
+    {"job", "instance", "namespace", "pod", "service", "container", "endpoint"}
+)
 
 
 def need(module: str, *, in_ci: bool = True) -> ModuleType:
@@ -148,8 +153,11 @@ def mounted_tier_secret(docs: list[dict[str, Any]], tmp: Path) -> dict[str, str]
     Checks that PREFIXCACHE_TIER's secret_file lies in a read-only mount of a Secret
     volume, under the path the volume gives its key."""
     container, spec = sidecar(docs), pod_spec(docs)
-    env = {k: v.replace("$(POD_IP)", "10.1.2.3") for k, v in env_of(container).items()
-           if k.startswith("PREFIXCACHE_")}
+    env = {
+        k: v.replace("$(POD_IP)", "10.1.2.3")
+        for k, v in env_of(container).items()
+        if k.startswith("PREFIXCACHE_")
+    }
     secret_file = json.loads(env["PREFIXCACHE_TIER"])["secret_file"]
     directory, _, name = secret_file.rpartition("/")
     (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == directory]

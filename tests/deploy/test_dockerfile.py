@@ -79,10 +79,14 @@ def test_two_stages_build_the_wheel_then_a_slim_runtime() -> None:
 def test_build_stage_copies_everything_the_wheel_is_built_from() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     wheel = project["tool"]["hatch"]["build"]["targets"]["wheel"]
-    needed = {"pyproject.toml", project["project"]["readme"],
-              wheel["hooks"]["custom"]["path"],
-              # The hook runs scripts/gen_protos.py over protos/.
-              "scripts", "protos"}
+    needed = {
+        "pyproject.toml",
+        project["project"]["readme"],
+        wheel["hooks"]["custom"]["path"],
+        # The hook runs scripts/gen_protos.py over protos/.
+        "scripts",
+        "protos",
+    }
     needed |= {package.split("/")[0] for package in wheel["packages"]}
     copied = set()
     build = stages()[0]
@@ -102,8 +106,7 @@ def test_torch_is_the_one_ci_and_the_readme_pin_and_installs_first() -> None:
     pin = re.fullmatch(r"pip install torch==(\S+)", torch_cmd)
     assert pin, torch_cmd
     assert args["TORCH_VERSION"] == pin[1]
-    assert f"pip install torch=={pin[1]} && pip install '.[server]' && prefixcache serve" \
-        in README
+    assert f"pip install torch=={pin[1]} && pip install '.[server]' && prefixcache serve" in README
     # The default flavour is the CPU index, the same build CI installs from PyPI.
     assert args["TORCH_FLAVOUR"] == "cpu"
     assert _expand(args["TORCH_INDEX_URL"], args) == "https://download.pytorch.org/whl/cpu"
@@ -112,8 +115,9 @@ def test_torch_is_the_one_ci_and_the_readme_pin_and_installs_first() -> None:
     wheel_runs = [i for i, run in enumerate(runs) if "/tmp/dist/prefixcache-" in run]
     assert len(torch_runs) == 1 and len(wheel_runs) == 1
     assert torch_runs[0] < wheel_runs[0], "torch must be installed before the wheel"
-    assert runs[torch_runs[0]] == \
-        'pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"'
+    assert (
+        runs[torch_runs[0]] == 'pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"'
+    )
 
 
 def test_wheel_is_installed_with_the_extras_ci_installs_less_dev() -> None:
@@ -168,13 +172,20 @@ def test_healthcheck_is_the_kubernetes_probe() -> None:
         container = sidecar(docs_of(*files))
         for probe in ("startupProbe", "livenessProbe"):
             assert container[probe]["exec"]["command"] == command, probe
-        assert container["readinessProbe"]["exec"]["command"] == \
-            [*command, "--service", "prefixcache.v1.PrefixCache"]
+        assert container["readinessProbe"]["exec"]["command"] == [
+            *command,
+            "--service",
+            "prefixcache.v1.PrefixCache",
+        ]
 
 
 def test_hadolint_finds_nothing() -> None:
     hadolint = tool("hadolint")
-    result = subprocess.run([hadolint, "--no-color", "--failure-threshold", "info",
-                             str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "info", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "", result.stdout

@@ -24,8 +24,7 @@ DEPLOY_README = (DEPLOY / "README.md").read_text()
 
 
 def _deploy_section() -> str:
-    match = re.search(r"^## Deploy\n(.*?)^## ", OPERATIONS.read_text(),
-                      re.MULTILINE | re.DOTALL)
+    match = re.search(r"^## Deploy\n(.*?)^## ", OPERATIONS.read_text(), re.MULTILINE | re.DOTALL)
     assert match, 'docs/operations.md has no "## Deploy" section followed by another'
     return match[1]
 
@@ -33,8 +32,10 @@ def _deploy_section() -> str:
 def test_every_path_named_exists() -> None:
     section = _deploy_section()
     named = set(re.findall(r"(deploy/[\w./-]*[\w/])", section))
-    named |= {f"deploy/{p}" for p in re.findall(r"`((?:kubernetes|helm|grafana)/[\w./-]*)`",
-                                                  DEPLOY_README)}
+    named |= {
+        f"deploy/{p}"
+        for p in re.findall(r"`((?:kubernetes|helm|grafana)/[\w./-]*)`", DEPLOY_README)
+    }
     assert len(named) >= 8
     for path in named:
         assert (REPO / path).exists(), path
@@ -58,10 +59,12 @@ def test_commands_name_the_objects_the_manifests_create() -> None:
     docs = docs_of(*CPU_FILES)
     name = one(docs, "Deployment")["metadata"]["name"]
     assert f"kubectl rollout status deployment/{name}" in section
-    assert f"kubectl logs deployment/{name} -c {pod_spec(docs)['containers'][0]['name']}" \
-        in section
-    refs = [e["valueFrom"]["secretKeyRef"] for e in sidecar(docs)["env"]
-            if "secretKeyRef" in e.get("valueFrom", {})]
+    assert f"kubectl logs deployment/{name} -c {pod_spec(docs)['containers'][0]['name']}" in section
+    refs = [
+        e["valueFrom"]["secretKeyRef"]
+        for e in sidecar(docs)["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    ]
     (secret,) = {ref["name"] for ref in refs}
     assert f"kubectl create secret generic {secret}" in section
     keys = {ref["key"] for ref in refs}
@@ -69,4 +72,4 @@ def test_commands_name_the_objects_the_manifests_create() -> None:
         assert f"--from-literal={key}=" in section
     # docker run shares the socket directory the image listens in.
     assert "-v prefixcache-run:/run/prefixcache" in section
-    assert 'job_name: prefixcache' in section
+    assert "job_name: prefixcache" in section

@@ -63,29 +63,38 @@ def render(*values: dict[str, Any], values_file: str | None = None) -> dict[str,
 
 
 def objects(rendered: dict[str, str]) -> list[dict[str, Any]]:
-    return [doc for path, text in sorted(rendered.items()) if path.endswith(".yaml")
-            for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc
+        for path, text in sorted(rendered.items())
+        if path.endswith(".yaml")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 def _normalise(doc: dict[str, Any]) -> dict[str, Any]:
     """Without what only Helm adds; a ConfigMap's config compared as data, not text."""
+
     def walk(node: Any) -> Any:
         if isinstance(node, dict):
             out = {k: walk(v) for k, v in node.items()}
             meta = out.get("metadata")
             if isinstance(meta, dict):
-                labels = {k: v for k, v in meta.get("labels", {}).items()
-                          if k not in HELM_ONLY_LABELS}
+                labels = {
+                    k: v for k, v in meta.get("labels", {}).items() if k not in HELM_ONLY_LABELS
+                }
                 if "labels" in meta:
                     meta["labels"] = labels
-                annotations = {k: v for k, v in meta.get("annotations", {}).items()
-                               if k != "checksum/config"}
+                annotations = {
+                    k: v for k, v in meta.get("annotations", {}).items() if k != "checksum/config"
+                }
                 if "annotations" in meta:
                     meta["annotations"] = annotations
             return out
         if isinstance(node, list):
             return [walk(v) for v in node]
         return node
+
     out = walk(doc)
     if out["kind"] == "ConfigMap":
         out["data"] = {k: yaml.safe_load(v) for k, v in out["data"].items()}
@@ -128,12 +137,16 @@ def test_tier_values_render_the_tier_manifests() -> None:
 
 def test_tls_and_auth_values_render_valid_objects(tmp_path: Path) -> None:
     kv = need("kubernetes_validate")
-    rendered = objects(render({
-        "tls": {"enabled": True, "secretName": "pc-tls", "clientCA": True},
-        "auth": {"secretName": "pc-tokens", "optional": False},
-        "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
-        "extraEnv": [{"name": "PREFIXCACHE_SESSION_TTL", "value": "60"}],
-    }))
+    rendered = objects(
+        render(
+            {
+                "tls": {"enabled": True, "secretName": "pc-tls", "clientCA": True},
+                "auth": {"secretName": "pc-tokens", "optional": False},
+                "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+                "extraEnv": [{"name": "PREFIXCACHE_SESSION_TTL", "value": "60"}],
+            }
+        )
+    )
     for doc in rendered:
         if doc["kind"] != "ServiceMonitor":
             kv.validate(doc, MIN_KUBERNETES, strict=True)
@@ -151,13 +164,17 @@ def test_tls_and_auth_values_render_valid_objects(tmp_path: Path) -> None:
     assert {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"] == 50051
     service = one(rendered, "Service")
     assert {p["name"] for p in service["spec"]["ports"]} == {"metrics", "grpc"}
-    secrets = {e["valueFrom"]["secretKeyRef"]["name"]
-               for c in [container, *spec["containers"]]
-               for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    secrets = {
+        e["valueFrom"]["secretKeyRef"]["name"]
+        for c in [container, *spec["containers"]]
+        for e in c["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
     assert secrets == {"pc-tokens"}
     assert env_of(spec["containers"][0])["PREFIXCACHE_TARGET"] == "localhost:50051"
-    assert one(rendered, "ServiceMonitor")["metadata"]["labels"]["release"] == \
-        "kube-prometheus-stack"
+    assert (
+        one(rendered, "ServiceMonitor")["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    )
     # The server accepts these settings (the certificate files are read at bind time).
     config_map = one(rendered, "ConfigMap")
     (tmp_path / "config.yaml").write_text(config_map["data"]["config.yaml"])
@@ -202,8 +219,9 @@ def test_metrics_bind_the_pod_ip_with_an_optional_token() -> None:
     pod_env = {k: v.replace("$(POD_IP)", "10.1.2.3") for k, v in env.items()}
     assert load_config(env=pod_env).server.metrics_host == "10.1.2.3"
 
-    rendered = objects(render(MONITORING, {"metricsHost": "0.0.0.0",
-                                           "auth": {"metricsTokenKey": "metrics-token"}}))
+    rendered = objects(
+        render(MONITORING, {"metricsHost": "0.0.0.0", "auth": {"metricsTokenKey": "metrics-token"}})
+    )
     container = sidecar(rendered)
     assert env_of(container)["PREFIXCACHE_METRICS_HOST"] == "0.0.0.0"
     (token,) = [e for e in container["env"] if e["name"] == "PREFIXCACHE_METRICS_TOKEN"]
@@ -211,4 +229,6 @@ def test_metrics_bind_the_pod_ip_with_an_optional_token() -> None:
     assert (ref["name"], ref["key"]) == ("prefixcache-auth", "metrics-token")
     (endpoint,) = one(rendered, "ServiceMonitor")["spec"]["endpoints"]
     assert endpoint["authorization"] == {
-        "type": "Bearer", "credentials": {"name": "prefixcache-auth", "key": "metrics-token"}}
+        "type": "Bearer",
+        "credentials": {"name": "prefixcache-auth", "key": "metrics-token"},
+    }

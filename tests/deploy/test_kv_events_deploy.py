@@ -12,16 +12,20 @@ from prefixcache.server.config import load_config
 
 def test_kv_events_on_render_ports_labels_and_settings() -> None:
     kv = need("kubernetes_validate")
-    rendered = objects(render({"kvEvents": {"enabled": True, "enginePort": 8080,
-                                            "hashFormat": "sglang"}}))
+    rendered = objects(
+        render({"kvEvents": {"enabled": True, "enginePort": 8080, "hashFormat": "sglang"}})
+    )
     for doc in rendered:
         kv.validate(doc, MIN_KUBERNETES, strict=True)
     container = sidecar(rendered)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (ports["kv-events"], ports["kv-replay"]) == (5557, 5558)
     service = one(rendered, "Service")
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == \
-        {"metrics": 9470, "kv-events": 5557, "kv-replay": 5558}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "metrics": 9470,
+        "kv-events": 5557,
+        "kv-replay": 5558,
+    }
     labels = one(rendered, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert labels["llm-d.ai/inferenceServing"] == "true"
     env = env_of(container)
@@ -35,4 +39,3 @@ def test_kv_events_on_render_ports_labels_and_settings() -> None:
     assert (events.endpoint, events.replay_endpoint) == ("tcp://*:5557", "tcp://*:5558")
     assert events.topic == "kv@10.1.2.3:8080@{model}"
     assert (events.buffer_steps, events.hwm) == (1000, 1000)
-

@@ -42,14 +42,19 @@ from prefixcache.server.config import load_config
 
 CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule"}
 # The sidecar's pod, in each variant.
-PODS = pytest.mark.parametrize("files", [CPU_FILES, GPU_FILES, TIER_POD_FILES],
-                               ids=["cpu", "gpu", "tier"])
+PODS = pytest.mark.parametrize(
+    "files", [CPU_FILES, GPU_FILES, TIER_POD_FILES], ids=["cpu", "gpu", "tier"]
+)
 DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
 
 
 def _core_docs(names: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
-    return [(name, doc) for name in names for doc in load_docs(KUBERNETES / name)
-            if doc["kind"] not in CUSTOM_KINDS]
+    return [
+        (name, doc)
+        for name in names
+        for doc in load_docs(KUBERNETES / name)
+        if doc["kind"] not in CUSTOM_KINDS
+    ]
 
 
 def test_every_manifest_file_is_listed() -> None:
@@ -59,11 +64,12 @@ def test_every_manifest_file_is_listed() -> None:
     assert found == listed
 
 
-@pytest.mark.parametrize(("names", "minimum"), [
-    (CPU_FILES, MIN_KUBERNETES), (GPU_FILES, MIN_KUBERNETES_GPU),
-    (TIER_FILES, MIN_KUBERNETES)], ids=["cpu", "gpu", "tier"])
-def test_core_objects_match_the_kubernetes_schemas(names: tuple[str, ...],
-                                                   minimum: str) -> None:
+@pytest.mark.parametrize(
+    ("names", "minimum"),
+    [(CPU_FILES, MIN_KUBERNETES), (GPU_FILES, MIN_KUBERNETES_GPU), (TIER_FILES, MIN_KUBERNETES)],
+    ids=["cpu", "gpu", "tier"],
+)
+def test_core_objects_match_the_kubernetes_schemas(names: tuple[str, ...], minimum: str) -> None:
     kv = need("kubernetes_validate")
     docs = _core_docs(names)
     assert docs
@@ -72,8 +78,10 @@ def test_core_objects_match_the_kubernetes_schemas(names: tuple[str, ...],
             try:
                 kv.validate(doc, version, strict=True)
             except kv.ValidationError as exc:
-                pytest.fail(f"{name}: {doc['kind']} is not valid for Kubernetes {version}: "
-                            f"{exc.message} at {'.'.join(map(str, exc.path))}")
+                pytest.fail(
+                    f"{name}: {doc['kind']} is not valid for Kubernetes {version}: "
+                    f"{exc.message} at {'.'.join(map(str, exc.path))}"
+                )
 
 
 def test_the_validator_rejects_a_broken_deployment() -> None:
@@ -116,8 +124,10 @@ def test_the_pod_runs_prefixcache_as_a_native_sidecar(files: tuple[str, ...]) ->
     # PREFIXCACHE_* Service links would land in the server's settings.
     assert spec["enableServiceLinks"] is False
     # Long enough for the server's own drain after the inference container stopped.
-    assert spec["terminationGracePeriodSeconds"] > float(
-        env_of(container)["PREFIXCACHE_GRACE_PERIOD"]) + 5
+    assert (
+        spec["terminationGracePeriodSeconds"]
+        > float(env_of(container)["PREFIXCACHE_GRACE_PERIOD"]) + 5
+    )
 
 
 @PODS
@@ -147,8 +157,10 @@ def test_probes_check_grpc_health_over_the_socket(files: tuple[str, ...]) -> Non
         # `prefixcache health`, not an inline script; its default deadline is 3 s.
         assert command[:2] == ["prefixcache", "health"], name
         assert "--timeout" not in command and probe["timeoutSeconds"] >= 4, name
-    assert container["readinessProbe"]["exec"]["command"][2:] == \
-        ["--service", "prefixcache.v1.PrefixCache"]
+    assert container["readinessProbe"]["exec"]["command"][2:] == [
+        "--service",
+        "prefixcache.v1.PrefixCache",
+    ]
     # The probes ask PREFIXCACHE_LISTEN; a PREFIXCACHE_TARGET would win over it.
     env = {e["name"] for e in container["env"]}
     assert "PREFIXCACHE_LISTEN" in env and "PREFIXCACHE_TARGET" not in env
@@ -172,8 +184,11 @@ def test_the_config_map_is_mounted_and_loads(files: tuple[str, ...], tmp_path: P
     assert directory == mount["mountPath"] and key in config_map["data"]
     path = tmp_path / key
     path.write_text(config_map["data"][key])
-    env = {k: v.replace("$(POD_IP)", "10.1.2.3") for k, v in env_of(container).items()
-           if k.startswith("PREFIXCACHE_")}
+    env = {
+        k: v.replace("$(POD_IP)", "10.1.2.3")
+        for k, v in env_of(container).items()
+        if k.startswith("PREFIXCACHE_")
+    }
     if "tier/deployment.yaml" in files:  # its secret, from the Secret's mount
         env = mounted_tier_secret(docs, tmp_path)
     config = load_config(path, env=env)  # raises ConfigError naming a bad field
@@ -219,11 +234,11 @@ def test_the_tier_master_is_apart_from_the_sidecar_and_its_service_selects_it() 
     # sidecar's metrics Service (and ServiceMonitor) must not scrape the master, and a
     # Deployment adopting the other's pods would fight over them.
     for selector, own, other in (
-            (master["spec"]["selector"]["matchLabels"], master_labels, sidecar_labels),
-            (master_service["spec"]["selector"], master_labels, sidecar_labels),
-            (sidecar_deployment["spec"]["selector"]["matchLabels"], sidecar_labels,
-             master_labels),
-            (sidecar_service["spec"]["selector"], sidecar_labels, master_labels)):
+        (master["spec"]["selector"]["matchLabels"], master_labels, sidecar_labels),
+        (master_service["spec"]["selector"], master_labels, sidecar_labels),
+        (sidecar_deployment["spec"]["selector"]["matchLabels"], sidecar_labels, master_labels),
+        (sidecar_service["spec"]["selector"], sidecar_labels, master_labels),
+    ):
         assert _selects(selector, own) and not _selects(selector, other), selector
     (container,) = master["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["mooncake_master"]
@@ -267,8 +282,7 @@ def test_the_tier_sidecar_names_the_master_service(tmp_path: Path) -> None:
 
 def _bytes(quantity: str) -> int:
     units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
-    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units \
-        else int(quantity)
+    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units else int(quantity)
 
 
 def test_the_tier_master_is_locked_down_and_sized() -> None:
@@ -310,8 +324,9 @@ def test_the_service_monitor_selects_the_service() -> None:
     monitor = one(docs_of("monitoring/servicemonitor.yaml"), "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= \
-        service["metadata"]["labels"].items()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
     port_names = {p["name"] for p in service["spec"]["ports"]}
     assert monitor["spec"]["endpoints"]
     for endpoint in monitor["spec"]["endpoints"]:
@@ -338,12 +353,17 @@ def test_the_prometheus_rule_is_well_formed() -> None:
             for text in r["annotations"].values():
                 for ref in re.findall(r"\{\{(.*?)\}\}", text):
                     assert re.fullmatch(
-                        r"\s*\$(labels\.\w+|value)(\s*\|\s*humanize\w*)?\s*", ref), ref
+                        r"\s*\$(labels\.\w+|value)(\s*\|\s*humanize\w*)?\s*", ref
+                    ), ref
             alerts[r["alert"]] = r
     # The ones the issue asks for: server down, hit ratio collapse, pool exhaustion,
     # lease expiries spiking.
-    assert {"PrefixcacheDown", "PrefixcacheHitRatioCollapse", "PrefixcachePoolExhausted",
-            "PrefixcacheLeaseExpiriesSpiking"} <= set(alerts)
+    assert {
+        "PrefixcacheDown",
+        "PrefixcacheHitRatioCollapse",
+        "PrefixcachePoolExhausted",
+        "PrefixcacheLeaseExpiriesSpiking",
+    } <= set(alerts)
     # The scrape job is named after the metrics Service.
     service = one(docs_of("service.yaml"), "Service")
     assert f'up{{job="{service["metadata"]["name"]}"}}' in alerts["PrefixcacheDown"]["expr"]
@@ -356,12 +376,17 @@ def test_the_pool_exhausted_alert_keys_on_the_reason_not_the_status_code() -> No
     from deploy.promql import parse
 
     rule = one(docs_of("monitoring/prometheusrule.yaml"), "PrometheusRule")
-    (alert,) = [r for g in rule["spec"]["groups"] for r in g["rules"]
-                if r.get("alert") == "PrefixcachePoolExhausted"]
+    (alert,) = [
+        r
+        for g in rule["spec"]["groups"]
+        for r in g["rules"]
+        if r.get("alert") == "PrefixcachePoolExhausted"
+    ]
     selectors = parse(alert["expr"]).selectors
     assert [s.metric for s in selectors] == ["prefixcache_allocation_refusals_total"]
     assert [(m.label, m.op, m.value) for m in selectors[0].matchers] == [
-        ("reason", "=", "pool_exhausted")]
+        ("reason", "=", "pool_exhausted")
+    ]
 
 
 def test_every_object_carries_the_common_labels() -> None:
@@ -370,8 +395,9 @@ def test_every_object_carries_the_common_labels() -> None:
         master = path == KUBERNETES / TIER_MASTER_FILE
         for doc in load_docs(path):
             labels = doc["metadata"]["labels"]
-            assert labels["app.kubernetes.io/name"] == \
-                ("prefixcache-mooncake-master" if master else "prefixcache"), path
+            assert labels["app.kubernetes.io/name"] == (
+                "prefixcache-mooncake-master" if master else "prefixcache"
+            ), path
             assert labels["app.kubernetes.io/instance"] == "prefixcache", path
             assert "namespace" not in doc["metadata"], "kubectl -n picks the namespace"
 

@@ -58,7 +58,7 @@ class Pod:
     """The sidecar of deployment.yaml, running here."""
 
     proc: subprocess.Popen[str]
-    env: dict[str, str]            # the sidecar container's environment, paths moved
+    env: dict[str, str]  # the sidecar container's environment, paths moved
     inference_env: dict[str, str]  # the inference container's
     socket: Path
     stderr: Path
@@ -75,12 +75,14 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def _exec(command: list[str], env: dict[str, str], timeout: float
-          ) -> subprocess.CompletedProcess[str]:
+def _exec(
+    command: list[str], env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
     """Run a probe's exec command as the kubelet would, in the container's environment."""
     assert command[0] == "prefixcache", command
-    return subprocess.run([*CLI, *command[1:]], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [*CLI, *command[1:]], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +120,15 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
     argv = [*CLI, *container["command"][1:], *map(move, container.get("args", []))]
     stderr = tmp / "stderr"
     with open(stderr, "w") as err:
-        proc = subprocess.Popen(argv, cwd=tmp, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=tmp,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
     socket = Path(env["PREFIXCACHE_LISTEN"].removeprefix("unix:"))
     running = Pod(proc, env, inference_env, socket, stderr)
     try:
@@ -147,8 +156,10 @@ def _wait_started(pod: Pod, startup: dict[str, Any]) -> None:
         if result.returncode == 0:
             break
         if time.monotonic() > deadline:
-            pytest.fail(f"startup probe still failing after {START_TIMEOUT} s:\n"
-                        f"{result.stderr}\n{pod.stderr.read_text()}")
+            pytest.fail(
+                f"startup probe still failing after {START_TIMEOUT} s:\n"
+                f"{result.stderr}\n{pod.stderr.read_text()}"
+            )
         time.sleep(0.3)
     for line in pod.stderr.read_text().splitlines():
         record = json.loads(line)  # PREFIXCACHE_LOG_FORMAT=json
@@ -228,8 +239,14 @@ def test_the_inference_container_reaches_the_sidecar(pod: Pod, tmp_path: Path) -
     # The stand-in's own command, which finds the sidecar through PREFIXCACHE_TARGET.
     command = pod_spec(docs_of(*CPU_FILES))["containers"][0]["command"]
     assert "prefixcache stats;" in command[-1], command
-    result = subprocess.run([*CLI, "stats"], env=pod.inference_env,
-                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [*CLI, "stats"],
+        env=pod.inference_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert re.search(r"^demo\s", result.stdout, re.MULTILINE), result.stdout
 
@@ -237,8 +254,7 @@ def test_the_inference_container_reaches_the_sidecar(pod: Pod, tmp_path: Path) -
 # ----------------------------------------------------- metric names in PromQL
 
 
-def _check(text: str, exported: dict[str, dict[str, set[str]]],
-           legend: str | None = None) -> None:
+def _check(text: str, exported: dict[str, dict[str, set[str]]], legend: str | None = None) -> None:
     expr = parse(text)
     assert expr.selectors, f"no metric in {text!r}"
     available: set[str] = set(TARGET_LABELS)
@@ -246,31 +262,34 @@ def _check(text: str, exported: dict[str, dict[str, set[str]]],
         if selector.metric == "up":  # Prometheus' own, per scrape target
             labels: dict[str, set[str]] = {}
         else:
-            assert selector.metric in exported, \
+            assert selector.metric in exported, (
                 f"{selector.metric} is not exported by the server (in {text!r})"
+            )
             labels = exported[selector.metric]
         available |= set(labels)
         for m in selector.matchers:
-            assert m.label in TARGET_LABELS or m.label in labels, \
+            assert m.label in TARGET_LABELS or m.label in labels, (
                 f"{selector.metric} has no label {m.label!r} (in {text!r})"
+            )
             if "$" in m.value:
                 continue
             values = m.value.split("|") if m.op in ("=~", "!~") else [m.value]
             if m.label in ENUMERATED:
-                assert set(values) <= labels[m.label], \
+                assert set(values) <= labels[m.label], (
                     f"{selector.metric}{{{m.label}}} is never {values} (in {text!r})"
+                )
             if m.label == "code":
                 assert set(values) <= STATUS_CODES, f"not a gRPC status in {text!r}"
-    assert expr.grouping <= available, \
+    assert expr.grouping <= available, (
         f"grouping by labels none of its metrics has: {expr.grouping - available} in {text!r}"
+    )
     if legend:
         shown = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend))
         kept = expr.grouping if expr.grouping else available
         assert shown <= kept, f"legend {legend!r} names labels the query drops: {text!r}"
 
 
-def test_dashboard_queries_use_exported_metrics(exported: dict[str, dict[str, set[str]]]
-                                                ) -> None:
+def test_dashboard_queries_use_exported_metrics(exported: dict[str, dict[str, set[str]]]) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     count = 0
     for panel in dashboard["panels"]:
@@ -297,8 +316,11 @@ def test_alert_rules_use_exported_metrics(exported: dict[str, dict[str, set[str]
     # The alerts' annotations name only labels their expression keeps.
     for r in (r for g in rule["spec"]["groups"] for r in g["rules"]):
         parsed = parse(r["expr"])
-        used = {label for text in r["annotations"].values()
-                for label in re.findall(r"\$labels\.(\w+)", text)}
+        used = {
+            label
+            for text in r["annotations"].values()
+            for label in re.findall(r"\$labels\.(\w+)", text)
+        }
         if parsed.grouping:
             assert used <= parsed.grouping, (r["alert"], used - parsed.grouping)
 
@@ -306,12 +328,12 @@ def test_alert_rules_use_exported_metrics(exported: dict[str, dict[str, set[str]
 def test_the_checker_catches_mistakes(exported: dict[str, dict[str, set[str]]]) -> None:
     """Each kind of mistake the two tests above look for is really caught."""
     mistakes = [
-        "rate(prefixcache_hit_token_total[5m])",                      # a typo
-        'prefixcache_pool_slots{state="taken"}',                       # no such state
-        'prefixcache_rpc_requests_total{model="m"}',                   # no model label
-        "sum by (reason) (prefixcache_cached_tokens)",                 # label of another
-        "rat(prefixcache_hit_tokens_total[5m])",                       # unknown function
-        'prefixcache_rpc_requests_total{code="EXHAUSTED"}',            # not a status code
+        "rate(prefixcache_hit_token_total[5m])",  # a typo
+        'prefixcache_pool_slots{state="taken"}',  # no such state
+        'prefixcache_rpc_requests_total{model="m"}',  # no model label
+        "sum by (reason) (prefixcache_cached_tokens)",  # label of another
+        "rat(prefixcache_hit_tokens_total[5m])",  # unknown function
+        'prefixcache_rpc_requests_total{code="EXHAUSTED"}',  # not a status code
     ]
     for text in mistakes:
         with pytest.raises((AssertionError, ValueError)):
@@ -329,8 +351,14 @@ def test_the_dashboard_has_the_panels_operators_need() -> None:
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
     titles = {p["title"] for p in panels}
-    assert {"Hit ratio", "Cached tokens by state", "Evicted tokens by reason", "Pool usage",
-            "RPC latency p50 / p99 by method", "Sessions and locks"} <= titles
+    assert {
+        "Hit ratio",
+        "Cached tokens by state",
+        "Evicted tokens by reason",
+        "Pool usage",
+        "RPC latency p50 / p99 by method",
+        "Sessions and locks",
+    } <= titles
     defined = {v["name"] for v in dashboard["templating"]["list"]}
     builtin = {"__rate_interval", "__range", "__interval"}
     for p in panels:
@@ -344,6 +372,7 @@ def test_the_dashboard_has_the_panels_operators_need() -> None:
             used = set(re.findall(r"\$(\w+)", target["expr"]))
             assert used <= defined | builtin, (p["title"], used - defined - builtin)
     latency = next(p for p in panels if p["title"].startswith("RPC latency"))
-    quantiles = {re.match(r"histogram_quantile\(([\d.]+),", t["expr"])[1]
-                 for t in latency["targets"]}
+    quantiles = {
+        re.match(r"histogram_quantile\(([\d.]+),", t["expr"])[1] for t in latency["targets"]
+    }
     assert quantiles == {"0.5", "0.99"}

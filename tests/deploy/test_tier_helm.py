@@ -60,14 +60,12 @@ def test_tier_on_runs_a_master_and_points_every_sidecar_at_it(tmp_path: Path) ->
     assert sidecar_service is not None
     assert not set(sidecar_service["spec"]["selector"].items()) <= set(labels.items())
     tier = _tier(docs, tmp_path)
-    assert (tier.master, tier.local_hostname, tier.timeout) == (f"{MASTER}:50051",
-                                                                "10.1.2.3", 0.25)
+    assert (tier.master, tier.local_hostname, tier.timeout) == (f"{MASTER}:50051", "10.1.2.3", 0.25)
     assert tier.secret_file == str(tmp_path / "tier-secret" / "secret")
 
 
 def test_the_tier_secret_comes_from_the_secret_named_or_is_left_out(tmp_path: Path) -> None:
-    docs = objects(render({"tier": {"enabled": True, "secretName": "pc-tier",
-                                    "secretKey": "key"}}))
+    docs = objects(render({"tier": {"enabled": True, "secretName": "pc-tier", "secretKey": "key"}}))
     (volume,) = [v for v in pod_spec(_sidecars(docs))["volumes"] if v["name"] == "tier-secret"]
     assert volume["secret"]["secretName"] == "pc-tier"
     assert _tier(docs, tmp_path).secret_file.endswith("/key")
@@ -77,8 +75,9 @@ def test_the_tier_secret_comes_from_the_secret_named_or_is_left_out(tmp_path: Pa
 
 
 def test_an_existing_master_is_used_as_given(tmp_path: Path) -> None:
-    docs = objects(render({"tier": {"enabled": True, "address": "mc.infra:7000",
-                                    "master": {"deploy": False}}}))
+    docs = objects(
+        render({"tier": {"enabled": True, "address": "mc.infra:7000", "master": {"deploy": False}}})
+    )
     assert _named(docs, "Deployment", MASTER) is None
     assert _named(docs, "Service", MASTER) is None
     assert _tier(docs, tmp_path).master == "mc.infra:7000"

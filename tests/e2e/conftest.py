@@ -63,8 +63,9 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
 
 
 @pytest.fixture(scope="session")
-def engines(tmp_path_factory: pytest.TempPathFactory, model_dir: Path,
-            sidecar: Sidecar) -> Iterator[EngineCache]:
+def engines(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, sidecar: Sidecar
+) -> Iterator[EngineCache]:
     cache = EngineCache(tmp_path_factory.mktemp("engines"), model_dir, sidecar)
     yield cache
     for engine in cache.values():
@@ -86,7 +87,8 @@ class EngineCache(dict[tuple[int, str, str], Engine]):
 
     def __missing__(self, key: tuple[int, str, str]) -> Engine:
         block, pc_model, name = key
-        engine = Engine(self.tmp, f"{name}-b{block}-{pc_model}", self.model_dir, block,
-                        self.sidecar, pc_model)
+        engine = Engine(
+            self.tmp, f"{name}-b{block}-{pc_model}", self.model_dir, block, self.sidecar, pc_model
+        )
         self[key] = engine
         return engine

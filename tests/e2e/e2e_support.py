@@ -61,11 +61,17 @@ models:
 
 def engine_env(**extra: str) -> dict[str, str]:
     """The environment of every vLLM process: offline, one engine core reserved."""
-    env = {key: value for key, value in os.environ.items()
-           if key != "PREFIXCACHE_E2E"}  # not a sidecar setting: it would warn
-    env = {**env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "server"), str(REPO / "client")])}
+    env = {
+        key: value for key, value in os.environ.items() if key != "PREFIXCACHE_E2E"
+    }  # not a sidecar setting: it would warn
+    env = {
+        **env,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "server"), str(REPO / "client")]),
+    }
     # Any kv_transfer_config makes vLLM's CPU build reserve an extra core; with two
     # cores that leaves the engine none unless it reserves only one.
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
@@ -76,27 +82,44 @@ def engine_env(**extra: str) -> dict[str, str]:
 class Sidecar:
     """`prefixcache serve` in its own process (so that it can be SIGKILLed)."""
 
-    def __init__(self, tmp: Path, *, layers: int = tiny_llama.LAYERS,
-                 kv_heads: int = tiny_llama.KV_HEADS, head_dim: int = tiny_llama.HEAD_DIM,
-                 size: int = 16384, disk: Path | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        layers: int = tiny_llama.LAYERS,
+        kv_heads: int = tiny_llama.KV_HEADS,
+        head_dim: int = tiny_llama.HEAD_DIM,
+        size: int = 16384,
+        disk: Path | None = None,
+    ) -> None:
         self.tmp = tmp
         self.socket = tmp / "pc.sock"
         self.target = f"unix:{self.socket}"
         self.config = tmp / "pc.yaml"
+
         def pool(n: int) -> str:
-            return (f"{{size: {size}, layers: {n}, k_heads: {kv_heads}, "
-                    f"k_head_dim: {head_dim}, dtype: float32}}")
-        config = (CONFIG.replace("@SOCKET@", str(self.socket))
-                  .replace("@POOL@", pool(layers)).replace("@POOL4@", pool(HYBRID_LAYERS)))
+            return (
+                f"{{size: {size}, layers: {n}, k_heads: {kv_heads}, "
+                f"k_head_dim: {head_dim}, dtype: float32}}"
+            )
+
+        config = (
+            CONFIG.replace("@SOCKET@", str(self.socket))
+            .replace("@POOL@", pool(layers))
+            .replace("@POOL4@", pool(HYBRID_LAYERS))
+        )
         self.metrics_port = 0
         if disk is not None:  # the disk tier below the pool (docs/disk-tier.md)
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", 0))
                 self.metrics_port = probe.getsockname()[1]
-            config = config.replace("metrics_port: -1", f"metrics_port: {self.metrics_port}"
-                                    "\n  metrics_host: 127.0.0.1").replace(
-                "server:\n", f"server:\n  disk: {{path: '{disk}', bytes: 268435456, "
-                "timeout: 30}\n", 1)
+            config = config.replace(
+                "metrics_port: -1", f"metrics_port: {self.metrics_port}\n  metrics_host: 127.0.0.1"
+            ).replace(
+                "server:\n",
+                f"server:\n  disk: {{path: '{disk}', bytes: 268435456, timeout: 30}}\n",
+                1,
+            )
         self.config.write_text(config)
         self.log = tmp / "pc.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -106,9 +129,18 @@ class Sidecar:
     def start(self) -> None:
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
-                 str(self.config)],
-                env=engine_env(OMP_NUM_THREADS="1"), stdout=log, stderr=log)
+                [
+                    sys.executable,
+                    "-m",
+                    "prefixcache.server.cli",
+                    "serve",
+                    "--config",
+                    str(self.config),
+                ],
+                env=engine_env(OMP_NUM_THREADS="1"),
+                stdout=log,
+                stderr=log,
+            )
         probe = PrefixCacheClient(self.target, timeout=1.0, retries=0)
         deadline = time.monotonic() + 60
         try:
@@ -118,8 +150,9 @@ class Sidecar:
                     return
                 except PrefixCacheError:
                     if self.proc.poll() is not None:
-                        raise RuntimeError(f"serve exited {self.proc.returncode}:\n"
-                                           f"{self.log.read_text()[-4000:]}") from None
+                        raise RuntimeError(
+                            f"serve exited {self.proc.returncode}:\n{self.log.read_text()[-4000:]}"
+                        ) from None
                     if time.monotonic() > deadline:
                         raise TimeoutError("prefixcache serve did not start") from None
                     time.sleep(0.1)
@@ -140,15 +173,19 @@ class Sidecar:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as reply:
             text = reply.read().decode()
-        return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-                   if line.startswith((name + " ", name + "{")))
+        return sum(
+            float(line.rpartition(" ")[2])
+            for line in text.splitlines()
+            if line.startswith((name + " ", name + "{"))
+        )
 
     def cached_len(self, model: str, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the sidecar holds (a Match without lock)."""
         return self.client.match(model, list(tokens)).prefix_len
 
-    def wait_cached(self, model: str, prompts: Sequence[Sequence[int]], unit: int,
-                    timeout: float = 60.0) -> None:
+    def wait_cached(
+        self, model: str, prompts: Sequence[Sequence[int]], unit: int, timeout: float = 60.0
+    ) -> None:
         """Wait until the saves of ``prompts`` have landed (a save lands a few tenths of a
         second after the reply): each prompt's whole ``unit``-token blocks but the one
         holding its last token, at least."""
@@ -157,29 +194,47 @@ class Sidecar:
             want = (len(p) - 1) // unit * unit
             while (got := self.cached_len(model, p)) < want:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the sidecar holds {got} of a {len(p)}-token "
-                                       f"prompt's {want} saved tokens after {timeout} s")
+                    raise TimeoutError(
+                        f"the sidecar holds {got} of a {len(p)}-token "
+                        f"prompt's {want} saved tokens after {timeout} s"
+                    )
                 time.sleep(0.05)
 
 
 class Engine:
     """A ``vllm.LLM`` in ``engine_proc.py``; one process for all a module's checks."""
 
-    def __init__(self, tmp: Path, name: str, model_dir: Path, block_size: int,
-                 sidecar: Sidecar | None, pc_model: str | None, **opts: Any) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        model_dir: Path,
+        block_size: int,
+        sidecar: Sidecar | None,
+        pc_model: str | None,
+        **opts: Any,
+    ) -> None:
         self.name = name
         self.block_size = block_size
         self.log = tmp / f"engine-{name}.log"
-        options = {"model_dir": str(model_dir), "block_size": block_size,
-                   "pc_model": pc_model, "target": sidecar.target if sidecar else None,
-                   **opts}
+        options = {
+            "model_dir": str(model_dir),
+            "block_size": block_size,
+            "pc_model": pc_model,
+            "target": sidecar.target if sidecar else None,
+            **opts,
+        }
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(HERE / "engine_proc.py"), json.dumps(options)],
                 # vLLM's default: the engine core in a process of its own, its loop
                 # stepping while the connector has saves in flight after the replies.
                 env=engine_env(),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self._pending = 0
@@ -195,11 +250,13 @@ class Engine:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"engine {self.name}: no answer in {timeout} s; "
-                               f"log tail:\n{self.log_tail()}") from None
+            raise TimeoutError(
+                f"engine {self.name}: no answer in {timeout} s; log tail:\n{self.log_tail()}"
+            ) from None
         if line is None:
-            raise RuntimeError(f"engine {self.name} exited ({self.proc.wait()}); "
-                               f"log tail:\n{self.log_tail()}")
+            raise RuntimeError(
+                f"engine {self.name} exited ({self.proc.wait()}); log tail:\n{self.log_tail()}"
+            )
         return json.loads(line)
 
     def log_tail(self, chars: int = 6000) -> str:
@@ -213,15 +270,17 @@ class Engine:
 
     def submit(self, prompts: Sequence[Sequence[int]], max_tokens: int = 6) -> None:
         """Start a batch; ``result()`` waits for it."""
-        self.send({"op": "generate", "prompts": [list(p) for p in prompts],
-                   "max_tokens": max_tokens})
+        self.send(
+            {"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens}
+        )
 
     def result(self, timeout: float = CALL_TIMEOUT) -> dict[str, Any]:
         self._pending -= 1
         return self._reply(timeout)
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 6
-                 ) -> list[dict[str, Any]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int = 6
+    ) -> list[dict[str, Any]]:
         self.submit(prompts, max_tokens)
         return self.result()["outputs"]
 
@@ -256,8 +315,9 @@ def expected_hit(n: int, block: int) -> int:
     return (n - 1) // block * block
 
 
-def mismatches(got: Sequence[dict[str, Any]], want: Sequence[dict[str, Any]],
-               tol: float) -> list[str]:
+def mismatches(
+    got: Sequence[dict[str, Any]], want: Sequence[dict[str, Any]], tol: float
+) -> list[str]:
     """Where outputs differ: greedy tokens exactly, logprobs within ``tol``."""
     bad = []
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -266,6 +326,8 @@ def mismatches(got: Sequence[dict[str, Any]], want: Sequence[dict[str, Any]],
             continue
         diff = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True))
         if diff > tol:
-            bad.append(f"prompt {i}: logprobs differ by {diff:.2e} "
-                       f"({g['logprobs'][:3]} vs {w['logprobs'][:3]})")
+            bad.append(
+                f"prompt {i}: logprobs differ by {diff:.2e} "
+                f"({g['logprobs'][:3]} vs {w['logprobs'][:3]})"
+            )
     return bad

@@ -42,13 +42,19 @@ def main() -> None:
     kwargs: dict[str, Any] = {}
     if opts.get("pc_model"):
         kwargs["kv_transfer_config"] = connector_config(opts["target"], opts["pc_model"])
-        kwargs["kv_transfer_config"]["kv_connector_extra_config"].update(
-            opts.get("pc_extra") or {})
+        kwargs["kv_transfer_config"]["kv_connector_extra_config"].update(opts.get("pc_extra") or {})
     llm = LLM(
-        opts["model_dir"], dtype=opts.get("dtype", "float32"), block_size=opts["block_size"],
-        enforce_eager=True, max_model_len=opts.get("max_model_len", 4096),
-        enable_prefix_caching=True, kv_cache_memory_bytes=opts.get("kv_bytes", 128 << 20),
-        disable_log_stats=False, seed=0, **kwargs)
+        opts["model_dir"],
+        dtype=opts.get("dtype", "float32"),
+        block_size=opts["block_size"],
+        enforce_eager=True,
+        max_model_len=opts.get("max_model_len", 4096),
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=opts.get("kv_bytes", 128 << 20),
+        disable_log_stats=False,
+        seed=0,
+        **kwargs,
+    )
     proto.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -56,15 +62,18 @@ def main() -> None:
             break
         if cmd["op"] == "metrics":
             reply: dict[str, Any] = {
-                m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+                m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")
+            }
         elif cmd["op"] == "reset":
             reply = {"reset": bool(llm.reset_prefix_cache())}
         elif cmd["op"] == "generate":
-            params = SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"],
-                                    logprobs=1, ignore_eos=True)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=cmd["max_tokens"], logprobs=1, ignore_eos=True
+            )
             start = time.perf_counter()
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]],
-                                params, use_tqdm=False)
+            outs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]], params, use_tqdm=False
+            )
             seconds = time.perf_counter() - start
             reply = {"seconds": seconds, "outputs": [_output(o) for o in outs]}
         else:

@@ -20,42 +20,50 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 LENGTHS = (77, 96, 128, 160, 257, 300)
 
 
-def saved_then_loaded(sidecar: Sidecar, saver: Engine, loader: Engine, model: str,
-                      batch: list[list[int]]) -> list[dict]:
+def saved_then_loaded(
+    sidecar: Sidecar, saver: Engine, loader: Engine, model: str, batch: list[list[int]]
+) -> list[dict]:
     """``saver`` computes ``batch`` (saving it), ``loader`` then runs it: its outputs,
     after checking that it loaded every prompt's whole blocks from the sidecar."""
     saver.generate(batch)
     sidecar.wait_cached(model, batch, unit=saver.block_size)
     got = loader.generate(batch)
     hits = [o["cached"] for o in got]
-    want = [min(expected_hit(len(p), loader.block_size),
-                len(p) // saver.block_size * saver.block_size // loader.block_size
-                * loader.block_size) for p in batch]
-    assert hits == want, (f"{loader.name} loaded {hits} tokens, expected {want}:\n"
-                          f"{loader.log_tail()}")
+    want = [
+        min(
+            expected_hit(len(p), loader.block_size),
+            len(p) // saver.block_size * saver.block_size // loader.block_size * loader.block_size,
+        )
+        for p in batch
+    ]
+    assert hits == want, (
+        f"{loader.name} loaded {hits} tokens, expected {want}:\n{loader.log_tail()}"
+    )
     return got
 
 
 # The page-32 cases first: their engines are closed before the page-16 ones start, so
 # that at most three engines (about 6 GB) run at once.
-@pytest.mark.parametrize(("saver_key", "loader_key", "model", "seed"), [
-    ((32, "p32", "d"), (64, "p32", "e"), "p32", 4),   # pages of 32
-    ((64, "p32", "e"), (32, "p32", "d"), "p32", 5),
-    ((32, "p16", "a"), (32, "p16", "b"), "p16", 1),   # the same engine configuration
-    ((32, "p16", "a"), (64, "p16", "c"), "p16", 2),   # a bigger block, pages of 16
-    ((64, "p16", "c"), (32, "p16", "b"), "p16", 3),   # a smaller block
-], ids=["b32-to-b64-p32", "b64-to-b32-p32", "b32-to-b32-p16", "b32-to-b64-p16",
-        "b64-to-b32-p16"])
+@pytest.mark.parametrize(
+    ("saver_key", "loader_key", "model", "seed"),
+    [
+        ((32, "p32", "d"), (64, "p32", "e"), "p32", 4),  # pages of 32
+        ((64, "p32", "e"), (32, "p32", "d"), "p32", 5),
+        ((32, "p16", "a"), (32, "p16", "b"), "p16", 1),  # the same engine configuration
+        ((32, "p16", "a"), (64, "p16", "c"), "p16", 2),  # a bigger block, pages of 16
+        ((64, "p16", "c"), (32, "p16", "b"), "p16", 3),  # a smaller block
+    ],
+    ids=["b32-to-b64-p32", "b64-to-b32-p32", "b32-to-b32-p16", "b32-to-b64-p16", "b64-to-b32-p16"],
+)
 def test_loaded_output_is_vllms_own_hit(
-        sidecar: Sidecar, engines: dict, saver_key: tuple, loader_key: tuple, model: str,
-        seed: int) -> None:
+    sidecar: Sidecar, engines: dict, saver_key: tuple, loader_key: tuple, model: str, seed: int
+) -> None:
     engines.close("p32" if model == "p16" else "p16")
     saver, loader = engines[saver_key], engines[loader_key]
     batch = prompts(seed, LENGTHS)
     got = saved_then_loaded(sidecar, saver, loader, model, batch)
     own = saver.generate(batch)  # the saver's own prefix-cache hit on its computed KV
-    assert [o["cached"] for o in own] == [expected_hit(len(p), saver.block_size)
-                                           for p in batch]
+    assert [o["cached"] for o in own] == [expected_hit(len(p), saver.block_size) for p in batch]
     assert not (bad := mismatches(got, own, TOL)), "\n".join(bad)
 
 
@@ -82,16 +90,24 @@ def test_block_filled_from_two_saves(sidecar: Sidecar, engines: dict) -> None:
     assert not (bad := mismatches(got, own, TOL)), "\n".join(bad)
 
 
-def test_layerwise_loads_give_vllms_own_hit(sidecar: Sidecar, engines: dict,
-                                            model_dir: Path, tmp_path: Path) -> None:
+def test_layerwise_loads_give_vllms_own_hit(
+    sidecar: Sidecar, engines: dict, model_dir: Path, tmp_path: Path
+) -> None:
     """``layerwise_load`` in vLLM's CPU build: the connector issues each step's loads
     layer after layer (on the host: each done when issued) and vLLM calls its
     wait_for_layer_load with each attention layer's name, every one a layer it
     registered (else the connector says so in the log)."""
     engines.close("p32")
     saver = engines[32, "p16", "a"]
-    loader = Engine(tmp_path, "layerwise-b32-p16", model_dir, 32, sidecar, "p16",
-                    pc_extra={"layerwise_load": True})
+    loader = Engine(
+        tmp_path,
+        "layerwise-b32-p16",
+        model_dir,
+        32,
+        sidecar,
+        "p16",
+        pc_extra={"layerwise_load": True},
+    )
     try:
         batch = prompts(7, LENGTHS)
         got = saved_then_loaded(sidecar, saver, loader, "p16", batch)

@@ -24,8 +24,8 @@ PER_REQUEST = re.compile(r"prefixcache (load|save) of request")
 
 
 def test_a_layout_vllm_does_not_write_disables_the_connector_with_one_line(
-        tmp_path_factory: pytest.TempPathFactory, model_dir: Path, sidecar: Sidecar,
-        engines: dict) -> None:
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, sidecar: Sidecar, engines: dict
+) -> None:
     engines.close("p32")
     saver = engines[32, "p16", "a"]
     batch = prompts(41, (130, 200))
@@ -34,8 +34,15 @@ def test_a_layout_vllm_does_not_write_disables_the_connector_with_one_line(
     own = saver.generate(batch)
     assert [o["cached"] for o in own] == [expected_hit(len(p), 32) for p in batch]
 
-    forced = Engine(tmp_path_factory.mktemp("disabled"), "forced-bhn2d", model_dir, 32,
-                    sidecar, "p16", pc_extra={"kv_layout": "bhn2d"})
+    forced = Engine(
+        tmp_path_factory.mktemp("disabled"),
+        "forced-bhn2d",
+        model_dir,
+        32,
+        sidecar,
+        "p16",
+        pc_extra={"kv_layout": "bhn2d"},
+    )
     try:
         got = forced.generate(batch)
         # The first step's lookups leave before the worker's word is back; after it,
@@ -49,8 +56,9 @@ def test_a_layout_vllm_does_not_write_disables_the_connector_with_one_line(
     assert all(len(o["tokens"]) == 6 for o in again)
     assert not (bad := mismatches(got, own, TOL)), "\n".join(bad)
     assert len(DISABLED.findall(log)) == 1, log[-4000:]
-    assert not PER_REQUEST.search(log), [line for line in log.splitlines()
-                                         if PER_REQUEST.search(line)][:5]
+    assert not PER_REQUEST.search(log), [
+        line for line in log.splitlines() if PER_REQUEST.search(line)
+    ][:5]
     after = sidecar.client.stats("p16")["p16"]
     assert (after.locks, after.session_slots) == (0, 0)
     assert after.match_tokens_total == before.match_tokens_total

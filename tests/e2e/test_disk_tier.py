@@ -41,7 +41,8 @@ def _kv(sidecar: Sidecar, tokens: list[int]) -> tuple[int, list]:
 
 
 def test_a_prompt_evicted_to_disk_is_loaded_by_a_new_engine(
-        disk_sidecar: Sidecar, model_dir: Path, tmp_path: Path) -> None:
+    disk_sidecar: Sidecar, model_dir: Path, tmp_path: Path
+) -> None:
     saver = Engine(tmp_path, "disk-saver", model_dir, BLOCK, disk_sidecar, MODEL)
     try:
         (prompt,) = prompts(41, (300,))
@@ -60,7 +61,8 @@ def test_a_prompt_evicted_to_disk_is_loaded_by_a_new_engine(
             assert time.monotonic() < deadline, (
                 "the prompt's pages never reached the disk: dropped "
                 f"{disk_sidecar.metric('prefixcache_disk_demote_dropped_pages_total')}, "
-                f"demoted {disk_sidecar.metric('prefixcache_disk_demoted_pages_total')}")
+                f"demoted {disk_sidecar.metric('prefixcache_disk_demoted_pages_total')}"
+            )
             time.sleep(0.1)
     finally:
         saver.close()

@@ -26,8 +26,9 @@ def wait_for_locks(sidecar: Sidecar, model: str, timeout: float = 120.0) -> None
         time.sleep(0.01)
 
 
-def hits_after_restart(sidecar: Sidecar, saver: Engine, loader: Engine,
-                       timeout: float = 90.0) -> tuple[list[list[int]], list[dict]]:
+def hits_after_restart(
+    sidecar: Sidecar, saver: Engine, loader: Engine, timeout: float = 90.0
+) -> tuple[list[list[int]], list[dict]]:
     """Fresh prompts that ``saver`` saved into the restarted sidecar and ``loader`` then
     loaded, with ``loader``'s outputs. Either engine's first tries may miss: its channel
     reconnects with gRPC's backoff, and its connector does not ask a service that did
@@ -43,17 +44,20 @@ def hits_after_restart(sidecar: Sidecar, saver: Engine, loader: Engine,
             sidecar.wait_cached("p16", again, unit=32, timeout=5.0)
         except TimeoutError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{saver.name} saved nothing in {timeout} s after the "
-                                   f"restart ({tries} tries):\n{saver.log_tail()}"
-                                   ) from None
+                raise TimeoutError(
+                    f"{saver.name} saved nothing in {timeout} s after the "
+                    f"restart ({tries} tries):\n{saver.log_tail()}"
+                ) from None
             continue
         loaded = loader.generate(again)
         hits = [o["cached"] for o in loaded]
         if hits == [expected_hit(len(p), 32) for p in again]:
             return again, loaded
         if time.monotonic() > deadline:
-            raise AssertionError(f"{loader.name} loaded {hits} in {timeout} s after the "
-                                 f"restart ({tries} tries):\n{loader.log_tail()}")
+            raise AssertionError(
+                f"{loader.name} loaded {hits} in {timeout} s after the "
+                f"restart ({tries} tries):\n{loader.log_tail()}"
+            )
 
 
 def test_sidecar_killed_mid_batch_then_restarted(sidecar: Sidecar, engines: dict) -> None:

@@ -24,14 +24,17 @@ def reference(model_dir: Path):  # type: ignore[no-untyped-def]
     import torch
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                             attn_implementation="eager").eval()
+    model = LlamaForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
     def kv(tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         with torch.no_grad():
             cache = model(torch.tensor([tokens]), use_cache=True).past_key_values
-        return [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1))
-                for layer in cache.layers]
+        return [
+            (layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1))
+            for layer in cache.layers
+        ]
 
     return kv
 
@@ -41,18 +44,21 @@ def cosines(got, want) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     import torch
 
     flat = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
-    per_token = torch.nn.functional.cosine_similarity(
-        got.flatten(1), want.flatten(1), dim=1)
+    per_token = torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1), dim=1)
     return float(flat), float(per_token.min())
 
 
-@pytest.mark.parametrize(("engine_key", "model", "seed"), [
-    ((32, "p16", "a"), "p16", 11),
-    ((64, "p16", "c"), "p16", 12),
-], ids=["b32-p16", "b64-p16"])
+@pytest.mark.parametrize(
+    ("engine_key", "model", "seed"),
+    [
+        ((32, "p16", "a"), "p16", 11),
+        ((64, "p16", "c"), "p16", 12),
+    ],
+    ids=["b32-p16", "b64-p16"],
+)
 def test_pool_rows_are_transformers_kv(  # type: ignore[no-untyped-def]
-        sidecar: Sidecar, engines: dict, reference, engine_key: tuple, model: str,
-        seed: int) -> None:
+    sidecar: Sidecar, engines: dict, reference, engine_key: tuple, model: str, seed: int
+) -> None:
     engine = engines[engine_key]
     batch = prompts(seed, (150, 200))
     engine.generate(batch)
@@ -63,13 +69,14 @@ def test_pool_rows_are_transformers_kv(  # type: ignore[no-untyped-def]
             assert hit.prefix_len >= (len(prompt) - 1) // engine.block_size * engine.block_size
             rows = s.read_kv(model, hit.slots)
             s.unlock(hit.lock_id)
-            want = reference(prompt[:hit.prefix_len])
+            want = reference(prompt[: hit.prefix_len])
             bad = []
             for layer, (k, v) in enumerate(want):
                 for name, got, ref in (("K", rows.k[layer], k), ("V", rows.v[layer], v)):
                     assert tuple(got.shape) == tuple(ref.shape), (name, layer)
                     whole, worst = cosines(got.float(), ref)
                     if whole < MIN_COSINE or worst < MIN_COSINE:
-                        bad.append(f"layer {layer} {name}: cosine {whole:.4f}, worst token "
-                                   f"{worst:.4f}")
+                        bad.append(
+                            f"layer {layer} {name}: cosine {whole:.4f}, worst token {worst:.4f}"
+                        )
             assert not bad, f"{len(prompt)}-token prompt, {hit.prefix_len} cached: {bad}"

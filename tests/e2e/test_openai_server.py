@@ -60,8 +60,14 @@ class OpenAIServer:
     """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script of the CPU
     wheel does not start: PackageNotFoundError)."""
 
-    def __init__(self, tmp: Path, name: str, model_dir: Path, sidecar: Sidecar,
-                 extra: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        model_dir: Path,
+        sidecar: Sidecar,
+        extra: list[str] | None = None,
+    ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -71,14 +77,35 @@ class OpenAIServer:
         config = readme_kv_transfer_config(sidecar.target, "p16")
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                 "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
-                 "--block-size", str(BLOCK), "--dtype", "float32", "--enforce-eager",
-                 "--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20),
-                 "--distributed-executor-backend", "uni",
-                 "--kv-transfer-config", json.dumps(config),
-                 *(readme_shutdown_flags() if extra is None else extra)],
-                env=engine_env(), stdout=log, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    self.model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--block-size",
+                    str(BLOCK),
+                    "--dtype",
+                    "float32",
+                    "--enforce-eager",
+                    "--max-model-len",
+                    "2048",
+                    "--kv-cache-memory-bytes",
+                    str(64 << 20),
+                    "--distributed-executor-backend",
+                    "uni",
+                    "--kv-transfer-config",
+                    json.dumps(config),
+                    *(readme_shutdown_flags() if extra is None else extra),
+                ],
+                env=engine_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 300
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -94,33 +121,46 @@ class OpenAIServer:
             return False
 
     def complete(self, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        ).encode()
+        req = urllib.request.Request(
+            f"{self.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())
 
     def complete_streamed(self, prompt: list[int], max_tokens: int = 4) -> None:
         """Return as soon as the last token arrives (its chunk has a finish_reason),
         before vLLM has necessarily processed the step after it."""
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0, "stream": True}).encode()
-        req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": self.model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"{self.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             for line in r:
                 if not line.startswith(b"data: {"):
                     continue
-                if json.loads(line[len(b"data: "):])["choices"][0].get("finish_reason"):
+                if json.loads(line[len(b"data: ") :])["choices"][0].get("finish_reason"):
                     return
         raise AssertionError("the stream ended without a finish_reason")
 
     def counter(self, name: str) -> float:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             text = r.read().decode()
-        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                  if line.startswith(name + "{") or line.startswith(name + " ")]
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")
+        ]
         assert values, f"{name} is not in /metrics"
         return sum(values)
 
@@ -139,19 +179,20 @@ class OpenAIServer:
 
 @dataclass
 class Run:
-    first_hits: float       # the first server's external hits on a prompt it computed
-    second_hits: float      # the second server's, on that prompt (saved by the first)
+    first_hits: float  # the first server's external hits on a prompt it computed
+    second_hits: float  # the second server's, on that prompt (saved by the first)
     prompt_len: int
-    stopped_len: int        # the prompt of the reply the first server was stopped after
-    stopped_saved: int      # how much of it the sidecar holds after the stop
+    stopped_len: int  # the prompt of the reply the first server was stopped after
+    stopped_saved: int  # how much of it the sidecar holds after the stop
     first_log: str
-    exits: dict[str, int]   # each server's exit status
-    logs: dict[str, str]    # each server's log
+    exits: dict[str, int]  # each server's exit status
+    logs: dict[str, str]  # each server's log
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, sidecar: Sidecar,
-        engines: dict) -> Iterator[Run]:
+def run(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, sidecar: Sidecar, engines: dict
+) -> Iterator[Run]:
     engines.close()  # the offline engines' modules ran before this one: free their memory
     tmp = tmp_path_factory.mktemp("openai")
     shared, stopped = prompts(31, (300, 260))
@@ -173,8 +214,16 @@ def run(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, sidecar: Side
     finally:
         exits["second"] = second.stop()
     logs = {"first": first.log_tail(200_000), "second": second.log_tail(200_000)}
-    yield Run(first_hits, second_hits, len(shared), len(stopped), stopped_saved,
-              logs["first"], exits, logs)
+    yield Run(
+        first_hits,
+        second_hits,
+        len(shared),
+        len(stopped),
+        stopped_saved,
+        logs["first"],
+        exits,
+        logs,
+    )
 
 
 def test_readme_server_command_gets_external_hits(run: Run) -> None:
@@ -187,7 +236,8 @@ def test_server_stopped_after_reply_saves_or_reports_the_loss(run: Run) -> None:
     reported = [line for line in run.first_log.splitlines() if LOST_SAVE.search(line)]
     assert saved or reported, (
         f"the sidecar holds {run.stopped_saved} of the {run.stopped_len}-token prompt "
-        f"and the log does not report a lost save:\n{run.first_log[-4000:]}")
+        f"and the log does not report a lost save:\n{run.first_log[-4000:]}"
+    )
 
 
 def test_the_engine_cores_exit_by_themselves(run: Run) -> None:

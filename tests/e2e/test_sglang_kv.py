@@ -47,8 +47,9 @@ class HiCacheSidecar(Sidecar):
     def start(self) -> None:
         config = self.config.read_text()
         if "change_log_capacity" not in config:
-            self.config.write_text(config.replace(
-                "server:\n", "server:\n  change_log_capacity: 65536\n", 1))
+            self.config.write_text(
+                config.replace("server:\n", "server:\n  change_log_capacity: 65536\n", 1)
+            )
         super().start()
 
 
@@ -66,14 +67,20 @@ def reference(sg_model: Path):  # type: ignore[no-untyped-def]
     import torch
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(sg_model, dtype=torch.float32,
-                                             attn_implementation="eager").eval()
+    model = LlamaForCausalLM.from_pretrained(
+        sg_model, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
     def kv(tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         with torch.no_grad():
             cache = model(torch.tensor([tokens]), use_cache=True).past_key_values
-        return [(layer.keys[0].transpose(0, 1).contiguous(),
-                 layer.values[0].transpose(0, 1).contiguous()) for layer in cache.layers]
+        return [
+            (
+                layer.keys[0].transpose(0, 1).contiguous(),
+                layer.values[0].transpose(0, 1).contiguous(),
+            )
+            for layer in cache.layers
+        ]
 
     return kv
 
@@ -82,8 +89,16 @@ def host_pool(layout: str, pages: int, page: int, seed: int):  # type: ignore[no
     import torch
     from integrations.sglang.hicache_hosts import HostPool
 
-    return HostPool(layout, pages, heads=tiny_llama.KV_HEADS, dim=tiny_llama.HEAD_DIM,
-                    dtype=torch.float32, page_size=page, layers=tiny_llama.LAYERS, seed=seed)
+    return HostPool(
+        layout,
+        pages,
+        heads=tiny_llama.KV_HEADS,
+        dim=tiny_llama.HEAD_DIM,
+        dtype=torch.float32,
+        page_size=page,
+        layers=tiny_llama.LAYERS,
+        seed=seed,
+    )
 
 
 def positions(pages: list[int], page: int):  # type: ignore[no-untyped-def]
@@ -96,8 +111,7 @@ class Backend:
     """``batch_set_v1`` / ``batch_get_v1`` on one host pool: SGLang's factory and types
     where SGLang imports, else the core those calls delegate to."""
 
-    def __init__(self, target: str, pool: Any, model: str, page: int,
-                 transfer: str) -> None:
+    def __init__(self, target: str, pool: Any, model: str, page: int, transfer: str) -> None:
         self.page = page
         if HAS_SGLANG:
             from sglang.srt.mem_cache import hicache_storage as storage
@@ -105,13 +119,26 @@ class Backend:
 
             self.storage = storage
             config = storage.HiCacheStorageConfig(
-                tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
-                is_page_first_layout=pool.layout == "page_first", model_name="tiny",
-                extra_config={"backend_name": "prefixcache", "interface_v1": 1,
-                              "module_path": "prefixcache.integrations.sglang.backend",
-                              "class_name": "PrefixCacheStorage", "target": target,
-                              "model": model, "transfer": transfer})
+                tp_rank=0,
+                tp_size=1,
+                pp_rank=0,
+                pp_size=1,
+                attn_cp_rank=0,
+                attn_cp_size=1,
+                is_mla_model=False,
+                enable_storage_metrics=False,
+                is_page_first_layout=pool.layout == "page_first",
+                model_name="tiny",
+                extra_config={
+                    "backend_name": "prefixcache",
+                    "interface_v1": 1,
+                    "module_path": "prefixcache.integrations.sglang.backend",
+                    "class_name": "PrefixCacheStorage",
+                    "target": target,
+                    "model": model,
+                    "transfer": transfer,
+                },
+            )
             self.impl = StorageBackendFactory.create_backend("dynamic", config, pool)
             self.impl.register_mem_pool_host(pool)
         else:
@@ -127,7 +154,7 @@ class Backend:
 
         keys: list[str] = []
         for i in range(0, len(tokens) - len(tokens) % self.page, self.page):
-            keys.append(hash_token_ids(tokens[i:i + self.page], keys[-1] if keys else None))
+            keys.append(hash_token_ids(tokens[i : i + self.page], keys[-1] if keys else None))
         if HAS_SGLANG:
             from sglang.srt.mem_cache.utils import get_hash_str
 
@@ -169,13 +196,16 @@ def compare(rows: list[tuple[Any, Any]], want: list[tuple[Any, Any]], what: str)
     for layer, ((k, v), (ref_k, ref_v)) in enumerate(zip(rows, want, strict=True)):
         for name, got, ref in (("K", k, ref_k), ("V", v, ref_v)):
             if tuple(got.shape) != tuple(ref.shape):
-                bad.append(f"layer {layer} {name}: shape {tuple(got.shape)}, "
-                           f"want {tuple(ref.shape)}")
+                bad.append(
+                    f"layer {layer} {name}: shape {tuple(got.shape)}, want {tuple(ref.shape)}"
+                )
                 continue
             whole, worst = cosine(got.float(), ref)
             if whole < MIN_COSINE or worst < MIN_COSINE or not torch.equal(got, ref):
-                bad.append(f"layer {layer} {name}: cosine {whole:.4f}, worst token "
-                           f"{worst:.4f}, max |diff| {float((got - ref).abs().max()):.3g}")
+                bad.append(
+                    f"layer {layer} {name}: cosine {whole:.4f}, worst token "
+                    f"{worst:.4f}, max |diff| {float((got - ref).abs().max()):.3g}"
+                )
     assert not bad, f"{what}: {bad}"
 
 
@@ -184,20 +214,24 @@ def host_rows(pool: Any, pages: list[int], page: int) -> list[tuple[Any, Any]]:
     import torch
 
     tokens = positions(pages, page).tolist()
-    return [tuple(torch.stack([pool.row(part, layer, t) for t in tokens])
-                  for part in ("k", "v")) for layer in range(pool.layer_num)]
+    return [
+        tuple(torch.stack([pool.row(part, layer, t) for t in tokens]) for part in ("k", "v"))
+        for layer in range(pool.layer_num)
+    ]
 
 
-CASES = [(layout, transfer, "p16", 16) for layout in LAYOUTS
-         for transfer in ("attach", "rpc")] + [("page_first", "auto", "p32", 32),
-                                               ("page_head", "rpc", "p32", 32)]
+CASES = [(layout, transfer, "p16", 16) for layout in LAYOUTS for transfer in ("attach", "rpc")] + [
+    ("page_first", "auto", "p32", 32),
+    ("page_head", "rpc", "p32", 32),
+]
 
 
-@pytest.mark.parametrize(("layout", "transfer", "model", "page"), CASES,
-                         ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+@pytest.mark.parametrize(
+    ("layout", "transfer", "model", "page"), CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES]
+)
 def test_batch_set_v1_puts_transformers_kv_in_the_pool(  # type: ignore[no-untyped-def]
-        sg_sidecar: Sidecar, reference, layout: str, transfer: str, model: str,
-        page: int) -> None:
+    sg_sidecar: Sidecar, reference, layout: str, transfer: str, model: str, page: int
+) -> None:
     import random
 
     seed = CASES.index((layout, transfer, model, page))
@@ -244,12 +278,18 @@ def test_batch_set_v1_puts_transformers_kv_in_the_pool(  # type: ignore[no-untyp
             finally:
                 for lock_id in found.lock_ids:
                     client.unlock(lock_id, session=s)
-        compare(list(zip(data.k, data.v, strict=True)), want,
-                f"the pool's rows ({layout} host, {transfer})")
+        compare(
+            list(zip(data.k, data.v, strict=True)),
+            want,
+            f"the pool's rows ({layout} host, {transfer})",
+        )
 
         assert reader.get(keys, positions(back, page)) == [True] * n_pages
-        compare(host_rows(reader_pool, back, page), want,
-                f"batch_get_v1 into a {reader_layout} host pool")
+        compare(
+            host_rows(reader_pool, back, page),
+            want,
+            f"batch_get_v1 into a {reader_layout} host pool",
+        )
         for a, b in zip(at, back, strict=True):
             assert reader_pool.page_bytes(b * page) == writer_pool.page_bytes(a * page)
     finally:

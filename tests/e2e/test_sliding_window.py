@@ -36,14 +36,19 @@ MODELS = {
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def swa_engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                sidecar: Sidecar, engines: dict) -> Iterator[tuple[str, Engine, Engine]]:
+def swa_engines(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    sidecar: Sidecar,
+    engines: dict,
+) -> Iterator[tuple[str, Engine, Engine]]:
     engines.close()  # the Llama engines: at most two engines at once here
     pc_model, build = MODELS[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     model = build(tmp / "model")
-    saver = Engine(tmp, f"{request.param}-saver", model, BLOCK, sidecar, pc_model,
-                   pc_extra={"load": False})
+    saver = Engine(
+        tmp, f"{request.param}-saver", model, BLOCK, sidecar, pc_model, pc_extra={"load": False}
+    )
     try:
         loader = Engine(tmp, f"{request.param}-loader", model, BLOCK, sidecar, pc_model)
     except BaseException:
@@ -54,8 +59,9 @@ def swa_engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     saver.close()
 
 
-def test_loaded_output_is_vllms_own(sidecar: Sidecar,
-                                    swa_engines: tuple[str, Engine, Engine]) -> None:
+def test_loaded_output_is_vllms_own(
+    sidecar: Sidecar, swa_engines: tuple[str, Engine, Engine]
+) -> None:
     pc_model, saver, loader = swa_engines
     p1, p2, s1, s2, s3, s4 = prompts(41, (300, 300, 20, 20, 20, 20))
     saved = [p1 + s1, p2 + s2]

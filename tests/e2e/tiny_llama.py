@@ -26,9 +26,17 @@ INIT_RANGE = 0.1
 SPECIALS = ("<unk>", "<s>", "</s>")
 
 
-def build(path: str | Path, *, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS,
-          kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, dtype: str = "float32",
-          sliding_window: int | None = None) -> Path:
+def build(
+    path: str | Path,
+    *,
+    layers: int = LAYERS,
+    hidden: int = HIDDEN,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+    head_dim: int = HEAD_DIM,
+    dtype: str = "float32",
+    sliding_window: int | None = None,
+) -> Path:
     """Write the model and tokenizer to ``path`` (created) and return it; idempotent.
     The defaults are the tests' model; ``bench/e2e_vllm.py`` builds a bigger one."""
     import torch
@@ -39,8 +47,11 @@ def build(path: str | Path, *, layers: int = LAYERS, hidden: int = HIDDEN, heads
         return out
     vocab = _tokenizer(out)
 
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if sliding_window is None \
+    config_cls, model_cls = (
+        (LlamaConfig, LlamaForCausalLM)
+        if sliding_window is None
         else (MistralConfig, MistralForCausalLM)
+    )
     window = {} if sliding_window is None else {"sliding_window": sliding_window}
     config = config_cls(
         vocab_size=VOCAB,
@@ -95,15 +106,26 @@ def build_gemma3(path: str | Path, *, sliding_window: int, layers: int = 4) -> P
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
     vocab = _tokenizer(out)
-    kinds = ["full_attention" if (n + 1) % 4 == 0 else "sliding_attention"
-             for n in range(layers)]
+    kinds = ["full_attention" if (n + 1) % 4 == 0 else "sliding_attention" for n in range(layers)]
     config = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-        num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, sliding_window=sliding_window,
-        layer_types=kinds, max_position_embeddings=4096, initializer_range=INIT_RANGE,
-        tie_word_embeddings=True, bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"],
-        pad_token_id=vocab["<unk>"], torch_dtype="float32")
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        query_pre_attn_scalar=HEAD_DIM,
+        sliding_window=sliding_window,
+        layer_types=kinds,
+        max_position_embeddings=4096,
+        initializer_range=INIT_RANGE,
+        tie_word_embeddings=True,
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+        pad_token_id=vocab["<unk>"],
+        torch_dtype="float32",
+    )
     config.architectures = ["Gemma3ForCausalLM"]
     torch.manual_seed(SEED)
     model = Gemma3ForCausalLM(config).to(torch.float32)

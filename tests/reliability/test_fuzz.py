@@ -49,14 +49,21 @@ from harness import pb, running, toks
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
-LONG = pytest.mark.skipif(not os.environ.get("PREFIXCACHE_SLOW"),
-                          reason="set PREFIXCACHE_SLOW=1 for the long fuzz run")
+LONG = pytest.mark.skipif(
+    not os.environ.get("PREFIXCACHE_SLOW"), reason="set PREFIXCACHE_SLOW=1 for the long fuzz run"
+)
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    with running(tmp_path_factory.mktemp("fuzz"), MODELS, max_message_bytes=MAX_MESSAGE,
-                 session_ttl=600, session_ttl_min=300, session_ttl_max=3600) as server:
+    with running(
+        tmp_path_factory.mktemp("fuzz"),
+        MODELS,
+        max_message_bytes=MAX_MESSAGE,
+        session_ttl=600,
+        session_ttl_min=300,
+        session_ttl_max=3600,
+    ) as server:
         w = World(server)
         yield w
         w.channel.close()
@@ -148,8 +155,9 @@ def _first_events(call: Any) -> list[Any]:
     try:
         for event in call:
             events.append(event)
-            if len(events) >= 50 or (isinstance(event, pb.SubscribeEvent)
-                                     and event.HasField("snapshot_end")):
+            if len(events) >= 50 or (
+                isinstance(event, pb.SubscribeEvent) and event.HasField("snapshot_end")
+            ):
                 break
     except grpc.RpcError as err:
         if err.code() != CODE.CANCELLED:
@@ -164,8 +172,7 @@ def subscribe_case(draw: Any, world: World) -> None:
     request = subscribe_request(draw, world)
     if request.server_epoch == 1:  # the live epoch, so that after_seq is judged
         request.server_epoch = world.stats().server_epoch
-    code, detail, _ = _code(lambda: _first_events(
-        world.stub.Subscribe(request, timeout=TIMEOUT)))
+    code, detail, _ = _code(lambda: _first_events(world.stub.Subscribe(request, timeout=TIMEOUT)))
     world.settle(f"Subscribe({request})"[:2000], code, detail)
 
 
@@ -174,26 +181,29 @@ def raw_case(draw: Any, world: World) -> None:
     path = SERVICE + method
     if method == "Subscribe":
         data = draw(RAW)
-        code, detail, _ = _code(lambda: _first_events(
-            world.channel.unary_stream(path)(data, timeout=TIMEOUT)))
+        code, detail, _ = _code(
+            lambda: _first_events(world.channel.unary_stream(path)(data, timeout=TIMEOUT))
+        )
     elif method in UNARY:
         data = draw(RAW)
-        code, detail, reply = _code(
-            lambda: world.channel.unary_unary(path)(data, timeout=TIMEOUT))
+        code, detail, reply = _code(lambda: world.channel.unary_unary(path)(data, timeout=TIMEOUT))
         if code == CODE.OK and method == "OpenSession":
             world.sessions.append(pb.OpenSessionResponse.FromString(reply).session_id)
     elif method == "ReadKV":
         data = draw(RAW)
         code, detail, _ = _code(
-            lambda: list(world.channel.unary_stream(path)(data, timeout=TIMEOUT)))
+            lambda: list(world.channel.unary_stream(path)(data, timeout=TIMEOUT))
+        )
     elif method == "WriteKV":
         msgs = draw(st.lists(RAW, max_size=4))
         code, detail, _ = _code(
-            lambda: world.channel.stream_unary(path)(iter(msgs), timeout=TIMEOUT))
+            lambda: world.channel.stream_unary(path)(iter(msgs), timeout=TIMEOUT)
+        )
     else:
         msgs = draw(st.lists(RAW, max_size=4))
         code, detail, answers = _code(
-            lambda: list(world.channel.stream_stream(path)(iter(msgs), timeout=TIMEOUT)))
+            lambda: list(world.channel.stream_stream(path)(iter(msgs), timeout=TIMEOUT))
+        )
         for raw in answers or []:
             reply = pb.SessionResponse.FromString(raw)
             if reply.WhichOneof("result") == "error":
@@ -232,8 +242,7 @@ def workflow_case(draw: Any, world: World) -> None:
     refusals: list[str] = []
 
     def step(what: str, method: str, request: Any) -> Any:
-        code, detail, reply = _code(lambda: getattr(world.stub, method)(request,
-                                                                        timeout=TIMEOUT))
+        code, detail, reply = _code(lambda: getattr(world.stub, method)(request, timeout=TIMEOUT))
         if code == CODE.OK:
             world.learn(method, request, reply)
         else:
@@ -242,8 +251,13 @@ def workflow_case(draw: Any, world: World) -> None:
         return reply
 
     before = {s.model: s for s in (world.baseline or world.stats()).models}[model]
-    m = step("prefill", "Match", pb.MatchRequest(model=model, token_ids=toks(tokens),
-                                                  session_id=sid, lock=True, allocate=True))
+    m = step(
+        "prefill",
+        "Match",
+        pb.MatchRequest(
+            model=model, token_ids=toks(tokens), session_id=sid, lock=True, allocate=True
+        ),
+    )
     if m is None:
         event("workflow: prefill refused")  # no room: every slot or state is held
         return
@@ -252,15 +266,26 @@ def workflow_case(draw: Any, world: World) -> None:
     if model == "h" and not before.free_state_slots:
         event("workflow: a state evicted for a new one")
     named = m.allocated_slots if model == "s" else m.slot_indices + m.allocated_slots
-    insert = pb.InsertRequest(model=model, token_ids=toks(tokens), session_id=sid,
-                              slot_indices=named, lock=keep, release_lock_id=m.lock_id)
+    insert = pb.InsertRequest(
+        model=model,
+        token_ids=toks(tokens),
+        session_id=sid,
+        slot_indices=named,
+        lock=keep,
+        release_lock_id=m.lock_id,
+    )
     if model == "s":
         insert.slot_version = m.allocated_slot_version
     if m.HasField("allocated_state_slot"):
         insert.state_slot = m.allocated_state_slot
     if cross:
-        theirs = step("a lock on another model", "Match", pb.MatchRequest(
-            model=other, token_ids=toks(world.seqs[other][0]), session_id=sid, lock=True))
+        theirs = step(
+            "a lock on another model",
+            "Match",
+            pb.MatchRequest(
+                model=other, token_ids=toks(world.seqs[other][0]), session_id=sid, lock=True
+            ),
+        )
         if theirs is not None and theirs.lock_id:
             wrong = pb.InsertRequest()
             wrong.CopyFrom(insert)
@@ -272,16 +297,25 @@ def workflow_case(draw: Any, world: World) -> None:
     ins = step("insert", "Insert", insert)
     assert ins is not None, f"an insert right after its match was refused: {refusals}"
     if model == "s" and free_slot:
-        step("finish", "Free", pb.FreeRequest(model="s", slot_indices=m.allocated_slots,
-                                              session_id=sid))
+        step(
+            "finish",
+            "Free",
+            pb.FreeRequest(model="s", slot_indices=m.allocated_slots, session_id=sid),
+        )
     if ins.lock_id and unlock:
         step("unlock", "Unlock", pb.UnlockRequest(lock_id=ins.lock_id, session_id=sid))
     if len(tokens) > 1 and tokens not in world.seqs[model]:
         world.seqs[model] = [*world.seqs[model][-15:], tokens]
 
 
-CASES = {"unary": unary_case, "read": read_case, "write": write_case, "stream": stream_case,
-         "workflow": workflow_case, "subscribe": subscribe_case}
+CASES = {
+    "unary": unary_case,
+    "read": read_case,
+    "write": write_case,
+    "stream": stream_case,
+    "workflow": workflow_case,
+    "subscribe": subscribe_case,
+}
 
 
 def run_case(data: Any, world: World, raw: bool) -> None:
@@ -290,19 +324,28 @@ def run_case(data: Any, world: World, raw: bool) -> None:
     if raw:
         raw_case(draw, world)
     else:
-        kind = draw(st.sampled_from(["unary"] * 6 + ["read", "write", "stream", "subscribe"]
-                                    + ["workflow"] * 2))
+        kind = draw(
+            st.sampled_from(
+                ["unary"] * 6 + ["read", "write", "stream", "subscribe"] + ["workflow"] * 2
+            )
+        )
         CASES[kind](draw, world)
 
 
 def _settings(examples: int) -> settings:
     # No shrinking: a case's outcome depends on the server's state, which a replay
     # does not reproduce; the failure message names the request instead.
-    return settings(max_examples=examples, deadline=None, database=None,
-                    phases=(Phase.explicit, Phase.generate),
-                    suppress_health_check=[HealthCheck.too_slow,
-                                           HealthCheck.function_scoped_fixture,
-                                           HealthCheck.data_too_large])
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=(Phase.explicit, Phase.generate),
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.data_too_large,
+        ],
+    )
 
 
 @settings(_settings(400))

@@ -41,11 +41,11 @@ def _corrupt(srv: ServerThread) -> None:
 
 
 def test_a_corrupted_counter_fails_the_next_mutating_call(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger="prefixcache.server")
     # The flag comes from the config here, not from the test harness.
-    srv = ServerThread(make_config(tmp_path, MODELS, check_integrity=True),
-                       check_integrity=False)
+    srv = ServerThread(make_config(tmp_path, MODELS, check_integrity=True), check_integrity=False)
     try:
         assert srv.server.servicer.check_integrity
         assert "invariant mode is on" in caplog.text
@@ -97,18 +97,43 @@ def test_cli_flag_starts_the_server_in_invariant_mode(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
     env.update(PYTHONPATH=SOURCE_PATH, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.server.cli", "serve", "--listen", f"unix:{sock}",
-         "--metrics-port", "-1", "--shm-dir", "off", "--check-integrity"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "prefixcache.server.cli",
+            "serve",
+            "--listen",
+            f"unix:{sock}",
+            "--metrics-port",
+            "-1",
+            "--shm-dir",
+            "off",
+            "--check-integrity",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_serving(proc, f"unix:{sock}")
         channel, stub = stub_for(f"unix:{sock}")
         sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
         tokens = toks(list(range(32)))
-        m = stub.Match(pb.MatchRequest(model="default", token_ids=tokens, session_id=sid,
-                                       lock=True, allocate=True))
-        stub.Insert(pb.InsertRequest(model="default", token_ids=tokens, session_id=sid,
-                                     slot_indices=m.allocated_slots, release_lock_id=m.lock_id))
+        m = stub.Match(
+            pb.MatchRequest(
+                model="default", token_ids=tokens, session_id=sid, lock=True, allocate=True
+            )
+        )
+        stub.Insert(
+            pb.InsertRequest(
+                model="default",
+                token_ids=tokens,
+                session_id=sid,
+                slot_indices=m.allocated_slots,
+                release_lock_id=m.lock_id,
+            )
+        )
         stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
         channel.close()
     finally:

@@ -77,8 +77,10 @@ def test_a_storm_of_unknown_ids_is_paced_and_the_victim_goes_on(tmp_path) -> Non
             sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=5.0)).session_id
             storm = subprocess.Popen(
                 [sys.executable, "-c", STORM, address, str(STORM_SECONDS), "32"],
-                env={"PYTHONPATH": SOURCE_PATH,
-                     "PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE, text=True)
+                env={"PYTHONPATH": SOURCE_PATH, "PATH": "/usr/bin:/bin"},
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             try:
                 time.sleep(0.5)  # the storm is on
                 took: list[float] = []
@@ -89,14 +91,14 @@ def test_a_storm_of_unknown_ids_is_paced_and_the_victim_goes_on(tmp_path) -> Non
                     i += 1
                     tokens = toks([i % 50, 7, 8, i % 13])
                     t0 = time.monotonic()
-                    stub.Match(pb.MatchRequest(model="m", token_ids=tokens,
-                                               session_id=sid), timeout=10)
+                    stub.Match(
+                        pb.MatchRequest(model="m", token_ids=tokens, session_id=sid), timeout=10
+                    )
                     took.append(time.monotonic() - t0)
                     if i % 10 == 0:  # a worker whose session is gone learns it in time
                         t0 = time.monotonic()
                         try:
-                            stub.KeepAlive(pb.KeepAliveRequest(session_id="gone"),
-                                           timeout=10)
+                            stub.KeepAlive(pb.KeepAliveRequest(session_id="gone"), timeout=10)
                         except grpc.RpcError as exc:
                             assert exc.code() == grpc.StatusCode.NOT_FOUND
                         unknown.append(time.monotonic() - t0)

@@ -29,20 +29,55 @@ WORKERS = 3
 def test_short_load_has_no_errors_and_leaves_nothing_held(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "server"), str(ROOT / "client"), *filter(None, [env.get("PYTHONPATH")])]))
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT / "server"), str(ROOT / "client"), *filter(None, [env.get("PYTHONPATH")])]
+        ),
+    )
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "load.py"), "--duration", str(DURATION),
-         "--workers", str(WORKERS), "--limit", "300", "--reopen-every", "25",
-         "--warmup", "5", "--budget", "20000", "--check-integrity", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=DURATION + 120)
+        [
+            sys.executable,
+            str(ROOT / "bench" / "load.py"),
+            "--duration",
+            str(DURATION),
+            "--workers",
+            str(WORKERS),
+            "--limit",
+            "300",
+            "--reopen-every",
+            "25",
+            "--warmup",
+            "5",
+            "--budget",
+            "20000",
+            "--check-integrity",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DURATION + 120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rep = json.loads(out.read_text())
     assert rep["errors"] == {}, rep["first_errors"]
     assert rep["requests"] > 0 and rep["req_per_s"] > 0
     assert rep["reopens"] > 0  # sessions were closed while holding a lock and slots
-    for op in ("match", "insert", "alloc", "free", "unlock", "reopen",
-               "swa", "mamba", "slot", "chunk"):
+    for op in (
+        "match",
+        "insert",
+        "alloc",
+        "free",
+        "unlock",
+        "reopen",
+        "swa",
+        "mamba",
+        "slot",
+        "chunk",
+    ):
         assert rep["latency"][op]["count"] > 0, op
     counts = rep["counts"]
     assert counts["cross-model release_lock_id refused"] > 0, counts
@@ -55,8 +90,12 @@ def test_short_load_has_no_errors_and_leaves_nothing_held(tmp_path: Path) -> Non
     assert models["slot"]["evicted_tokens"] > 0
     assert stats["sessions"] == 0
     for name, m in models.items():
-        assert (m["locks"], m["session_slots"], m["session_state_slots"],
-                m["protected_tokens"]) == (0, 0, 0, 0), (name, m)
+        assert (
+            m["locks"],
+            m["session_slots"],
+            m["session_state_slots"],
+            m["protected_tokens"],
+        ) == (0, 0, 0, 0), (name, m)
     assert models["slot"]["free_slots"] == models["slot"]["pool_size"]
     # every slot is either free or cached: nothing leaked out of the pool
     assert stats["free_slots"] + stats["cached_tokens"] == stats["pool_size"], stats

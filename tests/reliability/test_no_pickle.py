@@ -31,14 +31,23 @@ def test_no_deserialisation_of_code_or_objects(path: Path) -> None:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names if a.name.split(".")[0] in FORBIDDEN_MODULES]
-        elif isinstance(node, ast.ImportFrom) and node.module \
-                and node.module.split(".")[0] in FORBIDDEN_MODULES:
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in FORBIDDEN_MODULES
+        ):
             found.append(node.module)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                and node.func.id in FORBIDDEN_CALLS:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in FORBIDDEN_CALLS
+        ):
             found.append(f"{node.func.id}() at line {node.lineno}")
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                and (node.value.id, node.attr) in FORBIDDEN_ATTRIBUTES:
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and (node.value.id, node.attr) in FORBIDDEN_ATTRIBUTES
+        ):
             found.append(f"{node.value.id}.{node.attr} at line {node.lineno}")
     assert not found, found
 

@@ -43,13 +43,25 @@ class Server:
     def __init__(self, tmp: Path) -> None:
         (tmp / "pc.yaml").write_text(CONFIG)
         self.address = f"unix:{tmp / 'pc.sock'}"
-        env = {**os.environ, "PYTHONPATH": SOURCE_PATH,
-               "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": SOURCE_PATH, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
-             str(tmp / "pc.yaml"), "--listen", self.address, "--metrics-port", "-1",
-             "--check-integrity"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                sys.executable,
+                "-m",
+                "prefixcache.server.cli",
+                "serve",
+                "--config",
+                str(tmp / "pc.yaml"),
+                "--listen",
+                self.address,
+                "--metrics-port",
+                "-1",
+                "--check-integrity",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         wait_serving(self.proc, self.address)
 
     def crash(self) -> None:
@@ -84,8 +96,7 @@ def epoch_of(address: str) -> int:
     # subchannel in reconnect backoff while the service was down.
     channel, stub = stub_for(address)
     with channel:
-        return stub.ListModels(pb.ListModelsRequest(), timeout=10,
-                               wait_for_ready=True).server_epoch
+        return stub.ListModels(pb.ListModelsRequest(), timeout=10, wait_for_ready=True).server_epoch
 
 
 def test_stale_handles_are_dropped_not_used(tmp_path: Path) -> None:
@@ -94,8 +105,7 @@ def test_stale_handles_are_dropped_not_used(tmp_path: Path) -> None:
         strict = PrefixCacheClient(starts[0].address, retries=0)
         s, t = client.session(ttl=30), strict.session(ttl=30)
         old = s.match("m", [1, 2, 3, 4], lock=True, allocate=True)
-        ins = s.insert("m", [1, 2, 3, 4], old.all_slots(), lock=True,
-                       release_lock_id=old.lock_id)
+        ins = s.insert("m", [1, 2, 3, 4], old.all_slots(), lock=True, release_lock_id=old.lock_id)
         held = s.alloc("m", 3).slots
         t_hit = t.match("m", [1, 2, 3, 4], lock=True)
         cache = RemoteRadixCache(client, "m", session=s)
@@ -118,8 +128,7 @@ def test_stale_handles_are_dropped_not_used(tmp_path: Path) -> None:
         assert s.dropped == 2
         # The next match opens a new session and answers from the new service.
         fresh = s.match("m", [1, 2, 3, 4], lock=True, allocate=True)
-        assert (fresh.server_epoch, fresh.prefix_len, s.reopened, s.lost) == (second, 0, 1,
-                                                                             None)
+        assert (fresh.server_epoch, fresh.prefix_len, s.reopened, s.lost) == (second, 0, 1, None)
         # Lock ids of the old session, and handles of the old epoch, stay dropped.
         assert s.unlock(ins.lock_id).skipped
         assert s.insert("m", [1, 2, 3], held, server_epoch=first).skipped
@@ -161,8 +170,7 @@ def test_a_fail_open_worker_keeps_running_through_a_crash(tmp_path: Path) -> Non
     made while the service is down fail open or raise Unavailable (slots cannot be made
     up), which it treats as "serve without the cache"; nothing else may be raised."""
     with restarts(tmp_path) as starts:
-        client = PrefixCacheClient(starts[0].address, fail_open=True, retries=0,
-                                   timeout=2.0)
+        client = PrefixCacheClient(starts[0].address, fail_open=True, retries=0, timeout=2.0)
         session = client.session(ttl=2)
         counts: Counter[str] = Counter()
         served_in: Counter[int] = Counter()
@@ -185,9 +193,14 @@ def test_a_fail_open_worker_keeps_running_through_a_crash(tmp_path: Path) -> Non
                     return
                 try:
                     time.sleep(0.002)  # "compute", so a crash can land mid-request
-                    ins = session.insert("m", tokens, hit.all_slots(), lock=True,
-                                         release_lock_id=hit.lock_id,
-                                         server_epoch=hit.server_epoch)
+                    ins = session.insert(
+                        "m",
+                        tokens,
+                        hit.all_slots(),
+                        lock=True,
+                        release_lock_id=hit.lock_id,
+                        server_epoch=hit.server_epoch,
+                    )
                     unlock = session.unlock(ins.lock_id, server_epoch=hit.server_epoch)
                     counts["skipped"] += ins.skipped or unlock.skipped
                     served_in[hit.server_epoch] += 1

@@ -36,8 +36,12 @@ models:
     page_size: 1
     pool: {{size: {POOL_ROWS}, layers: 1, k_heads: 1, k_head_dim: 64}}
 """
-ENV = {**os.environ, "PYTHONPATH": SOURCE_PATH,
-       "OMP_NUM_THREADS": "1", "PREFIXCACHE_LOG_FORMAT": "json"}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": SOURCE_PATH,
+    "OMP_NUM_THREADS": "1",
+    "PREFIXCACHE_LOG_FORMAT": "json",
+}
 # Maps every pool file of the directory, as an attached worker does, and holds them.
 MAPPER = """\
 import mmap, os, sys
@@ -61,9 +65,20 @@ class Namespace:
         self.shm = tmp / "shm"
         self.shm.mkdir()
         self.holder = subprocess.Popen(
-            ["unshare", "-rm", "--propagation", "private", "sh", "-c",
-             f'mount -t tmpfs -o size={mib}m pcshm "$0" && echo ready && exec sleep 600',
-             str(self.shm)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                "unshare",
+                "-rm",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                f'mount -t tmpfs -o size={mib}m pcshm "$0" && echo ready && exec sleep 600',
+                str(self.shm),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert self.holder.stdout is not None
         if self.holder.stdout.readline().strip() != "ready":
             self.holder.kill()
@@ -71,12 +86,20 @@ class Namespace:
             pytest.skip(f"cannot mount a tmpfs in a user namespace here: {err.strip()}")
 
     def argv(self, *command: str) -> list[str]:
-        return ["nsenter", "-t", str(self.holder.pid), "-U", "-m", "--preserve-credentials",
-                *command]
+        return [
+            "nsenter",
+            "-t",
+            str(self.holder.pid),
+            "-U",
+            "-m",
+            "--preserve-credentials",
+            *command,
+        ]
 
     def run(self, *command: str) -> str:
-        return subprocess.run(self.argv(*command), check=True, capture_output=True,
-                              text=True, timeout=30).stdout
+        return subprocess.run(
+            self.argv(*command), check=True, capture_output=True, text=True, timeout=30
+        ).stdout
 
     def files(self) -> list[str]:
         return sorted(self.run("ls", "-A", str(self.shm)).split())
@@ -98,10 +121,25 @@ class Server:
         self.address = f"unix:{tmp / 'pc.sock'}"
         self.log = tmp / f"serve-{n}.log"
         with self.log.open("wb") as err:
-            self.proc = subprocess.Popen(ns.argv(
-                sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
-                str(tmp / "pc.yaml"), "--listen", self.address, "--metrics-port", "-1",
-                "--shm-dir", str(ns.shm)), env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+            self.proc = subprocess.Popen(
+                ns.argv(
+                    sys.executable,
+                    "-m",
+                    "prefixcache.server.cli",
+                    "serve",
+                    "--config",
+                    str(tmp / "pc.yaml"),
+                    "--listen",
+                    self.address,
+                    "--metrics-port",
+                    "-1",
+                    "--shm-dir",
+                    str(ns.shm),
+                ),
+                env=ENV,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
         if not wait:
             return
         try:
@@ -110,8 +148,9 @@ class Server:
             raise AssertionError(f"{exc}\n{self.log.read_text()}") from None
 
     def records(self, message: str) -> list[dict[str, Any]]:
-        lines = [json.loads(line) for line in self.log.read_text().splitlines()
-                 if line.startswith("{")]
+        lines = [
+            json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")
+        ]
         return [r for r in lines if r.get("event") == message]
 
     def kill(self) -> None:
@@ -161,8 +200,12 @@ def test_restart_while_a_worker_still_maps_a_dead_pool(tmp_path: Path) -> None:
     with namespace(tmp_path, 36) as (ns, servers):
         servers.append(Server(ns, tmp_path, 0))
         servers[0].kill()
-        worker = subprocess.Popen(ns.argv(sys.executable, "-c", MAPPER, str(ns.shm)),
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        worker = subprocess.Popen(
+            ns.argv(sys.executable, "-c", MAPPER, str(ns.shm)),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert worker.stdout is not None and int(worker.stdout.readline()) == 2
             servers.append(Server(ns, tmp_path, 1))
@@ -190,8 +233,12 @@ def test_a_restart_that_cannot_fit_beside_a_mapped_dead_pool_says_so(tmp_path: P
     with namespace(tmp_path, 24) as (ns, servers):
         servers.append(Server(ns, tmp_path, 0))
         servers[0].kill()
-        worker = subprocess.Popen(ns.argv(sys.executable, "-c", MAPPER, str(ns.shm)),
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        worker = subprocess.Popen(
+            ns.argv(sys.executable, "-c", MAPPER, str(ns.shm)),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert worker.stdout is not None and int(worker.stdout.readline()) == 2
             refused = Server(ns, tmp_path, 1, wait=False)

@@ -56,8 +56,10 @@ CALL_DEADLINE = 5.0
 STREAM_DEADLINE = 20.0
 LOAD_BEFORE_SIGTERM = 1.5
 MODEL = "m"
-CONFIG = (f"models:\n  - name: {MODEL}\n    kind: radix\n    page_size: 16\n"
-          "    pool: {size: 8192, layers: 1, k_heads: 1, k_head_dim: 8}\n")
+CONFIG = (
+    f"models:\n  - name: {MODEL}\n    kind: radix\n    page_size: 16\n"
+    "    pool: {size: 8192, layers: 1, k_heads: 1, k_head_dim: 8}\n"
+)
 
 OK = grpc.StatusCode.OK
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -89,7 +91,8 @@ def _tokens(i: int) -> bytes:
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "server"), str(ROOT / "client"), *filter(None, [env.get("PYTHONPATH")])])
+        [str(ROOT / "server"), str(ROOT / "client"), *filter(None, [env.get("PYTHONPATH")])]
+    )
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -109,8 +112,11 @@ class Load:
 
     def start(self, unary: int = 3) -> None:
         targets: list[tuple[Any, tuple[Any, ...]]] = [(self._unary, (i,)) for i in range(unary)]
-        targets += [(self._stream, ("polite",)), (self._stream, ("stubborn",)),
-                    (self._stream, ("idle",))]
+        targets += [
+            (self._stream, ("polite",)),
+            (self._stream, ("stubborn",)),
+            (self._stream, ("idle",)),
+        ]
         for fn, args in targets:
             t = threading.Thread(target=self._guard, args=(fn, *args), daemon=True)
             t.start()
@@ -135,30 +141,51 @@ class Load:
     def _unary(self, index: int) -> None:
         with grpc.insecure_channel(self.address) as channel:
             stub = pb_grpc.PrefixCacheStub(channel)
-            sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=30),
-                                   timeout=CALL_DEADLINE).session_id
+            sid = stub.OpenSession(
+                pb.OpenSessionRequest(ttl_seconds=30), timeout=CALL_DEADLINE
+            ).session_id
             i = index * 1000
             while not self.stop.is_set():
                 i += 1
                 key = _tokens(i)
-                m = self._call(stub.Match, pb.MatchRequest(
-                    model=MODEL, token_ids=key, session_id=sid, lock=True, allocate=True),
-                    "Match")
+                m = self._call(
+                    stub.Match,
+                    pb.MatchRequest(
+                        model=MODEL, token_ids=key, session_id=sid, lock=True, allocate=True
+                    ),
+                    "Match",
+                )
                 if m is None:
                     time.sleep(0.01)
                     continue
-                ins = self._call(stub.Insert, pb.InsertRequest(
-                    model=MODEL, token_ids=key, slot_indices=m.slot_indices + m.allocated_slots,
-                    session_id=sid, release_lock_id=m.lock_id), "Insert")
+                ins = self._call(
+                    stub.Insert,
+                    pb.InsertRequest(
+                        model=MODEL,
+                        token_ids=key,
+                        slot_indices=m.slot_indices + m.allocated_slots,
+                        session_id=sid,
+                        release_lock_id=m.lock_id,
+                    ),
+                    "Insert",
+                )
                 if ins is None:
                     time.sleep(0.01)
                     continue
                 if i % 3 == 0:
-                    a = self._call(stub.Alloc, pb.AllocRequest(
-                        model=MODEL, num_slots=16, session_id=sid), "Alloc")
+                    a = self._call(
+                        stub.Alloc,
+                        pb.AllocRequest(model=MODEL, num_slots=16, session_id=sid),
+                        "Alloc",
+                    )
                     if a is not None:
-                        self._call(stub.Free, pb.FreeRequest(
-                            model=MODEL, slot_indices=a.slot_indices, session_id=sid), "Free")
+                        self._call(
+                            stub.Free,
+                            pb.FreeRequest(
+                                model=MODEL, slot_indices=a.slot_indices, session_id=sid
+                            ),
+                            "Free",
+                        )
                 if i % 5 == 0:
                     self._call(stub.Stats, pb.StatsRequest(model=MODEL), "Stats")
 
@@ -189,8 +216,12 @@ class Load:
             while not self.stop.is_set():
                 seq += 1
                 if seq % 2:
-                    req = pb.SessionRequest(seq=seq, match=pb.MatchRequest(
-                        model=MODEL, token_ids=_tokens(seq), lock=True, allocate=True))
+                    req = pb.SessionRequest(
+                        seq=seq,
+                        match=pb.MatchRequest(
+                            model=MODEL, token_ids=_tokens(seq), lock=True, allocate=True
+                        ),
+                    )
                 else:
                     req = pb.SessionRequest(seq=seq, stats=pb.StatsRequest(model=MODEL))
                 t0 = time.monotonic()
@@ -205,19 +236,36 @@ class Load:
                     break
                 if req.HasField("match") and code is OK and reply.match.lock_id:
                     seq += 1
-                    requests.put(pb.SessionRequest(seq=seq, unlock=pb.UnlockRequest(
-                        lock_id=reply.match.lock_id)))
+                    requests.put(
+                        pb.SessionRequest(
+                            seq=seq, unlock=pb.UnlockRequest(lock_id=reply.match.lock_id)
+                        )
+                    )
                     t1 = time.monotonic()
                     r = next(call)
-                    self.record("stream-op", "unlock",
-                                _code_of(r.error.code) if r.HasField("error") else OK, t1)
-                    requests.put(pb.SessionRequest(seq=seq + 1, free=pb.FreeRequest(
-                        model=MODEL, slot_indices=reply.match.allocated_slots)))
+                    self.record(
+                        "stream-op",
+                        "unlock",
+                        _code_of(r.error.code) if r.HasField("error") else OK,
+                        t1,
+                    )
+                    requests.put(
+                        pb.SessionRequest(
+                            seq=seq + 1,
+                            free=pb.FreeRequest(
+                                model=MODEL, slot_indices=reply.match.allocated_slots
+                            ),
+                        )
+                    )
                     seq += 1
                     t1 = time.monotonic()
                     r = next(call)
-                    self.record("stream-op", "free",
-                                _code_of(r.error.code) if r.HasField("error") else OK, t1)
+                    self.record(
+                        "stream-op",
+                        "free",
+                        _code_of(r.error.code) if r.HasField("error") else OK,
+                        t1,
+                    )
             if behaviour != "stubborn":
                 if behaviour == "polite":
                     requests.put(None)  # done writing
@@ -240,10 +288,24 @@ def test_sigterm_under_load_drains_cleanly(tmp_path: Path) -> None:
     stderr_path = tmp_path / "serve.stderr"
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(
-            [*CLI, "serve", "--config", str(tmp_path / "pc.yaml"), "--listen", address,
-             "--metrics-port", "-1", "--grace-period", str(GRACE)],
-            cwd=tmp_path, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=stderr)
+            [
+                *CLI,
+                "serve",
+                "--config",
+                str(tmp_path / "pc.yaml"),
+                "--listen",
+                address,
+                "--metrics-port",
+                "-1",
+                "--grace-period",
+                str(GRACE),
+            ],
+            cwd=tmp_path,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
     load = Load(address)
     try:
         _wait_serving(proc, address, stderr_path)
@@ -255,8 +317,10 @@ def test_sigterm_under_load_drains_cleanly(tmp_path: Path) -> None:
         try:
             code = proc.wait(GRACE + EXIT_SLACK)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"serve still running {GRACE + EXIT_SLACK} s after SIGTERM:\n"
-                        f"{stderr_path.read_text()}")
+            pytest.fail(
+                f"serve still running {GRACE + EXIT_SLACK} s after SIGTERM:\n"
+                f"{stderr_path.read_text()}"
+            )
         exited_after = time.monotonic() - sigterm_at
         time.sleep(0.3)  # calls against the gone server: UNAVAILABLE at once
     finally:
@@ -287,18 +351,31 @@ def test_sigterm_under_load_drains_cleanly(tmp_path: Path) -> None:
     stopping = sigterm_at + DISPATCH_WINDOW - 0.05  # gRPC stops taking calls after this
     # A call or stream opened once gRPC stops taking calls may be cancelled by gRPC
     # itself before the server sees it.
-    bad = [o for o in outcomes if o.code not in allowed[o.who]
-           and not (o.who in ("unary", "stream-end:polite") and o.code is CANCELLED
-                    and o.at >= stopping)]
-    assert not bad, _summary(bad) + "\n" + "\n".join(
-        f"{o}: started {o.at - sigterm_at:+.3f} s after SIGTERM" for o in bad[:10])
+    bad = [
+        o
+        for o in outcomes
+        if o.code not in allowed[o.who]
+        and not (
+            o.who in ("unary", "stream-end:polite") and o.code is CANCELLED and o.at >= stopping
+        )
+    ]
+    assert not bad, (
+        _summary(bad)
+        + "\n"
+        + "\n".join(f"{o}: started {o.at - sigterm_at:+.3f} s after SIGTERM" for o in bad[:10])
+    )
     seen = {(o.who, o.code) for o in outcomes}
     assert ("unary", OK) in seen and ("unary", UNAVAILABLE) in seen, _summary(outcomes)
     assert ("stream-op", UNAVAILABLE) in seen, "no stream op was refused while draining"
     assert {o.who for o in outcomes} >= set(allowed), _summary(outcomes)
     # a call that started before SIGTERM finished (either way) within the grace period
-    late = [o for o in outcomes if o.who in ("unary", "stream-op") and o.at < sigterm_at
-            and o.at + o.seconds > sigterm_at + GRACE + EXIT_SLACK]
+    late = [
+        o
+        for o in outcomes
+        if o.who in ("unary", "stream-op")
+        and o.at < sigterm_at
+        and o.at + o.seconds > sigterm_at + GRACE + EXIT_SLACK
+    ]
     assert not late, _summary(late)
 
 
@@ -329,11 +406,27 @@ def _start(tmp: Path, *extra: str) -> tuple[subprocess.Popen[Any], Path, Path, P
     shm.mkdir()
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(
-            [*CLI, "serve", "--config", str(tmp / "pc.yaml"), "--listen", f"unix:{sock}",
-             "--metrics-port", "-1", "--grace-period", str(SIGNAL_GRACE), "--shm-dir",
-             str(shm), *extra],
-            cwd=tmp, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=stderr)
+            [
+                *CLI,
+                "serve",
+                "--config",
+                str(tmp / "pc.yaml"),
+                "--listen",
+                f"unix:{sock}",
+                "--metrics-port",
+                "-1",
+                "--grace-period",
+                str(SIGNAL_GRACE),
+                "--shm-dir",
+                str(shm),
+                *extra,
+            ],
+            cwd=tmp,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
     return proc, sock, shm, stderr_path
 
 
@@ -343,8 +436,7 @@ def _exit_code(proc: subprocess.Popen[Any], stderr_path: Path, timeout: float) -
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        pytest.fail(f"serve still running {timeout} s after the signal:\n"
-                    f"{stderr_path.read_text()}")
+        pytest.fail(f"serve still running {timeout} s after the signal:\n{stderr_path.read_text()}")
 
 
 def _assert_clean_exit(code: int, sock: Path, shm: Path, stderr_path: Path) -> str:
@@ -366,7 +458,8 @@ def test_sighup_drains_like_sigterm(tmp_path: Path) -> None:
         with grpc.insecure_channel(address) as channel:
             requests: queue.Queue[Any] = queue.Queue()
             stream = pb_grpc.PrefixCacheStub(channel).Session(
-                iter(requests.get, None), timeout=STREAM_DEADLINE)
+                iter(requests.get, None), timeout=STREAM_DEADLINE
+            )
             requests.put(pb.SessionRequest(seq=1, stats=pb.StatsRequest(model=MODEL)))
             assert next(stream).seq == 1
             hup_at = time.monotonic()
@@ -391,8 +484,14 @@ def test_every_stop_signal_cleans_up(tmp_path: Path) -> None:
     server with its socket and shared-memory files left behind. Two servers at once."""
     from prefixcache.server.signals import STOP_SIGNALS
 
-    named = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-             signal.SIGUSR2}
+    named = {
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+    }
     assert named <= set(STOP_SIGNALS)
     sigs = (signal.SIGQUIT, signal.SIGUSR1)
     runs = []
@@ -432,11 +531,14 @@ def test_sigterm_during_start_up_exits_0_leaving_nothing(tmp_path: Path, phase: 
         deadline = time.monotonic() + 30
         # "imports": the moment `serve` catches SIGTERM, before it imports torch;
         # "pools": the moment the first pool's shared-memory file appears.
-        while not (_catches(proc.pid, signal.SIGTERM) if phase == "imports"
-                   else any(shm.iterdir())):
+        while not (
+            _catches(proc.pid, signal.SIGTERM) if phase == "imports" else any(shm.iterdir())
+        ):
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"serve exited {proc.returncode} or never got to {phase}:\n"
-                            f"{stderr_path.read_text()}")
+                pytest.fail(
+                    f"serve exited {proc.returncode} or never got to {phase}:\n"
+                    f"{stderr_path.read_text()}"
+                )
             time.sleep(0.001)
         proc.send_signal(signal.SIGTERM)
         code = _exit_code(proc, stderr_path, 30)
@@ -450,8 +552,7 @@ def test_sigterm_during_start_up_exits_0_leaving_nothing(tmp_path: Path, phase: 
 
 
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
-def test_a_second_stop_signal_cuts_the_drain_short(tmp_path: Path,
-                                                   second: signal.Signals) -> None:
+def test_a_second_stop_signal_cuts_the_drain_short(tmp_path: Path, second: signal.Signals) -> None:
     """With a 60 s grace period and a stream that keeps it busy, the second signal ends
     the drain at once: the stream is cut, the files go, exit 0. It is not ignored as a
     repeat of the stop the first signal set: the server does not wait out the grace."""
@@ -462,7 +563,8 @@ def test_a_second_stop_signal_cuts_the_drain_short(tmp_path: Path,
         with grpc.insecure_channel(address) as channel:
             requests: queue.Queue[Any] = queue.Queue()
             stream = pb_grpc.PrefixCacheStub(channel).Session(
-                iter(requests.get, None), timeout=STREAM_DEADLINE)
+                iter(requests.get, None), timeout=STREAM_DEADLINE
+            )
             requests.put(pb.SessionRequest(seq=1, stats=pb.StatsRequest(model=MODEL)))
             assert next(stream).seq == 1
             proc.send_signal(signal.SIGTERM)

@@ -28,30 +28,48 @@ from harness import SOURCE_PATH, pb, running, serve_process, stub_for, wait_serv
 
 # One client opens 1500 sessions to fill the log pipe: above max_sessions_per_client's
 # default, which is not under test here.
-CONFIG = ("server:\n  session_ttl_min: 0.5\n  log_queue_lines: 100\n"
-          "  max_sessions_per_client: 0\n"
-          "models:\n  - name: m\n    page_size: 1\n"
-          "    pool: {size: 1024, layers: 1, k_heads: 1, k_head_dim: 4}\n")
+CONFIG = (
+    "server:\n  session_ttl_min: 0.5\n  log_queue_lines: 100\n"
+    "  max_sessions_per_client: 0\n"
+    "models:\n  - name: m\n    page_size: 1\n"
+    "    pool: {size: 1024, layers: 1, k_heads: 1, k_head_dim: 4}\n"
+)
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": SOURCE_PATH,
-            "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "PYTHONPATH": SOURCE_PATH, "OMP_NUM_THREADS": "1"}
 
 
 def _health(channel: grpc.Channel) -> int:
-    return health_pb2_grpc.HealthStub(channel).Check(
-        health_pb2.HealthCheckRequest(service=""), timeout=5).status
+    return (
+        health_pb2_grpc.HealthStub(channel)
+        .Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        .status
+    )
 
 
 def test_an_unread_stderr_pipe_does_not_stall_the_service(tmp_path: Path) -> None:
     (tmp_path / "pc.yaml").write_text(CONFIG)
     address = f"unix:{tmp_path / 'pc.sock'}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
-         str(tmp_path / "pc.yaml"), "--listen", address, "--metrics-port", "0",
-         "--metrics-host", "127.0.0.1"],
-        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "prefixcache.server.cli",
+            "serve",
+            "--config",
+            str(tmp_path / "pc.yaml"),
+            "--listen",
+            address,
+            "--metrics-port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
+        ],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         port = None
         assert proc.stderr is not None
@@ -148,8 +166,9 @@ def stream_client(tmp_path: Path) -> Iterator:
     procs: list[subprocess.Popen[str]] = []
 
     def start(address: str) -> subprocess.Popen[str]:
-        proc = subprocess.Popen([sys.executable, str(script), address], env=_env(),
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), address], env=_env(), stdout=subprocess.PIPE, text=True
+        )
         procs.append(proc)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         return proc
@@ -167,20 +186,31 @@ def _holdings(stub) -> tuple[int, int]:
 
 @pytest.mark.parametrize("how", ["stream_ttl", "keepalive"])
 def test_a_frozen_stream_client_loses_its_holdings_within_its_ttl(
-        tmp_path: Path, stream_client, how: str) -> None:
+    tmp_path: Path, stream_client, how: str
+) -> None:
     """By the stream's own lease (it sends nothing), or by gRPC keepalive (its process
     answers no pings), whichever is shorter."""
     ttl = 1.5
-    limits = ({"stream_ttl": ttl, "keepalive_time": 60.0} if how == "stream_ttl" else
-              {"stream_ttl": 300.0, "keepalive_time": ttl / 2, "keepalive_timeout": ttl / 2})
+    limits = (
+        {"stream_ttl": ttl, "keepalive_time": 60.0}
+        if how == "stream_ttl"
+        else {"stream_ttl": 300.0, "keepalive_time": ttl / 2, "keepalive_timeout": ttl / 2}
+    )
     with running(tmp_path, **limits) as srv:
         channel, stub = stub_for(srv.address)
         with channel:
             sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
-            m = stub.Match(pb.MatchRequest(model="m", token_ids=bytes(range(8)),
-                                           session_id=sid, allocate=True))
-            stub.Insert(pb.InsertRequest(model="m", token_ids=bytes(range(8)), session_id=sid,
-                                         slot_indices=m.allocated_slots))
+            m = stub.Match(
+                pb.MatchRequest(model="m", token_ids=bytes(range(8)), session_id=sid, allocate=True)
+            )
+            stub.Insert(
+                pb.InsertRequest(
+                    model="m",
+                    token_ids=bytes(range(8)),
+                    session_id=sid,
+                    slot_indices=m.allocated_slots,
+                )
+            )
             client = stream_client(srv.address)
             time.sleep(2 * ttl)  # a live client keeps its stream past the TTL
             assert _holdings(stub) == (4, 1)

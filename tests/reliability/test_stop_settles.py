@@ -32,8 +32,7 @@ def _hold_stream(address: str, opened: threading.Semaphore, ended: list[Any]) ->
     (a client of its own, off the server's loop, as in production)."""
     requests: queue.Queue[Any] = queue.Queue()
     with grpc.insecure_channel(address) as channel:
-        stream = pb_grpc.PrefixCacheStub(channel).Session(iter(requests.get, None),
-                                                          timeout=30)
+        stream = pb_grpc.PrefixCacheStub(channel).Session(iter(requests.get, None), timeout=30)
         requests.put(pb.SessionRequest(seq=1, stats=pb.StatsRequest(model="m")))
         next(stream)
         opened.release()
@@ -49,8 +48,10 @@ async def _stop_with_open_streams(tmp: Path) -> tuple[list[asyncio.Task[Any]], l
     server = PrefixCacheServer(make_config(tmp))
     await server.start()
     opened, ended = threading.Semaphore(0), []
-    clients = [threading.Thread(target=_hold_stream, args=(server.address, opened, ended))
-               for _ in range(STREAMS)]
+    clients = [
+        threading.Thread(target=_hold_stream, args=(server.address, opened, ended))
+        for _ in range(STREAMS)
+    ]
     for client in clients:
         client.start()
     for _ in clients:
@@ -66,5 +67,7 @@ async def _stop_with_open_streams(tmp: Path) -> tuple[list[asyncio.Task[Any]], l
 def test_a_stop_leaves_no_call_for_the_loop_to_cancel(tmp_path: Path) -> None:
     left, ended = asyncio.run(_stop_with_open_streams(tmp_path))
     assert not left, f"still running when stop returned: {left}"
-    assert len(ended) == STREAMS and set(ended) <= {grpc.StatusCode.CANCELLED,
-                                                    grpc.StatusCode.UNAVAILABLE}, ended
+    assert len(ended) == STREAMS and set(ended) <= {
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNAVAILABLE,
+    }, ended

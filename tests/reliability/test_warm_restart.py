@@ -36,8 +36,12 @@ from harness import SOURCE_PATH, wait_serving
 from prefixcache.client import PrefixCacheClient, SessionLost, StaleEpoch
 from prefixcache.client.write_fence import open_fence
 
-ENV = {**os.environ, "PYTHONPATH": SOURCE_PATH,
-       "OMP_NUM_THREADS": "1", "PREFIXCACHE_LOG_FORMAT": "json"}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": SOURCE_PATH,
+    "OMP_NUM_THREADS": "1",
+    "PREFIXCACHE_LOG_FORMAT": "json",
+}
 LAYERS = 2
 
 
@@ -64,17 +68,32 @@ class Server:
         self.log = tmp / f"serve-{n}.log"
         with self.log.open("wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
-                 str(tmp / "pc.yaml"), "--listen", self.address, "--metrics-port", "0",
-                 "--check-integrity"], env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+                [
+                    sys.executable,
+                    "-m",
+                    "prefixcache.server.cli",
+                    "serve",
+                    "--config",
+                    str(tmp / "pc.yaml"),
+                    "--listen",
+                    self.address,
+                    "--metrics-port",
+                    "0",
+                    "--check-integrity",
+                ],
+                env=ENV,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
         try:
             wait_serving(self.proc, self.address, timeout=60)
         except RuntimeError as exc:
             raise AssertionError(f"{exc}\n{self.log.read_text()}") from None
 
     def records(self, event: str) -> list[dict[str, Any]]:
-        lines = [json.loads(line) for line in self.log.read_text().splitlines()
-                 if line.startswith("{")]
+        lines = [
+            json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")
+        ]
         return [r for r in lines if r.get("event") == event]
 
     def metrics(self) -> str:
@@ -83,21 +102,31 @@ class Server:
             return r.read().decode()
 
     def outcomes(self) -> dict[str, float]:
-        return {m[1]: float(m[2]) for m in re.finditer(
-            r'^prefixcache_warm_restarts_total\{outcome="(\w+)"\} (\S+)$', self.metrics(),
-            re.M)}
+        return {
+            m[1]: float(m[2])
+            for m in re.finditer(
+                r'^prefixcache_warm_restarts_total\{outcome="(\w+)"\} (\S+)$', self.metrics(), re.M
+            )
+        }
 
     def integrity_failures(self) -> dict[str, float]:
         """``prefixcache_integrity_failures_total`` of source snapshot, by reason (those
         above 0: every pair is exported from the start)."""
-        found = {m[1]: float(m[2]) for m in re.finditer(
-            r'^prefixcache_integrity_failures_total\{reason="(\w+)",source="snapshot"\} '
-            r'(\S+)$', self.metrics(), re.M)}
+        found = {
+            m[1]: float(m[2])
+            for m in re.finditer(
+                r'^prefixcache_integrity_failures_total\{reason="(\w+)",source="snapshot"\} '
+                r"(\S+)$",
+                self.metrics(),
+                re.M,
+            )
+        }
         return {reason: n for reason, n in found.items() if n}
 
     def checkpoints_written(self) -> float:
-        found = re.search(r'^prefixcache_warm_checkpoints_total\{outcome="written"\} (\S+)$',
-                          self.metrics(), re.M)
+        found = re.search(
+            r'^prefixcache_warm_checkpoints_total\{outcome="written"\} (\S+)$', self.metrics(), re.M
+        )
         return float(found[1]) if found else 0.0
 
     def wait_checkpoint(self, after: float) -> None:
@@ -121,8 +150,11 @@ def cache_prompts(address: str, seed: int) -> dict[tuple[int, ...], tuple[list[i
     """Insert three prompts (two sharing a prefix) with their KV written through
     WriteKV; returns prompt -> (slots, k, v)."""
     gen = torch.Generator().manual_seed(seed)
-    prompts = [tuple(range(seed, seed + 16)), (*range(seed, seed + 8), *range(900, 912)),
-               tuple(range(500 + seed, 508 + seed))]
+    prompts = [
+        tuple(range(seed, seed + 16)),
+        (*range(seed, seed + 8), *range(900, 912)),
+        tuple(range(500 + seed, 508 + seed)),
+    ]
     out = {}
     with PrefixCacheClient(address, timeout=10) as client, client.session(30) as s:
         for prompt in prompts:
@@ -179,8 +211,7 @@ def shm(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_clean_restart_brings_the_cache_back_byte_for_byte(tmp_path: Path,
-                                                            shm: Path) -> None:
+def test_a_clean_restart_brings_the_cache_back_byte_for_byte(tmp_path: Path, shm: Path) -> None:
     first = Server(tmp_path, config(shm))
     try:
         assert cold_reason(first, "no_snapshot")
@@ -201,9 +232,16 @@ def test_a_clean_restart_brings_the_cache_back_byte_for_byte(tmp_path: Path,
     try:
         restored = second.records("warm restart: cache restored")
         assert len(restored) == 1 and restored[0]["tokens"] == 16 + 12 + 8, restored
-        assert second.outcomes() == {"restored": 1, "restored_from_checkpoint": 0,
-                                     "no_snapshot": 0, "corrupt": 0, "config_changed": 0,
-                                     "foreign": 0, "stale": 0, "unsupported": 0}
+        assert second.outcomes() == {
+            "restored": 1,
+            "restored_from_checkpoint": 0,
+            "no_snapshot": 0,
+            "corrupt": 0,
+            "config_changed": 0,
+            "foreign": 0,
+            "stale": 0,
+            "unsupported": 0,
+        }
         # Consumed, and in its place at once this run's first checkpoint (its own names).
         assert b'"clean": false' in snapshot[0].read_bytes()
         check_hits(second.address, cached)
@@ -333,9 +371,17 @@ def test_files_that_changed_hands_start_cold(tmp_path: Path, shm: Path, change: 
     holder = None
     if change == "owner_alive":
         holder = subprocess.Popen(  # a live process in the owner's place
-            [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1]); "
-             "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()",
-             str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-c",
+                "import fcntl, sys; f = open(sys.argv[1]); "
+                "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()",
+                str(lock),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
     else:
         pool = next(p for p in shm.iterdir() if p.name.endswith("-m-0"))
@@ -359,8 +405,7 @@ def test_files_that_changed_hands_start_cold(tmp_path: Path, shm: Path, change: 
             holder.communicate("", timeout=30)
 
 
-def test_a_worker_inside_a_copy_at_the_stop_means_no_snapshot(tmp_path: Path,
-                                                              shm: Path) -> None:
+def test_a_worker_inside_a_copy_at_the_stop_means_no_snapshot(tmp_path: Path, shm: Path) -> None:
     """A worker holding its write fence (mid-copy through the mapped pool) when the
     service stops could finish its copy into slots the next run hands out: the stop
     writes no snapshot (the checkpoint written while serving goes too), and the next
@@ -396,9 +441,22 @@ def test_a_stop_during_start_up_keeps_what_was_restored(tmp_path: Path, shm: Pat
     log = tmp_path / "serve-interrupted.log"
     with log.open("wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
-             str(tmp_path / "pc.yaml"), "--listen", first.address, "--metrics-port", "-1"],
-            env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+            [
+                sys.executable,
+                "-m",
+                "prefixcache.server.cli",
+                "serve",
+                "--config",
+                str(tmp_path / "pc.yaml"),
+                "--listen",
+                first.address,
+                "--metrics-port",
+                "-1",
+            ],
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     try:
         while not [p for p in shm.glob("*.lock") if p != old_lock]:  # its pools begin
             assert proc.poll() is None, log.read_text()
@@ -433,14 +491,15 @@ def _kv_of(prompt: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     whoever computed it."""
     rows = []
     for j in range(len(prompt)):
-        seed = hash(prompt[:j + 1]) & 0xFFFFFFFF
+        seed = hash(prompt[: j + 1]) & 0xFFFFFFFF
         rows.append(np.random.default_rng(seed).standard_normal((2, LAYERS, 8)))
     kv = torch.from_numpy(np.stack(rows, axis=2)).half()  # (2, layers, tokens, 8)
     return kv[0].unsqueeze(2).contiguous(), kv[1].unsqueeze(2).contiguous()
 
 
-def _serve_randomly(address: str, rng: random.Random, prompts: set[tuple[int, ...]],
-                    seconds: float) -> None:
+def _serve_randomly(
+    address: str, rng: random.Random, prompts: set[tuple[int, ...]], seconds: float
+) -> None:
     """Cache random prompts (shared prefixes, a pool small enough to evict) until the
     server dies or ``seconds`` pass; each one's KV is ``_kv_of`` it."""
     deadline = time.monotonic() + seconds
@@ -448,17 +507,18 @@ def _serve_randomly(address: str, rng: random.Random, prompts: set[tuple[int, ..
     try:
         with PrefixCacheClient(address, timeout=5) as client, client.session(30) as s:
             while time.monotonic() < deadline:
-                prompt = rng.choice(stems) + tuple(rng.randrange(1, 50)
-                                                   for _ in range(rng.randrange(4, 40)))
+                prompt = rng.choice(stems) + tuple(
+                    rng.randrange(1, 50) for _ in range(rng.randrange(4, 40))
+                )
                 have = s.match("m", list(prompt), lock=True)
                 new = list(s.alloc("m", len(prompt) - have.prefix_len).slots)
                 k, v = _kv_of(prompt)
-                s.write_kv("m", new, k[:, have.prefix_len:], v[:, have.prefix_len:])
+                s.write_kv("m", new, k[:, have.prefix_len :], v[:, have.prefix_len :])
                 prompts.add(prompt)
                 done = s.insert("m", list(prompt), [*have.slots, *new])
                 s.unlock(have.lock_id)
                 if done.prefix_len > have.prefix_len:  # cached meanwhile: ours go back
-                    s.free("m", new[:done.prefix_len - have.prefix_len])
+                    s.free("m", new[: done.prefix_len - have.prefix_len])
     except Exception:  # the server was killed under us
         return
 
@@ -471,7 +531,7 @@ def _check_served(address: str, prompts: set[tuple[int, ...]]) -> int:
             got = s.match("m", list(prompt), lock=True)
             if got.prefix_len:
                 back = s.read_kv("m", list(got.slots))
-                k, v = _kv_of(prompt[:got.prefix_len])
+                k, v = _kv_of(prompt[: got.prefix_len])
                 for layer in range(LAYERS):
                     assert back.k[layer].view(torch.int16).equal(k[layer].view(torch.int16))
                     assert back.v[layer].view(torch.int16).equal(v[layer].view(torch.int16))
@@ -480,8 +540,7 @@ def _check_served(address: str, prompts: set[tuple[int, ...]]) -> int:
     return hit
 
 
-def test_sigkill_at_random_points_serves_only_what_was_cached(tmp_path: Path,
-                                                              shm: Path) -> None:
+def test_sigkill_at_random_points_serves_only_what_was_cached(tmp_path: Path, shm: Path) -> None:
     """SIGKILL at random points of serving and of checkpoints (every 20 ms), again and
     again: each start comes up, serves only KV equal to what its prefix was cached
     with, and leaves no file of a dead run or a torn checkpoint behind."""
@@ -503,8 +562,11 @@ def test_sigkill_at_random_points_serves_only_what_was_cached(tmp_path: Path,
         outcomes += [k for k, v in last.outcomes().items() if v]
         assert _check_served(last.address, prompts) > 0
         assert "restored_from_checkpoint" in outcomes, outcomes
-        owners = {p.name.split("-m-")[0].removesuffix(".lock").removesuffix("-warm")
-                  for p in shm.iterdir() if not p.name.endswith(".snapshot")}
+        owners = {
+            p.name.split("-m-")[0].removesuffix(".lock").removesuffix("-warm")
+            for p in shm.iterdir()
+            if not p.name.endswith(".snapshot")
+        }
         assert len(owners) == 1 and not list(shm.glob("*.tmp")), sorted(shm.iterdir())
     finally:
         last.stop()

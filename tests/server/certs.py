@@ -27,8 +27,9 @@ class Pair:
 
 
 def _openssl(*args: str | Path, cwd: Path) -> None:
-    result = subprocess.run([OPENSSL, *map(str, args)], cwd=cwd, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [OPENSSL, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
     if result.returncode != 0:
         raise RuntimeError(f"openssl {' '.join(map(str, args))} failed:\n{result.stderr}")
 
@@ -36,11 +37,28 @@ def _openssl(*args: str | Path, cwd: Path) -> None:
 def make_ca(directory: Path, name: str) -> Pair:
     """A self-signed CA certificate allowed to sign others."""
     pair = Pair(directory / f"{name}.pem", directory / f"{name}.key")
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", pair.key, "-out", pair.cert, "-days", "1",
-             "-subj", f"/CN=prefixcache test {name}",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=directory)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        pair.key,
+        "-out",
+        pair.cert,
+        "-days",
+        "1",
+        "-subj",
+        f"/CN=prefixcache test {name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=directory,
+    )
     return pair
 
 
@@ -49,17 +67,50 @@ def make_leaf(directory: Path, name: str, ca: Pair, *, server: bool) -> Pair:
     pair = Pair(directory / f"{name}.pem", directory / f"{name}.key")
     csr = directory / f"{name}.csr"
     ext = directory / f"{name}.ext"
-    lines = ["basicConstraints=critical,CA:FALSE",
-             "keyUsage=critical,digitalSignature,keyEncipherment"]
+    lines = [
+        "basicConstraints=critical,CA:FALSE",
+        "keyUsage=critical,digitalSignature,keyEncipherment",
+    ]
     if server:
         lines += ["extendedKeyUsage=serverAuth", "subjectAltName=DNS:localhost,IP:127.0.0.1"]
     else:
         lines += ["extendedKeyUsage=clientAuth"]
     ext.write_text("\n".join(lines) + "\n")
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", pair.key, "-out", csr, "-subj", f"/CN={name}", cwd=directory)
-    _openssl("x509", "-req", "-in", csr, "-CA", ca.cert, "-CAkey", ca.key, "-CAcreateserial",
-             "-out", pair.cert, "-days", "1", "-sha256", "-extfile", ext, cwd=directory)
+    _openssl(
+        "req",
+        "-new",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        pair.key,
+        "-out",
+        csr,
+        "-subj",
+        f"/CN={name}",
+        cwd=directory,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        csr,
+        "-CA",
+        ca.cert,
+        "-CAkey",
+        ca.key,
+        "-CAcreateserial",
+        "-out",
+        pair.cert,
+        "-days",
+        "1",
+        "-sha256",
+        "-extfile",
+        ext,
+        cwd=directory,
+    )
     return pair
 
 

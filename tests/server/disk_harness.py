@@ -40,11 +40,27 @@ READY = r'prefixcache_disk_capacity_bytes\{model="m"\}'
 
 
 def disk_config(path: Path, nbytes: int = 8 << 20, **disk: Any) -> dict[str, Any]:
-    return {"server": {"shm_dir": "off", "check_integrity": True,
-                       "disk": {"path": str(path), "bytes": nbytes, "timeout": 5.0, **disk}},
-            "models": [{"name": MODEL, "kind": "radix", "page_size": PAGE,
-                        "pool": {"size": POOL, "layers": 2, "k_heads": ROW[0],
-                                 "k_head_dim": ROW[1], "dtype": "float16"}}]}
+    return {
+        "server": {
+            "shm_dir": "off",
+            "check_integrity": True,
+            "disk": {"path": str(path), "bytes": nbytes, "timeout": 5.0, **disk},
+        },
+        "models": [
+            {
+                "name": MODEL,
+                "kind": "radix",
+                "page_size": PAGE,
+                "pool": {
+                    "size": POOL,
+                    "layers": 2,
+                    "k_heads": ROW[0],
+                    "k_head_dim": ROW[1],
+                    "dtype": "float16",
+                },
+            }
+        ],
+    }
 
 
 def start(tmp: Path, name: str, path: Path, **disk: Any) -> Node:
@@ -87,18 +103,23 @@ def read(node: Node, tokens: list[int]) -> tuple[int, list[torch.Tensor]]:
 
 def same(got: list[torch.Tensor], want: list[torch.Tensor], n: int) -> bool:
     return len(got) == len(want) and all(
-        g.view(torch.int16).equal(w[:n].view(torch.int16))
-        for g, w in zip(got, want, strict=True))
-
-
-
+        g.view(torch.int16).equal(w[:n].view(torch.int16)) for g, w in zip(got, want, strict=True)
+    )
 
 
 class StoreRig:
     """A store of ``slots`` slots in ``folder`` for a 2-layer pool of ``pool`` slots."""
 
-    def __init__(self, folder: Path, slots: int = 16, pool: int = 256, policy: str = "lru",
-                 identity: bytes = IDENTITY, heads: int = 2, dim: int = 8) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        slots: int = 16,
+        pool: int = 256,
+        policy: str = "lru",
+        identity: bytes = IDENTITY,
+        heads: int = 2,
+        dim: int = 8,
+    ) -> None:
         self.folder = folder
         self.pool = KVPool(pool, PS, torch.float16, 2, heads, dim)
         self.layout = PageLayout(self.pool, PS)
@@ -113,10 +134,16 @@ class StoreRig:
         self.store = self.open()
 
     def open(self) -> DiskStore:
-        store = DiskStore(self.folder, self.layout.page_bytes, self.slots, self.slot_bytes,
-                          self.align, self.identity, get_eviction_policy(self.policy))
-        for ptr, size in [*self.layout.regions(), *self.staging.regions(),
-                          self.seals.region()]:
+        store = DiskStore(
+            self.folder,
+            self.layout.page_bytes,
+            self.slots,
+            self.slot_bytes,
+            self.align,
+            self.identity,
+            get_eviction_policy(self.policy),
+        )
+        for ptr, size in [*self.layout.regions(), *self.staging.regions(), self.seals.region()]:
             store.register(ptr, size)
         return store
 
@@ -129,14 +156,17 @@ class StoreRig:
         """Random bytes in the pool rows ``slots``."""
         gen = torch.Generator().manual_seed(seed)
         for buf in self.layout.buffers:
-            buf[torch.as_tensor(slots)] = torch.randn(len(slots), *buf.shape[1:],
-                                                       generator=gen).to(buf.dtype)
+            buf[torch.as_tensor(slots)] = torch.randn(len(slots), *buf.shape[1:], generator=gen).to(
+                buf.dtype
+            )
 
     def page_bytes_of(self, slots: np.ndarray) -> list[bytes]:
         """Each page's object bytes (without the seal) in the pool rows ``slots``."""
         ptrs, sizes = self.layout.parts(slots)
-        return [b"".join(ctypes.string_at(p, s) for p, s in zip(pp, zz, strict=True))
-                for pp, zz in zip(ptrs, sizes, strict=True)]
+        return [
+            b"".join(ctypes.string_at(p, s) for p, s in zip(pp, zz, strict=True))
+            for pp, zz in zip(ptrs, sizes, strict=True)
+        ]
 
     def put(self, keys: list[str], slots: np.ndarray) -> list[int]:
         """Stage the pages of pool rows ``slots`` and put them, each with a seal that
@@ -156,8 +186,9 @@ class StoreRig:
             self.staging.release(taken)
             self.seals.release(seals)
 
-    def get(self, keys: list[str], into: np.ndarray, deadline: float | None = None
-            ) -> tuple[list[int], list[bytes], list[bytes]]:
+    def get(
+        self, keys: list[str], into: np.ndarray, deadline: float | None = None
+    ) -> tuple[list[int], list[bytes], list[bytes]]:
         """Read ``keys`` into pool rows ``into``: the codes, the pages' bytes there and
         the seals read."""
         seals = self.seals.take(len(keys))
@@ -196,9 +227,14 @@ def small_filesystem(parent: Path, nbytes: int) -> Iterator[Path | None]:
     mount one), unmounted after."""
     where = parent / f"fs-{uuid.uuid4().hex[:8]}"
     where.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(where)],
-        capture_output=True).returncode == 0
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(where)],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
     try:
         yield where if mounted else None
     finally:

@@ -18,13 +18,29 @@ CODE = grpc.StatusCode
 # What the proto documents for a request the service refuses (no auth is configured and
 # the server is not draining, so UNAUTHENTICATED, PERMISSION_DENIED, UNAVAILABLE would be
 # wrong answers here too).
-ALLOWED = {CODE.INVALID_ARGUMENT, CODE.NOT_FOUND, CODE.FAILED_PRECONDITION,
-           CODE.RESOURCE_EXHAUSTED}
+ALLOWED = {CODE.INVALID_ARGUMENT, CODE.NOT_FOUND, CODE.FAILED_PRECONDITION, CODE.RESOURCE_EXHAUSTED}
 ALLOWED_VALUES = {c.value[0] for c in ALLOWED}
 SERVICE = "/prefixcache.v1.PrefixCache/"
-UNARY = ("ListModels", "DescribePool", "Stats", "OpenSession", "KeepAlive", "CloseSession",
-         "Match", "Insert", "Evict", "Lock", "Unlock", "Alloc", "Free", "Reset", "Step",
-         "ExistsPages", "GetPages", "SetPages")
+UNARY = (
+    "ListModels",
+    "DescribePool",
+    "Stats",
+    "OpenSession",
+    "KeepAlive",
+    "CloseSession",
+    "Match",
+    "Insert",
+    "Evict",
+    "Lock",
+    "Unlock",
+    "Alloc",
+    "Free",
+    "Reset",
+    "Step",
+    "ExistsPages",
+    "GetPages",
+    "SetPages",
+)
 # Rebuild the world's state this often, so the fuzzer keeps meeting live ids.
 REBUILD_EVERY = 150
 TIMEOUT = 20.0
@@ -76,59 +92,106 @@ class World:
             for tail in ([1, 2], [3, 4, 5, 6], []):
                 self.prefill(sid, name, base + tail, keep_lock=tail == [3, 4, 5, 6])
             # A locked match with slots left allocated (held by the session).
-            m = self.stub.Match(pb.MatchRequest(model=name, token_ids=toks([*base, 40, 41]),
-                                                session_id=sid, lock=True, allocate=True),
-                                timeout=TIMEOUT)
+            m = self.stub.Match(
+                pb.MatchRequest(
+                    model=name,
+                    token_ids=toks([*base, 40, 41]),
+                    session_id=sid,
+                    lock=True,
+                    allocate=True,
+                ),
+                timeout=TIMEOUT,
+            )
             self.learn_match(name, m)
-            a = self.stub.Alloc(pb.AllocRequest(model=name, num_slots=3, session_id=sid,
-                                                num_state_slots=1 if name == "h" else 0),
-                                timeout=TIMEOUT)
+            a = self.stub.Alloc(
+                pb.AllocRequest(
+                    model=name, num_slots=3, session_id=sid, num_state_slots=1 if name == "h" else 0
+                ),
+                timeout=TIMEOUT,
+            )
             self.learn_alloc(name, a)
         # The slot model: one cached sequence in a slot the session keeps, pinned.
-        m = self.stub.Match(pb.MatchRequest(model="s", token_ids=toks([5, 6, 7]),
-                                            session_id=sid, allocate=True), timeout=TIMEOUT)
+        m = self.stub.Match(
+            pb.MatchRequest(model="s", token_ids=toks([5, 6, 7]), session_id=sid, allocate=True),
+            timeout=TIMEOUT,
+        )
         self.learn_match("s", m)
-        ins = self.stub.Insert(pb.InsertRequest(
-            model="s", token_ids=toks([5, 6, 7]), slot_indices=m.allocated_slots,
-            slot_version=m.allocated_slot_version, session_id=sid, lock=True), timeout=TIMEOUT)
+        ins = self.stub.Insert(
+            pb.InsertRequest(
+                model="s",
+                token_ids=toks([5, 6, 7]),
+                slot_indices=m.allocated_slots,
+                slot_version=m.allocated_slot_version,
+                session_id=sid,
+                lock=True,
+            ),
+            timeout=TIMEOUT,
+        )
         self.learn_insert("s", ins)
         self.seqs["s"].append([5, 6, 7])
         # And one in a slot its owner freed: a locking, allocating match reuses it in place.
-        m = self.stub.Match(pb.MatchRequest(model="s", token_ids=toks([8, 9, 10, 11]),
-                                            session_id=sid, allocate=True), timeout=TIMEOUT)
-        self.stub.Insert(pb.InsertRequest(
-            model="s", token_ids=toks([8, 9, 10, 11]), slot_indices=m.allocated_slots,
-            slot_version=m.allocated_slot_version, session_id=sid), timeout=TIMEOUT)
-        self.stub.Free(pb.FreeRequest(model="s", slot_indices=m.allocated_slots,
-                                      session_id=sid), timeout=TIMEOUT)
+        m = self.stub.Match(
+            pb.MatchRequest(
+                model="s", token_ids=toks([8, 9, 10, 11]), session_id=sid, allocate=True
+            ),
+            timeout=TIMEOUT,
+        )
+        self.stub.Insert(
+            pb.InsertRequest(
+                model="s",
+                token_ids=toks([8, 9, 10, 11]),
+                slot_indices=m.allocated_slots,
+                slot_version=m.allocated_slot_version,
+                session_id=sid,
+            ),
+            timeout=TIMEOUT,
+        )
+        self.stub.Free(
+            pb.FreeRequest(model="s", slot_indices=m.allocated_slots, session_id=sid),
+            timeout=TIMEOUT,
+        )
         self.seqs["s"].append([8, 9, 10, 11])
-        self.learn_alloc("s", self.stub.Alloc(pb.AllocRequest(model="s", num_slots=1,
-                                                              session_id=sid), timeout=TIMEOUT))
+        self.learn_alloc(
+            "s",
+            self.stub.Alloc(
+                pb.AllocRequest(model="s", num_slots=1, session_id=sid), timeout=TIMEOUT
+            ),
+        )
         self.since_rebuild = 0
         self.server.check_integrity()
         self.baseline = self.stats()
 
     def open_session(self) -> str:
-        sid = self.stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=600),
-                                    timeout=TIMEOUT).session_id
+        sid = self.stub.OpenSession(
+            pb.OpenSessionRequest(ttl_seconds=600), timeout=TIMEOUT
+        ).session_id
         self.sessions.append(sid)
         return sid
 
     def prefill(self, sid: str, model: str, tokens: list[int], keep_lock: bool) -> None:
-        m = self.stub.Match(pb.MatchRequest(model=model, token_ids=toks(tokens),
-                                            session_id=sid, lock=True, allocate=True),
-                            timeout=TIMEOUT)
+        m = self.stub.Match(
+            pb.MatchRequest(
+                model=model, token_ids=toks(tokens), session_id=sid, lock=True, allocate=True
+            ),
+            timeout=TIMEOUT,
+        )
         self.learn_match(model, m)
-        req = pb.InsertRequest(model=model, token_ids=toks(tokens), session_id=sid,
-                               lock=keep_lock, slot_indices=m.slot_indices + m.allocated_slots,
-                               release_lock_id=m.lock_id)
+        req = pb.InsertRequest(
+            model=model,
+            token_ids=toks(tokens),
+            session_id=sid,
+            lock=keep_lock,
+            slot_indices=m.slot_indices + m.allocated_slots,
+            release_lock_id=m.lock_id,
+        )
         if m.HasField("allocated_state_slot"):
             req.state_slot = m.allocated_state_slot
         self.learn_insert(model, self.stub.Insert(req, timeout=TIMEOUT))
         self.seqs[model].append(tokens)
         if model != "c":
-            got = self.stub.Match(pb.MatchRequest(model=model, token_ids=toks(tokens)),
-                                  timeout=TIMEOUT)
+            got = self.stub.Match(
+                pb.MatchRequest(model=model, token_ids=toks(tokens)), timeout=TIMEOUT
+            )
             self.learn_match(model, got)
 
     def learn_match(self, model: str, m: pb.MatchResponse) -> None:
@@ -204,7 +267,8 @@ class World:
         if code != CODE.OK:
             assert _state(after) == _state(self.baseline), (
                 f"{what} was refused ({code}: {detail}) but changed Stats "
-                f"({_diff(self.baseline, after)}); the cases before it: {self.history}")
+                f"({_diff(self.baseline, after)}); the cases before it: {self.history}"
+            )
         self.history = [*self.history[-2:], f"{what[:600]} -> {code.name}"]
         self.server.check_integrity()
         self.baseline = after
@@ -230,9 +294,15 @@ def _diff(before: pb.StatsResponse | None, after: pb.StatsResponse) -> str:
     """The Stats fields that differ, per model."""
     if before is None:
         return "no baseline"
-    out = [f"sessions {before.sessions} -> {after.sessions}"] \
-        if before.sessions != after.sessions else []
+    out = (
+        [f"sessions {before.sessions} -> {after.sessions}"]
+        if before.sessions != after.sessions
+        else []
+    )
     for old, new in zip(before.models, after.models, strict=False):
-        out += [f"{new.model}.{f.name} {getattr(old, f.name)} -> {getattr(new, f.name)}"
-                for f in new.DESCRIPTOR.fields if getattr(old, f.name) != getattr(new, f.name)]
+        out += [
+            f"{new.model}.{f.name} {getattr(old, f.name)} -> {getattr(new, f.name)}"
+            for f in new.DESCRIPTOR.fields
+            if getattr(old, f.name) != getattr(new, f.name)
+        ]
     return ", ".join(out)

@@ -31,11 +31,22 @@ EVERY_KIND = (
     ModelConfig(name="p", page_size=4, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4)),
     ModelConfig(name="w", kind="swa", page_size=1, sliding_window_size=4, pool=SMALL_POOL),
     ModelConfig(name="c", kind="chunk", page_size=1, pool=SMALL_POOL),
-    ModelConfig(name="h", kind="mamba", page_size=2, pool=SMALL_POOL,
-                mamba=MambaConfig(state_slots=4, working_slots=2, layers=2,
-                                  conv_state_shape=(3, 2), temporal_state_shape=(2, 2, 2))),
-    ModelConfig(name="s", kind="slot", max_seq_len=16,
-                pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)),
+    ModelConfig(
+        name="h",
+        kind="mamba",
+        page_size=2,
+        pool=SMALL_POOL,
+        mamba=MambaConfig(
+            state_slots=4,
+            working_slots=2,
+            layers=2,
+            conv_state_shape=(3, 2),
+            temporal_state_shape=(2, 2, 2),
+        ),
+    ),
+    ModelConfig(
+        name="s", kind="slot", max_seq_len=16, pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)
+    ),
 )
 
 
@@ -54,8 +65,10 @@ class ServerThread:
 
     def run(self, fn: Any, *args: Any) -> Any:
         """Run a plain function on the server's loop (so it sees a quiet cache)."""
+
         async def wrapper() -> Any:
             return fn(*args)
+
         return self.call(wrapper())
 
     @property
@@ -76,8 +89,7 @@ class ServerThread:
         self.loop.close()
 
 
-def make_config(tmp: Path, models: Sequence[ModelConfig] | None = None,
-                **server: Any) -> Config:
+def make_config(tmp: Path, models: Sequence[ModelConfig] | None = None, **server: Any) -> Config:
     server.setdefault("listen", f"unix:{tmp / 'pc.sock'}")
     server.setdefault("metrics_port", -1)
     # Tests get the opt-in change log (Subscribe, page RPCs) unless they say otherwise.
@@ -87,8 +99,9 @@ def make_config(tmp: Path, models: Sequence[ModelConfig] | None = None,
 
 
 @contextmanager
-def running(tmp: Path, models: Sequence[ModelConfig] | None = None,
-            **server: Any) -> Iterator[ServerThread]:
+def running(
+    tmp: Path, models: Sequence[ModelConfig] | None = None, **server: Any
+) -> Iterator[ServerThread]:
     thread = ServerThread(make_config(tmp, models, **server))
     try:
         yield thread
@@ -100,8 +113,9 @@ def running(tmp: Path, models: Sequence[ModelConfig] | None = None,
 # keeps its fixtures explicit while sharing their set-up and tear-down.
 
 
-def serve_module(factory: Any, name: str, models: Sequence[ModelConfig] | None = None,
-                 **server: Any) -> Iterator[ServerThread]:
+def serve_module(
+    factory: Any, name: str, models: Sequence[ModelConfig] | None = None, **server: Any
+) -> Iterator[ServerThread]:
     """A server in a fresh tmp dir named ``name`` (``factory`` is tmp_path_factory)."""
     with running(factory.mktemp(name), models, **server) as srv:
         yield srv
@@ -133,8 +147,9 @@ def client_of(server: ServerThread, timeout: float = 5.0) -> Iterator[PrefixCach
 REPO = Path(__file__).resolve().parents[2]
 # What a child process needs on its path: both source roots, then the caller's own
 # PYTHONPATH (packages installed with --target, as on the GPU machine).
-SOURCE_PATH = os.pathsep.join([str(REPO / "server"), str(REPO / "client"),
-                               *filter(None, [os.environ.get("PYTHONPATH")])])
+SOURCE_PATH = os.pathsep.join(
+    [str(REPO / "server"), str(REPO / "client"), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 
 
 @contextmanager
@@ -143,12 +158,24 @@ def serve_process(tmp: Path, config_yaml: str) -> Iterator[tuple[subprocess.Pope
     process and its address once it answers, and stops it with SIGTERM (exit code 0)."""
     (tmp / "pc.yaml").write_text(config_yaml)
     sock = tmp / "pc.sock"
-    env = {**os.environ, "PYTHONPATH": SOURCE_PATH,
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": SOURCE_PATH, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
-         str(tmp / "pc.yaml"), "--listen", f"unix:{sock}", "--metrics-port", "-1"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "prefixcache.server.cli",
+            "serve",
+            "--config",
+            str(tmp / "pc.yaml"),
+            "--listen",
+            f"unix:{sock}",
+            "--metrics-port",
+            "-1",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_serving(proc, f"unix:{sock}")
         yield proc, f"unix:{sock}"
@@ -196,6 +223,22 @@ def stub_for(address: str, **kwargs: Any) -> tuple[grpc.Channel, pb_grpc.PrefixC
     return channel, pb_grpc.PrefixCacheStub(channel)
 
 
-__all__ = ["EVERY_KIND", "SMALL_POOL", "ServerThread", "client_of", "make_config", "pack_slots",
-           "pb", "pb_grpc", "running", "serve_module", "serve_process", "session_of", "slots",
-           "stub_for", "stub_of", "toks", "wait_serving"]
+__all__ = [
+    "EVERY_KIND",
+    "SMALL_POOL",
+    "ServerThread",
+    "client_of",
+    "make_config",
+    "pack_slots",
+    "pb",
+    "pb_grpc",
+    "running",
+    "serve_module",
+    "serve_process",
+    "session_of",
+    "slots",
+    "stub_for",
+    "stub_of",
+    "toks",
+    "wait_serving",
+]

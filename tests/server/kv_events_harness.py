@@ -30,19 +30,25 @@ MODELS = (
 )
 # The published field order: vLLM's BlockStored/BlockRemoved (SGLang's is a prefix of it).
 FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                    "lora_id", "medium", "lora_name"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
 HASH_RANGE = {"vllm": (0, 2**64 - 1), "sglang": (-(2**63), 2**63 - 1)}
 # The test vectors of docs/semantics.md: [1,2] -> [3,4] -> [5,6], chained.
-VECTORS = [("34fb5c825de7ca4aea6e712f19d439c1da0c92c37b423936c5f618545ca4fa1f",
-            3817746824117602890),
-           ("c57b445f90651b9a650e516ab2238c965b21af35608a31c303e6d9e407f2915c",
-            -4216701448867210342),
-           ("4a8a26efbf98ddb0eca98c8913c209b45b7241fb0ccbdb559f74dafba44b7c60",
-            5371148316746243504)]
+VECTORS = [
+    ("34fb5c825de7ca4aea6e712f19d439c1da0c92c37b423936c5f618545ca4fa1f", 3817746824117602890),
+    ("c57b445f90651b9a650e516ab2238c965b21af35608a31c303e6d9e407f2915c", -4216701448867210342),
+    ("4a8a26efbf98ddb0eca98c8913c209b45b7241fb0ccbdb559f74dafba44b7c60", 5371148316746243504),
+]
 
 
 def wire(hex_hash: str, hash_format: str) -> int:
@@ -59,8 +65,9 @@ def seed(extra_key: str | None, width: int) -> str | None:
             return None
         return hashlib.sha256(b"sglang-cache-salt-v1\0" + extra_key.encode()).hexdigest()
     key = b"\0" if extra_key is None else b"\1" + extra_key.encode()
-    return hashlib.sha256(b"prefixcache-namespace-v1\0" + width.to_bytes(4, "little")
-                          + key).hexdigest()
+    return hashlib.sha256(
+        b"prefixcache-namespace-v1\0" + width.to_bytes(4, "little") + key
+    ).hexdigest()
 
 
 # ------------------------------------------------------------------ decoding
@@ -133,13 +140,17 @@ class Replica:
                 per = len(f["token_ids"]) // len(f["block_hashes"])
                 for i, h in enumerate(f["block_hashes"]):
                     assert h not in self.pages, "stored twice"
-                    self.pages[h] = (parent, tuple(f["token_ids"][i * per:(i + 1) * per]),
-                                     f["lora_name"])
+                    self.pages[h] = (
+                        parent,
+                        tuple(f["token_ids"][i * per : (i + 1) * per]),
+                        f["lora_name"],
+                    )
                     parent = h
 
 
-def expected_pages(cache: Any, hash_format: str) -> dict[int, tuple[int | None,
-                                                                     tuple[int, ...], str | None]]:
+def expected_pages(
+    cache: Any, hash_format: str
+) -> dict[int, tuple[int | None, tuple[int, ...], str | None]]:
     """The tree's pages as the events must describe them, hashed here."""
     out = {}
     for (extra_key, width), ns_root in cache.root_node.children.items():
@@ -149,7 +160,7 @@ def expected_pages(cache: Any, hash_format: str) -> dict[int, tuple[int | None,
             flat = memoryview(node.key_bytes).cast("I").tolist()
             step = width * cache.page_size
             for i in range(0, len(flat), step):
-                page = flat[i:i + step]
+                page = flat[i : i + step]
                 prior = hash_token_ids(page, prior)
                 h = wire(prior, hash_format)
                 out[h] = (parent, tuple(page), extra_key)
@@ -208,8 +219,12 @@ class Subscriber:
 
 
 def start(tmp: Path, models: tuple[ModelConfig, ...] = MODELS, **kv: Any) -> ServerThread:
-    settings = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
-                "replay_endpoint": "tcp://127.0.0.1:*", **kv}
+    settings = {
+        "enable_kv_cache_events": True,
+        "endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+        **kv,
+    }
     return ServerThread(make_config(tmp, models, kv_events=KvEventsConfig(**settings)))
 
 
@@ -220,6 +235,7 @@ def quiet_seq(srv: ServerThread, model: str) -> int:
     def newest() -> int:
         publisher.flush()
         return publisher.next_seq - 1
+
     return srv.run(newest)
 
 
@@ -230,21 +246,39 @@ class Worker:
         self.channel, self.stub = stub_for(srv.address)
         self.session = self.stub.OpenSession(pb.OpenSessionRequest()).session_id
 
-    def insert(self, model: str, tokens: list[int], extra_key: str | None = None,
-               width: int = 1) -> None:
+    def insert(
+        self, model: str, tokens: list[int], extra_key: str | None = None, width: int = 1
+    ) -> None:
         ns = {} if extra_key is None else {"extra_key": extra_key}
         packed = toks(tokens)
-        m = self.stub.Match(pb.MatchRequest(model=model, token_ids=packed, token_width=width,
-                                            session_id=self.session, allocate=True, **ns))
-        self.stub.Insert(pb.InsertRequest(model=model, token_ids=packed, token_width=width,
-                                          slot_indices=m.slot_indices + m.allocated_slots,
-                                          session_id=self.session, **ns))
+        m = self.stub.Match(
+            pb.MatchRequest(
+                model=model,
+                token_ids=packed,
+                token_width=width,
+                session_id=self.session,
+                allocate=True,
+                **ns,
+            )
+        )
+        self.stub.Insert(
+            pb.InsertRequest(
+                model=model,
+                token_ids=packed,
+                token_width=width,
+                slot_indices=m.slot_indices + m.allocated_slots,
+                session_id=self.session,
+                **ns,
+            )
+        )
 
-    def match(self, model: str, tokens: list[int], extra_key: str | None = None,
-              width: int = 1) -> None:
+    def match(
+        self, model: str, tokens: list[int], extra_key: str | None = None, width: int = 1
+    ) -> None:
         ns = {} if extra_key is None else {"extra_key": extra_key}
-        self.stub.Match(pb.MatchRequest(model=model, token_ids=toks(tokens), token_width=width,
-                                        **ns))
+        self.stub.Match(
+            pb.MatchRequest(model=model, token_ids=toks(tokens), token_width=width, **ns)
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -263,8 +297,8 @@ def random_step(worker: Worker, rng: random.Random, prefixes: list[list[int]]) -
         worker.match(model, tokens, extra_key, width)  # may split: no event
     elif op < 0.97:
         swa = rng.randrange(0, 6) if model == "w" else 0
-        worker.stub.Evict(pb.EvictRequest(model=model, num_tokens=rng.randrange(0, 10),
-                                          swa_num_tokens=swa))
+        worker.stub.Evict(
+            pb.EvictRequest(model=model, num_tokens=rng.randrange(0, 10), swa_num_tokens=swa)
+        )
     else:
         worker.stub.Reset(pb.ResetRequest(model=model))
-

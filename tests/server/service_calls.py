@@ -26,15 +26,27 @@ def refused(call, request, code: grpc.StatusCode) -> str:
     return err.value.details()
 
 
-def prefill(stub, sid: str, model: str, tokens: list[int], *, keep_lock: bool = False,
-            **key) -> pb.InsertResponse:
+def prefill(
+    stub, sid: str, model: str, tokens: list[int], *, keep_lock: bool = False, **key
+) -> pb.InsertResponse:
     """The two-RPC prefill: match+lock+allocate, then insert with lock handover."""
-    m = stub.Match(pb.MatchRequest(model=model, token_ids=toks(tokens), session_id=sid,
-                                   lock=True, allocate=True, **key))
+    m = stub.Match(
+        pb.MatchRequest(
+            model=model, token_ids=toks(tokens), session_id=sid, lock=True, allocate=True, **key
+        )
+    )
     assert m.prefix_len + len(slots(m.allocated_slots)) == len(tokens)
-    return stub.Insert(pb.InsertRequest(
-        model=model, token_ids=toks(tokens), session_id=sid, lock=keep_lock,
-        slot_indices=m.slot_indices + m.allocated_slots, release_lock_id=m.lock_id, **key))
+    return stub.Insert(
+        pb.InsertRequest(
+            model=model,
+            token_ids=toks(tokens),
+            session_id=sid,
+            lock=keep_lock,
+            slot_indices=m.slot_indices + m.allocated_slots,
+            release_lock_id=m.lock_id,
+            **key,
+        )
+    )
 
 
 def service_fixtures(name: str) -> tuple[Any, Any, Any]:

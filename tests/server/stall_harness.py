@@ -42,8 +42,9 @@ VICTIM_BOUND = 2.5
 _FANOUT = 512  # second tokens under each first token
 
 
-def grow_tree(srv: ServerThread, model: str, nodes: int = NODES, first: int = 0,
-              chunk: int = 4096) -> None:
+def grow_tree(
+    srv: ServerThread, model: str, nodes: int = NODES, first: int = 0, chunk: int = 4096
+) -> None:
     """Cache ``nodes`` two-token prompts in ``model`` (page size 1), numbered from
     ``first``; each call to the loop caches ``chunk`` of them (one KV-event batch)."""
     engine = srv.service.engines[model]
@@ -54,7 +55,7 @@ def grow_tree(srv: ServerThread, model: str, nodes: int = NODES, first: int = 0,
         for i in range(count):
             n = start + i
             key = RadixKey([n // _FANOUT + 1, n % _FANOUT + 1])
-            engine.insert(key, slots[2 * i:2 * i + 2], session)
+            engine.insert(key, slots[2 * i : 2 * i + 2], session)
         srv.service.close_session(session)
 
     for start in range(first, first + nodes, chunk):
@@ -129,8 +130,12 @@ class LoopWatch:
         asyncio.Handle._run = run  # type: ignore[method-assign]
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         asyncio.Handle._run = self._original  # type: ignore[method-assign]
         gc.unfreeze()
 

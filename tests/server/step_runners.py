@@ -26,7 +26,7 @@ def _tail(kind: str, reply: Any, request: dict[str, Any]) -> bytes:
     """The slots a finish frees after its insert."""
     if kind == "s":
         return request["slot_indices"]
-    return request["slot_indices"][8 * reply.cached_len:]
+    return request["slot_indices"][8 * reply.cached_len :]
 
 
 class Runner:
@@ -41,8 +41,9 @@ class Runner:
 
     def __call__(self, op: str, **params: Any) -> Any:
         if op == "alloc_other":  # setup: slots of somebody else
-            return self.stub.Alloc(pb.AllocRequest(model=self.model, session_id=self.other,
-                                                   **params))
+            return self.stub.Alloc(
+                pb.AllocRequest(model=self.model, session_id=self.other, **params)
+            )
         try:
             return self.run(op, params)
         except grpc.RpcError as exc:
@@ -110,8 +111,7 @@ class Stepped(Runner):
         elif op == "unlock":
             request.unlocks.append(params["lock_id"])
         reply = self.stub.Step(request)
-        (result,) = [*reply.finishes, *reply.unlocks, *reply.frees, *reply.decodes,
-                     *reply.admits]
+        (result,) = [*reply.finishes, *reply.unlocks, *reply.frees, *reply.decodes, *reply.admits]
         if result.HasField("error"):
             return Err(CODES[result.error.code].name, result.error.message)
         assert reply.counters.model == self.model
@@ -143,8 +143,10 @@ LISTS = ("finishes", "unlocks", "frees", "decodes", "admits")
 
 def unary_step(runner: Unary, step: pb.StepRequest) -> dict[str, list[Any]]:
     """A step's items as the unary calls, one by one, in the step's order."""
+
     def fields(item: Any) -> dict[str, Any]:
         return {f.name: v for f, v in item.ListFields() if f.name != "keep_tail"}
+
     out: dict[str, list[Any]] = {name: [] for name in LISTS}
     for f in step.finishes:
         out["finishes"].append(runner("insert" if f.keep_tail else "finish", **fields(f)))
@@ -155,8 +157,9 @@ def unary_step(runner: Unary, step: pb.StepRequest) -> dict[str, list[Any]]:
     for n in step.decodes:
         out["decodes"].append(runner("alloc", num_slots=n))
     for a in step.admits:
-        out["admits"].append(runner("match", **{k: v for k, v in fields(a).items()
-                                                 if k != "expected_prefix_len"}))
+        out["admits"].append(
+            runner("match", **{k: v for k, v in fields(a).items() if k != "expected_prefix_len"})
+        )
     return out
 
 
@@ -166,6 +169,12 @@ def stepped_step(runner: Stepped, step: pb.StepRequest) -> dict[str, list[Any]]:
     request.CopyFrom(step)
     request.model, request.session_id = runner.model, runner.sid
     reply = runner.stub.Step(request)
-    return {name: [Err(CODES[r.error.code].name, r.error.message) if r.HasField("error")
-                   else getattr(r, r.WhichOneof("result")) for r in getattr(reply, name)]
-            for name in LISTS}
+    return {
+        name: [
+            Err(CODES[r.error.code].name, r.error.message)
+            if r.HasField("error")
+            else getattr(r, r.WhichOneof("result"))
+            for r in getattr(reply, name)
+        ]
+        for name in LISTS
+    }

@@ -48,15 +48,22 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*args: str | Path, cwd: Path, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *map(str, args)], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [*CLI, *map(str, args)],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _health(address: str, service: str = "") -> int:
     """The health status of ``service``; raises grpc.RpcError while nothing answers."""
     with grpc.insecure_channel(address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+            health_pb2.HealthCheckRequest(service=service), timeout=2.0
+        )
     return reply.status
 
 
@@ -70,10 +77,24 @@ class Served:
         self.stderr_path = tmp / "serve.stderr"
         self._stderr: IO[str] = open(self.stderr_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            [*CLI, "serve", "--listen", self.address, "--metrics-port", "0",
-             "--grace-period", str(GRACE), *extra],
-            cwd=tmp, env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=self._stderr, text=True)
+            [
+                *CLI,
+                "serve",
+                "--listen",
+                self.address,
+                "--metrics-port",
+                "0",
+                "--grace-period",
+                str(GRACE),
+                *extra,
+            ],
+            cwd=tmp,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._stderr,
+            text=True,
+        )
 
     @property
     def stderr(self) -> str:
@@ -150,7 +171,8 @@ def test_serve_hosts_the_embedded_default_model(served: Served) -> None:
     with channel:
         reply = stub.ListModels(pb.ListModelsRequest(), timeout=10)
     assert [(m.name, m.page_size, m.cache_kind) for m in reply.models] == [
-        ("default", 16, pb.CACHE_KIND_RADIX)]
+        ("default", 16, pb.CACHE_KIND_RADIX)
+    ]
 
 
 def test_serve_socket_is_owner_only(served: Served) -> None:
@@ -177,10 +199,15 @@ def test_serve_metrics_endpoint(served: Served) -> None:
         assert reply.status == 200
         text = reply.read().decode()
     assert "prefixcache_rpc_requests_total" in text
-    assert re.search(r'^prefixcache_rpc_requests_total\{[^}]*method="Stats"[^}]*\} [1-9]',
-                     text, re.MULTILINE), text
-    assert re.search(r'^prefixcache_query_tokens_total\{[^}]*model="default"[^}]*\} '
-                     r'(\d+)', text, re.MULTILINE), text
+    assert re.search(
+        r'^prefixcache_rpc_requests_total\{[^}]*method="Stats"[^}]*\} [1-9]', text, re.MULTILINE
+    ), text
+    assert re.search(
+        r'^prefixcache_query_tokens_total\{[^}]*model="default"[^}]*\} '
+        r"(\d+)",
+        text,
+        re.MULTILINE,
+    ), text
 
 
 def test_serve_reflection_lists_the_service(served: Served) -> None:
@@ -213,8 +240,9 @@ def test_stats_json(served: Served, tmp_path: Path) -> None:
 
 
 def test_stats_unreachable_target_exits_1(tmp_path: Path) -> None:
-    result = _cli("stats", "--target", f"unix:{tmp_path / 'none.sock'}", "--timeout", "2",
-                  cwd=tmp_path)
+    result = _cli(
+        "stats", "--target", f"unix:{tmp_path / 'none.sock'}", "--timeout", "2", cwd=tmp_path
+    )
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr
 
@@ -257,8 +285,9 @@ def test_sigterm_drains_and_exits_0_with_json_logs(tmp_path: Path) -> None:
 
 def _config_error(tmp: Path, *args: str | Path) -> str:
     """Run serve with ``args``; it must exit 2 with a one-line config error."""
-    result = _cli("serve", "--listen", f"unix:{tmp / 'never.sock'}", "--metrics-port", "-1",
-                  *args, cwd=tmp)
+    result = _cli(
+        "serve", "--listen", f"unix:{tmp / 'never.sock'}", "--metrics-port", "-1", *args, cwd=tmp
+    )
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr, result.stderr
     assert "config error" in result.stderr, result.stderr
@@ -266,13 +295,18 @@ def _config_error(tmp: Path, *args: str | Path) -> str:
     return result.stderr
 
 
-@pytest.mark.parametrize(("yaml_text", "names"), [
-    ("models:\n  - name: a\n    page_size: 0\n", "models[0].page_size"),
-    ("models:\n  - name: a\n    page_sise: 16\n", "models[0].page_sise"),
-    ("server:\n  lisen: unix:/tmp/x.sock\n", "server.lisen"),
-], ids=["page-size-0", "unknown-model-key", "unknown-server-key"])
-def test_invalid_config_exits_2_naming_the_field(tmp_path: Path, yaml_text: str,
-                                                  names: str) -> None:
+@pytest.mark.parametrize(
+    ("yaml_text", "names"),
+    [
+        ("models:\n  - name: a\n    page_size: 0\n", "models[0].page_size"),
+        ("models:\n  - name: a\n    page_sise: 16\n", "models[0].page_sise"),
+        ("server:\n  lisen: unix:/tmp/x.sock\n", "server.lisen"),
+    ],
+    ids=["page-size-0", "unknown-model-key", "unknown-server-key"],
+)
+def test_invalid_config_exits_2_naming_the_field(
+    tmp_path: Path, yaml_text: str, names: str
+) -> None:
     config = tmp_path / "config.yaml"
     config.write_text(yaml_text)
     assert names in _config_error(tmp_path, "--config", config)

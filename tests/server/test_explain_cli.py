@@ -19,8 +19,9 @@ CLI = [sys.executable, "-c", "from prefixcache.server.cli import main; raise Sys
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
-    return subprocess.run([*CLI, *args], env=env, input=stdin, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [*CLI, *args], env=env, input=stdin, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_explain_and_stats_from_the_command_line(tmp_path: Path) -> None:
@@ -44,23 +45,34 @@ def test_explain_and_stats_from_the_command_line(tmp_path: Path) -> None:
             out = _cli("explain", *target, "--tokens-file", str(text), "--extra-key", NS)
             assert out.returncode == 0, out.stderr
             lines = out.stdout.splitlines()
-            assert lines[0] == "model p: 17 tokens, page size 4; hits 16, stops at token " \
-                               "16: below_page"
+            assert (
+                lines[0] == "model p: 17 tokens, page size 4; hits 16, stops at token "
+                "16: below_page"
+            )
             assert lines[2].split()[:4] == ["hit", "0", "16", "16"]
             assert lines[3].split()[:4] == ["below_page", "16", "17", "1"]
 
             stub.Evict(pb.EvictRequest(model="p", num_tokens=64))
-            out = _cli("explain", *target, "--tokens-file", "-", "--extra-key", NS, "--json",
-                       stdin=json.dumps(A))
+            out = _cli(
+                "explain",
+                *target,
+                "--tokens-file",
+                "-",
+                "--extra-key",
+                NS,
+                "--json",
+                stdin=json.dumps(A),
+            )
             assert out.returncode == 0, out.stderr
             reply = json.loads(out.stdout)
             assert reply["stop"] == "LOOKUP_OUTCOME_MISS_EVICTED"
-            assert reply["ranges"] == [{"outcome": "LOOKUP_OUTCOME_MISS_EVICTED",
-                                        "start": "0", "end": "16"}]
+            assert reply["ranges"] == [
+                {"outcome": "LOOKUP_OUTCOME_MISS_EVICTED", "start": "0", "end": "16"}
+            ]
 
             last = None
             for i in range(0, 16, 4):
-                last = hash_token_ids(A[i:i + 4], last)
+                last = hash_token_ids(A[i : i + 4], last)
             out = _cli("explain", *target, "--prompt-hash", last, "--extra-key", NS)
             assert out.returncode == 0, out.stderr
             assert "stops at token 0: miss_evicted" in out.stdout
@@ -70,19 +82,28 @@ def test_explain_and_stats_from_the_command_line(tmp_path: Path) -> None:
             (tmp_path / "bad.txt").write_text("1 2 x")
             out = _cli("explain", *target, "--tokens-file", str(tmp_path / "bad.txt"))
             assert out.returncode == 1 and "not a list of token ids" in out.stderr
-            out = _cli("explain", "--target", srv.address, "--model", "nope",
-                       "--tokens-file", str(tokens))
+            out = _cli(
+                "explain", "--target", srv.address, "--model", "nope", "--tokens-file", str(tokens)
+            )
             assert out.returncode == 1 and "NOT_FOUND" in out.stderr
 
             out = _cli("stats", "--target", srv.address)
             assert out.returncode == 0, out.stderr
-            table = out.stdout[out.stdout.index("looked-up tokens by outcome"):].splitlines()
-            assert table[1].split() == ["model", "hit", "miss_cold", "miss_evicted",
-                                        "miss_namespace", "below_page", "load_failed",
-                                        "lease_expired", "capacity", "ceiling"]
+            table = out.stdout[out.stdout.index("looked-up tokens by outcome") :].splitlines()
+            assert table[1].split() == [
+                "model",
+                "hit",
+                "miss_cold",
+                "miss_evicted",
+                "miss_namespace",
+                "below_page",
+                "load_failed",
+                "lease_expired",
+                "capacity",
+                "ceiling",
+            ]
             # The first Match of A (cold) and the one from the default namespace.
-            assert table[2].split() == ["p", "0", "16", "0", "16", "0", "0", "0", "0",
-                                        "0.000"]
+            assert table[2].split() == ["p", "0", "16", "0", "16", "0", "0", "0", "0", "0.000"]
 
 
 def test_every_outcome_of_a_served_process(tmp_path: Path) -> None:
@@ -103,35 +124,63 @@ def test_every_outcome_of_a_served_process(tmp_path: Path) -> None:
 
     (tmp_path / "pc.yaml").write_text(
         'server:\n  shm_dir: "off"\nmodels:\n  - name: p\n    page_size: 4\n'
-        '    pool: {size: 64, layers: 1, k_heads: 1, k_head_dim: 4}\n')
+        "    pool: {size: 64, layers: 1, k_heads: 1, k_head_dim: 4}\n"
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"unix:{tmp_path / 'pc.sock'}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
-    proc = subprocess.Popen([*CLI, "serve", "--config", str(tmp_path / "pc.yaml"),
-                             "--listen", address, "--metrics-host", "127.0.0.1",
-                             "--metrics-port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    names = ("hit", "miss_cold", "miss_evicted", "miss_namespace", "below_page",
-             "load_failed", "lease_expired", "capacity")
+    proc = subprocess.Popen(
+        [
+            *CLI,
+            "serve",
+            "--config",
+            str(tmp_path / "pc.yaml"),
+            "--listen",
+            address,
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            str(port),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    names = (
+        "hit",
+        "miss_cold",
+        "miss_evicted",
+        "miss_namespace",
+        "below_page",
+        "load_failed",
+        "lease_expired",
+        "capacity",
+    )
     seen = dict.fromkeys(names, 0.0)
 
     def grew(**expected: int) -> None:
         """The outcomes on /metrics grew by ``expected`` since the last call, the others
         not at all."""
         s = scrape(port)
-        now = {o: value(s, "prefixcache_lookup_tokens_total", model="p", outcome=o)
-               for o in names}
-        assert {o: now[o] - seen[o] for o in names} == {**dict.fromkeys(names, 0),
-                                                         **expected}
+        now = {o: value(s, "prefixcache_lookup_tokens_total", model="p", outcome=o) for o in names}
+        assert {o: now[o] - seen[o] for o in names} == {**dict.fromkeys(names, 0), **expected}
         seen.update(now)
 
     def explain(tokens: list[int], extra_key: str | None = None) -> str:
         (tmp_path / "t.json").write_text(json.dumps(tokens))
         ns = ("--extra-key", extra_key) if extra_key is not None else ()
-        out = _cli("explain", "--target", address, "--model", "p", "--tokens-file",
-                   str(tmp_path / "t.json"), *ns)
+        out = _cli(
+            "explain",
+            "--target",
+            address,
+            "--model",
+            "p",
+            "--tokens-file",
+            str(tmp_path / "t.json"),
+            *ns,
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout.splitlines()[0]
 
@@ -161,8 +210,9 @@ def test_every_outcome_of_a_served_process(tmp_path: Path) -> None:
             grew(miss_namespace=16)
             clock = Clock()
             # No change log to follow; no save (its own Match would count a hit too).
-            core = make_scheduler(address, model="p", clock=clock, lease_ttl=5.0,
-                                  fast_miss=False, save="off")
+            core = make_scheduler(
+                address, model="p", clock=clock, lease_ttl=5.0, fast_miss=False, save="off"
+            )
             try:
                 req = RequestInfo("r", [*A, 1, 2], len(A) + 2)
                 if core.probe(req, 0) == (None, False):  # the lookup is in flight
@@ -179,11 +229,18 @@ def test_every_outcome_of_a_served_process(tmp_path: Path) -> None:
                 core.close()
 
             # A connector that could not load its hit says so as it lets go.
-            held = stub.Match(pb.MatchRequest(model="p", token_ids=toks(A), extra_key=NS,
-                                              session_id=sid, lock=True))
-            stub.Unlock(pb.UnlockRequest(session_id=sid, lock_id=held.lock_id,
-                                         unused_outcome=pb.LookupOutcome.Value(
-                                             "LOOKUP_OUTCOME_LOAD_FAILED")))
+            held = stub.Match(
+                pb.MatchRequest(
+                    model="p", token_ids=toks(A), extra_key=NS, session_id=sid, lock=True
+                )
+            )
+            stub.Unlock(
+                pb.UnlockRequest(
+                    session_id=sid,
+                    lock_id=held.lock_id,
+                    unused_outcome=pb.LookupOutcome.Value("LOOKUP_OUTCOME_LOAD_FAILED"),
+                )
+            )
             grew(hit=16, load_failed=16)
 
             # A session holds every free slot: a lookup that allocates is refused.
@@ -196,8 +253,14 @@ def test_every_outcome_of_a_served_process(tmp_path: Path) -> None:
                     n //= 2
             other = stub.OpenSession(pb.OpenSessionRequest()).session_id
             with pytest.raises(grpc.RpcError) as refused:
-                stub.Match(pb.MatchRequest(model="p", token_ids=toks(list(range(300, 308))),
-                                           session_id=other, allocate=True))
+                stub.Match(
+                    pb.MatchRequest(
+                        model="p",
+                        token_ids=toks(list(range(300, 308))),
+                        session_id=other,
+                        allocate=True,
+                    )
+                )
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             grew(capacity=8)
             assert all(seen[o] > 0 for o in names), seen

@@ -25,8 +25,7 @@ def test_a_silent_stream_ends_within_its_ttl_and_releases_what_it_held(tmp_path)
         with channel:
             requests: queue.Queue = queue.Queue()
             replies = stub.Session(iter(requests.get, None), timeout=30)
-            requests.put(pb.SessionRequest(seq=1, alloc=pb.AllocRequest(model="m",
-                                                                        num_slots=4)))
+            requests.put(pb.SessionRequest(seq=1, alloc=pb.AllocRequest(model="m", num_slots=4)))
             next(replies)
             # Talking keeps it: 2.5 TTLs of a message every 0.2 s.
             for seq in range(2, 14):
@@ -80,7 +79,8 @@ def test_a_busy_loop_does_not_cost_a_client_its_lease(tmp_path) -> None:
 
 
 def test_many_lapsing_leases_are_reaped_in_batches_with_a_line_each(
-        tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
     count = 3 * reaper.BATCH + 10
     with running(tmp_path, session_ttl_min=0.2) as srv:
         caplog.set_level(logging.INFO, logger="prefixcache")

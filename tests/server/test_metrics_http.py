@@ -76,8 +76,7 @@ def test_a_token_guards_the_scrape(tmp_path: Path) -> None:
         assert status == 200 and "prefixcache_sessions" in text
 
 
-def test_idle_connections_cost_no_threads_and_never_lock_out_a_scrape(
-        tmp_path: Path) -> None:
+def test_idle_connections_cost_no_threads_and_never_lock_out_a_scrape(tmp_path: Path) -> None:
     with running(tmp_path, metrics_port=0) as srv:
         port = srv.server.metrics_port
         assert port is not None
@@ -131,8 +130,13 @@ def _read_reply(conn: socket.socket) -> bytes:
     while b"\r\n\r\n" not in data:
         data += conn.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length")))
+    length = int(
+        next(
+            line.split(b":")[1]
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+    )
     while len(body) < length:
         body += conn.recv(65536)
     return head + b"\r\n\r\n" + body

@@ -22,13 +22,21 @@ MODULES = sorted(str(p.relative_to(SERVER)) for p in SERVER.rglob("*.py"))
 
 
 def test_the_scan_sees_the_request_path() -> None:
-    assert {"rpc/servicer.py", "service.py", "engine/model_engine.py",
-            "sessions/session.py", "rpc/page_rpcs.py"} <= set(MODULES)
+    assert {
+        "rpc/servicer.py",
+        "service.py",
+        "engine/model_engine.py",
+        "sessions/session.py",
+        "rpc/page_rpcs.py",
+    } <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_no_assert_statements(name: str) -> None:
     path = SERVER / name
-    found = [node.lineno for node in ast.walk(ast.parse(path.read_text(), str(path)))
-             if isinstance(node, ast.Assert)]
+    found = [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Assert)
+    ]
     assert not found, f"{name}: assert on lines {found}; raise an error instead"

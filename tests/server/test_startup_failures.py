@@ -44,36 +44,51 @@ class Case:
 CASES = {
     "private-pool-over-memory": Case(
         "server: {shm_dir: 'off'}\nmodels:\n  - name: a\n    pool: {size: 1000000000000}\n",
-        "models[0].pool.size"),
+        "models[0].pool.size",
+    ),
     "shared-pool-over-memory": Case(
         "models:\n  - name: a\n    pool: {size: 64}\n"
-        "  - name: b\n    pool: {size: 1000000000000, layers: 4}\n", "models[1].pool.size"),
+        "  - name: b\n    pool: {size: 1000000000000, layers: 4}\n",
+        "models[1].pool.size",
+    ),
     "slot-max-seq-len-1e8": Case(
         "models:\n  - name: s\n    kind: slot\n    max_seq_len: 100000000\n"
-        "    pool: {size: 64, layers: 32}\n", "models[0].max_seq_len"),
+        "    pool: {size: 64, layers: 32}\n",
+        "models[0].max_seq_len",
+    ),
     "huge-mamba-state": Case(
         "models:\n  - name: h\n    kind: mamba\n"
         "    mamba: {layers: 64, temporal_state_shape: [1024, 1024, 1024]}\n",
-        "models[0].mamba"),
+        "models[0].mamba",
+    ),
     "missing-cuda-device": Case(
         f"models:\n  - name: g\n    pool: {{size: 64, device: '{MISSING_CUDA}'}}\n",
-        "models[0].pool.device"),
+        "models[0].pool.device",
+    ),
     "metrics-port-in-use": Case(SMALL, "server.metrics_port", ("--metrics-port", "{port}")),
-    "listen-port-in-use": Case(SMALL, "server.listen",
-                               ("--listen", "127.0.0.1:{port}", "--insecure"), False),
-    "max-message-bytes-3GiB": Case("server: {max_message_bytes: 3221225472}\n" + SMALL,
-                                   "server.max_message_bytes"),
+    "listen-port-in-use": Case(
+        SMALL, "server.listen", ("--listen", "127.0.0.1:{port}", "--insecure"), False
+    ),
+    "max-message-bytes-3GiB": Case(
+        "server: {max_message_bytes: 3221225472}\n" + SMALL, "server.max_message_bytes"
+    ),
     "shm-dir-proc": Case("server: {shm_dir: /proc}\n" + SMALL, "server.shm_dir"),
     "grace-period-nan": Case("server: {grace_period: .nan}\n", "server.grace_period"),
     "grace-period-1e12": Case("server: {grace_period: 1e12}\n", "server.grace_period"),
     "socket-mode-0": Case("server: {socket_mode: 0}\n", "server.socket_mode"),
     "session-ttl-max-inf": Case("server: {session_ttl_max: .inf}\n", "server.session_ttl_max"),
-    "socket-directory-missing": Case(SMALL, "server.listen",
-                                     ("--listen", "unix:/nonexistent-pc-dir/s.sock"),
-                                     says="/nonexistent-pc-dir does not exist"),
-    "token-file-missing": Case(SMALL, "server.token_file",
-                               ("--token-file", "/nonexistent-pc-dir/token"),
-                               says="/nonexistent-pc-dir/token"),
+    "socket-directory-missing": Case(
+        SMALL,
+        "server.listen",
+        ("--listen", "unix:/nonexistent-pc-dir/s.sock"),
+        says="/nonexistent-pc-dir does not exist",
+    ),
+    "token-file-missing": Case(
+        SMALL,
+        "server.token_file",
+        ("--token-file", "/nonexistent-pc-dir/token"),
+        says="/nonexistent-pc-dir/token",
+    ),
 }
 
 
@@ -86,8 +101,9 @@ class Outcome:
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "server"), str(ROOT / "client"),
-                                         *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "server"), str(ROOT / "client"), *filter(None, [env.get("PYTHONPATH")])]
+    )
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -110,15 +126,30 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Out
                 shm = shm_root / name
                 shm.mkdir()
                 (tmp / "c.yaml").write_text(case.yaml)
-                args = ["serve", "--config", str(tmp / "c.yaml"), "--listen",
-                        f"unix:{tmp / 's.sock'}", "--metrics-port", "-1", "--shm-dir", str(shm),
-                        *(a.replace("{port}", port) for a in case.args)]
+                args = [
+                    "serve",
+                    "--config",
+                    str(tmp / "c.yaml"),
+                    "--listen",
+                    f"unix:{tmp / 's.sock'}",
+                    "--metrics-port",
+                    "-1",
+                    "--shm-dir",
+                    str(shm),
+                    *(a.replace("{port}", port) for a in case.args),
+                ]
                 if "shm_dir" in case.yaml:  # the YAML's own shm_dir is the one under test
                     args.remove("--shm-dir")
                     args.remove(str(shm))
-                proc = subprocess.Popen([*CLI, *args], cwd=tmp, env=_env(), text=True,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE)
+                proc = subprocess.Popen(
+                    [*CLI, *args],
+                    cwd=tmp,
+                    env=_env(),
+                    text=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
                 running.append((name, tmp, shm, proc))
             name, tmp, shm, proc = running.pop(0)
             try:
@@ -137,7 +168,8 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Out
 
 @pytest.mark.parametrize("name", CASES)
 def test_start_failure_exits_2_with_one_line_and_leaves_nothing(
-        outcomes: dict[str, Outcome], name: str) -> None:
+    outcomes: dict[str, Outcome], name: str
+) -> None:
     out = outcomes[name]
     assert out.returncode == 2, (out.returncode, out.stderr)
     lines = out.stderr.splitlines()

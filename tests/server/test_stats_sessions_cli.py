@@ -28,8 +28,13 @@ def _stats(address: str, *args: str) -> subprocess.CompletedProcess[str]:
     if script is None:
         pytest.fail("no `prefixcache` script: install the project first (pip install -e .)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
-    return subprocess.run([script, "stats", "--target", address, *args], env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [script, "stats", "--target", address, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_stats_sessions_lists_the_top_holders(tmp_path: Path) -> None:
@@ -38,17 +43,24 @@ def test_stats_sessions_lists_the_top_holders(tmp_path: Path) -> None:
         with channel:
             ids = {}
             for name, n in (("small", 2), ("big", 40), ("idle", 0)):
-                ids[name] = stub.OpenSession(pb.OpenSessionRequest(
-                    client_name=name, ttl_seconds=60)).session_id
+                ids[name] = stub.OpenSession(
+                    pb.OpenSessionRequest(client_name=name, ttl_seconds=60)
+                ).session_id
                 if n:
-                    stub.Alloc(pb.AllocRequest(model="m", num_slots=n,
-                                               session_id=ids[name]))
+                    stub.Alloc(pb.AllocRequest(model="m", num_slots=n, session_id=ids[name]))
             prompt = toks(range(1, 9))
-            m = stub.Match(pb.MatchRequest(model="m", token_ids=prompt, allocate=True,
-                                           session_id=ids["small"]))
-            stub.Insert(pb.InsertRequest(model="m", token_ids=prompt, lock=True,
-                                         slot_indices=m.allocated_slots,
-                                         session_id=ids["small"]))
+            m = stub.Match(
+                pb.MatchRequest(model="m", token_ids=prompt, allocate=True, session_id=ids["small"])
+            )
+            stub.Insert(
+                pb.InsertRequest(
+                    model="m",
+                    token_ids=prompt,
+                    lock=True,
+                    slot_indices=m.allocated_slots,
+                    session_id=ids["small"],
+                )
+            )
 
             result = _stats(address, "--sessions", "2")
             assert result.returncode == 0, result.stderr

@@ -36,8 +36,9 @@ def mooncake_missing() -> str | None:
     """Why the Mooncake client cannot run here, or None."""
     if shutil.which("mooncake_master") is None:
         return "mooncake_master is not installed (pip install '.[tier]')"
-    probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True,
-                           text=True, timeout=60)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True, timeout=60
+    )
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
         return f"mooncake.store does not import ({last}); needs libibverbs1"
@@ -88,10 +89,20 @@ class Master:
         env = {**os.environ, "GLOG_minloglevel": "1"}
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
-                ["mooncake_master", f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
-                 f"--metrics_port={self.metrics_port}", "--metrics_host=127.0.0.1",
-                 "--enable_metric_reporting=false", f"--client_ttl={self.client_ttl}"],
-                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                [
+                    "mooncake_master",
+                    f"--rpc_port={self.port}",
+                    "--rpc_address=127.0.0.1",
+                    f"--metrics_port={self.metrics_port}",
+                    "--metrics_host=127.0.0.1",
+                    "--enable_metric_reporting=false",
+                    f"--client_ttl={self.client_ttl}",
+                ],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
         _wait_port(self.port, self.proc)
 
     def kill(self) -> None:
@@ -110,17 +121,43 @@ class Master:
             self.proc.wait(10)
 
 
-def tier_config(master: str, *, timeout: float = 0.5, models: list[dict[str, Any]] | None = None,
-                tier: dict[str, Any] | None = None, **server: Any) -> dict[str, Any]:
+def tier_config(
+    master: str,
+    *,
+    timeout: float = 0.5,
+    models: list[dict[str, Any]] | None = None,
+    tier: dict[str, Any] | None = None,
+    **server: Any,
+) -> dict[str, Any]:
     """A small config with the tier on: private pools, tiny segments; ``tier``: more
     ``server.tier`` keys."""
     return {
-        "server": {"shm_dir": "off", "check_integrity": True,
-                   "tier": {"master": master, "segment_bytes": 32 << 20,
-                            "timeout": timeout, **(tier or {})}, **server},
-        "models": models or [{"name": "m", "kind": "radix", "page_size": 4,
-                              "pool": {"size": 256, "layers": 2, "k_heads": 2,
-                                       "k_head_dim": 8, "dtype": "float16"}}],
+        "server": {
+            "shm_dir": "off",
+            "check_integrity": True,
+            "tier": {
+                "master": master,
+                "segment_bytes": 32 << 20,
+                "timeout": timeout,
+                **(tier or {}),
+            },
+            **server,
+        },
+        "models": models
+        or [
+            {
+                "name": "m",
+                "kind": "radix",
+                "page_size": 4,
+                "pool": {
+                    "size": 256,
+                    "layers": 2,
+                    "k_heads": 2,
+                    "k_head_dim": 8,
+                    "dtype": "float16",
+                },
+            }
+        ],
     }
 
 
@@ -138,11 +175,26 @@ class Node:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
         env.update(PYTHONPATH=SOURCE_PATH, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [*CLI, "serve", "--config", str(self.dir / "pc.yaml"), "--listen", self.address,
-             "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
-             "--grace-period", "1"],
-            cwd=self.dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=self._stderr)
+            [
+                *CLI,
+                "serve",
+                "--config",
+                str(self.dir / "pc.yaml"),
+                "--listen",
+                self.address,
+                "--metrics-port",
+                str(self.metrics_port),
+                "--metrics-host",
+                "127.0.0.1",
+                "--grace-period",
+                "1",
+            ],
+            cwd=self.dir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self._stderr,
+        )
 
     @property
     def stderr(self) -> str:
@@ -150,8 +202,9 @@ class Node:
 
     def metrics(self) -> dict[str, float]:
         """The scrape, as ``{"name{labels}": value}``."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                    timeout=5) as reply:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
+        ) as reply:
             text = reply.read().decode()
         out = {}
         for line in text.splitlines():
@@ -176,8 +229,9 @@ class Node:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.stderr}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{pattern} stayed at {value} (< {minimum}):\n"
-                                   f"{self.stderr[-3000:]}")
+                raise TimeoutError(
+                    f"{pattern} stayed at {value} (< {minimum}):\n{self.stderr[-3000:]}"
+                )
             time.sleep(0.1)
 
     def stop(self) -> int:
@@ -193,8 +247,9 @@ class Node:
 
 
 @contextmanager
-def two_nodes(tmp: Path, config_for: Callable[[str], dict[str, Any]]
-              ) -> Iterator[tuple[Master, Node, Node]]:
+def two_nodes(
+    tmp: Path, config_for: Callable[[str], dict[str, Any]]
+) -> Iterator[tuple[Master, Node, Node]]:
     """A master and nodes ``a`` and ``b`` with the config ``config_for`` gives for the
     master's address, once both are connected to the store; both must stop cleanly."""
     needs_mooncake()
@@ -246,8 +301,9 @@ class RawStore:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
         self.store: Any = MooncakeDistributedStore()
-        if self.store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "",
-                            master.address):
+        if self.store.setup(
+            "127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master.address
+        ):
             raise RuntimeError(f"a raw Mooncake client could not set up at {master.address}")
         self.config = ReplicateConfig()
         self.config.replica_num = 1
@@ -278,15 +334,24 @@ def node_models(config: dict[str, Any]) -> tuple[Any, Any]:
     from prefixcache.server.config import load_config
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as fh:
-        yaml.safe_dump({"server": {"tenants": config["server"].get("tenants", [])},
-                        "models": config["models"]}, fh)
+        yaml.safe_dump(
+            {
+                "server": {"tenants": config["server"].get("tenants", [])},
+                "models": config["models"],
+            },
+            fh,
+        )
         fh.flush()
         cfg = load_config(fh.name, env={})
     return cfg.models[0], cfg.server.tenants
 
 
-def prompt_keys(config: dict[str, Any], tokens: list[int], extra_key: str | None = None,
-                secret: bytes | None = None) -> list[str]:
+def prompt_keys(
+    config: dict[str, Any],
+    tokens: list[int],
+    extra_key: str | None = None,
+    secret: bytes | None = None,
+) -> list[str]:
     """The store keys of ``tokens``' whole pages as a node with ``config`` names them
     (with ``secret``: as a node holding it does)."""
     import numpy as np
@@ -296,6 +361,7 @@ def prompt_keys(config: dict[str, Any], tokens: list[int], extra_key: str | None
 
     model, tenants = node_models(config)
     whole = len(tokens) - len(tokens) % model.page_size
-    hashes = hash_pages(np.asarray(tokens[:whole], dtype="<u4").tobytes(),
-                        4 * model.page_size, None)
+    hashes = hash_pages(
+        np.asarray(tokens[:whole], dtype="<u4").tobytes(), 4 * model.page_size, None
+    )
     return KeyMaker(model, tenants, secret).keys(extra_key, 1, hashes)

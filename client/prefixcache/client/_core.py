@@ -44,6 +44,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # from before a restart (or of a lost session), which are gone either way.
 FAIL_OPEN_ERRORS = (Unavailable, DeadlineExceeded, StaleEpoch, SessionLost)
 
+
 def normalize_target(target: str | Path) -> str:
     """``/path`` and ``unix:/path`` are unix sockets; anything else goes to gRPC as is."""
     target = str(target)
@@ -102,14 +103,20 @@ class ClientBase(Requests):
         self._sessions: weakref.WeakSet[Any] = weakref.WeakSet()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         if tls is None:
-            tls = any(x is not None for x in (root_certificates, private_key,
-                                               certificate_chain))
+            tls = any(x is not None for x in (root_certificates, private_key, certificate_chain))
         if (private_key is None) != (certificate_chain is None):
-            raise InvalidArgument("a client certificate needs both private_key and "
-                                  "certificate_chain")
-        self._credentials = grpc.ssl_channel_credentials(
-            root_certificates=_read(root_certificates), private_key=_read(private_key),
-            certificate_chain=_read(certificate_chain)) if tls else None
+            raise InvalidArgument(
+                "a client certificate needs both private_key and certificate_chain"
+            )
+        self._credentials = (
+            grpc.ssl_channel_credentials(
+                root_certificates=_read(root_certificates),
+                private_key=_read(private_key),
+                certificate_chain=_read(certificate_chain),
+            )
+            if tls
+            else None
+        )
         opts: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", int(max_message_bytes)),
             ("grpc.max_receive_message_length", int(max_message_bytes)),
@@ -151,8 +158,13 @@ class ClientBase(Requests):
             fallback = partial(op.fallback_for, err)
         return self._stand_in(op.method, fallback, err, fail_open)
 
-    def _stand_in(self, what: str, fallback: Callable[[], R] | None, err: PrefixCacheError,
-                  fail_open: bool | None) -> R:
+    def _stand_in(
+        self,
+        what: str,
+        fallback: Callable[[], R] | None,
+        err: PrefixCacheError,
+        fail_open: bool | None,
+    ) -> R:
         allowed = self.fail_open if fail_open is None else fail_open
         if not allowed or fallback is None or not isinstance(err, FAIL_OPEN_ERRORS):
             raise err
@@ -162,7 +174,7 @@ class ClientBase(Requests):
         return fallback()
 
     def _delay(self, attempt: int) -> float:
-        return self.backoff * 2.0 ** attempt
+        return self.backoff * 2.0**attempt
 
     def on_restart(self, hook: Callable[[int, int], None]) -> Callable[[int, int], None]:
         """Call ``hook(old_epoch, new_epoch)`` whenever a reply shows the service has
@@ -179,8 +191,12 @@ class ClientBase(Requests):
         if not old:
             return
         self.restarts += 1
-        log.warning("the prefix-cache service restarted (epoch %d -> %d): node handles, "
-                    "locks, slots and sessions from before are gone", old, epoch)
+        log.warning(
+            "the prefix-cache service restarted (epoch %d -> %d): node handles, "
+            "locks, slots and sessions from before are gone",
+            old,
+            epoch,
+        )
         self._pools.clear()  # a restarted service may have other pool shapes
         for session in list(self._sessions):
             if (state := getattr(session, "_state", None)) is not None:
@@ -216,13 +232,23 @@ class ClientBase(Requests):
         call = getattr(self._stub, op.method)
         for attempt in count():
             try:
-                return (yield partial(call, op.request, metadata=self._metadata,
-                                      timeout=max(deadline - time.monotonic(), 0.001)))
+                return (
+                    yield partial(
+                        call,
+                        op.request,
+                        metadata=self._metadata,
+                        timeout=max(deadline - time.monotonic(), 0.001),
+                    )
+                )
             except grpc.RpcError as exc:
                 err = self._error(exc)
                 delay = self._delay(attempt)
-                if not (op.retry and isinstance(err, Unavailable) and attempt < self.retries
-                        and deadline - time.monotonic() > delay):
+                if not (
+                    op.retry
+                    and isinstance(err, Unavailable)
+                    and attempt < self.retries
+                    and deadline - time.monotonic() > delay
+                ):
                     raise err from exc
             yield Pause(delay)
         raise AssertionError("unreachable")
@@ -237,30 +263,66 @@ class ClientBase(Requests):
             return known
         return (yield from self._run_flow(self._op_describe_pool(model), timeout, None))
 
-    def _read_kv_flow(self, model: str, slots: Any, session: SessionLike, layers: Any,
-                      state_slots: Any, chunk_bytes: int | None, server_epoch: int | None,
-                      timeout: float | None, out: kv.KVData | None) -> Flow[kv.Reader]:
+    def _read_kv_flow(
+        self,
+        model: str,
+        slots: Any,
+        session: SessionLike,
+        layers: Any,
+        state_slots: Any,
+        chunk_bytes: int | None,
+        server_epoch: int | None,
+        timeout: float | None,
+        out: kv.KVData | None,
+    ) -> Flow[kv.Reader]:
         """The reader of a ReadKV: its request, and where the chunks go."""
         info = yield from self._pool_flow(model, timeout)
-        reader = kv.Reader(info, slots, layers, state_slots,
-                           kv.chunk_limit(chunk_bytes, self.max_message_bytes), out)
+        reader = kv.Reader(
+            info,
+            slots,
+            layers,
+            state_slots,
+            kv.chunk_limit(chunk_bytes, self.max_message_bytes),
+            out,
+        )
         reader.request.session_id = session_id_of(session)
         reader.request.server_epoch = self._fence(session, server_epoch)
         return reader
 
-    def _write_kv_flow(self, model: str, slots: Any, k: Any, v: Any, session: SessionLike,
-                       layers: Any, state_slots: Any, conv: Any, temporal: Any,
-                       chunk_bytes: int | None, server_epoch: int | None,
-                       timeout: float | None) -> Flow[kv.WriteKVReply]:
+    def _write_kv_flow(
+        self,
+        model: str,
+        slots: Any,
+        k: Any,
+        v: Any,
+        session: SessionLike,
+        layers: Any,
+        state_slots: Any,
+        conv: Any,
+        temporal: Any,
+        chunk_bytes: int | None,
+        server_epoch: int | None,
+        timeout: float | None,
+    ) -> Flow[kv.WriteKVReply]:
         """A WriteKV: its chunks built (every shape checked first), then streamed."""
         info = yield from self._pool_flow(model, timeout)
-        chunks = kv.write_chunks(info, session_id_of(session), slots, k, v, layers,
-                                 state_slots, conv, temporal,
-                                 kv.chunk_limit(chunk_bytes, self.max_message_bytes),
-                                 self._fence(session, server_epoch))
+        chunks = kv.write_chunks(
+            info,
+            session_id_of(session),
+            slots,
+            k,
+            v,
+            layers,
+            state_slots,
+            conv,
+            temporal,
+            kv.chunk_limit(chunk_bytes, self.max_message_bytes),
+            self._fence(session, server_epoch),
+        )
         try:
-            reply = yield partial(self._write_kv, chunks, timeout=timeout or self.timeout,
-                                  metadata=self._metadata)
+            reply = yield partial(
+                self._write_kv, chunks, timeout=timeout or self.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
         return kv.WriteKVReply(reply.bytes_written, reply.buffers_written)

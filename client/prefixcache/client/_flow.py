@@ -78,7 +78,8 @@ async def run_async(flow: Flow[T]) -> T:
     driver = _Driver(flow)
     while (step := driver.next_step()) is not None:
         with driver.running():
-            driver.value = await (asyncio.sleep(step.seconds) if isinstance(step, Pause)
-                                  else step())
+            driver.value = await (
+                asyncio.sleep(step.seconds) if isinstance(step, Pause) else step()
+            )
     answer: T = driver.value  # what the flow returned
     return answer

@@ -20,10 +20,13 @@ from .results import InsertReply, LockReply, MatchReply, SessionInfo, UnlockRepl
 # Calls that name no handle but the session: they may open a new one first.
 FRESH = frozenset({"match", "alloc"})
 # What a refused call answers when it fails open (absent: it raises).
-STAND_INS: dict[str, Any] = {"match": MatchReply(skipped=True),
-                             "insert": InsertReply(skipped=True),
-                             "lock": LockReply(skipped=True),
-                             "unlock": UnlockReply(skipped=True), "free": None}
+STAND_INS: dict[str, Any] = {
+    "match": MatchReply(skipped=True),
+    "insert": InsertReply(skipped=True),
+    "lock": LockReply(skipped=True),
+    "unlock": UnlockReply(skipped=True),
+    "free": None,
+}
 
 
 def take_fail_open(name: str, kwargs: dict[str, Any], default: bool | None) -> bool | None:
@@ -73,8 +76,12 @@ class SessionState:
 
     def service_restarted(self, epoch: int) -> None:
         if epoch != self.server_epoch:
-            self.mark_lost(StaleEpoch(f"the service restarted (epoch {self.server_epoch} "
-                                      f"-> {epoch})", server_epoch=epoch))
+            self.mark_lost(
+                StaleEpoch(
+                    f"the service restarted (epoch {self.server_epoch} -> {epoch})",
+                    server_epoch=epoch,
+                )
+            )
 
     def mark_lost(self, err: PrefixCacheError) -> None:
         if self.lost is None:
@@ -94,8 +101,9 @@ class SessionState:
     def needs_reopen(self, name: str) -> bool:
         return self.lost is not None and name in FRESH
 
-    def again(self, name: str, attempt: int, reply: Any = None,
-              err: PrefixCacheError | None = None) -> bool:
+    def again(
+        self, name: str, attempt: int, reply: Any = None, err: PrefixCacheError | None = None
+    ) -> bool:
         """Whether a first try of a fresh call should run once more, in a new session:
         the service refused it as stale, or it failed open on a stale epoch."""
         if attempt or name not in FRESH:
@@ -104,26 +112,34 @@ class SessionState:
             return isinstance(err, StaleEpoch)
         return getattr(reply, "skipped", False) and self.lost is not None
 
-    def refusal(self, name: str, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> PrefixCacheError | None:
+    def refusal(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> PrefixCacheError | None:
         """Why a call must not be sent (it names stale handles), or None."""
         epoch = kwargs.get("server_epoch")
         if epoch and epoch != self.server_epoch:
-            return self._dropped(StaleEpoch(
-                f"{name} names handles of epoch {epoch}; the session is in epoch "
-                f"{self.server_epoch}", server_epoch=self.server_epoch))
+            return self._dropped(
+                StaleEpoch(
+                    f"{name} names handles of epoch {epoch}; the session is in epoch "
+                    f"{self.server_epoch}",
+                    server_epoch=self.server_epoch,
+                )
+            )
         lock = _lock_named(name, args, kwargs)
         if lock and lock in self._stale_locks:
             self._stale_locks.discard(lock)
-            return self._dropped(SessionLost(f"lock {lock} was taken by a session the "
-                                             "service no longer has"))
+            return self._dropped(
+                SessionLost(f"lock {lock} was taken by a session the service no longer has")
+            )
         if self.lost is not None and name not in FRESH:
-            return self._dropped(SessionLost(f"{name} names handles of a session the "
-                                             f"service no longer has ({self.lost})"))
+            return self._dropped(
+                SessionLost(
+                    f"{name} names handles of a session the service no longer has ({self.lost})"
+                )
+            )
         return None
 
-    def record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-               reply: Any) -> None:
+    def record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], reply: Any) -> None:
         """Track the lock ids the current session holds."""
         if getattr(reply, "skipped", False):
             return

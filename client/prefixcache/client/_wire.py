@@ -100,8 +100,7 @@ def pack_tokens(tokens: Any, token_width: int | None = None) -> tuple[bytes, int
             data, width = _pack_tokens(tokens)
     if token_width and token_width != width:
         if width != 1 or len(data) % (4 * token_width):
-            raise InvalidArgument(f"token_width {token_width} does not fit tokens of width "
-                                  f"{width}")
+            raise InvalidArgument(f"token_width {token_width} does not fit tokens of width {width}")
         width = token_width  # flat ids regrouped into tuple tokens by the caller's word
     return data, width
 
@@ -136,7 +135,10 @@ def _pack_tensor_tokens(tokens: Any) -> tuple[bytes, int]:
 
 
 _TOKEN_PACKERS: dict[type, Callable[[Any], tuple[bytes, int]]] = {
-    list: _pack_list, tuple: _pack_list, array: _pack_array}
+    list: _pack_list,
+    tuple: _pack_list,
+    array: _pack_array,
+}
 
 
 def _pack_tokens(tokens: Any) -> tuple[bytes, int]:
@@ -158,13 +160,15 @@ def _pack_tokens(tokens: Any) -> tuple[bytes, int]:
         try:
             tokens = list(tokens)
         except TypeError as exc:
-            raise InvalidArgument(f"token ids must be a sequence of ints, not "
-                                  f"{type(tokens).__name__}") from exc
+            raise InvalidArgument(
+                f"token ids must be a sequence of ints, not {type(tokens).__name__}"
+            ) from exc
     if not tokens:
         return b"", 1
     first = tokens[0]
     if isinstance(first, (tuple, list)) or (
-            _module(first).startswith(("numpy", "torch")) and getattr(first, "ndim", 0) == 1):
+        _module(first).startswith(("numpy", "torch")) and getattr(first, "ndim", 0) == 1
+    ):
         width = len(first)
         rows = [tuple(t) for t in tokens]
         if width == 0 or any(len(t) != width for t in rows):
@@ -202,8 +206,9 @@ def pack_slots(slots: Any) -> bytes:
         try:
             slots = list(slots)
         except TypeError as exc:
-            raise InvalidArgument(f"slots must be a sequence of ints, not "
-                                  f"{type(slots).__name__}") from exc
+            raise InvalidArgument(
+                f"slots must be a sequence of ints, not {type(slots).__name__}"
+            ) from exc
     return _le(_to_array(_I64, slots, "slots must fit in a signed 64-bit integer"))
 
 
@@ -240,8 +245,9 @@ def _as_int(value: Any) -> int:
     return number
 
 
-def _pack_numpy(values: Any, dtype: str, low: int, high: int, what: str,
-                flat: bool = False) -> tuple[bytes, int]:
+def _pack_numpy(
+    values: Any, dtype: str, low: int, high: int, what: str, flat: bool = False
+) -> tuple[bytes, int]:
     np = _numpy()  # only reached with a numpy object in hand, so numpy is loaded
     arr = values if type(values) is np.ndarray else np.asarray(values)
     plan = _PLANS[dtype].get(arr.dtype)
@@ -254,8 +260,9 @@ def _pack_numpy(values: Any, dtype: str, low: int, high: int, what: str,
     elif arr.ndim == 2 and arr.shape[1] >= 1:
         width = int(arr.shape[1])
     else:
-        raise InvalidArgument(f"{what} must be 1-D (or 2-D for tuple tokens), "
-                              f"got shape {arr.shape}")
+        raise InvalidArgument(
+            f"{what} must be 1-D (or 2-D for tuple tokens), got shape {arr.shape}"
+        )
     check, view, limit, cast = plan
     if arr.size and check is not _NONE:
         # argmax / argmin: one SIMD pass, without max()'s ≈0.8 µs ufunc set-up cost.
@@ -283,8 +290,9 @@ _NONE, _SIGN, _HIGH, _BOTH = "none", "sign", "high", "both"
 _PLANS: dict[str, dict[Any, tuple[str, Any, int, Any]]] = {"<u4": {}, "<i8": {}}
 
 
-def _plan(np: Any, dtype: Any, wire: str, low: int, high: int,
-          what: str) -> tuple[str, Any, int, Any]:
+def _plan(
+    np: Any, dtype: Any, wire: str, low: int, high: int, what: str
+) -> tuple[str, Any, int, Any]:
     if dtype.kind not in "iu":
         raise InvalidArgument(f"{what} must be integers, got dtype {dtype}")
     info = np.iinfo(dtype)
@@ -318,11 +326,13 @@ def _torch_ints() -> frozenset[Any]:
 _torch_int_dtypes: frozenset[Any] | None = None
 
 
-def _pack_tensor(tensor: Any, dtype: str, low: int, high: int, what: str,
-                 flat: bool = False) -> tuple[bytes, int]:
+def _pack_tensor(
+    tensor: Any, dtype: str, low: int, high: int, what: str, flat: bool = False
+) -> tuple[bytes, int]:
     dt = tensor.dtype
     if dt not in _torch_ints() and (
-            dt.is_floating_point or dt.is_complex or str(dt) == "torch.bool"):
+        dt.is_floating_point or dt.is_complex or str(dt) == "torch.bool"
+    ):
         raise InvalidArgument(f"{what} must be integers, got dtype {dt}")
     if tensor.requires_grad:
         tensor = tensor.detach()
@@ -379,8 +389,7 @@ def extra_key_of(tokens: Any, extra_key: str | None) -> str | None:
     if extra_key is None:
         return own
     if own is not None and own != extra_key:
-        raise InvalidArgument(f"extra_key {extra_key!r} disagrees with the key's own "
-                              f"{own!r}")
+        raise InvalidArgument(f"extra_key {extra_key!r} disagrees with the key's own {own!r}")
     if not isinstance(extra_key, str):
         raise InvalidArgument(f"extra_key must be a str or None, not {type(extra_key)!r}")
     return extra_key

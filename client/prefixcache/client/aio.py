@@ -52,8 +52,9 @@ class AsyncPrefixCacheClient(ClientBase):
             if self._closed:
                 raise Unavailable("the client is closed")
             if self._credentials is not None:
-                self._channel = grpc.aio.secure_channel(self.target, self._credentials,
-                                                        self._options)
+                self._channel = grpc.aio.secure_channel(
+                    self.target, self._credentials, self._options
+                )
             else:
                 self._channel = grpc.aio.insecure_channel(self.target, self._options)
             self._stub_obj = pb_grpc.PrefixCacheStub(self._channel)
@@ -81,8 +82,9 @@ class AsyncPrefixCacheClient(ClientBase):
 
     # -------------------------------------------------------------- machinery
 
-    async def _run(self, op: Op[R], timeout: float | None = None,
-                   fail_open: bool | None = None) -> R:
+    async def _run(
+        self, op: Op[R], timeout: float | None = None, fail_open: bool | None = None
+    ) -> R:
         return await run_async(self._run_flow(op, timeout, fail_open))
 
     # ----------------------------------------------------------------- reads
@@ -98,8 +100,7 @@ class AsyncPrefixCacheClient(ClientBase):
 
     # ------------------------------------------------------------- KV data
 
-    async def attach_pool(self, model: str, *,
-                          timeout: float | None = None) -> AttachedPool:
+    async def attach_pool(self, model: str, *, timeout: float | None = None) -> AttachedPool:
         """See ``PrefixCacheClient.attach_pool``."""
         return attach(await self.describe_pool(model, timeout=timeout))
 
@@ -110,55 +111,102 @@ class AsyncPrefixCacheClient(ClientBase):
             raise Unavailable("the client is closed")
         # Data chunks go out serialized already (kv.encode_chunk).
         return self._channel.stream_unary(
-            kv.WRITE_KV_METHOD, request_serializer=kv.serialize_chunk,
-            response_deserializer=pb.WriteKVResponse.FromString)
+            kv.WRITE_KV_METHOD,
+            request_serializer=kv.serialize_chunk,
+            response_deserializer=pb.WriteKVResponse.FromString,
+        )
 
-    async def read_kv(self, model: str, slots: Any = (), *, session: SessionLike = None,
-                      layers: Any = None, state_slots: Any = (),
-                      chunk_bytes: int | None = None, server_epoch: int | None = None,
-                      timeout: float | None = None, out: kv.KVData | None = None
-                      ) -> kv.KVData:
+    async def read_kv(
+        self,
+        model: str,
+        slots: Any = (),
+        *,
+        session: SessionLike = None,
+        layers: Any = None,
+        state_slots: Any = (),
+        chunk_bytes: int | None = None,
+        server_epoch: int | None = None,
+        timeout: float | None = None,
+        out: kv.KVData | None = None,
+    ) -> kv.KVData:
         """See ``PrefixCacheClient.read_kv``."""
-        reader = await run_async(self._read_kv_flow(model, slots, session, layers,
-                                                    state_slots, chunk_bytes, server_epoch,
-                                                    timeout, out))
+        reader = await run_async(
+            self._read_kv_flow(
+                model, slots, session, layers, state_slots, chunk_bytes, server_epoch, timeout, out
+            )
+        )
         try:
-            call = self._stub.ReadKV(reader.request, timeout=timeout or self.timeout,
-                                     metadata=self._metadata)
+            call = self._stub.ReadKV(
+                reader.request, timeout=timeout or self.timeout, metadata=self._metadata
+            )
             async for chunk in call:
                 reader.add(chunk)
         except grpc.RpcError as exc:
             raise self._error(exc) from exc
         return reader.result()
 
-    async def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None, *,
-                       session: SessionLike, layers: Any = None, state_slots: Any = (),
-                       conv: Any = None, temporal: Any = None,
-                       chunk_bytes: int | None = None, server_epoch: int | None = None,
-                       timeout: float | None = None) -> kv.WriteKVReply:
+    async def write_kv(
+        self,
+        model: str,
+        slots: Any = (),
+        k: Any = None,
+        v: Any = None,
+        *,
+        session: SessionLike,
+        layers: Any = None,
+        state_slots: Any = (),
+        conv: Any = None,
+        temporal: Any = None,
+        chunk_bytes: int | None = None,
+        server_epoch: int | None = None,
+        timeout: float | None = None,
+    ) -> kv.WriteKVReply:
         """See ``PrefixCacheClient.write_kv``."""
-        return await run_async(self._write_kv_flow(model, slots, k, v, session, layers,
-                                                   state_slots, conv, temporal, chunk_bytes,
-                                                   server_epoch, timeout))
+        return await run_async(
+            self._write_kv_flow(
+                model,
+                slots,
+                k,
+                v,
+                session,
+                layers,
+                state_slots,
+                conv,
+                temporal,
+                chunk_bytes,
+                server_epoch,
+                timeout,
+            )
+        )
 
     # ------------------------------------------------------------ Subscribe
 
-    def shadow(self, model: str, *, namespaces: Iterable[NamespaceLike] | None = None,
-               max_pages_per_event: int = 0) -> AsyncShadowFollower:
+    def shadow(
+        self,
+        model: str,
+        *,
+        namespaces: Iterable[NamespaceLike] | None = None,
+        max_pages_per_event: int = 0,
+    ) -> AsyncShadowFollower:
         """See ``PrefixCacheClient.shadow``; the stream is read by a task of the running
         loop (call it from a coroutine; ``await shadow.wait_ready()``)."""
-        follower = AsyncShadowFollower(self, model, namespaces=namespaces,
-                                       max_pages_per_event=max_pages_per_event)
+        follower = AsyncShadowFollower(
+            self, model, namespaces=namespaces, max_pages_per_event=max_pages_per_event
+        )
         self._followers.append(follower)
         return follower
 
-    async def subscribe(self, model: str, *, after_seq: int | None = None,
-                        server_epoch: int = 0,
-                        namespaces: Iterable[NamespaceLike] | None = None,
-                        max_pages_per_event: int = 0) -> AsyncIterator[pb.SubscribeEvent]:
+    async def subscribe(
+        self,
+        model: str,
+        *,
+        after_seq: int | None = None,
+        server_epoch: int = 0,
+        namespaces: Iterable[NamespaceLike] | None = None,
+        max_pages_per_event: int = 0,
+    ) -> AsyncIterator[pb.SubscribeEvent]:
         """See ``PrefixCacheClient.subscribe``."""
-        request = subscribe_request(model, after_seq, server_epoch, namespaces,
-                                    max_pages_per_event)
+        request = subscribe_request(model, after_seq, server_epoch, namespaces, max_pages_per_event)
         call = self._stub.Subscribe(request, metadata=self._metadata)
         try:
             async for event in call:
@@ -170,106 +218,227 @@ class AsyncPrefixCacheClient(ClientBase):
 
     # --------------------------------------------------------------- sessions
 
-    async def open_session(self, ttl: float | None = None, name: str | None = None, *,
-                           timeout: float | None = None,
-                           retain: Any = None) -> results.SessionInfo:
+    async def open_session(
+        self,
+        ttl: float | None = None,
+        name: str | None = None,
+        *,
+        timeout: float | None = None,
+        retain: Any = None,
+    ) -> results.SessionInfo:
         return await self._run(self._op_open_session(ttl, name, retain), timeout)
 
     async def keep_alive(self, session: SessionLike, *, timeout: float | None = None) -> float:
         return await self._run(self._op_keep_alive(session), timeout)
 
-    async def close_session(self, session: SessionLike, *,
-                            timeout: float | None = None) -> results.CloseReply:
+    async def close_session(
+        self, session: SessionLike, *, timeout: float | None = None
+    ) -> results.CloseReply:
         return await self._run(self._op_close_session(session), timeout)
 
-    def session(self, ttl: float | None = None, *, name: str | None = None,
-                renew: bool = True, fail_open: bool | None = None,
-                timeout: float | None = None, retain: Any = None) -> AsyncClientSession:
+    def session(
+        self,
+        ttl: float | None = None,
+        *,
+        name: str | None = None,
+        renew: bool = True,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+        retain: Any = None,
+    ) -> AsyncClientSession:
         """A leased session renewed by a task every ``ttl / 3``; opened by
         ``async with`` (which closes it on exit) or by ``await``."""
-        return AsyncClientSession(self, ttl, name=name, renew=renew, fail_open=fail_open,
-                                  timeout=timeout, retain=retain)
+        return AsyncClientSession(
+            self, ttl, name=name, renew=renew, fail_open=fail_open, timeout=timeout, retain=retain
+        )
 
-    def stream_session(self, *, fail_open: bool | None = None, timeout: float | None = None,
-                       keep_alive: bool = True) -> AsyncStreamSession:
+    def stream_session(
+        self,
+        *,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+        keep_alive: bool = True,
+    ) -> AsyncStreamSession:
         """A session carried by the bidirectional Session stream (``async with``); with
         ``keep_alive`` it keeps itself alive while idle (see ``AsyncStreamSession``)."""
-        return AsyncStreamSession(self, fail_open=fail_open, timeout=timeout,
-                                  keep_alive=keep_alive)
+        return AsyncStreamSession(self, fail_open=fail_open, timeout=timeout, keep_alive=keep_alive)
 
     # ------------------------------------------------------------ cache calls
 
-    async def match(self, model: str, tokens: Any, *, extra_key: str | None = None,
-                    token_width: int | None = None, session: SessionLike = None,
-                    lock: bool = False, allocate: bool = False,
-                    request_id: int | None = None, fail_open: bool | None = None,
-                    timeout: float | None = None, as_pages: bool = False,
-                    retain: Any = None) -> results.MatchReply:
-        op = self._op_match(model, tokens, extra_key, token_width, session, lock, allocate,
-                            request_id, as_pages, retain)
+    async def match(
+        self,
+        model: str,
+        tokens: Any,
+        *,
+        extra_key: str | None = None,
+        token_width: int | None = None,
+        session: SessionLike = None,
+        lock: bool = False,
+        allocate: bool = False,
+        request_id: int | None = None,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+        as_pages: bool = False,
+        retain: Any = None,
+    ) -> results.MatchReply:
+        op = self._op_match(
+            model,
+            tokens,
+            extra_key,
+            token_width,
+            session,
+            lock,
+            allocate,
+            request_id,
+            as_pages,
+            retain,
+        )
         return await self._run(op, timeout, fail_open)
 
-    async def insert(self, model: str, tokens: Any, slots: Any, *,
-                     extra_key: str | None = None, token_width: int | None = None,
-                     session: SessionLike = None, lock: bool = False,
-                     release_lock_id: int = 0, state_slot: int | None = None,
-                     slot_version: int = 0, request_id: int | None = None,
-                     server_epoch: int | None = None, fail_open: bool | None = None,
-                     timeout: float | None = None, retain: Any = None) -> results.InsertReply:
-        op = self._op_insert(model, tokens, slots, extra_key, token_width, session, lock,
-                             release_lock_id, state_slot, slot_version, request_id,
-                             server_epoch, retain)
+    async def insert(
+        self,
+        model: str,
+        tokens: Any,
+        slots: Any,
+        *,
+        extra_key: str | None = None,
+        token_width: int | None = None,
+        session: SessionLike = None,
+        lock: bool = False,
+        release_lock_id: int = 0,
+        state_slot: int | None = None,
+        slot_version: int = 0,
+        request_id: int | None = None,
+        server_epoch: int | None = None,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+        retain: Any = None,
+    ) -> results.InsertReply:
+        op = self._op_insert(
+            model,
+            tokens,
+            slots,
+            extra_key,
+            token_width,
+            session,
+            lock,
+            release_lock_id,
+            state_slot,
+            slot_version,
+            request_id,
+            server_epoch,
+            retain,
+        )
         return await self._run(op, timeout, fail_open)
 
-    async def retain(self, model: str, tokens: Any, retain: Any, *,
-                     extra_key: str | None = None, token_width: int | None = None,
-                     fail_open: bool | None = None,
-                     timeout: float | None = None) -> results.RetainReply:
-        return await self._run(self._op_retain(model, tokens, retain, extra_key, token_width),
-                               timeout, fail_open)
+    async def retain(
+        self,
+        model: str,
+        tokens: Any,
+        retain: Any,
+        *,
+        extra_key: str | None = None,
+        token_width: int | None = None,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+    ) -> results.RetainReply:
+        return await self._run(
+            self._op_retain(model, tokens, retain, extra_key, token_width), timeout, fail_open
+        )
 
-    async def evict(self, model: str, num_tokens: int = 0, *, swa_num_tokens: int = 0,
-                    mamba_num: int = 0, session: SessionLike = None,
-                    timeout: float | None = None) -> results.EvictReply:
-        return await self._run(self._op_evict(model, num_tokens, swa_num_tokens, mamba_num,
-                                              session), timeout)
+    async def evict(
+        self,
+        model: str,
+        num_tokens: int = 0,
+        *,
+        swa_num_tokens: int = 0,
+        mamba_num: int = 0,
+        session: SessionLike = None,
+        timeout: float | None = None,
+    ) -> results.EvictReply:
+        return await self._run(
+            self._op_evict(model, num_tokens, swa_num_tokens, mamba_num, session), timeout
+        )
 
-    async def lock(self, model: str, node_id: int, *, session: SessionLike = None,
-                   request_id: int | None = None, server_epoch: int | None = None,
-                   fail_open: bool | None = None,
-                   timeout: float | None = None) -> results.LockReply:
-        return await self._run(self._op_lock(model, node_id, session, request_id,
-                                             server_epoch), timeout, fail_open)
+    async def lock(
+        self,
+        model: str,
+        node_id: int,
+        *,
+        session: SessionLike = None,
+        request_id: int | None = None,
+        server_epoch: int | None = None,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+    ) -> results.LockReply:
+        return await self._run(
+            self._op_lock(model, node_id, session, request_id, server_epoch), timeout, fail_open
+        )
 
-    async def unlock(self, lock_id: int, *, session: SessionLike = None,
-                     request_id: int | None = None, server_epoch: int | None = None,
-                     fail_open: bool | None = None, timeout: float | None = None,
-                     unused: str | None = None) -> results.UnlockReply:
-        return await self._run(self._op_unlock(lock_id, session, request_id, server_epoch,
-                                               unused), timeout, fail_open)
+    async def unlock(
+        self,
+        lock_id: int,
+        *,
+        session: SessionLike = None,
+        request_id: int | None = None,
+        server_epoch: int | None = None,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+        unused: str | None = None,
+    ) -> results.UnlockReply:
+        return await self._run(
+            self._op_unlock(lock_id, session, request_id, server_epoch, unused), timeout, fail_open
+        )
 
-    async def alloc(self, model: str, num_slots: int, *, num_state_slots: int = 0,
-                    session: SessionLike = None, timeout: float | None = None,
-                    as_pages: bool = False) -> results.AllocReply:
-        return await self._run(self._op_alloc(model, num_slots, num_state_slots, session,
-                                              as_pages), timeout)
+    async def alloc(
+        self,
+        model: str,
+        num_slots: int,
+        *,
+        num_state_slots: int = 0,
+        session: SessionLike = None,
+        timeout: float | None = None,
+        as_pages: bool = False,
+    ) -> results.AllocReply:
+        return await self._run(
+            self._op_alloc(model, num_slots, num_state_slots, session, as_pages), timeout
+        )
 
-    async def free(self, model: str, slots: Any = (), *, state_slots: Any = (),
-                   session: SessionLike = None, server_epoch: int | None = None,
-                   fail_open: bool | None = None, timeout: float | None = None) -> None:
-        await self._run(self._op_free(model, slots, state_slots, session, server_epoch),
-                        timeout, fail_open)
+    async def free(
+        self,
+        model: str,
+        slots: Any = (),
+        *,
+        state_slots: Any = (),
+        session: SessionLike = None,
+        server_epoch: int | None = None,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        await self._run(
+            self._op_free(model, slots, state_slots, session, server_epoch), timeout, fail_open
+        )
 
     async def reset(self, model: str, *, timeout: float | None = None) -> results.ResetReply:
         return await self._run(self._op_reset(model), timeout)
 
-    async def step(self, model: str, *, finishes: Sequence[Finish] = (),
-                   unlocks: Sequence[int] = (), frees: Sequence[Free | Any] = (),
-                   decodes: Sequence[int] | int = (), admits: Sequence[Admit | Any] = (),
-                   session: SessionLike = None, request_id: int | None = None,
-                   server_epoch: int | None = None, fail_open: bool | None = None,
-                   timeout: float | None = None) -> StepReply:
+    async def step(
+        self,
+        model: str,
+        *,
+        finishes: Sequence[Finish] = (),
+        unlocks: Sequence[int] = (),
+        frees: Sequence[Free | Any] = (),
+        decodes: Sequence[int] | int = (),
+        admits: Sequence[Admit | Any] = (),
+        session: SessionLike = None,
+        request_id: int | None = None,
+        server_epoch: int | None = None,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+    ) -> StepReply:
         """See ``PrefixCacheClient.step``."""
         items = StepItems.of(finishes, unlocks, frees, decodes, admits)
-        return await self._run(self._op_step(model, items, session, request_id,
-                                             server_epoch), timeout, fail_open)
+        return await self._run(
+            self._op_step(model, items, session, request_id, server_epoch), timeout, fail_open
+        )

@@ -68,8 +68,9 @@ class StaleEpoch(FailedPrecondition):
         server_epoch: the service's current epoch (0 when not known).
     """
 
-    def __init__(self, details: str = "", code: grpc.StatusCode | None = None,
-                 server_epoch: int = 0) -> None:
+    def __init__(
+        self, details: str = "", code: grpc.StatusCode | None = None, server_epoch: int = 0
+    ) -> None:
         super().__init__(details, code)
         self.server_epoch = server_epoch
 
@@ -118,8 +119,17 @@ class Internal(PrefixCacheError):
 
 _BY_CODE: dict[grpc.StatusCode, type[PrefixCacheError]] = {
     cls.default_code: cls
-    for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted,
-                Unauthenticated, PermissionDenied, Unavailable, DeadlineExceeded, Internal)
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        FailedPrecondition,
+        ResourceExhausted,
+        Unauthenticated,
+        PermissionDenied,
+        Unavailable,
+        DeadlineExceeded,
+        Internal,
+    )
     if cls.default_code is not None
 }
 _BY_CODE[grpc.StatusCode.CANCELLED] = Unavailable

@@ -38,7 +38,7 @@ def chain_digests(packed: bytes, page_bytes: int, prior: bytes | None = None) ->
     first page)."""
     digests = []
     for start in range(0, len(packed) - page_bytes + 1, page_bytes):
-        page = packed[start:start + page_bytes]
+        page = packed[start : start + page_bytes]
         prior = _sha256(prior + page).digest() if prior else _sha256(page).digest()
         digests.append(prior)
     return digests
@@ -57,19 +57,31 @@ class RequestHashes:
         token_width: uint32 values per token, as in ``match`` (inferred when None).
     """
 
-    __slots__ = ("_digests", "_keys", "_packed", "_page_bytes", "extra_key", "page_size",
-                 "token_width")
+    __slots__ = (
+        "_digests",
+        "_keys",
+        "_packed",
+        "_page_bytes",
+        "extra_key",
+        "page_size",
+        "token_width",
+    )
 
-    def __init__(self, tokens: Any = (), *, page_size: int, extra_key: str | None = None,
-                 token_width: int | None = None) -> None:
+    def __init__(
+        self,
+        tokens: Any = (),
+        *,
+        page_size: int,
+        extra_key: str | None = None,
+        token_width: int | None = None,
+    ) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise InvalidArgument(f"page_size must be an int >= 1, got {page_size!r}")
         if extra_key is not None and not isinstance(extra_key, str):
             raise InvalidArgument(f"extra_key must be a str or None, not {type(extra_key)!r}")
         data, width = pack_tokens(tokens, token_width)
         if len(data) % (4 * width):
-            raise InvalidArgument(f"{len(data)} token bytes are not whole tokens of width "
-                                  f"{width}")
+            raise InvalidArgument(f"{len(data)} token bytes are not whole tokens of width {width}")
         self._packed = bytearray(data)
         self.token_width = width
         self.page_size = page_size
@@ -96,15 +108,17 @@ class RequestHashes:
         """Add tokens (same width) at the end; their pages are hashed when needed."""
         data, width = pack_tokens(tokens, self.token_width)
         if width != self.token_width or len(data) % (4 * width):
-            raise InvalidArgument(f"tokens of width {width} do not extend a request of "
-                                  f"width {self.token_width}")
+            raise InvalidArgument(
+                f"tokens of width {width} do not extend a request of width {self.token_width}"
+            )
         self._packed += data
 
     def extended(self, tokens: Any) -> RequestHashes:
         """A new request of these tokens followed by ``tokens`` (same width), sharing
         the hashes computed so far (a prefix handle's chain, grown by a query)."""
-        out = RequestHashes(page_size=self.page_size, extra_key=self.extra_key,
-                            token_width=self.token_width)
+        out = RequestHashes(
+            page_size=self.page_size, extra_key=self.extra_key, token_width=self.token_width
+        )
         out._packed = bytearray(self._packed)
         out.extend(tokens)
         out._digests, out._keys = list(self._digests), list(self._keys)
@@ -113,8 +127,9 @@ class RequestHashes:
     def prefix(self, num_tokens: int) -> RequestHashes:
         """A new request of this one's first ``num_tokens`` tokens, sharing the hashes
         of its whole pages computed so far."""
-        out = RequestHashes(page_size=self.page_size, extra_key=self.extra_key,
-                            token_width=self.token_width)
+        out = RequestHashes(
+            page_size=self.page_size, extra_key=self.extra_key, token_width=self.token_width
+        )
         out._packed = self._packed[: num_tokens * 4 * self.token_width]
         pages = min(len(self._digests), out.num_pages)
         out._digests, out._keys = self._digests[:pages], self._keys[:pages]
@@ -124,8 +139,11 @@ class RequestHashes:
         """Become ``packed`` (tokens of ``token_width``) when it starts with this
         request's tokens: only its new pages will be hashed. False, unchanged, if not."""
         have = len(self._packed)
-        if token_width != self.token_width or len(packed) < have \
-                or memoryview(packed)[:have] != self._packed:
+        if (
+            token_width != self.token_width
+            or len(packed) < have
+            or memoryview(packed)[:have] != self._packed
+        ):
             return False
         self._packed += packed[have:]
         return True
@@ -151,11 +169,13 @@ class RequestHashes:
             return
         step = self._page_bytes
         prior = self._digests[-1] if have else None
-        new = chain_digests(bytes(self._packed[have * step:n * step]), step, prior)
+        new = chain_digests(bytes(self._packed[have * step : n * step]), step, prior)
         self._digests += new
         # Every digest's first 8 bytes as native ints in one C call (page_key, in bulk).
-        self._keys += memoryview(b"".join(new)).cast("Q")[::DIGEST_BYTES // 8].tolist()
+        self._keys += memoryview(b"".join(new)).cast("Q")[:: DIGEST_BYTES // 8].tolist()
 
     def __repr__(self) -> str:
-        return (f"RequestHashes({len(self)} tokens, {len(self._digests)}/{self.num_pages} "
-                f"pages hashed, page_size={self.page_size}, extra_key={self.extra_key!r})")
+        return (
+            f"RequestHashes({len(self)} tokens, {len(self._digests)}/{self.num_pages} "
+            f"pages hashed, page_size={self.page_size}, extra_key={self.extra_key!r})"
+        )

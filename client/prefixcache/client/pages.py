@@ -65,8 +65,9 @@ def pack_hashes(page_hashes: PageHashes) -> bytes:
     for page_hash in page_hashes:
         digest = page_hash if isinstance(page_hash, bytes) else _from_hex(page_hash)
         if len(digest) != DIGEST_BYTES:
-            raise InvalidArgument(f"a page hash is {DIGEST_BYTES} bytes (64 hex digits), "
-                                  f"got {page_hash!r}")
+            raise InvalidArgument(
+                f"a page hash is {DIGEST_BYTES} bytes (64 hex digits), got {page_hash!r}"
+            )
         out.append(digest)
     return b"".join(out)
 
@@ -75,50 +76,109 @@ def _from_hex(text: Any) -> bytes:
     try:
         return bytes.fromhex(text)
     except (TypeError, ValueError):
-        raise InvalidArgument(f"a page hash is 64 hex digits or 32 bytes, got {text!r}") \
-            from None
+        raise InvalidArgument(f"a page hash is 64 hex digits or 32 bytes, got {text!r}") from None
 
 
-def _request(cls: Any, model: str, page_hashes: PageHashes, extra_key: str | None,
-             token_width: int, **fields: Any) -> Any:
-    request = cls(model=model, page_hashes=pack_hashes(page_hashes),
-                  token_width=token_width, **fields)
+def _request(
+    cls: Any,
+    model: str,
+    page_hashes: PageHashes,
+    extra_key: str | None,
+    token_width: int,
+    **fields: Any,
+) -> Any:
+    request = cls(
+        model=model, page_hashes=pack_hashes(page_hashes), token_width=token_width, **fields
+    )
     if extra_key is not None:
         request.extra_key = extra_key
     return request
 
 
-def op_exists(model: str, page_hashes: PageHashes, extra_key: str | None,
-              token_width: int, before_set: bool = False,
-              session: SessionLike = None) -> Op[ExistsPagesReply]:
+def op_exists(
+    model: str,
+    page_hashes: PageHashes,
+    extra_key: str | None,
+    token_width: int,
+    before_set: bool = False,
+    session: SessionLike = None,
+) -> Op[ExistsPagesReply]:
     # The session is needed where the service has tenants or quotas configured.
-    request = _request(pb.ExistsPagesRequest, model, page_hashes, extra_key, token_width,
-                       before_set=before_set, session_id=session_id_of(session))
-    return Op("ExistsPages", request, lambda m: ExistsPagesReply(
-        m.leading_pages, tuple(bool(b) for b in m.present)), True)
+    request = _request(
+        pb.ExistsPagesRequest,
+        model,
+        page_hashes,
+        extra_key,
+        token_width,
+        before_set=before_set,
+        session_id=session_id_of(session),
+    )
+    return Op(
+        "ExistsPages",
+        request,
+        lambda m: ExistsPagesReply(m.leading_pages, tuple(bool(b) for b in m.present)),
+        True,
+    )
 
 
-def op_get(client: ClientBase, model: str, page_hashes: PageHashes, extra_key: str | None,
-           token_width: int, session: SessionLike, request_id: int | None) -> Op[GetPagesReply]:
+def op_get(
+    client: ClientBase,
+    model: str,
+    page_hashes: PageHashes,
+    extra_key: str | None,
+    token_width: int,
+    session: SessionLike,
+    request_id: int | None,
+) -> Op[GetPagesReply]:
     sid = session_id_of(session)
     rid = client._next_request_id(request_id, bool(sid))
-    request = _request(pb.GetPagesRequest, model, page_hashes, extra_key, token_width,
-                       session_id=sid, request_id=rid,
-                       server_epoch=client._fence(session, None))
-    return Op("GetPages", request, lambda m: GetPagesReply(
-        m.found_pages, unpack_slots(m.slot_indices), tuple(m.lock_ids), m.server_epoch),
-        bool(rid))
+    request = _request(
+        pb.GetPagesRequest,
+        model,
+        page_hashes,
+        extra_key,
+        token_width,
+        session_id=sid,
+        request_id=rid,
+        server_epoch=client._fence(session, None),
+    )
+    return Op(
+        "GetPages",
+        request,
+        lambda m: GetPagesReply(
+            m.found_pages, unpack_slots(m.slot_indices), tuple(m.lock_ids), m.server_epoch
+        ),
+        bool(rid),
+    )
 
 
-def op_set(client: ClientBase, model: str, page_hashes: PageHashes, slots: Any,
-           extra_key: str | None, token_width: int, prior_hash: str | bytes | None,
-           session: SessionLike, request_id: int | None,
-           server_epoch: int | None) -> Op[SetPagesReply]:
+def op_set(
+    client: ClientBase,
+    model: str,
+    page_hashes: PageHashes,
+    slots: Any,
+    extra_key: str | None,
+    token_width: int,
+    prior_hash: str | bytes | None,
+    session: SessionLike,
+    request_id: int | None,
+    server_epoch: int | None,
+) -> Op[SetPagesReply]:
     sid = session_id_of(session)
     rid = client._next_request_id(request_id, bool(sid))
     prior = pack_hashes([prior_hash]) if prior_hash else b""
-    request = _request(pb.SetPagesRequest, model, page_hashes, extra_key, token_width,
-                       prior_hash=prior, slot_indices=pack_slots(slots), session_id=sid,
-                       request_id=rid, server_epoch=client._fence(session, server_epoch))
-    return Op("SetPages", request, lambda m: SetPagesReply(bytes(m.states), m.server_epoch),
-              bool(rid))
+    request = _request(
+        pb.SetPagesRequest,
+        model,
+        page_hashes,
+        extra_key,
+        token_width,
+        prior_hash=prior,
+        slot_indices=pack_slots(slots),
+        session_id=sid,
+        request_id=rid,
+        server_epoch=client._fence(session, server_epoch),
+    )
+    return Op(
+        "SetPages", request, lambda m: SetPagesReply(bytes(m.states), m.server_epoch), bool(rid)
+    )

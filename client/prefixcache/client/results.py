@@ -60,8 +60,12 @@ class Retained:
         if not m.HasField(field_name):
             return None
         r = getattr(m, field_name)
-        return cls(_RETENTION_OUTCOMES.get(r.outcome, "unspecified"), r.retained_tokens,
-                   r.seconds, r.priority)
+        return cls(
+            _RETENTION_OUTCOMES.get(r.outcome, "unspecified"),
+            r.retained_tokens,
+            r.seconds,
+            r.priority,
+        )
 
 
 def _opt(msg: Any, name: str) -> Any:
@@ -127,13 +131,22 @@ class MatchReply:
 
     @classmethod
     def from_pb(cls, m: pb.MatchResponse) -> MatchReply:
-        return cls(m.prefix_len, unpack_slots(m.slot_indices), m.node_id, m.lock_id,
-                   unpack_slots(m.allocated_slots), _opt(m, "state_slot"),
-                   _opt(m, "mamba_branching_seqlen"), _opt(m, "allocated_state_slot"),
-                   _opt(m, "slot_version"), _opt(m, "allocated_slot_version"),
-                   server_epoch=m.server_epoch, page_ids=unpack_slots(m.page_ids),
-                   allocated_page_ids=unpack_slots(m.allocated_page_ids),
-                   retained=Retained.from_pb(m))
+        return cls(
+            m.prefix_len,
+            unpack_slots(m.slot_indices),
+            m.node_id,
+            m.lock_id,
+            unpack_slots(m.allocated_slots),
+            _opt(m, "state_slot"),
+            _opt(m, "mamba_branching_seqlen"),
+            _opt(m, "allocated_state_slot"),
+            _opt(m, "slot_version"),
+            _opt(m, "allocated_slot_version"),
+            server_epoch=m.server_epoch,
+            page_ids=unpack_slots(m.page_ids),
+            allocated_page_ids=unpack_slots(m.allocated_page_ids),
+            retained=Retained.from_pb(m),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,9 +179,16 @@ class InsertReply:
 
     @classmethod
     def from_pb(cls, m: pb.InsertResponse) -> InsertReply:
-        return cls(m.prefix_len, m.cached_len, m.node_id, m.lock_id,
-                   unpack_slots(m.freed_slots), m.state_exist, server_epoch=m.server_epoch,
-                   retained=Retained.from_pb(m))
+        return cls(
+            m.prefix_len,
+            m.cached_len,
+            m.node_id,
+            m.lock_id,
+            unpack_slots(m.freed_slots),
+            m.state_exist,
+            server_epoch=m.server_epoch,
+            retained=Retained.from_pb(m),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,8 +255,13 @@ class AllocReply:
 
     @classmethod
     def from_pb(cls, m: pb.AllocResponse) -> AllocReply:
-        return cls(unpack_slots(m.slot_indices), unpack_slots(m.state_slots),
-                   unpack_slots(m.slot_versions), m.server_epoch, unpack_slots(m.page_ids))
+        return cls(
+            unpack_slots(m.slot_indices),
+            unpack_slots(m.state_slots),
+            unpack_slots(m.slot_versions),
+            m.server_epoch,
+            unpack_slots(m.page_ids),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,9 +280,16 @@ class ModelInfo:
 
     @classmethod
     def from_pb(cls, m: pb.ModelInfo) -> ModelInfo:
-        return cls(m.name, CACHE_KINDS.get(m.cache_kind, "unspecified"), m.page_size,
-                   m.pool_size, m.sliding_window_size, m.vocab_size, m.state_pool_size,
-                   m.tiered)
+        return cls(
+            m.name,
+            CACHE_KINDS.get(m.cache_kind, "unspecified"),
+            m.page_size,
+            m.pool_size,
+            m.sliding_window_size,
+            m.vocab_size,
+            m.state_pool_size,
+            m.tiered,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,11 +356,26 @@ class BufferInfo:
         cuda = None
         if m.HasField("cuda"):
             c = m.cuda
-            cuda = (c.device, c.handle, c.storage_size_bytes, c.storage_offset_bytes,
-                    c.ref_counter_handle, c.ref_counter_offset, c.event_handle,
-                    c.event_sync_required)
-        return cls(BUFFER_ROLES.get(m.role, str(m.role)), m.layer, tuple(m.shape), m.dtype,
-                   m.nbytes, m.offset_bytes, m.shm_path, cuda)
+            cuda = (
+                c.device,
+                c.handle,
+                c.storage_size_bytes,
+                c.storage_offset_bytes,
+                c.ref_counter_handle,
+                c.ref_counter_offset,
+                c.event_handle,
+                c.event_sync_required,
+            )
+        return cls(
+            BUFFER_ROLES.get(m.role, str(m.role)),
+            m.layer,
+            tuple(m.shape),
+            m.dtype,
+            m.nbytes,
+            m.offset_bytes,
+            m.shm_path,
+            cuda,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,13 +408,35 @@ class PoolInfo:
         mamba = None
         if m.HasField("mamba"):
             x = m.mamba
-            mamba = MambaLayout(x.layer_num, tuple(x.conv_state_shape), x.conv_dtype,
-                                tuple(x.temporal_state_shape), x.temporal_dtype,
-                                x.working_slots, x.state_slots, x.num_rows)
-        return cls(m.model, m.layer_num, m.k_head_num, m.k_head_dim, m.v_head_num,
-                   m.v_head_dim, m.dtype, m.device, m.page_size, m.pool_size, m.num_rows,
-                   m.swa_pool_size, mamba, m.max_seq_len,
-                   tuple(BufferInfo.from_pb(b) for b in m.buffers), m.server_epoch, m.mla)
+            mamba = MambaLayout(
+                x.layer_num,
+                tuple(x.conv_state_shape),
+                x.conv_dtype,
+                tuple(x.temporal_state_shape),
+                x.temporal_dtype,
+                x.working_slots,
+                x.state_slots,
+                x.num_rows,
+            )
+        return cls(
+            m.model,
+            m.layer_num,
+            m.k_head_num,
+            m.k_head_dim,
+            m.v_head_num,
+            m.v_head_dim,
+            m.dtype,
+            m.device,
+            m.page_size,
+            m.pool_size,
+            m.num_rows,
+            m.swa_pool_size,
+            mamba,
+            m.max_seq_len,
+            tuple(BufferInfo.from_pb(b) for b in m.buffers),
+            m.server_epoch,
+            m.mla,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,16 +466,28 @@ class ModelStats:
 
     @property
     def hit_ratio(self) -> float:
-        return self.hit_tokens_total / self.match_tokens_total if self.match_tokens_total \
-            else 0.0
+        return self.hit_tokens_total / self.match_tokens_total if self.match_tokens_total else 0.0
 
     @classmethod
     def from_pb(cls, m: pb.ModelStats) -> ModelStats:
-        return cls(m.model, m.evictable_tokens, m.protected_tokens, m.free_slots,
-                   m.match_tokens_total, m.hit_tokens_total, m.pool_size, m.session_slots,
-                   m.locks, m.evicted_tokens_total, m.swa_evictable_tokens,
-                   m.swa_protected_tokens, m.mamba_evictable_slots, m.mamba_protected_slots,
-                   m.free_state_slots, m.session_state_slots)
+        return cls(
+            m.model,
+            m.evictable_tokens,
+            m.protected_tokens,
+            m.free_slots,
+            m.match_tokens_total,
+            m.hit_tokens_total,
+            m.pool_size,
+            m.session_slots,
+            m.locks,
+            m.evicted_tokens_total,
+            m.swa_evictable_tokens,
+            m.swa_protected_tokens,
+            m.mamba_evictable_slots,
+            m.mamba_protected_slots,
+            m.free_state_slots,
+            m.session_state_slots,
+        )
 
 
 @dataclass(frozen=True, slots=True)

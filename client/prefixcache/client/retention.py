@@ -36,8 +36,10 @@ class Retention:
         if isinstance(value, Mapping):
             unknown = set(value) - {"retain_seconds", "seconds", "priority"}
             if unknown:
-                raise InvalidArgument(f"a retention has retain_seconds and priority, not "
-                                      f"{', '.join(sorted(map(str, unknown)))}")
+                raise InvalidArgument(
+                    f"a retention has retain_seconds and priority, not "
+                    f"{', '.join(sorted(map(str, unknown)))}"
+                )
             seconds = value.get("retain_seconds", value.get("seconds"))
             if seconds is None:
                 raise InvalidArgument("a retention needs retain_seconds")
@@ -55,8 +57,12 @@ def retention_pb(value: Any) -> pb.Retention | None:
 
 
 def _seconds(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) \
-            or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise InvalidArgument(f"retention seconds must be a finite number >= 0, not {value!r}")
     return float(value)
 
@@ -64,10 +70,13 @@ def _seconds(value: Any) -> float:
 def _priority(value: Any) -> int:
     if isinstance(value, str):
         if value not in PRIORITIES:
-            raise InvalidArgument(f"retention priority must be 1 to 99 or one of "
-                                  f"{', '.join(PRIORITIES)}, not {value!r}")
+            raise InvalidArgument(
+                f"retention priority must be 1 to 99 or one of "
+                f"{', '.join(PRIORITIES)}, not {value!r}"
+            )
         return PRIORITIES[value]
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 99:
-        raise InvalidArgument(f"retention priority must be 1 to 99 or one of "
-                              f"{', '.join(PRIORITIES)}, not {value!r}")
+        raise InvalidArgument(
+            f"retention priority must be 1 to 99 or one of {', '.join(PRIORITIES)}, not {value!r}"
+        )
     return value

@@ -150,22 +150,35 @@ class StepItems:
     admits: list[Admit] = field(default_factory=list)
 
     @classmethod
-    def of(cls, finishes: Sequence[Finish] = (), unlocks: Sequence[int] = (),
-           frees: Sequence[Any] = (), decodes: Sequence[int] | int = (),
-           admits: Sequence[Any] = ()) -> StepItems:
-        for name, value in (("finishes", finishes), ("unlocks", unlocks), ("frees", frees),
-                            ("admits", admits)):
+    def of(
+        cls,
+        finishes: Sequence[Finish] = (),
+        unlocks: Sequence[int] = (),
+        frees: Sequence[Any] = (),
+        decodes: Sequence[int] | int = (),
+        admits: Sequence[Any] = (),
+    ) -> StepItems:
+        for name, value in (
+            ("finishes", finishes),
+            ("unlocks", unlocks),
+            ("frees", frees),
+            ("admits", admits),
+        ):
             if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-                raise InvalidArgument(f"{name} must be a sequence of items, not "
-                                      f"{type(value).__name__}")
+                raise InvalidArgument(
+                    f"{name} must be a sequence of items, not {type(value).__name__}"
+                )
         for f in finishes:
             if not isinstance(f, Finish):
                 raise InvalidArgument(f"finishes holds Finish records, not {type(f).__name__}")
         counts = [decodes] if isinstance(decodes, int) else list(decodes)
-        return cls([*finishes], [int(x) for x in unlocks],
-                   [f if isinstance(f, Free) else Free(f) for f in frees],
-                   [_count(n) for n in counts],
-                   [a if isinstance(a, Admit) else Admit(a) for a in admits])
+        return cls(
+            [*finishes],
+            [int(x) for x in unlocks],
+            [f if isinstance(f, Free) else Free(f) for f in frees],
+            [_count(n) for n in counts],
+            [a if isinstance(a, Admit) else Admit(a) for a in admits],
+        )
 
     def __len__(self) -> int:
         return sum(len(getattr(self, name)) for name in LISTS)
@@ -178,31 +191,48 @@ def _count(n: Any) -> int:
     return count
 
 
-def build_request(model: str, items: StepItems, session_id: str, request_id: int,
-                  server_epoch: int) -> pb.StepRequest:
+def build_request(
+    model: str, items: StepItems, session_id: str, request_id: int, server_epoch: int
+) -> pb.StepRequest:
     """The wire request of a step."""
-    request = pb.StepRequest(model=model, session_id=session_id, request_id=request_id,
-                             server_epoch=server_epoch, unlocks=items.unlocks,
-                             decodes=items.decodes)
+    request = pb.StepRequest(
+        model=model,
+        session_id=session_id,
+        request_id=request_id,
+        server_epoch=server_epoch,
+        unlocks=items.unlocks,
+        decodes=items.decodes,
+    )
     for f in items.finishes:
         data, width = pack_tokens(f.tokens, f.token_width)
-        out = request.finishes.add(token_ids=data, token_width=width,
-                                   slot_indices=pack_slots(f.slots),
-                                   release_lock_id=int(f.release_lock_id), lock=f.lock,
-                                   keep_tail=f.keep_tail, slot_version=int(f.slot_version),
-                                   keep_duplicates=f.keep_duplicates,
-                                   retention=retention_pb(f.retain))
+        out = request.finishes.add(
+            token_ids=data,
+            token_width=width,
+            slot_indices=pack_slots(f.slots),
+            release_lock_id=int(f.release_lock_id),
+            lock=f.lock,
+            keep_tail=f.keep_tail,
+            slot_version=int(f.slot_version),
+            keep_duplicates=f.keep_duplicates,
+            retention=retention_pb(f.retain),
+        )
         if (key := extra_key_of(f.tokens, f.extra_key)) is not None:
             out.extra_key = key
         if f.state_slot is not None:
             out.state_slot = int(f.state_slot)
     for free in items.frees:
-        request.frees.add(slot_indices=pack_slots(free.slots),
-                          state_slots=pack_slots(free.state_slots))
+        request.frees.add(
+            slot_indices=pack_slots(free.slots), state_slots=pack_slots(free.state_slots)
+        )
     for a in items.admits:
         data, width = pack_tokens(a.tokens, a.token_width)
-        admit = request.admits.add(token_ids=data, token_width=width, lock=a.lock,
-                                   allocate=a.allocate, retention=retention_pb(a.retain))
+        admit = request.admits.add(
+            token_ids=data,
+            token_width=width,
+            lock=a.lock,
+            allocate=a.allocate,
+            retention=retention_pb(a.retain),
+        )
         if (key := extra_key_of(a.tokens, a.extra_key)) is not None:
             admit.extra_key = key
         if a.hint is not None:
@@ -213,8 +243,11 @@ def build_request(model: str, items: StepItems, session_id: str, request_id: int
 def _item(result: pb.StepResult, epoch: int, parse: Callable[[Any], Any]) -> Result:
     kind = result.WhichOneof("result")
     if kind == "error" or kind is None:
-        return error_for(result.error.code, result.error.message) if kind else \
-            Unavailable("the service sent no answer for this item")
+        return (
+            error_for(result.error.code, result.error.message)
+            if kind
+            else Unavailable("the service sent no answer for this item")
+        )
     body = getattr(result, kind)
     if hasattr(body, "server_epoch"):
         body.server_epoch = epoch  # item results leave it to the step's reply
@@ -234,11 +267,17 @@ def parse_reply(m: pb.StepResponse) -> StepReply:
     """The typed reply of a step."""
     epoch = m.server_epoch
     # One tuple of results per item list, each list of its own result type.
-    lists: dict[str, Any] = {name: tuple(_item(r, epoch, _PARSERS[name])
-                                         for r in getattr(m, name)) for name in LISTS}
+    lists: dict[str, Any] = {
+        name: tuple(_item(r, epoch, _PARSERS[name]) for r in getattr(m, name)) for name in LISTS
+    }
     counters = ModelStats.from_pb(m.counters) if m.HasField("counters") else None
-    return StepReply(**lists, counters=counters, stale_hints=m.stale_hints,
-                     replayed=m.replayed, server_epoch=epoch)
+    return StepReply(
+        **lists,
+        counters=counters,
+        stale_hints=m.stale_hints,
+        replayed=m.replayed,
+        server_epoch=epoch,
+    )
 
 
 def failed_open(items: StepItems, err: PrefixCacheError) -> StepReply:
@@ -250,7 +289,8 @@ def failed_open(items: StepItems, err: PrefixCacheError) -> StepReply:
         frees=tuple(FreeReply(skipped=True) for _ in items.frees),
         decodes=tuple(err for _ in items.decodes),
         admits=tuple(err if a.allocate else MatchReply(skipped=True) for a in items.admits),
-        skipped=True)
+        skipped=True,
+    )
 
 
 # ---------------------------------------------------------------- in a session
@@ -283,17 +323,25 @@ class SessionPlan:
             local = self.local[name]
             total = len(local) + len(self.positions[name])
             lists[name] = tuple(local[i] if i in local else next(sent) for i in range(total))
-        return StepReply(**lists, counters=reply.counters, stale_hints=reply.stale_hints,
-                         replayed=reply.replayed, skipped=reply.skipped,
-                         server_epoch=reply.server_epoch)
+        return StepReply(
+            **lists,
+            counters=reply.counters,
+            stale_hints=reply.stale_hints,
+            replayed=reply.replayed,
+            skipped=reply.skipped,
+            server_epoch=reply.server_epoch,
+        )
 
 
 def stale_fence(state: SessionState, server_epoch: int | None) -> StaleEpoch | None:
     """The refusal of a step fenced with an epoch that is not the session's, or None."""
     if server_epoch and server_epoch != state.server_epoch:
         state.dropped += 1
-        return StaleEpoch(f"step names handles of epoch {server_epoch}; the session is in "
-                          f"epoch {state.server_epoch}", server_epoch=state.server_epoch)
+        return StaleEpoch(
+            f"step names handles of epoch {server_epoch}; the session is in "
+            f"epoch {state.server_epoch}",
+            server_epoch=state.server_epoch,
+        )
     return None
 
 
@@ -303,8 +351,7 @@ def plan(state: SessionState, items: StepItems) -> SessionPlan:
     local: dict[str, dict[int, PrefixCacheError]] = {name: {} for name in LISTS}
     positions: dict[str, list[int]] = {name: [] for name in LISTS}
     checks: dict[str, Callable[[Any], PrefixCacheError | None]] = {
-        "finishes": lambda f: state.refusal("insert", (),
-                                            {"release_lock_id": f.release_lock_id}),
+        "finishes": lambda f: state.refusal("insert", (), {"release_lock_id": f.release_lock_id}),
         "unlocks": lambda lock_id: state.refusal("unlock", (lock_id,), {}),
         "frees": lambda f: state.refusal("free", (), {}),
         "decodes": lambda n: None,

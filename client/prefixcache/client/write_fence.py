@@ -73,8 +73,9 @@ class WriteFence:
         try:
             self._fd = os.open(info.shm_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise FailedPrecondition(f"cannot open the write fence {info.shm_path}: "
-                                     f"{exc.strerror}") from exc
+            raise FailedPrecondition(
+                f"cannot open the write fence {info.shm_path}: {exc.strerror}"
+            ) from exc
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -110,8 +111,10 @@ class WriteFence:
         """
         raw = os.pread(self._fd, _RECORD.size, self.info.offset_bytes)
         if len(raw) != _RECORD.size or _RECORD.unpack(raw)[0] != self.info.token:
-            raise SessionLost("the session has ended (its write fence was withdrawn): "
-                              "its slots are not its own to write any more")
+            raise SessionLost(
+                "the session has ended (its write fence was withdrawn): "
+                "its slots are not its own to write any more"
+            )
 
     def _lock(self, kind: int, start: int) -> None:
         deadline = time.monotonic() + LOCK_WAIT
@@ -127,8 +130,13 @@ class WriteFence:
             time.sleep(0.001)
 
 
-def open_fence(client: PrefixCacheClient, session_id: str, server_epoch: int = 0, *,
-               timeout: float | None = None) -> WriteFence:
+def open_fence(
+    client: PrefixCacheClient,
+    session_id: str,
+    server_epoch: int = 0,
+    *,
+    timeout: float | None = None,
+) -> WriteFence:
     """``session_id``'s fence (``WriteFence``, idempotent), opened here.
 
     Raises:

@@ -94,7 +94,7 @@ def _fields(view: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
             raise ChunkError(f"wire type {wire}")
         if pos + size > end:
             raise ChunkError("truncated")
-        yield number, wire, view[pos:pos + size]
+        yield number, wire, view[pos : pos + size]
         pos += size
 
 

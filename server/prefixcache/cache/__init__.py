@@ -69,4 +69,3 @@ __all__ = [
     "hash_to_int64",
     "hash_token_ids",
 ]
-

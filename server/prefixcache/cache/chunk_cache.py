@@ -14,8 +14,9 @@ class ChunkCache(BasePrefixCache):
     The caller keeps ownership of every slot and frees request KV itself.
     """
 
-    def __init__(self, token_to_kv_pool_allocator: object = None,
-                 device: str | torch.device | None = None) -> None:
+    def __init__(
+        self, token_to_kv_pool_allocator: object = None, device: str | torch.device | None = None
+    ) -> None:
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.device = torch.device(
             device or getattr(token_to_kv_pool_allocator, "device", None) or "cpu"

@@ -54,8 +54,10 @@ def walk(start: N, depth: int = 0) -> Iterator[tuple[N, int]]:
 
 def format_tree(cache: RadixView) -> str:
     """The tree, one node a line, with lengths, locks and the first tokens."""
-    lines = [f"root  total={cache.total_size()} evictable={cache.evictable_size()} "
-             f"protected={cache.protected_size()}"]
+    lines = [
+        f"root  total={cache.total_size()} evictable={cache.evictable_size()} "
+        f"protected={cache.protected_size()}"
+    ]
     for ns_root in cache.root_node.children.values():
         ns = ns_root.require_namespace()
         lines.append(f"  [extra_key={ns.extra_key!r} width={ns.token_width}]")
@@ -63,8 +65,10 @@ def format_tree(cache: RadixView) -> str:
             tokens = node.key.token_ids[:6]
             more = "..." if node.key_len > 6 else ""
             flags = " tombstone" if node.swa_tombstone else ""
-            lines.append(f"{'  ' * depth}#{node.id} len={node.key_len} lock={node.lock_ref}"
-                         f"{flags} {tokens}{more}")
+            lines.append(
+                f"{'  ' * depth}#{node.id} len={node.key_len} lock={node.lock_ref}"
+                f"{flags} {tokens}{more}"
+            )
     return "\n".join(lines)
 
 
@@ -92,12 +96,15 @@ def check_radix_cache(cache: RadixView) -> None:
         _check_node(cache, node, problems)
     counted = (cache.evictable_size(), cache.protected_size())
     if (evictable, protected) != counted:
-        problems.append(f"sizes: counted evictable/protected {counted}, "
-                        f"tree has {(evictable, protected)}")
+        problems.append(
+            f"sizes: counted evictable/protected {counted}, tree has {(evictable, protected)}"
+        )
     queued = cache._leaves.node_ids()
     if candidates != queued:
-        problems.append(f"eviction queue holds {sorted(queued)[:8]}, "
-                        f"expected the unlocked leaves {sorted(candidates)[:8]}")
+        problems.append(
+            f"eviction queue holds {sorted(queued)[:8]}, "
+            f"expected the unlocked leaves {sorted(candidates)[:8]}"
+        )
     _check_slots(cache, slots, problems)
     if cache.sliding_window_size is not None:
         _check_swa(cache, problems)
@@ -109,14 +116,22 @@ def _nodes(cache: RadixView, problems: list[str]) -> Iterator[TreeNode]:
     root = cache.root_node
     for key, ns_root in root.children.items():
         ns = ns_root.namespace
-        if ns is None or (ns.extra_key, ns.token_width) != key \
-                or ns_root.parent is not root or not ns_root.children:
+        if (
+            ns is None
+            or (ns.extra_key, ns.token_width) != key
+            or ns_root.parent is not root
+            or not ns_root.children
+        ):
             problems.append(f"namespace root {key!r} is malformed or empty")
             continue
         for node, _ in walk(ns_root):
             page = node.key_bytes[: ns.page_bytes]
-            if node.evicted or node.value is None or node.namespace is not ns \
-                    or node.parent.children.get(page) is not node:
+            if (
+                node.evicted
+                or node.value is None
+                or node.namespace is not ns
+                or node.parent.children.get(page) is not node
+            ):
                 problems.append(f"node {node.id} is detached or evicted yet in the tree")
             yield node
 
@@ -126,14 +141,20 @@ def _check_node(cache: RadixView, node: TreeNode, problems: list[str]) -> None:
     if ns is None:
         problems.append(f"node {node.id} has no namespace")
         return
-    if node.key_len <= 0 or node.key_len % cache.page_size \
-            or len(node.key_bytes) != node.key_len * ns.token_bytes \
-            or node.value is None or len(node.value) != node.key_len:
+    if (
+        node.key_len <= 0
+        or node.key_len % cache.page_size
+        or len(node.key_bytes) != node.key_len * ns.token_bytes
+        or node.value is None
+        or len(node.value) != node.key_len
+    ):
         problems.append(f"node {node.id}: key/value lengths disagree or are not paged")
     child_locks = sum(c.lock_ref for c in node.children.values())
     if node.own_lock_ref < 0 or node.lock_ref != node.own_lock_ref + child_locks:
-        problems.append(f"node {node.id}: lock_ref {node.lock_ref} != own "
-                        f"{node.own_lock_ref} + children {child_locks}")
+        problems.append(
+            f"node {node.id}: lock_ref {node.lock_ref} != own "
+            f"{node.own_lock_ref} + children {child_locks}"
+        )
     if cache.eager_page_hashes or node.hash_values is not None:
         parent = node.parent
         above = parent.hash_values if parent.key_len else None
@@ -167,8 +188,7 @@ def _check_slots(cache: RadixView, slots: list[torch.Tensor], problems: list[str
         else:
             marks = None
         seen.append(s)
-        if is_allocated is not None and not free \
-                and not bool(is_allocated(value).numpy().all()):
+        if is_allocated is not None and not free and not bool(is_allocated(value).numpy().all()):
             free = True
     if marks is not None:
         repeated = int(np.count_nonzero(marks)) != total
@@ -194,8 +214,10 @@ def _check_swa(cache: RadixView, problems: list[str]) -> None:
             continue
         live.append(node.value)
         if not 0 <= node.swa_lock_ref <= node.lock_ref:
-            problems.append(f"node {node.id}: swa_lock_ref {node.swa_lock_ref} "
-                            f"outside [0, lock_ref={node.lock_ref}]")
+            problems.append(
+                f"node {node.id}: swa_lock_ref {node.swa_lock_ref} "
+                f"outside [0, lock_ref={node.lock_ref}]"
+            )
         if node.swa_lock_ref:
             protected += node.key_len
         else:

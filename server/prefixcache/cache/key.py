@@ -169,8 +169,9 @@ def _pack_ndarray(ids: np.ndarray) -> tuple[bytes, int]:
         if width == 0 and ids.shape[0]:
             raise InvalidInputError("tuple tokens in one key must all have the same width >= 1")
     else:
-        raise InvalidInputError(f"token ids must be 1-D (2-D for tuple tokens), got shape "
-                                f"{ids.shape}")
+        raise InvalidInputError(
+            f"token ids must be 1-D (2-D for tuple tokens), got shape {ids.shape}"
+        )
     if ids.size == 0:
         return b"", 1
     check, view, same = plan
@@ -184,9 +185,11 @@ def _pack_ndarray(ids: np.ndarray) -> tuple[bytes, int]:
 
 
 # Integer tensor dtypes (torch without the unsigned 16/32/64-bit ones lacks those names).
-_TORCH_INTS = frozenset(getattr(torch, name) for name in (
-    "int8", "uint8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
-    if hasattr(torch, name))
+_TORCH_INTS = frozenset(
+    getattr(torch, name)
+    for name in ("int8", "uint8", "int16", "int32", "int64", "uint16", "uint32", "uint64")
+    if hasattr(torch, name)
+)
 
 
 def _tensor_on_host(tensor: torch.Tensor) -> Any:
@@ -194,7 +197,8 @@ def _tensor_on_host(tensor: torch.Tensor) -> Any:
     where numpy cannot hold its dtype."""
     dtype = tensor.dtype
     if dtype not in _TORCH_INTS and (
-            dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex()):
+        dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex()
+    ):
         raise InvalidInputError(f"token ids must be integers, got dtype {dtype}")
     if tensor.requires_grad:  # only float tensors can, but a subclass might say so
         tensor = tensor.detach()

@@ -28,9 +28,8 @@ def whole_pages(slots: np.ndarray, page_size: int) -> int:
     ok = (first % ps == 0) & (rows == first[:, None] + np.arange(ps)).all(axis=1)
     if not ok.all():
         return int(np.argmin(ok))
-    tail = slots[full * ps:]
-    if tail.size and not (tail[0] % ps == 0
-                          and (tail == tail[0] + np.arange(tail.size)).all()):
+    tail = slots[full * ps :]
+    if tail.size and not (tail[0] % ps == 0 and (tail == tail[0] + np.arange(tail.size)).all()):
         return full
     return full + (1 if tail.size else 0)
 
@@ -46,9 +45,10 @@ def to_page_ids(slots: np.ndarray, page_size: int) -> np.ndarray:
     num = -(-slots.size // page_size)
     good = whole_pages(slots, page_size)
     if good != num:
-        bad = slots[good * page_size:(good + 1) * page_size][:8].tolist()
-        raise InvalidInputError(f"slots of page {good} are not one whole page of "
-                                f"{page_size}: {bad}")
+        bad = slots[good * page_size : (good + 1) * page_size][:8].tolist()
+        raise InvalidInputError(
+            f"slots of page {good} are not one whole page of {page_size}: {bad}"
+        )
     return slots[::page_size] // page_size
 
 

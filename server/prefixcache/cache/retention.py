@@ -60,8 +60,9 @@ def check_hint(seconds: float, priority: int) -> None:
     if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds < 0:
         raise InvalidInputError(f"retain seconds must be a finite number >= 0, got {seconds!r}")
     if type(priority) is not int or not 1 <= priority <= MAX_PRIORITY:
-        raise InvalidInputError(f"retain priority must be an int in [1, {MAX_PRIORITY}], "
-                                f"got {priority!r}")
+        raise InvalidInputError(
+            f"retain priority must be an int in [1, {MAX_PRIORITY}], got {priority!r}"
+        )
 
 
 class Splitter(Protocol):
@@ -81,8 +82,7 @@ class RetentionBook:
 
     __slots__ = ("_armed", "_heap", "_seq", "clock", "evicted", "on_change", "tokens", "total")
 
-    def __init__(self, clock: Callable[[], float],
-                 on_change: Callable[[TreeNode], None]) -> None:
+    def __init__(self, clock: Callable[[], float], on_change: Callable[[TreeNode], None]) -> None:
         self.clock = clock
         self.on_change = on_change
         self.tokens: dict[Hashable, int] = {}
@@ -98,9 +98,15 @@ class RetentionBook:
         """Tokens retained, all owners together (lapses not yet found still count)."""
         return self.total
 
-    def retain(self, path: Sequence[TreeNode], seconds: float, priority: int,
-               owner: Hashable = None, limit: int | None = None,
-               split: Splitter | None = None) -> RetainResult:
+    def retain(
+        self,
+        path: Sequence[TreeNode],
+        seconds: float,
+        priority: int,
+        owner: Hashable = None,
+        limit: int | None = None,
+        split: Splitter | None = None,
+    ) -> RetainResult:
         """Retain ``path`` (nodes from the namespace root's child down, in that order)
         for ``seconds`` at ``priority`` on behalf of ``owner``, whose retained tokens
         may not pass ``limit`` (None: no limit); ``split`` cuts the node that does not
@@ -231,8 +237,10 @@ class RetentionBook:
         for node in nodes:
             children = sum(1 for c in node.children.values() if c.retain_priority)
             if node.retained_children != children:
-                problems.append(f"node {node.id}: retained_children {node.retained_children}"
-                                f", {children} children retained")
+                problems.append(
+                    f"node {node.id}: retained_children {node.retained_children}"
+                    f", {children} children retained"
+                )
             if not node.retain_priority:
                 if node.retain_owner is not None:
                     problems.append(f"node {node.id} has an owner but no retention")
@@ -240,8 +248,10 @@ class RetentionBook:
             retained.add(node.id)
             counted[node.retain_owner] = counted.get(node.retain_owner, 0) + node.key_len
             if not 1 <= node.retain_priority <= MAX_PRIORITY or not node.retain_seconds > 0:
-                problems.append(f"node {node.id}: retention priority {node.retain_priority}"
-                                f", {node.retain_seconds} s is not one")
+                problems.append(
+                    f"node {node.id}: retention priority {node.retain_priority}"
+                    f", {node.retain_seconds} s is not one"
+                )
             if node.parent.key_len and not node.parent.retain_priority:
                 problems.append(f"node {node.id} is retained, its parent is not")
             if not node.retained_children:
@@ -249,8 +259,10 @@ class RetentionBook:
                 if entry is None or entry[0] > node.retain_until:
                     problems.append(f"node {node.id} is retained with no timer by its expiry")
         if counted != self.tokens or self.total != sum(counted.values()):
-            problems.append(f"retained tokens by owner {self.tokens} ({self.total} in all), "
-                            f"the tree has {counted}")
+            problems.append(
+                f"retained tokens by owner {self.tokens} ({self.total} in all), "
+                f"the tree has {counted}"
+            )
         stray = set(self._armed) - retained
         if stray:
             problems.append(f"timers of nodes not retained: {sorted(stray)[:8]}")

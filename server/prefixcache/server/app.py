@@ -96,9 +96,13 @@ class PrefixCacheServer:
         if self.warm is not None:
             for (model, reason), pages in self.warm.integrity.items():
                 self.service.integrity.count("snapshot", reason, pages, model=model)
-        self.servicer = PrefixCacheServicer(self.service, self.metrics, self.check_integrity,
-                                            cfg.max_message_bytes,
-                                            callers=Callers(cfg.admin_token, cfg.tenants))
+        self.servicer = PrefixCacheServicer(
+            self.service,
+            self.metrics,
+            self.check_integrity,
+            cfg.max_message_bytes,
+            callers=Callers(cfg.admin_token, cfg.tenants),
+        )
         self.address = cfg.listen
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -128,34 +132,46 @@ class PrefixCacheServer:
         # Every pool added up before any is allocated: a pool larger than the host would
         # otherwise fill /dev/shm, or wake the OOM killer, instead of failing here.
         try:
-            check_fits(self.config.models, cfg.shm_dir or None,
-                       takeover.budget() if takeover is not None else None)
+            check_fits(
+                self.config.models,
+                cfg.shm_dir or None,
+                takeover.budget() if takeover is not None else None,
+            )
         except ConfigError as exc:
-            kept, until = (kept_elsewhere(cfg.shm_dir, service_tag(cfg.listen))
-                           if cfg.shm_dir else (0, 0.0))
+            kept, until = (
+                kept_elsewhere(cfg.shm_dir, service_tag(cfg.listen)) if cfg.shm_dir else (0, 0.0)
+            )
             if not pinned and not kept:
                 raise
             why = str(exc)
             if pinned:
-                why += (f"; {pinned / 2**20:.1f} MiB of what is taken is a dead server's "
-                        "pool that a process (a worker?) still maps: it is freed when that "
-                        "process unmaps it or exits")
+                why += (
+                    f"; {pinned / 2**20:.1f} MiB of what is taken is a dead server's "
+                    "pool that a process (a worker?) still maps: it is freed when that "
+                    "process unmaps it or exits"
+                )
             if kept:
-                why += (f"; {kept / 2**20:.1f} MiB of it is the pool of a stopped warm-"
-                        f"restart service, kept for its next start for "
-                        f"{max(0.0, until - time.time()):.0f} s more (server.warm_keep): "
-                        "start that service, or remove its files from shm_dir")
+                why += (
+                    f"; {kept / 2**20:.1f} MiB of it is the pool of a stopped warm-"
+                    f"restart service, kept for its next start for "
+                    f"{max(0.0, until - time.time()):.0f} s more (server.warm_keep): "
+                    "start that service, or remove its files from shm_dir"
+                )
             raise ConfigError(why) from exc
         try:
-            return CacheService(self.config.models, cfg.session_ttl, cfg.session_ttl_min,
-                                cfg.session_ttl_max, shm_dir=cfg.shm_dir or None,
-                                shm_mode=shm_file_mode(cfg), limits=limits_of(cfg),
-                                change_logs=(cfg.kv_events.enable_kv_cache_events
-                                             or cfg.change_log_capacity > 0),
-                                change_log_capacity=cfg.change_log_capacity
-                                or DEFAULT_CAPACITY,
-                                adopt=takeover.files if takeover is not None else None,
-                                shm_service=service_tag(cfg.listen))
+            return CacheService(
+                self.config.models,
+                cfg.session_ttl,
+                cfg.session_ttl_min,
+                cfg.session_ttl_max,
+                shm_dir=cfg.shm_dir or None,
+                shm_mode=shm_file_mode(cfg),
+                limits=limits_of(cfg),
+                change_logs=(cfg.kv_events.enable_kv_cache_events or cfg.change_log_capacity > 0),
+                change_log_capacity=cfg.change_log_capacity or DEFAULT_CAPACITY,
+                adopt=takeover.files if takeover is not None else None,
+                shm_service=service_tag(cfg.listen),
+            )
         except AdoptError as exc:  # a file changed between the check and the rename
             if takeover is None or self.warm is None:
                 raise
@@ -165,41 +181,61 @@ class PrefixCacheServer:
         except (MemoryError, RuntimeError) as exc:
             if not is_out_of_memory(exc):  # the check's backstop: memory taken meanwhile
                 raise
-            raise ConfigError(f"models: the pools could not be allocated ("
-                              f"{str(exc).splitlines()[0]}); make them smaller") from exc
+            raise ConfigError(
+                f"models: the pools could not be allocated ("
+                f"{str(exc).splitlines()[0]}); make them smaller"
+            ) from exc
 
     async def start(self) -> None:
         cfg = self.config.server
         interceptors = []
         if cfg.token or cfg.admin_token or cfg.tenants:
-            interceptors.append(TokenAuthInterceptor(cfg.token, cfg.admin_token,
-                                                     self.servicer.callers.tokens))
+            interceptors.append(
+                TokenAuthInterceptor(cfg.token, cfg.admin_token, self.servicer.callers.tokens)
+            )
         limit = cfg.max_message_bytes
-        server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            # Two servers on one port would split the traffic silently.
-            ("grpc.so_reuseport", 0),
-            *keepalive_options(cfg),
-        ])
-        add_to_server(self.servicer, server, self.servicer.limits,
-                      [e.config for e in self.servicer.service.engines.values()])
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                # Two servers on one port would split the traffic silently.
+                ("grpc.so_reuseport", 0),
+                *keepalive_options(cfg),
+            ],
+        )
+        add_to_server(
+            self.servicer,
+            server,
+            self.servicer.limits,
+            [e.config for e in self.servicer.service.engines.values()],
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
         try:
             try:
                 self._bind(server)
             except RuntimeError as exc:  # grpc's "Failed to bind" (it logs the reason)
-                raise ConfigError(f"server.listen: cannot listen on {cfg.listen} (in use, "
-                                  "or not an address of this host)") from exc
+                raise ConfigError(
+                    f"server.listen: cannot listen on {cfg.listen} (in use, "
+                    "or not an address of this host)"
+                ) from exc
             # Before the server starts, so that a port in use fails the start cleanly.
             if cfg.metrics_port >= 0:
                 self.metrics_port = self._serve_metrics()
-            self.kv_events = start_kv_events(cfg.kv_events, self.service.engines,
-                                             cfg.tenants,
-                                             cfg.tier.secret_file if cfg.tier else None)
+            self.kv_events = start_kv_events(
+                cfg.kv_events,
+                self.service.engines,
+                cfg.tenants,
+                cfg.tier.secret_file if cfg.tier else None,
+            )
             if self.kv_events is not None:
                 self.metrics.watch_kv_events(self.kv_events.publishers)
             self._start_tier()
@@ -218,16 +254,25 @@ class PrefixCacheServer:
         if self.warm is not None and cfg.warm_checkpoint_interval > 0:
             self.checkpoints = Checkpoints(self.warm, self.service, cfg.warm_checkpoint_interval)
             # After a restore at once: the restored tree's files have this owner's names.
-            self.checkpoints.start(0.0 if self.warm.outcome in ("restored",
-                                                                "restored_from_checkpoint")
-                                   else None)
+            self.checkpoints.start(
+                0.0 if self.warm.outcome in ("restored", "restored_from_checkpoint") else None
+            )
         if self.check_integrity:
-            log.warning("invariant mode is on: every call that changes a cache runs the "
-                        "integrity check (slower; meant for staging)")
-        log.info("serving", extra={
-            "listen": self.address, "metrics_port": self.metrics_port,
-            "models": ",".join(self.service.engines), "tls": bool(cfg.tls_cert),
-            "auth": bool(cfg.token or cfg.admin_token), "epoch": self.service.epoch})
+            log.warning(
+                "invariant mode is on: every call that changes a cache runs the "
+                "integrity check (slower; meant for staging)"
+            )
+        log.info(
+            "serving",
+            extra={
+                "listen": self.address,
+                "metrics_port": self.metrics_port,
+                "models": ",".join(self.service.engines),
+                "tls": bool(cfg.tls_cert),
+                "auth": bool(cfg.token or cfg.admin_token),
+                "epoch": self.service.epoch,
+            },
+        )
 
     async def _reserve_pools(self) -> None:
         """Reserve the shared pools' memory off the start's path (shared_pool.reserve);
@@ -250,11 +295,14 @@ class PrefixCacheServer:
         threading.Thread(target=reserve, name="pool-reserve", daemon=True).start()
         why = await done
         if why is None:
-            log.info("pool memory reserved", extra={
-                "bytes": nbytes, "seconds": round(time.monotonic() - started, 3)})
+            log.info(
+                "pool memory reserved",
+                extra={"bytes": nbytes, "seconds": round(time.monotonic() - started, 3)},
+            )
             return
-        log.error("the pools' shared memory could not be reserved; NOT_SERVING",
-                  extra={"reason": why})
+        log.error(
+            "the pools' shared memory could not be reserved; NOT_SERVING", extra={"reason": why}
+        )
         for name in ("", SERVICE_NAME, *map(model_health_name, self.service.engines)):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -263,8 +311,10 @@ class PrefixCacheServer:
         try:
             return self.metrics.serve(cfg.metrics_host, cfg.metrics_port, cfg.metrics_token)
         except OSError as exc:  # in use, or a host that is not ours
-            raise ConfigError(f"server.metrics_port: cannot listen on {cfg.metrics_host}:"
-                              f"{cfg.metrics_port}: {exc.strerror or exc}") from exc
+            raise ConfigError(
+                f"server.metrics_port: cannot listen on {cfg.metrics_host}:"
+                f"{cfg.metrics_port}: {exc.strerror or exc}"
+            ) from exc
 
     def _start_tier(self) -> None:
         """The tiers below the pools: the disk tier (server.disk), opened now, and the
@@ -316,17 +366,20 @@ class PrefixCacheServer:
             path = cfg.listen.removeprefix("unix:").removeprefix("//")
             folder = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(folder):  # grpc would only say "Failed to bind"
-                raise ConfigError(f"server.listen: the socket's directory {folder} does "
-                                  "not exist; create it (a volume shared with the "
-                                  "workers) or choose another path")
+                raise ConfigError(
+                    f"server.listen: the socket's directory {folder} does "
+                    "not exist; create it (a volume shared with the "
+                    "workers) or choose another path"
+                )
             clear_stale_socket(path)
             self.address = f"unix:{path}"
             if cfg.peer_credentials:
                 try:
                     self._relay = UnixPeerRelay(path, cfg.socket_mode)
                 except OSError as exc:
-                    raise ConfigError(f"server.listen: cannot listen on {path}: "
-                                      f"{exc.strerror or exc}") from exc
+                    raise ConfigError(
+                        f"server.listen: cannot listen on {path}: {exc.strerror or exc}"
+                    ) from exc
                 server.add_insecure_port(f"unix:{self._relay.inner}")
                 return
             old = os.umask(0o777 & ~cfg.socket_mode)  # no window with a looser mode
@@ -341,15 +394,20 @@ class PrefixCacheServer:
             creds = grpc.ssl_server_credentials(
                 [(read_pem(cfg.tls_key), read_pem(cfg.tls_cert))],
                 root_certificates=read_pem(cfg.tls_client_ca) if cfg.tls_client_ca else None,
-                require_client_auth=bool(cfg.tls_client_ca))
+                require_client_auth=bool(cfg.tls_client_ca),
+            )
             port = server.add_secure_port(cfg.listen, creds)
         elif cfg.insecure:
-            log.warning("listening on TCP without TLS: tokens and data travel in clear text",
-                        extra={"listen": cfg.listen})
+            log.warning(
+                "listening on TCP without TLS: tokens and data travel in clear text",
+                extra={"listen": cfg.listen},
+            )
             port = server.add_insecure_port(cfg.listen)
         else:
-            raise ConfigError("server.listen: TCP without TLS needs tls_cert and tls_key, "
-                              "or insecure: true (--insecure) to accept clear text")
+            raise ConfigError(
+                "server.listen: TCP without TLS needs tls_cert and tls_key, "
+                "or insecure: true (--insecure) to accept clear text"
+            )
         host = cfg.listen.rpartition(":")[0]
         self.address = f"{host}:{port}"
         self._port = port
@@ -359,8 +417,9 @@ class PrefixCacheServer:
         # Poll at least every half of the shortest lease, so a session opened while we
         # sleep still lapses on time (give or take that half).
         cfg = self.config.server
-        await reap_leases(self.service, min(1.0, max(0.05, min(cfg.session_ttl_min,
-                                                                cfg.stream_ttl) / 2)))
+        await reap_leases(
+            self.service, min(1.0, max(0.05, min(cfg.session_ttl_min, cfg.stream_ttl) / 2))
+        )
 
     def hurry(self) -> None:
         """Cut a drain in progress short: the calls still in flight are cancelled now,
@@ -425,7 +484,10 @@ async def _settle_calls(limit: float = _SETTLE_LIMIT) -> None:
     task has run its cancellation. Were the loop to end first, asyncio would cancel
     those tasks a second time, inside grpc's bookkeeping, which prints a CancelledError
     traceback for each (a clean shutdown that logs like a crash)."""
-    calls = [t for t in asyncio.all_tasks()
-             if not t.done() and getattr(t.get_coro(), "__name__", "") == _GRPC_CALL_TASK]
+    calls = [
+        t
+        for t in asyncio.all_tasks()
+        if not t.done() and getattr(t.get_coro(), "__name__", "") == _GRPC_CALL_TASK
+    ]
     if calls:
         await asyncio.wait(calls, timeout=limit)

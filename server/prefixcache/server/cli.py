@@ -61,61 +61,102 @@ def _add_serve(commands: Any) -> None:
         "'server:' section.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    serve.add_argument("--config", metavar="FILE",
-                       help="YAML file with 'server:' settings and a 'models:' list")
+    serve.add_argument(
+        "--config", metavar="FILE", help="YAML file with 'server:' settings and a 'models:' list"
+    )
     net = serve.add_argument_group("listening")
-    net.add_argument("--listen", metavar="ADDR",
-                     help="unix:PATH (default unix:/tmp/prefixcache.sock) or HOST:PORT")
-    net.add_argument("--metrics-port", type=int, metavar="N",
-                     help="Prometheus /metrics port (default 9470; 0 = any free, -1 = off)")
-    net.add_argument("--metrics-host", metavar="HOST",
-                     help="address for /metrics (default 127.0.0.1; 0.0.0.0 = every one)")
+    net.add_argument(
+        "--listen",
+        metavar="ADDR",
+        help="unix:PATH (default unix:/tmp/prefixcache.sock) or HOST:PORT",
+    )
+    net.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="N",
+        help="Prometheus /metrics port (default 9470; 0 = any free, -1 = off)",
+    )
+    net.add_argument(
+        "--metrics-host",
+        metavar="HOST",
+        help="address for /metrics (default 127.0.0.1; 0.0.0.0 = every one)",
+    )
     sec = serve.add_argument_group("security")
     sec.add_argument("--tls-cert", metavar="FILE", help="server certificate (PEM) for TCP")
     sec.add_argument("--tls-key", metavar="FILE", help="server private key (PEM)")
-    sec.add_argument("--tls-client-ca", metavar="FILE",
-                     help="CA bundle; clients must present a certificate it signed (mTLS)")
-    sec.add_argument("--token-file", metavar="FILE",
-                     help="file holding the bearer token every call must carry "
-                     "(or set PREFIXCACHE_TOKEN)")
-    sec.add_argument("--metrics-token-file", metavar="FILE",
-                     help="file holding a bearer token every /metrics scrape must carry "
-                     "(or set PREFIXCACHE_METRICS_TOKEN)")
-    sec.add_argument("--admin-token-file", metavar="FILE",
-                     help="file holding the token admin calls (Reset) must carry "
-                     "(or set PREFIXCACHE_ADMIN_TOKEN)")
-    sec.add_argument("--insecure", action="store_const", const=True,
-                     help="allow TCP without TLS (clear text)")
+    sec.add_argument(
+        "--tls-client-ca",
+        metavar="FILE",
+        help="CA bundle; clients must present a certificate it signed (mTLS)",
+    )
+    sec.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="file holding the bearer token every call must carry (or set PREFIXCACHE_TOKEN)",
+    )
+    sec.add_argument(
+        "--metrics-token-file",
+        metavar="FILE",
+        help="file holding a bearer token every /metrics scrape must carry "
+        "(or set PREFIXCACHE_METRICS_TOKEN)",
+    )
+    sec.add_argument(
+        "--admin-token-file",
+        metavar="FILE",
+        help="file holding the token admin calls (Reset) must carry "
+        "(or set PREFIXCACHE_ADMIN_TOKEN)",
+    )
+    sec.add_argument(
+        "--insecure", action="store_const", const=True, help="allow TCP without TLS (clear text)"
+    )
     ops = serve.add_argument_group("operation")
     ops.add_argument("--log-format", choices=("text", "json"), help="log line format")
     ops.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
-    ops.add_argument("--shm-dir", metavar="DIR",
-                     help="where CPU pools live as shared memory for workers to attach "
-                     "(default /dev/shm; 'off' keeps them private)")
-    ops.add_argument("--grace-period", type=float, metavar="SECONDS",
-                     help="how long SIGTERM (or SIGINT, SIGHUP, ...) waits for in-flight "
-                     "calls (default 10)")
-    ops.add_argument("--check-integrity", action="store_const", const=True,
-                     help="invariant mode, for staging: check the caches' integrity after "
-                     "every call that changes them (slower; a failure answers INTERNAL)")
+    ops.add_argument(
+        "--shm-dir",
+        metavar="DIR",
+        help="where CPU pools live as shared memory for workers to attach "
+        "(default /dev/shm; 'off' keeps them private)",
+    )
+    ops.add_argument(
+        "--grace-period",
+        type=float,
+        metavar="SECONDS",
+        help="how long SIGTERM (or SIGINT, SIGHUP, ...) waits for in-flight calls (default 10)",
+    )
+    ops.add_argument(
+        "--check-integrity",
+        action="store_const",
+        const=True,
+        help="invariant mode, for staging: check the caches' integrity after "
+        "every call that changes them (slower; a failure answers INTERNAL)",
+    )
     _add_every_setting(serve)
-    serve.add_argument("--check-config", action="store_true",
-                       help="check the configuration as serve would read it, allocate and "
-                       "bind nothing, and exit: 0 valid and fits this host, 1 valid but "
-                       "not for this host (a file it names, a device, memory), 2 invalid")
+    serve.add_argument(
+        "--check-config",
+        action="store_true",
+        help="check the configuration as serve would read it, allocate and "
+        "bind nothing, and exit: 0 valid and fits this host, 1 valid but "
+        "not for this host (a file it names, a device, memory), 2 invalid",
+    )
     events = serve.add_argument_group("KV events (server.kv_events)")
-    events.add_argument("--kv-events-config", dest="kv_events", metavar="JSON",
-                        help="KV-event publisher settings as vLLM's flag takes them, e.g. "
-                        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}'"
-                        "; also hash_format (vllm|sglang) and encoding (map|array). "
-                        "Or PREFIXCACHE_KV_EVENTS_<KEY>")
+    events.add_argument(
+        "--kv-events-config",
+        dest="kv_events",
+        metavar="JSON",
+        help="KV-event publisher settings as vLLM's flag takes them, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\''
+        "; also hash_format (vllm|sglang) and encoding (map|array). "
+        "Or PREFIXCACHE_KV_EVENTS_<KEY>",
+    )
     serve.set_defaults(run=_serve)
 
 
 # Settings with no flag of their own: structured ones (the config file, or their own
 # environment variables) and secrets, which belong in files (their *_file flags).
-_NO_FLAG = frozenset({"kv_events", "tenants", "tier", "retention", "disk", "token", "admin_token",
-                      "metrics_token"})
+_NO_FLAG = frozenset(
+    {"kv_events", "tenants", "tier", "retention", "disk", "token", "admin_token", "metrics_token"}
+)
 
 
 def _add_every_setting(serve: argparse.ArgumentParser) -> None:
@@ -128,13 +169,16 @@ def _add_every_setting(serve: argparse.ArgumentParser) -> None:
 
     taken = {a.dest for a in serve._actions}
     group = serve.add_argument_group(
-        "other server settings", "every other key of the config file's 'server:' section; "
-        "see docs/configuration.md, which lists every key")
+        "other server settings",
+        "every other key of the config file's 'server:' section; "
+        "see docs/configuration.md, which lists every key",
+    )
     for f in fields(ServerConfig):
         if f.name in taken or f.name in _NO_FLAG:
             continue
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, metavar="VALUE",
-                           help=f"server.{f.name}")
+        group.add_argument(
+            f"--{f.name.replace('_', '-')}", dest=f.name, metavar="VALUE", help=f"server.{f.name}"
+        )
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -165,8 +209,10 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         notes.append(str(exc))
     for model in config.models:
-        print(f"model {model.name}: {model.kind}, page_size {model.page_size}, pool "
-              f"{model.pool.size} slots on {model.pool.device}")
+        print(
+            f"model {model.name}: {model.kind}, page_size {model.page_size}, pool "
+            f"{model.pool.size} slots on {model.pool.device}"
+        )
     for note in notes:
         print(f"not for this host: {note}")
     print("config OK" + (" (but not for this host)" if notes else ""))
@@ -186,8 +232,9 @@ def _serve(args: argparse.Namespace) -> int:
         from .logs import setup_logging
         from .run import serve
     except ImportError as exc:
-        raise SystemExit(f"prefixcache serve needs the server extra "
-                         f"(pip install 'prefixcache[server]'): {exc}") from exc
+        raise SystemExit(
+            f"prefixcache serve needs the server extra (pip install 'prefixcache[server]'): {exc}"
+        ) from exc
     if args.check_config:
         return _check_config(args)
     try:
@@ -198,8 +245,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Intra-op threads only fight each other on a small host; the cache's tensor ops
     # are tiny and one thread is several times faster here.
     torch.set_num_threads(1)
-    setup_logging(config.server.log_format, config.server.log_level,
-                  config.server.log_queue_lines)
+    setup_logging(config.server.log_format, config.server.log_level, config.server.log_queue_lines)
     warning = unknown_env_warning(os.environ)
     if warning:
         logging.getLogger("prefixcache.server").warning(warning)

@@ -18,11 +18,11 @@ _PREFIX = "LOOKUP_OUTCOME_"
 HINTS = {
     "hit": "cached and answered",
     "miss_cold": "never cached (as far as the record of evicted pages reaches): a first "
-                 "request, or one no worker saved",
+    "request, or one no worker saved",
     "miss_evicted": "cached once, evicted since: a larger pool (see the hit-rate "
-                    "ceiling) or fewer pinned pages would have kept it",
+    "ceiling) or fewer pinned pages would have kept it",
     "miss_namespace": "cached under another namespace (extra_key) of this model: check "
-                      "the request's extra_key (LoRA adapter, tenant, salt)",
+    "the request's extra_key (LoRA adapter, tenant, salt)",
     "below_page": "the tail shorter than a page: never cached",
 }
 
@@ -31,31 +31,39 @@ def outcome_names() -> list[str]:
     """The outcome labels, in the proto's order (hit, miss_cold, ...)."""
     from prefixcache.v1 import prefix_cache_pb2 as pb
 
-    return [name.removeprefix(_PREFIX).lower() for name, value in
-            pb.LookupOutcome.items() if value]
+    return [name.removeprefix(_PREFIX).lower() for name, value in pb.LookupOutcome.items() if value]
 
 
-def add_explain(commands: Any, add_target_options: Callable[..., None],
-                run: Callable[[argparse.Namespace], int]) -> None:
+def add_explain(
+    commands: Any, add_target_options: Callable[..., None], run: Callable[[argparse.Namespace], int]
+) -> None:
     explain = commands.add_parser(
         "explain",
         help="say how far one request hits and why it stops",
         description="Ask a running server how far a request hits and why it stops: the "
         "outcome of each range of its tokens (hit, miss_cold, miss_evicted, "
         "miss_namespace, below_page), as prefixcache_lookup_tokens_total counts them. "
-        "Changes nothing and counts nothing.")
+        "Changes nothing and counts nothing.",
+    )
     add_target_options(explain, timeout=5.0)
     explain.add_argument("--model", required=True, help="the model to look in")
     which = explain.add_mutually_exclusive_group(required=True)
-    which.add_argument("--tokens-file", metavar="FILE",
-                       help="the request's token ids: a JSON list, or integers separated by "
-                       "spaces, commas or newlines ('-': standard input)")
-    which.add_argument("--prompt-hash", metavar="HEX",
-                       help="the chained SHA-256 page hash (64 hex digits, as KV events and "
-                       "SGLang name pages) of the prompt's last whole page; needs a server "
-                       "with page hashes (server.change_log_capacity > 0)")
-    explain.add_argument("--extra-key", metavar="NS",
-                         help="the request's namespace (default: none, which is not '')")
+    which.add_argument(
+        "--tokens-file",
+        metavar="FILE",
+        help="the request's token ids: a JSON list, or integers separated by "
+        "spaces, commas or newlines ('-': standard input)",
+    )
+    which.add_argument(
+        "--prompt-hash",
+        metavar="HEX",
+        help="the chained SHA-256 page hash (64 hex digits, as KV events and "
+        "SGLang name pages) of the prompt's last whole page; needs a server "
+        "with page hashes (server.change_log_capacity > 0)",
+    )
+    explain.add_argument(
+        "--extra-key", metavar="NS", help="the request's namespace (default: none, which is not '')"
+    )
     explain.add_argument("--json", action="store_true", help="print JSON")
     explain.set_defaults(run=run)
 
@@ -78,8 +86,9 @@ def read_tokens(path: str) -> list[int]:
         if not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in tokens):
             raise ValueError("token ids are integers in [0, 2**32)")
     except ValueError as exc:
-        raise SystemExit(f"prefixcache: --tokens-file {path}: not a list of token ids "
-                         f"({exc})") from exc
+        raise SystemExit(
+            f"prefixcache: --tokens-file {path}: not a list of token ids ({exc})"
+        ) from exc
     return tokens
 
 
@@ -106,22 +115,26 @@ def print_explained(args: argparse.Namespace, reply: Any) -> None:
     from google.protobuf.json_format import MessageToDict
 
     if args.json:
-        print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True),
-                         indent=2))
+        print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
         return
     names = outcome_names()
     stop = names[reply.stop - 1] if reply.stop else "hit"
-    print(f"model {args.model}: {reply.num_tokens} tokens, page size {reply.page_size}; "
-          f"hits {reply.prefix_len}" + ("" if stop == "hit" else
-                                        f", stops at token {reply.prefix_len}: {stop}"))
+    print(
+        f"model {args.model}: {reply.num_tokens} tokens, page size {reply.page_size}; "
+        f"hits {reply.prefix_len}"
+        + ("" if stop == "hit" else f", stops at token {reply.prefix_len}: {stop}")
+    )
     rows = [("outcome", "from", "to", "tokens", "meaning")]
     for r in reply.ranges:
         name = names[r.outcome - 1]
         rows.append((name, str(r.start), str(r.end), str(r.end - r.start), HINTS.get(name, "")))
     print_table(rows)
     if any(names[r.outcome - 1] == "miss_namespace" for r in reply.ranges):
-        where = repr(reply.other_extra_key) if reply.HasField("other_extra_key") else \
-            "the default namespace (no extra_key)"
+        where = (
+            repr(reply.other_extra_key)
+            if reply.HasField("other_extra_key")
+            else "the default namespace (no extra_key)"
+        )
         print(f"cached under namespace {where}")
 
 
@@ -131,10 +144,10 @@ def print_outcomes(models: Any) -> None:
     rows = [("model", *names, "ceiling")]
     for m in models:
         counts = m.lookup_tokens_total
-        rows.append((m.model, *(str(counts.get(n, 0)) for n in names),
-                     f"{m.hit_ratio_ceiling:.3f}"))
-    print("\nlooked-up tokens by outcome; ceiling: the hit ratio an infinite pool would "
-          "reach")
+        rows.append(
+            (m.model, *(str(counts.get(n, 0)) for n in names), f"{m.hit_ratio_ceiling:.3f}")
+        )
+    print("\nlooked-up tokens by outcome; ceiling: the hit ratio an infinite pool would reach")
     print_table(rows)
 
 

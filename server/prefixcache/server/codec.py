@@ -22,20 +22,28 @@ _LE_I64 = np.dtype("<i8")
 _LE_U32 = np.dtype("<u4")
 
 
-def decode_key(token_ids: bytes, token_width: int, extra_key: str | None,
-               vocab_size: int = 0, max_tokens: int = 0) -> RadixKey:
+def decode_key(
+    token_ids: bytes,
+    token_width: int,
+    extra_key: str | None,
+    vocab_size: int = 0,
+    max_tokens: int = 0,
+) -> RadixKey:
     """A RadixKey from packed token bytes, checked against the model's vocabulary and,
     before any other work, against ``max_tokens`` per request (0: no limit)."""
     width = token_width or 1
     if width > MAX_TOKEN_WIDTH:
         raise InvalidInputError(f"token_width {width} is above the supported {MAX_TOKEN_WIDTH}")
     if is_hash_namespace(extra_key):  # only SetPages writes there (page_index.py)
-        raise InvalidInputError("extra_key: namespaces starting with NUL "
-                                "'prefixcache/hash-pages' hold pages stored by hash")
+        raise InvalidInputError(
+            "extra_key: namespaces starting with NUL "
+            "'prefixcache/hash-pages' hold pages stored by hash"
+        )
     if len(token_ids) % (TOKEN_BYTES * width):
         raise InvalidInputError(
             f"token_ids has {len(token_ids)} bytes, not a multiple of {TOKEN_BYTES * width} "
-            f"(4 bytes per id, token_width {width})")
+            f"(4 bytes per id, token_width {width})"
+        )
     check_count("token_ids", len(token_ids) // (TOKEN_BYTES * width), max_tokens)
     if vocab_size and token_ids:
         top = int(np.frombuffer(token_ids, dtype=_LE_U32).max())

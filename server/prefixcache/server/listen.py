@@ -23,8 +23,10 @@ def keepalive_options(cfg: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.ping_timeout_ms", int(cfg.keepalive_timeout * 1000)),
         # Clients' own pings: allowed this often; more often earns a GOAWAY.
-        ("grpc.http2.min_ping_interval_without_data_ms",
-         int(cfg.keepalive_min_client_interval * 1000)),
+        (
+            "grpc.http2.min_ping_interval_without_data_ms",
+            int(cfg.keepalive_min_client_interval * 1000),
+        ),
     ]
 
 
@@ -53,5 +55,3 @@ def clear_stale_socket(path: str) -> None:
             os.unlink(path)
             return
     raise ConfigError(f"server.listen: another server is listening on {path}")
-
-

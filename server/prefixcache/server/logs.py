@@ -44,8 +44,12 @@ class JsonFormatter(logging.Formatter):
     """``{"ts": ..., "level": ..., "logger": ..., "event": ..., <fields>}`` per line."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, object] = {"ts": _timestamp(record), "level": record.levelname.lower(),
-                                   "logger": record.name, "event": record.getMessage()}
+        line: dict[str, object] = {
+            "ts": _timestamp(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+        }
         line.update(_fields(record))
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
@@ -128,10 +132,16 @@ class NonBlockingHandler(logging.Handler):
     def _report_drops(self) -> None:
         """Once the sink keeps up again, one line says how many records were lost."""
         dropped = self.dropped
-        record = logging.makeLogRecord({
-            "name": "prefixcache.logs", "levelno": logging.WARNING, "levelname": "WARNING",
-            "msg": "log records dropped: the log sink was too slow",
-            "dropped_since_last": dropped - self._reported, "dropped_total": dropped})
+        record = logging.makeLogRecord(
+            {
+                "name": "prefixcache.logs",
+                "levelno": logging.WARNING,
+                "levelname": "WARNING",
+                "msg": "log records dropped: the log sink was too slow",
+                "dropped_since_last": dropped - self._reported,
+                "dropped_total": dropped,
+            }
+        )
         self._reported = dropped
         self._write(self.format(record))
 
@@ -142,7 +152,7 @@ class NonBlockingHandler(logging.Handler):
             return
         data = (line + "\n").encode("utf-8", "backslashreplace")
         while data:
-            data = data[os.write(self._fd, data):]
+            data = data[os.write(self._fd, data) :]
 
 
 _handler: NonBlockingHandler | None = None
@@ -153,8 +163,7 @@ def dropped_records() -> int:
     return _handler.dropped if _handler is not None else 0
 
 
-def setup_logging(fmt: str = "text", level: str = "info",
-                  queue_lines: int = QUEUE_LINES) -> None:
+def setup_logging(fmt: str = "text", level: str = "info", queue_lines: int = QUEUE_LINES) -> None:
     """Send the ``prefixcache`` loggers to stderr in the chosen format, without blocking
     (at most ``queue_lines`` lines wait for a slow stderr; the rest are dropped).
 

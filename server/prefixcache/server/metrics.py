@@ -34,8 +34,22 @@ if TYPE_CHECKING:
     from .service import CacheService
 
 # Unix-socket RPCs take ~0.3-3 ms here; the low buckets resolve the cache's own cost.
-_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                    0.1, 0.25, 0.5, 1.0, 2.5)
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
 
 
 def build_info() -> dict[str, str]:
@@ -53,17 +67,26 @@ class Metrics:
     def __init__(self, service: CacheService) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.rpc_requests = Counter(
-            "prefixcache_rpc_requests", "RPCs handled, by method and status code.",
-            ["method", "code"], registry=self.registry)
+            "prefixcache_rpc_requests",
+            "RPCs handled, by method and status code.",
+            ["method", "code"],
+            registry=self.registry,
+        )
         self.rpc_duration = Histogram(
             "prefixcache_rpc_duration_seconds",
             "Time spent handling an RPC in the server, by method and status code.",
-            ["method", "code"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+            ["method", "code"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_CacheCollector(service))
         # Limits: every refusal by a configured limit, by the setting's name.
         self.refusals = Counter(
-            "prefixcache_refusals", "Requests refused by a configured limit, by limit.",
-            ["limit"], registry=self.registry)
+            "prefixcache_refusals",
+            "Requests refused by a configured limit, by limit.",
+            ["limit"],
+            registry=self.registry,
+        )
         for limit in LIMIT_NAMES:
             self.refusals.labels(limit)  # exported from the start, at 0
         # Allocations the pool refused, by why: the PoolExhausted alert keys on
@@ -73,15 +96,20 @@ class Metrics:
             "Allocations the pool refused after eviction, by model and reason "
             "(pool_exhausted: locks and sessions pin the slots; larger_than_pool: one "
             "request asks for more than the whole pool).",
-            ["model", "reason"], registry=self.registry)
+            ["model", "reason"],
+            registry=self.registry,
+        )
         for model in service.engines:
             for reason in PoolExhaustedError.REASONS:
                 self.allocation_refusals.labels(model, reason)  # exported from the start
         self.registry.register(_LivenessCollector(service))
         # RSS, CPU seconds, open fds (Linux /proc), and which build answers.
         ProcessCollector(registry=self.registry)
-        Info("prefixcache_build", "The running prefixcache's version and Python.",
-             registry=self.registry).info(build_info())
+        Info(
+            "prefixcache_build",
+            "The running prefixcache's version and Python.",
+            registry=self.registry,
+        ).info(build_info())
         self._children: dict[tuple[str, grpc.StatusCode], tuple[Counter, Histogram]] = {}
         self._httpd: MetricsHttpServer | None = None
         self.port = 0
@@ -90,8 +118,10 @@ class Metrics:
         children = self._children.get((method, code))
         if children is None:  # labels() costs a few µs; resolve each pair once
             name = code.name
-            children = (self.rpc_requests.labels(method, name),
-                        self.rpc_duration.labels(method, name))
+            children = (
+                self.rpc_requests.labels(method, name),
+                self.rpc_duration.labels(method, name),
+            )
             self._children[(method, code)] = children
         children[0].inc()
         children[1].observe(seconds)
@@ -127,59 +157,77 @@ class _CacheCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         svc = self.service
-        query = CounterMetricFamily("prefixcache_query_tokens",
-                                    "Tokens looked up by Match.", labels=["model"])
-        hit = CounterMetricFamily("prefixcache_hit_tokens",
-                                  "Tokens Match found in the cache; hit ratio = hit / query.",
-                                  labels=["model"])
-        ops = CounterMetricFamily("prefixcache_cache_operations",
-                                  "Cache operations performed, by operation.",
-                                  labels=["model", "operation"])
+        query = CounterMetricFamily(
+            "prefixcache_query_tokens", "Tokens looked up by Match.", labels=["model"]
+        )
+        hit = CounterMetricFamily(
+            "prefixcache_hit_tokens",
+            "Tokens Match found in the cache; hit ratio = hit / query.",
+            labels=["model"],
+        )
+        ops = CounterMetricFamily(
+            "prefixcache_cache_operations",
+            "Cache operations performed, by operation.",
+            labels=["model", "operation"],
+        )
         evicted = CounterMetricFamily(
             "prefixcache_evicted_tokens",
             "Tokens removed from the cache, by reason (requested, pressure, reset).",
-            labels=["model", "reason"])
+            labels=["model", "reason"],
+        )
         cached = GaugeMetricFamily(
             "prefixcache_cached_tokens",
             "Tokens in the cache by state (evictable, protected; swa_* for SWA models).",
-            labels=["model", "state"])
+            labels=["model", "state"],
+        )
         slots = GaugeMetricFamily(
             "prefixcache_pool_slots",
             "KV pool slots by state: free, used (tree, sessions, tier fetches), session (held by "
-            "sessions, not yet cached).", labels=["model", "state"])
-        capacity = GaugeMetricFamily("prefixcache_pool_capacity_slots",
-                                     "Usable KV pool slots.", labels=["model"])
-        locks = GaugeMetricFamily("prefixcache_locks", "Locks held by sessions.",
-                                  labels=["model"])
+            "sessions, not yet cached).",
+            labels=["model", "state"],
+        )
+        capacity = GaugeMetricFamily(
+            "prefixcache_pool_capacity_slots", "Usable KV pool slots.", labels=["model"]
+        )
+        locks = GaugeMetricFamily("prefixcache_locks", "Locks held by sessions.", labels=["model"])
         outcomes = CounterMetricFamily(
             "prefixcache_lookup_tokens",
             "Looked-up tokens by outcome (Match, Step admissions, ExistsPages): hit, "
             "miss_cold, miss_evicted, miss_namespace, below_page sum to the tokens "
             "answered; capacity counts refused lookups; lease_expired and load_failed "
-            "count hits whose lock went unused.", labels=["model", "outcome"])
+            "count hits whose lock went unused.",
+            labels=["model", "outcome"],
+        )
         requested = CounterMetricFamily(
-            "prefixcache_lookup_pages", "Whole pages looked up (the ceiling's "
-            "denominator).", labels=["model"])
+            "prefixcache_lookup_pages",
+            "Whole pages looked up (the ceiling's denominator).",
+            labels=["model"],
+        )
         distinct = GaugeMetricFamily(
             "prefixcache_lookup_distinct_pages",
             "Distinct pages among those looked up (a HyperLogLog estimate).",
-            labels=["model"])
+            labels=["model"],
+        )
         ceiling = GaugeMetricFamily(
             "prefixcache_hit_ratio_ceiling",
             "The hit ratio an infinite pool would reach: 1 - distinct / looked-up pages.",
-            labels=["model"])
+            labels=["model"],
+        )
         retained = GaugeMetricFamily(
             "prefixcache_retained_tokens",
             "Cached tokens under a client's retention (evicted after unretained ones).",
-            labels=["model"])
+            labels=["model"],
+        )
         hints = CounterMetricFamily(
             "prefixcache_retention_hints",
             "Retention hints by outcome (accepted, clipped, rejected).",
-            labels=["model", "outcome"])
+            labels=["model", "outcome"],
+        )
         retained_evicted = CounterMetricFamily(
             "prefixcache_retained_evicted_tokens",
             "Tokens evicted while retained: the pool had no unretained tokens left.",
-            labels=["model"])
+            labels=["model"],
+        )
         for engine in list(svc.engines.values()):
             m = engine.name
             query.add_metric([m], engine.match_tokens)
@@ -211,15 +259,36 @@ class _CacheCollector(Collector):
             for outcome, n in kept.outcomes.items():
                 hints.add_metric([m, outcome], n)
             retained_evicted.add_metric([m], kept.evicted_tokens())
-        yield from (query, hit, ops, evicted, cached, slots, capacity, locks, outcomes,
-                    requested, distinct, ceiling, retained, hints, retained_evicted)
-        yield GaugeMetricFamily("prefixcache_sessions", "Open sessions (leased and streams).",
-                                value=len(svc.sessions))
-        yield CounterMetricFamily("prefixcache_leases_expired",
-                                  "Sessions closed because their lease lapsed.",
-                                  value=svc.sessions.expired_total)
-        yield GaugeMetricFamily("prefixcache_draining", "1 while the server drains for shutdown.",
-                                value=int(svc.draining))
+        yield from (
+            query,
+            hit,
+            ops,
+            evicted,
+            cached,
+            slots,
+            capacity,
+            locks,
+            outcomes,
+            requested,
+            distinct,
+            ceiling,
+            retained,
+            hints,
+            retained_evicted,
+        )
+        yield GaugeMetricFamily(
+            "prefixcache_sessions", "Open sessions (leased and streams).", value=len(svc.sessions)
+        )
+        yield CounterMetricFamily(
+            "prefixcache_leases_expired",
+            "Sessions closed because their lease lapsed.",
+            value=svc.sessions.expired_total,
+        )
+        yield GaugeMetricFamily(
+            "prefixcache_draining",
+            "1 while the server drains for shutdown.",
+            value=int(svc.draining),
+        )
         integrity = CounterMetricFamily(
             "prefixcache_integrity_failures",
             "Pages refused, never served, because their seal did not check, by where they "
@@ -227,7 +296,8 @@ class _CacheCollector(Collector):
             "changed; bad_seal: no seal; wrong_kind: a digest where a MAC is required, or "
             "the reverse; size: not a page and its seal; changed_after_checkpoint: after a "
             "crash, slots that took other KV after the last checkpoint).",
-            labels=["source", "reason"])
+            labels=["source", "reason"],
+        )
         for (source, reason), n in list(svc.integrity.counts.items()):
             integrity.add_metric([source, reason], n)
         yield integrity
@@ -244,32 +314,55 @@ class _LivenessCollector(Collector):
         yield CounterMetricFamily(
             "prefixcache_loop_stall_seconds",
             "Time the event loop ran late (busy or stopped); leases were extended by it.",
-            value=self.service.sessions.stalled)
+            value=self.service.sessions.stalled,
+        )
         yield CounterMetricFamily(
             "prefixcache_log_records_dropped",
             "Log records dropped because the log sink (stderr) did not keep up.",
-            value=dropped_records())
+            value=dropped_records(),
+        )
 
 
 class _KvEventsCollector(Collector):
     """The KV-event publishers' counters, read at scrape time (events/publisher.py)."""
 
     _COUNTERS = (
-        ("prefixcache_kv_event_batches_published", "batches_published",
-         "KV-event batches sent on the model's ZMQ socket."),
-        ("prefixcache_kv_events_published", "events_published",
-         "KV events (BlockStored, BlockRemoved, AllBlocksCleared) in the batches sent."),
-        ("prefixcache_kv_event_replays", "replays_served",
-         "KV-event replay requests answered in full."),
-        ("prefixcache_kv_event_replays_refused", "replays_refused",
-         "KV-event replay requests refused: max_replays or max_replays_per_peer in flight."),
-        ("prefixcache_kv_event_replays_dropped", "replays_dropped",
-         "KV-event replay answers dropped: the requester read nothing for replay_timeout "
-         "or left."),
-        ("prefixcache_kv_event_replay_requests_invalid", "replay_requests_invalid",
-         "Malformed KV-event replay requests ignored."),
-        ("prefixcache_kv_event_replay_snapshots", "replay_snapshots",
-         "Page-set snapshots built for replay requests older than the buffer (shared)."),
+        (
+            "prefixcache_kv_event_batches_published",
+            "batches_published",
+            "KV-event batches sent on the model's ZMQ socket.",
+        ),
+        (
+            "prefixcache_kv_events_published",
+            "events_published",
+            "KV events (BlockStored, BlockRemoved, AllBlocksCleared) in the batches sent.",
+        ),
+        (
+            "prefixcache_kv_event_replays",
+            "replays_served",
+            "KV-event replay requests answered in full.",
+        ),
+        (
+            "prefixcache_kv_event_replays_refused",
+            "replays_refused",
+            "KV-event replay requests refused: max_replays or max_replays_per_peer in flight.",
+        ),
+        (
+            "prefixcache_kv_event_replays_dropped",
+            "replays_dropped",
+            "KV-event replay answers dropped: the requester read nothing for replay_timeout "
+            "or left.",
+        ),
+        (
+            "prefixcache_kv_event_replay_requests_invalid",
+            "replay_requests_invalid",
+            "Malformed KV-event replay requests ignored.",
+        ),
+        (
+            "prefixcache_kv_event_replay_snapshots",
+            "replay_snapshots",
+            "Page-set snapshots built for replay requests older than the buffer (shared).",
+        ),
     )
 
     def __init__(self, publishers: Mapping[str, Any]) -> None:

@@ -38,9 +38,15 @@ MAX_HEAD_BYTES = 8192  # request line and headers
 class MetricsHttpServer:
     """Serves ``registry`` at ``/metrics`` (and ``/``) on ``host:port`` once started."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int,
-                 token: str | None = None, max_connections: int = MAX_CONNECTIONS,
-                 idle_timeout: float = IDLE_TIMEOUT) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str,
+        port: int,
+        token: str | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_timeout: float = IDLE_TIMEOUT,
+    ) -> None:
         self.registry = registry
         self.host = host
         self.port = port
@@ -70,8 +76,9 @@ class MetricsHttpServer:
         def run() -> None:
             asyncio.set_event_loop(loop)
             try:
-                self._server = loop.run_until_complete(asyncio.start_server(
-                    self._handle, sock=sock, limit=MAX_HEAD_BYTES))
+                self._server = loop.run_until_complete(
+                    asyncio.start_server(self._handle, sock=sock, limit=MAX_HEAD_BYTES)
+                )
             except BaseException as exc:  # handed to start()
                 failed.append(exc)
                 sock.close()
@@ -128,8 +135,7 @@ class MetricsHttpServer:
         oldest.close()
         return True
 
-    async def _handle(self, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self._admit(writer):
             writer.close()
             return
@@ -137,16 +143,18 @@ class MetricsHttpServer:
         try:
             while writer in self._conns:
                 try:
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
-                                                  self.idle_timeout)
-                except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                        ConnectionError):
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.idle_timeout)
+                except (
+                    TimeoutError,
+                    asyncio.IncompleteReadError,
+                    asyncio.LimitOverrunError,
+                    ConnectionError,
+                ):
                     return
                 self._conns[writer] = None
                 # A client that does not read its reply holds its place no longer.
                 try:
-                    keep = await asyncio.wait_for(self._answer(head, writer),
-                                                  self.idle_timeout)
+                    keep = await asyncio.wait_for(self._answer(head, writer), self.idle_timeout)
                 except TimeoutError:
                     return
                 if not keep or writer not in self._conns:
@@ -177,12 +185,19 @@ class MetricsHttpServer:
             await self._send(writer, 400, b"no request body expected\n", "text/plain", False)
             return False
         if method not in ("GET", "HEAD"):
-            await self._send(writer, 405, b"GET or HEAD\n", "text/plain", keep,
-                             extra="Allow: GET, HEAD\r\n")
+            await self._send(
+                writer, 405, b"GET or HEAD\n", "text/plain", keep, extra="Allow: GET, HEAD\r\n"
+            )
             return keep
         if self.token is not None and not self._authorized(headers.get("authorization")):
-            await self._send(writer, 401, b"bearer token required\n", "text/plain", keep,
-                             extra='WWW-Authenticate: Bearer realm="prefixcache"\r\n')
+            await self._send(
+                writer,
+                401,
+                b"bearer token required\n",
+                "text/plain",
+                keep,
+                extra='WWW-Authenticate: Bearer realm="prefixcache"\r\n',
+            )
             return keep
         if urlsplit(target).path not in ("/metrics", "/"):
             await self._send(writer, 404, b"not found; try /metrics\n", "text/plain", keep)
@@ -194,8 +209,9 @@ class MetricsHttpServer:
             log.exception("metrics: collecting failed")
             await self._send(writer, 500, b"collecting failed\n", "text/plain", False)
             return False
-        await self._send(writer, 200, b"" if method == "HEAD" else body, content_type, keep,
-                         length=len(body))
+        await self._send(
+            writer, 200, b"" if method == "HEAD" else body, content_type, keep, length=len(body)
+        )
         return keep
 
     def _authorized(self, value: str | None) -> bool:
@@ -203,16 +219,31 @@ class MetricsHttpServer:
             return False
         scheme, _, credentials = value.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(
-            credentials.strip().encode(), self.token)
+            credentials.strip().encode(), self.token
+        )
 
     @staticmethod
-    async def _send(writer: asyncio.StreamWriter, status: int, body: bytes,
-                    content_type: str, keep: bool, extra: str = "",
-                    length: int | None = None) -> None:
-        reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-                  405: "Method Not Allowed", 500: "Internal Server Error"}[status]
-        head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body) if length is None else length}\r\n{extra}"
-                f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n")
+    async def _send(
+        writer: asyncio.StreamWriter,
+        status: int,
+        body: bytes,
+        content_type: str,
+        keep: bool,
+        extra: str = "",
+        length: int | None = None,
+    ) -> None:
+        reason = {
+            200: "OK",
+            400: "Bad Request",
+            401: "Unauthorized",
+            404: "Not Found",
+            405: "Method Not Allowed",
+            500: "Internal Server Error",
+        }[status]
+        head = (
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body) if length is None else length}\r\n{extra}"
+            f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n"
+        )
         writer.write(head.encode("latin-1") + body)
         await writer.drain()  # bounded: the caller's wait_for

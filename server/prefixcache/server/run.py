@@ -31,8 +31,7 @@ async def _serve(config: Config, latch: SignalLatch) -> int:
             log.info("stop signal", extra={"signal": sig.name})
             stop.set()
         else:  # an operator who does not want to wait out the grace period
-            log.warning("second stop signal: cutting the drain short",
-                        extra={"signal": sig.name})
+            log.warning("second stop signal: cutting the drain short", extra={"signal": sig.name})
             server.hurry()
 
     for sig in STOP_SIGNALS:
@@ -47,8 +46,9 @@ async def _serve(config: Config, latch: SignalLatch) -> int:
         return 0
     await server.start()
     waiter = asyncio.create_task(server.wait())
-    await asyncio.wait([asyncio.create_task(stop.wait()), waiter],
-                       return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait(
+        [asyncio.create_task(stop.wait()), waiter], return_when=asyncio.FIRST_COMPLETED
+    )
     await server.stop()
     waiter.cancel()
     return 0

@@ -48,14 +48,21 @@ class CacheService:
         shm_service: this service's name in shm_dir (``shared_pool.service_tag``).
     """
 
-    def __init__(self, models: tuple[ModelConfig, ...] | list[ModelConfig],
-                 session_ttl: float = 30.0, ttl_min: float = 1.0, ttl_max: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 shm_dir: str | None = None, shm_mode: int = 0o600,
-                 limits: Limits | None = None, change_logs: bool = False,
-                 change_log_capacity: int = DEFAULT_CAPACITY,
-                 adopt: dict[str, tuple[Path, int]] | None = None,
-                 shm_service: str | None = None) -> None:
+    def __init__(
+        self,
+        models: tuple[ModelConfig, ...] | list[ModelConfig],
+        session_ttl: float = 30.0,
+        ttl_min: float = 1.0,
+        ttl_max: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        shm_dir: str | None = None,
+        shm_mode: int = 0o600,
+        limits: Limits | None = None,
+        change_logs: bool = False,
+        change_log_capacity: int = DEFAULT_CAPACITY,
+        adopt: dict[str, tuple[Path, int]] | None = None,
+        shm_service: str | None = None,
+    ) -> None:
         # A client that sees this change knows every handle it holds is gone.
         self.epoch = secrets.randbits(63) or 1
         # Node handles and lock ids are keyed permutations of counters, with a key drawn
@@ -63,9 +70,13 @@ class CacheService:
         # names nothing now (instead of somebody else's node or lock).
         self.ids = OpaqueIds()
         self.limits = limits_of() if limits is None else limits
-        self.sessions = SessionRegistry(self._release, clock, self.ids,
-                                        self.limits.max_sessions,
-                                        self.limits.max_sessions_per_client)
+        self.sessions = SessionRegistry(
+            self._release,
+            clock,
+            self.ids,
+            self.limits.max_sessions,
+            self.limits.max_sessions_per_client,
+        )
         # CPU pools in shared memory under shm_dir (None: private), for attach.
         self.shared = SharedPools(shm_dir, self.epoch, shm_mode, adopt, shm_service)
         self.engines: dict[str, ModelEngine | SlotEngine] = {}
@@ -73,15 +84,22 @@ class CacheService:
             for model in models:
                 kind = SlotEngine if model.kind == "slot" else ModelEngine
                 # Change logs (KV events): the tree kinds only; a slot cache has no pages.
-                extra = {"change_log": change_logs, "change_log_capacity": change_log_capacity
-                         } if kind is ModelEngine else {}
+                extra = (
+                    {"change_log": change_logs, "change_log_capacity": change_log_capacity}
+                    if kind is ModelEngine
+                    else {}
+                )
                 self.engines[model.name] = kind(
-                    model, self.sessions.next_lock_id,
-                    self.shared.pool_factory(model.name, model.pool.device), self.ids,
-                    **extra)
+                    model,
+                    self.sessions.next_lock_id,
+                    self.shared.pool_factory(model.name, model.pool.device),
+                    self.ids,
+                    **extra,
+                )
                 self.engines[model.name].quota = Quota.of(self.limits, self.engines[model.name])
                 self.engines[model.name].retentions = Retentions(
-                    self.limits.retention, self.engines[model.name], len(self.limits.tenants))
+                    self.limits.retention, self.engines[model.name], len(self.limits.tenants)
+                )
                 if self.limits.tenants:  # Stats shows a tenant its namespaces' lookups
                     self.engines[model.name].tenant_counts = TenantCounts(self.limits.tenants)
         except BaseException:
@@ -107,8 +125,9 @@ class CacheService:
         try:
             return self.engines[name]
         except KeyError:
-            raise NotFoundError(f"model {name!r} is not hosted here "
-                                f"(hosted: {', '.join(self.engines)})") from None
+            raise NotFoundError(
+                f"model {name!r} is not hosted here (hosted: {', '.join(self.engines)})"
+            ) from None
 
     def session(self, session_id: str) -> Session:
         return self.sessions.get(session_id)
@@ -119,7 +138,8 @@ class CacheService:
             raise StaleEpochError(
                 f"server_epoch {epoch} is not this service's ({self.epoch}): the service "
                 "restarted, and the sessions, nodes, locks and slots from before are gone",
-                self.epoch)
+                self.epoch,
+            )
 
     def lapse_retentions(self, batch: int) -> int:
         """End up to ``batch`` retentions per model whose time has passed (the reaper's
@@ -133,8 +153,9 @@ class CacheService:
         if client is None:
             client = client_identity(CALLER.get(), PEER.get(), name)
         session = self.sessions.open(granted, name, client=client)
-        log.info("session opened", extra={"session": session.id[:8], "client": name,
-                                          "ttl": granted})
+        log.info(
+            "session opened", extra={"session": session.id[:8], "client": name, "ttl": granted}
+        )
         return session
 
     def open_stream_session(self, name: str = "") -> Session:
@@ -161,8 +182,10 @@ class CacheService:
         for session in self.fences.settle():
             slots = sum(e.release_session(session)[1] for e in self.engines.values())
             freed += slots
-            log.info("fenced slots freed after their writer let go",
-                     extra={"session": session.id[:8], "slots_freed": slots})
+            log.info(
+                "fenced slots freed after their writer let go",
+                extra={"session": session.id[:8], "slots_freed": slots},
+            )
         return freed
 
     def unlock(self, session: Session, lock_id: int, unused: str | None = None) -> None:
@@ -173,11 +196,14 @@ class CacheService:
             return
         held = session.locks.get(lock_id)
         if held is None and not self.sessions.issued(lock_id):
-            raise NotFoundError(f"lock {lock_id} was never issued by this server "
-                                "(or comes from before a restart)")
+            raise NotFoundError(
+                f"lock {lock_id} was never issued by this server (or comes from before a restart)"
+            )
         if held is None:
-            raise PreconditionError(f"lock {lock_id} is not held by this session "
-                                    "(already released, or never taken by it)")
+            raise PreconditionError(
+                f"lock {lock_id} is not held by this session "
+                "(already released, or never taken by it)"
+            )
         held.engine.unlock(session, lock_id)
         if unused is not None:
             held.engine.lookups.add(unused, held.hit)
@@ -193,8 +219,10 @@ class CacheService:
         engine.keep_held(held, window)
         for session in self.sessions:  # kept replies name locks and slots that are gone
             session.forget_replies()
-        log.warning("model reset", extra={"model": name, "dropped_tokens": dropped[0],
-                                          "dropped_locks": dropped[1]})
+        log.warning(
+            "model reset",
+            extra={"model": name, "dropped_tokens": dropped[0], "dropped_locks": dropped[1]},
+        )
         return dropped
 
     def check_integrity(self) -> None:

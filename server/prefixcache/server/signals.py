@@ -24,10 +24,24 @@ from types import FrameType
 # Not the faults (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT: the process is broken, the
 # default is right), not SIGPIPE or SIGXFSZ (Python ignores them), not the real-time
 # signals (nobody sends them by accident, and libraries may use them).
-_NAMES = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM",
-          "SIGVTALRM", "SIGPROF", "SIGXCPU", "SIGIO", "SIGPWR", "SIGSTKFLT")
+_NAMES = (
+    "SIGTERM",
+    "SIGINT",
+    "SIGHUP",
+    "SIGQUIT",
+    "SIGUSR1",
+    "SIGUSR2",
+    "SIGALRM",
+    "SIGVTALRM",
+    "SIGPROF",
+    "SIGXCPU",
+    "SIGIO",
+    "SIGPWR",
+    "SIGSTKFLT",
+)
 STOP_SIGNALS: tuple[signal.Signals, ...] = tuple(
-    dict.fromkeys(getattr(signal, name) for name in _NAMES if hasattr(signal, name)))
+    dict.fromkeys(getattr(signal, name) for name in _NAMES if hasattr(signal, name))
+)
 
 
 class SignalLatch:

@@ -184,8 +184,7 @@ class Workload:
 @pytest.mark.parametrize("page", [1, 2])
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
-def test_the_log_rebuilds_the_tree_after_every_operation(kind: str, page: int,
-                                                         seed: int) -> None:
+def test_the_log_rebuilds_the_tree_after_every_operation(kind: str, page: int, seed: int) -> None:
     work = Workload(kind, page, seed)
     work.check()
     for _ in range(60):
@@ -197,8 +196,7 @@ def test_the_log_rebuilds_the_tree_after_every_operation(kind: str, page: int,
 @pytest.mark.parametrize("page", [1, 2])
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
-def test_a_walk_in_slices_is_exact_while_the_tree_changes(kind: str, page: int,
-                                                          seed: int) -> None:
+def test_a_walk_in_slices_is_exact_while_the_tree_changes(kind: str, page: int, seed: int) -> None:
     # Walks of a node or a few at a time, with inserts (which split nodes the walk has
     # not reached yet), evictions and resets between the slices: each finished walk
     # is exactly the tree at the log's newest change, parents before children.
@@ -250,8 +248,10 @@ def test_a_fresh_cache_starts_with_a_clear_and_reset_clears() -> None:
     stored = records[1]
     assert isinstance(stored, PagesStored)
     assert stored.parent_hash is None and stored.token_ids() == [1, 2, 3, 4]  # aligned
-    assert stored.page_hashes == (hash_token_ids([1, 2]),
-                                  hash_token_ids([3, 4], hash_token_ids([1, 2])))
+    assert stored.page_hashes == (
+        hash_token_ids([1, 2]),
+        hash_token_ids([3, 4], hash_token_ids([1, 2])),
+    )
 
 
 def test_a_split_records_nothing_and_the_child_chains_on_the_parent() -> None:

@@ -39,8 +39,9 @@ def insert_tokens(cache: RadixCache, tokens: list[int], extra_key: str | None = 
     cache.insert(RadixKey(tokens, extra_key), slots(len(tokens)))
 
 
-def insert_hashes(cache: RadixCache, hashes: list[str], base: bytes = b"",
-                  extra_key: str | None = None) -> None:
+def insert_hashes(
+    cache: RadixCache, hashes: list[str], base: bytes = b"", extra_key: str | None = None
+) -> None:
     width = hash_page_width(PAGE)
     packed = base + encode_hash_pages(hashes, PAGE)
     key = RadixKey.from_bytes(packed, width, hash_namespace(extra_key))
@@ -113,8 +114,14 @@ def test_reset_clears_the_index() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["tokens", "hashes", "evict"]),
-                          st.integers(0, 3), st.integers(1, 4)), max_size=25))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["tokens", "hashes", "evict"]), st.integers(0, 3), st.integers(1, 4)
+        ),
+        max_size=25,
+    )
+)
 def test_index_follows_any_workload(ops: list[tuple[str, int, int]]) -> None:
     """After every insert (splitting or not), hash-chain continuation and eviction, the
     index equals the tree's pages, and the forwarded log never names a hash page."""
@@ -122,8 +129,9 @@ def test_index_follows_any_workload(ops: list[tuple[str, int, int]]) -> None:
     hidden = (hash_namespace(None), hash_page_width(PAGE))
     for op, seed, n in ops:
         if op == "tokens":
-            insert_tokens(cache, [seed % 2, 1, seed, 2, seed, 3, 0, 0][: 2 * n],
-                          None if seed < 3 else "x")
+            insert_tokens(
+                cache, [seed % 2, 1, seed, 2, seed, 3, 0, 0][: 2 * n], None if seed < 3 else "x"
+            )
         elif op == "hashes":
             chain = digests(seed % 2, n)
             # Continue on the longest stored prefix of the chain, as SetPages does.

@@ -78,12 +78,14 @@ class MambaHarness(MambaOps):
         m_ev, m_prot = cache.mamba_evictable_size(), cache.mamba_protected_size()
         assert m_ev >= 0 and m_prot >= 0 and m_ev + m_prot == len(self.state_at)
         assert self.pool.num_allocated_track_slots() == len(self.state_at) + len(
-            self.held_states), "a state slot leaked"
+            self.held_states
+        ), "a state slot leaked"
         assert not (self.held & set(model.pos_of))
         assert not (self.held_states & set(self.state_at.values()))
         order = sorted(self.state_at, key=self.recency.__getitem__, reverse=True)
         assert [ints(n.mamba_value)[0] for n in cache.mamba_lru_list] == [
-            self.state_at[k] for k in order], "the Mamba LRU list is not in recency order"
+            self.state_at[k] for k in order
+        ], "the Mamba LRU list is not in recency order"
         for (ns, width, tokens), _ in self.state_at.items():
             seq = Seq(ns, width, tokens)
             assert len(tokens) % self.PAGE == 0
@@ -96,13 +98,17 @@ class MambaHarness(MambaOps):
             assert model.slots(h.seq, h.length) == lk.slots, "a locked prefix changed slots"
             if lk.state is not None:
                 assert self.state_at.get(state_key(h.seq, h.length)) == lk.state, (
-                    "a locked node lost its state")
+                    "a locked node lost its state"
+                )
             protected.update(model.keys(h.seq, h.length))
             if h.node.key_len:
                 assert h.node.own_lock_ref == counts[id(h.node)]
         assert prot == len(protected), f"protected_size {prot}, locks cover {len(protected)}"
-        mamba_locked = {id(lk.handle.node) for lk in self.locks
-                        if lk.handle.node.key_len and lk.handle.node.mamba_value is not None}
+        mamba_locked = {
+            id(lk.handle.node)
+            for lk in self.locks
+            if lk.handle.node.key_len and lk.handle.node.mamba_value is not None
+        }
         assert m_prot == len(mamba_locked), "mamba_protected_size != locked nodes with state"
         live_ids = {n.id for n in walk(cache.root_node) if n.key_len}
         assert not (live_ids & self.evicted_ids), "on_node_evict named a node still in the tree"
@@ -147,7 +153,7 @@ class MambaHarness(MambaOps):
             self._expect_lock_error(self.cache.inc_lock_ref, h.node)
             return
         if h.length:
-            assert node_path(h.node)[:3] == (h.seq.ns, h.seq.width, h.seq.tokens[:h.length])
+            assert node_path(h.node)[:3] == (h.seq.ns, h.seq.width, h.seq.tokens[: h.length])
             if h.node.mamba_value is None:
                 event("lock of a tombstone")
         self._lock(h, "explicit")
@@ -172,16 +178,18 @@ class MambaHarness(MambaOps):
         ns, width, tokens, _ = node_path(nodes[i % len(nodes)])
         self.history.append(Seq(ns, width, tokens))
         ns_choice, page_ids, tail, _ = spec
-        seq = self.seq((ns_choice, page_ids or [1], tail, (len(self.history) - 1,
-                                                          self.MAX_PAGES)))
+        seq = self.seq((ns_choice, page_ids or [1], tail, (len(self.history) - 1, self.MAX_PAGES)))
         self._insert_fresh(seq, (False, False))
 
     @precondition(lambda self: len(self.locks) < 8)
     @rule(i=INDEX, tombstone=st.booleans())
     def lock_node(self, i: int, tombstone: bool) -> None:
         """Lock any node in the tree, a tombstone or not, as a handle would name it."""
-        nodes = [n for n in walk(self.cache.root_node)
-                 if n.key_len and (n.mamba_value is None) == tombstone]
+        nodes = [
+            n
+            for n in walk(self.cache.root_node)
+            if n.key_len and (n.mamba_value is None) == tombstone
+        ]
         if not nodes:
             return
         node = nodes[i % len(nodes)]

@@ -77,8 +77,7 @@ def test_e10_split_match_lock_evict_adopt() -> None:
     assert mamba_sizes(cache) == (2, 0)
 
     miss = cache.match_prefix(RadixKey([1, 2]))  # splits [1..4]; [1,2] has no state
-    assert (miss.prefix_len, miss.last_node, miss.mamba_branching_seqlen) == (
-        0, cache.root_node, 2)
+    assert (miss.prefix_len, miss.last_node, miss.mamba_branching_seqlen) == (0, cache.root_node, 2)
     by_first = {n.key.token_ids[0]: n for n in nodes(cache)}
     upper, lower = by_first[1], by_first[3]
     assert upper.mamba_value is None and lower.mamba_value.tolist() == [101]
@@ -105,7 +104,10 @@ def test_e10_split_match_lock_evict_adopt() -> None:
     assert pools.states_freed() == [102] and pools.freed() == [25, 26]
     again = cache.match_prefix(RadixKey(r(1, 6)))
     assert (again.prefix_len, again.indices.tolist(), again.mamba_branching_seqlen) == (
-        4, [11, 12, 13, 14], None)
+        4,
+        [11, 12, 13, 14],
+        None,
+    )
     res = cache.evict(100)
     assert (res.full_evicted, res.mamba_evicted) == (4, 1)
     assert pools.freed() == [11, 12, 13, 14] and pools.states_freed() == [103]
@@ -212,8 +214,7 @@ def test_match_stops_at_the_deepest_node_with_state() -> None:
     cache.insert(RadixKey(r(1, 10)), t(*r(11, 20)), mamba_value=102)
     cache.evict(0, 1)  # [1..3] is older: tombstoned
     m = cache.match_prefix(RadixKey(r(1, 12)))
-    assert (m.prefix_len, m.indices.tolist(), m.mamba_branching_seqlen) == (
-        10, r(11, 20), None)
+    assert (m.prefix_len, m.indices.tolist(), m.mamba_branching_seqlen) == (10, r(11, 20), None)
     m = cache.match_prefix(RadixKey([*r(1, 7), 99]))  # splits [4..10] at 7: no state there
     assert (m.prefix_len, m.last_node, m.mamba_branching_seqlen) == (0, cache.root_node, 4)
     cache.insert(RadixKey(r(1, 3)), t(11, 12, 13), mamba_value=103)
@@ -373,13 +374,16 @@ def test_namespaces_and_token_widths_are_separate_subtrees() -> None:
     cache.check_integrity()
 
 
-@pytest.mark.parametrize("bad", [
-    dict(mamba_value=7),  # a working slot, not a track slot
-    dict(mamba_value=101),  # already held by the tree
-    dict(mamba_value=t(102, 103)),
-    dict(mamba_value=1.5),
-    dict(mamba_value=None),  # new tokens need a state
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(mamba_value=7),  # a working slot, not a track slot
+        dict(mamba_value=101),  # already held by the tree
+        dict(mamba_value=t(102, 103)),
+        dict(mamba_value=1.5),
+        dict(mamba_value=None),  # new tokens need a state
+    ],
+)
 def test_bad_insert_changes_nothing(bad: dict[str, object]) -> None:
     """Bad input raises InvalidInputError before any split or store."""
     pools = Pools()

@@ -21,8 +21,9 @@ def _sglang_unittest_tree() -> tuple[MambaRadixCache, TokenToKVPoolAllocator, Ma
     pool = MambaPool(max_reqs=4, max_track_slots=8)
     cache = MambaRadixCache(1, alloc, pool)
     for tokens in ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7], [10, 11, 12], [1, 2, 3, 4, 5, 60, 70]):
-        cache.insert(RadixKey(tokens), alloc.alloc(len(tokens)),
-                     mamba_value=pool.alloc_track_slot())
+        cache.insert(
+            RadixKey(tokens), alloc.alloc(len(tokens)), mamba_value=pool.alloc_track_slot()
+        )
     cache.evict(1)  # the LRU leaf, [10, 11, 12]
     cache.evict(0, 1)  # the LRU state: the shared prefix [1, 2, 3] becomes a tombstone
     cache.check_integrity()
@@ -61,8 +62,9 @@ def test_insert_refreshes_walked_states_top_down_and_match_the_answered_path() -
     cache = MambaRadixCache(1, alloc, pool)
 
     def insert(tokens: list[int]) -> bool:
-        return cache.insert(RadixKey(tokens), alloc.alloc(len(tokens)),
-                            mamba_value=pool.alloc_track_slot()).mamba_exist
+        return cache.insert(
+            RadixKey(tokens), alloc.alloc(len(tokens)), mamba_value=pool.alloc_track_slot()
+        ).mamba_exist
 
     insert([1]), insert([1, 2, 3]), insert([9])
     assert _order(cache) == [[9], [2, 3], [1]]
@@ -94,8 +96,9 @@ def test_mamba_lru_match_refreshes_only_used_node() -> None:
     pool = MambaPool(max_reqs=1, max_track_slots=8)
     cache = MambaRadixCache(1, alloc, pool)
     for tokens in ([1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [9]):
-        cache.insert(RadixKey(tokens), alloc.alloc(len(tokens)),
-                     mamba_value=pool.alloc_track_slot())
+        cache.insert(
+            RadixKey(tokens), alloc.alloc(len(tokens)), mamba_value=pool.alloc_track_slot()
+        )
     assert _order(cache) == [[9], [5, 6], [3, 4], [1, 2]]
     m = cache.match_prefix(RadixKey([1, 2, 3, 4, 5, 6, 7]))
     assert m.prefix_len == 6

@@ -36,5 +36,7 @@ def test_alloc_host_matches_alloc(page: int, steps: list[tuple[bool, int]]) -> N
             a.free(slots)
             b.free(slots)
         assert a.available_size() == b.available_size()
-        assert a.is_allocated(np.arange(a.num_rows)).tolist() == \
-            b.is_allocated(np.arange(b.num_rows)).tolist()
+        assert (
+            a.is_allocated(np.arange(a.num_rows)).tolist()
+            == b.is_allocated(np.arange(b.num_rows)).tolist()
+        )

@@ -15,8 +15,6 @@ def snapshot(alloc: TokenToKVPoolAllocator) -> tuple[int, int, list[bool]]:
     return alloc.available_size(), alloc.num_allocated(), alloc.is_allocated(rows).tolist()
 
 
-
-
 def test_alloc_returns_lowest_slots_from_one() -> None:
     """size=8 ps=1: alloc(3) hands out [1, 2, 3]; slot 0 is never handed out."""
     a = TokenToKVPoolAllocator(8)
@@ -84,6 +82,7 @@ def test_freed_slots_are_not_reused_until_needed() -> None:
 def test_ready_size_is_what_parts_take_as_one(page_size: int) -> None:
     """Within ready_size, allocations in parts take the slots one allocation would; past
     it a part merges the freed pages in and the order changes (Step relies on this)."""
+
     def run(sizes: list[int]) -> list[int]:
         a = TokenToKVPoolAllocator(12 * page_size, page_size=page_size)
         held = a.alloc(10 * page_size)
@@ -91,6 +90,7 @@ def test_ready_size_is_what_parts_take_as_one(page_size: int) -> None:
         a.free(held[: 2 * page_size])
         assert a.ready_size() == 2 * page_size and a.available_size() == 4 * page_size
         return [s for n in sizes for s in a.alloc(n).tolist()]  # type: ignore[union-attr]
+
     ready = 2 * page_size
     assert run([ready]) == run([page_size, page_size])
     assert run([ready + page_size]) != run([page_size, page_size, page_size])
@@ -240,8 +240,6 @@ def test_returned_tensor_is_private_copy() -> None:
     assert merged is not None and sorted(merged.tolist()) == list(range(1, 9))
 
 
-
-
 def test_free_group_defers_pages_until_end() -> None:
     """Frees inside a group mark slots free at once but add capacity only at the end."""
     a = TokenToKVPoolAllocator(8)
@@ -281,8 +279,6 @@ def test_free_group_nests_and_end_without_begin_raises() -> None:
     assert a.available_size() == 5
     with pytest.raises(InvalidInputError):
         a.free_group_end()
-
-
 
 
 def test_paged_alloc_takes_whole_pages() -> None:

@@ -27,7 +27,8 @@ def test_claim_is_allocate_all_then_free_the_rest(page_size: int, data: st.DataO
     assert claimed.num_allocated() == model.num_allocated() == slots.size
     assert claimed.available_size() == model.available_size()
     assert claimed.is_allocated(np.arange(size + page_size)).equal(
-        model.is_allocated(np.arange(size + page_size)))
+        model.is_allocated(np.arange(size + page_size))
+    )
     # What is left is handed out the same, and never a claimed slot.
     a, b = claimed.alloc(claimed.available_size()), model.alloc(model.available_size())
     assert sorted(a.tolist()) == sorted(b.tolist())

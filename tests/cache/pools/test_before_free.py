@@ -30,9 +30,15 @@ def test_before_free_sees_each_evicted_node_with_its_slots_still_allocated() -> 
 
     def hook(node, node_slots) -> None:
         # Still in the tree, its slots not yet free: their rows still hold its KV.
-        seen.append((node.require_namespace().extra_key, list(node.hash_values),
-                     node_slots.tolist(), bool(allocator.is_allocated(node_slots).all()),
-                     node.evicted))
+        seen.append(
+            (
+                node.require_namespace().extra_key,
+                list(node.hash_values),
+                node_slots.tolist(),
+                bool(allocator.is_allocated(node_slots).all()),
+                node.evicted,
+            )
+        )
 
     cache.before_free = hook
     free_before = allocator.available_size()

@@ -51,7 +51,8 @@ def _scenario(draw: st.DrawFn) -> tuple[int, bool, list[tuple[bool, int]], list[
     # Parts built later from held slots: (held block, start, length, shuffle) or a raw slot.
     part = st.one_of(
         st.tuples(st.integers(0, 50), st.integers(0, 60), st.integers(1, 60), st.booleans()),
-        st.integers(-3, 200 + 2 * page))
+        st.integers(-3, 200 + 2 * page),
+    )
     parts = draw(st.lists(st.lists(part, min_size=1, max_size=3), min_size=1, max_size=4))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
 
@@ -64,7 +65,7 @@ def _scenario(draw: st.DrawFn) -> tuple[int, bool, list[tuple[bool, int]], list[
                     slots.append(item if isinstance(item, int) else 1)
                     continue
                 block = held[item[0] % len(held)]
-                chunk = block[item[1] % len(block):][: item[2]]
+                chunk = block[item[1] % len(block) :][: item[2]]
                 slots += rng.permutation(chunk).tolist() if item[3] else chunk
             out.append(slots)
         return out
@@ -131,13 +132,15 @@ class _ReferencePool:
 
 
 @settings(max_examples=120, deadline=None)
-@given(CONFIGS, st.lists(st.tuples(st.booleans(), st.integers(1, 60), st.booleans()),
-                         max_size=40))
-def test_pages_come_back_in_reference_order(config: tuple[int, bool],
-                                            steps: list[tuple[bool, int, bool]]) -> None:
+@given(CONFIGS, st.lists(st.tuples(st.booleans(), st.integers(1, 60), st.booleans()), max_size=40))
+def test_pages_come_back_in_reference_order(
+    config: tuple[int, bool], steps: list[tuple[bool, int, bool]]
+) -> None:
     page, need_sort = config
-    alloc, ref = TokenToKVPoolAllocator(256, "cpu", page, need_sort), _ReferencePool(256, page,
-                                                                                  need_sort)
+    alloc, ref = (
+        TokenToKVPoolAllocator(256, "cpu", page, need_sort),
+        _ReferencePool(256, page, need_sort),
+    )
     held: list[list[int]] = []
     for take, n, split in steps:
         if take or not held:

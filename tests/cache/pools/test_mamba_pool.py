@@ -10,8 +10,13 @@ from prefixcache.cache.pools.mamba_pool import MambaPool
 
 
 def small_pool(**kwargs: object) -> MambaPool:
-    args: dict[str, object] = dict(max_reqs=2, max_track_slots=3, num_layers=2,
-                                   conv_state_shape=(6, 3), temporal_state_shape=(2, 4, 5))
+    args: dict[str, object] = dict(
+        max_reqs=2,
+        max_track_slots=3,
+        num_layers=2,
+        conv_state_shape=(6, 3),
+        temporal_state_shape=(2, 4, 5),
+    )
     args.update(kwargs)
     return MambaPool(**args)  # type: ignore[arg-type]
 
@@ -80,13 +85,16 @@ def test_copy_and_reset_states() -> None:
     pool.copy_states([], [])
 
 
-@pytest.mark.parametrize(("src", "dst", "error"), [
-    ([1, 2], [3], InvalidInputError),
-    ([1, 2], [3, 3], InvalidInputError),
-    (6, 3, SlotIndexError),
-    (1, -1, SlotIndexError),
-    (torch.tensor([1.0]), 3, InvalidInputError),
-])
+@pytest.mark.parametrize(
+    ("src", "dst", "error"),
+    [
+        ([1, 2], [3], InvalidInputError),
+        ([1, 2], [3, 3], InvalidInputError),
+        (6, 3, SlotIndexError),
+        (1, -1, SlotIndexError),
+        (torch.tensor([1.0]), 3, InvalidInputError),
+    ],
+)
 def test_bad_copies_raise(src: object, dst: object, error: type[Exception]) -> None:
     pool = small_pool()
     pool.temporal_state.fill_(1)
@@ -95,14 +103,17 @@ def test_bad_copies_raise(src: object, dst: object, error: type[Exception]) -> N
     assert pool.temporal_state.all()
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(max_reqs=-1),
-    dict(num_layers=0),
-    dict(conv_state_shape=()),
-    dict(temporal_state_shape=(4, 0)),
-    dict(dtype="float16"),
-    dict(temporal_dtype=None),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_reqs=-1),
+        dict(num_layers=0),
+        dict(conv_state_shape=()),
+        dict(temporal_state_shape=(4, 0)),
+        dict(dtype="float16"),
+        dict(temporal_dtype=None),
+    ],
+)
 def test_bad_construction_raises(kwargs: dict[str, object]) -> None:
     with pytest.raises(InvalidInputError):
         small_pool(**kwargs)

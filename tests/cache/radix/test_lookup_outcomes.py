@@ -31,7 +31,7 @@ def _cache(page_size: int = 2, size: int = 64) -> tuple[RadixCache, EvictedPages
 def _insert(cache: RadixCache, tokens: list[int], extra_key: str | None = None) -> None:
     slots = cache.token_to_kv_pool_allocator.alloc(len(tokens))
     result = cache.insert(RadixKey(tokens, extra_key), slots)
-    cache.token_to_kv_pool_allocator.free(slots[:result.prefix_len])
+    cache.token_to_kv_pool_allocator.free(slots[: result.prefix_len])
 
 
 def _lookup(cache, record, ids, tokens, extra_key=None) -> list[tuple[str, int, int]]:
@@ -45,12 +45,12 @@ def test_page_ids_name_prefixes() -> None:
     words = np.arange(1, 33, dtype="<u4").tobytes()
     whole = ids.pages(words, 4, 7)
     assert len(whole) == 8 and len(set(whole.tolist())) == 8
-    assert (ids.pages(words[:40], 4, 7) == whole[:2]).all()   # a prefix's pages: the same
+    assert (ids.pages(words[:40], 4, 7) == whole[:2]).all()  # a prefix's pages: the same
     assert (ids.pages(words, 4, 7, first=3) == whole[3:]).all()
-    assert (ids.pages(words, 4, 8) != whole).all()             # another namespace
-    other = np.arange(2, 34, dtype="<u4").tobytes()             # another prefix, same page
+    assert (ids.pages(words, 4, 8) != whole).all()  # another namespace
+    other = np.arange(2, 34, dtype="<u4").tobytes()  # another prefix, same page
     assert ids.pages(other, 4, 7)[-1] != whole[-1]
-    zeros = np.zeros(8, dtype="<u4").tobytes()                  # leading zeros count
+    zeros = np.zeros(8, dtype="<u4").tobytes()  # leading zeros count
     assert ids.pages(zeros, 4, 7)[1] != ids.pages(zeros[:16], 4, 7)[0]
     assert namespace_salt(None, 1) != namespace_salt("", 1) != namespace_salt("", 2)
 
@@ -60,22 +60,31 @@ def test_outcomes_of_a_lookup() -> None:
     _insert(cache, [1, 2, 3, 4, 5, 6, 7, 8])
     _insert(cache, [1, 2, 3, 4, 9, 9], "lora")
     assert _lookup(cache, record, ids, [1, 2, 3, 4, 5, 6, 7]) == [
-        ("hit", 0, 6), ("below_page", 6, 7)]
+        ("hit", 0, 6),
+        ("below_page", 6, 7),
+    ]
     # Beyond the hit in its own namespace, another namespace has two more tokens.
     assert _lookup(cache, record, ids, [1, 2, 3, 4, 9, 9, 5, 5]) == [
-        ("hit", 0, 4), ("miss_namespace", 4, 6), ("miss_cold", 6, 8)]
+        ("hit", 0, 4),
+        ("miss_namespace", 4, 6),
+        ("miss_cold", 6, 8),
+    ]
     cache.evict(100)  # everything goes: the record has every page
     assert len(record) == 4 + 3
     assert _lookup(cache, record, ids, [1, 2, 3, 4, 5, 6, 7, 8, 1, 1]) == [
-        ("miss_evicted", 0, 8), ("miss_cold", 8, 10)]
-    assert _lookup(cache, record, ids, [1, 2, 3, 4, 9, 9], "lora") == [
-        ("miss_evicted", 0, 6)]
-    assert _lookup(cache, record, ids, [1, 2, 3, 4, 9, 9], "other") == [
-        ("miss_cold", 0, 6)]
+        ("miss_evicted", 0, 8),
+        ("miss_cold", 8, 10),
+    ]
+    assert _lookup(cache, record, ids, [1, 2, 3, 4, 9, 9], "lora") == [("miss_evicted", 0, 6)]
+    assert _lookup(cache, record, ids, [1, 2, 3, 4, 9, 9], "other") == [("miss_cold", 0, 6)]
     # Cached again up to a point: a hit, then the evicted rest, then cold.
     _insert(cache, [1, 2, 3, 4])
     assert _lookup(cache, record, ids, [1, 2, 3, 4, 5, 6, 7, 8, 1, 1, 3]) == [
-        ("hit", 0, 4), ("miss_evicted", 4, 8), ("miss_cold", 8, 10), ("below_page", 10, 11)]
+        ("hit", 0, 4),
+        ("miss_evicted", 4, 8),
+        ("miss_cold", 8, 10),
+        ("below_page", 10, 11),
+    ]
 
 
 def test_blocks_of_pages() -> None:
@@ -94,7 +103,10 @@ def test_blocks_of_pages() -> None:
     _insert(cache, [1, 2, 3, 4, 5, 6])  # a hit inside the second block
     key = RadixKey(list(range(1, 11)))
     assert classify(cache, key, 6, record, ids, block=4).ranges == [
-        ("hit", 0, 6), ("miss_evicted", 6, 8), ("miss_cold", 8, 10)]
+        ("hit", 0, 6),
+        ("miss_evicted", 6, 8),
+        ("miss_cold", 8, 10),
+    ]
 
 
 def test_a_full_hit_feeds_no_page_ids() -> None:
@@ -111,8 +123,9 @@ def test_namespaces_filter() -> None:
     _insert(cache, [1, 2, 3, 4], "tenant-b/x")
     key = RadixKey([1, 2, 3, 4], "tenant-a/x")
     assert classify(cache, key, 0, record, ids).ranges == [("miss_namespace", 0, 4)]
-    mine = classify(cache, key, 0, record, ids,
-                    namespaces=lambda ek: (ek or "").startswith("tenant-a/"))
+    mine = classify(
+        cache, key, 0, record, ids, namespaces=lambda ek: (ek or "").startswith("tenant-a/")
+    )
     assert mine.ranges == [("miss_cold", 0, 4)] and mine.namespace is None
 
 
@@ -173,10 +186,11 @@ def test_namespaces_looked_into_are_bounded() -> None:
     _insert(cache, [1, 2, 3], "late")  # created after the first MAX_EXAMINED
     _insert(cache, [5, 6], "ns3")
     key = RadixKey([5, 6, 9])
-    assert classify(cache, key, 0, record, ids).ranges == [("miss_namespace", 0, 2),
-                                                           ("miss_cold", 2, 3)]
-    assert classify(cache, RadixKey([1, 2, 3]), 0, record, ids).ranges == [
-        ("miss_cold", 0, 3)]
+    assert classify(cache, key, 0, record, ids).ranges == [
+        ("miss_namespace", 0, 2),
+        ("miss_cold", 2, 3),
+    ]
+    assert classify(cache, RadixKey([1, 2, 3]), 0, record, ids).ranges == [("miss_cold", 0, 3)]
 
 
 _NS = st.sampled_from([None, "a", "b"])
@@ -184,10 +198,16 @@ _TOKENS = st.lists(st.integers(1, 3), max_size=9)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.one_of(
-    st.tuples(st.just("insert"), _NS, _TOKENS),
-    st.tuples(st.just("evict"), st.integers(1, 12), st.none()),
-    st.tuples(st.just("lookup"), _NS, _TOKENS)), max_size=30))
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("insert"), _NS, _TOKENS),
+            st.tuples(st.just("evict"), st.integers(1, 12), st.none()),
+            st.tuples(st.just("lookup"), _NS, _TOKENS),
+        ),
+        max_size=30,
+    )
+)
 def test_classification_against_a_model(ops: list) -> None:
     """Every lookup's ranges against a brute-force model of the tree's history: hit
     (cached now), then miss_namespace (cached now under another namespace), then

@@ -87,8 +87,6 @@ class Request:
     new: list[int] = field(default_factory=list)
 
 
-
-
 class PlainHarness(CacheHarness):
     """Shared state, checks and rules; subclasses add the insert protocol."""
 
@@ -115,9 +113,13 @@ class PlainHarness(CacheHarness):
         self.fresh_notified: set[int] = set()  # on_node_evict ids since the last check
 
     def _new_cache(self, policy: str, eager_hashes: bool) -> RadixCache:
-        return RadixCache(page_size=self.PAGE, token_to_kv_pool_allocator=self.alloc,
-                          on_node_evict=self._on_evict, eviction_policy=policy,
-                          eager_page_hashes=eager_hashes)
+        return RadixCache(
+            page_size=self.PAGE,
+            token_to_kv_pool_allocator=self.alloc,
+            on_node_evict=self._on_evict,
+            eviction_policy=policy,
+            eager_page_hashes=eager_hashes,
+        )
 
     # -- plumbing -----------------------------------------------------------------
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[int]]:
@@ -253,8 +255,9 @@ class PlainHarness(CacheHarness):
             f"insert of {seq} reported prefix_len {r.prefix_len}; the tree held {present}"
         )
         assert present >= matched, "a locked prefix vanished before insert"
-        event("insert: " + ("new" if present == 0 else "partial hit" if present < a
-                            else "full hit"))
+        event(
+            "insert: " + ("new" if present == 0 else "partial hit" if present < a else "full hit")
+        )
         for p in range(present, a):
             self.model.add(seq, p, kv[p])
             self.held.discard(kv[p])
@@ -425,7 +428,6 @@ class DirectMachine(PlainHarness):
         kv = self._alloc(len(seq.tokens))
         if kv is not None:
             self._insert_plain(seq, kv, 0)
-
 
 
 PAGES = {1: dict(PAGE=1, POOL=24, MAX_PAGES=8), 16: dict(PAGE=16, POOL=16 * 24, MAX_PAGES=6)}

@@ -46,8 +46,10 @@ POOL = 48
 OWNERS = [None, "a", "b"]
 # Short sequences over a tiny alphabet, often extending a recent one, so prefixes are
 # shared and nodes split.
-SEQS = st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=10),
-                 st.none() | st.tuples(st.integers(0, 7), st.integers(0, 8)))
+SEQS = st.tuples(
+    st.lists(st.integers(0, 2), min_size=1, max_size=10),
+    st.none() | st.tuples(st.integers(0, 7), st.integers(0, 8)),
+)
 # A prefix of a recently inserted sequence: (which, pages), or any sequence.
 TARGETS = st.tuples(st.integers(0, 7), st.integers(1, 8)) | SEQS
 
@@ -66,8 +68,14 @@ class RetentionMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.alloc = TokenToKVPoolAllocator(POOL, "cpu", PAGE)
         self.evicted: list[int] = []
-        self.cache = RadixCache(PAGE, None, self.alloc, self.evicted.append,
-                                eviction_policy=policy, clock=lambda: self.now)
+        self.cache = RadixCache(
+            PAGE,
+            None,
+            self.alloc,
+            self.evicted.append,
+            eviction_policy=policy,
+            clock=lambda: self.now,
+        )
         self.base = EVICTION_POLICIES[policy]
         self.recs: dict[int, Rec] = {}
         self.nodes: dict[int, Any] = {}  # every node the model has seen, by id
@@ -142,8 +150,11 @@ class RetentionMachine(RuleBasedStateMachine):
 
         def visit(node: Any) -> bool:
             below = [visit(c) for c in list(node.children.values())]
-            if node.key_len and node.id in self.recs and (
-                    self.recs[node.id].until > self.now or any(below)):
+            if (
+                node.key_len
+                and node.id in self.recs
+                and (self.recs[node.id].until > self.now or any(below))
+            ):
                 out.add(node.id)
                 return True
             return False
@@ -172,8 +183,13 @@ class RetentionMachine(RuleBasedStateMachine):
         """The nodes a walk that ended at ``last`` touched: its path, and the lower
         part of a node it split on the way (a new node with a known child)."""
         nodes = self.path(last) if last.key_len else []
-        return nodes + [c for n in nodes if n.id not in self.nodes
-                        for c in n.children.values() if c.id in self.nodes]
+        return nodes + [
+            c
+            for n in nodes
+            if n.id not in self.nodes
+            for c in n.children.values()
+            if c.id in self.nodes
+        ]
 
     def rank(self, node: Any) -> tuple[Any, ...]:
         rec = self.recs.get(node.id)
@@ -211,10 +227,16 @@ class RetentionMachine(RuleBasedStateMachine):
         self.sync_structure()
         self.renew(touched)
 
-    @rule(spec=TARGETS, seconds=st.sampled_from([1.0, 3.0, 10.0]), priority=st.integers(1, 3),
-          owner=st.sampled_from(OWNERS), limit=st.none() | st.integers(0, 24))
-    def retain(self, spec: Any, seconds: float, priority: int, owner: Any,
-               limit: int | None) -> None:
+    @rule(
+        spec=TARGETS,
+        seconds=st.sampled_from([1.0, 3.0, 10.0]),
+        priority=st.integers(1, 3),
+        owner=st.sampled_from(OWNERS),
+        limit=st.none() | st.integers(0, 24),
+    )
+    def retain(
+        self, spec: Any, seconds: float, priority: int, owner: Any, limit: int | None
+    ) -> None:
         result = self.cache.match_prefix(RadixKey(self.target(spec)))
         touched = self.touched(result.last_node)
         self.sync_structure()
@@ -268,8 +290,9 @@ class RetentionMachine(RuleBasedStateMachine):
                 rec.until = min(rec.until, self.now)
         keep = self.counted()
         # A release ends only what it can now; the lapses due wait for their timers.
-        assert got.tokens == sum(n.key_len for n in self.path(result.last_node)
-                                 if n.id in keep or n.retain_priority)
+        assert got.tokens == sum(
+            n.key_len for n in self.path(result.last_node) if n.id in keep or n.retain_priority
+        )
 
     @rule(spec=TARGETS)
     def lock(self, spec: Any) -> None:
@@ -364,7 +387,10 @@ class RetentionMachine(RuleBasedStateMachine):
         for i, node in tree.items():
             rec = self.recs[i]
             assert (node.retain_priority, node.retain_seconds, node.retain_owner) == (
-                rec.priority, rec.seconds, rec.owner)
+                rec.priority,
+                rec.seconds,
+                rec.owner,
+            )
             assert node.retain_until == rec.until
         assert self.cache.retention is not None
         assert self.cache.retention.tokens == self.owner_tokens()
@@ -374,12 +400,12 @@ class RetentionMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         self.cache.check_integrity()
-        assert self.cache.evictable_size() + self.cache.protected_size() == \
-            self.cache.total_size()
+        assert self.cache.evictable_size() + self.cache.protected_size() == self.cache.total_size()
         retained = {n.id for n in self.tree_nodes() if n.retain_priority}
         assert self.counted() <= retained, "a retention in force was dropped"
         assert self.cache.retained_tokens() == sum(
-            n.key_len for n in self.tree_nodes() if n.retain_priority)
+            n.key_len for n in self.tree_nodes() if n.retain_priority
+        )
 
 
 TestRetention = RetentionMachine.TestCase
@@ -522,9 +548,12 @@ def test_the_retaining_policy_ranks_arrays_of_fields_as_it_ranks_nodes() -> None
 
     rng = np.random.default_rng(7)
     n, now = 64, 100.0
-    fields = {"last_access_time": rng.integers(0, 50, n), "hit_count": rng.integers(0, 4, n),
-              "retain_priority": rng.choice([0, 0, 10, 75], n),
-              "retain_until": rng.choice([50.0, 150.0], n)}
+    fields = {
+        "last_access_time": rng.integers(0, 50, n),
+        "hit_count": rng.integers(0, 4, n),
+        "retain_priority": rng.choice([0, 0, 10, 75], n),
+        "retain_until": rng.choice([50.0, 150.0], n),
+    }
     nodes = []
     for i in range(n):
         node = TreeNode()

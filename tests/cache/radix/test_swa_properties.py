@@ -130,8 +130,6 @@ BOGUS_BOUNDARY = 10**9
 SWA_CHOICE = st.sampled_from([0, 0, 0, 1, 2, 3, 4, 8, 9, 10])
 
 
-
-
 class SWAHarness(CacheHarness):
     """Shared state, checks and rules; subclasses add the insert protocol."""
 
@@ -157,10 +155,14 @@ class SWAHarness(CacheHarness):
         self.fresh_notified: set[int] = set()  # on_node_evict ids since the last check
 
     def _new_cache(self, policy: str, eager_hashes: bool) -> RadixCache:
-        cache = RadixCache(page_size=self.PAGE, sliding_window_size=self.WINDOW,
-                           token_to_kv_pool_allocator=self.alloc,
-                           on_node_evict=self._on_evict, eviction_policy=policy,
-                           eager_page_hashes=eager_hashes)
+        cache = RadixCache(
+            page_size=self.PAGE,
+            sliding_window_size=self.WINDOW,
+            token_to_kv_pool_allocator=self.alloc,
+            on_node_evict=self._on_evict,
+            eviction_policy=policy,
+            eager_page_hashes=eager_hashes,
+        )
         assert type(cache).__name__ == "SWARadixCache"
         return cache
 
@@ -187,13 +189,29 @@ class SWAHarness(CacheHarness):
     def snapshot(self) -> Any:
         c = self.cache
         nodes = sorted(
-            (n.id, n.key_len, n.lock_ref, n.own_lock_ref, n.swa_lock_ref, n.swa_tombstone,
-             n.swa_boundary_id, n.evicted, tuple(ints(n.value)))
+            (
+                n.id,
+                n.key_len,
+                n.lock_ref,
+                n.own_lock_ref,
+                n.swa_lock_ref,
+                n.swa_tombstone,
+                n.swa_boundary_id,
+                n.evicted,
+                tuple(ints(n.value)),
+            )
             for n in walk(c.root_node)
         )
-        return (c.evictable_size(), c.protected_size(), c.total_size(),
-                c.swa_evictable_size(), c.swa_protected_size(), self.alloc.num_allocated(),
-                self.alloc.swa_allocated(), nodes)
+        return (
+            c.evictable_size(),
+            c.protected_size(),
+            c.total_size(),
+            c.swa_evictable_size(),
+            c.swa_protected_size(),
+            self.alloc.num_allocated(),
+            self.alloc.swa_allocated(),
+            nodes,
+        )
 
     # -- cache operations with their checks ----------------------------------------
     def expected_match(self, seq: Seq) -> int:
@@ -228,33 +246,38 @@ class SWAHarness(CacheHarness):
         for p in range(n):
             assert model.key(seq, p) in model.slot_of, (
                 f"match returned {n} tokens of {seq}, but only {model.present(seq)} "
-                "were inserted (and not evicted) in that namespace")
+                "were inserted (and not evicted) in that namespace"
+            )
         assert got == model.slots(seq, n), "match indices differ from the inserted slots"
         live = self.live(got)
         if not all(live):
             trailing = next(i for i in range(n) if not live[n - 1 - i])
             assert trailing >= self.WINDOW, (
                 f"match of {seq} ends {trailing} live tokens after a tombstone "
-                f"(window {self.WINDOW})")
+                f"(window {self.WINDOW})"
+            )
         expected = self.expected_match(seq)
         if n < model.present(seq):
             event("match shorter than the held prefix (window rule)")
         assert n == expected, (
             f"match of {seq} gave {n} tokens; the longest held prefix satisfying the window "
-            f"rule has {expected} (held: {model.present(seq)})")
+            f"rule has {expected} (held: {model.present(seq)})"
+        )
         node = m.last_node
         if n == 0:
             assert node is not None and node.key_len == 0, "a miss must end at a root"
             return
         ns, width, tokens, slots = node_path(node)
         assert (ns, width, tokens, slots) == (seq.ns, seq.width, seq.tokens[:n], got), (
-            "last_node's path is not the matched prefix")
+            "last_node's path is not the matched prefix"
+        )
         since, n_ = 0, node
         while n_.key_len and not n_.swa_tombstone:
             since += n_.key_len
             n_ = n_.parent
         assert n_.key_len == 0 or since >= self.WINDOW, (
-            "the returned node chain has fewer than W live tokens after a tombstone")
+            "the returned node chain has fewer than W live tokens after a tombstone"
+        )
 
     def _evict(self, num: int, swa_num: int) -> Any:
         cache, model = self.cache, self.model
@@ -263,18 +286,22 @@ class SWAHarness(CacheHarness):
         was_live = dict(zip(model.pos_of, self.live(list(model.pos_of)), strict=True))
         r, freed, freed_swa = self._call(cache.evict, num, swa_num)
         assert len(set(freed)) == len(freed) == r.full_evicted, (
-            f"evict reported {r.full_evicted} full tokens but freed {len(freed)} slots")
+            f"evict reported {r.full_evicted} full tokens but freed {len(freed)} slots"
+        )
         assert self.alloc.num_allocated() == before_full - r.full_evicted
         assert self.alloc.swa_allocated() == before_swa - r.swa_evicted, (
             f"evict reported {r.swa_evicted} SWA tokens but "
-            f"{before_swa - self.alloc.swa_allocated()} SWA slots came back")
+            f"{before_swa - self.alloc.swa_allocated()} SWA slots came back"
+        )
         assert r.full_evicted <= before_ev
         assert r.full_evicted >= num or cache.evictable_size() == 0, (
             f"evict({num}) stopped at {r.full_evicted} with "
-            f"{cache.evictable_size()} evictable tokens left")
+            f"{cache.evictable_size()} evictable tokens left"
+        )
         assert r.swa_evicted >= swa_num or cache.swa_evictable_size() == 0, (
             f"evict(swa={swa_num}) stopped at {r.swa_evicted} with "
-            f"{cache.swa_evictable_size()} SWA-evictable tokens left")
+            f"{cache.swa_evictable_size()} SWA-evictable tokens left"
+        )
         assert r.swa_evicted <= before_swa_ev
         # Overshoot: by less than one leaf and its tombstone chain per phase. Phase 2
         # deletes whole unlocked leaves (with their tombstoned ancestors) while it chases
@@ -304,9 +331,11 @@ class SWAHarness(CacheHarness):
             self._evict(full_short, swa_short)
             v = self.alloc.alloc(n)
             event("alloc: evicted under pressure" if v is not None else "alloc: pool exhausted")
-            assert v is not None or self.cache.evictable_size() == 0 \
-                or self.cache.swa_evictable_size() == 0, (
-                    "eviction freed enough tokens but the pool still cannot allocate")
+            assert (
+                v is not None
+                or self.cache.evictable_size() == 0
+                or self.cache.swa_evictable_size() == 0
+            ), "eviction freed enough tokens but the pool still cannot allocate"
         if v is None:
             return None
         slots = ints(v)
@@ -318,7 +347,7 @@ class SWAHarness(CacheHarness):
         token, freed, freed_swa = self._call(self.cache.inc_lock_ref, handle.node)
         assert freed == [] and freed_swa == []
         slots = self.model.slots(handle.seq, handle.length)
-        tail = slots[max(0, handle.length - self.WINDOW):]
+        tail = slots[max(0, handle.length - self.WINDOW) :]
         window = [s for s, alive in zip(tail, self.live(tail), strict=True) if alive]
         lock = Lock(handle, token, slots, window, owner)
         self.locks.append(lock)
@@ -327,8 +356,11 @@ class SWAHarness(CacheHarness):
     def _unlock(self, lock: Lock) -> None:
         """Unlock; a tombstone left childless and unlocked may be freed (with its chain)."""
         model = self.model
-        dead = {s for s, alive in zip(model.pos_of, self.live(list(model.pos_of)), strict=True)
-                if not alive}
+        dead = {
+            s
+            for s, alive in zip(model.pos_of, self.live(list(model.pos_of)), strict=True)
+            if not alive
+        }
         _, freed, freed_swa = self._call(self.cache.dec_lock_ref, lock.handle.node, lock.token)
         assert freed_swa == [], "unlock freed SWA KV"
         self.locks.remove(lock)
@@ -358,7 +390,7 @@ class SWAHarness(CacheHarness):
         """The request freed the SWA KV of its own slots in [matched, swa_seqlen); insert."""
         ps, model = self.PAGE, self.model
         a = model.aligned(seq)
-        own_gone = kv[matched:max(matched, swa_seqlen)]
+        own_gone = kv[matched : max(matched, swa_seqlen)]
         if own_gone:
             self.alloc.free_swa_own(own_gone)
         if swa_seqlen % ps and swa_seqlen < a:
@@ -366,12 +398,13 @@ class SWAHarness(CacheHarness):
             # the caller then drops the SWA KV of the rest of that page and retries.
             before = self.snapshot()
             with pytest.raises(InvalidInputError):
-                self.cache.insert(seq.key(), tensor(kv), prev_prefix_len=matched,
-                                  swa_evicted_seqlen=swa_seqlen)
+                self.cache.insert(
+                    seq.key(), tensor(kv), prev_prefix_len=matched, swa_evicted_seqlen=swa_seqlen
+                )
             assert self.snapshot() == before, "a refused insert changed the cache"
             event("insert refused an unaligned swa_evicted_seqlen")
             rounded = -(-swa_seqlen // ps) * ps
-            rest = kv[max(matched, swa_seqlen):rounded]
+            rest = kv[max(matched, swa_seqlen) : rounded]
             if rest:
                 self.alloc.free_swa_own(rest)
             swa_seqlen = rounded
@@ -393,14 +426,21 @@ class SWAHarness(CacheHarness):
                 expect_freed.append(kv[p])
             else:
                 store[p] = None
-        r, freed, freed_swa = self._call(self.cache.insert, seq.key(), tensor(kv),
-                                         prev_prefix_len=matched, swa_evicted_seqlen=swa_seqlen)
+        r, freed, freed_swa = self._call(
+            self.cache.insert,
+            seq.key(),
+            tensor(kv),
+            prev_prefix_len=matched,
+            swa_evicted_seqlen=swa_seqlen,
+        )
         assert freed_swa == [], "insert called free_swa"
         assert r.prefix_len == present, (
-            f"insert of {seq} reported prefix_len {r.prefix_len}; the tree held {present}")
+            f"insert of {seq} reported prefix_len {r.prefix_len}; the tree held {present}"
+        )
         assert sorted(freed) == sorted(expect_freed), (
             f"insert(prev_prefix_len={matched}, swa_evicted_seqlen={swa_seqlen}) of {seq} "
-            f"freed {sorted(freed)}, expected {sorted(expect_freed)} (held {present} tokens)")
+            f"freed {sorted(freed)}, expected {sorted(expect_freed)} (held {present} tokens)"
+        )
         if any(old is not None for old in store.values()):
             event("insert revived a tombstone")
         if present < a and sw >= a:
@@ -414,14 +454,19 @@ class SWAHarness(CacheHarness):
         self.held -= set(kv[matched:a])
         end = a if (present == a or sw < a) else present
         if end:
-            assert node_path(r.last_node) == (seq.ns, seq.width, seq.tokens[:end],
-                                              model.slots(seq, end))
+            assert node_path(r.last_node) == (
+                seq.ns,
+                seq.width,
+                seq.tokens[:end],
+                model.slots(seq, end),
+            )
             self._remember(Handle(r.last_node, seq, end))
         else:
             assert r.last_node.key_len == 0
         self._free_own(kv[a:])
-        event("insert: " + ("new" if present == 0 else "partial hit" if present < a
-                            else "full hit"))
+        event(
+            "insert: " + ("new" if present == 0 else "partial hit" if present < a else "full hit")
+        )
         return r
 
     # -- invariants ------------------------------------------------------------------
@@ -432,17 +477,20 @@ class SWAHarness(CacheHarness):
         ev, prot, total = cache.evictable_size(), cache.protected_size(), cache.total_size()
         assert ev >= 0 and prot >= 0 and ev + prot == total
         assert total == len(model.slot_of), (
-            f"total_size {total}, but {len(model.slot_of)} tokens were inserted and not evicted")
+            f"total_size {total}, but {len(model.slot_of)} tokens were inserted and not evicted"
+        )
         assert alloc.num_allocated() == total + len(self.held), (
-            f"allocated {alloc.num_allocated()} != tree {total} + caller {len(self.held)}")
+            f"allocated {alloc.num_allocated()} != tree {total} + caller {len(self.held)}"
+        )
         live_tree = sum(self.live(list(model.pos_of)))
         swa_ev, swa_prot = cache.swa_evictable_size(), cache.swa_protected_size()
         assert swa_ev >= 0 and swa_prot >= 0 and swa_ev + swa_prot == live_tree, (
-            f"SWA sizes {swa_ev}+{swa_prot}, but {live_tree} tree tokens have SWA KV")
+            f"SWA sizes {swa_ev}+{swa_prot}, but {live_tree} tree tokens have SWA KV"
+        )
         held_live = sum(self.live(sorted(self.held)))
         assert alloc.swa_allocated() == live_tree + held_live, (
-            f"SWA pool has {alloc.swa_allocated()} slots out; tree {live_tree} + "
-            f"caller {held_live}")
+            f"SWA pool has {alloc.swa_allocated()} slots out; tree {live_tree} + caller {held_live}"
+        )
         assert not (self.held & set(model.pos_of))
         if self.held:
             assert bool(alloc.is_allocated(tensor(sorted(self.held))).all())
@@ -460,7 +508,8 @@ class SWAHarness(CacheHarness):
             if h.node.key_len:
                 assert h.node.own_lock_ref == counts[id(h.node)]
         assert prot == len(protected), (
-            f"protected_size {prot}, but locks cover {len(protected)} tokens")
+            f"protected_size {prot}, but locks cover {len(protected)} tokens"
+        )
         assert swa_prot >= len(window), "SWA-protected tokens miss a locked window"
         live_ids = {n.id for n in walk(cache.root_node) if n.key_len}
         assert not (live_ids & self.evicted_ids), "on_node_evict named a node still in the tree"
@@ -493,8 +542,9 @@ class SWAHarness(CacheHarness):
             return
         if h.length:
             ns, width, tokens, slots = node_path(h.node)
-            assert (ns, width, tokens) == (h.seq.ns, h.seq.width, h.seq.tokens[:h.length]), (
-                "a node handle no longer ends where it did")
+            assert (ns, width, tokens) == (h.seq.ns, h.seq.width, h.seq.tokens[: h.length]), (
+                "a node handle no longer ends where it did"
+            )
             assert slots == self.model.slots(h.seq, h.length)
             if h.node.swa_tombstone:
                 event("lock of a tombstone")
@@ -508,8 +558,7 @@ class SWAHarness(CacheHarness):
             lk = self.locks[i % len(self.locks)]
             if lk.handle.node.key_len and not lk.handle.node.evicted:
                 event("bad unlock refused (bogus boundary)")
-                self._expect_lock_error(self.cache.dec_lock_ref, lk.handle.node,
-                                        BOGUS_BOUNDARY)
+                self._expect_lock_error(self.cache.dec_lock_ref, lk.handle.node, BOGUS_BOUNDARY)
             return
         if kind == 0 and self.handles:
             h = self.handles[i % len(self.handles)]
@@ -566,8 +615,7 @@ class WorkerMachine(SWAHarness):
             self.requests.append(req)
 
     @precondition(lambda self: self.requests)
-    @rule(i=INDEX, swa_choice=SWA_CHOICE, relock=st.booleans(),
-          relock_first=st.booleans())
+    @rule(i=INDEX, swa_choice=SWA_CHOICE, relock=st.booleans(), relock_first=st.booleans())
     def commit(self, i: int, swa_choice: int, relock: bool, relock_first: bool) -> None:
         req = self.requests.pop(i % len(self.requests))
         self._commit(req, swa_choice, relock, relock_first)
@@ -598,7 +646,6 @@ class DirectMachine(SWAHarness):
         kv = self._alloc(len(seq.tokens))
         if kv is not None:
             self._insert(seq, kv, 0, self._swa_seqlen(swa_choice, 0, seq))
-
 
 
 PAGES = {

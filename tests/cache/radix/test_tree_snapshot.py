@@ -23,8 +23,9 @@ from prefixcache.cache.radix.tree_snapshot import (
 )
 
 
-def _cache(page_size: int, listener: ChangeLog | None = None, rows: int = 256
-           ) -> tuple[RadixCache, TokenToKVPoolAllocator]:
+def _cache(
+    page_size: int, listener: ChangeLog | None = None, rows: int = 256
+) -> tuple[RadixCache, TokenToKVPoolAllocator]:
     alloc = TokenToKVPoolAllocator(rows, "cpu", page_size)
     return RadixCache(page_size, None, alloc, listener=listener), alloc
 
@@ -34,24 +35,33 @@ def _put(cache: RadixCache, alloc: TokenToKVPoolAllocator, key: RadixKey) -> Non
     slots = alloc.alloc(len(key) - have.prefix_len)
     value = torch.cat([have.indices, slots])
     done = cache.insert(key, value)
-    alloc.free(value[have.prefix_len:done.prefix_len])  # already cached: the caller's
+    alloc.free(value[have.prefix_len : done.prefix_len])  # already cached: the caller's
     aligned = len(key) - len(key) % cache.page_size
     if aligned < len(key):
         alloc.free(value[aligned:])  # the unaligned tail is not cached either
 
 
 def _fill(cache: RadixCache, alloc: TokenToKVPoolAllocator) -> list[RadixKey]:
-    keys = [RadixKey(list(range(1, 17))), RadixKey([*range(1, 9), *range(50, 58)]),
-            RadixKey(list(range(1, 13)), extra_key="tenant"),
-            RadixKey([(1, 2), (3, 4), (5, 6), (7, 8)]), RadixKey(list(range(90, 98)))]
+    keys = [
+        RadixKey(list(range(1, 17))),
+        RadixKey([*range(1, 9), *range(50, 58)]),
+        RadixKey(list(range(1, 13)), extra_key="tenant"),
+        RadixKey([(1, 2), (3, 4), (5, 6), (7, 8)]),
+        RadixKey(list(range(90, 98))),
+    ]
     for key in keys:
         _put(cache, alloc, key)
     cache.match_prefix(keys[0][:4])  # a split that stays, and a touch
     return keys
 
 
-def _same_tree(fresh: RadixCache, fresh_alloc: TokenToKVPoolAllocator, cache: RadixCache,
-               alloc: TokenToKVPoolAllocator, keys: list[RadixKey]) -> None:
+def _same_tree(
+    fresh: RadixCache,
+    fresh_alloc: TokenToKVPoolAllocator,
+    cache: RadixCache,
+    alloc: TokenToKVPoolAllocator,
+    keys: list[RadixKey],
+) -> None:
     fresh.check_integrity()
     assert fresh.total_size() == cache.total_size() and fresh.protected_size() == 0
     assert fresh_alloc.num_allocated() == alloc.num_allocated()
@@ -118,10 +128,15 @@ def test_a_listener_hears_of_every_restored_page() -> None:
     fresh, fresh_alloc = _cache(4, log)
     restore(fresh, fresh_alloc, decode(encode(take(cache))))
     fresh.check_integrity()  # page hashes chain from the parents
-    stored = {(r.extra_key, r.token_width, r.parent_hash, r.page_hashes)
-              for r in log.since(-1) if type(r).__name__ == "PagesStored"}
-    assert stored == {(r.extra_key, r.token_width, r.parent_hash, r.page_hashes)
-                      for r in cache.listener.snapshot().pages}
+    stored = {
+        (r.extra_key, r.token_width, r.parent_hash, r.page_hashes)
+        for r in log.since(-1)
+        if type(r).__name__ == "PagesStored"
+    }
+    assert stored == {
+        (r.extra_key, r.token_width, r.parent_hash, r.page_hashes)
+        for r in cache.listener.snapshot().pages
+    }
     for key in keys:
         assert fresh.match_prefix(key).prefix_len == cache.match_prefix(key).prefix_len
 
@@ -138,27 +153,28 @@ def test_prune_keeps_what_it_is_cut_to() -> None:
     assert pruned.tokens < image.tokens
     below = np.flatnonzero(image.parent == first)
     assert pruned.nodes == image.nodes - len(below) - sum(
-        1 for i in range(image.nodes) if image.parent[i] in below)
+        1 for i in range(image.nodes) if image.parent[i] in below
+    )
     fresh, fresh_alloc = _cache(4)
     restore(fresh, fresh_alloc, pruned)
     fresh.check_integrity()
     assert fresh_alloc.num_allocated() == pruned.tokens
     for key in keys:  # every hit is a prefix of what it was, with the same slots
         got, was = fresh.match_prefix(key).indices, cache.match_prefix(key).indices
-        assert torch.equal(got, was[:len(got)])
+        assert torch.equal(got, was[: len(got)])
     assert prune(image, image.key_lens) is image
     empty = prune(image, np.zeros(image.nodes, dtype=np.int64))
     assert empty.nodes == 0 and empty.namespaces == []
 
 
-KEYS = st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=24), min_size=1,
-                max_size=12)
+KEYS = st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=24), min_size=1, max_size=12)
 
 
 @settings(max_examples=60, deadline=None)
 @given(KEYS, st.sampled_from([1, 2, 4]), st.integers(0, 40), st.data())
-def test_any_tree_comes_back_and_any_cut_is_a_prefix(keys: list[list[int]], page_size: int,
-                                                     evict: int, data: st.DataObject) -> None:
+def test_any_tree_comes_back_and_any_cut_is_a_prefix(
+    keys: list[list[int]], page_size: int, evict: int, data: st.DataObject
+) -> None:
     cache, alloc = _cache(page_size, rows=512)
     radix = [RadixKey(k) for k in keys]
     for key in radix:
@@ -168,18 +184,19 @@ def test_any_tree_comes_back_and_any_cut_is_a_prefix(keys: list[list[int]], page
     fresh, fresh_alloc = _cache(page_size, rows=512)
     restore(fresh, fresh_alloc, image)
     _same_tree(fresh, fresh_alloc, cache, alloc, radix)
-    keep = np.asarray([data.draw(st.integers(0, int(n))) for n in image.key_lens.tolist()],
-                      dtype=np.int64)
+    keep = np.asarray(
+        [data.draw(st.integers(0, int(n))) for n in image.key_lens.tolist()], dtype=np.int64
+    )
     cut, cut_alloc = _cache(page_size, rows=512)
     restore(cut, cut_alloc, prune(image, keep))
     cut.check_integrity()
     for key in radix:
         got, was = cut.match_prefix(key).indices, cache.match_prefix(key).indices
-        assert torch.equal(got, was[:len(got)])
+        assert torch.equal(got, was[: len(got)])
 
 
 def _corrupt(data: bytes, at: int) -> bytes:
-    return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:]
+    return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1 :]
 
 
 def _with(image: TreeImage, **fields: object) -> TreeImage:
@@ -210,7 +227,7 @@ def test_damaged_snapshots_are_refused_and_leave_the_cache_empty() -> None:
     ends = np.cumsum(image.key_lens * 4)  # namespace 0 (width 1) comes first
     a, b = (int(ends[i - 1]) if i else 0 for i in top)
     assert image.namespace[top[0]] == image.namespace[top[1]] == 0
-    keys[b:b + 4] = keys[a:a + 4]
+    keys[b : b + 4] = keys[a : a + 4]
     fresh, fresh_alloc = _cache(1)
     with pytest.raises(SnapshotError, match="same page"):
         restore(fresh, fresh_alloc, _with(image, keys=bytes(keys)))

@@ -174,8 +174,9 @@ def test_growing_a_sequence_in_its_slot_extends_the_entry() -> None:
         (([1, 2, 4], 0, 1), InvalidInputError),
     ],
 )
-def test_bad_inserts_raise_and_change_nothing(args: tuple[Any, ...],
-                                              error: type[Exception]) -> None:
+def test_bad_inserts_raise_and_change_nothing(
+    args: tuple[Any, ...], error: type[Exception]
+) -> None:
     alloc, cache = make(max_seq_len=8)
     cache.insert([1, 2, 3], *take(alloc))
     before = snapshot(cache)

@@ -125,8 +125,9 @@ class SlotMachine(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(["lru", "lfu", "fifo"]))
     def configure(self, policy: str) -> None:
-        self.cache = SlotPrefixCache(self.alloc, self.CAPACITY, max_seq_len=MAX_LEN,
-                                     eviction_policy=policy)
+        self.cache = SlotPrefixCache(
+            self.alloc, self.CAPACITY, max_seq_len=MAX_LEN, eviction_policy=policy
+        )
 
     # -- plumbing ---------------------------------------------------------------------
     def seq(self, spec: Any) -> Seq:
@@ -169,8 +170,9 @@ class SlotMachine(RuleBasedStateMachine):
             out.update(pos_key(ns, width, tokens, i) for i in range(len(tokens)))
         return out
 
-    def sync(self, expected: dict[PosKey, tuple[int, int]], may_evict: bool,
-             evicted: int | None = None) -> None:
+    def sync(
+        self, expected: dict[PosKey, tuple[int, int]], may_evict: bool, evicted: int | None = None
+    ) -> None:
         """The tree holds ``expected`` less what the call evicted (unpinned only)."""
         actual = tree_entries(self.cache)
         for k, entry in actual.items():
@@ -186,11 +188,30 @@ class SlotMachine(RuleBasedStateMachine):
 
     def snapshot(self) -> Any:
         c, a = self.cache, self.alloc
-        nodes = sorted((n.id, n.key_bytes, n.slot, n.version, n.lock_ref, n.own_lock_ref,
-                        n.last_access_time, n.hit_count) for n, _ in _walk(c))
-        return (nodes, c.total_size(), c.protected_size(), c.num_pins(), sorted(c._tips),
-                list(a._free), [a.version(s) for s in range(SLOTS)],
-                self.k.clone().tolist(), self.v.clone().tolist())
+        nodes = sorted(
+            (
+                n.id,
+                n.key_bytes,
+                n.slot,
+                n.version,
+                n.lock_ref,
+                n.own_lock_ref,
+                n.last_access_time,
+                n.hit_count,
+            )
+            for n, _ in _walk(c)
+        )
+        return (
+            nodes,
+            c.total_size(),
+            c.protected_size(),
+            c.num_pins(),
+            sorted(c._tips),
+            list(a._free),
+            [a.version(s) for s in range(SLOTS)],
+            self.k.clone().tolist(),
+            self.v.clone().tolist(),
+        )
 
     def refused(self, error: type[Exception], fn: Any, *args: Any, **kwargs: Any) -> None:
         before = self.snapshot()
@@ -239,15 +260,15 @@ class SlotMachine(RuleBasedStateMachine):
         path = (seq.ns, seq.width, seq.tokens[: self.CAPACITY])
         if r.node is None and path[2]:
             event("insert evicted at once")
-            assert any(pos_key(*path[:2], path[2], i) not in self.entries
-                       for i in range(len(path[2])))
+            assert any(
+                pos_key(*path[:2], path[2], i) not in self.entries for i in range(len(path[2]))
+            )
         elif r.node is not None and self.remember(r.node, path) and len(req.pins) < 2:
             req.pins.append(self.handles[-1])
             self.cache.pin(r.node)
 
     # -- rules -------------------------------------------------------------------------
-    def _begin(self, seq: Seq, reuse_in_place: bool, as_key: bool,
-               insert_now: bool) -> Request:
+    def _begin(self, seq: Seq, reuse_in_place: bool, as_key: bool, insert_now: bool) -> Request:
         """A request arrives: reuse its cached prefix in place or by copy, prefill."""
         m = self._find(seq, as_key)
         if m.prefix_len and reuse_in_place and self.alloc.is_free(m.slot):
@@ -260,8 +281,9 @@ class SlotMachine(RuleBasedStateMachine):
             assert slot is not None, "the pool ran out with a slot per request to spare"
             version = self.alloc.version(slot)
             expected = self.expected_find(seq)  # alloc may have taken the source slot
-            got = self.cache.copy_kv(**self.key(seq, as_key), target_slot=slot,
-                                     kv_cache=(self.k, self.v))
+            got = self.cache.copy_kv(
+                **self.key(seq, as_key), target_slot=slot, kv_cache=(self.k, self.v)
+            )
             assert got == expected
             if got.prefix_len:
                 self.held[slot][: got.prefix_len] = self.held[got.slot][: got.prefix_len]
@@ -294,8 +316,7 @@ class SlotMachine(RuleBasedStateMachine):
 
     # -- rules -------------------------------------------------------------------------
     @precondition(lambda self: len(self.requests) < SLOTS - 1)
-    @rule(spec=SEQS, reuse_in_place=st.booleans(), as_key=st.booleans(),
-          insert_now=st.booleans())
+    @rule(spec=SEQS, reuse_in_place=st.booleans(), as_key=st.booleans(), insert_now=st.booleans())
     def begin(self, spec: Any, reuse_in_place: bool, as_key: bool, insert_now: bool) -> None:
         self._begin(self.seq(spec), reuse_in_place, as_key, insert_now)
 
@@ -307,8 +328,7 @@ class SlotMachine(RuleBasedStateMachine):
         self._finish(req, True, free_first)
 
     @precondition(lambda self: self.requests)
-    @rule(i=INDEX, grow=st.lists(st.integers(0, 3), min_size=1, max_size=4),
-          insert=st.booleans())
+    @rule(i=INDEX, grow=st.lists(st.integers(0, 3), min_size=1, max_size=4), insert=st.booleans())
     def decode(self, i: int, grow: list[int], insert: bool) -> None:
         """A running request appends tokens to its slot (and may insert the longer key)."""
         req = self.requests[i % len(self.requests)]
@@ -386,8 +406,9 @@ class SlotMachine(RuleBasedStateMachine):
         if not self.handles:
             return
         h = self.handles[i % len(self.handles)]
-        mine = [p for p in self.pins + [p for r in self.requests for p in r.pins]
-                if p.node is h.node]
+        mine = [
+            p for p in self.pins + [p for r in self.requests for p in r.pins] if p.node is h.node
+        ]
         if mine and h.epoch == self.epoch:
             return
         event("unbalanced release refused")
@@ -407,8 +428,13 @@ class SlotMachine(RuleBasedStateMachine):
         tokens, ns = [1, 2], None
         if kind == 0 and used:
             s = used[i % len(used)]
-            self.refused(StaleSlotError, self.cache.insert, tokens, s,
-                         self.alloc.version(s) + 1 + i % 2 * -2 * (self.alloc.version(s) > 1))
+            self.refused(
+                StaleSlotError,
+                self.cache.insert,
+                tokens,
+                s,
+                self.alloc.version(s) + 1 + i % 2 * -2 * (self.alloc.version(s) > 1),
+            )
         elif kind == 1 and len(used) < SLOTS:
             s = next(s for s in range(SLOTS) if not self.alloc.version(s))
             self.refused(StaleSlotError, self.cache.insert, tokens, s, 0)
@@ -416,24 +442,24 @@ class SlotMachine(RuleBasedStateMachine):
             self.refused(SlotIndexError, self.cache.insert, tokens, SLOTS + i, 1)
         elif kind == 3 and used:
             s = used[i % len(used)]
-            self.refused(InvalidInputError, self.cache.insert, [0] * (MAX_LEN + 1), s,
-                         self.alloc.version(s))
+            self.refused(
+                InvalidInputError, self.cache.insert, [0] * (MAX_LEN + 1), s, self.alloc.version(s)
+            )
         else:
             current = [e for e in set(self.entries.values()) if self.alloc.is_current(*e)]
             if not current:
                 return
             s, v = current[i % len(current)]
-            ns, width, tokens = max((k for k, e in self.entries.items() if e == (s, v)),
-                                    key=lambda k: len(k[2]))
+            ns, width, tokens = max(
+                (k for k, e in self.entries.items() if e == (s, v)), key=lambda k: len(k[2])
+            )
             if i % 2:
                 ns = "other"  # the same tokens in another namespace contradict too
             else:
                 first = tokens[0]
-                tokens = ((first + 1) % 4 if width == 1 else (first[0], 1 - first[1]),
-                          *tokens[1:])
+                tokens = ((first + 1) % 4 if width == 1 else (first[0], 1 - first[1]), *tokens[1:])
             event("contradicting insert refused")
-            self.refused(InvalidInputError, self.cache.insert, list(tokens), s, v,
-                         extra_key=ns)
+            self.refused(InvalidInputError, self.cache.insert, list(tokens), s, v, extra_key=ns)
 
     def _bad_free(self, i: int) -> None:
         free = [s for s in range(SLOTS) if self.alloc.is_free(s)]
@@ -448,15 +474,20 @@ class SlotMachine(RuleBasedStateMachine):
         free = [s for s in range(SLOTS) if self.alloc.is_free(s)]
         if into_free and free:
             target = free[i % len(free)]
-        elif req.slot in {e[0] for k, e in self.entries.items()
-                          if e == (req.slot, req.version)}:
+        elif req.slot in {e[0] for k, e in self.entries.items() if e == (req.slot, req.version)}:
             target = req.slot
             if self.expected_find(req.seq).slot == target:
                 return  # a copy from the slot into itself is allowed (and a no-op)
         else:
             return
-        self.refused(InvalidInputError, self.cache.copy_kv, list(req.seq.tokens), target,
-                     (self.k, self.v), extra_key=req.seq.ns)
+        self.refused(
+            InvalidInputError,
+            self.cache.copy_kv,
+            list(req.seq.tokens),
+            target,
+            (self.k, self.v),
+            extra_key=req.seq.ns,
+        )
 
     @rule(go=st.integers(0, 49))
     def reset(self, go: int) -> None:

@@ -18,8 +18,12 @@ def test_errors_are_value_errors_raised_before_any_change() -> None:
     trie = RadixTrie(page_size=2)
     trie.insert([1, 2, 3, 4], [10, 11])
     before = trie.pretty_format(True)
-    for tokens, blocks in (([1, 2, 3], [10, 11]), ([1, 2, 3, 4, 5, 6], [10, 11]),
-                           ([], []), ([1, 2], [10, 11])):
+    for tokens, blocks in (
+        ([1, 2, 3], [10, 11]),
+        ([1, 2, 3, 4, 5, 6], [10, 11]),
+        ([], []),
+        ([1, 2], [10, 11]),
+    ):
         with pytest.raises(ValueError):
             trie.insert(tokens, blocks)
     with pytest.raises(ValueError):
@@ -121,7 +125,11 @@ def test_pretty_format_is_maxs() -> None:
     trie.insert([7], ["e"])
     assert trie.pretty_format() == ["[1, 2]", "--[3]", "--[4]", "[7]"]
     assert trie.pretty_format(print_blocks=True) == [
-        "[1, 2] : ['a', 'b']", "--[3] : ['c']", "--[4] : ['d']", "[7] : ['e']"]
+        "[1, 2] : ['a', 'b']",
+        "--[3] : ['c']",
+        "--[4] : ['d']",
+        "[7] : ['e']",
+    ]
 
 
 def test_pretty_print_prints_blocks_by_default(capsys: pytest.CaptureFixture[str]) -> None:
@@ -190,9 +198,11 @@ def test_nodes_that_left_the_trie_are_refused() -> None:
     trie, other = RadixTrie(), RadixTrie()
     gone = trie.insert([1], [10])
     assert trie.evict_blocks(1) == [10] and gone.evicted
-    for call in (lambda: trie.insert([2], [11], node=gone),
-                 lambda: trie.match_prefix([2], node=gone),
-                 lambda: trie.insert([2], [11], node=other.root)):
+    for call in (
+        lambda: trie.insert([2], [11], node=gone),
+        lambda: trie.match_prefix([2], node=gone),
+        lambda: trie.insert([2], [11], node=other.root),
+    ):
         with pytest.raises(InvalidInputError):
             call()
     with pytest.raises(LockError):

@@ -135,16 +135,20 @@ class TrieMachine(RuleBasedStateMachine):
         if not self.handles:
             return
         node, mnode = data.draw(st.sampled_from(self.handles))
-        self._compare(_outcome(lambda: self.trie.mark_in_use_by(node, seq)),
-                      _expected(lambda: self.model.mark(mnode, seq)))
+        self._compare(
+            _outcome(lambda: self.trie.mark_in_use_by(node, seq)),
+            _expected(lambda: self.model.mark(mnode, seq)),
+        )
 
     @rule(data=st.data(), seq=st.sampled_from(SEQS))
     def unmark(self, data: st.DataObject, seq: int) -> None:
         if not self.handles:
             return
         node, mnode = data.draw(st.sampled_from(self.handles))
-        self._compare(_outcome(lambda: self.trie.mark_not_in_use_by(node, seq)),
-                      _expected(lambda: self.model.unmark(mnode, seq)))
+        self._compare(
+            _outcome(lambda: self.trie.mark_not_in_use_by(node, seq)),
+            _expected(lambda: self.model.unmark(mnode, seq)),
+        )
 
     @rule(n=st.integers(-1, 7))
     def evict(self, n: int) -> None:

@@ -39,8 +39,7 @@ PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 20, 21, 22, 23
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    with running(tmp_path_factory.mktemp("shadow"), MODELS,
-                 change_log_capacity=CAPACITY) as srv:
+    with running(tmp_path_factory.mktemp("shadow"), MODELS, change_log_capacity=CAPACITY) as srv:
         yield srv
 
 
@@ -56,20 +55,20 @@ def workers(server: ServerThread) -> Iterator[list[tuple[PrefixCacheClient, dict
         client.close()
 
 
-def cache(client: PrefixCacheClient, model: str, tokens: list[int],
-          extra_key: str | None) -> None:
+def cache(client: PrefixCacheClient, model: str, tokens: list[int], extra_key: str | None) -> None:
     with client.session() as s:
         m = s.match(model, tokens, extra_key=extra_key, lock=True, allocate=True)
         slots = [*m.slots, *m.allocated]
         r = s.insert(model, tokens, slots, extra_key=extra_key, release_lock_id=m.lock_id)
         if r.cached_len < len(tokens):
-            s.free(model, slots[r.cached_len:])
+            s.free(model, slots[r.cached_len :])
 
 
 def tree_pages(server: ServerThread, model: str) -> tuple[int, dict[Any, frozenset[int]]]:
     """The model's log position and its tree's page keys by namespace, walked from the
     tree on the server's loop; each node's hashes are checked against the chain a
     worker computes from the node's tokens."""
+
     def walk() -> tuple[int, dict[Any, frozenset[int]]]:
         engine = server.service.engine(model)
         pages: dict[Any, set[int]] = {}
@@ -79,19 +78,21 @@ def tree_pages(server: ServerThread, model: str) -> tuple[int, dict[Any, frozens
                 node, above = stack.pop()
                 ns = node.namespace
                 path = above + node.key_bytes
-                chain = RequestHashes(path, page_size=ns.page_size, extra_key=ns.extra_key,
-                                      token_width=ns.token_width).hex_hashes()
-                if chain[len(chain) - len(node.hash_values):] != list(node.hash_values):
+                chain = RequestHashes(
+                    path, page_size=ns.page_size, extra_key=ns.extra_key, token_width=ns.token_width
+                ).hex_hashes()
+                if chain[len(chain) - len(node.hash_values) :] != list(node.hash_values):
                     raise AssertionError(f"node {node.id}: the tree's hashes are not the chain")
                 pages.setdefault((ns.extra_key, ns.token_width), set()).update(
-                    page_key(bytes.fromhex(h)) for h in node.hash_values)
+                    page_key(bytes.fromhex(h)) for h in node.hash_values
+                )
                 stack += [(child, path) for child in node.children.values()]
         return engine.change_log.last_seq, {ns: frozenset(k) for ns, k in pages.items()}
+
     return server.run(walk)
 
 
-def assert_converged(server: ServerThread, followers: list[ShadowFollower],
-                     model: str) -> None:
+def assert_converged(server: ServerThread, followers: list[ShadowFollower], model: str) -> None:
     seq, expected = tree_pages(server, model)
     for follower in followers:
         assert follower.wait_for_seq(seq, WAIT), (follower.index, seq)
@@ -100,37 +101,56 @@ def assert_converged(server: ServerThread, followers: list[ShadowFollower],
         assert follower.lag.events == 0
 
 
-def assert_matches(client: PrefixCacheClient, follower: ShadowFollower, model: str,
-                   queries: list[tuple[list[int], str | None]]) -> None:
+def assert_matches(
+    client: PrefixCacheClient,
+    follower: ShadowFollower,
+    model: str,
+    queries: list[tuple[list[int], str | None]],
+) -> None:
     """A radix model's shadow answers exactly what the service's Match answers."""
     for tokens, key in queries:
-        local = follower.match(RequestHashes(tokens, page_size=PAGE_SIZE[model],
-                                             extra_key=key))
+        local = follower.match(RequestHashes(tokens, page_size=PAGE_SIZE[model], extra_key=key))
         assert local == client.match(model, tokens, extra_key=key).prefix_len, tokens
 
 
-tokens_st = st.builds(lambda base, k, tail: base[:k] + tail, st.sampled_from(PREFIXES),
-                      st.integers(0, 12), st.lists(st.integers(0, 40), max_size=10)
-                      ).filter(bool)
-cache_op = st.tuples(st.just("cache"), st.integers(0, WORKERS - 1),
-                    st.sampled_from(list(PAGE_SIZE)), st.sampled_from([None, "a"]), tokens_st)
-ops = st.lists(st.one_of(
-    *(cache_op.map(tuple) for _ in range(4)),  # mostly caching: trees that hold something
-    st.tuples(st.just("evict"), st.sampled_from(list(PAGE_SIZE)), st.integers(1, 40)),
-    st.tuples(st.just("burst"), st.sampled_from(list(PAGE_SIZE))),
-    st.tuples(st.just("reset"), st.sampled_from(list(PAGE_SIZE))),
-    st.tuples(st.just("reconnect"), st.integers(0, WORKERS - 1)),
-    st.tuples(st.just("quiet"),),
-), min_size=4, max_size=30)
+tokens_st = st.builds(
+    lambda base, k, tail: base[:k] + tail,
+    st.sampled_from(PREFIXES),
+    st.integers(0, 12),
+    st.lists(st.integers(0, 40), max_size=10),
+).filter(bool)
+cache_op = st.tuples(
+    st.just("cache"),
+    st.integers(0, WORKERS - 1),
+    st.sampled_from(list(PAGE_SIZE)),
+    st.sampled_from([None, "a"]),
+    tokens_st,
+)
+ops = st.lists(
+    st.one_of(
+        *(cache_op.map(tuple) for _ in range(4)),  # mostly caching: trees that hold something
+        st.tuples(st.just("evict"), st.sampled_from(list(PAGE_SIZE)), st.integers(1, 40)),
+        st.tuples(st.just("burst"), st.sampled_from(list(PAGE_SIZE))),
+        st.tuples(st.just("reset"), st.sampled_from(list(PAGE_SIZE))),
+        st.tuples(st.just("reconnect"), st.integers(0, WORKERS - 1)),
+        st.tuples(
+            st.just("quiet"),
+        ),
+    ),
+    min_size=4,
+    max_size=30,
+)
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                 HealthCheck.too_slow])
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(steps=ops)
 def test_every_shadow_equals_the_tree_at_quiet_points(
-        server: ServerThread, workers: list[tuple[PrefixCacheClient, dict]],
-        steps: list[tuple]) -> None:
+    server: ServerThread, workers: list[tuple[PrefixCacheClient, dict]], steps: list[tuple]
+) -> None:
     admin = workers[0][0]
     for model in PAGE_SIZE:  # each example starts from empty trees
         admin.reset(model)
@@ -168,7 +188,8 @@ def test_every_shadow_equals_the_tree_at_quiet_points(
 
 
 def test_falling_behind_converges_through_a_snapshot(
-        server: ServerThread, workers: list[tuple[PrefixCacheClient, dict]]) -> None:
+    server: ServerThread, workers: list[tuple[PrefixCacheClient, dict]]
+) -> None:
     client, followers = workers[1]
     follower = followers["m"]
     assert_converged(server, [follower], "m")
@@ -181,7 +202,8 @@ def test_falling_behind_converges_through_a_snapshot(
 
 
 def test_reconnect_resumes_without_a_snapshot(
-        server: ServerThread, workers: list[tuple[PrefixCacheClient, dict]]) -> None:
+    server: ServerThread, workers: list[tuple[PrefixCacheClient, dict]]
+) -> None:
     client, followers = workers[2]
     follower = followers["p"]
     assert_converged(server, [follower], "p")
@@ -242,4 +264,5 @@ def test_async_follower(server: ServerThread) -> None:
             request = follower.request_hashes([8, 9, 10, 11], extra_key="b")
             assert follower.match(request) == 3
             assert set(follower.index.pages()) == {("b", 1)}
+
     asyncio.run(scenario())

@@ -38,12 +38,12 @@ class Feed:
         self.index, self.seq = index, 0
 
     def send(self, **body: Any) -> None:
-        self.index.apply(pb.SubscribeEvent(seq=self.seq, head_seq=self.seq,
-                                           server_epoch=EPOCH, **body))
+        self.index.apply(
+            pb.SubscribeEvent(seq=self.seq, head_seq=self.seq, server_epoch=EPOCH, **body)
+        )
 
     def snapshot_begin(self) -> None:
-        self.send(snapshot_begin=pb.SnapshotBegin(reason=pb.SNAPSHOT_REASON_BEHIND,
-                                                  page_size=1))
+        self.send(snapshot_begin=pb.SnapshotBegin(reason=pb.SNAPSHOT_REASON_BEHIND, page_size=1))
 
     def snapshot_end(self, runs: list[pb.PageRun]) -> None:
         if runs:
@@ -87,8 +87,11 @@ class Model:
 
     def snapshot(self, pages: dict[Any, set[int]]) -> None:
         self.stream = pages
-        self.own = {(ns, k): g for (ns, k), g in self.own.items()
-                    if g > self.begun_at and k not in pages.get(ns, ())}
+        self.own = {
+            (ns, k): g
+            for (ns, k), g in self.own.items()
+            if g > self.begun_at and k not in pages.get(ns, ())
+        }
 
 
 def pages_of(mapping: dict[Any, Any]) -> dict[Any, frozenset[int]]:
@@ -104,16 +107,23 @@ def expected_match(view: set[int], keys: list[int]) -> int | None:
 
 
 req_ix = st.integers(0, len(REQUESTS) - 1)
-ops = st.lists(st.one_of(
-    st.tuples(st.just("note"), req_ix, st.integers(0, 6)),
-    st.tuples(st.just("unnote"), req_ix, st.integers(0, 6)),
-    st.tuples(st.just("stored"), req_ix, st.integers(0, 6)),  # a chain's first pages
-    st.tuples(st.just("removed"), req_ix, st.integers(0, 6)),  # its pages from one on
-    st.tuples(st.just("cleared"),),
-    st.tuples(st.just("snapshot"), st.lists(st.tuples(req_ix, st.integers(0, 6)),
-                                            max_size=3),
-              st.lists(st.tuples(req_ix, st.integers(0, 6)), max_size=2)),
-), max_size=40)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("note"), req_ix, st.integers(0, 6)),
+        st.tuples(st.just("unnote"), req_ix, st.integers(0, 6)),
+        st.tuples(st.just("stored"), req_ix, st.integers(0, 6)),  # a chain's first pages
+        st.tuples(st.just("removed"), req_ix, st.integers(0, 6)),  # its pages from one on
+        st.tuples(
+            st.just("cleared"),
+        ),
+        st.tuples(
+            st.just("snapshot"),
+            st.lists(st.tuples(req_ix, st.integers(0, 6)), max_size=3),
+            st.lists(st.tuples(req_ix, st.integers(0, 6)), max_size=2),
+        ),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -134,13 +144,13 @@ def test_overlay_view_equals_the_model(steps: list[tuple]) -> None:
             model.note(ns, keys[: step[2]])
         elif kind == "unnote":
             index.unnote(req, step[2])
-            model.forget(ns, keys[step[2]:])
+            model.forget(ns, keys[step[2] :])
         elif kind == "stored":
             feed.changes([run(pb.PAGE_OP_STORED, req, keys[: step[2]])])
             model.stored(ns, keys[: step[2]])
         elif kind == "removed":
-            feed.changes([run(pb.PAGE_OP_REMOVED, req, keys[step[2]:])])
-            model.removed(ns, keys[step[2]:])
+            feed.changes([run(pb.PAGE_OP_REMOVED, req, keys[step[2] :])])
+            model.removed(ns, keys[step[2] :])
         elif kind == "cleared":
             feed.changes([pb.PageRun(op=pb.PAGE_OP_CLEARED)])
             model.stream, model.own = {}, {}
@@ -154,8 +164,9 @@ def test_overlay_view_equals_the_model(steps: list[tuple]) -> None:
             pages: dict[Any, set[int]] = {}
             for i, n in held:
                 pages.setdefault(REQUESTS[i].namespace, set()).update(REQUESTS[i].keys()[:n])
-            feed.snapshot_end([run(pb.PAGE_OP_STORED, REQUESTS[i], REQUESTS[i].keys()[:n])
-                               for i, n in held])
+            feed.snapshot_end(
+                [run(pb.PAGE_OP_STORED, REQUESTS[i], REQUESTS[i].keys()[:n]) for i, n in held]
+            )
             model.snapshot(pages)
         assert pages_of(index.pages()) == pages_of(model.stream)  # (empty runs: no ns)
         own: dict[Any, set[int]] = {}
@@ -169,10 +180,12 @@ def test_overlay_view_equals_the_model(steps: list[tuple]) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(notes=st.lists(st.tuples(req_ix, st.integers(1, 6)), max_size=30),
-       capacity=st.integers(1, 12))
-def test_overlay_is_bounded_and_closed_under_prefixes(notes: list[tuple[int, int]],
-                                                      capacity: int) -> None:
+@given(
+    notes=st.lists(st.tuples(req_ix, st.integers(1, 6)), max_size=30), capacity=st.integers(1, 12)
+)
+def test_overlay_is_bounded_and_closed_under_prefixes(
+    notes: list[tuple[int, int]], capacity: int
+) -> None:
     index = ShadowIndex("m", overlay_capacity=capacity)
     feed = Feed(index)
     feed.snapshot_begin()

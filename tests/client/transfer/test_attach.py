@@ -62,8 +62,7 @@ def test_attached_writes_are_read_through_the_server(remote: PrefixCacheClient) 
             pool.k_buffer[layer][slots] = k[layer]
             pool.v_buffer[layer][slots] = v[layer]
         back = s.read_kv("m", slots, chunk_bytes=100)
-        assert all(torch.equal(back.k[i], k[i]) and torch.equal(back.v[i], v[i])
-                   for i in range(2))
+        assert all(torch.equal(back.k[i], k[i]) and torch.equal(back.v[i], v[i]) for i in range(2))
 
         # ... and the other way round: written through the server, seen in the mapping.
         k2 = _random((2, 6, 2, 8))

@@ -27,8 +27,10 @@ models:
 def test_cuda_pool_attach_across_processes(tmp_path: Path) -> None:
     # CUDA IPC handles cannot be opened by the process that made them: the server runs
     # in a child process.
-    with serve_process(tmp_path, CONFIG) as (_, address), \
-            PrefixCacheClient(address, timeout=10) as client:
+    with (
+        serve_process(tmp_path, CONFIG) as (_, address),
+        PrefixCacheClient(address, timeout=10) as client,
+    ):
         info = client.describe_pool("g")
         assert info.device == "cuda:0" and all(b.cuda and not b.shm_path for b in info.buffers)
         pool = client.attach_pool("g")
@@ -50,6 +52,5 @@ def test_cuda_pool_attach_across_processes(tmp_path: Path) -> None:
             state = torch.tensor(list(got.state_slots), device="cuda:0")
             mamba.temporal_state[0][state] = 7.0
             torch.cuda.synchronize()
-            assert bool((s.read_kv("h", state_slots=got.state_slots).temporal[0] == 7)
-                        .all())
+            assert bool((s.read_kv("h", state_slots=got.state_slots).temporal[0] == 7).all())
             s.free("h", got.slots, state_slots=got.state_slots)

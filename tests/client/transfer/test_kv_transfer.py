@@ -25,14 +25,16 @@ pytestmark = pytest.mark.usefixtures("quiet")
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (random floats may hold NaN payloads)."""
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                              b.contiguous().view(torch.uint8))
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), dtype=torch.uint8,
-                         generator=gen).view(dtype)
+    return torch.randint(
+        0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), dtype=torch.uint8, generator=gen
+    ).view(dtype)
 
 
 @pytest.mark.parametrize("chunk", [None, 3, 8, 13, 64])
@@ -78,8 +80,16 @@ def test_mamba_state_and_slot_model(client: PrefixCacheClient) -> None:
         temporal = _random((2, 2, 2, 2, 2), torch.float32, 4)
         k = [_random((2, 1, 4), torch.float16, 5)]
         v = [_random((2, 1, 4), torch.float16, 6)]
-        s.write_kv("h", got.slots, k, v, state_slots=got.state_slots, conv=conv,
-                   temporal=temporal, chunk_bytes=5)
+        s.write_kv(
+            "h",
+            got.slots,
+            k,
+            v,
+            state_slots=got.state_slots,
+            conv=conv,
+            temporal=temporal,
+            chunk_bytes=5,
+        )
         back = s.read_kv("h", got.slots, state_slots=got.state_slots, chunk_bytes=7)
         assert _same(back.k[0], k[0]) and _same(back.v[0], v[0])
         assert all(_same(back.conv[i], conv[i]) for i in range(2))
@@ -119,8 +129,11 @@ def test_refusals(client: PrefixCacheClient, server: ServerThread) -> None:
             s.read_kv("m", mine, state_slots=[1])
         # Wrong byte counts on the raw wire: too many, too few, out of order.
         channel, stub = stub_for(server.address)
-        head = pb.KVChunk(header=pb.WriteKVHeader(model="m", slot_indices=pack_slots(mine),
-                                                   session_id=s.session_id))
+        head = pb.KVChunk(
+            header=pb.WriteKVHeader(
+                model="m", slot_indices=pack_slots(mine), session_id=s.session_id
+            )
+        )
         k_role = pb.BUFFER_ROLE_K
         for bad, message in (
             ([pb.KVChunk(role=k_role, data=bytes(17))], "more than"),
@@ -132,8 +145,7 @@ def test_refusals(client: PrefixCacheClient, server: ServerThread) -> None:
             with pytest.raises(grpc.RpcError) as err:
                 stub.WriteKV(iter([head, *bad]), timeout=5)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert err.value.details() and __import__("re").search(message,
-                                                                   err.value.details())
+            assert err.value.details() and __import__("re").search(message, err.value.details())
         channel.close()
         # Slots freed while nothing was written are refused at the header.
         s.free("m", mine)
@@ -151,10 +163,14 @@ def test_message_limit(tmp_path: Path) -> None:
             s.write_kv("big", slots, k, k + 1, chunk_bytes=1 << 20)  # clamped to the limit
             assert _same(s.read_kv("big", slots, chunk_bytes=1 << 20).k[0], k[0])
             channel, stub = stub_for(srv.address)
-            chunks = list(stub.ReadKV(pb.ReadKVRequest(model="big",
-                                                       slot_indices=pack_slots(slots),
-                                                       session_id=s.session_id),
-                                      timeout=5))
+            chunks = list(
+                stub.ReadKV(
+                    pb.ReadKVRequest(
+                        model="big", slot_indices=pack_slots(slots), session_id=s.session_id
+                    ),
+                    timeout=5,
+                )
+            )
             # 9 rows of 1 KiB per buffer, at most 3 KiB (4096 less room for the rest) a chunk
             assert max(x.ByteSize() for x in chunks) <= 4096 and len(chunks) == 2 * 3
             channel.close()
@@ -166,8 +182,7 @@ def test_message_limit(tmp_path: Path) -> None:
 
 def test_async_round_trip(server: ServerThread) -> None:
     async def main() -> None:
-        async with AsyncPrefixCacheClient(server.address, timeout=5) as c, \
-                c.session(5.0) as s:
+        async with AsyncPrefixCacheClient(server.address, timeout=5) as c, c.session(5.0) as s:
             slots = list((await s.alloc("p", 5)).slots)
             k = _random((1, 5, 1, 4), torch.float16, 9)
             await s.write_kv("p", slots, k, k, chunk_bytes=6)
@@ -178,12 +193,19 @@ def test_async_round_trip(server: ServerThread) -> None:
             pool = await c.attach_pool("p")
             assert _same(pool.k_buffer[0][slots], k[0])
             await s.free("p", slots)
+
     asyncio.run(main())
 
 
-@pytest.mark.parametrize(("role", "layer", "offset", "data"), [
-    (pb.BUFFER_ROLE_K, 0, 0, b"abc"), (pb.BUFFER_ROLE_V, 31, 2**40 + 5, bytes(range(256)) * 3),
-    (pb.BUFFER_ROLE_CONV, 5, 0, b""), (pb.BUFFER_ROLE_TEMPORAL, 0, 7, b"\x00")])
+@pytest.mark.parametrize(
+    ("role", "layer", "offset", "data"),
+    [
+        (pb.BUFFER_ROLE_K, 0, 0, b"abc"),
+        (pb.BUFFER_ROLE_V, 31, 2**40 + 5, bytes(range(256)) * 3),
+        (pb.BUFFER_ROLE_CONV, 5, 0, b""),
+        (pb.BUFFER_ROLE_TEMPORAL, 0, 7, b"\x00"),
+    ],
+)
 def test_chunks_by_hand_are_protobufs(role: int, layer: int, offset: int, data: bytes) -> None:
     """The hand-serialized chunks (the server's ReadKV replies, the client's WriteKV data)
     are byte for byte protobuf's, and the client's parser reads protobuf's (data as a
@@ -196,8 +218,7 @@ def test_chunks_by_hand_are_protobufs(role: int, layer: int, offset: int, data: 
     assert encode_chunk(role, layer, offset, memoryview(data)) == wire
     assert client_encode(role, layer, offset, memoryview(data)) == wire  # WriteKV's
     got = parse_chunk(wire)
-    assert (got.role, got.layer, got.offset_bytes, bytes(got.data)) == (role, layer, offset,
-                                                                        data)
+    assert (got.role, got.layer, got.offset_bytes, bytes(got.data)) == (role, layer, offset, data)
 
 
 def test_malformed_chunks_are_refused() -> None:
@@ -217,14 +238,27 @@ def test_write_chunks_parsed_by_hand_on_the_server() -> None:
     reads them; a header, an unknown field or malformed bytes go to protobuf instead."""
     from prefixcache.server.rpc.kv_wire import parse_data_chunk
 
-    for chunk in (pb.KVChunk(role=2, layer=7, offset_bytes=2**33, data=b"y" * 300),
-                  pb.KVChunk(role=1), pb.KVChunk()):
+    for chunk in (
+        pb.KVChunk(role=2, layer=7, offset_bytes=2**33, data=b"y" * 300),
+        pb.KVChunk(role=1),
+        pb.KVChunk(),
+    ):
         got = parse_data_chunk(chunk.SerializeToString())
         assert got is not None and not got.HasField("header")
-        assert (got.role, got.layer, got.offset_bytes, bytes(got.data)) == \
-            (chunk.role, chunk.layer, chunk.offset_bytes, chunk.data)
+        assert (got.role, got.layer, got.offset_bytes, bytes(got.data)) == (
+            chunk.role,
+            chunk.layer,
+            chunk.offset_bytes,
+            chunk.data,
+        )
     header = pb.KVChunk(header=pb.WriteKVHeader(model="m")).SerializeToString()
     data = pb.KVChunk(role=1, data=b"abc").SerializeToString()
-    for other in (header, header + data, data[:-1], b"\x80", data + b"\x30\x01",
-                  pb.KVChunk(role=-1).SerializeToString()):
+    for other in (
+        header,
+        header + data,
+        data[:-1],
+        b"\x80",
+        data + b"\x30\x01",
+        pb.KVChunk(role=-1).SerializeToString(),
+    ):
         assert parse_data_chunk(other) is None

@@ -18,16 +18,24 @@ PS = 4
 MODELS = (
     ModelConfig(name="p", page_size=PS, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4)),
     ModelConfig(name="one", page_size=1, pool=PoolConfig(size=32, k_heads=1, k_head_dim=4)),
-    ModelConfig(name="s", kind="slot", max_seq_len=8,
-                pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)),
-    ModelConfig(name="mla", page_size=PS,
-                pool=PoolConfig(size=32, layers=2, k_heads=1, k_head_dim=12, mla=True)),
-    ModelConfig(name="f8", page_size=PS,
-                pool=PoolConfig(size=32, layers=2, k_heads=2, k_head_dim=4,
-                                dtype="float8_e4m3fn")),
-    ModelConfig(name="f8mla", page_size=PS,
-                pool=PoolConfig(size=32, k_heads=1, k_head_dim=8, dtype="float8_e5m2",
-                                mla=True)),
+    ModelConfig(
+        name="s", kind="slot", max_seq_len=8, pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)
+    ),
+    ModelConfig(
+        name="mla",
+        page_size=PS,
+        pool=PoolConfig(size=32, layers=2, k_heads=1, k_head_dim=12, mla=True),
+    ),
+    ModelConfig(
+        name="f8",
+        page_size=PS,
+        pool=PoolConfig(size=32, layers=2, k_heads=2, k_head_dim=4, dtype="float8_e4m3fn"),
+    ),
+    ModelConfig(
+        name="f8mla",
+        page_size=PS,
+        pool=PoolConfig(size=32, k_heads=1, k_head_dim=8, dtype="float8_e5m2", mla=True),
+    ),
 )
 
 pytestmark = pytest.mark.usefixtures("quiet")
@@ -44,15 +52,17 @@ def client(server: ServerThread) -> Iterator[PrefixCacheClient]:
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
-                                              b.contiguous().view(torch.uint8))
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Random bytes as ``dtype`` (NaN payloads included: copies must be bytewise)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), dtype=torch.uint8,
-                         generator=gen).view(dtype)
+    return torch.randint(
+        0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), dtype=torch.uint8, generator=gen
+    ).view(dtype)
 
 
 # ------------------------------------------------------------------ as_pages
@@ -76,8 +86,7 @@ def test_match_in_pages_equals_the_slot_form(client: PrefixCacheClient) -> None:
     with client.session(5.0) as s:
         pages = list(s.alloc("p", 12, as_pages=True).page_ids)
         s.insert("p", tokens, to_slots(pages, PS).tolist())
-        paged = s.match("p", [*tokens, 1, 2, 3, 4, 5], as_pages=True, lock=True,
-                        allocate=True)
+        paged = s.match("p", [*tokens, 1, 2, 3, 4, 5], as_pages=True, lock=True, allocate=True)
         plain = client.match("p", tokens)
         assert paged.prefix_len == plain.prefix_len == 12
         assert list(paged.page_ids) == pages and len(paged.slots) == 0
@@ -112,8 +121,11 @@ def test_page_size_one_pages_are_slots(client: PrefixCacheClient) -> None:
         assert len(reply.page_ids) == 5
         s.insert("one", [1, 2, 3, 4, 5], list(reply.page_ids))
         paged = client.match("one", [1, 2, 3, 4, 5, 6], as_pages=True)
-        assert list(paged.page_ids) == list(reply.page_ids) == \
-            list(client.match("one", [1, 2, 3, 4, 5]).slots)
+        assert (
+            list(paged.page_ids)
+            == list(reply.page_ids)
+            == list(client.match("one", [1, 2, 3, 4, 5]).slots)
+        )
     client.reset("one")
 
 
@@ -136,10 +148,10 @@ def test_mla_pool_is_described_without_v(client: PrefixCacheClient) -> None:
     assert not client.describe_pool("p").mla
 
 
-@pytest.mark.parametrize("model, dtype", [("mla", torch.float16),
-                                          ("f8mla", torch.float8_e5m2)])
-def test_mla_round_trip_through_attach_and_transfer(client: PrefixCacheClient, model: str,
-                                                    dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("model, dtype", [("mla", torch.float16), ("f8mla", torch.float8_e5m2)])
+def test_mla_round_trip_through_attach_and_transfer(
+    client: PrefixCacheClient, model: str, dtype: torch.dtype
+) -> None:
     info = client.describe_pool(model)
     pool = client.attach_pool(model)
     assert pool.v_buffer == [] and len(pool.k_buffer) == info.layer_num
@@ -153,8 +165,8 @@ def test_mla_round_trip_through_attach_and_transfer(client: PrefixCacheClient, m
         assert reply.buffers_written == info.layer_num
         for layer in range(info.layer_num):
             for i, page in enumerate(pages):
-                run = pool.k_buffer[layer][page * PS:(page + 1) * PS]
-                assert _bytes_equal(run, k[layer][i * PS:(i + 1) * PS])
+                run = pool.k_buffer[layer][page * PS : (page + 1) * PS]
+                assert _bytes_equal(run, k[layer][i * PS : (i + 1) * PS])
         # written in the mapped pool, read over the wire
         new = _random((len(slots), *row), dtype, 99)
         pool.k_buffer[0][torch.tensor(slots)] = new
@@ -166,16 +178,20 @@ def test_mla_round_trip_through_attach_and_transfer(client: PrefixCacheClient, m
     pool.close()
 
 
-def test_mla_write_with_a_v_chunk_is_refused(server: ServerThread,
-                                             client: PrefixCacheClient) -> None:
+def test_mla_write_with_a_v_chunk_is_refused(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     channel, stub = stub_for(server.address)
     with channel, client.session(5.0) as s:
         slots = list(s.alloc("mla", 1).slots)
         before = client.read_kv("mla", slots, session=s).k[0].clone()
-        header = pb.WriteKVHeader(model="mla", slot_indices=pack_slots(slots), layers=[0],
-                                  session_id=s.session_id)
-        chunks = [pb.KVChunk(header=header),
-                  pb.KVChunk(role=pb.BUFFER_ROLE_V, layer=0, data=b"\x01" * 24)]
+        header = pb.WriteKVHeader(
+            model="mla", slot_indices=pack_slots(slots), layers=[0], session_id=s.session_id
+        )
+        chunks = [
+            pb.KVChunk(header=header),
+            pb.KVChunk(role=pb.BUFFER_ROLE_V, layer=0, data=b"\x01" * 24),
+        ]
         with pytest.raises(grpc.RpcError) as err:
             stub.WriteKV(iter(chunks))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -201,10 +217,13 @@ def test_fp8_round_trip_is_bytewise(client: PrefixCacheClient) -> None:
         s.free("f8", slots)
 
 
-@pytest.mark.parametrize("pool, message", [
-    ("{mla: true, v_head_dim: 8}", "no V"),
-    ("{mla: true, v_heads: 1}", "no V"),
-])
+@pytest.mark.parametrize(
+    "pool, message",
+    [
+        ("{mla: true, v_head_dim: 8}", "no V"),
+        ("{mla: true, v_heads: 1}", "no V"),
+    ],
+)
 def test_mla_config_refuses_v(tmp_path: object, pool: str, message: str) -> None:
     path = tmp_path / "pc.yaml"  # type: ignore[operator]
     path.write_text(f"models:\n  - name: x\n    pool: {pool}\n")
@@ -214,7 +233,8 @@ def test_mla_config_refuses_v(tmp_path: object, pool: str, message: str) -> None
 
 def test_mla_config_refuses_slot_kind(tmp_path: object) -> None:
     path = tmp_path / "pc.yaml"  # type: ignore[operator]
-    path.write_text("models:\n  - name: x\n    kind: slot\n    max_seq_len: 4\n"
-                    "    pool: {size: 2, mla: true}\n")
+    path.write_text(
+        "models:\n  - name: x\n    kind: slot\n    max_seq_len: 4\n    pool: {size: 2, mla: true}\n"
+    )
     with pytest.raises(ConfigError, match="mla"):
         load_config(path)

@@ -39,7 +39,8 @@ def _allocs(server: ServerThread) -> int:
 
 
 def test_extend_and_decode_are_page_aligned_one_alloc_per_batch(
-        server: ServerThread, cache: RemoteRadixCache) -> None:
+    server: ServerThread, cache: RemoteRadixCache
+) -> None:
     alloc = cache.token_to_kv_pool_allocator
     before = _allocs(server)
     out = alloc.alloc_extend(t(0, 0), t(0, 0), t(5, 3), t(5, 3), t(-1, -1), 8).tolist()
@@ -92,8 +93,9 @@ def test_a_short_pool_answers_none_and_takes_nothing(cache: RemoteRadixCache) ->
         alloc.alloc_extend(t(2), t(2), t(4), t(4), t(-1), 2)
 
 
-def test_page_size_one_is_a_plain_allocation(client: PrefixCacheClient,
-                                             server: ServerThread) -> None:
+def test_page_size_one_is_a_plain_allocation(
+    client: PrefixCacheClient, server: ServerThread
+) -> None:
     with RemoteRadixCache(client, "m") as c:
         alloc = c.token_to_kv_pool_allocator
         before = server.service.engine("m").ops["alloc"]

@@ -28,10 +28,16 @@ from prefixcache.client import PrefixCacheClient, RemoteAllocator, RemoteRadixCa
 from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig
 
 PAGE, POOL = 4, 64
-MODELS = (ModelConfig(name="r", page_size=PAGE, pool=PoolConfig(size=POOL, k_heads=1,
-                                                                 k_head_dim=4)),
-          ModelConfig(name="h", kind="mamba", page_size=2, mamba=MambaConfig(state_slots=4),
-                      pool=PoolConfig(size=16, k_heads=1, k_head_dim=4)))
+MODELS = (
+    ModelConfig(name="r", page_size=PAGE, pool=PoolConfig(size=POOL, k_heads=1, k_head_dim=4)),
+    ModelConfig(
+        name="h",
+        kind="mamba",
+        page_size=2,
+        mamba=MambaConfig(state_slots=4),
+        pool=PoolConfig(size=16, k_heads=1, k_head_dim=4),
+    ),
+)
 
 
 def scenario(cache: Any, allocator: Any) -> list[tuple[Any, ...]]:
@@ -39,8 +45,12 @@ def scenario(cache: Any, allocator: Any) -> list[tuple[Any, ...]]:
     trace: list[tuple[Any, ...]] = []
 
     def sizes() -> tuple[int, ...]:
-        return (cache.evictable_size(), cache.protected_size(), cache.total_size(),
-                allocator.available_size())
+        return (
+            cache.evictable_size(),
+            cache.protected_size(),
+            cache.total_size(),
+            allocator.available_size(),
+        )
 
     def prefill(tokens: list[int], lora: str | None = None, keep_lock: bool = False) -> Any:
         key = RadixKey(tokens, extra_key=lora)
@@ -53,20 +63,21 @@ def scenario(cache: Any, allocator: Any) -> list[tuple[Any, ...]]:
         new = allocator.alloc(need)
         slots = torch.cat([hit.indices, new])
         done = cache.insert(key, slots)
-        allocator.free(slots[hit.prefix_len:done.prefix_len])
-        allocator.free(slots[len(tokens) // PAGE * PAGE:])
+        allocator.free(slots[hit.prefix_len : done.prefix_len])
+        allocator.free(slots[len(tokens) // PAGE * PAGE :])
         if keep_lock:
             cache.inc_lock_ref(done.last_node)
         cache.dec_lock_ref(hit.last_node)
-        trace.append(("prefill", hit.prefix_len, len(hit.indices), len(new),
-                      done.prefix_len, *sizes()))
+        trace.append(
+            ("prefill", hit.prefix_len, len(hit.indices), len(new), done.prefix_len, *sizes())
+        )
         return done
 
     trace.append(("start", *sizes()))
-    prefill(list(range(10)))                     # 8 cached, the tail of 2 freed
-    prefill([*range(10), 50, 51, 52, 53, 54])    # hits 8
-    prefill([*range(4), 60, 61, 62, 63])         # splits the first node
-    prefill(list(range(10)), lora="adapter")     # its own namespace: a miss
+    prefill(list(range(10)))  # 8 cached, the tail of 2 freed
+    prefill([*range(10), 50, 51, 52, 53, 54])  # hits 8
+    prefill([*range(4), 60, 61, 62, 63])  # splits the first node
+    prefill(list(range(10)), lora="adapter")  # its own namespace: a miss
     pinned = prefill([70, 71, 72, 73, 74, 75, 76, 77], keep_lock=True)
 
     # A prefill that loses a race: someone caches the same tokens between our match
@@ -79,7 +90,7 @@ def scenario(cache: Any, allocator: Any) -> list[tuple[Any, ...]]:
     # (Sizes are compared only after the caller's frees: the service returns the
     # duplicates to the pool during the insert, in-process the caller's free does.)
     trace.append(("race", hit.prefix_len, done.prefix_len))
-    allocator.free(mine[hit.prefix_len:done.prefix_len])
+    allocator.free(mine[hit.prefix_len : done.prefix_len])
     allocator.free(mine[4:])
     trace.append(("race freed", *sizes()))
 
@@ -152,8 +163,7 @@ def test_the_same_scenario_tells_the_same_story(remote_server: ServerThread) -> 
     remote_server.check_integrity()
 
 
-def test_insert_needs_slots_and_keys_may_be_plain_token_lists(
-        remote_server: ServerThread) -> None:
+def test_insert_needs_slots_and_keys_may_be_plain_token_lists(remote_server: ServerThread) -> None:
     client = PrefixCacheClient(remote_server.address)
     with RemoteRadixCache(client, "r", ttl=5, device="cpu") as cache:
         allocator = cache.token_to_kv_pool_allocator
@@ -186,8 +196,7 @@ def test_insert_needs_slots_and_keys_may_be_plain_token_lists(
     client.close()
 
 
-def test_only_radix_models_and_known_models(remote_server: ServerThread,
-                                            tmp_path: Path) -> None:
+def test_only_radix_models_and_known_models(remote_server: ServerThread, tmp_path: Path) -> None:
     from prefixcache.client import InvalidArgument, NotFound
 
     with pytest.raises(InvalidArgument):

@@ -44,8 +44,9 @@ if str(_REPO) not in sys.path:  # bench/ is a script folder, not an installed pa
 from bench.sglang_sched import Req, Scheduler  # noqa: E402
 
 PAGE, POOL = 4, 4096
-MODELS = (ModelConfig(name="r", page_size=PAGE, pool=PoolConfig(size=POOL, k_heads=1,
-                                                                 k_head_dim=4)),)
+MODELS = (
+    ModelConfig(name="r", page_size=PAGE, pool=PoolConfig(size=POOL, k_heads=1, k_head_dim=4)),
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,7 @@ def remote(server: ServerThread) -> Iterator[RemoteRadixCache]:
 def workload(seed: int, n: int) -> list[Req]:
     """Requests sharing a few system prompts and each other's turns."""
     rng = random.Random(seed)
-    systems = [array("I", range(1000 * s, 1000 * s + rng.randrange(8, 40)))
-               for s in range(1, 4)]
+    systems = [array("I", range(1000 * s, 1000 * s + rng.randrange(8, 40))) for s in range(1, 4)]
     reqs: list[Req] = []
     for rid in range(n):
         if reqs and rng.random() < 0.3:  # a later turn of an earlier conversation
@@ -86,8 +86,9 @@ def wait_shadow(cache: RemoteRadixCache, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while len(index) * PAGE != cache.total_size():
         if time.monotonic() > deadline:
-            raise AssertionError(f"shadow holds {len(index)} pages, the service "
-                                 f"{cache.total_size() // PAGE}")
+            raise AssertionError(
+                f"shadow holds {len(index)} pages, the service {cache.total_size() // PAGE}"
+            )
         time.sleep(0.005)
 
 
@@ -108,8 +109,9 @@ def reserved(cache: RemoteRadixCache) -> int:
     return len(reserve.slots) if reserve is not None else 0
 
 
-def run(cache: Any, reqs: list[Req], *, batch: int, chunk: int | None,
-        remote: bool, wait: bool = True) -> list[tuple[Any, ...]]:
+def run(
+    cache: Any, reqs: list[Req], *, batch: int, chunk: int | None, remote: bool, wait: bool = True
+) -> list[tuple[Any, ...]]:
     sched = Scheduler(cache, batch=batch, chunk=chunk)
     pending = list(reqs)
     story = []
@@ -122,18 +124,29 @@ def run(cache: Any, reqs: list[Req], *, batch: int, chunk: int | None,
             wait_shadow(cache)
         out = sched.step()
         hits = sorted((r.rid, r.hit_tokens) for r in reqs if r.hit_tokens >= 0)
-        story.append((out.admitted, out.finished, out.hit_tokens, out.extend_tokens,
-                      out.decode_tokens, tuple(hits), cache.evictable_size(),
-                      cache.protected_size(), cache.total_size(),
-                      cache.token_to_kv_pool_allocator.available_size()))
+        story.append(
+            (
+                out.admitted,
+                out.finished,
+                out.hit_tokens,
+                out.extend_tokens,
+                out.decode_tokens,
+                tuple(hits),
+                cache.evictable_size(),
+                cache.protected_size(),
+                cache.total_size(),
+                cache.token_to_kv_pool_allocator.available_size(),
+            )
+        )
     else:
         raise AssertionError("the workload did not finish")
     return story
 
 
 @pytest.mark.parametrize(("seed", "batch", "chunk"), [(1, 4, None), (2, 3, 12), (3, 8, 16)])
-def test_scheduler_steps_tell_the_same_story(remote: RemoteRadixCache, seed: int,
-                                             batch: int, chunk: int | None) -> None:
+def test_scheduler_steps_tell_the_same_story(
+    remote: RemoteRadixCache, seed: int, batch: int, chunk: int | None
+) -> None:
     local = LocalSGLangCache(POOL, PAGE)
     expected = run(local, workload(seed, 40), batch=batch, chunk=chunk, remote=False)
     local.check_integrity()
@@ -146,17 +159,18 @@ def test_scheduler_steps_tell_the_same_story(remote: RemoteRadixCache, seed: int
     assert remote.calls <= 3 * len(got)
 
 
-@pytest.mark.parametrize(("seed", "batch", "chunk"),
-                         [(5, 3, 12), (6, 8, 16), (7, 4, 24), (4, 6, None)])
-def test_own_inserts_rank_at_once(remote: RemoteRadixCache, seed: int, batch: int,
-                                  chunk: int | None) -> None:
+@pytest.mark.parametrize(
+    ("seed", "batch", "chunk"), [(5, 3, 12), (6, 8, 16), (7, 4, 24), (4, 6, None)]
+)
+def test_own_inserts_rank_at_once(
+    remote: RemoteRadixCache, seed: int, batch: int, chunk: int | None
+) -> None:
     """Without waiting for the stream between steps: the worker's own inserts (queued
     at the end of a step, sent with the next step's first call, reported by the stream
     after that) rank the next step as in-process (the shadow's local overlay)."""
     local = LocalSGLangCache(POOL, PAGE)
     expected = run(local, workload(seed, 40), batch=batch, chunk=chunk, remote=False)
-    got = run(remote, workload(seed, 40), batch=batch, chunk=chunk, remote=True,
-              wait=False)
+    got = run(remote, workload(seed, 40), batch=batch, chunk=chunk, remote=True, wait=False)
     assert [step[5] for step in got] == [step[5] for step in expected]  # same hits
     assert remote.errors == [] and remote.window.shortfalls == 0
 
@@ -173,15 +187,15 @@ def admitted(cache: Any, tokens: list[int]) -> Req:
     req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
     if m.host_hit_length:
         indices, req.last_node = cache.init_load_back(
-            InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+            InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req)
+        )
         req.prefix_indices = indices
     req.lock_receipt = cache.inc_lock_ref(req.last_node).to_dec_params()
     req.cache_protected_len = len(req.prefix_indices)
     return req
 
 
-def test_estimates_shortfalls_and_receipts(remote: RemoteRadixCache,
-                                           server: ServerThread) -> None:
+def test_estimates_shortfalls_and_receipts(remote: RemoteRadixCache, server: ServerThread) -> None:
     other = RemoteRadixCache(server.address, "r", ttl=30)
     slots = other.token_to_kv_pool_allocator.alloc(12)
     other.insert(InsertParams(key=list(range(12)), value=slots))
@@ -216,8 +230,11 @@ def test_estimates_shortfalls_and_receipts(remote: RemoteRadixCache,
     remote.dec_lock_ref(node, r1)
     assert remote.stats().locks == 1
     calls = remote.calls
-    sizes = [remote.evictable_size(), remote.protected_size(),
-             remote.token_to_kv_pool_allocator.available_size()]
+    sizes = [
+        remote.evictable_size(),
+        remote.protected_size(),
+        remote.token_to_kv_pool_allocator.available_size(),
+    ]
     assert sizes[1] == 12 and remote.calls == calls  # counters came with the reply
     remote.dec_lock_ref(node, r2)
     assert remote.protected_size() == 0 and remote.calls == calls + 1
@@ -269,8 +286,9 @@ def _lens(prefix: list[int], seq: list[int], last: list[int]) -> tuple[Any, ...]
     return tuple(t)
 
 
-def test_plain_client_sessions_see_the_same_tree(remote: RemoteRadixCache,
-                                                 server: ServerThread) -> None:
+def test_plain_client_sessions_see_the_same_tree(
+    remote: RemoteRadixCache, server: ServerThread
+) -> None:
     """What the SGLang calls cached is the service's: another client matches it."""
     local = Req(0, array("I", range(300, 310)), 1)
     req = admitted(remote, list(local.origin_input_ids))
@@ -308,8 +326,9 @@ def test_the_reserve_counts_as_free_and_goes_back_on_close(server: ServerThread)
 def test_plain_allocations_are_served_from_the_reserve(tmp_path: Path) -> None:
     """With one-slot pages ``alloc`` takes from the reserve, and what it answers is a
     tensor of those slots (the reserve's list was once handed to the tensor view)."""
-    models = (ModelConfig(name="p1", page_size=1,
-                          pool=PoolConfig(size=POOL, k_heads=1, k_head_dim=4)),)
+    models = (
+        ModelConfig(name="p1", page_size=1, pool=PoolConfig(size=POOL, k_heads=1, k_head_dim=4)),
+    )
     with running(tmp_path, models) as srv:
         with RemoteRadixCache(srv.address, "p1") as cache:
             cache.window  # noqa: B018 - serving SGLang: the allocator keeps a reserve
@@ -335,8 +354,7 @@ def test_a_receipt_releases_once(remote: RemoteRadixCache) -> None:
     assert remote.protected_size() == 0 and remote.errors == []
 
 
-def test_own_pages_are_seen_at_once_and_end_with_the_stream(
-        remote: RemoteRadixCache) -> None:
+def test_own_pages_are_seen_at_once_and_end_with_the_stream(remote: RemoteRadixCache) -> None:
     """A queued insert ranks at once (no call); the stream's store confirms it (the
     overlay empties), and its removal, after an eviction, ends it."""
     tokens = list(range(600, 613))
@@ -361,13 +379,18 @@ def test_own_pages_are_seen_at_once_and_end_with_the_stream(
     while len(index) and time.monotonic() < deadline:
         time.sleep(0.005)
     again = Req(2, array("I", [*tokens, 7]), 1)
-    assert remote.match_prefix(MatchPrefixParams(list(again.origin_input_ids),
-                                                 req=again)).host_hit_length == 0
+    assert (
+        remote.match_prefix(
+            MatchPrefixParams(list(again.origin_input_ids), req=again)
+        ).host_hit_length
+        == 0
+    )
     assert index.local_pages() == {} and remote.errors == []
 
 
-def test_an_insert_that_fails_takes_its_note_back(remote: RemoteRadixCache,
-                                                  server: ServerThread) -> None:
+def test_an_insert_that_fails_takes_its_note_back(
+    remote: RemoteRadixCache, server: ServerThread
+) -> None:
     """Slots the session does not hold: the queued insert is refused, and the pages
     it noted stop counting (they were never cached)."""
     other = RemoteRadixCache(server.address, "r", ttl=30)

@@ -44,25 +44,43 @@ from prefixcache.client.worker.sglang_api import MatchPrefixParams
 from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig
 
 PAGE, POOL, STATES, CHUNK = 2, 40, 4, 2
-MODEL = ModelConfig(name="h", kind="mamba", page_size=PAGE,
-                    pool=PoolConfig(size=POOL, k_heads=1, k_head_dim=2),
-                    mamba=MambaConfig(state_slots=STATES, working_slots=1, layers=1,
-                                      conv_state_shape=(2, 2), temporal_state_shape=(1, 2, 2),
-                                      chunk_size=CHUNK))
+MODEL = ModelConfig(
+    name="h",
+    kind="mamba",
+    page_size=PAGE,
+    pool=PoolConfig(size=POOL, k_heads=1, k_head_dim=2),
+    mamba=MambaConfig(
+        state_slots=STATES,
+        working_slots=1,
+        layers=1,
+        conv_state_shape=(2, 2),
+        temporal_state_shape=(1, 2, 2),
+        chunk_size=CHUNK,
+    ),
+)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    with running(tmp_path_factory.mktemp("mamba"),
-                 (MODEL, ModelConfig(name="r", page_size=1, pool=PoolConfig(
-                     size=16, k_heads=1, k_head_dim=2)))) as srv:
+    with running(
+        tmp_path_factory.mktemp("mamba"),
+        (
+            MODEL,
+            ModelConfig(name="r", page_size=1, pool=PoolConfig(size=16, k_heads=1, k_head_dim=2)),
+        ),
+    ) as srv:
         yield srv
 
 
 def in_process() -> tuple[MambaRadixCache, TokenToKVPoolAllocator, MambaPool]:
     allocator = TokenToKVPoolAllocator(POOL, "cpu", PAGE)
-    states = MambaPool(max_reqs=1, max_track_slots=STATES, num_layers=1,
-                       conv_state_shape=(2, 2), temporal_state_shape=(1, 2, 2))
+    states = MambaPool(
+        max_reqs=1,
+        max_track_slots=STATES,
+        num_layers=1,
+        conv_state_shape=(2, 2),
+        temporal_state_shape=(1, 2, 2),
+    )
     cache = MambaRadixCache(PAGE, allocator, states, mamba_cache_chunk_size=CHUNK)
     return cache, allocator, states
 
@@ -85,30 +103,42 @@ class World:
 
     def sizes(self) -> tuple[int, ...]:
         c = self.cache
-        return (c.evictable_size(), c.protected_size(), c.mamba_evictable_size(),
-                c.mamba_protected_size(), self.allocator.available_size(),
-                self.states.available_track_slots())
+        return (
+            c.evictable_size(),
+            c.protected_size(),
+            c.mamba_evictable_size(),
+            c.mamba_protected_size(),
+            self.allocator.available_size(),
+            self.states.available_track_slots(),
+        )
 
     def match(self, tokens: list[int]) -> tuple[Any, ...]:
         hit = self.cache.match_prefix(RadixKey(tokens))
-        return (hit.prefix_len, _ints(hit.indices), _state(hit.last_node),
-                hit.mamba_branching_seqlen)
+        return (
+            hit.prefix_len,
+            _ints(hit.indices),
+            _state(hit.last_node),
+            hit.mamba_branching_seqlen,
+        )
 
     def prefill(self, tokens: list[int], keep: bool) -> tuple[Any, ...]:
         cache, allocator, states = self.cache, self.allocator, self.states
         key = RadixKey(tokens)
         hit = cache.match_prefix(key)
         cache.inc_lock_ref(hit.last_node)
-        out: list[Any] = [hit.prefix_len, _ints(hit.indices), _state(hit.last_node),
-                          hit.mamba_branching_seqlen]
+        out: list[Any] = [
+            hit.prefix_len,
+            _ints(hit.indices),
+            _state(hit.last_node),
+            hit.mamba_branching_seqlen,
+        ]
         track = states.alloc_track_slot()
         if track is None:
             out.append(("snapshot evicted", cache.evict(0, mamba_num=1).mamba_evicted))
             track = states.alloc_track_slot()
         need = len(tokens) - hit.prefix_len
         if allocator.available_size() < need:
-            out.append(("kv evicted", cache.evict(need - allocator.available_size())
-                        .full_evicted))
+            out.append(("kv evicted", cache.evict(need - allocator.available_size()).full_evicted))
         new = allocator.alloc(need) if track is not None else None
         if new is None:
             if track is not None:
@@ -118,7 +148,7 @@ class World:
         slots = torch.cat([hit.indices, new])
         aligned = len(tokens) // PAGE * PAGE
         done = cache.insert(key[:aligned], slots[:aligned], mamba_value=track)
-        allocator.free(slots[hit.prefix_len:done.prefix_len])
+        allocator.free(slots[hit.prefix_len : done.prefix_len])
         allocator.free(slots[aligned:])
         if done.mamba_exist:
             states.free_track_slot(track)
@@ -164,8 +194,11 @@ class SameStory(RuleBasedStateMachine):
         assert got == want
         return got
 
-    @rule(pages=st.lists(st.sampled_from([0, 1, 2]), min_size=1, max_size=5),
-          tail=st.booleans(), keep=st.integers(0, 4))
+    @rule(
+        pages=st.lists(st.sampled_from([0, 1, 2]), min_size=1, max_size=5),
+        tail=st.booleans(),
+        keep=st.integers(0, 4),
+    )
     def prefill(self, pages: list[int], tail: bool, keep: int) -> None:
         tokens = [t for p in pages for t in (p, 10 + p)] + ([7] if tail else [])
         self._both(lambda w: w.prefill(tokens, keep == 0))
@@ -234,8 +267,10 @@ def test_the_mamba_contract_and_its_refusals(server: ServerThread) -> None:
         with pytest.raises(Exception, match=r"not held|DoubleFree|double"):
             states.free_track_slot(again)
         assert cache.evict(0, mamba_num=1).mamba_evicted == 1
-        for sglang in (lambda: cache.match_prefix(MatchPrefixParams(RadixKey([1]))),
-                       lambda: cache.cache_finished_req(None)):
+        for sglang in (
+            lambda: cache.match_prefix(MatchPrefixParams(RadixKey([1]))),
+            lambda: cache.cache_finished_req(None),
+        ):
             with pytest.raises(InvalidInputError):
                 sglang()
     with pytest.raises(InvalidArgument):
@@ -257,14 +292,22 @@ models:
 
 
 def test_prefills_over_a_serve_process_tell_the_in_process_story(tmp_path: Path) -> None:
-    prompts = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 40, 41],
-               [1, 2, 9], [50 + i for i in range(12)], [60 + i for i in range(12)],
-               [1, 2, 3, 4, 5, 6, 7, 8]]
+    prompts = [
+        [1, 2, 3, 4, 5, 6],
+        [1, 2, 3, 4, 5, 6, 7, 8, 9],
+        [1, 2, 3, 4, 40, 41],
+        [1, 2, 9],
+        [50 + i for i in range(12)],
+        [60 + i for i in range(12)],
+        [1, 2, 3, 4, 5, 6, 7, 8],
+    ]
     local = World(*in_process())
     want = [local.prefill(p, keep=i == 1) for i, p in enumerate(prompts)]
     want.append(local.sizes())
-    with serve_process(tmp_path, CONFIG) as (_, address), \
-            RemoteMambaRadixCache(address, "h") as cache:
+    with (
+        serve_process(tmp_path, CONFIG) as (_, address),
+        RemoteMambaRadixCache(address, "h") as cache,
+    ):
         remote = World(cache, cache.token_to_kv_pool_allocator, cache.mamba_pool)
         got = [remote.prefill(p, keep=i == 1) for i, p in enumerate(prompts)]
         got.append(remote.sizes())

@@ -42,12 +42,17 @@ from prefixcache.client import InvalidArgument, PrefixCacheClient, RemoteRadixTr
 from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig
 
 PAGE = 2
-MODELS = (ModelConfig(name="t", page_size=PAGE, pool=PoolConfig(size=4096, k_heads=1,
-                                                                 k_head_dim=2)),
-          ModelConfig(name="t1", page_size=1, pool=PoolConfig(size=4096, k_heads=1,
-                                                              k_head_dim=2)),
-          ModelConfig(name="h", kind="mamba", page_size=2, mamba=MambaConfig(state_slots=4),
-                      pool=PoolConfig(size=16, k_heads=1, k_head_dim=2)))
+MODELS = (
+    ModelConfig(name="t", page_size=PAGE, pool=PoolConfig(size=4096, k_heads=1, k_head_dim=2)),
+    ModelConfig(name="t1", page_size=1, pool=PoolConfig(size=4096, k_heads=1, k_head_dim=2)),
+    ModelConfig(
+        name="h",
+        kind="mamba",
+        page_size=2,
+        mamba=MambaConfig(state_slots=4),
+        pool=PoolConfig(size=16, k_heads=1, k_head_dim=2),
+    ),
+)
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +195,9 @@ class SameAnswers(RuleBasedStateMachine):
 
 @pytest.mark.parametrize(("model", "shadow"), [("t", False), ("t", True), ("t1", True)])
 def test_remote_answers_as_in_process(server: ServerThread, model: str, shadow: bool) -> None:
-    machine = type("Same", (SameAnswers,), {"address": server.address, "model": model,
-                                            "use_shadow": shadow})
+    machine = type(
+        "Same", (SameAnswers,), {"address": server.address, "model": model, "use_shadow": shadow}
+    )
     run_state_machine_as_test(machine, settings=machine_settings(25, 40))
     server.check_integrity()
 
@@ -228,8 +234,7 @@ def test_marks_are_locks_of_the_session(server: ServerThread) -> None:
     server.check_integrity()
 
 
-def test_marks_released_before_their_call_is_answered_hold_nothing(
-        server: ServerThread) -> None:
+def test_marks_released_before_their_call_is_answered_hold_nothing(server: ServerThread) -> None:
     with RemoteRadixTrie(server.address, "t", shadow=False) as trie:
         trie.client.reset("t")
         node = trie.insert([1, 2, 3, 4], trie.evict_blocks(2))
@@ -245,8 +250,7 @@ def test_marks_released_before_their_call_is_answered_hold_nothing(
         assert trie.stats().locks == 0
 
 
-def test_an_insert_the_service_refuses_leaves_the_blocks_the_caller_s(
-        server: ServerThread) -> None:
+def test_an_insert_the_service_refuses_leaves_the_blocks_the_caller_s(server: ServerThread) -> None:
     with RemoteRadixTrie(server.address, "t", shadow=False) as trie:
         trie.client.reset("t")
         mine = trie.evict_blocks(1)
@@ -302,19 +306,23 @@ class MaxStyleManager:
             self.available.add(block)
 
     def fetch(self, seq: int, prompt: list[int]) -> int:
-        node, blocks = self.trie.match_prefix(prompt[:-1]) if len(prompt) > 1 else \
-            (self.trie.root, [])
+        node, blocks = (
+            self.trie.match_prefix(prompt[:-1]) if len(prompt) > 1 else (self.trie.root, [])
+        )
         self.trie.mark_in_use_by(node, seq)
         need = -(-len(prompt) // self.ps) - len(blocks)
-        self.seqs[seq] = {"node": node, "blocks": blocks + [self.alloc_block()
-                                                             for _ in range(need)],
-                          "tokens": prompt, "committed": len(blocks) * self.ps}
+        self.seqs[seq] = {
+            "node": node,
+            "blocks": blocks + [self.alloc_block() for _ in range(need)],
+            "tokens": prompt,
+            "committed": len(blocks) * self.ps,
+        }
         return len(blocks) * self.ps
 
     def commit(self, seq: int) -> None:
         data = self.seqs[seq]
         end = len(data["tokens"]) // self.ps * self.ps
-        todo = data["tokens"][data["committed"]:end]
+        todo = data["tokens"][data["committed"] : end]
         if not todo:
             return
         node, have = self.trie.match_prefix(todo, node=data["node"])
@@ -322,12 +330,12 @@ class MaxStyleManager:
         for old, new in zip(data["blocks"][first:], have, strict=False):
             if old != new:
                 self.release_block(old)
-        data["blocks"][first:first + len(have)] = have
+        data["blocks"][first : first + len(have)] = have
         data["committed"] += len(have) * self.ps
-        rest = data["tokens"][data["committed"]:end]
+        rest = data["tokens"][data["committed"] : end]
         if rest:
             first = data["committed"] // self.ps
-            node = self.trie.insert(rest, data["blocks"][first:end // self.ps], node=node)
+            node = self.trie.insert(rest, data["blocks"][first : end // self.ps], node=node)
             data["committed"] = end
         data["node"] = node
         self.trie.mark_in_use_by(node, seq)
@@ -340,8 +348,10 @@ class MaxStyleManager:
 
 
 def test_a_max_style_manager_over_a_serve_process(tmp_path: Path) -> None:
-    with serve_process(tmp_path, CONFIG) as (_, address), \
-            RemoteRadixTrie(address, "t", ttl=30) as trie:
+    with (
+        serve_process(tmp_path, CONFIG) as (_, address),
+        RemoteRadixTrie(address, "t", ttl=30) as trie,
+    ):
         mgr = MaxStyleManager(trie, trie.page_size)
         shared = list(range(100, 124))  # six pages every prompt starts with
         assert mgr.fetch(0, [*shared, 1, 2, 3, 4, 5]) == 0
@@ -386,8 +396,10 @@ def test_a_dead_worker_s_marks_go_with_its_lease(tmp_path: Path) -> None:
     with serve_process(tmp_path, CONFIG) as (_, address):
         worker = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(WORKER), address],
-            env={**os.environ, "PYTHONPATH": SOURCE_PATH}, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE)
+            env={**os.environ, "PYTHONPATH": SOURCE_PATH},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         assert worker.stdout is not None and worker.stdout.readline() == b"marked\n"
         client = PrefixCacheClient(address)
         stats = client.stats("t")["t"]

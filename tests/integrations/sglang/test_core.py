@@ -24,7 +24,7 @@ def chain(tokens: list[int], prior: str | None = None) -> list[str]:
     """SGLang's page keys for ``tokens`` (whole pages), chained on ``prior``."""
     keys = []
     for i in range(0, len(tokens) - PAGE + 1, PAGE):
-        prior = hash_token_ids(tokens[i:i + PAGE], prior)
+        prior = hash_token_ids(tokens[i : i + PAGE], prior)
         keys.append(prior)
     return keys
 
@@ -34,9 +34,10 @@ def prompt(seed: int, pages: int) -> list[int]:
 
 
 @pytest.mark.parametrize("transfer", TRANSFERS)
-@pytest.mark.parametrize(("src", "dst"), [(a, b) for a, b in zip(MHA_LAYOUTS,
-                                                                  MHA_LAYOUTS[1:] + MHA_LAYOUTS[:1],
-                                                                  strict=True)])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [(a, b) for a, b in zip(MHA_LAYOUTS, MHA_LAYOUTS[1:] + MHA_LAYOUTS[:1], strict=True)],
+)
 def test_pages_round_trip_between_layouts(server, cores, src, dst, transfer) -> None:
     """Worker A stores pages from its host pool; worker B, in another layout, loads them
     into other host pages: every row arrives byte for byte."""
@@ -46,8 +47,7 @@ def test_pages_round_trip_between_layouts(server, cores, src, dst, transfer) -> 
     cores += [a, b]
     # A prompt of its own per case (the server is shared by the module): hash() of
     # strings changes per process, and two cases once drew the same seed.
-    keys = chain(prompt(1 + MHA_LAYOUTS.index(src) * len(TRANSFERS)
-                        + TRANSFERS.index(transfer), 5))
+    keys = chain(prompt(1 + MHA_LAYOUTS.index(src) * len(TRANSFERS) + TRANSFERS.index(transfer), 5))
     a_pages, b_pages = [3, 0, 7, 1, 12], [9, 4, 2, 15, 6]
 
     assert b.exists(keys) == 0  # prefetch: nothing stored yet
@@ -65,8 +65,7 @@ def test_mla_pages_round_trip(server, cores, layout) -> None:
     """An MLA host pool (one latent buffer, no V) stores and loads its pages."""
     a_pool = HostPool(layout, mla=True, dim=12, dtype=torch.bfloat16, seed=3)
     b_pool = HostPool("page_first", mla=True, dim=12, dtype=torch.bfloat16, seed=4)
-    a, b = make_core(server.address, a_pool), make_core(server.address, b_pool,
-                                                         transfer="rpc")
+    a, b = make_core(server.address, a_pool), make_core(server.address, b_pool, transfer="rpc")
     cores += [a, b]
     keys = chain(prompt(11 + len(layout), 3))
     assert a.set(keys, host_indices([5, 1, 2])) == [True] * 3

@@ -113,8 +113,7 @@ def test_a_failed_load_reports_its_run_as_load_failed(tmp_path: Path, cores) -> 
         keys = keys_for(5, 5)
 
         def counts() -> dict[str, int]:
-            return dict(stub.Stats(pb.StatsRequest(model="kv")).models[0]
-                        .lookup_tokens_total)
+            return dict(stub.Stats(pb.StatsRequest(model="kv")).models[0].lookup_tokens_total)
 
         with channel:
             assert writer.set(keys, host_indices([0, 1, 2, 3, 4])) == [True] * 5

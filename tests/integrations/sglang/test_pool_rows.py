@@ -17,24 +17,35 @@ from hicache_hosts import LAYERS, MHA_LAYOUTS, MLA_LAYOUTS, PAGE, HostPool, host
 
 from prefixcache.cache import hash_token_ids
 
-CASES = [(layout, False, transfer) for layout in MHA_LAYOUTS for transfer in ("attach", "rpc")] \
-    + [(layout, True, transfer) for layout in MLA_LAYOUTS for transfer in ("attach", "rpc")]
+CASES = [(layout, False, transfer) for layout in MHA_LAYOUTS for transfer in ("attach", "rpc")] + [
+    (layout, True, transfer) for layout in MLA_LAYOUTS for transfer in ("attach", "rpc")
+]
 
 
 def chain(tokens: list[int]) -> list[str]:
     keys: list[str] = []
     for i in range(0, len(tokens), PAGE):
-        keys.append(hash_token_ids(tokens[i:i + PAGE], keys[-1] if keys else None))
+        keys.append(hash_token_ids(tokens[i : i + PAGE], keys[-1] if keys else None))
     return keys
 
 
-@pytest.mark.parametrize(("layout", "mla", "transfer"), CASES,
-                         ids=[f"{'mla' if c[1] else 'mha'}-{c[0]}-{c[2]}" for c in CASES])
-def test_stored_pages_are_rows_per_token(server, client, cores, layout: str, mla: bool,
-                                         transfer: str) -> None:
+@pytest.mark.parametrize(
+    ("layout", "mla", "transfer"),
+    CASES,
+    ids=[f"{'mla' if c[1] else 'mha'}-{c[0]}-{c[2]}" for c in CASES],
+)
+def test_stored_pages_are_rows_per_token(
+    server, client, cores, layout: str, mla: bool, transfer: str
+) -> None:
     seed = CASES.index((layout, mla, transfer))
-    pool = HostPool(layout, mla=mla, heads=1 if mla else 2, dim=12 if mla else 8,
-                    dtype=torch.bfloat16 if mla else torch.float16, seed=seed)
+    pool = HostPool(
+        layout,
+        mla=mla,
+        heads=1 if mla else 2,
+        dim=12 if mla else 8,
+        dtype=torch.bfloat16 if mla else torch.float16,
+        seed=seed,
+    )
     model = "mla" if mla else "kv"
     core = make_core(server.address, pool, transfer=transfer)
     cores.append(core)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import pytest
 from hicache_hosts import PAGE, HostPool, StatePool, host_indices
 
-storage = pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
-                              reason="sglang is not installed (CPU CI)")
-factory = pytest.importorskip("sglang.srt.mem_cache.storage",
-                              reason="sglang's storage backends do not import here")
+storage = pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed (CPU CI)"
+)
+factory = pytest.importorskip(
+    "sglang.srt.mem_cache.storage", reason="sglang's storage backends do not import here"
+)
 
 
 def sglang_hashes(tokens: list[int], prior: str | None = None) -> list[str]:
@@ -31,12 +33,25 @@ def sglang_hashes(tokens: list[int], prior: str | None = None) -> list[str]:
 
 def backend_for(address: str, pool: HostPool, tp_rank: int = 0, tp_size: int = 1):
     config = storage.HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-        attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
-        is_page_first_layout=pool.layout == "page_first", model_name="served-name",
-        extra_config={"backend_name": "prefixcache", "interface_v1": 1,
-                      "module_path": "prefixcache.integrations.sglang.backend",
-                      "class_name": "PrefixCacheStorage", "target": address, "model": "kv"})
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=pool.layout == "page_first",
+        model_name="served-name",
+        extra_config={
+            "backend_name": "prefixcache",
+            "interface_v1": 1,
+            "module_path": "prefixcache.integrations.sglang.backend",
+            "class_name": "PrefixCacheStorage",
+            "target": address,
+            "model": "kv",
+        },
+    )
     backend = factory.StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)  # as HiCacheController.attach_storage_backend
     return backend
@@ -48,7 +63,7 @@ def test_hashes_match_sglang() -> None:
     tokens = list(range(100, 100 + 3 * PAGE))
     ours, prior = [], None
     for i in range(0, len(tokens), PAGE):
-        prior = hash_token_ids(tokens[i:i + PAGE], prior)
+        prior = hash_token_ids(tokens[i : i + PAGE], prior)
         ours.append(prior)
     assert sglang_hashes(tokens) == ours
 
@@ -72,9 +87,16 @@ def test_loaded_by_sglang_and_round_trips(server) -> None:
         assert reader.batch_get_v1(keys, host_indices([9, 8, 7, 6]), info) == [True] * 4
         for a, b in zip([0, 1, 2, 3], [9, 8, 7, 6], strict=True):
             assert reader_pool.page_bytes(b * PAGE) == writer_pool.page_bytes(a * PAGE)
-        result = reader.batch_exists_v2(keys, [storage.PoolTransfer(
-            name=storage.PoolName.MAMBA, keys=keys[-1:],
-            hit_policy=storage.PoolHitPolicy.TRAILING_PAGES)])
+        result = reader.batch_exists_v2(
+            keys,
+            [
+                storage.PoolTransfer(
+                    name=storage.PoolName.MAMBA,
+                    keys=keys[-1:],
+                    hit_policy=storage.PoolHitPolicy.TRAILING_PAGES,
+                )
+            ],
+        )
         assert (result.kv_hit_pages, result.extra_pool_hit_pages) == (0, {"kv": 4})
     finally:
         writer.close()
@@ -94,20 +116,28 @@ def test_v2_mamba_state_through_sglang_types(server) -> None:
             backend.register_mem_host_pool_v2(state, storage.PoolName.MAMBA)
         keys = sglang_hashes(list(range(300, 300 + 3 * PAGE)))
         info = storage.HiCacheStorageExtraInfo(prefix_keys=[])
-        kv = storage.PoolTransfer(name=storage.PoolName.KV, keys=keys,
-                                  host_indices=host_indices([0, 1, 2]))
-        mamba = storage.PoolTransfer(name=storage.PoolName.MAMBA, keys=[keys[1]],
-                                     host_indices=torch.tensor([2]),
-                                     hit_policy=storage.PoolHitPolicy.TRAILING_PAGES)
+        kv = storage.PoolTransfer(
+            name=storage.PoolName.KV, keys=keys, host_indices=host_indices([0, 1, 2])
+        )
+        mamba = storage.PoolTransfer(
+            name=storage.PoolName.MAMBA,
+            keys=[keys[1]],
+            host_indices=torch.tensor([2]),
+            hit_policy=storage.PoolHitPolicy.TRAILING_PAGES,
+        )
         assert writer.batch_set_v2([kv, mamba], info) == {"kv": [True] * 3, "mamba": [True]}
-        probe = storage.PoolTransfer(name=storage.PoolName.MAMBA, keys=keys[-1:],
-                                     hit_policy=storage.PoolHitPolicy.TRAILING_PAGES)
+        probe = storage.PoolTransfer(
+            name=storage.PoolName.MAMBA,
+            keys=keys[-1:],
+            hit_policy=storage.PoolHitPolicy.TRAILING_PAGES,
+        )
         result = reader.batch_exists_v2(keys, [probe], info)
         assert (result.kv_hit_pages, result.extra_pool_hit_pages) == (2, {"kv": 3, "mamba": 2})
         if hasattr(result, "restorable_prefix_pages"):
             assert result.restorable_prefix_pages == [2]
-        load = storage.PoolTransfer(name=storage.PoolName.MAMBA, keys=[keys[1]],
-                                    host_indices=torch.tensor([0]))
+        load = storage.PoolTransfer(
+            name=storage.PoolName.MAMBA, keys=[keys[1]], host_indices=torch.tensor([0])
+        )
         assert reader.batch_get_v2([load], info) == {"mamba": [True]}
         assert states[1].page_bytes(0) == states[0].page_bytes(2)
     finally:

@@ -14,17 +14,24 @@ from prefixcache.integrations.sglang.v2 import exists_v2, transfer_v2
 def test_defaults_and_templates() -> None:
     s = Settings.parse({"model": "llama-tp{tp_rank}-pp{pp_rank}"}, Ranks(1, 2, 0, 1))
     assert (s.model, s.target, s.transfer, s.token_width) == (
-        "llama-tp1-pp0", "unix:/tmp/prefixcache.sock", "auto", 1)
+        "llama-tp1-pp0",
+        "unix:/tmp/prefixcache.sock",
+        "auto",
+        1,
+    )
     assert Settings.parse({}, Ranks(), model_name="served").model == "served"
 
 
-@pytest.mark.parametrize(("cfg", "match"), [
-    ({}, "set \"model\""),
-    ({"model": "m", "transfer": "ftp"}, "transfer"),
-    ({"model": "m", "timeout": 0}, "timeout"),
-    ({"model": "m", "timeout": "soon"}, "timeout"),
-    ({"model": "m{nope}"}, "template"),
-])
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({}, 'set "model"'),
+        ({"model": "m", "transfer": "ftp"}, "transfer"),
+        ({"model": "m", "timeout": 0}, "timeout"),
+        ({"model": "m", "timeout": "soon"}, "timeout"),
+        ({"model": "m{nope}"}, "template"),
+    ],
+)
 def test_bad_settings_are_refused(cfg: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Settings.parse(cfg, Ranks())
@@ -35,21 +42,24 @@ def test_token_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Settings.parse({"model": "m", "token_env": "PC_TOKEN"}, Ranks()).token == "s3cret"
 
 
-@pytest.mark.parametrize(("ranks", "expected"), [
-    (Ranks(), None),
-    (Ranks(tp_rank=1, tp_size=4), "#sglang:tp1of4"),
-    (Ranks(tp_rank=1, tp_size=4, is_mla=True), None),  # MLA ranks hold the same latent
-    (Ranks(pp_rank=1, pp_size=2), "#sglang:pp1of2"),
-    (Ranks(tp_rank=0, tp_size=2, cp_rank=1, cp_size=2), "#sglang:tp0of2.cp1of2"),
-])
+@pytest.mark.parametrize(
+    ("ranks", "expected"),
+    [
+        (Ranks(), None),
+        (Ranks(tp_rank=1, tp_size=4), "#sglang:tp1of4"),
+        (Ranks(tp_rank=1, tp_size=4, is_mla=True), None),  # MLA ranks hold the same latent
+        (Ranks(pp_rank=1, pp_size=2), "#sglang:pp1of2"),
+        (Ranks(tp_rank=0, tp_size=2, cp_rank=1, cp_size=2), "#sglang:tp0of2.cp1of2"),
+    ],
+)
 def test_rank_namespaces(ranks: Ranks, expected: str | None) -> None:
     assert rank_namespace(None, ranks) == expected
-    assert rank_namespace("lora-a", ranks) == ("lora-a" if expected is None
-                                               else "lora-a" + expected)
+    assert rank_namespace("lora-a", ranks) == (
+        "lora-a" if expected is None else "lora-a" + expected
+    )
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct",
-                                    "page_head"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
 def test_page_views_match_sglang_indexing(layout: str) -> None:
     pool = HostPool(layout, pages=3, seed=5)
     host = HostLayout.of_pool(pool)
@@ -65,8 +75,7 @@ def test_page_views_match_sglang_indexing(layout: str) -> None:
         host.page_view("k", 0, 2)
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct",
-                                    "page_head"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
 def test_pages_views_are_every_page_view(layout: str) -> None:
     """pages_view (one copy over a batch of pages) is page_view of each page, and a view."""
     pool = HostPool(layout, pages=3, seed=6)
@@ -112,11 +121,11 @@ def test_v2_serves_the_kv_pool_and_misses_the_others() -> None:
     assert exists_v2(_Core(), keys, None) == (2, {"kv": 2}, [1, 2])
     # A pool never registered is never stored: no usable prefix, so SGLang recomputes.
     assert exists_v2(_Core(), keys, [_Transfer("mamba", keys[-1:])]) == (0, {"kv": 2}, [])
-    got = transfer_v2(_Core(), [_Transfer("kv", keys), _Transfer("swa", keys[-1:])], None,
-                      load=True)
+    got = transfer_v2(
+        _Core(), [_Transfer("kv", keys), _Transfer("swa", keys[-1:])], None, load=True
+    )
     assert got == {"kv": [True, True, False], "swa": [False]}
-    assert transfer_v2(_Core(), [_Transfer("kv", keys)], None, load=False) == {
-        "kv": [True] * 3}
+    assert transfer_v2(_Core(), [_Transfer("kv", keys)], None, load=False) == {"kv": [True] * 3}
 
 
 def test_only_the_adapter_imports_sglang() -> None:

@@ -36,7 +36,8 @@ def calls(core: SchedulerCore) -> int:
 
 
 def test_a_miss_is_answered_at_the_first_probe_without_a_call(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, list(range(900, 916)))  # another prompt: the shadow is not empty
     core = make_scheduler(server.address, save="off")
     try:
@@ -55,7 +56,8 @@ def test_a_miss_is_answered_at_the_first_probe_without_a_call(
 
 
 def test_a_prefix_the_shadow_holds_still_looks_up_and_hits(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:12])
     core = make_scheduler(server.address, save="off")
     try:
@@ -72,8 +74,9 @@ def test_a_prefix_the_shadow_holds_still_looks_up_and_hits(
         core.close()
 
 
-def test_no_block_beyond_vllms_own_hit_is_a_miss(server: ServerThread,
-                                                 client: PrefixCacheClient) -> None:
+def test_no_block_beyond_vllms_own_hit_is_a_miss(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:8])
     core = make_scheduler(server.address)
     try:
@@ -91,7 +94,8 @@ def test_no_block_beyond_vllms_own_hit_is_a_miss(server: ServerThread,
 
 
 def test_an_insert_turns_the_miss_into_a_hit_once_the_shadow_has_it(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     core = make_scheduler(server.address)
     try:
         assert core.probe(info("before"), 0) == (0, False)
@@ -109,8 +113,9 @@ def test_an_insert_turns_the_miss_into_a_hit_once_the_shadow_has_it(
         core.close()
 
 
-def test_namespaces_are_apart_in_the_shadow(server: ServerThread,
-                                            client: PrefixCacheClient) -> None:
+def test_namespaces_are_apart_in_the_shadow(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:16], extra_key("lora-a", None))
     core = make_scheduler(server.address)
     try:
@@ -128,8 +133,9 @@ def test_namespaces_are_apart_in_the_shadow(server: ServerThread,
         core.close()
 
 
-def test_without_a_current_shadow_a_request_looks_up(server: ServerThread,
-                                                     client: PrefixCacheClient) -> None:
+def test_without_a_current_shadow_a_request_looks_up(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     core = make_scheduler(server.address, fast_miss=False)
     try:
         assert core.backend.shadow is None  # type: ignore[attr-defined]
@@ -150,8 +156,9 @@ def test_without_a_current_shadow_a_request_looks_up(server: ServerThread,
         core.close()
 
 
-def test_the_block_size_rounds_the_shadow_hit_down(server: ServerThread,
-                                                   client: PrefixCacheClient) -> None:
+def test_the_block_size_rounds_the_shadow_hit_down(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:6])  # pages of 2: 6 tokens, one whole block of 4 and a half
     core = make_scheduler(server.address)
     try:
@@ -162,8 +169,9 @@ def test_the_block_size_rounds_the_shadow_hit_down(server: ServerThread,
         core.close()
 
 
-def test_this_engines_own_save_is_looked_up_at_once(server: ServerThread,
-                                                    client: PrefixCacheClient) -> None:
+def test_this_engines_own_save_is_looked_up_at_once(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """The shadow hears of an Insert a moment after it lands; a request for what this
     engine just saved is looked up meanwhile, never answered "miss"."""
     core = make_scheduler(server.address)

@@ -124,12 +124,15 @@ class Engine:
 
     def __init__(self, server: ServerThread, where: str) -> None:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS / "server"),
-                                             env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(TESTS), str(TESTS / "server"), env.get("PYTHONPATH", "")]
+        )
         self.server = server
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ENGINE, server.address, where, str(TTL)],
-            stdout=subprocess.PIPE, env=env)
+            stdout=subprocess.PIPE,
+            env=env,
+        )
         self._lines = JsonLines(self.proc, "the engine")
         save = self._read()
         self.session, self.slots = save["session"], save["slots"]
@@ -142,8 +145,11 @@ class Engine:
     def lapse(self) -> None:
         """Wait, stopped, until the service has ended the engine's session."""
         sessions = self.server.service.sessions
-        _wait(lambda: self.server.run(sessions.find, self.session) is None, 10 * TTL + 5,
-              "the frozen engine's lease to lapse")
+        _wait(
+            lambda: self.server.run(sessions.find, self.session) is None,
+            10 * TTL + 5,
+            "the frozen engine's lease to lapse",
+        )
 
     def resume(self) -> dict:
         """SIGCONT; the engine's report once it finished the step."""
@@ -165,6 +171,7 @@ def engine(server: ServerThread) -> Iterator[Callable[[str], Engine]]:
     def start(where: str) -> Engine:
         made.append(Engine(server, where))
         return made[-1]
+
     yield start
     for e in made:
         e.kill()
@@ -176,6 +183,7 @@ def _pattern(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     def one() -> torch.Tensor:
         raw = torch.randint(0, 256, (n, HEADS, DIM * 2), dtype=torch.uint8, generator=g)
         return raw.view(torch.float16)
+
     return [one() for _ in range(LAYERS)], [one() for _ in range(LAYERS)]
 
 
@@ -185,8 +193,8 @@ def _held(client: PrefixCacheClient) -> int:
 
 @pytest.mark.parametrize("where", ["before", "during"])
 def test_a_frozen_engine_never_writes_another_sessions_slots(
-        server: ServerThread, client: PrefixCacheClient, engine: Callable[[str], Engine],
-        where: str) -> None:
+    server: ServerThread, client: PrefixCacheClient, engine: Callable[[str], Engine], where: str
+) -> None:
     frozen = engine(where)
     frozen.lapse()
     # Another session takes every free slot and writes its own KV into them.
@@ -223,8 +231,8 @@ def _victim(client: PrefixCacheClient, frozen: Engine, victim: object, where: st
 
 
 def test_a_frozen_engine_that_dies_gives_its_slots_back(
-        server: ServerThread, client: PrefixCacheClient,
-        engine: Callable[[str], Engine]) -> None:
+    server: ServerThread, client: PrefixCacheClient, engine: Callable[[str], Engine]
+) -> None:
     frozen = engine("during")
     frozen.lapse()
     time.sleep(0.5)  # a few reaper ticks: the slots stay out while the engine lives

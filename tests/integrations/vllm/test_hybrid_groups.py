@@ -34,13 +34,18 @@ def shared_caches(num_blocks: int = 16) -> dict[str, torch.Tensor]:
     return {FULL: cache, WINDOW: cache}
 
 
-def layer_rows(caches: dict[str, torch.Tensor], name: str, blocks: list[int], n: int
-               ) -> torch.Tensor:
+def layer_rows(
+    caches: dict[str, torch.Tensor], name: str, blocks: list[int], n: int
+) -> torch.Tensor:
     return token_rows(split_kv(name, caches[name], "kv_first", DIM), blocks, n)
 
 
-def step(core: SchedulerCore, worker: WorkerCore, finished: set[str] = frozenset(),  # type: ignore[assignment]
-         progress: dict | None = None) -> StepMeta:  # type: ignore[type-arg]
+def step(
+    core: SchedulerCore,
+    worker: WorkerCore,
+    finished: set[str] = frozenset(),  # type: ignore[assignment]
+    progress: dict | None = None,
+) -> StepMeta:  # type: ignore[type-arg]
     meta = core.build_meta((), progress)
     worker.start_step(meta)
     worker.end_step()
@@ -60,12 +65,12 @@ def pool_rows(client: PrefixCacheClient, tokens: list[int]) -> tuple[int, list[t
         s.unlock(hit.lock_id)
     if kv is None:
         return 0, []
-    return hit.prefix_len, [torch.stack([kv.k[n], kv.v[n]]).view(torch.uint8)
-                            for n in range(len(kv.k))]
+    return hit.prefix_len, [
+        torch.stack([kv.k[n], kv.v[n]]).view(torch.uint8) for n in range(len(kv.k))
+    ]
 
 
-def test_layers_of_two_groups_on_one_tensor_are_two_pool_layers(server: ServerThread
-                                                                ) -> None:
+def test_layers_of_two_groups_on_one_tensor_are_two_pool_layers(server: ServerThread) -> None:
     worker = make_worker(server.address)
     try:
         worker.register(shared_caches(), groups=GROUPS)
@@ -79,7 +84,8 @@ def test_layers_of_two_groups_on_one_tensor_are_two_pool_layers(server: ServerTh
 
 
 def test_each_group_saves_and_loads_through_its_own_table(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """A saves while it runs from two tables (the window's losing its first block
     later); B loads A's 16 tokens: the full group's layer into all four of its blocks,
     the window's layer only into its live blocks (tokens 8..15), the null block's bytes
@@ -125,8 +131,9 @@ def test_each_group_saves_and_loads_through_its_own_table(
         worker.close()
 
 
-def test_a_save_stops_where_any_group_lost_its_block(server: ServerThread,
-                                                     client: PrefixCacheClient) -> None:
+def test_a_save_stops_where_any_group_lost_its_block(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """At the finish, the window's table has the null block at block 1: a pool row
     holds every layer of its token, so only tokens 0..3 are inserted, though the full
     group still has all four blocks."""
@@ -134,8 +141,11 @@ def test_a_save_stops_where_any_group_lost_its_block(server: ServerThread,
     worker = make_worker(server.address)
     try:
         worker.register(shared_caches(), groups=GROUPS)
-        assert core.finished(RequestInfo("A", PROMPT, len(PROMPT)),
-                             ([2, 5, 7, 9, 10], [3, NULL_BLOCK, 8, 11, 12]), 18)
+        assert core.finished(
+            RequestInfo("A", PROMPT, len(PROMPT)),
+            ([2, 5, 7, 9, 10], [3, NULL_BLOCK, 8, 11, 12]),
+            18,
+        )
         for _ in range(3):
             step(core, worker, {"A"})
         assert pool_rows(client, PROMPT)[0] == 4 and core.stats.saves_cut == 1

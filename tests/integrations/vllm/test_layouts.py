@@ -37,8 +37,14 @@ pytestmark = pytest.mark.usefixtures("quiet")
 
 HEADS, NUM_BLOCKS = 2, 8
 # layout -> (model, head dim, block size of the saving engine); the loading one's is twice.
-CASES = {"bhn2d": ("c", 16, 16), "kv_first": ("c", 16, 16), "blocks_first": ("c", 16, 16),
-         "cpu_vec": ("c", 16, 16), "cpu_amx": ("c", 16, 16), "mla": ("mla", LATENT, 4)}
+CASES = {
+    "bhn2d": ("c", 16, 16),
+    "kv_first": ("c", 16, 16),
+    "blocks_first": ("c", 16, 16),
+    "cpu_vec": ("c", 16, 16),
+    "cpu_amx": ("c", 16, 16),
+    "mla": ("mla", LATENT, 4),
+}
 
 
 def positions(layout: str, n: int, d: int) -> tuple[Any, Any]:
@@ -61,8 +67,7 @@ def positions(layout: str, n: int, d: int) -> tuple[Any, Any]:
     return head + k, head + n * d + v
 
 
-def write_tokens(layout: str, cache: Any, blocks: list[int], n: int, k: Any,
-                 v: Any | None) -> None:
+def write_tokens(layout: str, cache: Any, blocks: list[int], n: int, k: Any, v: Any | None) -> None:
     """Put token t's K/V (``[tokens, heads, dim]``) where ``layout``'s backend reads
     token t of a request with vLLM blocks ``blocks`` of ``n`` tokens."""
     t = torch.arange(k.shape[0])
@@ -84,8 +89,9 @@ def write_tokens(layout: str, cache: Any, blocks: list[int], n: int, k: Any,
         flat[b.view(-1, 1, 1), pv[o]] = v
 
 
-def read_tokens(layout: str, cache: Any, blocks: list[int], n: int, count: int,
-                d: int) -> tuple[Any, Any | None]:
+def read_tokens(
+    layout: str, cache: Any, blocks: list[int], n: int, count: int, d: int
+) -> tuple[Any, Any | None]:
     """The K/V of tokens 0 .. count the backend reads from the blocks (the inverse of
     ``write_tokens``)."""
     t = torch.arange(count)
@@ -106,9 +112,11 @@ def read_tokens(layout: str, cache: Any, blocks: list[int], n: int, count: int,
 
 
 def empty_cache(layout: str, n: int, d: int) -> Any:
-    shape = {"kv_first": (2, NUM_BLOCKS, n, HEADS, d),
-             "blocks_first": (NUM_BLOCKS, 2, n, HEADS, d),
-             "mla": (NUM_BLOCKS, 1, n, d)}.get(layout, (NUM_BLOCKS, HEADS, n, 2 * d))
+    shape = {
+        "kv_first": (2, NUM_BLOCKS, n, HEADS, d),
+        "blocks_first": (NUM_BLOCKS, 2, n, HEADS, d),
+        "mla": (NUM_BLOCKS, 1, n, d),
+    }.get(layout, (NUM_BLOCKS, HEADS, n, 2 * d))
     return torch.zeros(shape, dtype=torch.bfloat16)
 
 
@@ -133,8 +141,10 @@ class Engine:
         self.layout, self.block = layout, block
         self.core = make_scheduler(address, self.model, block=block)
         self.worker = _make_worker(address, self.model, block=block, kv_layout="auto")
-        self.caches = {f"model.layers.{n}.self_attn.attn": empty_cache(layout, block, self.d)
-                       for n in range(LAYERS)}
+        self.caches = {
+            f"model.layers.{n}.self_attn.attn": empty_cache(layout, block, self.d)
+            for n in range(LAYERS)
+        }
         self.worker.register(self.caches, backend_for(layout, self.d))
 
     def write(self, tokens: list[int], blocks: list[int]) -> None:
@@ -153,8 +163,7 @@ class Engine:
 
     def save(self, req: str, tokens: list[int], blocks: list[int]) -> None:
         self.write(tokens, blocks)
-        assert self.core.finished(RequestInfo(req, tokens, len(tokens)), blocks,
-                                  len(tokens))
+        assert self.core.finished(RequestInfo(req, tokens, len(tokens)), blocks, len(tokens))
         for _ in range(3):
             self.step({req})
         assert not self.core.has_pending_saves()
@@ -191,21 +200,25 @@ class Engine:
         self.worker.close()
 
 
-def pool_rows(client: PrefixCacheClient, model: str, tokens: list[int]
-              ) -> tuple[list[Any], list[Any]]:
+def pool_rows(
+    client: PrefixCacheClient, model: str, tokens: list[int]
+) -> tuple[list[Any], list[Any]]:
     """The pool's K and V rows of the cached prefix of ``tokens``, per layer."""
     slots = torch.tensor(list(client.match(model, tokens).slots), dtype=torch.int64)
     pool = client.attach_pool(model)
     try:
-        return ([k[slots].clone() for k in pool.k_buffer],
-                [v[slots].clone() for v in pool.v_buffer])
+        return (
+            [k[slots].clone() for k in pool.k_buffer],
+            [v[slots].clone() for v in pool.v_buffer],
+        )
     finally:
         pool.close()
 
 
 @pytest.mark.parametrize("layout", list(CASES))
 def test_the_pool_holds_each_tokens_kv_and_another_block_size_loads_it(
-        server: ServerThread, client: PrefixCacheClient, layout: str) -> None:
+    server: ServerThread, client: PrefixCacheClient, layout: str
+) -> None:
     model, d, block = CASES[layout]
     tokens = list(range(300, 300 + 3 * block + 3))  # 3 whole blocks are saved
     saver = Engine(server.address, layout, block)
@@ -217,7 +230,7 @@ def test_the_pool_holds_each_tokens_kv_and_another_block_size_loads_it(
         assert len(ks[0]) == 3 * block
         heads = 1 if layout == "mla" else HEADS
         for layer in range(LAYERS):
-            k, v = truth(tokens[:3 * block], layer, d, heads)
+            k, v = truth(tokens[: 3 * block], layer, d, heads)
             assert torch.equal(ks[layer], k), f"layer {layer}: the pool's K rows"
             if layout != "mla":
                 assert torch.equal(vs[layer], v), f"layer {layer}: the pool's V rows"
@@ -232,13 +245,14 @@ def test_the_pool_holds_each_tokens_kv_and_another_block_size_loads_it(
 
 @pytest.mark.parametrize("layout", ["cpu_vec", "cpu_amx", "bhn2d"])
 def test_a_block_filled_from_two_saves_loads_each_tokens_own_kv(
-        server: ServerThread, client: PrefixCacheClient, layout: str) -> None:
+    server: ServerThread, client: PrefixCacheClient, layout: str
+) -> None:
     """Pages of 8 under blocks of 16: A and B share 20 tokens; the tree has A's pages
     to 16, then B's. An engine with blocks of 32 loads B plus a suffix: its first block
     takes tokens 0..15 from A's save and 16..31 from B's, each in its own place."""
     shared = list(range(900, 920))
-    a = shared + list(range(100, 112))            # 32 tokens: 2 blocks saved
-    b = shared + list(range(200, 229))            # 49 tokens: 3 blocks saved
+    a = shared + list(range(100, 112))  # 32 tokens: 2 blocks saved
+    b = shared + list(range(200, 229))  # 49 tokens: 3 blocks saved
     saver = Engine(server.address, layout, 16)
     loader = Engine(server.address, layout, 32)
     try:
@@ -255,17 +269,18 @@ def test_a_block_filled_from_two_saves_loads_each_tokens_own_kv(
 
 
 def test_an_unknown_backend_disables_the_connector_with_one_log_line(
-        server: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
+    server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
     worker = _make_worker(server.address, "c", block=16, kv_layout="auto")
     caches = {f"l{n}": empty_cache("bhn2d", 16, 16) for n in range(LAYERS)}
-    rocm = BackendInfo("vllm.v1.attention.backends.rocm_aiter_fa.AiterFlashAttentionBackend",
-                       16)
+    rocm = BackendInfo("vllm.v1.attention.backends.rocm_aiter_fa.AiterFlashAttentionBackend", 16)
     try:
         with caplog.at_level(logging.WARNING, "prefixcache.integrations.vllm"):
             worker.register(caches, rocm)
             for _ in range(3):
-                worker.start_step(StepMeta([LoadOp("C", array("q", [1]), 0, 16,
-                                                   array("q", range(16)), 1, "x")]))
+                worker.start_step(
+                    StepMeta([LoadOp("C", array("q", [1]), 0, 16, array("q", range(16)), 1, "x")])
+                )
         assert worker.take_load_errors() == {1}
         assert worker.load_failures == {"disabled": 3}
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -282,8 +297,12 @@ def test_layouts_come_from_the_backend_never_from_the_shape() -> None:
     assert layout_for(BackendInfo(cpu, 16, "vec"), t) == "cpu_vec"
     assert layout_for(BackendInfo(cpu, 16, "vec16"), t) == "cpu_vec"
     assert layout_for(BackendInfo(cpu, 16, "amx"), t) == "cpu_amx"
-    for isa, dtype in (("neon", torch.bfloat16), (None, torch.bfloat16),
-                       ("amx", torch.float32), ("vec", torch.uint8)):
+    for isa, dtype in (
+        ("neon", torch.bfloat16),
+        (None, torch.bfloat16),
+        ("amx", torch.float32),
+        ("vec", torch.uint8),
+    ):
         with pytest.raises(UnknownLayout):
             layout_for(BackendInfo(cpu, 16, isa), t.to(dtype))
     with pytest.raises(UnknownLayout, match="did not report"):
@@ -298,8 +317,8 @@ def test_layouts_come_from_the_backend_never_from_the_shape() -> None:
 
 
 def test_a_save_that_cannot_finish_at_shutdown_is_reported_lost(
-        server: ServerThread, client: PrefixCacheClient,
-        caplog: pytest.LogCaptureFixture) -> None:
+    server: ServerThread, client: PrefixCacheClient, caplog: pytest.LogCaptureFixture
+) -> None:
     """The first save completes: its insert, sent as the engine stops, is waited for.
     The second never got its copy (the engine stopped first): logged as lost."""
     saver = Engine(server.address, "bhn2d", 16)
@@ -309,7 +328,7 @@ def test_a_save_that_cannot_finish_at_shutdown_is_reported_lost(
         saver.write(tokens, [1, 2, 3])
         assert saver.core.finished(RequestInfo("A", tokens, 33), [1, 2, 3], 33)
         saver.step()
-        saver.step({"A"})                                        # copied, insert sent
+        saver.step({"A"})  # copied, insert sent
         assert saver.core.finished(RequestInfo("B", other, 33), [4, 5, 6], 33)
         with caplog.at_level(logging.WARNING, "prefixcache.integrations.vllm"):
             saver.core.close()

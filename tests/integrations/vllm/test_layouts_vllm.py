@@ -27,8 +27,9 @@ from prefixcache.integrations.vllm.attn_backends import BackendInfo
 from prefixcache.integrations.vllm.keys import RequestInfo
 
 ops = pytest.importorskip("vllm._custom_ops", reason="needs the vllm package")
-cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn",
-                               reason="needs vLLM's CPU build")
+cpu_attn = pytest.importorskip(
+    "vllm.v1.attention.backends.cpu_attn", reason="needs vLLM's CPU build"
+)
 if not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
     pytest.skip("needs vLLM's CPU build (cpu_attn_reshape_and_cache)", allow_module_level=True)
 
@@ -42,8 +43,9 @@ def op_write(cache: Any, k: Any, v: Any, slots: Any, isa: str) -> None:
     """Write tokens into a ``[blocks, heads, block, 2 * dim]`` cache the way
     cpu_attn.py's do_kv_cache_update does."""
     num_blocks, num_kv_heads, block_size, _ = cache.size()
-    key_cache, value_cache = cache.view((num_blocks, num_kv_heads, block_size * 2, -1)
-                                        ).chunk(2, dim=2)
+    key_cache, value_cache = cache.view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(
+        2, dim=2
+    )
     ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
 
 
@@ -71,7 +73,8 @@ def step(core: Any, worker: Any, finished: set[str] = frozenset()) -> Any:  # ty
 
 @pytest.mark.parametrize("isa", ["vec", "vec16", "amx"])
 def test_the_cpu_backends_own_writes_reach_the_pool_per_token(
-        server: ServerThread, client: PrefixCacheClient, isa: str) -> None:
+    server: ServerThread, client: PrefixCacheClient, isa: str
+) -> None:
     block = 32
     tokens = list(range(500, 500 + 2 * block + 5))  # 2 whole blocks are saved
     n = 2 * block
@@ -81,14 +84,16 @@ def test_the_cpu_backends_own_writes_reach_the_pool_per_token(
     loader_core = make_scheduler(server.address, "cpu", block=2 * block)
     loader = make_worker(server.address, "cpu", block=2 * block, kv_layout="auto")
     try:
-        caches = {f"l{i}": torch.zeros(BLOCKS, HEADS, block, 2 * DIM, dtype=torch.bfloat16)
-                  for i in range(LAYERS)}
+        caches = {
+            f"l{i}": torch.zeros(BLOCKS, HEADS, block, 2 * DIM, dtype=torch.bfloat16)
+            for i in range(LAYERS)
+        }
         for layer, cache in enumerate(caches.values()):
-            op_write(cache, *kv(len(tokens), layer), slots_of(saver_blocks, block,
-                                                              len(tokens)), isa)
+            op_write(
+                cache, *kv(len(tokens), layer), slots_of(saver_blocks, block, len(tokens)), isa
+            )
         worker.register(caches, BackendInfo(CPU, DIM, isa))
-        assert core.finished(RequestInfo("A", tokens, len(tokens)), saver_blocks,
-                             len(tokens))
+        assert core.finished(RequestInfo("A", tokens, len(tokens)), saver_blocks, len(tokens))
         for _ in range(3):
             step(core, worker, {"A"})
         slots = torch.tensor(list(client.match("cpu", tokens).slots), dtype=torch.int64)
@@ -103,8 +108,10 @@ def test_the_cpu_backends_own_writes_reach_the_pool_per_token(
             pool.close()
 
         # Blocks of 64: what the op would have written there for the same tokens.
-        loaded = {f"l{i}": torch.zeros(BLOCKS, HEADS, 2 * block, 2 * DIM,
-                                       dtype=torch.bfloat16) for i in range(LAYERS)}
+        loaded = {
+            f"l{i}": torch.zeros(BLOCKS, HEADS, 2 * block, 2 * DIM, dtype=torch.bfloat16)
+            for i in range(LAYERS)
+        }
         loader.register(loaded, BackendInfo(CPU, DIM, isa))
         b = RequestInfo("B", tokens, len(tokens))
         shadow_holds(loader_core, tokens[:n])  # else the probe may be a fast miss

@@ -52,8 +52,12 @@ def null_block(caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     return [t[:, NULL_BLOCK].clone().view(torch.uint8) for t in caches.values()]
 
 
-def step(core: SchedulerCore, worker: WorkerCore, finished: set[str] = frozenset(),  # type: ignore[assignment]
-         progress: dict[str, tuple[int, list[int]]] | None = None) -> StepMeta:
+def step(
+    core: SchedulerCore,
+    worker: WorkerCore,
+    finished: set[str] = frozenset(),  # type: ignore[assignment]
+    progress: dict[str, tuple[int, list[int]]] | None = None,
+) -> StepMeta:
     """One engine step: the metadata, the worker's copies before and after the
     forward, its reports back."""
     meta = core.build_meta((), progress)
@@ -76,12 +80,14 @@ def pool_rows(client: PrefixCacheClient, tokens: list[int]) -> tuple[int, list]:
         s.unlock(hit.lock_id)
     if kv is None:
         return 0, []
-    return hit.prefix_len, [torch.stack([kv.k[layer], kv.v[layer]]).view(torch.uint8)
-                            for layer in range(len(kv.k))]
+    return hit.prefix_len, [
+        torch.stack([kv.k[layer], kv.v[layer]]).view(torch.uint8) for layer in range(len(kv.k))
+    ]
 
 
-def test_a_finish_time_save_stops_at_the_null_block(server: ServerThread,
-                                                    client: PrefixCacheClient) -> None:
+def test_a_finish_time_save_stops_at_the_null_block(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """The finished request's table [2, 5, null, 9, 11]: tokens 0..7 are saved, from
     their blocks; nothing at or after the null block, whose bytes are nobody's KV."""
     core = make_scheduler(server.address)
@@ -96,8 +102,7 @@ def test_a_finish_time_save_stops_at_the_null_block(server: ServerThread,
         assert not core.has_pending_saves()
         held, got = pool_rows(client, PROMPT)
         assert held == 8 and core.stats.saves_cut == 1
-        assert all(torch.equal(g, w) for g, w in zip(got, rows(caches, table, 8),
-                                                     strict=True))
+        assert all(torch.equal(g, w) for g, w in zip(got, rows(caches, table, 8), strict=True))
         # The blocks before the window are gone: nothing is saved...
         lost = [1] * 18
         assert core.finished(RequestInfo("C", lost, 18), [NULL_BLOCK, NULL_BLOCK, 9, 11], 18)
@@ -109,16 +114,19 @@ def test_a_finish_time_save_stops_at_the_null_block(server: ServerThread,
         assert pool_rows(client, lost)[0] == 0
         held, got = pool_rows(client, more)
         assert held == 16
-        assert all(torch.equal(g[:, 8:], w[:, 8:])
-                   for g, w in zip(got, rows(caches, [1, 1, 9, 11], 16), strict=True))
+        assert all(
+            torch.equal(g[:, 8:], w[:, 8:])
+            for g, w in zip(got, rows(caches, [1, 1, 9, 11], 16), strict=True)
+        )
         assert worker.saved_tokens == 16 and worker.failed_saves == 0
     finally:
         core.close()
         worker.close()
 
 
-def test_a_sliding_window_request_is_saved_while_it_runs(server: ServerThread,
-                                                         client: PrefixCacheClient) -> None:
+def test_a_sliding_window_request_is_saved_while_it_runs(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """With ``during_run_saves``: the first probe waits for the save's Match; each
     step's computed tokens are copied after its forward (end_step), from the blocks of
     that step's table, though vLLM frees the first blocks meanwhile (null in later
@@ -166,8 +174,9 @@ def test_a_sliding_window_request_is_saved_while_it_runs(server: ServerThread,
         worker.close()
 
 
-def test_a_sliding_window_hit_loads_only_its_live_blocks(server: ServerThread,
-                                                         client: PrefixCacheClient) -> None:
+def test_a_sliding_window_hit_loads_only_its_live_blocks(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """A hit of 16 whose table is [null, null, 4, 6, ...] (vLLM needs no KV before the
     window): the load copies tokens 8..15 into blocks 4 and 6 and leaves the null
     block's bytes as they were."""
@@ -191,8 +200,7 @@ def test_a_sliding_window_hit_loads_only_its_live_blocks(server: ServerThread,
         assert worker.take_load_errors() == set() and worker.loaded_tokens == 8
         got, want = rows(caches, [1, 1, 4, 6], 16), rows(caches, A_BLOCKS, 16)
         assert all(torch.equal(g[:, 8:], w[:, 8:]) for g, w in zip(got, want, strict=True))
-        assert all(torch.equal(x, y) for x, y in zip(null_block(caches), null_before,
-                                                     strict=True))
+        assert all(torch.equal(x, y) for x, y in zip(null_block(caches), null_before, strict=True))
         core.finished(b, table, 17)
         for _ in range(2):
             step(core, worker, {"B"})
@@ -201,8 +209,9 @@ def test_a_sliding_window_hit_loads_only_its_live_blocks(server: ServerThread,
         worker.close()
 
 
-def test_a_worker_refuses_copies_that_touch_the_null_block(server: ServerThread,
-                                                           client: PrefixCacheClient) -> None:
+def test_a_worker_refuses_copies_that_touch_the_null_block(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """A load or save the scheduler side would never plan: the load fails (its other
     blocks reported, never block 0) and writes nothing; the save fails and writes
     nothing into the slots."""
@@ -214,16 +223,42 @@ def test_a_worker_refuses_copies_that_touch_the_null_block(server: ServerThread,
         with client.session(10.0) as s:
             reply = s.match("v", PROMPT[:8], allocate=True, lock=True)
             slots = reply.allocated
-            worker.start_step(StepMeta([LoadOp("L", array("q", [3, NULL_BLOCK]), 0, 8,
-                                               slots, reply.server_epoch, s.session_id,
-                                               array("q", PROMPT[:8]), ref=7)]))
+            worker.start_step(
+                StepMeta(
+                    [
+                        LoadOp(
+                            "L",
+                            array("q", [3, NULL_BLOCK]),
+                            0,
+                            8,
+                            slots,
+                            reply.server_epoch,
+                            s.session_id,
+                            array("q", PROMPT[:8]),
+                            ref=7,
+                        )
+                    ]
+                )
+            )
             assert worker.take_load_errors() == {3}
             assert worker.take_failed_loads() == {7}
             assert worker.load_failures == {"null_block": 1}
             assert all(torch.equal(caches[n].view(torch.uint8), before[n]) for n in caches)
-            worker.start_step(StepMeta(saves=[SaveOp("S", array("q", [NULL_BLOCK, 3]), 0,
-                                                     slots, reply.server_epoch,
-                                                     s.session_id, ref=9)]))
+            worker.start_step(
+                StepMeta(
+                    saves=[
+                        SaveOp(
+                            "S",
+                            array("q", [NULL_BLOCK, 3]),
+                            0,
+                            slots,
+                            reply.server_epoch,
+                            s.session_id,
+                            ref=9,
+                        )
+                    ]
+                )
+            )
             assert worker.take_failed_saves() == {9} and worker.saved_tokens == 0
             assert worker.finished_sends({"S"}) == {"S"}
             s.free("v", slots)

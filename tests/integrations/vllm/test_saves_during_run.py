@@ -28,13 +28,18 @@ BLOCKS = [2, 5, 7, 9, 11]
 
 
 def rows(caches: dict[str, torch.Tensor], blocks: list[int], n: int) -> list[torch.Tensor]:
-    return [_token_rows(split_kv(name, t, "kv_first", DIM), blocks, n)
-            for name, t in caches.items()]
+    return [
+        _token_rows(split_kv(name, t, "kv_first", DIM), blocks, n) for name, t in caches.items()
+    ]
 
 
-def step(core: SchedulerCore, workers: list[WorkerCore], finished: set[str] = frozenset(),  # type: ignore[assignment]
-         progress: dict[str, tuple[int, list[int]]] | None = None,
-         fail_saves: bool = False) -> StepMeta:
+def step(
+    core: SchedulerCore,
+    workers: list[WorkerCore],
+    finished: set[str] = frozenset(),  # type: ignore[assignment]
+    progress: dict[str, tuple[int, list[int]]] | None = None,
+    fail_saves: bool = False,
+) -> StepMeta:
     """One engine step: the metadata, every worker's copies before and after the
     forward (``fail_saves``: the last worker's copies of the step fail), and what vLLM
     merges over the workers back to the scheduler side."""
@@ -64,12 +69,14 @@ def held(client: PrefixCacheClient, tokens: list[int]) -> tuple[int, list[torch.
         s.unlock(hit.lock_id)
     if kv is None:
         return 0, []
-    return hit.prefix_len, [torch.stack([kv.k[n], kv.v[n]]).view(torch.uint8)
-                            for n in range(len(kv.k))]
+    return hit.prefix_len, [
+        torch.stack([kv.k[n], kv.v[n]]).view(torch.uint8) for n in range(len(kv.k))
+    ]
 
 
-def run_prompt(core: SchedulerCore, workers: list[WorkerCore], req: RequestInfo,
-               **kw: object) -> StepMeta:
+def run_prompt(
+    core: SchedulerCore, workers: list[WorkerCore], req: RequestInfo, **kw: object
+) -> StepMeta:
     """``req`` probed (a miss, answered at once), allocated, then its prefill step
     (nothing to copy yet: the save's Match is out) and one decode step (the copy)."""
     assert core.probe(req, 0) == (0, False)
@@ -80,8 +87,9 @@ def run_prompt(core: SchedulerCore, workers: list[WorkerCore], req: RequestInfo,
     return step(core, workers, progress={req.req_id: (19, BLOCKS)}, **kw)  # type: ignore[arg-type]
 
 
-def test_the_prompt_is_saved_while_the_request_runs(server: ServerThread,
-                                                    client: PrefixCacheClient) -> None:
+def test_the_prompt_is_saved_while_the_request_runs(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     core = make_scheduler(server.address)
     worker = make_worker(server.address)
     try:
@@ -93,8 +101,7 @@ def test_the_prompt_is_saved_while_the_request_runs(server: ServerThread,
         assert core.saving_during_run() == set()
         n, got = held(client, PROMPT)  # inserted while A runs
         assert n == 16
-        assert all(torch.equal(g, w) for g, w in zip(got, rows(caches, BLOCKS, 16),
-                                                     strict=True))
+        assert all(torch.equal(g, w) for g, w in zip(got, rows(caches, BLOCKS, 16), strict=True))
         assert not core.finished(a, BLOCKS, 22)  # nothing to copy: vLLM frees the blocks
         assert not core.has_pending_saves()
         assert (core.stats.saves, core.stats.save_tokens) == (1, 16)
@@ -104,7 +111,8 @@ def test_the_prompt_is_saved_while_the_request_runs(server: ServerThread,
 
 
 def test_a_failed_copy_inserts_nothing_and_gives_the_slots_back(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """Two ranks; one fails its copy: the save gives its slots back once both reported
     it, and the finish holds no block either."""
     core = make_scheduler(server.address)
@@ -126,7 +134,8 @@ def test_a_failed_copy_inserts_nothing_and_gives_the_slots_back(
 
 
 def test_a_request_that_finishes_before_its_copy_is_saved_at_the_finish(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """One token of output: the request finishes in its prefill step, before any step
     could copy it; vLLM keeps its blocks for the finish-time copy, as before."""
     core = make_scheduler(server.address)
@@ -144,15 +153,15 @@ def test_a_request_that_finishes_before_its_copy_is_saved_at_the_finish(
         assert not core.has_pending_saves()
         n, got = held(client, PROMPT)
         assert n == 16
-        assert all(torch.equal(g, w) for g, w in zip(got, rows(caches, BLOCKS, 16),
-                                                     strict=True))
+        assert all(torch.equal(g, w) for g, w in zip(got, rows(caches, BLOCKS, 16), strict=True))
     finally:
         core.close()
         worker.close()
 
 
 def test_a_copy_not_yet_reported_at_the_finish_inserts_once_it_is(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """The copy ran in the step the request finished in (vLLM hands the step's output
     to the connector after the finish): the blocks go at once, the insert follows the
     workers' report."""

@@ -18,13 +18,11 @@ pytestmark = pytest.mark.usefixtures("quiet")
 PROMPT = list(range(100, 118))  # 18 tokens: 4 whole blocks can be looked up
 
 
-def info(req_id: str, tokens: list[int] = PROMPT, attempt: int = 0,
-         **kw: object) -> RequestInfo:
+def info(req_id: str, tokens: list[int] = PROMPT, attempt: int = 0, **kw: object) -> RequestInfo:
     return RequestInfo(req_id, tokens, len(tokens), attempt=attempt, **kw)  # type: ignore[arg-type]
 
 
-def answer(core: SchedulerCore, req: RequestInfo, num_computed: int = 0
-           ) -> tuple[int | None, bool]:
+def answer(core: SchedulerCore, req: RequestInfo, num_computed: int = 0) -> tuple[int | None, bool]:
     """Probe until the lookup lands, as vLLM does step after step."""
     first = core.probe(req, num_computed)
     if first != (None, False):
@@ -62,7 +60,8 @@ def locks(client: PrefixCacheClient) -> int:
 
 
 def test_first_probe_asks_again_and_lookups_leave_as_one_batch(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:12])
     core = make_scheduler(server.address, save="off")  # locks: the lookups'
     try:
@@ -84,7 +83,8 @@ def test_first_probe_asks_again_and_lookups_leave_as_one_batch(
 
 
 def test_repeated_probes_are_idempotent_and_count_beyond_the_local_hit(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:16])
     core = make_scheduler(server.address)
     try:
@@ -110,7 +110,8 @@ def test_repeated_probes_are_idempotent_and_count_beyond_the_local_hit(
 
 
 def test_preemption_releases_and_a_new_attempt_looks_up_again(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:16])
     core = make_scheduler(server.address, save="off")
     try:
@@ -145,7 +146,8 @@ def test_preemption_releases_and_a_new_attempt_looks_up_again(
 
 
 def test_aborted_requests_release_even_when_their_lookup_lands_later(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:16])
     core = make_scheduler(server.address, save="off")  # locks: the lookups'
     try:
@@ -162,7 +164,8 @@ def test_aborted_requests_release_even_when_their_lookup_lands_later(
 
 
 def test_an_unclaimed_reservation_lapses_after_its_lease(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:16])
     clock = Clock()
     core = make_scheduler(server.address, clock=clock, lease_ttl=5.0)
@@ -190,7 +193,8 @@ def test_an_unclaimed_reservation_lapses_after_its_lease(
 
 
 def test_a_load_vllm_counts_beyond_the_reservation_fails_and_is_counted(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """vLLM counts more external tokens than the reservation holds: the load fails (its
     blocks are recomputed) and the release tells the service why (load_failed)."""
     cache(client, PROMPT[:8])
@@ -210,7 +214,8 @@ def test_a_load_vllm_counts_beyond_the_reservation_fails_and_is_counted(
 
 
 def test_allocation_without_external_tokens_releases(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:8])
     core = make_scheduler(server.address, save="off")  # locks: the lookups'
     try:
@@ -235,7 +240,8 @@ def test_no_lookup_when_vllm_has_every_whole_block(server: ServerThread) -> None
 
 
 def test_multimodal_and_embedding_requests_miss_and_are_not_saved(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:16])
     core = make_scheduler(server.address)
     try:
@@ -247,16 +253,16 @@ def test_multimodal_and_embedding_requests_miss_and_are_not_saved(
         core.close()
 
 
-def test_namespaces_keep_lora_and_salt_apart(server: ServerThread,
-                                             client: PrefixCacheClient) -> None:
+def test_namespaces_keep_lora_and_salt_apart(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     key = extra_key("adapter-1", None)
     cache(client, PROMPT[:16], key)
     core = make_scheduler(server.address)
     try:
         assert answer(core, info("plain")) == (0, False)
         assert answer(core, info("lora", lora_name="adapter-1")) == (16, False)
-        assert answer(core, info("salted", lora_name="adapter-1", cache_salt="s")) == (0,
-                                                                                       False)
+        assert answer(core, info("salted", lora_name="adapter-1", cache_salt="s")) == (0, False)
         for r in ("plain", "lora", "salted"):
             core.finished(info(r), [], 0)
         core.build_meta()
@@ -266,7 +272,8 @@ def test_namespaces_keep_lora_and_salt_apart(server: ServerThread,
 
 
 def test_a_save_stores_whole_blocks_once_every_worker_is_done(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     core = make_scheduler(server.address)
     try:
         tokens = [*PROMPT, 7, 8, 9]  # prompt (18) and 3 output tokens
@@ -275,8 +282,7 @@ def test_a_save_stores_whole_blocks_once_every_worker_is_done(
         core.build_meta()
         settle(core)
         (save,) = core.build_meta().saves
-        assert (save.start, len(save.slots), list(save.block_ids)) == (0, 16,
-                                                                       [3, 4, 5, 6, 7, 8])
+        assert (save.start, len(save.slots), list(save.block_ids)) == (0, 16, [3, 4, 5, 6, 7, 8])
         assert client.match("v", PROMPT).prefix_len == 0  # not before the workers
         core.sends_done({"w"})
         settle(core)
@@ -291,7 +297,8 @@ def retained(server: ServerThread) -> int:
 
 
 def test_a_requests_retention_goes_with_its_save_and_its_lookup(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """``kv_transfer_params`` of ``{"prefixcache": {...}}`` (RequestInfo.retention)
     retains what the save inserts, and a later lookup renews it."""
     core = make_scheduler(server.address)
@@ -316,8 +323,9 @@ def test_a_requests_retention_goes_with_its_save_and_its_lookup(
         core.close()
 
 
-def test_a_save_of_what_is_cached_copies_nothing(server: ServerThread,
-                                                 client: PrefixCacheClient) -> None:
+def test_a_save_of_what_is_cached_copies_nothing(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     cache(client, PROMPT[:8])
     core = make_scheduler(server.address)
     try:
@@ -360,8 +368,9 @@ def test_the_service_down_means_misses_and_skipped_saves(tmp_path: object) -> No
         core.close()
 
 
-@pytest.mark.parametrize(("num_tokens", "expected"), [(0, 0), (1, 0), (4, 0), (5, 4),
-                                                      (8, 4), (9, 8)])
+@pytest.mark.parametrize(
+    ("num_tokens", "expected"), [(0, 0), (1, 0), (4, 0), (5, 4), (8, 4), (9, 8)]
+)
 def test_lookup_leaves_the_last_token_to_compute(num_tokens: int, expected: int) -> None:
     assert lookup_len(num_tokens, BLOCK) == expected
 
@@ -394,7 +403,8 @@ def test_bad_settings_are_refused_with_the_key_named() -> None:
 
 
 def test_disabled_by_a_worker_it_looks_nothing_up_and_saves_nothing(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """A worker disabled the connector (its step output says so): the reservations
     not yet loading are released, so are the saves of running requests, and no later
     probe looks up, no finish saves."""
@@ -419,7 +429,8 @@ def test_disabled_by_a_worker_it_looks_nothing_up_and_saves_nothing(
 
 
 def test_vllm_steps_on_until_a_finished_requests_lock_is_released(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """A loaded hit's lock outlives its request by two steps (the load may run a step
     late), and its save concluded while it ran: with no request left, the core still
     asks vLLM to step (``has_pending_work``) until the release is out, so that an idle

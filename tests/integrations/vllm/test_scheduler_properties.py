@@ -19,21 +19,33 @@ from prefixcache.integrations.vllm.keys import RequestInfo, lookup_len
 from prefixcache.integrations.vllm.meta import NULL_BLOCK, touches_null
 from prefixcache.integrations.vllm.scheduler import SchedulerCore
 
-PREFIXES = [list(range(900, 920)), list(range(900, 908)) + list(range(40, 52)),
-            list(range(300, 311))]
+PREFIXES = [
+    list(range(900, 920)),
+    list(range(900, 908)) + list(range(40, 52)),
+    list(range(300, 311)),
+]
 pytestmark = pytest.mark.usefixtures("quiet")
 
-ACTIONS = st.lists(st.tuples(st.sampled_from(["probe", "alloc", "preempt", "finish",
-                                              "step", "idle"]),
-                             st.integers(0, 3), st.integers(0, 2), st.integers(0, 2)),
-                   min_size=1, max_size=30)
+ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["probe", "alloc", "preempt", "finish", "step", "idle"]),
+        st.integers(0, 3),
+        st.integers(0, 2),
+        st.integers(0, 2),
+    ),
+    min_size=1,
+    max_size=30,
+)
 
 
 TABLE = list(range(1, 9))  # a request's blocks (block 0 is vLLM's null block)
 
 
-def engine_step(core: SchedulerCore, preempted: set[str] = frozenset(),  # type: ignore[assignment]
-                progress: dict[str, tuple[int, list[int]]] | None = None) -> None:
+def engine_step(
+    core: SchedulerCore,
+    preempted: set[str] = frozenset(),  # type: ignore[assignment]
+    progress: dict[str, tuple[int, list[int]]] | None = None,
+) -> None:
     """A step: its metadata reaches the workers, which report its saves done, a save
     of every other one failed (its slots are given back, not inserted)."""
     meta = core.build_meta(preempted, progress)
@@ -53,21 +65,27 @@ def with_nulls(n: int) -> list[int]:
     return [NULL_BLOCK] * n + TABLE[n:]
 
 
-@pytest.mark.parametrize(("during_run", "save"), [(False, "all"), (False, "prompt"),
-                                                  (True, "all")],
-                         ids=["at-finish", "prompt-while-running", "sliding-window"])
-@settings(max_examples=20, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize(
+    ("during_run", "save"),
+    [(False, "all"), (False, "prompt"), (True, "all")],
+    ids=["at-finish", "prompt-while-running", "sliding-window"],
+)
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(actions=ACTIONS)
-def test_random_call_sequences_leave_nothing_behind(server: ServerThread,
-                                                    client: PrefixCacheClient,
-                                                    during_run: bool, save: str,
-                                                    actions: list[tuple[str, int, int, int]]
-                                                    ) -> None:
+def test_random_call_sequences_leave_nothing_behind(
+    server: ServerThread,
+    client: PrefixCacheClient,
+    during_run: bool,
+    save: str,
+    actions: list[tuple[str, int, int, int]],
+) -> None:
     client.reset("v")
     clock = Clock()
-    core = make_scheduler(server.address, clock=clock, lease_ttl=5.0, save=save,
-                          during_run_saves=during_run)
+    core = make_scheduler(
+        server.address, clock=clock, lease_ttl=5.0, save=save, during_run_saves=during_run
+    )
     attempts = [0] * 4
     answers: dict[tuple[int, int], int] = {}
     finished: set[int] = set()
@@ -122,4 +140,3 @@ def test_random_call_sequences_leave_nothing_behind(server: ServerThread,
         server.check_integrity()
     finally:
         core.close()
-

@@ -85,10 +85,15 @@ class Rank:
 
     def __init__(self, address: str) -> None:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS / "server"),
-                                             env.get("PYTHONPATH", "")])
-        self.proc = subprocess.Popen([sys.executable, "-c", RANK, address],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(TESTS), str(TESTS / "server"), env.get("PYTHONPATH", "")]
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", RANK, address],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
         self._lines = JsonLines(self.proc, "rank 1")
         assert self.read() == {"ready": True}
 
@@ -137,16 +142,24 @@ def _pattern(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     def one() -> torch.Tensor:
         raw = torch.randint(0, 256, (n, HEADS, DIM * 2), dtype=torch.uint8, generator=g)
         return raw.view(torch.float16)
+
     return [one() for _ in range(LAYERS)], [one() for _ in range(LAYERS)]
 
 
-def _intact(client: PrefixCacheClient, session: object, slots: object,
-            k: list[torch.Tensor], v: list[torch.Tensor]) -> bool:
+def _intact(
+    client: PrefixCacheClient,
+    session: object,
+    slots: object,
+    k: list[torch.Tensor],
+    v: list[torch.Tensor],
+) -> bool:
     """Whether ``slots`` still hold the K and V ``session`` wrote (bytes)."""
     got = client.read_kv("v", slots, session=session)
-    return all(torch.equal(got.k[i].view(torch.uint8), k[i].view(torch.uint8)) and
-               torch.equal(got.v[i].view(torch.uint8), v[i].view(torch.uint8))
-               for i in range(LAYERS))
+    return all(
+        torch.equal(got.k[i].view(torch.uint8), k[i].view(torch.uint8))
+        and torch.equal(got.v[i].view(torch.uint8), v[i].view(torch.uint8))
+        for i in range(LAYERS)
+    )
 
 
 def _model(client: PrefixCacheClient):  # type: ignore[no-untyped-def]
@@ -155,7 +168,8 @@ def _model(client: PrefixCacheClient):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("engine", ["waits", "stops"])
 def test_a_rank_that_copies_after_another_ranks_failure_never_writes_another_session(
-        server: ServerThread, client: PrefixCacheClient, rank1: Rank, engine: str) -> None:
+    server: ServerThread, client: PrefixCacheClient, rank1: Rank, engine: str
+) -> None:
     """``waits``: the engine waits for rank 1 (vLLM's step). ``stops``: the engine
     gives up on it meanwhile (vLLM's execute-model timeout) and its scheduler side
     closes the session; rank 1, resumed, must write nothing."""

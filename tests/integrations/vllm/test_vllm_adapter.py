@@ -21,8 +21,9 @@ from prefixcache.client import PrefixCacheClient
 from prefixcache.integrations.vllm.keys import extra_key
 from prefixcache.integrations.vllm.layout import split_kv
 
-base = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
-                           reason="needs the vllm package")
+base = pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.base", reason="needs the vllm package"
+)
 
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
@@ -60,22 +61,30 @@ class Layer(AttentionLayerBase):
         return None
 
 
-def vllm_config(address: str, backend: type = FlashAttentionBackend, isa: str | None = None,
-                head_size: int = DIM, **extra: Any) -> Any:
+def vllm_config(
+    address: str,
+    backend: type = FlashAttentionBackend,
+    isa: str | None = None,
+    head_size: int = DIM,
+    **extra: Any,
+) -> Any:
     """What the connector reads of a VllmConfig (a real one needs a model)."""
     transfer = KVTransferConfig(
         kv_connector="PrefixCacheConnector",
         kv_connector_module_path="prefixcache.integrations.vllm.connector",
         kv_role="kv_both",
-        kv_connector_extra_config={"model": "v", "target": address, **extra})
-    layers = {f"model.layers.{n}.self_attn.attn": Layer(backend, head_size, isa)
-              for n in range(LAYERS)}
-    return SimpleNamespace(kv_transfer_config=transfer,
-                           compilation_config=SimpleNamespace(static_forward_context=layers),
-                           cache_config=SimpleNamespace(block_size=BLOCK),
-                           parallel_config=SimpleNamespace(tensor_parallel_size=1),
-                           scheduler_config=SimpleNamespace(
-                               disable_hybrid_kv_cache_manager=True))
+        kv_connector_extra_config={"model": "v", "target": address, **extra},
+    )
+    layers = {
+        f"model.layers.{n}.self_attn.attn": Layer(backend, head_size, isa) for n in range(LAYERS)
+    }
+    return SimpleNamespace(
+        kv_transfer_config=transfer,
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True),
+    )
 
 
 def request(req_id: str, **kw: Any) -> Request:
@@ -86,8 +95,11 @@ def blocks(ids: list[int]) -> KVCacheBlocks:
     return KVCacheBlocks((tuple(KVCacheBlock(i) for i in ids),))
 
 
-def step(scheduler: Any, worker: Any, finished: set[str] = frozenset()  # type: ignore[assignment]
-         ) -> Any:
+def step(
+    scheduler: Any,
+    worker: Any,
+    finished: set[str] = frozenset(),  # type: ignore[assignment]
+) -> Any:
     """One engine step, as vLLM's scheduler and model runner make it."""
     out = SchedulerOutput.make_empty()
     out.finished_req_ids = set(finished)
@@ -98,9 +110,13 @@ def step(scheduler: Any, worker: Any, finished: set[str] = frozenset()  # type: 
     sending, _ = worker.get_finished(out.finished_req_ids)
     errors = worker.get_block_ids_with_load_errors()
     worker.clear_connector_metadata()
-    scheduler.update_connector_output(KVConnectorOutput(
-        finished_sending=sending, invalid_block_ids=errors,
-        kv_connector_worker_meta=worker.build_connector_worker_meta()))
+    scheduler.update_connector_output(
+        KVConnectorOutput(
+            finished_sending=sending,
+            invalid_block_ids=errors,
+            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+        )
+    )
     scheduler._sched.backend.wait_idle(10.0)
     return meta, errors
 
@@ -114,8 +130,9 @@ def test_the_factory_loads_the_connector_from_configuration(server: ServerThread
         connector.shutdown()
 
 
-def test_a_request_round_trips_through_vllm_objects(server: ServerThread,
-                                                    client: PrefixCacheClient) -> None:
+def test_a_request_round_trips_through_vllm_objects(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     config = vllm_config(server.address)
     scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, None)
     worker = KVConnectorFactory.create_connector(config, Role.WORKER, None)
@@ -141,8 +158,9 @@ def test_a_request_round_trips_through_vllm_objects(server: ServerThread,
         meta, errors = step(scheduler, worker)
         assert len(meta.step.loads) == 1 and errors == set()
         views = [split_kv(n, t, "bhn2d", DIM) for n, t in caches.items()]
-        assert all(torch.equal(token_rows(v, A_BLOCKS, 16), token_rows(v, B_BLOCKS, 16))
-                   for v in views)
+        assert all(
+            torch.equal(token_rows(v, A_BLOCKS, 16), token_rows(v, B_BLOCKS, 16)) for v in views
+        )
         b.num_computed_tokens = 17
         scheduler.request_finished(b, B_BLOCKS)
         for _ in range(2):
@@ -153,17 +171,20 @@ def test_a_request_round_trips_through_vllm_objects(server: ServerThread,
 
 
 def test_lora_and_salt_of_a_vllm_request_pick_the_namespace(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     key = extra_key("adapter", "salt")
     with client.session(10.0) as s:
         reply = s.match("v", PROMPT[:16], extra_key=key, allocate=True)
         s.insert("v", PROMPT[:16], reply.all_slots(), extra_key=key)
-    scheduler = KVConnectorFactory.create_connector(vllm_config(server.address),
-                                                    Role.SCHEDULER, None)
+    scheduler = KVConnectorFactory.create_connector(
+        vllm_config(server.address), Role.SCHEDULER, None
+    )
     try:
-        for req, hit in ((request("plain"), 0),
-                         (request("lora", lora_request=LoRARequest("adapter", 1, "/a"),
-                                  cache_salt="salt"), 16)):
+        for req, hit in (
+            (request("plain"), 0),
+            (request("lora", lora_request=LoRARequest("adapter", 1, "/a"), cache_salt="salt"), 16),
+        ):
             assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
             scheduler.build_connector_meta(SchedulerOutput.make_empty())
             scheduler._sched.backend.wait_idle(10.0)
@@ -190,8 +211,7 @@ def test_kv_transfer_params_carry_a_retention_hint(server: ServerThread) -> None
     assert request_info(request("plain")).retention is None
 
 
-def test_failed_loads_reach_vllms_stats_and_prometheus_by_reason(
-        server: ServerThread) -> None:
+def test_failed_loads_reach_vllms_stats_and_prometheus_by_reason(server: ServerThread) -> None:
     from prometheus_client import Counter, Gauge, Histogram, generate_latest
 
     from prefixcache.integrations.vllm.connector import PrefixCacheConnectorMetadata
@@ -201,8 +221,9 @@ def test_failed_loads_reach_vllms_stats_and_prometheus_by_reason(
     worker = KVConnectorFactory.create_connector(config, Role.WORKER, None)
     try:
         worker.register_kv_caches(make_caches("bhn2d"))
-        worker.bind_connector_metadata(PrefixCacheConnectorMetadata(
-            StepMeta([LoadOp("C", array("q", [1]), 0, 4, fail=True)])))
+        worker.bind_connector_metadata(
+            PrefixCacheConnectorMetadata(StepMeta([LoadOp("C", array("q", [1]), 0, 4, fail=True)]))
+        )
         worker.start_load_kv(None)
         worker.clear_connector_metadata()
         assert worker.get_block_ids_with_load_errors() == {1}
@@ -213,30 +234,35 @@ def test_failed_loads_reach_vllms_stats_and_prometheus_by_reason(
         total.aggregate(stats).aggregate(stats)  # two workers' reports
         assert total.reduce() == {"prefixcache load failures (scheduler)": 2}
         prom = type(worker).build_prom_metrics(
-            config, {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
-            ["model_name", "engine"], {0: ["m", "0"]})
+            config,
+            {Counter: Counter, Gauge: Gauge, Histogram: Histogram},
+            ["model_name", "engine"],
+            {0: ["m", "0"]},
+        )
         prom.observe(total.data, 0)
-        assert ('vllm:prefixcache_load_failures_total{engine="0",model_name="m",'
-                'reason="scheduler"} 2.0') in generate_latest().decode()
+        assert (
+            'vllm:prefixcache_load_failures_total{engine="0",model_name="m",reason="scheduler"} 2.0'
+        ) in generate_latest().decode()
     finally:
         worker.shutdown()
 
 
 def test_a_load_failed_in_the_workers_reaches_the_service_as_load_failed(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """Two workers fail one load (the slots no longer hold the tokens); vLLM's own
     aggregator merges their outputs, and the scheduler side's release tells the
     service: the hit's 16 tokens are counted load_failed once."""
     config = vllm_config(server.address)
     scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, None)
-    workers = [KVConnectorFactory.create_connector(config, Role.WORKER, None)
-               for _ in range(2)]
+    workers = [KVConnectorFactory.create_connector(config, Role.WORKER, None) for _ in range(2)]
 
     def outcome_tokens() -> int:
         channel, stub = stub_for(server.address)
         with channel:
-            return stub.Stats(pb.StatsRequest(model="v")).models[0] \
-                .lookup_tokens_total["load_failed"]
+            return (
+                stub.Stats(pb.StatsRequest(model="v")).models[0].lookup_tokens_total["load_failed"]
+            )
 
     try:
         for worker in workers:
@@ -258,10 +284,16 @@ def test_a_load_failed_in_the_workers_reaches_the_service_as_load_failed(
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
             worker.clear_connector_metadata()
-            outputs.append(ModelRunnerOutput(
-                req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
-                    invalid_block_ids=worker.get_block_ids_with_load_errors(),
-                    kv_connector_worker_meta=worker.build_connector_worker_meta())))
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=[],
+                    req_id_to_index={},
+                    kv_connector_output=KVConnectorOutput(
+                        invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                        kv_connector_worker_meta=worker.build_connector_worker_meta(),
+                    ),
+                )
+            )
         merged = KVOutputAggregator(2).aggregate(outputs).kv_connector_output
         assert merged.invalid_block_ids == set(B_BLOCKS[:4])
         scheduler.update_connector_output(merged)
@@ -278,7 +310,8 @@ def test_a_load_failed_in_the_workers_reaches_the_service_as_load_failed(
 
 
 def test_a_save_failed_on_one_rank_is_given_back_once_every_rank_is_done(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """Two workers save one request; one fails its copy (its caches do not fit the
     pool: disabled). vLLM's own aggregator merges their outputs: the failure reaches
     the scheduler side with the step that names the request done on every rank, and the
@@ -286,8 +319,7 @@ def test_a_save_failed_on_one_rank_is_given_back_once_every_rank_is_done(
     (another rank may not have copied yet)."""
     config = vllm_config(server.address)
     scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, None)
-    workers = [KVConnectorFactory.create_connector(config, Role.WORKER, None)
-               for _ in range(2)]
+    workers = [KVConnectorFactory.create_connector(config, Role.WORKER, None) for _ in range(2)]
     try:
         workers[0].register_kv_caches(make_caches("bhn2d"))
         one_layer = dict(list(make_caches("bhn2d").items())[:1])
@@ -305,10 +337,16 @@ def test_a_save_failed_on_one_rank_is_given_back_once_every_rank_is_done(
             worker.start_load_kv(None)
             sending, _ = worker.get_finished({"A"})
             worker.clear_connector_metadata()
-            outputs.append(ModelRunnerOutput(
-                req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
-                    finished_sending=sending,
-                    kv_connector_worker_meta=worker.build_connector_worker_meta())))
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=[],
+                    req_id_to_index={},
+                    kv_connector_output=KVConnectorOutput(
+                        finished_sending=sending,
+                        kv_connector_worker_meta=worker.build_connector_worker_meta(),
+                    ),
+                )
+            )
         # The failing worker left the slots to the scheduler side.
         assert client.stats("v")["v"].session_slots == len(save.slots) == 16
         merged = KVOutputAggregator(2).aggregate(outputs).kv_connector_output
@@ -328,21 +366,31 @@ def test_a_save_failed_on_one_rank_is_given_back_once_every_rank_is_done(
             worker.shutdown()
 
 
-@pytest.mark.parametrize(("isa", "kv_layout", "refused"), [
-    ("vec", "auto", False), ("amx", "auto", False),
-    ("vec", "bhn2d", True),     # the old guess, forced: vLLM's op disagrees
-    ("amx", "cpu_vec", True),
-])
+@pytest.mark.parametrize(
+    ("isa", "kv_layout", "refused"),
+    [
+        ("vec", "auto", False),
+        ("amx", "auto", False),
+        ("vec", "bhn2d", True),  # the old guess, forced: vLLM's op disagrees
+        ("amx", "cpu_vec", True),
+    ],
+)
 def test_the_cpu_layout_is_checked_against_vllms_own_write(
-        server: ServerThread, isa: str, kv_layout: str, refused: bool) -> None:
+    server: ServerThread, isa: str, kv_layout: str, refused: bool
+) -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     config = vllm_config(server.address, CPUAttentionBackend, isa, 32, kv_layout=kv_layout)
     worker = KVConnectorFactory.create_connector(config, Role.WORKER, None)
     try:
-        worker.register_kv_caches({f"model.layers.{n}.self_attn.attn":
-                                   torch.zeros(4, HEADS, 32, 64, dtype=torch.bfloat16)
-                                   for n in range(LAYERS)})
+        worker.register_kv_caches(
+            {
+                f"model.layers.{n}.self_attn.attn": torch.zeros(
+                    4, HEADS, 32, 64, dtype=torch.bfloat16
+                )
+                for n in range(LAYERS)
+            }
+        )
         disabled = worker._work._disabled or ""
         assert ("does not write K/V the way" in disabled) == refused, disabled
     finally:
@@ -350,8 +398,8 @@ def test_the_cpu_layout_is_checked_against_vllms_own_write(
 
 
 def test_a_worker_that_disables_the_connector_stops_lookups_and_saves(
-        server: ServerThread, client: PrefixCacheClient,
-        caplog: pytest.LogCaptureFixture) -> None:
+    server: ServerThread, client: PrefixCacheClient, caplog: pytest.LogCaptureFixture
+) -> None:
     """A backend whose layout is not known (FlexAttention) disables the connector with
     one log line: the scheduler side, in another process, hears it with the step's
     output and from then on neither looks up (no load that must fail, its blocks
@@ -384,8 +432,11 @@ def test_a_worker_that_disables_the_connector_stops_lookups_and_saves(
         stats = scheduler._sched.stats
         assert (stats.lookups, stats.saves, stats.saves_failed) == (0, 0, 0)
         assert client.stats("v")["v"].session_slots == 0
-        loud = [r.getMessage() for r in caplog.records
-                if r.levelno >= logging.WARNING and r.name.startswith("prefixcache")]
+        loud = [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("prefixcache")
+        ]
         assert len(loud) == 1 and "FlexAttentionBackend" in loud[0], loud
     finally:
         scheduler.shutdown()
@@ -396,12 +447,14 @@ def kv_cache_config(spec: Any) -> Any:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     names = [f"model.layers.{n}.self_attn.attn" for n in range(LAYERS)]
-    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    return KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
+    )
 
 
 def test_a_sliding_window_request_is_saved_while_it_runs_through_vllm_objects(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """A sliding-window group (vLLM's ``SlidingWindowSpec``): the request's save starts
     at its first probe, which waits for it; each step's computed tokens are copied after
     the forward, from the table vLLM offers the connector (the scheduler output's block
@@ -413,31 +466,39 @@ def test_a_sliding_window_request_is_saved_while_it_runs_through_vllm_objects(
 
     from prefixcache.integrations.vllm.connector import frees_blocks_while_running
 
-    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
-                               dtype=torch.float16, sliding_window=2 * BLOCK)
-    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
-                             dtype=torch.float16)
+    window = SlidingWindowSpec(
+        block_size=BLOCK,
+        num_kv_heads=HEADS,
+        head_size=DIM,
+        dtype=torch.float16,
+        sliding_window=2 * BLOCK,
+    )
+    full = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16
+    )
     assert frees_blocks_while_running(kv_cache_config(window))
     assert not frees_blocks_while_running(kv_cache_config(full))
     config = vllm_config(server.address)
-    scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER,
-                                                    kv_cache_config(window))
-    worker = KVConnectorFactory.create_connector(config, Role.WORKER,
-                                                 kv_cache_config(window))
+    scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, kv_cache_config(window))
+    worker = KVConnectorFactory.create_connector(config, Role.WORKER, kv_cache_config(window))
     tables = {"A": list(A_BLOCKS)}
 
     def run(out: SchedulerOutput) -> None:
         out.kv_connector_block_state = KVConnectorBlockState(
-            set(out.num_scheduled_tokens), lambda req_id: (tables[req_id],), {})
+            set(out.num_scheduled_tokens), lambda req_id: (tables[req_id],), {}
+        )
         meta = scheduler.build_connector_meta(out)
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         worker.wait_for_save()
         sending, _ = worker.get_finished(out.finished_req_ids)
         worker.clear_connector_metadata()
-        scheduler.update_connector_output(KVConnectorOutput(
-            finished_sending=sending,
-            kv_connector_worker_meta=worker.build_connector_worker_meta()))
+        scheduler.update_connector_output(
+            KVConnectorOutput(
+                finished_sending=sending,
+                kv_connector_worker_meta=worker.build_connector_worker_meta(),
+            )
+        )
         scheduler._sched.backend.wait_idle(10.0)
 
     try:
@@ -470,8 +531,10 @@ def test_a_sliding_window_request_is_saved_while_it_runs_through_vllm_objects(
         a.num_computed_tokens = 20
         keep, _ = scheduler.request_finished(a, [0, 0, *A_BLOCKS[2:]])
         assert not keep  # nothing left to copy: vLLM frees the blocks at once
-        got = [torch.stack([rows.k[n], rows.v[n]]).contiguous().view(torch.uint8)
-               for n in range(LAYERS)]
+        got = [
+            torch.stack([rows.k[n], rows.v[n]]).contiguous().view(torch.uint8)
+            for n in range(LAYERS)
+        ]
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
         assert not scheduler.has_pending_push_work()
     finally:
@@ -480,8 +543,8 @@ def test_a_sliding_window_request_is_saved_while_it_runs_through_vllm_objects(
 
 
 def test_a_mamba_group_disables_the_connector_with_one_error_line(
-        server: ServerThread, client: PrefixCacheClient,
-        caplog: pytest.LogCaptureFixture) -> None:
+    server: ServerThread, client: PrefixCacheClient, caplog: pytest.LogCaptureFixture
+) -> None:
     """An attention group and a Mamba group (vLLM's hybrid manager, e.g. Nemotron-H):
     the connector supports vLLM's hybrid manager, so vLLM starts, but the Mamba state is
     not K/V per token: the worker says so in one error line, the scheduler side looks
@@ -498,16 +561,22 @@ def test_a_mamba_group_disables_the_connector_with_one_error_line(
     from prefixcache.integrations.vllm.connector import group_problem, layer_groups
 
     assert base.supports_hma(base.KVConnectorBase_V1) is False
-    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
-                             dtype=torch.float16)
-    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 8), (2, 4, 4)),
-                      dtypes=(torch.float32, torch.float32))
-    config_ = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.0.mixer"], mamba),
-        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full)])
+    full = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float16
+    )
+    mamba = MambaSpec(
+        block_size=BLOCK, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.float32, torch.float32)
+    )
+    config_ = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.0.mixer"], mamba),
+            KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full),
+        ],
+    )
     assert "KV cache group 0 is MambaSpec" in (group_problem(config_) or "")
-    assert layer_groups(config_) == {"model.layers.0.mixer": 0,
-                                     "model.layers.1.self_attn.attn": 1}
+    assert layer_groups(config_) == {"model.layers.0.mixer": 0, "model.layers.1.self_attn.attn": 1}
     config = vllm_config(server.address)
     with caplog.at_level(logging.INFO, "prefixcache.integrations.vllm"):
         scheduler = KVConnectorFactory.create_connector(config, Role.SCHEDULER, config_)
@@ -525,8 +594,11 @@ def test_a_mamba_group_disables_the_connector_with_one_error_line(
             assert scheduler.request_finished_all_groups(b, ([], A_BLOCKS)) == (False, None)
         assert scheduler._sched.stats.lookups == 0
         assert client.stats("v")["v"].session_slots == 0
-        errors = [r.getMessage() for r in caplog.records
-                  if r.levelno >= logging.WARNING and r.name.startswith("prefixcache")]
+        errors = [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith("prefixcache")
+        ]
         assert len(errors) == 1 and "MambaSpec" in errors[0], errors
     finally:
         scheduler.shutdown()

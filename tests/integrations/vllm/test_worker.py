@@ -39,15 +39,17 @@ A_BLOCKS = [2, 5, 7, 9, 11]
 B_BLOCKS = [1, 3, 4, 6, 8]
 
 
-def step(core: SchedulerCore, workers: list[WorkerCore],
-         finished: set[str] = frozenset()) -> StepMeta:  # type: ignore[assignment]
+def step(
+    core: SchedulerCore, workers: list[WorkerCore], finished: set[str] = frozenset()
+) -> StepMeta:  # type: ignore[assignment]
     """One engine step: the scheduler's metadata, every worker's copies, and what vLLM
     aggregates over the workers back to the scheduler."""
     return run_step(core, workers, core.build_meta(), finished)
 
 
-def run_step(core: SchedulerCore, workers: list[WorkerCore], meta: StepMeta,
-             finished: set[str] = frozenset()) -> StepMeta:  # type: ignore[assignment]
+def run_step(
+    core: SchedulerCore, workers: list[WorkerCore], meta: StepMeta, finished: set[str] = frozenset()
+) -> StepMeta:  # type: ignore[assignment]
     """The workers' half of ``step``, on ``meta``: the finished sends (every rank's)
     and the failed loads and saves (any rank's) go back as vLLM's
     update_connector_output hands them over (worker metadata first, then the sends)."""
@@ -73,8 +75,9 @@ def outcome_tokens(server: ServerThread, outcome: str) -> int:
     return stats.lookup_tokens_total[outcome]
 
 
-def save_a(core: SchedulerCore, workers: list[WorkerCore], model_tokens: list[int] = PROMPT
-           ) -> None:
+def save_a(
+    core: SchedulerCore, workers: list[WorkerCore], model_tokens: list[int] = PROMPT
+) -> None:
     """Request A computed the prompt in A_BLOCKS and finishes: its 16 tokens are saved."""
     assert core.finished(RequestInfo("A", model_tokens, len(model_tokens)), A_BLOCKS, 18)
     for _ in range(3):
@@ -104,14 +107,14 @@ def load_b(core: SchedulerCore, workers: list[WorkerCore]) -> set[int]:
 def same_rows(caches: dict[str, torch.Tensor], layout: str) -> bool:
     head = LATENT if layout == "mla" else DIM
     views = [split_kv(name, t, layout, head) for name, t in caches.items()]
-    return all(torch.equal(token_rows(v, A_BLOCKS, 16), token_rows(v, B_BLOCKS, 16))
-               for v in views)
+    return all(torch.equal(token_rows(v, A_BLOCKS, 16), token_rows(v, B_BLOCKS, 16)) for v in views)
 
 
 @pytest.mark.parametrize("transfer", ["attach", "remote"])
 @pytest.mark.parametrize("layout", ["kv_first", "blocks_first", "bhn2d", "cpu_vec"])
-def test_round_trip_is_byte_exact(server: ServerThread, client: PrefixCacheClient,
-                                  layout: str, transfer: str) -> None:
+def test_round_trip_is_byte_exact(
+    server: ServerThread, client: PrefixCacheClient, layout: str, transfer: str
+) -> None:
     core = make_scheduler(server.address, transfer=transfer)
     worker = make_worker(server.address, transfer=transfer, kv_layout="auto")
     try:
@@ -129,10 +132,12 @@ def test_round_trip_is_byte_exact(server: ServerThread, client: PrefixCacheClien
         worker.close()
 
 
-@pytest.mark.parametrize(("model", "dtype"), [("b", "bfloat16"), ("f8", "float8_e4m3fn"),
-                                             ("f8", "uint8")])  # vLLM's fp8 is uint8
-def test_round_trip_in_other_dtypes_and_kernel_blocks(server: ServerThread, model: str,
-                                                      dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "dtype"), [("b", "bfloat16"), ("f8", "float8_e4m3fn"), ("f8", "uint8")]
+)  # vLLM's fp8 is uint8
+def test_round_trip_in_other_dtypes_and_kernel_blocks(
+    server: ServerThread, model: str, dtype: str
+) -> None:
     core = make_scheduler(server.address, model)
     worker = make_worker(server.address, model)
     try:
@@ -163,7 +168,8 @@ def test_tensor_parallel_ranks_share_one_pool(server: ServerThread) -> None:
 
 
 def test_a_reset_between_lookup_and_load_fails_every_block(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     core = make_scheduler(server.address)
     worker = make_worker(server.address)
     try:
@@ -192,7 +198,8 @@ def test_a_reset_between_lookup_and_load_fails_every_block(
 
 
 def test_a_load_the_workers_fail_reaches_the_service_as_load_failed_once(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """Both ranks copy, then find the tree no longer maps the tokens to the slots they
     copied from (moved): the failure goes back with the step's output and the
     reservation's release, the call that was due anyway, tells the service; its 16
@@ -256,7 +263,8 @@ def test_a_load_with_only_part_to_copy_fails_only_its_blocks(server: ServerThrea
 
 @pytest.mark.parametrize("transfer", ["attach", "remote"])
 def test_a_killed_service_fails_the_load_and_nothing_raises(
-        tmp_path: Path, transfer: str, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, transfer: str, caplog: pytest.LogCaptureFixture
+) -> None:
     with running(tmp_path, MODELS) as srv:
         core = make_scheduler(srv.address, transfer=transfer, timeout=0.5)
         worker = make_worker(srv.address, transfer=transfer, timeout=0.5)
@@ -311,7 +319,8 @@ def test_a_restarted_service_is_mapped_anew(tmp_path: Path) -> None:
 
 
 def test_a_failed_save_caches_nothing_and_gives_everything_back(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     core = make_scheduler(server.address)
     # A rank of two cannot save through WriteKV (whole rows): its copy fails.
     worker = make_worker(server.address, transfer="remote", tp_size=2)
@@ -332,8 +341,9 @@ def test_the_service_down_at_start_loads_nothing_and_saves_nothing(tmp_path: Pat
     worker = make_worker(f"unix:{tmp_path}/none.sock", timeout=0.3)
     try:
         worker.register(make_caches("kv_first"))
-        worker.start_step(StepMeta([LoadOp("C", array("q", B_BLOCKS), 0, 8,
-                                           array("q", range(8)), 1, "nobody")]))
+        worker.start_step(
+            StepMeta([LoadOp("C", array("q", B_BLOCKS), 0, 8, array("q", range(8)), 1, "nobody")])
+        )
         assert worker.take_load_errors() == set(B_BLOCKS[:2])
         assert worker.load_failures == {"unavailable": 1}
         save_a(core, [worker])  # finishes: the request is reported done
@@ -348,8 +358,11 @@ def test_a_pool_that_does_not_fit_disables_the_connector(server: ServerThread) -
         caches = make_caches("kv_first")
         caches["extra"] = caches[next(iter(caches))].clone()  # one layer too many
         worker.register(caches)
-        worker.start_step(StepMeta([LoadOp("C", array("q", B_BLOCKS), 0, 4,
-                                           array("q", range(1, 5)), 1, "nobody")]))
+        worker.start_step(
+            StepMeta(
+                [LoadOp("C", array("q", B_BLOCKS), 0, 4, array("q", range(1, 5)), 1, "nobody")]
+            )
+        )
         assert worker.take_load_errors() == {B_BLOCKS[0]}
         assert "layers" in (worker._disabled or "")
         assert worker.load_failures == {"disabled": 1}

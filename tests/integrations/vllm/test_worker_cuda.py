@@ -39,8 +39,7 @@ def test_cuda_round_trip(tmp_path: Path, transfer: str, layerwise: bool) -> None
     # in a child process.
     with serve_process(tmp_path, CONFIG) as (_, address):
         core = make_scheduler(address, transfer=transfer)
-        worker = make_worker(address, transfer=transfer, kv_layout="auto",
-                             layerwise_load=layerwise)
+        worker = make_worker(address, transfer=transfer, kv_layout="auto", layerwise_load=layerwise)
         try:
             caches = {n: t.cuda() for n, t in make_caches("bhn2d").items()}
             worker.register(caches, backend_for("bhn2d"))  # FlashAttention, vLLM 0.32
@@ -50,8 +49,9 @@ def test_cuda_round_trip(tmp_path: Path, transfer: str, layerwise: bool) -> None
                 assert worker._access is not None and worker._access.mapped
             torch.cuda.synchronize()
             views = [split_kv(n, t.cpu(), "bhn2d", DIM) for n, t in caches.items()]
-            assert all(torch.equal(token_rows(v, A_BLOCKS, 16), token_rows(v, B_BLOCKS, 16))
-                       for v in views)
+            assert all(
+                torch.equal(token_rows(v, A_BLOCKS, 16), token_rows(v, B_BLOCKS, 16)) for v in views
+            )
         finally:
             core.close()
             worker.close()

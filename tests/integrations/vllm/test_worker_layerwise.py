@@ -39,8 +39,9 @@ def names(caches: dict[str, torch.Tensor]) -> list[str]:
 
 
 @contextmanager
-def b_reserved(server: ServerThread, caches: dict[str, torch.Tensor]
-               ) -> Iterator[tuple[SchedulerCore, WorkerCore, RequestInfo]]:
+def b_reserved(
+    server: ServerThread, caches: dict[str, torch.Tensor]
+) -> Iterator[tuple[SchedulerCore, WorkerCore, RequestInfo]]:
     """A layer-wise worker over ``caches`` whose scheduler side saved A and reserved B's
     16-token hit (B_BLOCKS), nothing loaded yet; B finishes and both close after."""
     core = make_scheduler(server.address)
@@ -64,12 +65,12 @@ def b_reserved(server: ServerThread, caches: dict[str, torch.Tensor]
 
 @pytest.mark.parametrize("transfer", ["attach", "remote"])
 @pytest.mark.parametrize("layout", ["kv_first", "bhn2d", "cpu_vec"])
-def test_layerwise_loads_the_same_bytes_as_whole_loads(server: ServerThread, layout: str,
-                                                       transfer: str) -> None:
+def test_layerwise_loads_the_same_bytes_as_whole_loads(
+    server: ServerThread, layout: str, transfer: str
+) -> None:
     core = make_scheduler(server.address, transfer=transfer)
     whole = make_worker(server.address, transfer=transfer, kv_layout="auto")
-    by_layer = make_worker(server.address, transfer=transfer, kv_layout="auto",
-                           layerwise_load=True)
+    by_layer = make_worker(server.address, transfer=transfer, kv_layout="auto", layerwise_load=True)
     try:
         caches = make_caches(layout)
         twin = {n: t.clone() for n, t in caches.items()}
@@ -78,8 +79,9 @@ def test_layerwise_loads_the_same_bytes_as_whole_loads(server: ServerThread, lay
         save_a(core, [whole, by_layer])  # rank 0 of two identical engines saves once
         assert load_b(core, [whole, by_layer]) == set()
         assert same_rows(twin, layout)
-        assert all(torch.equal(caches[n].view(torch.uint8), twin[n].view(torch.uint8))
-                   for n in caches)
+        assert all(
+            torch.equal(caches[n].view(torch.uint8), twin[n].view(torch.uint8)) for n in caches
+        )
         assert by_layer.loaded_tokens == whole.loaded_tokens == 16
     finally:
         core.close()
@@ -88,7 +90,8 @@ def test_layerwise_loads_the_same_bytes_as_whole_loads(server: ServerThread, lay
 
 
 def test_layers_are_issued_in_order_and_waits_only_for_this_steps_loads(
-        server: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
+    server: ServerThread, caplog: pytest.LogCaptureFixture
+) -> None:
     caches = make_caches("kv_first")
     # A third layer that shares layer 1's cache (vLLM's KV sharing): its wait is
     # layer 1's.
@@ -129,8 +132,7 @@ def test_without_layer_waits_the_step_loads_whole(server: ServerThread) -> None:
         core.sends_done(worker.finished_sends(set()))
 
 
-def test_a_failed_load_reports_its_blocks_and_the_others_load(
-        server: ServerThread) -> None:
+def test_a_failed_load_reports_its_blocks_and_the_others_load(server: ServerThread) -> None:
     """Three loads in one layer-wise step: one whose copy fails (a block vLLM's cache
     does not have), one the scheduler side could not serve, one sound. The sound one
     loads; each failed one reports exactly its blocks, once."""
@@ -138,8 +140,17 @@ def test_a_failed_load_reports_its_blocks_and_the_others_load(
     with b_reserved(server, caches) as (core, worker, _):
         meta = core.build_meta()
         (load,) = meta.loads
-        bad = LoadOp("X", array("q", [1000, 1001, 1002, 1003]), 0, 16, load.slots,
-                     load.server_epoch, load.session_id, load.tokens, load.extra_key)
+        bad = LoadOp(
+            "X",
+            array("q", [1000, 1001, 1002, 1003]),
+            0,
+            16,
+            load.slots,
+            load.server_epoch,
+            load.session_id,
+            load.tokens,
+            load.extra_key,
+        )
         meta.loads[:0] = [bad, LoadOp("Y", array("q", [12, 13]), 0, 8, fail=True)]
         run_step(core, [worker], meta)
         assert worker.take_load_errors() == {1000, 1001, 1002, 1003, 12, 13}
@@ -150,8 +161,7 @@ def test_a_failed_load_reports_its_blocks_and_the_others_load(
 
 
 @pytest.mark.parametrize("change", ["moved", "restarted"])
-def test_a_load_the_check_refuses_fails_every_block(server: ServerThread,
-                                                    change: str) -> None:
+def test_a_load_the_check_refuses_fails_every_block(server: ServerThread, change: str) -> None:
     """The check that the slots still hold the tokens (``verify_loads``) and the epoch
     check fail a layer-wise load as they fail a whole one."""
     with b_reserved(server, make_caches("kv_first")) as (core, worker, _):

@@ -35,9 +35,13 @@ from prefixcache.server.config import ModelConfig, PoolConfig  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 LAYERS, HEADS, DIM, BLOCK, TOKENS = 8, 4, 128, 16, 2048  # 32 MiB of KV in the pool
-MODEL = ModelConfig(name="g", page_size=BLOCK,
-                    pool=PoolConfig(size=TOKENS + 4 * BLOCK, layers=LAYERS, k_heads=HEADS,
-                                    k_head_dim=DIM, dtype="bfloat16"))
+MODEL = ModelConfig(
+    name="g",
+    page_size=BLOCK,
+    pool=PoolConfig(
+        size=TOKENS + 4 * BLOCK, layers=LAYERS, k_heads=HEADS, k_head_dim=DIM, dtype="bfloat16"
+    ),
+)
 BACKEND = BackendInfo("vllm.v1.attention.backends.flash_attn.FlashAttentionBackend", DIM)
 NUM_BLOCKS = 2 * TOKENS // BLOCK
 
@@ -65,26 +69,34 @@ def load(served: ServerThread) -> Iterator[LoadOp]:
             buf.view(torch.uint8).index_copy_(0, index, raw)
         pool.close()
         gen = torch.Generator().manual_seed(1)
-        ids = torch.randperm(NUM_BLOCKS, generator=gen)[:TOKENS // BLOCK].tolist()
-        yield LoadOp("r", array("q", ids), 0, TOKENS, slots, alloc.server_epoch,
-                     session.session_id)
+        ids = torch.randperm(NUM_BLOCKS, generator=gen)[: TOKENS // BLOCK].tolist()
+        yield LoadOp("r", array("q", ids), 0, TOKENS, slots, alloc.server_epoch, session.session_id)
         session.close()
 
 
 def engine(served: ServerThread, layerwise: bool) -> tuple[WorkerCore, dict[str, Any]]:
     """A worker core with vLLM 0.32 FlashAttention caches on the GPU (zeros)."""
-    config = ConnectorConfig(model="g", target=served.address, transfer="attach",
-                             verify_loads=False, layerwise_load=layerwise)
+    config = ConnectorConfig(
+        model="g",
+        target=served.address,
+        transfer="attach",
+        verify_loads=False,
+        layerwise_load=layerwise,
+    )
     worker = WorkerCore(config, BLOCK)
-    caches = {f"model.layers.{i}.self_attn.attn":
-              torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16,
-                          device="cuda") for i in range(LAYERS)}
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(
+            NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16, device="cuda"
+        )
+        for i in range(LAYERS)
+    }
     worker.register(caches, BACKEND)
     return worker, caches
 
 
-def test_layerwise_loads_equal_whole_loads_layer_by_layer(served: ServerThread,
-                                                          load: LoadOp) -> None:
+def test_layerwise_loads_equal_whole_loads_layer_by_layer(
+    served: ServerThread, load: LoadOp
+) -> None:
     whole, want = engine(served, False)
     by_layer, got = engine(served, True)
     try:
@@ -105,24 +117,29 @@ def test_layerwise_loads_equal_whole_loads_layer_by_layer(served: ServerThread,
         assert access.pool.k_buffer[0].is_pinned(), "the host pool was not pinned"
         for name in got:
             assert torch.equal(want[name].view(torch.int16), got[name].view(torch.int16))
-            assert torch.equal(want[name].view(torch.int16), seen[name].view(torch.int16)), \
+            assert torch.equal(want[name].view(torch.int16), seen[name].view(torch.int16)), (
                 f"{name}: not all there when its wait returned"
+            )
         assert all(t.view(torch.int16).ne(0).any() for t in want.values())  # loaded
     finally:
         whole.close()
         by_layer.close()
 
 
-def test_layerwise_loads_overlap_the_forward(served: ServerThread, load: LoadOp,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_layerwise_loads_overlap_the_forward(
+    served: ServerThread, load: LoadOp, capsys: pytest.CaptureFixture[str]
+) -> None:
     whole, _ = engine(served, False)
     by_layer, _ = engine(served, True)
     try:
         report = overlap(whole, by_layer, StepMeta([load]))
         assert by_layer.failed_loads == whole.failed_loads == 0
         nbytes = TOKENS * LAYERS * 2 * HEADS * DIM * 2
-        report.update(bytes=nbytes, load_gb_per_s=nbytes / report["load_s"] / 1e9,
-                      device=torch.cuda.get_device_name())
+        report.update(
+            bytes=nbytes,
+            load_gb_per_s=nbytes / report["load_s"] / 1e9,
+            device=torch.cuda.get_device_name(),
+        )
         with capsys.disabled():
             print("\nlayer-wise overlap:", json.dumps(report))
         out = os.environ.get("PREFIXCACHE_GPU_REPORT")

@@ -32,8 +32,9 @@ pytestmark = pytest.mark.usefixtures("quiet")
 
 def latent_rows(caches: dict[str, torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
     """Each layer's latent bytes of a request's first 16 tokens."""
-    return [token_rows(split_kv(name, t, "mla", LATENT), block_ids, 16)
-            for name, t in caches.items()]
+    return [
+        token_rows(split_kv(name, t, "mla", LATENT), block_ids, 16) for name, t in caches.items()
+    ]
 
 
 def assert_pool_holds(client: PrefixCacheClient, model: str, rows: list[torch.Tensor]) -> None:
@@ -51,14 +52,22 @@ def assert_pool_holds(client: PrefixCacheClient, model: str, rows: list[torch.Te
 
 
 @pytest.mark.parametrize("transfer", ["attach", "remote"])
-@pytest.mark.parametrize(("model", "dtype", "kernel_block"), [
-    ("mla", "bfloat16", BLOCK),
-    ("mla8", "float8_e4m3fn", 2),
-    ("mla8", "uint8", BLOCK),  # vLLM's kv_cache_dtype fp8: the cache is uint8
-])
-def test_mla_round_trip_is_byte_exact(server: ServerThread, client: PrefixCacheClient,
-                                      model: str, dtype: str, kernel_block: int,
-                                      transfer: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "dtype", "kernel_block"),
+    [
+        ("mla", "bfloat16", BLOCK),
+        ("mla8", "float8_e4m3fn", 2),
+        ("mla8", "uint8", BLOCK),  # vLLM's kv_cache_dtype fp8: the cache is uint8
+    ],
+)
+def test_mla_round_trip_is_byte_exact(
+    server: ServerThread,
+    client: PrefixCacheClient,
+    model: str,
+    dtype: str,
+    kernel_block: int,
+    transfer: str,
+) -> None:
     core = make_scheduler(server.address, model, transfer=transfer)
     worker = make_worker(server.address, model, transfer=transfer, kv_layout="auto")
     try:
@@ -66,14 +75,16 @@ def test_mla_round_trip_is_byte_exact(server: ServerThread, client: PrefixCacheC
         worker.register(caches, backend_for("mla"))
         assert all(view.mla and view.layout == "mla" for view in worker.layers)
         saved = latent_rows(caches, A_BLOCKS)
-        assert not any(torch.equal(a, b) for a, b in zip(saved, latent_rows(caches, B_BLOCKS),
-                                                         strict=True))
+        assert not any(
+            torch.equal(a, b) for a, b in zip(saved, latent_rows(caches, B_BLOCKS), strict=True)
+        )
         save_a(core, [worker])
         assert worker._access is not None and worker._access.mapped == (transfer == "attach")
         assert_pool_holds(client, model, saved)
         assert load_b(core, [worker]) == set()
-        assert all(torch.equal(a, b) for a, b in zip(saved, latent_rows(caches, B_BLOCKS),
-                                                     strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(saved, latent_rows(caches, B_BLOCKS), strict=True)
+        )
         assert worker.loaded_tokens == 16 and worker.saved_tokens == 16
         assert worker.failed_loads == worker.failed_saves == 0
     finally:
@@ -82,12 +93,14 @@ def test_mla_round_trip_is_byte_exact(server: ServerThread, client: PrefixCacheC
 
 
 @pytest.mark.parametrize("transfer", ["attach", "remote"])
-def test_mla_ranks_all_load_and_rank_0_alone_saves(server: ServerThread,
-                                                   client: PrefixCacheClient,
-                                                   transfer: str) -> None:
+def test_mla_ranks_all_load_and_rank_0_alone_saves(
+    server: ServerThread, client: PrefixCacheClient, transfer: str
+) -> None:
     core = make_scheduler(server.address, "mla", transfer=transfer)
-    workers = [make_worker(server.address, "mla", tp_rank=r, tp_size=2, transfer=transfer,
-                           kv_layout="mla") for r in range(2)]
+    workers = [
+        make_worker(server.address, "mla", tp_rank=r, tp_size=2, transfer=transfer, kv_layout="mla")
+        for r in range(2)
+    ]
     try:
         # Ranks hold the same latent in vLLM; here they differ, so that what the pool
         # got shows who wrote it. WriteKV writes whole rows: remote saves work at TP 2.
@@ -99,8 +112,9 @@ def test_mla_ranks_all_load_and_rank_0_alone_saves(server: ServerThread,
         assert_pool_holds(client, "mla", saved)
         assert load_b(core, workers) == set()
         for c in caches:  # every rank loaded rank 0's latent
-            assert all(torch.equal(a, b) for a, b in zip(saved, latent_rows(c, B_BLOCKS),
-                                                         strict=True))
+            assert all(
+                torch.equal(a, b) for a, b in zip(saved, latent_rows(c, B_BLOCKS), strict=True)
+            )
         assert [w.loaded_tokens for w in workers] == [16, 16]
         assert [w.failed_saves for w in workers] == [0, 0]
     finally:
@@ -109,21 +123,27 @@ def test_mla_ranks_all_load_and_rank_0_alone_saves(server: ServerThread,
             worker.close()
 
 
-@pytest.mark.parametrize(("model", "layout", "dtype", "why"), [
-    ("v", "mla", "float16", "configure its pool with mla: true, k_heads: 1, k_head_dim: 12"),
-    ("mla", "kv_first", "bfloat16", "is an MLA pool"),
-    ("mla8", "mla", "float8_e5m2", "dtype"),
-])
+@pytest.mark.parametrize(
+    ("model", "layout", "dtype", "why"),
+    [
+        ("v", "mla", "float16", "configure its pool with mla: true, k_heads: 1, k_head_dim: 12"),
+        ("mla", "kv_first", "bfloat16", "is an MLA pool"),
+        ("mla8", "mla", "float8_e5m2", "dtype"),
+    ],
+)
 def test_a_model_and_pool_of_different_kinds_are_refused(
-        server: ServerThread, client: PrefixCacheClient, model: str, layout: str,
-        dtype: str, why: str) -> None:
+    server: ServerThread, client: PrefixCacheClient, model: str, layout: str, dtype: str, why: str
+) -> None:
     core = make_scheduler(server.address, model)
     worker = make_worker(server.address, model, kv_layout=layout)
     try:
         kw = {"heads": 1} if layout == "kv_first" else {}
         worker.register(make_caches(layout, dtype=dtype, **kw))
-        worker.start_step(StepMeta([LoadOp("C", array("q", B_BLOCKS), 0, 4,
-                                           array("q", range(1, 5)), 1, "nobody")]))
+        worker.start_step(
+            StepMeta(
+                [LoadOp("C", array("q", B_BLOCKS), 0, 4, array("q", range(1, 5)), 1, "nobody")]
+            )
+        )
         assert worker.take_load_errors() == {B_BLOCKS[0]}
         assert why in (worker._disabled or "")
         save_a(core, [worker])  # the save fails, gives its slots back: nothing cached
@@ -137,9 +157,13 @@ def test_a_model_and_pool_of_different_kinds_are_refused(
 def test_a_latent_of_another_size_is_refused(server: ServerThread) -> None:
     worker = make_worker(server.address, "mla", kv_layout="auto")
     try:
-        worker.register({"l0": torch.zeros(8, BLOCK, LATENT + 4, dtype=torch.bfloat16),
-                         "l1": torch.zeros(8, BLOCK, LATENT + 4, dtype=torch.bfloat16)},
-                        dataclasses.replace(backend_for("mla"), head_size=LATENT + 4))
+        worker.register(
+            {
+                "l0": torch.zeros(8, BLOCK, LATENT + 4, dtype=torch.bfloat16),
+                "l1": torch.zeros(8, BLOCK, LATENT + 4, dtype=torch.bfloat16),
+            },
+            dataclasses.replace(backend_for("mla"), head_size=LATENT + 4),
+        )
         assert worker._pool() is None
         assert "k_head_dim: 16" in (worker._disabled or "")
     finally:

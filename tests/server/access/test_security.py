@@ -55,27 +55,39 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-def _tls_stub(address: str, root: Path, client: tuple[bytes, bytes] | None = None,
-              ) -> tuple[grpc.Channel, pb_grpc.PrefixCacheStub]:
+def _tls_stub(
+    address: str,
+    root: Path,
+    client: tuple[bytes, bytes] | None = None,
+) -> tuple[grpc.Channel, pb_grpc.PrefixCacheStub]:
     key, chain = client if client else (None, None)
-    creds = grpc.ssl_channel_credentials(root.read_bytes(), private_key=key,
-                                         certificate_chain=chain)
+    creds = grpc.ssl_channel_credentials(
+        root.read_bytes(), private_key=key, certificate_chain=chain
+    )
     channel = grpc.secure_channel(address, creds)
     return channel, pb_grpc.PrefixCacheStub(channel)
 
 
 @pytest.fixture(scope="module")
 def tls_server(pki: PKI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    with running(tmp_path_factory.mktemp("tls"), listen="127.0.0.1:0",
-                 tls_cert=str(pki.server.cert), tls_key=str(pki.server.key)) as thread:
+    with running(
+        tmp_path_factory.mktemp("tls"),
+        listen="127.0.0.1:0",
+        tls_cert=str(pki.server.cert),
+        tls_key=str(pki.server.key),
+    ) as thread:
         yield thread
 
 
 @pytest.fixture(scope="module")
 def mtls_server(pki: PKI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    with running(tmp_path_factory.mktemp("mtls"), listen="127.0.0.1:0",
-                 tls_cert=str(pki.server.cert), tls_key=str(pki.server.key),
-                 tls_client_ca=str(pki.ca.cert)) as thread:
+    with running(
+        tmp_path_factory.mktemp("mtls"),
+        listen="127.0.0.1:0",
+        tls_cert=str(pki.server.cert),
+        tls_key=str(pki.server.key),
+        tls_client_ca=str(pki.ca.cert),
+    ) as thread:
         yield thread
 
 
@@ -108,8 +120,9 @@ def test_tls_port_refuses_clear_text(tls_server: ServerThread) -> None:
     assert code is grpc.StatusCode.UNAVAILABLE
 
 
-def test_tls_client_with_another_root_rejects_the_server(tls_server: ServerThread,
-                                                         pki: PKI) -> None:
+def test_tls_client_with_another_root_rejects_the_server(
+    tls_server: ServerThread, pki: PKI
+) -> None:
     """A client that does not trust the server's CA never sends its request."""
     channel, stub = _tls_stub(tls_server.address, pki.other_ca.cert)
     with channel:
@@ -117,16 +130,14 @@ def test_tls_client_with_another_root_rejects_the_server(tls_server: ServerThrea
     assert code is grpc.StatusCode.UNAVAILABLE
 
 
-def test_mtls_refuses_a_client_without_a_certificate(mtls_server: ServerThread,
-                                                     pki: PKI) -> None:
+def test_mtls_refuses_a_client_without_a_certificate(mtls_server: ServerThread, pki: PKI) -> None:
     channel, stub = _tls_stub(mtls_server.address, pki.ca.cert)
     with channel:
         code = _code(lambda: stub.ListModels(pb.ListModelsRequest(), timeout=FAIL_TIMEOUT))
     assert code is grpc.StatusCode.UNAVAILABLE
 
 
-def test_mtls_refuses_a_certificate_from_another_ca(mtls_server: ServerThread,
-                                                    pki: PKI) -> None:
+def test_mtls_refuses_a_certificate_from_another_ca(mtls_server: ServerThread, pki: PKI) -> None:
     channel, stub = _tls_stub(mtls_server.address, pki.ca.cert, pki.other_client.read())
     with channel:
         code = _code(lambda: stub.ListModels(pb.ListModelsRequest(), timeout=FAIL_TIMEOUT))
@@ -142,8 +153,13 @@ def test_mtls_serves_a_client_with_a_certificate(mtls_server: ServerThread, pki:
 
 def test_tls_with_token_through_call_credentials(pki: PKI, tmp_path: Path) -> None:
     """The production setup: TLS plus a bearer token sent as gRPC call credentials."""
-    with running(tmp_path, listen="127.0.0.1:0", tls_cert=str(pki.server.cert),
-                 tls_key=str(pki.server.key), token="t0k") as thread:
+    with running(
+        tmp_path,
+        listen="127.0.0.1:0",
+        tls_cert=str(pki.server.cert),
+        tls_key=str(pki.server.key),
+        token="t0k",
+    ) as thread:
         tls = grpc.ssl_channel_credentials(pki.ca.cert.read_bytes())
         good = grpc.composite_channel_credentials(tls, grpc.access_token_call_credentials("t0k"))
         with grpc.secure_channel(thread.address, good) as channel:
@@ -180,24 +196,29 @@ def test_call_without_token_is_unauthenticated(auth_stub: pb_grpc.PrefixCacheStu
     assert code is grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.mark.parametrize("metadata", [
-    _bearer("wrong"),
-    _bearer("t0k0"),
-    _bearer(""),
-    [("authorization", "t0k")],
-    [("authorization", "Basic t0k")],
-    [("x-token", "t0k")],
-], ids=["wrong", "longer", "empty", "no-scheme", "basic", "other-key"])
-def test_call_with_wrong_token_is_unauthenticated(auth_stub: pb_grpc.PrefixCacheStub,
-                                                  metadata: list[tuple[str, str]]) -> None:
-    code = _code(lambda: auth_stub.ListModels(pb.ListModelsRequest(), timeout=TIMEOUT,
-                                              metadata=metadata))
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        _bearer("wrong"),
+        _bearer("t0k0"),
+        _bearer(""),
+        [("authorization", "t0k")],
+        [("authorization", "Basic t0k")],
+        [("x-token", "t0k")],
+    ],
+    ids=["wrong", "longer", "empty", "no-scheme", "basic", "other-key"],
+)
+def test_call_with_wrong_token_is_unauthenticated(
+    auth_stub: pb_grpc.PrefixCacheStub, metadata: list[tuple[str, str]]
+) -> None:
+    code = _code(
+        lambda: auth_stub.ListModels(pb.ListModelsRequest(), timeout=TIMEOUT, metadata=metadata)
+    )
     assert code is grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_call_with_token_is_served(auth_stub: pb_grpc.PrefixCacheStub) -> None:
-    reply = auth_stub.ListModels(pb.ListModelsRequest(), timeout=TIMEOUT,
-                                 metadata=_bearer("t0k"))
+    reply = auth_stub.ListModels(pb.ListModelsRequest(), timeout=TIMEOUT, metadata=_bearer("t0k"))
     assert [m.name for m in reply.models] == ["m"]
 
 
@@ -206,19 +227,24 @@ def test_admin_token_also_passes_as_plain_token(auth_stub: pb_grpc.PrefixCacheSt
     assert [m.model for m in reply.models] == ["m"]
 
 
-def test_unauthenticated_call_does_not_touch_the_cache(auth_server: ServerThread,
-                                                       auth_stub: pb_grpc.PrefixCacheStub,
-                                                       ) -> None:
+def test_unauthenticated_call_does_not_touch_the_cache(
+    auth_server: ServerThread,
+    auth_stub: pb_grpc.PrefixCacheStub,
+) -> None:
     before = auth_stub.Stats(pb.StatsRequest(), timeout=TIMEOUT, metadata=_bearer("t0k"))
-    code = _code(lambda: auth_stub.Match(pb.MatchRequest(model="m", token_ids=toks([1, 2, 3])),
-                                         timeout=TIMEOUT))
+    code = _code(
+        lambda: auth_stub.Match(
+            pb.MatchRequest(model="m", token_ids=toks([1, 2, 3])), timeout=TIMEOUT
+        )
+    )
     assert code is grpc.StatusCode.UNAUTHENTICATED
     after = auth_stub.Stats(pb.StatsRequest(), timeout=TIMEOUT, metadata=_bearer("t0k"))
     assert after.models[0].match_tokens_total == before.models[0].match_tokens_total
 
 
 def test_session_stream_without_token_is_unauthenticated(
-        auth_stub: pb_grpc.PrefixCacheStub) -> None:
+    auth_stub: pb_grpc.PrefixCacheStub,
+) -> None:
     requests = iter([pb.SessionRequest(seq=1, stats=pb.StatsRequest())])
     code = _code(lambda: list(auth_stub.Session(requests, timeout=TIMEOUT)))
     assert code is grpc.StatusCode.UNAUTHENTICATED
@@ -233,24 +259,27 @@ def test_session_stream_with_token_is_served(auth_stub: pb_grpc.PrefixCacheStub)
 
 @pytest.mark.parametrize("metadata", [None, _bearer("wrong")], ids=["none", "wrong"])
 def test_subscription_without_token_is_unauthenticated(
-        auth_stub: pb_grpc.PrefixCacheStub, metadata: list[tuple[str, str]] | None) -> None:
+    auth_stub: pb_grpc.PrefixCacheStub, metadata: list[tuple[str, str]] | None
+) -> None:
     """A subscription streams the cache's contents: refused like any other call."""
-    call = auth_stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=TIMEOUT,
-                               metadata=metadata)
+    call = auth_stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=TIMEOUT, metadata=metadata)
     assert _code(lambda: next(call)) is grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_subscription_with_token_is_served(auth_stub: pb_grpc.PrefixCacheStub) -> None:
-    call = auth_stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=TIMEOUT,
-                               metadata=_bearer("t0k"))
+    call = auth_stub.Subscribe(
+        pb.SubscribeRequest(model="m"), timeout=TIMEOUT, metadata=_bearer("t0k")
+    )
     assert next(call).snapshot_begin.reason == pb.SNAPSHOT_REASON_NEW
     call.cancel()
 
 
-def test_reset_with_plain_token_is_permission_denied(
-        auth_stub: pb_grpc.PrefixCacheStub) -> None:
-    code = _code(lambda: auth_stub.Reset(pb.ResetRequest(model="m"), timeout=TIMEOUT,
-                                         metadata=_bearer("t0k")))
+def test_reset_with_plain_token_is_permission_denied(auth_stub: pb_grpc.PrefixCacheStub) -> None:
+    code = _code(
+        lambda: auth_stub.Reset(
+            pb.ResetRequest(model="m"), timeout=TIMEOUT, metadata=_bearer("t0k")
+        )
+    )
     assert code is grpc.StatusCode.PERMISSION_DENIED
 
 
@@ -260,8 +289,7 @@ def test_reset_without_token_is_unauthenticated(auth_stub: pb_grpc.PrefixCacheSt
 
 
 def test_reset_with_admin_token_is_served(auth_stub: pb_grpc.PrefixCacheStub) -> None:
-    reply = auth_stub.Reset(pb.ResetRequest(model="m"), timeout=TIMEOUT,
-                            metadata=_bearer("adm"))
+    reply = auth_stub.Reset(pb.ResetRequest(model="m"), timeout=TIMEOUT, metadata=_bearer("adm"))
     assert reply.dropped_locks == 0
 
 
@@ -270,8 +298,7 @@ def test_health_check_needs_no_token(auth_server: ServerThread) -> None:
     with grpc.insecure_channel(auth_server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "prefixcache.v1.PrefixCache", "prefixcache.v1.PrefixCache/m"):
-            reply = health.Check(health_pb2.HealthCheckRequest(service=service),
-                                 timeout=TIMEOUT)
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
 
 
@@ -280,8 +307,11 @@ def test_token_without_admin_token_disables_reset(tmp_path: Path) -> None:
         channel, stub = stub_for(thread.address)
         with channel:
             assert stub.Stats(pb.StatsRequest(), timeout=TIMEOUT, metadata=_bearer("t0k"))
-            code = _code(lambda: stub.Reset(pb.ResetRequest(model="m"), timeout=TIMEOUT,
-                                            metadata=_bearer("t0k")))
+            code = _code(
+                lambda: stub.Reset(
+                    pb.ResetRequest(model="m"), timeout=TIMEOUT, metadata=_bearer("t0k")
+                )
+            )
     assert code is grpc.StatusCode.PERMISSION_DENIED
 
 
@@ -290,11 +320,15 @@ def test_without_tokens_reset_is_open(tmp_path: Path) -> None:
         channel, stub = stub_for(thread.address)
         with channel:
             session = stub.OpenSession(pb.OpenSessionRequest(), timeout=TIMEOUT).session_id
-            held = stub.Alloc(pb.AllocRequest(model="m", num_slots=4, session_id=session),
-                              timeout=TIMEOUT).slot_indices
-            stub.Insert(pb.InsertRequest(model="m", token_ids=toks([5, 6, 7, 8]),
-                                         slot_indices=held, session_id=session),
-                        timeout=TIMEOUT)
+            held = stub.Alloc(
+                pb.AllocRequest(model="m", num_slots=4, session_id=session), timeout=TIMEOUT
+            ).slot_indices
+            stub.Insert(
+                pb.InsertRequest(
+                    model="m", token_ids=toks([5, 6, 7, 8]), slot_indices=held, session_id=session
+                ),
+                timeout=TIMEOUT,
+            )
             reply = stub.Reset(pb.ResetRequest(model="m"), timeout=TIMEOUT)
     assert reply.dropped_tokens == 4
 
@@ -388,8 +422,9 @@ def test_oversized_message_is_resource_exhausted(tmp_path: Path) -> None:
             # The server is still up, and the refused request never reached the cache.
             stats = stub.Stats(pb.StatsRequest(model="m"), timeout=TIMEOUT)
             assert stats.models[0].match_tokens_total == 0
-            small = stub.Match(pb.MatchRequest(model="m", token_ids=toks(range(16))),
-                               timeout=TIMEOUT)
+            small = stub.Match(
+                pb.MatchRequest(model="m", token_ids=toks(range(16))), timeout=TIMEOUT
+            )
             assert small.prefix_len == 0
             stats = stub.Stats(pb.StatsRequest(model="m"), timeout=TIMEOUT)
             assert stats.models[0].match_tokens_total == 16

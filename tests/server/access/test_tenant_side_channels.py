@@ -21,18 +21,29 @@ from harness import SMALL_POOL, ServerThread, pb, running, stub_for, toks
 from prefixcache.server.config import ModelConfig, TenantConfig
 
 MODELS = (ModelConfig(name="m", page_size=1, pool=replace(SMALL_POOL, size=2048)),)
-TENANTS = (TenantConfig("acme", "tok-acme", namespaces=("acme/",)),
-           TenantConfig("beta", "tok-beta", namespaces=("beta/",)))
-ACME, BETA, OPERATOR = (("authorization", "Bearer tok-acme"),), \
-    (("authorization", "Bearer tok-beta"),), (("authorization", "Bearer t0k"),)
+TENANTS = (
+    TenantConfig("acme", "tok-acme", namespaces=("acme/",)),
+    TenantConfig("beta", "tok-beta", namespaces=("beta/",)),
+)
+ACME, BETA, OPERATOR = (
+    (("authorization", "Bearer tok-acme"),),
+    (("authorization", "Bearer tok-beta"),),
+    (("authorization", "Bearer t0k"),),
+)
 BUDGET, INTERVAL = 64, 60.0  # 64 tokens a minute: nothing refills during a test
 CODE = grpc.StatusCode
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    with running(tmp_path_factory.mktemp("side"), MODELS, token="t0k", tenants=TENANTS,
-                 max_evict_tokens=BUDGET, evict_interval=INTERVAL) as thread:
+    with running(
+        tmp_path_factory.mktemp("side"),
+        MODELS,
+        token="t0k",
+        tenants=TENANTS,
+        max_evict_tokens=BUDGET,
+        evict_interval=INTERVAL,
+    ) as thread:
         yield thread
 
 
@@ -44,17 +55,32 @@ def stub(srv: ServerThread) -> Iterator:
 
 
 def _session(stub, who) -> str:
-    return stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60), metadata=who,
-                            timeout=10).session_id
+    return stub.OpenSession(
+        pb.OpenSessionRequest(ttl_seconds=60), metadata=who, timeout=10
+    ).session_id
 
 
 def _cache(stub, who, sid: str, key: str, tokens: list[int]) -> pb.InsertResponse:
     """Cache ``tokens`` under ``key`` and keep a lock on them."""
-    m = stub.Match(pb.MatchRequest(model="m", token_ids=toks(tokens), extra_key=key,
-                                   allocate=True, session_id=sid), metadata=who, timeout=10)
-    return stub.Insert(pb.InsertRequest(model="m", token_ids=toks(tokens), extra_key=key,
-                                        slot_indices=m.slot_indices + m.allocated_slots,
-                                        lock=True, session_id=sid), metadata=who, timeout=10)
+    m = stub.Match(
+        pb.MatchRequest(
+            model="m", token_ids=toks(tokens), extra_key=key, allocate=True, session_id=sid
+        ),
+        metadata=who,
+        timeout=10,
+    )
+    return stub.Insert(
+        pb.InsertRequest(
+            model="m",
+            token_ids=toks(tokens),
+            extra_key=key,
+            slot_indices=m.slot_indices + m.allocated_slots,
+            lock=True,
+            session_id=sid,
+        ),
+        metadata=who,
+        timeout=10,
+    )
 
 
 def _code(call, request, who) -> grpc.StatusCode:
@@ -74,10 +100,16 @@ def test_probing_the_ids_next_to_ones_own_finds_nothing(srv: ServerThread, stub)
     their_nodes = {r.node_id for r in theirs}
     their_locks = {r.lock_id for r in theirs}
     near = [d for d in range(-40, 41) if d]
-    nodes = {d: _code(stub.Lock, pb.LockRequest(model="m", node_id=mine.node_id + d,
-                                                session_id=beta), BETA) for d in near}
-    locks = {d: _code(stub.Unlock, pb.UnlockRequest(lock_id=mine.lock_id + d,
-                                                    session_id=beta), BETA) for d in near}
+    nodes = {
+        d: _code(
+            stub.Lock, pb.LockRequest(model="m", node_id=mine.node_id + d, session_id=beta), BETA
+        )
+        for d in near
+    }
+    locks = {
+        d: _code(stub.Unlock, pb.UnlockRequest(lock_id=mine.lock_id + d, session_id=beta), BETA)
+        for d in near
+    }
     # Every probe names nothing: no node of acme's (PERMISSION_DENIED would say it is
     # there), no lock issued to anyone (FAILED_PRECONDITION: "not held by you").
     assert set(nodes.values()) == {CODE.NOT_FOUND}, nodes
@@ -99,8 +131,13 @@ def test_stats_shows_a_tenant_only_its_own_namespaces(srv: ServerThread, stub) -
     before_beta, _ = stats(BETA)
     before_all, _ = stats(OPERATOR)
     for _ in range(10):  # acme's hits: 10 x 4 tokens
-        assert stub.Match(pb.MatchRequest(model="m", token_ids=toks([5, 6, 7, 8]),
-                                          extra_key="acme/s"), metadata=ACME).prefix_len == 4
+        assert (
+            stub.Match(
+                pb.MatchRequest(model="m", token_ids=toks([5, 6, 7, 8]), extra_key="acme/s"),
+                metadata=ACME,
+            ).prefix_len
+            == 4
+        )
     after_beta, beta_sessions = stats(BETA)
     after_all, all_sessions = stats(OPERATOR)
     assert after_all.hit_tokens_total - before_all.hit_tokens_total == 40
@@ -113,8 +150,9 @@ def test_stats_shows_a_tenant_only_its_own_namespaces(srv: ServerThread, stub) -
     assert after_beta.free_slots == after_all.free_slots
     assert (beta_sessions, acme_sessions) == (0, 1) and all_sessions >= 1
     # beta's own lookups do count for beta.
-    stub.Match(pb.MatchRequest(model="m", token_ids=toks([1, 2]), extra_key="beta/x"),
-               metadata=BETA)
+    stub.Match(
+        pb.MatchRequest(model="m", token_ids=toks([1, 2]), extra_key="beta/x"), metadata=BETA
+    )
     assert stats(BETA)[0].match_tokens_total == before_beta.match_tokens_total + 2
     # Step replies carry the same view.
     beta = _session(stub, BETA)
@@ -129,18 +167,21 @@ def test_the_evict_budget_is_per_client_per_interval(srv: ServerThread, stub) ->
     for i in range(40):  # 40 x 16 = 640 evictable tokens of acme's
         _cache(stub, ACME, acme, "acme/e", [3, i, *range(100, 114)])
     stub.CloseSession(pb.CloseSessionRequest(session_id=acme), metadata=ACME)  # unlocked
-    evictable = stub.Stats(pb.StatsRequest(model="m"), metadata=OPERATOR).models[0] \
-        .evictable_tokens
+    evictable = stub.Stats(pb.StatsRequest(model="m"), metadata=OPERATOR).models[0].evictable_tokens
     codes, worst = [], 0.0
     beta_sessions = [_session(stub, BETA) for _ in range(4)]  # more sessions buy nothing
     for i in range(200):
         start = time.perf_counter()
-        codes.append(_code(stub.Evict, pb.EvictRequest(
-            model="m", num_tokens=BUDGET // 4, session_id=beta_sessions[i % 4]), BETA))
+        codes.append(
+            _code(
+                stub.Evict,
+                pb.EvictRequest(model="m", num_tokens=BUDGET // 4, session_id=beta_sessions[i % 4]),
+                BETA,
+            )
+        )
         worst = max(worst, time.perf_counter() - start)
     codes.append(_code(stub.Evict, pb.EvictRequest(model="m", num_tokens=BUDGET // 4), BETA))
-    left = stub.Stats(pb.StatsRequest(model="m"), metadata=OPERATOR).models[0] \
-        .evictable_tokens
+    left = stub.Stats(pb.StatsRequest(model="m"), metadata=OPERATOR).models[0].evictable_tokens
     # The budget (each call frees whole entries, 15 tokens here, and the bucket is
     # charged what it freed), then nothing until it refills.
     ok = codes.count(CODE.OK)
@@ -148,8 +189,10 @@ def test_the_evict_budget_is_per_client_per_interval(srv: ServerThread, stub) ->
     assert evictable - left <= BUDGET + 15  # what it may flush, not the cache
     assert worst < 1.0
     # One call over the whole budget never fits: PERMISSION_DENIED.
-    assert _code(stub.Evict, pb.EvictRequest(model="m", num_tokens=BUDGET + 1),
-                 BETA) == CODE.PERMISSION_DENIED
+    assert (
+        _code(stub.Evict, pb.EvictRequest(model="m", num_tokens=BUDGET + 1), BETA)
+        == CODE.PERMISSION_DENIED
+    )
     # Another tenant has its own budget.
     assert _code(stub.Evict, pb.EvictRequest(model="m", num_tokens=BUDGET), ACME) == CODE.OK
     for sid in beta_sessions:
@@ -164,4 +207,3 @@ def test_refusals_name_the_settings(srv: ServerThread, stub) -> None:
             stub.Evict(pb.EvictRequest(model="m", num_tokens=BUDGET), metadata=BETA)
     assert "server.max_evict_tokens" in err.value.details()
     assert "server.evict_interval" in err.value.details()
-

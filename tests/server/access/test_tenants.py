@@ -22,21 +22,30 @@ from prefixcache.client import (
 )
 from prefixcache.server.config import ConfigError, ModelConfig, TenantConfig, load_config
 
-MODELS = (ModelConfig(name="m", page_size=1, pool=SMALL_POOL),
-          ModelConfig(name="o", page_size=1, pool=SMALL_POOL, open_reads=True))
-TENANTS = (TenantConfig("acme", "tok-acme", namespaces=("acme/",)),
-           TenantConfig("beta", "tok-beta", namespaces=("beta/", "shared/")))
+MODELS = (
+    ModelConfig(name="m", page_size=1, pool=SMALL_POOL),
+    ModelConfig(name="o", page_size=1, pool=SMALL_POOL, open_reads=True),
+)
+TENANTS = (
+    TenantConfig("acme", "tok-acme", namespaces=("acme/",)),
+    TenantConfig("beta", "tok-beta", namespaces=("beta/", "shared/")),
+)
 
 
 def _denied(srv: ServerThread) -> float:
-    return srv.server.metrics.registry.get_sample_value(
-        "prefixcache_refusals_total", {"limit": "tenant_namespaces"}) or 0.0
+    return (
+        srv.server.metrics.registry.get_sample_value(
+            "prefixcache_refusals_total", {"limit": "tenant_namespaces"}
+        )
+        or 0.0
+    )
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    with running(tmp_path_factory.mktemp("tenants"), MODELS, token="t0k", admin_token="adm",
-                 tenants=TENANTS) as thread:
+    with running(
+        tmp_path_factory.mktemp("tenants"), MODELS, token="t0k", admin_token="adm", tenants=TENANTS
+    ) as thread:
         yield thread
 
 
@@ -79,8 +88,8 @@ def test_tokens(srv: ServerThread, acme: PrefixCacheClient) -> None:
 
 
 def test_match_and_insert_outside_the_namespaces_are_denied_and_reveal_nothing(
-        srv: ServerThread, acme: PrefixCacheClient, beta: PrefixCacheClient,
-        operator: PrefixCacheClient) -> None:
+    srv: ServerThread, acme: PrefixCacheClient, beta: PrefixCacheClient, operator: PrefixCacheClient
+) -> None:
     _cache(beta, [1, 2, 3, 4], "beta/p")
     before, denied = operator.stats("m").models[0], _denied(srv)
     for key in ("beta/p", "shared/x", None, ""):
@@ -94,8 +103,11 @@ def test_match_and_insert_outside_the_namespaces_are_denied_and_reveal_nothing(
             s.match("m", [1, 2, 3, 4], extra_key="beta/p", lock=True, allocate=True)
         s.free("m", slots)
     after = operator.stats("m").models[0]
-    assert (after.match_tokens_total, after.evictable_tokens, after.locks) == \
-        (before.match_tokens_total, before.evictable_tokens, before.locks)
+    assert (after.match_tokens_total, after.evictable_tokens, after.locks) == (
+        before.match_tokens_total,
+        before.evictable_tokens,
+        before.locks,
+    )
     assert _denied(srv) == denied + 6
     # In its own namespaces a tenant works as usual; the server token sees every one.
     assert acme.match("m", [1, 2, 3, 4], extra_key="acme/p").prefix_len == 0
@@ -103,8 +115,9 @@ def test_match_and_insert_outside_the_namespaces_are_denied_and_reveal_nothing(
     assert operator.match("m", [1, 2, 3, 4], extra_key="beta/p").prefix_len == 4
 
 
-def test_lock_of_another_tenants_node_is_denied(acme: PrefixCacheClient,
-                                                beta: PrefixCacheClient) -> None:
+def test_lock_of_another_tenants_node_is_denied(
+    acme: PrefixCacheClient, beta: PrefixCacheClient
+) -> None:
     _cache(beta, [5, 6, 7], "beta/q")
     node = beta.match("m", [5, 6, 7], extra_key="beta/q").node_id
     with acme.session(10) as s, pytest.raises(PermissionDenied, match="node"):
@@ -113,8 +126,8 @@ def test_lock_of_another_tenants_node_is_denied(acme: PrefixCacheClient,
 
 
 def test_read_kv_of_another_tenants_slots_is_refused(
-        acme: PrefixCacheClient, beta: PrefixCacheClient,
-        operator: PrefixCacheClient) -> None:
+    acme: PrefixCacheClient, beta: PrefixCacheClient, operator: PrefixCacheClient
+) -> None:
     _cache(beta, [11, 12, 13], "beta/r")
     _cache(acme, [11, 12, 13], "acme/r")
     with beta.session(10) as b, acme.session(10) as a:
@@ -142,12 +155,17 @@ def test_read_kv_of_another_tenants_slots_is_refused(
 def test_session_stream_operations_are_checked(srv: ServerThread) -> None:
     channel, stub = stub_for(srv.address)
     with channel:
-        requests = [pb.SessionRequest(seq=1, match=pb.MatchRequest(
-                        model="m", token_ids=toks([1, 2]), extra_key="beta/p")),
-                    pb.SessionRequest(seq=2, match=pb.MatchRequest(
-                        model="m", token_ids=toks([1, 2]), extra_key="acme/p"))]
-        denied, allowed = stub.Session(iter(requests), timeout=10,
-                                       metadata=(("authorization", "Bearer tok-acme"),))
+        requests = [
+            pb.SessionRequest(
+                seq=1, match=pb.MatchRequest(model="m", token_ids=toks([1, 2]), extra_key="beta/p")
+            ),
+            pb.SessionRequest(
+                seq=2, match=pb.MatchRequest(model="m", token_ids=toks([1, 2]), extra_key="acme/p")
+            ),
+        ]
+        denied, allowed = stub.Session(
+            iter(requests), timeout=10, metadata=(("authorization", "Bearer tok-acme"),)
+        )
         assert denied.error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
         assert allowed.WhichOneof("result") == "match"
 
@@ -155,16 +173,23 @@ def test_session_stream_operations_are_checked(srv: ServerThread) -> None:
 def test_subscribe_is_not_for_tenants(srv: ServerThread) -> None:
     channel, stub = stub_for(srv.address)
     with channel, pytest.raises(grpc.RpcError) as err:
-        list(stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=10,
-                            metadata=(("authorization", "Bearer tok-acme"),)))
+        list(
+            stub.Subscribe(
+                pb.SubscribeRequest(model="m"),
+                timeout=10,
+                metadata=(("authorization", "Bearer tok-acme"),),
+            )
+        )
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_tenants_config(tmp_path: Path) -> None:
     (tmp_path / "acme").write_text("tok-acme\n")
     good = tmp_path / "good.yaml"
-    good.write_text("server:\n  tenants:\n    - name: acme\n      token_file: "
-                    f"{tmp_path / 'acme'}\n      namespaces: [acme/]\n")
+    good.write_text(
+        "server:\n  tenants:\n    - name: acme\n      token_file: "
+        f"{tmp_path / 'acme'}\n      namespaces: [acme/]\n"
+    )
     (tenant,) = load_config(good, env={}).server.tenants
     assert (tenant.name, tenant.token, tenant.namespaces) == ("acme", "tok-acme", ("acme/",))
     env = {"PREFIXCACHE_TENANTS": '[{"name": "b", "token": "x", "namespaces": ["b/"]}]'}
@@ -173,10 +198,14 @@ def test_tenants_config(tmp_path: Path) -> None:
         ("- {name: a, token: x}", "tenants[0].namespaces"),
         ("- {name: a, namespaces: [a/]}", "tenants[0].token"),
         ("- {name: a, token: x, namespaces: [a/], colour: red}", "tenants[0].colour"),
-        ("- {name: a, token: x, namespaces: [a/]}\n    - {name: a, token: y, namespaces: [b]}",
-         "tenants[1].name"),
-        ("- {name: a, token: x, namespaces: [a/]}\n    - {name: b, token: x, namespaces: [b]}",
-         "tenants[1].token"),
+        (
+            "- {name: a, token: x, namespaces: [a/]}\n    - {name: a, token: y, namespaces: [b]}",
+            "tenants[1].name",
+        ),
+        (
+            "- {name: a, token: x, namespaces: [a/]}\n    - {name: b, token: x, namespaces: [b]}",
+            "tenants[1].token",
+        ),
         ("- {name: a, token: t0k, namespaces: [a/]}\n  token: t0k", "tenants[0].token"),
     ):
         path = tmp_path / "bad.yaml"

@@ -48,12 +48,13 @@ def test_slices_go_round_the_clients() -> None:
         small = asyncio.create_task(call("b", 1))
         await asyncio.gather(*flood, small)
         return order
+
     order = _run(main())
     ran = [o for o in order if not o.endswith("asks")]
     assert len(ran) == 10 and ran.count("a0") == 3
     # b's one slice waits for at most the one of a's that runs when it asks, not for
     # the eight more its flood has waiting.
-    between = order[order.index("b0 asks"):order.index("b0")]
+    between = order[order.index("b0 asks") : order.index("b0")]
     assert len([o for o in between if not o.endswith("asks")]) <= 1, order
 
 
@@ -61,8 +62,7 @@ def test_a_client_over_its_calls_is_refused_and_cancelled_waiters_let_go() -> No
     async def main() -> None:
         turns = Turns()
         async with contextlib.AsyncExitStack() as stack:
-            held = [await stack.enter_async_context(turns.admit("a"))
-                    for _ in range(PER_CLIENT)]
+            held = [await stack.enter_async_context(turns.admit("a")) for _ in range(PER_CLIENT)]
             with pytest.raises(OverLimitError, match="long calls"):
                 async with turns.admit("a"):
                     pass
@@ -79,6 +79,7 @@ def test_a_client_over_its_calls_is_refused_and_cancelled_waiters_let_go() -> No
         assert turns.admitted == {} and turns.refused == 1
         async with turns.admit("a") as turn:  # nothing left held
             await turn.next()
+
     _run(main())
 
 
@@ -100,8 +101,11 @@ def _me() -> str:
 
 
 def test_other_calls_are_answered_while_a_long_call_waits_and_runs(tmp_path) -> None:
-    models = (ModelConfig(name="m", page_size=1, pool=PoolConfig(
-        size=4096, layers=1, k_heads=1, k_head_dim=4)),)
+    models = (
+        ModelConfig(
+            name="m", page_size=1, pool=PoolConfig(size=4096, layers=1, k_heads=1, k_head_dim=4)
+        ),
+    )
     with running(tmp_path, models, max_request_tokens=PAGES) as srv:
         turns = srv.server.servicer.turns
 
@@ -113,9 +117,12 @@ def test_other_calls_are_answered_while_a_long_call_waits_and_runs(tmp_path) -> 
 
         # A slice of another client's holds the turn.
         holder = srv.call(_hold(turns, "another"))
-        flood = subprocess.Popen([sys.executable, "-c", EXISTS, srv.address, str(PAGES)],
-                                 env={**os.environ, "PYTHONPATH": SOURCE_PATH},
-                                 stdout=subprocess.PIPE, text=True)
+        flood = subprocess.Popen(
+            [sys.executable, "-c", EXISTS, srv.address, str(PAGES)],
+            env={**os.environ, "PYTHONPATH": SOURCE_PATH},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             until(lambda: turns.waiting() == 1, "the flood's call to wait for its turn")
             channel, stub = stub_for(srv.address)

@@ -88,19 +88,36 @@ def test_the_relay_names_callers_and_carries_their_bytes(tmp_path) -> None:
             assert f"uid={os.geteuid()},pid={os.getpid()}" in _who(stub)
             # KV bytes through it, whole: a row per slot written, then read back.
             sid = stub.OpenSession(pb.OpenSessionRequest(), timeout=10).session_id
-            held = slots(stub.Alloc(pb.AllocRequest(model="m", num_slots=128,
-                                                    session_id=sid)).slot_indices)
+            held = slots(
+                stub.Alloc(pb.AllocRequest(model="m", num_slots=128, session_id=sid)).slot_indices
+            )
             d = stub.DescribePool(pb.DescribePoolRequest(model="m"))
             row = d.k_head_num * d.k_head_dim * 2
-            data = {role: os.urandom(row * len(held))
-                    for role in (pb.BUFFER_ROLE_K, pb.BUFFER_ROLE_V)}
-            header = pb.KVChunk(header=pb.WriteKVHeader(
-                model="m", slot_indices=pack_slots(held), layers=[0], session_id=sid))
-            stub.WriteKV(iter([header, *(pb.KVChunk(role=role, layer=0, offset_bytes=0,
-                                                    data=part) for role, part in data.items())]))
+            data = {
+                role: os.urandom(row * len(held)) for role in (pb.BUFFER_ROLE_K, pb.BUFFER_ROLE_V)
+            }
+            header = pb.KVChunk(
+                header=pb.WriteKVHeader(
+                    model="m", slot_indices=pack_slots(held), layers=[0], session_id=sid
+                )
+            )
+            stub.WriteKV(
+                iter(
+                    [
+                        header,
+                        *(
+                            pb.KVChunk(role=role, layer=0, offset_bytes=0, data=part)
+                            for role, part in data.items()
+                        ),
+                    ]
+                )
+            )
             read: dict[int, bytes] = {}
-            for chunk in stub.ReadKV(pb.ReadKVRequest(model="m", session_id=sid, layers=[0],
-                                                      slot_indices=pack_slots(held))):
+            for chunk in stub.ReadKV(
+                pb.ReadKVRequest(
+                    model="m", session_id=sid, layers=[0], slot_indices=pack_slots(held)
+                )
+            ):
                 read[chunk.role] = read.get(chunk.role, b"") + chunk.data
             assert read == data
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
@@ -145,7 +162,13 @@ def test_the_relay_ends_when_the_service_is_killed(tmp_path) -> None:
         assert not os.path.exists(folder)  # its private directory went with it
         # Its socket stays (a stale one, which the next start removes).
         restart = subprocess.run(
-            [sys.executable, "-c", "import socket, sys; s = socket.socket(socket.AF_UNIX);"
-             "s.connect(sys.argv[1])", str(tmp_path / "pc.sock")], capture_output=True)
+            [
+                sys.executable,
+                "-c",
+                "import socket, sys; s = socket.socket(socket.AF_UNIX);s.connect(sys.argv[1])",
+                str(tmp_path / "pc.sock"),
+            ],
+            capture_output=True,
+        )
         assert restart.returncode != 0  # nobody accepts on it any more
         proc.returncode = 0  # serve_process expects a clean exit; this one was killed

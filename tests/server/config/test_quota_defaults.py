@@ -27,21 +27,39 @@ from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig, Serv
 from prefixcache.server.rpc import request_caps
 
 CODE = grpc.StatusCode
-MAMBA = ModelConfig(name="h", kind="mamba", page_size=1, pool=SMALL_POOL,
-                    mamba=MambaConfig(state_slots=6, working_slots=1, layers=1,
-                                      conv_state_shape=(3, 2),
-                                      temporal_state_shape=(2, 2, 2)))
-MODELS = (ModelConfig(name="m", page_size=1, pool=SMALL_POOL), MAMBA,
-          ModelConfig(name="s", kind="slot", max_seq_len=16,
-                      pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)))
+MAMBA = ModelConfig(
+    name="h",
+    kind="mamba",
+    page_size=1,
+    pool=SMALL_POOL,
+    mamba=MambaConfig(
+        state_slots=6,
+        working_slots=1,
+        layers=1,
+        conv_state_shape=(3, 2),
+        temporal_state_shape=(2, 2, 2),
+    ),
+)
+MODELS = (
+    ModelConfig(name="m", page_size=1, pool=SMALL_POOL),
+    MAMBA,
+    ModelConfig(
+        name="s", kind="slot", max_seq_len=16, pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)
+    ),
+)
 STATES = 2  # max_session_state_slots
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     # Every other limit at its default; the locked-token cap is the derived one (auto).
-    yield from serve_module(tmp_path_factory, "quota-defaults", MODELS,
-                            max_session_state_slots=STATES, max_session_locked_tokens=None)
+    yield from serve_module(
+        tmp_path_factory,
+        "quota-defaults",
+        MODELS,
+        max_session_state_slots=STATES,
+        max_session_locked_tokens=None,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +75,12 @@ def sid(stub) -> Iterator[str]:
 
 
 def refusals(server, limit: str) -> float:
-    return server.server.metrics.registry.get_sample_value(
-        "prefixcache_refusals_total", {"limit": limit}) or 0.0
+    return (
+        server.server.metrics.registry.get_sample_value(
+            "prefixcache_refusals_total", {"limit": limit}
+        )
+        or 0.0
+    )
 
 
 def snapshot(stub) -> pb.StatsResponse:
@@ -89,21 +111,35 @@ def mine(stub, sid: str) -> pb.SessionHoldings:
 
 # ------------------------------------------------------------------ state slots
 
+
 def test_state_slots_past_the_session_quota_are_refused(server, stub, sid) -> None:
-    stub.Alloc(pb.AllocRequest(model="h", num_slots=1, num_state_slots=STATES,
-                               session_id=sid))
+    stub.Alloc(pb.AllocRequest(model="h", num_slots=1, num_state_slots=STATES, session_id=sid))
     assert "holds 2 state slots" in refused(
-        server, stub, "max_session_state_slots", stub.Alloc,
-        pb.AllocRequest(model="h", num_slots=3, num_state_slots=1, session_id=sid))
+        server,
+        stub,
+        "max_session_state_slots",
+        stub.Alloc,
+        pb.AllocRequest(model="h", num_slots=3, num_state_slots=1, session_id=sid),
+    )
     # A Match with allocate takes a state slot too: refused before it locks anything.
-    refused(server, stub, "max_session_state_slots", stub.Match, pb.MatchRequest(
-        model="h", token_ids=toks([1, 2, 3]), allocate=True, lock=True, session_id=sid))
+    refused(
+        server,
+        stub,
+        "max_session_state_slots",
+        stub.Match,
+        pb.MatchRequest(
+            model="h", token_ids=toks([1, 2, 3]), allocate=True, lock=True, session_id=sid
+        ),
+    )
     held = mine(stub, sid)
     assert (held.slots, held.state_slots, held.locks) == (1, STATES, 0)
     # A Step admission is refused as its Match would be, the item alone.
     before = refusals(server, "max_session_state_slots")
-    reply = stub.Step(pb.StepRequest(model="h", session_id=sid, admits=[
-        pb.StepAdmit(token_ids=toks([5, 6]), allocate=True)]))
+    reply = stub.Step(
+        pb.StepRequest(
+            model="h", session_id=sid, admits=[pb.StepAdmit(token_ids=toks([5, 6]), allocate=True)]
+        )
+    )
     assert reply.admits[0].error.code == CODE.RESOURCE_EXHAUSTED.value[0]
     assert "server.max_session_state_slots" in reply.admits[0].error.message
     assert refusals(server, "max_session_state_slots") == before + 1
@@ -112,17 +148,19 @@ def test_state_slots_past_the_session_quota_are_refused(server, stub, sid) -> No
 
 
 def test_freeing_state_slots_gives_the_quota_back(server, stub, sid) -> None:
-    got = stub.Alloc(pb.AllocRequest(model="h", num_slots=1, num_state_slots=STATES,
-                                     session_id=sid))
-    stub.Free(pb.FreeRequest(model="h", slot_indices=b"", state_slots=got.state_slots,
-                             session_id=sid))
-    stub.Alloc(pb.AllocRequest(model="h", num_slots=1, num_state_slots=STATES,
-                               session_id=sid))
+    got = stub.Alloc(
+        pb.AllocRequest(model="h", num_slots=1, num_state_slots=STATES, session_id=sid)
+    )
+    stub.Free(
+        pb.FreeRequest(model="h", slot_indices=b"", state_slots=got.state_slots, session_id=sid)
+    )
+    stub.Alloc(pb.AllocRequest(model="h", num_slots=1, num_state_slots=STATES, session_id=sid))
     # Another session is not held to this one's count.
     other = stub.OpenSession(pb.OpenSessionRequest()).session_id
     try:
-        stub.Alloc(pb.AllocRequest(model="h", num_slots=1, num_state_slots=STATES,
-                                   session_id=other))
+        stub.Alloc(
+            pb.AllocRequest(model="h", num_slots=1, num_state_slots=STATES, session_id=other)
+        )
     finally:
         stub.CloseSession(pb.CloseSessionRequest(session_id=other))
     server.check_integrity()
@@ -134,12 +172,12 @@ def test_the_state_slot_quota_defaults_to_the_state_pool(tmp_path) -> None:
         channel, stub = stub_for(srv.address)
         with channel:
             sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
-            stub.Alloc(pb.AllocRequest(model="h", num_slots=1, num_state_slots=6,
-                                       session_id=sid))
+            stub.Alloc(pb.AllocRequest(model="h", num_slots=1, num_state_slots=6, session_id=sid))
             srv.check_integrity()
 
 
 # ---------------------------------------------------------------- Step bytes
+
 
 def test_a_step_has_a_byte_cap_by_default() -> None:
     caps = request_caps.derive(limits_of(ServerConfig(max_step_items=4)), MODELS)
@@ -157,17 +195,24 @@ def test_an_oversized_step_is_refused_before_parsing_by_default(tmp_path) -> Non
             sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
             admit = pb.StepAdmit(token_ids=toks(np.zeros(8192)), allocate=True)
             step = pb.StepRequest(model="m", session_id=sid, admits=[admit] * 4)
-            assert "before parsing" in refused(srv, stub, "max_request_bytes", stub.Step,
-                                               step)
+            assert "before parsing" in refused(srv, stub, "max_request_bytes", stub.Step, step)
 
 
 # ----------------------------------------------------------- locked tokens
 
+
 def cache(stub, sid: str, tokens: list[int], model: str = "m") -> None:
-    m = stub.Match(pb.MatchRequest(model=model, token_ids=toks(tokens), allocate=True,
-                                   session_id=sid))
-    stub.Insert(pb.InsertRequest(model=model, token_ids=toks(tokens), session_id=sid,
-                                 slot_indices=m.slot_indices + m.allocated_slots))
+    m = stub.Match(
+        pb.MatchRequest(model=model, token_ids=toks(tokens), allocate=True, session_id=sid)
+    )
+    stub.Insert(
+        pb.InsertRequest(
+            model=model,
+            token_ids=toks(tokens),
+            session_id=sid,
+            slot_indices=m.slot_indices + m.allocated_slots,
+        )
+    )
 
 
 def test_with_auto_one_session_cannot_lock_the_whole_cache(server, stub, sid) -> None:
@@ -175,13 +220,16 @@ def test_with_auto_one_session_cannot_lock_the_whole_cache(server, stub, sid) ->
     assert server.service.engines["m"].quota.locked_tokens == 230  # 90% of 256
     prompt = list(range(1000, 1240))  # 240 tokens
     cache(stub, sid, prompt)
-    details = refused(server, stub, "max_session_locked_tokens", stub.Match,
-                      pb.MatchRequest(model="m", token_ids=toks(prompt), lock=True,
-                                      session_id=sid))
+    details = refused(
+        server,
+        stub,
+        "max_session_locked_tokens",
+        stub.Match,
+        pb.MatchRequest(model="m", token_ids=toks(prompt), lock=True, session_id=sid),
+    )
     assert "protect 0 tokens and this lock 240 more" in details
     # A lock of most of it still fits, as a worker's requests need.
-    stub.Match(pb.MatchRequest(model="m", token_ids=toks(prompt[:200]), lock=True,
-                               session_id=sid))
+    stub.Match(pb.MatchRequest(model="m", token_ids=toks(prompt[:200]), lock=True, session_id=sid))
     assert mine(stub, sid).locked_tokens == 200
     # Slot models have no default cap (a sequence slot is one request's).
     assert server.service.engines["s"].quota.locked_tokens == 0
@@ -195,8 +243,9 @@ def test_zero_turns_the_locked_token_cap_off(tmp_path) -> None:
             sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
             prompt = list(range(1000, 1256))
             cache(stub, sid, prompt)
-            stub.Match(pb.MatchRequest(model="m", token_ids=toks(prompt), lock=True,
-                                       session_id=sid))
+            stub.Match(
+                pb.MatchRequest(model="m", token_ids=toks(prompt), lock=True, session_id=sid)
+            )
             srv.check_integrity()
 
 

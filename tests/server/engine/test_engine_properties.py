@@ -26,9 +26,13 @@ MODELS = (
     ModelConfig(name="r1", page_size=1, pool=POOL),
     ModelConfig(name="r4", page_size=4, pool=POOL),
     ModelConfig(name="w", kind="swa", page_size=1, sliding_window_size=3, pool=POOL),
-    ModelConfig(name="mb", kind="mamba", page_size=1, pool=POOL,
-                mamba=MambaConfig(state_slots=6, conv_state_shape=(2,),
-                                  temporal_state_shape=(2,))),
+    ModelConfig(
+        name="mb",
+        kind="mamba",
+        page_size=1,
+        pool=POOL,
+        mamba=MambaConfig(state_slots=6, conv_state_shape=(2,), temporal_state_shape=(2,)),
+    ),
 )
 NAMES = [m.name for m in MODELS]
 TOKENS = st.lists(st.sampled_from([1, 2, 3]), min_size=0, max_size=14)
@@ -50,8 +54,9 @@ class ServiceMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = Clock()
-        self.svc = CacheService(MODELS, session_ttl=10.0, ttl_min=1.0, ttl_max=100.0,
-                                clock=self.clock)
+        self.svc = CacheService(
+            MODELS, session_ttl=10.0, ttl_min=1.0, ttl_max=100.0, clock=self.clock
+        )
         # What the test believes each session holds: model -> set of slots.
         self.held: dict[str, dict[str, set[int]]] = {}
         self.states: dict[str, dict[str, set[int]]] = {}  # Mamba state slots, likewise
@@ -101,8 +106,7 @@ class ServiceMachine(RuleBasedStateMachine):
             self.held[sid] = {n: set() for n in NAMES}
             self.states[sid] = {n: set() for n in NAMES}
 
-    @rule(i=SID, model=st.sampled_from(NAMES), tokens=TOKENS,
-          extra=st.sampled_from([None, "a"]))
+    @rule(i=SID, model=st.sampled_from(NAMES), tokens=TOKENS, extra=st.sampled_from([None, "a"]))
     def start_prefill(self, i: int, model: str, tokens: list[int], extra: str | None) -> None:
         """Match with lock and allocate; the insert comes in a later step, so other
         sessions can cache the same tokens in between (and their slots get freed)."""
@@ -116,8 +120,16 @@ class ServiceMachine(RuleBasedStateMachine):
         self.held[sid][model] |= set(m.allocated.tolist())
         if m.allocated_state is not None:
             self.states[sid][model].add(m.allocated_state)
-        self.pending.append((sid, model, key, np.concatenate([m.indices, m.allocated]),
-                             m.lock_id, m.allocated_state))
+        self.pending.append(
+            (
+                sid,
+                model,
+                key,
+                np.concatenate([m.indices, m.allocated]),
+                m.lock_id,
+                m.allocated_state,
+            )
+        )
 
     @rule(data=st.data(), keep=st.booleans())
     def finish_prefill(self, data: st.DataObject, keep: bool) -> None:
@@ -141,11 +153,13 @@ class ServiceMachine(RuleBasedStateMachine):
         gone = gone or (state is not None and state not in self.states[sid][model])
         if (lock_id and lock_id not in session.locks) or gone:
             with pytest.raises(PreconditionError):
-                self.svc.engine(model).insert(key, slots, session, release_lock_id=lock_id,
-                                              state_slot=state)
+                self.svc.engine(model).insert(
+                    key, slots, session, release_lock_id=lock_id, state_slot=state
+                )
             return
-        out = engine.insert(key, slots, session, lock=keep, release_lock_id=lock_id,
-                            state_slot=state)
+        out = engine.insert(
+            key, slots, session, lock=keep, release_lock_id=lock_id, state_slot=state
+        )
         self.states[sid][model].discard(state)  # cached, or freed as surplus
         taken = set(slots[:aligned].tolist())
         self.held[sid][model] -= taken
@@ -167,9 +181,16 @@ class ServiceMachine(RuleBasedStateMachine):
             self.held[sid][model] |= set(m.allocated.tolist())
             if m.allocated_state is not None:
                 self.states[sid][model].add(m.allocated_state)
-            self.pending.append((sid, model, RadixKey(tokens),
-                                 np.concatenate([m.indices, m.allocated]), 0,
-                                 m.allocated_state))
+            self.pending.append(
+                (
+                    sid,
+                    model,
+                    RadixKey(tokens),
+                    np.concatenate([m.indices, m.allocated]),
+                    0,
+                    m.allocated_state,
+                )
+            )
         for _ in range(2):
             self._finish(len(self.pending) - 2, keep=False)
 
@@ -199,13 +220,18 @@ class ServiceMachine(RuleBasedStateMachine):
         session = self._session(sid)
         if session is None or not self.held[sid][model]:
             return
-        some = data.draw(st.lists(st.sampled_from(sorted(self.held[sid][model])),
-                                  min_size=1, unique=True))
+        some = data.draw(
+            st.lists(st.sampled_from(sorted(self.held[sid][model])), min_size=1, unique=True)
+        )
         self.svc.engine(model).free(session, np.array(some, dtype=np.int64))
         self.held[sid][model] -= set(some)
 
-    @rule(i=SID, model=st.sampled_from(NAMES), tokens=TOKENS,
-          junk=st.lists(st.integers(-2, 60), min_size=0, max_size=14))
+    @rule(
+        i=SID,
+        model=st.sampled_from(NAMES),
+        tokens=TOKENS,
+        junk=st.lists(st.integers(-2, 60), min_size=0, max_size=14),
+    )
     def bad_insert(self, i: int, model: str, tokens: list[int], junk: list[int]) -> None:
         """Slots the session does not hold (or garbage) are refused without a change."""
         sid = self._live(i)
@@ -226,8 +252,7 @@ class ServiceMachine(RuleBasedStateMachine):
         self.held[sid][model] -= set(slots[:aligned].tolist())
 
     @rule(i=SID, model=st.sampled_from(NAMES), tokens=TOKENS)
-    def insert_releasing_another_models_lock(self, i: int, model: str,
-                                             tokens: list[int]) -> None:
+    def insert_releasing_another_models_lock(self, i: int, model: str, tokens: list[int]) -> None:
         """An insert that would be accepted, but names the session's lock on another
         model as release_lock_id: refused, and nothing changes on either model."""
         session = self._session(self._live(i))
@@ -243,8 +268,7 @@ class ServiceMachine(RuleBasedStateMachine):
         before = [(e.sizes(), e.num_locks) for e in self.svc.engines.values()]
         locks = dict(session.locks)
         with pytest.raises(PreconditionError):
-            engine.insert(RadixKey(tokens[: len(tree)]), tree, session,
-                          release_lock_id=foreign[0])
+            engine.insert(RadixKey(tokens[: len(tree)]), tree, session, release_lock_id=foreign[0])
         assert [(e.sizes(), e.num_locks) for e in self.svc.engines.values()] == before
         assert session.locks == locks
         event("an insert naming another model's lock was refused")
@@ -271,8 +295,10 @@ class ServiceMachine(RuleBasedStateMachine):
             states = sum(len(h[name]) for h in self.states.values())
             assert engine.session_state_slots == states
             if engine.mamba_pool is not None:
-                assert engine.mamba_pool.num_allocated_track_slots() == \
-                    engine.cache.mamba_total_size() + states
+                assert (
+                    engine.mamba_pool.num_allocated_track_slots()
+                    == engine.cache.mamba_total_size() + states
+                )
             for sid, h in self.held.items():
                 session = self._session(sid)
                 tag = session.tag if session else -1
@@ -281,6 +307,9 @@ class ServiceMachine(RuleBasedStateMachine):
 
 
 ServiceMachine.TestCase.settings = settings(
-    max_examples=400 if LONG else 40, stateful_step_count=60 if LONG else 30,
-    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    max_examples=400 if LONG else 40,
+    stateful_step_count=60 if LONG else 30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 test_service_state_machine = pytest.mark.filterwarnings("ignore")(ServiceMachine.TestCase)

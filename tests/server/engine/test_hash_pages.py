@@ -72,17 +72,23 @@ def test_token_pages_answer_the_spec_hashes(srv, stub) -> None:
     sid = session(stub)
     tokens = np.array([1, 2, 3, 4, 5, 6], "<u4").tobytes()
     slots = alloc(stub, sid, 6)
-    stub.Insert(pb.InsertRequest(model="p2", token_ids=tokens, slot_indices=pack_slots(slots),
-                                 session_id=sid))
-    reply = stub.ExistsPages(pb.ExistsPagesRequest(
-        model="p2", page_hashes=digests(H12, H34, H56, H56_ALONE)))
+    stub.Insert(
+        pb.InsertRequest(
+            model="p2", token_ids=tokens, slot_indices=pack_slots(slots), session_id=sid
+        )
+    )
+    reply = stub.ExistsPages(
+        pb.ExistsPagesRequest(model="p2", page_hashes=digests(H12, H34, H56, H56_ALONE))
+    )
     assert (reply.leading_pages, reply.present) == (3, b"\x01\x01\x01\x00")
     # Pages of another namespace are other pages.
-    other = stub.ExistsPages(pb.ExistsPagesRequest(model="p2", extra_key="",
-                                                   page_hashes=digests(H12)))
+    other = stub.ExistsPages(
+        pb.ExistsPagesRequest(model="p2", extra_key="", page_hashes=digests(H12))
+    )
     assert other.leading_pages == 0
-    got = stub.GetPages(pb.GetPagesRequest(model="p2", page_hashes=digests(H34, H56),
-                                           session_id=sid))
+    got = stub.GetPages(
+        pb.GetPagesRequest(model="p2", page_hashes=digests(H34, H56), session_id=sid)
+    )
     assert got.found_pages == 2 and len(got.lock_ids) == 1
     assert np.frombuffer(got.slot_indices, "<i8").tolist() == slots[2:]
     stats = stub.Stats(pb.StatsRequest(model="p2")).models[0]
@@ -94,24 +100,37 @@ def test_set_pages_stores_and_dedups(srv, stub) -> None:
     sid = session(stub)
     keys = chain(7, 3)
     slots = alloc(stub, sid, 6)
-    reply = stub.SetPages(pb.SetPagesRequest(model="p2", page_hashes=digests(*keys),
-                                             slot_indices=pack_slots(slots), session_id=sid))
+    reply = stub.SetPages(
+        pb.SetPagesRequest(
+            model="p2", page_hashes=digests(*keys), slot_indices=pack_slots(slots), session_id=sid
+        )
+    )
     assert reply.states == b"\x01\x01\x01"
     # Again, with new slots for the middle page and none for the others: all held, and the
     # session's slots for the page it already had go back to the pool.
     again = alloc(stub, sid, 2)
-    reply = stub.SetPages(pb.SetPagesRequest(
-        model="p2", page_hashes=digests(*keys, chain(8, 1)[0]),
-        slot_indices=pack_slots([0, 0, *again, 0, 0, 0, 0]), session_id=sid))
+    reply = stub.SetPages(
+        pb.SetPagesRequest(
+            model="p2",
+            page_hashes=digests(*keys, chain(8, 1)[0]),
+            slot_indices=pack_slots([0, 0, *again, 0, 0, 0, 0]),
+            session_id=sid,
+        )
+    )
     assert reply.states == b"\x02\x02\x02\x00"
     stats = stub.Stats(pb.StatsRequest(model="p2")).models[0]
     assert (stats.session_slots, stats.evictable_tokens) == (0, 6)
-    got = stub.GetPages(pb.GetPagesRequest(model="p2", page_hashes=digests(*keys),
-                                           session_id=sid, request_id=5))
+    got = stub.GetPages(
+        pb.GetPagesRequest(model="p2", page_hashes=digests(*keys), session_id=sid, request_id=5)
+    )
     assert np.frombuffer(got.slot_indices, "<i8").tolist() == slots
     # A retry with the same request id gets the same answer, not a second lock.
-    assert stub.GetPages(pb.GetPagesRequest(model="p2", page_hashes=digests(*keys),
-                                            session_id=sid, request_id=5)) == got
+    assert (
+        stub.GetPages(
+            pb.GetPagesRequest(model="p2", page_hashes=digests(*keys), session_id=sid, request_id=5)
+        )
+        == got
+    )
     assert stub.Stats(pb.StatsRequest(model="p2")).models[0].locks == 1
     # Pages stored by hash are no token pages: no change-log record, no snapshot entry.
     log = srv.service.engines["p2"].change_log
@@ -125,30 +144,52 @@ def test_chains_are_evicted_from_their_end(srv, stub) -> None:
     sid = session(stub)
     a, b = chain(1, 3), chain(2, 3)
     for i, page in enumerate(a):
-        stub.SetPages(pb.SetPagesRequest(
-            model="p2", page_hashes=digests(page), prior_hash=digests(a[i - 1]) if i else b"",
-            slot_indices=pack_slots(alloc(stub, sid, 2)), session_id=sid))
-    stub.SetPages(pb.SetPagesRequest(model="p2", page_hashes=digests(*b),
-                                     slot_indices=pack_slots(alloc(stub, sid, 6)),
-                                     session_id=sid))
+        stub.SetPages(
+            pb.SetPagesRequest(
+                model="p2",
+                page_hashes=digests(page),
+                prior_hash=digests(a[i - 1]) if i else b"",
+                slot_indices=pack_slots(alloc(stub, sid, 2)),
+                session_id=sid,
+            )
+        )
+    stub.SetPages(
+        pb.SetPagesRequest(
+            model="p2",
+            page_hashes=digests(*b),
+            slot_indices=pack_slots(alloc(stub, sid, 6)),
+            session_id=sid,
+        )
+    )
     alloc(stub, sid, 8)  # 4 slots were free: two pages go, the older chain's last two
-    exists = [stub.ExistsPages(pb.ExistsPagesRequest(model="p2", page_hashes=digests(*k)))
-              .leading_pages for k in (a, b)]
+    exists = [
+        stub.ExistsPages(pb.ExistsPagesRequest(model="p2", page_hashes=digests(*k))).leading_pages
+        for k in (a, b)
+    ]
     assert exists == [1, 3]
 
 
 def test_a_continued_chain_is_one_path(srv, stub) -> None:
     sid = session(stub)
     keys = chain(3, 4)
-    stub.SetPages(pb.SetPagesRequest(model="p2", page_hashes=digests(*keys[:2]),
-                                     slot_indices=pack_slots(alloc(stub, sid, 4)),
-                                     session_id=sid))
-    stub.SetPages(pb.SetPagesRequest(model="p2", prior_hash=digests(keys[1]),
-                                     page_hashes=digests(*keys[2:]),
-                                     slot_indices=pack_slots(alloc(stub, sid, 4)),
-                                     session_id=sid))
-    got = stub.GetPages(pb.GetPagesRequest(model="p2", page_hashes=digests(*keys),
-                                           session_id=sid))
+    stub.SetPages(
+        pb.SetPagesRequest(
+            model="p2",
+            page_hashes=digests(*keys[:2]),
+            slot_indices=pack_slots(alloc(stub, sid, 4)),
+            session_id=sid,
+        )
+    )
+    stub.SetPages(
+        pb.SetPagesRequest(
+            model="p2",
+            prior_hash=digests(keys[1]),
+            page_hashes=digests(*keys[2:]),
+            slot_indices=pack_slots(alloc(stub, sid, 4)),
+            session_id=sid,
+        )
+    )
+    got = stub.GetPages(pb.GetPagesRequest(model="p2", page_hashes=digests(*keys), session_id=sid))
     assert got.found_pages == 4 and len(got.lock_ids) == 1
 
 
@@ -159,8 +200,13 @@ def test_refusals_change_nothing(srv, stub) -> None:
     before = stub.Stats(pb.StatsRequest(model="p2")).models[0]
 
     def set_pages(**fields):
-        request = {"model": "p2", "page_hashes": digests(*keys), "session_id": sid,
-                   "slot_indices": pack_slots(mine), **fields}
+        request = {
+            "model": "p2",
+            "page_hashes": digests(*keys),
+            "session_id": sid,
+            "slot_indices": pack_slots(mine),
+            **fields,
+        }
         return lambda: stub.SetPages(pb.SetPagesRequest(**request))
 
     invalid, precondition = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
@@ -176,12 +222,22 @@ def test_refusals_change_nothing(srv, stub) -> None:
     assert code_of(set_pages(page_hashes=digests(keys[0], keys[0]))) is invalid
     assert code_of(set_pages(model="w")) is precondition  # not a radix model
     assert code_of(set_pages(model="nope")) is grpc.StatusCode.NOT_FOUND
-    assert code_of(lambda: stub.GetPages(pb.GetPagesRequest(
-        model="p2", page_hashes=digests(*keys)))) is precondition
+    assert (
+        code_of(lambda: stub.GetPages(pb.GetPagesRequest(model="p2", page_hashes=digests(*keys))))
+        is precondition
+    )
     # Token calls cannot name the namespaces of pages stored by hash.
     hidden = "\x00prefixcache/hash-pages/w1"
-    assert code_of(lambda: stub.Match(pb.MatchRequest(
-        model="p2", token_ids=np.zeros(8, "<u4").tobytes(), extra_key=hidden))) is invalid
+    assert (
+        code_of(
+            lambda: stub.Match(
+                pb.MatchRequest(
+                    model="p2", token_ids=np.zeros(8, "<u4").tobytes(), extra_key=hidden
+                )
+            )
+        )
+        is invalid
+    )
     assert stub.Stats(pb.StatsRequest(model="p2")).models[0] == before
     srv.check_integrity()
 
@@ -191,10 +247,12 @@ def test_hash_pages_of_any_page_size(srv, stub, model: str, size: int) -> None:
     sid = session(stub)
     keys = chain(9, 3)
     slots = alloc(stub, sid, 3 * size, model)
-    reply = stub.SetPages(pb.SetPagesRequest(model=model, page_hashes=digests(*keys),
-                                             slot_indices=pack_slots(slots), session_id=sid))
+    reply = stub.SetPages(
+        pb.SetPagesRequest(
+            model=model, page_hashes=digests(*keys), slot_indices=pack_slots(slots), session_id=sid
+        )
+    )
     assert reply.states == b"\x01\x01\x01"
-    got = stub.GetPages(pb.GetPagesRequest(model=model, page_hashes=digests(*keys),
-                                           session_id=sid))
+    got = stub.GetPages(pb.GetPagesRequest(model=model, page_hashes=digests(*keys), session_id=sid))
     assert (got.found_pages, len(got.lock_ids)) == (3, 1)
     assert np.frombuffer(got.slot_indices, "<i8").tolist() == slots

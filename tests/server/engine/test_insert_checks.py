@@ -57,16 +57,18 @@ def test_accepted_whatever_the_number_of_runs(runs: int) -> None:
 
 
 @pytest.mark.parametrize("runs", [4, 3 * MAX_RUNS])
-@pytest.mark.parametrize(("spoil", "error", "text"), [
-    ("out_of_range", InvalidInputError, "outside model"),
-    ("negative", InvalidInputError, "outside model"),
-    ("twice", InvalidInputError, "named twice"),
-    ("not_held", PreconditionError, "not held by this session"),
-    ("other_session", PreconditionError, "not held by this session"),
-    ("range_and_twice", InvalidInputError, "outside model"),
-])
-def test_refused_alike_and_nothing_changes(runs: int, spoil: str, error: type,
-                                           text: str) -> None:
+@pytest.mark.parametrize(
+    ("spoil", "error", "text"),
+    [
+        ("out_of_range", InvalidInputError, "outside model"),
+        ("negative", InvalidInputError, "outside model"),
+        ("twice", InvalidInputError, "named twice"),
+        ("not_held", PreconditionError, "not held by this session"),
+        ("other_session", PreconditionError, "not held by this session"),
+        ("range_and_twice", InvalidInputError, "outside model"),
+    ],
+)
+def test_refused_alike_and_nothing_changes(runs: int, spoil: str, error: type, text: str) -> None:
     svc = service()
     session, slots = scattered(svc, runs)
     engine = svc.engine("m")
@@ -134,8 +136,16 @@ def _runs_by_loop(slots: list[int]) -> list[tuple[int, int]] | None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.integers(-2**63, 2**63 - 2000), st.integers(1, 50),
-                          st.sampled_from(["up", "down", "same"])), max_size=40))
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(-(2**63), 2**63 - 2000),
+            st.integers(1, 50),
+            st.sampled_from(["up", "down", "same"]),
+        ),
+        max_size=40,
+    )
+)
 def test_slot_runs_agrees_with_a_loop(pieces: list[tuple[int, int, str]]) -> None:
     """The one-compare shortcut for a single run finds exactly the runs a loop finds,
     for ascending, descending and repeated slots, near the int64 ends too."""

@@ -25,8 +25,13 @@ NAMESPACE = ("a", 1)
 
 @pytest.fixture
 def srv(tmp_path) -> Iterator[ServerThread]:
-    models = (ModelConfig(name="m", page_size=1, pool=PoolConfig(
-        size=2 * PAGES + 64, layers=1, k_heads=1, k_head_dim=4)),)
+    models = (
+        ModelConfig(
+            name="m",
+            page_size=1,
+            pool=PoolConfig(size=2 * PAGES + 64, layers=1, k_heads=1, k_head_dim=4),
+        ),
+    )
     with running(tmp_path, models) as server:
         yield server
 
@@ -68,8 +73,9 @@ def test_every_slice_leaves_the_cache_consistent(srv: ServerThread) -> None:
         # The chain's first 8 pages stored first; then the rest after them (prior_hash:
         # walked), with some pages held already (stored by another call) and some not
         # sent (missing).
-        assert run_all(srv, store(pages, NAMESPACE, None, chain[:8], slots[:8], session)) \
-            == bytes([STORED] * 8)
+        assert run_all(srv, store(pages, NAMESPACE, None, chain[:8], slots[:8], session)) == bytes(
+            [STORED] * 8
+        )
         rest, sent = chain[8:], slots[8:].copy()
         middle = [SLICE + 3, SLICE + 4]
         other = srv.service.open_session(600)
@@ -90,6 +96,7 @@ def test_every_slice_leaves_the_cache_consistent(srv: ServerThread) -> None:
         # The session keeps only its unsent slots; the held page's slot was freed.
         assert session.slots["m"] == 2
         assert pages.engine.cache.total_size() == len(chain) - 2  # all but the missing
+
     srv.run(go)
 
 
@@ -107,6 +114,7 @@ def test_a_session_that_ends_between_slices_stops_the_store(srv: ServerThread) -
         # What was stored stays the cache's; the rest went back with the session.
         assert pages.engine.cache.total_size() == stored
         assert pages.engine.allocator.num_allocated() == stored
+
     srv.run(go)
 
 
@@ -120,6 +128,7 @@ def test_a_reset_between_slices_stops_the_store(srv: ServerThread) -> None:
             next(gen)
         srv.service.check_integrity()
         assert pages.engine.cache.total_size() == 0 and not session.slots.get("m")
+
     srv.run(go)
 
 
@@ -136,6 +145,7 @@ def test_a_path_evicted_between_slices_is_not_built_on(srv: ServerThread) -> Non
         hidden = pages._locate(NAMESPACE, chain[-1])
         assert pages.index.find(hidden, chain[stored]).parent is None
         assert pages.engine.cache.total_size() == PAGES - stored
+
     srv.run(go)
 
 
@@ -143,13 +153,19 @@ def test_a_retry_during_its_first_try_gets_its_answer(srv: ServerThread) -> None
     engine = srv.service.engines["m"]
     session = srv.run(srv.service.open_session, 600)
     slots, _ = srv.run(engine.alloc, session, PAGES)
-    request = pb.SetPagesRequest(model="m", extra_key="a", request_id=7,
-                                 page_hashes=bytes.fromhex("".join(hashes(PAGES))),
-                                 slot_indices=pack_slots(slots), session_id=session.id)
+    request = pb.SetPagesRequest(
+        model="m",
+        extra_key="a",
+        request_id=7,
+        page_hashes=bytes.fromhex("".join(hashes(PAGES))),
+        slot_indices=pack_slots(slots),
+        session_id=session.id,
+    )
 
     async def both() -> list[pb.SetPagesResponse]:
-        calls = [page_rpcs.set_pages(srv.service, srv.service.limits, request, session)
-                 for _ in range(2)]
+        calls = [
+            page_rpcs.set_pages(srv.service, srv.service.limits, request, session) for _ in range(2)
+        ]
         return list(await asyncio.gather(*calls))
 
     first, retry = srv.call(both())

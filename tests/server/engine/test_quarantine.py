@@ -15,8 +15,9 @@ SIZE = 64
 
 
 def _service() -> CacheService:
-    return CacheService([ModelConfig(name="m", page_size=PAGE,
-                                     pool=PoolConfig(size=SIZE, k_heads=1, k_head_dim=2))])
+    return CacheService(
+        [ModelConfig(name="m", page_size=PAGE, pool=PoolConfig(size=SIZE, k_heads=1, k_head_dim=2))]
+    )
 
 
 @pytest.mark.parametrize("back_to_session", [False, True])

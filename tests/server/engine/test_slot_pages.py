@@ -41,7 +41,7 @@ def slot_sets(draw: st.DrawFn) -> tuple[np.ndarray, int, bool]:
         elif shape == "head":
             piece = base[: draw(st.integers(1, ps))]
         elif shape == "tail":
-            piece = base[draw(st.integers(0, ps - 1)):]
+            piece = base[draw(st.integers(0, ps - 1)) :]
         elif shape == "one":
             piece = [draw(st.sampled_from(base))]
         elif shape == "repeat":
@@ -49,8 +49,11 @@ def slot_sets(draw: st.DrawFn) -> tuple[np.ndarray, int, bool]:
         else:
             piece = base[::-1]
         # Only a page's first and last piece of a whole allocation may be partial.
-        if shape in ("repeat", "down") or (shape in ("head", "one") and i < len(pages) - 1) \
-                or (shape in ("tail", "one") and i > 0):
+        if (
+            shape in ("repeat", "down")
+            or (shape in ("head", "one") and i < len(pages) - 1)
+            or (shape in ("tail", "one") and i > 0)
+        ):
             fast_shape = False
         out += piece
     return np.array(out, dtype=np.int64), ps, fast_shape
@@ -113,8 +116,7 @@ def engine_cases(draw: st.DrawFn):
     sizes = draw(st.lists(st.integers(1, 12), min_size=1, max_size=6))
     drop = draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
     arrange = draw(st.sampled_from(["as_held", "pages_shuffled", "scattered", "runs"]))
-    spoil = draw(st.sampled_from(["none", "none", "repeat", "foreign", "free", "range",
-                                  "zero"]))
+    spoil = draw(st.sampled_from(["none", "none", "repeat", "foreign", "free", "range", "zero"]))
     seed = draw(st.integers(0, 2**32 - 1))
     return ps, sizes, drop, arrange, spoil, seed
 
@@ -130,7 +132,7 @@ def _pick(engine, a, b, arrange: str, spoil: str, rng: np.random.Generator) -> n
         slots = rng.permutation(held)[: max(1, len(held) * 2 // 3)]
     elif arrange == "runs":
         cut = sorted(rng.integers(0, len(held) + 1, size=2).tolist())
-        slots = held[cut[0]:cut[1]] if cut[1] > cut[0] else held[:1]
+        slots = held[cut[0] : cut[1]] if cut[1] > cut[0] else held[:1]
     else:
         slots = held
     slots = slots.astype(np.int64).copy()
@@ -161,8 +163,14 @@ def _per_slot_refusal(engine, tag: int, checked: np.ndarray, owned: np.ndarray) 
 
 
 def _snapshot(engine, a) -> tuple:
-    return (engine._owner.tobytes(), engine._page_held.tobytes(), dict(a.pages),
-            dict(a.slots), engine.session_slots, engine.sizes())
+    return (
+        engine._owner.tobytes(),
+        engine._page_held.tobytes(),
+        dict(a.pages),
+        dict(a.slots),
+        engine.session_slots,
+        engine.sizes(),
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -218,8 +226,7 @@ def test_page_counts_per_run_equal_per_slot(case, sign: int) -> None:
             pages, counts = np.unique(slots // ps, return_counts=True)
             before = engine._page_held[pages].copy()
             engine._page_held[pages] += sign * counts.astype(engine._page_held.dtype)
-            change = int(np.count_nonzero(engine._page_held[pages])) - \
-                int(np.count_nonzero(before))
+            change = int(np.count_nonzero(engine._page_held[pages])) - int(np.count_nonzero(before))
             charge = a.pages.get("m", 0) + change
         else:
             engine._count_pages(a, slots, sign, given_runs)

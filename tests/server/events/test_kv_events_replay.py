@@ -34,7 +34,8 @@ def ctx() -> Iterator[zmq.Context]:
 
 
 def test_a_late_subscriber_converges_by_replay_and_reset_clears(
-        tmp_path: Path, ctx: zmq.Context) -> None:
+    tmp_path: Path, ctx: zmq.Context
+) -> None:
     srv = start(tmp_path, models=MODELS[:1])
     worker = Worker(srv)
     publisher = srv.server.kv_events.publishers["r"]
@@ -56,7 +57,7 @@ def test_a_late_subscriber_converges_by_replay_and_reset_clears(
         assert replica.pages == srv.run(lambda: expected_pages(cache, "vllm"))
         assert replica.pages
         worker.stub.Reset(pb.ResetRequest(model="r"))
-        (_, seq, payload), = late.until(quiet_seq(srv, "r"))[-1:]
+        ((_, seq, payload),) = late.until(quiet_seq(srv, "r"))[-1:]
         assert seq == applied + 1
         _, events = decode_batch(payload, "map", "vllm")
         assert [e.kind for e in events] == ["AllBlocksCleared"]
@@ -66,8 +67,7 @@ def test_a_late_subscriber_converges_by_replay_and_reset_clears(
         srv.stop()
 
 
-def test_a_subscriber_behind_the_buffer_gets_the_state(tmp_path: Path,
-                                                       ctx: zmq.Context) -> None:
+def test_a_subscriber_behind_the_buffer_gets_the_state(tmp_path: Path, ctx: zmq.Context) -> None:
     srv = start(tmp_path, models=MODELS[:1], buffer_steps=3, hash_format="sglang")
     worker = Worker(srv)
     publisher = srv.server.kv_events.publishers["r"]

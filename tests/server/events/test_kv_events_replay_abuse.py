@@ -32,8 +32,7 @@ from stall_harness import HELD, NODES, VICTIM_BOUND, LoopWatch, Victim, grow_tre
 from prefixcache.server.config import KvEventsConfig, ModelConfig, PoolConfig
 from prefixcache.server.events.replay import BUSY, END_SEQ
 
-MODEL = ModelConfig(name="r", page_size=4, pool=PoolConfig(size=400_000, k_heads=1,
-                                                           k_head_dim=4))
+MODEL = ModelConfig(name="r", page_size=4, pool=PoolConfig(size=400_000, k_heads=1, k_head_dim=4))
 MAX_REPLAYS = 16
 
 
@@ -68,9 +67,14 @@ def read_answer(sock: zmq.Socket, timeout: float = 20.0) -> list[tuple[bytes, by
 
 
 def test_a_replay_storm_never_stalls_other_clients(tmp_path: Path, ctx: zmq.Context) -> None:
-    kv = KvEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/ev",
-                        replay_endpoint=f"ipc://{tmp_path}/replay", buffer_steps=150,
-                        max_replays=MAX_REPLAYS, replay_timeout=1.0)
+    kv = KvEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{tmp_path}/ev",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        buffer_steps=150,
+        max_replays=MAX_REPLAYS,
+        replay_timeout=1.0,
+    )
     srv = ServerThread(make_config(tmp_path, (MODEL,), kv_events=kv), check_integrity=False)
     publisher = srv.server.kv_events.publishers["r"]
     worker = Worker(srv)
@@ -140,9 +144,13 @@ def test_a_replay_storm_never_stalls_other_clients(tmp_path: Path, ctx: zmq.Cont
         assert publisher.replays_refused == len(refused) + 1  # and the stuck one's third
         assert publisher.replay_requests_invalid == 500
         sample = srv.server.metrics.registry.get_sample_value
-        for name, value in (("replays", len(full)), ("replays_refused", len(refused) + 1),
-                            ("replays_dropped", 2), ("replay_requests_invalid", 500),
-                            ("replay_snapshots", 1)):
+        for name, value in (
+            ("replays", len(full)),
+            ("replays_refused", len(refused) + 1),
+            ("replays_dropped", 2),
+            ("replay_requests_invalid", 500),
+            ("replay_snapshots", 1),
+        ):
             assert sample(f"prefixcache_kv_event_{name}_total", {"model": "r"}) == value, name
         # The socket still serves: a fresh requester gets the buffer's tail.
         sub = Subscriber(ctx, publisher.endpoint, publisher.replay_endpoint)
@@ -157,8 +165,7 @@ def test_a_replay_storm_never_stalls_other_clients(tmp_path: Path, ctx: zmq.Cont
         srv.stop()
 
 
-def test_malformed_requests_are_counted_not_logged_each(tmp_path: Path,
-                                                       ctx: zmq.Context) -> None:
+def test_malformed_requests_are_counted_not_logged_each(tmp_path: Path, ctx: zmq.Context) -> None:
     config = f"""\
 server:
   shm_dir: "off"
@@ -186,17 +193,23 @@ models:
         finally:
             proc.terminate()
             stderr = proc.stderr.read() if proc.stderr else b""
-    lines = [line for line in stderr.decode(errors="replace").splitlines()
-             if "malformed KV-event replay request" in line]
+    lines = [
+        line
+        for line in stderr.decode(errors="replace").splitlines()
+        if "malformed KV-event replay request" in line
+    ]
     assert 1 <= len(lines) <= 2, lines[:5]
     assert "count=1 " in lines[0]  # the first at once; the rest in the next interval's
 
 
 def test_snapshots_are_rebuilt_at_most_once_a_second(tmp_path: Path, ctx: zmq.Context) -> None:
-    kv = KvEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/ev",
-                        replay_endpoint=f"ipc://{tmp_path}/replay", buffer_steps=2)
-    small = ModelConfig(name="r", page_size=4, pool=PoolConfig(size=256, k_heads=1,
-                                                               k_head_dim=4))
+    kv = KvEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{tmp_path}/ev",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        buffer_steps=2,
+    )
+    small = ModelConfig(name="r", page_size=4, pool=PoolConfig(size=256, k_heads=1, k_head_dim=4))
     srv = ServerThread(make_config(tmp_path, (small,), kv_events=kv))
     publisher = srv.server.kv_events.publishers["r"]
     worker = Worker(srv)
@@ -223,18 +236,27 @@ def test_snapshots_are_rebuilt_at_most_once_a_second(tmp_path: Path, ctx: zmq.Co
         srv.stop()
 
 
-def test_snapshots_of_a_large_tree_are_built_in_slices_and_exact(tmp_path: Path,
-                                                                ctx: zmq.Context) -> None:
+def test_snapshots_of_a_large_tree_are_built_in_slices_and_exact(
+    tmp_path: Path, ctx: zmq.Context
+) -> None:
     # A 50k-node tree: each snapshot's walk used to hold the loop for the whole tree
     # (0.1-0.3 s). Peers behind the buffer ask again and again while a worker changes
     # the tree (inserts that split nodes the walk has not reached, and evictions): the
     # victim is never held long, and every answer, brought forward with the batches
     # published after it, is exactly the tree.
-    big = ModelConfig(name="r", page_size=1, vocab_size=1 << 20,
-                      pool=PoolConfig(size=2 * NODES + 20_000, k_heads=1, k_head_dim=4))
-    kv = KvEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/ev",
-                        replay_endpoint=f"ipc://{tmp_path}/replay", buffer_steps=4,
-                        hwm=100_000)
+    big = ModelConfig(
+        name="r",
+        page_size=1,
+        vocab_size=1 << 20,
+        pool=PoolConfig(size=2 * NODES + 20_000, k_heads=1, k_head_dim=4),
+    )
+    kv = KvEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{tmp_path}/ev",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        buffer_steps=4,
+        hwm=100_000,
+    )
     srv = ServerThread(make_config(tmp_path, (big,), kv_events=kv), check_integrity=False)
     publisher = srv.server.kv_events.publishers["r"]
     live = Subscriber(ctx, publisher.endpoint, None)  # every batch, from the first
@@ -249,8 +271,9 @@ def test_snapshots_of_a_large_tree_are_built_in_slices_and_exact(tmp_path: Path,
             head = rng.randrange(1, 60)  # under the tree's first tokens: splits
             worker.insert("r", [head] + [rng.randrange(600, 700) for _ in range(4)])
             if rng.random() < 0.2:
-                worker.stub.Evict(pb.EvictRequest(model="r", num_tokens=8,
-                                                  session_id=worker.session))
+                worker.stub.Evict(
+                    pb.EvictRequest(model="r", num_tokens=8, session_id=worker.session)
+                )
             time.sleep(0.002)
 
     churner = threading.Thread(target=churn, daemon=True)
@@ -270,9 +293,11 @@ def test_snapshots_of_a_large_tree_are_built_in_slices_and_exact(tmp_path: Path,
             stop.set()
             churner.join(30)
             worst = victim.finish()
-        print(f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls, "
-              f"{publisher.replay_snapshots} snapshots; longest loop callback "
-              f"{watch.worst * 1000:.0f} ms of CPU: {watch.what}")
+        print(
+            f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls, "
+            f"{publisher.replay_snapshots} snapshots; longest loop callback "
+            f"{watch.worst * 1000:.0f} ms of CPU: {watch.what}"
+        )
         assert publisher.replay_snapshots >= 2
         assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
         assert worst < VICTIM_BOUND, f"a victim's Match waited {worst:.2f} s behind a snapshot"

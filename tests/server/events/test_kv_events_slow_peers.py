@@ -18,8 +18,7 @@ from kv_events_harness import Subscriber, Worker, quiet_seq, start
 
 from prefixcache.server.config import ModelConfig, PoolConfig
 
-BIG = (ModelConfig(name="r", page_size=16,
-                   pool=PoolConfig(size=8192, k_heads=1, k_head_dim=4)),)
+BIG = (ModelConfig(name="r", page_size=16, pool=PoolConfig(size=8192, k_heads=1, k_head_dim=4)),)
 
 
 @pytest.fixture
@@ -61,10 +60,14 @@ class Reader(threading.Thread):
         self.sub.close()
 
 
-def test_a_stuck_subscriber_never_silences_a_healthy_one(tmp_path: Path,
-                                                         ctx: zmq.Context) -> None:
-    srv = start(tmp_path, models=BIG, hwm=50, endpoint=f"ipc://{tmp_path}/ev",
-                replay_endpoint=f"ipc://{tmp_path}/replay")
+def test_a_stuck_subscriber_never_silences_a_healthy_one(tmp_path: Path, ctx: zmq.Context) -> None:
+    srv = start(
+        tmp_path,
+        models=BIG,
+        hwm=50,
+        endpoint=f"ipc://{tmp_path}/ev",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+    )
     worker = Worker(srv)
     publisher = srv.server.kv_events.publishers["r"]
     stuck = stuck_subscriber(ctx, publisher.endpoint)
@@ -84,8 +87,9 @@ def test_a_stuck_subscriber_never_silences_a_healthy_one(tmp_path: Path,
         # The healthy subscriber saw every batch, in order: with XPUB_NODROP one full
         # peer would fail every send, and the healthy one stop after ~175.
         got = [s for s in reader.seqs if s >= first]
-        assert got == list(range(first, newest + 1)), \
+        assert got == list(range(first, newest + 1)), (
             f"healthy subscriber got {len(got)} of {newest + 1 - first}"
+        )
         assert newest + 1 - first >= 300
         # The stuck one lost its own copies: a gap, which replay fills.
         stuck_seqs = []

@@ -17,8 +17,9 @@ from prefixcache.server.config import ModelConfig, PoolConfig
 from prefixcache.server.events.subscriptions import Bound, _batches
 
 MODELS = (
-    ModelConfig(name="m", page_size=1,
-                pool=PoolConfig(size=1024, layers=1, k_heads=1, k_head_dim=4)),
+    ModelConfig(
+        name="m", page_size=1, pool=PoolConfig(size=1024, layers=1, k_heads=1, k_head_dim=4)
+    ),
     ModelConfig(name="p", page_size=4, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4)),
 )
 TIMEOUT = 10.0
@@ -44,8 +45,9 @@ def clean(client: PrefixCacheClient) -> Iterator[None]:
         client.reset(model)
 
 
-def cache(client: PrefixCacheClient, model: str, tokens: list[int],
-          extra_key: str | None = None) -> None:
+def cache(
+    client: PrefixCacheClient, model: str, tokens: list[int], extra_key: str | None = None
+) -> None:
     """Prefill ``tokens`` as a worker does: match with lock and allocate, insert, free
     the unaligned tail."""
     with client.session() as s:
@@ -53,7 +55,7 @@ def cache(client: PrefixCacheClient, model: str, tokens: list[int],
         slots = [*m.slots, *m.allocated]
         r = s.insert(model, tokens, slots, extra_key=extra_key, release_lock_id=m.lock_id)
         if r.cached_len < len(tokens):
-            s.free(model, slots[r.cached_len:])
+            s.free(model, slots[r.cached_len :])
 
 
 def last_seq(server: ServerThread, model: str) -> int:
@@ -69,9 +71,10 @@ def read_snapshot(events: Iterator[pb.SubscribeEvent]) -> list[pb.SubscribeEvent
 
 
 def hashes(events: list[pb.SubscribeEvent], body: str) -> list[bytes]:
-    data = b"".join(run.page_hashes for e in events if e.HasField(body)
-                    for run in getattr(e, body).runs)
-    return [data[i:i + 32] for i in range(0, len(data), 32)]
+    data = b"".join(
+        run.page_hashes for e in events if e.HasField(body) for run in getattr(e, body).runs
+    )
+    return [data[i : i + 32] for i in range(0, len(data), 32)]
 
 
 def test_snapshot_then_changes(server: ServerThread, client: PrefixCacheClient) -> None:
@@ -125,7 +128,8 @@ def test_resume_without_snapshot(server: ServerThread, client: PrefixCacheClient
 
 
 def test_resume_from_another_epoch_or_too_late_gets_a_snapshot(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     events = client.subscribe("m")
     seq = read_snapshot(events)[-1].seq
     events.close()
@@ -141,7 +145,8 @@ def test_resume_from_another_epoch_or_too_late_gets_a_snapshot(
 
 
 def test_falling_behind_while_following_sends_a_snapshot(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     """A burst larger than the log in one loop turn (one Evict of many leaves): the
     subscriber cannot have read it in time, and gets a snapshot instead of a gap."""
     for i in range(8):
@@ -192,18 +197,22 @@ def test_unknown_model_is_not_found(client: PrefixCacheClient) -> None:
     assert code_of(client, "nope") == grpc.StatusCode.NOT_FOUND
 
 
-def test_seq_from_the_future_is_invalid(server: ServerThread,
-                                        client: PrefixCacheClient) -> None:
+def test_seq_from_the_future_is_invalid(server: ServerThread, client: PrefixCacheClient) -> None:
     seq = last_seq(server, "m")
-    assert code_of(client, "m", after_seq=seq + 5,
-                   server_epoch=server.service.epoch) == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        code_of(client, "m", after_seq=seq + 5, server_epoch=server.service.epoch)
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
-@pytest.mark.parametrize("namespaces", [
-    [pb.PageNamespace(extra_key="x" * 5000)],
-    [pb.PageNamespace(token_width=9)],
-    [pb.PageNamespace(extra_key=str(i)) for i in range(1025)],
-])
+@pytest.mark.parametrize(
+    "namespaces",
+    [
+        [pb.PageNamespace(extra_key="x" * 5000)],
+        [pb.PageNamespace(token_width=9)],
+        [pb.PageNamespace(extra_key=str(i)) for i in range(1025)],
+    ],
+)
 def test_bad_namespace_filter_is_invalid(client: PrefixCacheClient, namespaces: list) -> None:
     assert code_of(client, "m", namespaces=namespaces) == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -211,8 +220,9 @@ def test_bad_namespace_filter_is_invalid(client: PrefixCacheClient, namespaces: 
 def test_malformed_request_is_invalid(client: PrefixCacheClient) -> None:
     channel = grpc.insecure_channel(client.target)
     with channel:
-        call = channel.unary_stream("/prefixcache.v1.PrefixCache/Subscribe",
-                                    request_serializer=lambda b: b)
+        call = channel.unary_stream(
+            "/prefixcache.v1.PrefixCache/Subscribe", request_serializer=lambda b: b
+        )
         with pytest.raises(grpc.RpcError) as info:
             next(call(b"\xff\xff\xff", timeout=TIMEOUT))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -224,8 +234,10 @@ def test_kinds_without_pages_and_logs_off(tmp_path: Path) -> None:
             assert code_of(c, model) == grpc.StatusCode.FAILED_PRECONDITION
         for model in ("m", "p", "w", "h"):
             assert next(c.subscribe(model)).HasField("snapshot_begin")
-    with running(tmp_path, MODELS, change_log_capacity=0) as srv, \
-            PrefixCacheClient(srv.address) as c:
+    with (
+        running(tmp_path, MODELS, change_log_capacity=0) as srv,
+        PrefixCacheClient(srv.address) as c,
+    ):
         assert code_of(c, "m") == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -255,19 +267,21 @@ def test_shutdown_ends_streams_unavailable(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ batching
 
 _item = st.one_of(
-    st.tuples(st.sampled_from([pb.PAGE_OP_STORED, pb.PAGE_OP_REMOVED]),
-              st.sampled_from([(None, 1), ("a", 1), ("k" * 300, 2)]),
-              st.integers(1, 12)),
+    st.tuples(
+        st.sampled_from([pb.PAGE_OP_STORED, pb.PAGE_OP_REMOVED]),
+        st.sampled_from([(None, 1), ("a", 1), ("k" * 300, 2)]),
+        st.integers(1, 12),
+    ),
     st.just((pb.PAGE_OP_CLEARED, None, 0)),
     st.just((None, None, 0)),  # a change of a namespace left out
 )
 
 
 @settings(max_examples=100, deadline=None)
-@given(raw=st.lists(_item, max_size=20), pages=st.integers(1, 7),
-       budget=st.integers(64, 2000))
-def test_batches_keep_every_change_in_order_within_bounds(raw: list, pages: int,
-                                                          budget: int) -> None:
+@given(raw=st.lists(_item, max_size=20), pages=st.integers(1, 7), budget=st.integers(64, 2000))
+def test_batches_keep_every_change_in_order_within_bounds(
+    raw: list, pages: int, budget: int
+) -> None:
     items, expected, n = [], [], 0
     for seq, (op, ns, count) in enumerate(raw, start=11):
         hexes = tuple(f"{n + i:064x}" for i in range(count))
@@ -285,13 +299,18 @@ def test_batches_keep_every_change_in_order_within_bounds(raw: list, pages: int,
         assert first <= max(seq + 1, 11)
         seqs.append(seq)
         for run in runs:
-            ns = None if run.op == pb.PAGE_OP_CLEARED else (
-                run.namespace.extra_key if run.namespace.HasField("extra_key") else None,
-                run.namespace.token_width)
+            ns = (
+                None
+                if run.op == pb.PAGE_OP_CLEARED
+                else (
+                    run.namespace.extra_key if run.namespace.HasField("extra_key") else None,
+                    run.namespace.token_width,
+                )
+            )
             if run.op == pb.PAGE_OP_CLEARED:
                 got.append((run.op, None, ""))
             data = run.page_hashes.hex()
-            got += [(run.op, ns, data[i:i + 64]) for i in range(0, len(data), 64)]
+            got += [(run.op, ns, data[i : i + 64]) for i in range(0, len(data), 64)]
     assert got == expected
     assert seqs == sorted(seqs)
     assert (seqs[-1] if seqs else 10) == (10 + len(raw))

@@ -39,14 +39,16 @@ def fill(stub, first: int, prompts: int, width: int = 2) -> None:
     """Cache ``prompts`` prompts of ``width`` tokens, each its own node(s)."""
     for start in range(0, prompts, 4096):
         count = min(4096, prompts - start)
-        grown = stub.Step(pb.StepRequest(model="m", session_id=SESSION[0],
-                                         decodes=[width] * count))
+        grown = stub.Step(pb.StepRequest(model="m", session_id=SESSION[0], decodes=[width] * count))
         finishes = []
         for i, d in enumerate(grown.decodes):
             n = first + start + i
-            finishes.append(pb.StepFinish(
-                token_ids=toks([n // 128 + 1, *(n % 128 + 1 + k for k in range(width - 1))]),
-                slot_indices=d.decode.slot_indices))
+            finishes.append(
+                pb.StepFinish(
+                    token_ids=toks([n // 128 + 1, *(n % 128 + 1 + k for k in range(width - 1))]),
+                    slot_indices=d.decode.slot_indices,
+                )
+            )
         done = stub.Step(pb.StepRequest(model="m", session_id=SESSION[0], finishes=finishes))
         assert not any(f.HasField("error") for f in done.finishes)
 
@@ -59,8 +61,13 @@ def srv(tmp_path, request) -> Iterator:
     # The drop test lets a subscriber fall only 64 KiB behind; the others keep the
     # default (which a snapshot of the whole pool fits in).
     pending = 64 * 1024 if "dropped" in request.node.name else 0
-    with running(tmp_path, MODELS, max_subscribe_streams=12, max_session_subscribes=2,
-                 max_subscriber_pending_bytes=pending) as server:
+    with running(
+        tmp_path,
+        MODELS,
+        max_subscribe_streams=12,
+        max_session_subscribes=2,
+        max_subscriber_pending_bytes=pending,
+    ) as server:
         yield server
 
 
@@ -138,8 +145,9 @@ def test_streams_are_capped_per_session_and_in_all(srv, stub) -> None:
         return err.value.details()
 
     mine = [subscribe(session_id=SESSION[0]) for _ in range(2)]
-    assert "server.max_session_subscribes" in refused(CODE.RESOURCE_EXHAUSTED,
-                                                      session_id=SESSION[0])
+    assert "server.max_session_subscribes" in refused(
+        CODE.RESOURCE_EXHAUSTED, session_id=SESSION[0]
+    )
     refused(CODE.NOT_FOUND, session_id="no-such-session")
     others = [subscribe() for _ in range(10)]
     assert open_streams(srv) == 12
@@ -228,7 +236,7 @@ def test_snapshots_kept_from_the_log_match_the_tree(srv, stub) -> None:
     got: set[bytes] = set()
     for event in call:
         for run in event.snapshot_pages.runs:
-            got.update(run.page_hashes[i:i + 32] for i in range(0, len(run.page_hashes), 32))
+            got.update(run.page_hashes[i : i + 32] for i in range(0, len(run.page_hashes), 32))
         if event.HasField("snapshot_end"):
             break
     assert got == srv.run(walked) and len(got) > 1000
@@ -253,8 +261,10 @@ class Follower(threading.Thread):
         self.call = self.stub.Subscribe(pb.SubscribeRequest(model="m"), timeout=300)
         try:
             for event in self.call:
-                self.runs.extend((run.op, run.page_hashes) for run in
-                                 event.snapshot_pages.runs or event.changes.runs)
+                self.runs.extend(
+                    (run.op, run.page_hashes)
+                    for run in event.snapshot_pages.runs or event.changes.runs
+                )
                 if event.HasField("snapshot_end"):
                     self.snapshot_done.set()
                 self.seq = event.seq
@@ -267,7 +277,7 @@ class Follower(threading.Thread):
         """The page set its snapshot and changes add up to."""
         pages: set[bytes] = set()
         for op, data in self.runs:
-            hashes = [data[i:i + 32] for i in range(0, len(data), 32)]
+            hashes = [data[i : i + 32] for i in range(0, len(data), 32)]
             if op == pb.PAGE_OP_CLEARED:
                 pages.clear()
             elif op == pb.PAGE_OP_REMOVED:
@@ -282,8 +292,14 @@ def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
     # half a second, with the garbage collection its records set off). Four first
     # Subscribes at once, while a worker changes the tree (splits, evictions): one walk,
     # in slices, shared; a victim is never held long; every replica is the tree.
-    models = (ModelConfig(name="m", page_size=1, vocab_size=1 << 20, pool=PoolConfig(
-        size=2 * NODES + 20_000, layers=1, k_heads=1, k_head_dim=4)),)
+    models = (
+        ModelConfig(
+            name="m",
+            page_size=1,
+            vocab_size=1 << 20,
+            pool=PoolConfig(size=2 * NODES + 20_000, layers=1, k_heads=1, k_head_dim=4),
+        ),
+    )
     srv = ServerThread(make_config(tmp_path, models), check_integrity=False)
     worker = Worker(srv)
     stop = threading.Event()
@@ -291,11 +307,11 @@ def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
     def churn() -> None:
         rng = random.Random(3)
         while not stop.is_set():
-            worker.insert("m", [rng.randrange(1, 60)] + [rng.randrange(600, 700)
-                                                         for _ in range(4)])
+            worker.insert("m", [rng.randrange(1, 60)] + [rng.randrange(600, 700) for _ in range(4)])
             if rng.random() < 0.2:
-                worker.stub.Evict(pb.EvictRequest(model="m", num_tokens=8,
-                                                  session_id=worker.session))
+                worker.stub.Evict(
+                    pb.EvictRequest(model="m", num_tokens=8, session_id=worker.session)
+                )
             time.sleep(0.002)
 
     churner = threading.Thread(target=churn, daemon=True)
@@ -315,8 +331,10 @@ def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
             stop.set()
             churner.join(30)
             worst = victim.finish()
-        print(f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls; "
-              f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}")
+        print(
+            f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls; "
+            f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}"
+        )
         assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
         assert worst < VICTIM_BOUND, f"a Stats call waited {worst:.2f} s behind the first Subscribe"
         log = srv.service.engine("m").change_log
@@ -324,8 +342,9 @@ def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
         deadline = time.monotonic() + 30
         while min(f.seq for f in followers) < head and time.monotonic() < deadline:
             time.sleep(0.05)
-        walked = srv.run(lambda: {bytes.fromhex(h) for r in log.snapshot().pages
-                                  for h in r.page_hashes})
+        walked = srv.run(
+            lambda: {bytes.fromhex(h) for r in log.snapshot().pages for h in r.page_hashes}
+        )
         assert len(walked) > NODES
         for follower in followers:
             assert follower.seq == head and follower.pages() == walked
@@ -341,15 +360,20 @@ def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
         srv.stop()
 
 
-def test_a_resubscribe_storm_while_the_tree_changes_packs_each_snapshot_in_slices(
-        tmp_path) -> None:
+def test_a_resubscribe_storm_while_the_tree_changes_packs_each_snapshot_in_slices(tmp_path) -> None:
     # Subscribes opened and hung up in a loop while a worker changes the tree: each one
     # at a new change-log position needs a snapshot of the whole page set. Each is packed
     # in slices from the page set held still meanwhile (calls are answered while one is
     # packed), one at a time, and what a subscriber is sent adds up to the tree.
     nodes = 40_000  # pages enough for several slices (subscriptions' ENCODE_SLICE each)
-    models = (ModelConfig(name="m", page_size=1, vocab_size=1 << 20, pool=PoolConfig(
-        size=2 * nodes + 20_000, layers=1, k_heads=1, k_head_dim=4)),)
+    models = (
+        ModelConfig(
+            name="m",
+            page_size=1,
+            vocab_size=1 << 20,
+            pool=PoolConfig(size=2 * nodes + 20_000, layers=1, k_heads=1, k_head_dim=4),
+        ),
+    )
     srv = ServerThread(make_config(tmp_path, models), check_integrity=False)
     worker = Worker(srv)
     stop = threading.Event()
@@ -358,8 +382,7 @@ def test_a_resubscribe_storm_while_the_tree_changes_packs_each_snapshot_in_slice
     def churn() -> None:
         rng = random.Random(5)
         while not stop.is_set():
-            worker.insert("m", [rng.randrange(1, 60)] + [rng.randrange(600, 700)
-                                                         for _ in range(4)])
+            worker.insert("m", [rng.randrange(1, 60)] + [rng.randrange(600, 700) for _ in range(4)])
             time.sleep(0.002)
 
     def storm() -> None:
@@ -374,8 +397,10 @@ def test_a_resubscribe_storm_while_the_tree_changes_packs_each_snapshot_in_slice
                     pass
                 call.cancel()
 
-    threads = [threading.Thread(target=churn, daemon=True),
-               *(threading.Thread(target=storm, daemon=True) for _ in range(4))]
+    threads = [
+        threading.Thread(target=churn, daemon=True),
+        *(threading.Thread(target=storm, daemon=True) for _ in range(4)),
+    ]
     first, late = Follower(srv.address), Follower(srv.address)
     try:
         grow_tree(srv, "m", nodes)
@@ -403,8 +428,9 @@ def test_a_resubscribe_storm_while_the_tree_changes_packs_each_snapshot_in_slice
         deadline = time.monotonic() + 30
         while min(first.seq, late.seq) < head and time.monotonic() < deadline:
             time.sleep(0.05)
-        walked = srv.run(lambda: {bytes.fromhex(h) for r in log.snapshot().pages
-                                  for h in r.page_hashes})
+        walked = srv.run(
+            lambda: {bytes.fromhex(h) for r in log.snapshot().pages for h in r.page_hashes}
+        )
         assert first.pages() == late.pages() == walked and len(walked) > nodes
         assert srv.run(lambda: feed._frozen) == 0
     finally:
@@ -449,12 +475,17 @@ def test_one_client_cannot_take_every_stream(tmp_path) -> None:
             # A session of this process is this client too; another process is not.
             session = stub.OpenSession(pb.OpenSessionRequest(client_name="router")).session_id
             with pytest.raises(grpc.RpcError) as err:
-                read_snapshot(stub.Subscribe(pb.SubscribeRequest(model="m", session_id=session),
-                                             timeout=30))
+                read_snapshot(
+                    stub.Subscribe(pb.SubscribeRequest(model="m", session_id=session), timeout=30)
+                )
             assert "server.max_subscribes_per_client" in err.value.details()
-            other = subprocess.run([sys.executable, "-c", OTHER_SUBSCRIBER, srv.address],
-                                   env={**os.environ, "PYTHONPATH": SOURCE_PATH},
-                                   capture_output=True, text=True, timeout=60)
+            other = subprocess.run(
+                [sys.executable, "-c", OTHER_SUBSCRIBER, srv.address],
+                env={**os.environ, "PYTHONPATH": SOURCE_PATH},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert other.stdout.strip() == "snapshot", other.stderr[-2000:]
             subs = srv.server.servicer.subscriptions
             me = f"unix:uid={os.geteuid()},pid={os.getpid()}"

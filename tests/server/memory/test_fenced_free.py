@@ -29,8 +29,9 @@ from harness import EVERY_KIND, ServerThread, running
 from prefixcache.client import PrefixCacheClient
 from prefixcache.server.config import ModelConfig, PoolConfig
 
-MODELS = (ModelConfig(name="m", page_size=2, pool=PoolConfig(size=64, layers=2, k_heads=1,
-                                                             k_head_dim=4)),)
+MODELS = (
+    ModelConfig(name="m", page_size=2, pool=PoolConfig(size=64, layers=2, k_heads=1, k_head_dim=4)),
+)
 FREED = 8
 
 # The worker: copies 7s (k) and 9s (v) into the slots named by argv[4] through the
@@ -78,20 +79,34 @@ def _wait(what, timeout: float, why: str) -> None:  # type: ignore[no-untyped-de
 
 
 @contextmanager
-def stopped_writer(server: ServerThread, client: PrefixCacheClient
-                   ) -> Iterator[tuple[Any, list[int], subprocess.Popen[bytes]]]:
+def stopped_writer(
+    server: ServerThread, client: PrefixCacheClient
+) -> Iterator[tuple[Any, list[int], subprocess.Popen[bytes]]]:
     """A session holding ``FREED`` fresh slots and its worker (WORKER), stopped inside
     the session's fence after layer 0 of its copy into them: (session, slots, worker).
     The worker is killed on the way out if it is still there."""
     owner = client.open_session(60)
     slots = [int(s) for s in client.alloc("m", FREED, session=owner).slots]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]),  # tests/server
-                                         env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [
+            str(Path(__file__).parents[1]),  # tests/server
+            env.get("PYTHONPATH", ""),
+        ]
+    )
     worker = subprocess.Popen(
-        [sys.executable, "-c", WORKER, server.address, owner.session_id,
-         str(owner.server_epoch), str(slots)],
-        stdout=subprocess.PIPE, env=env)
+        [
+            sys.executable,
+            "-c",
+            WORKER,
+            server.address,
+            owner.session_id,
+            str(owner.server_epoch),
+            str(slots),
+        ],
+        stdout=subprocess.PIPE,
+        env=env,
+    )
     try:
         assert worker.stdout is not None
         assert worker.stdout.readline().strip() == b"stopping"
@@ -103,23 +118,28 @@ def stopped_writer(server: ServerThread, client: PrefixCacheClient
             worker.wait(10)
 
 
-def _take_the_rest(client: PrefixCacheClient, count: int, fenced: list[int]
-                   ) -> tuple[Any, list[int], list[torch.Tensor], list[torch.Tensor]]:
+def _take_the_rest(
+    client: PrefixCacheClient, count: int, fenced: list[int]
+) -> tuple[Any, list[int], list[torch.Tensor], list[torch.Tensor]]:
     """Another session takes ``count`` slots (every free one), none of them ``fenced``,
     and writes its KV into them: (session, slots, k, v)."""
     victim = client.open_session(60)
     taken = [int(s) for s in client.alloc("m", count, session=victim).slots]
     assert not set(taken) & set(fenced)
-    k = [torch.arange(len(taken) * 4, dtype=torch.float16).view(-1, 1, 4) + i
-         for i in range(2)]
+    k = [torch.arange(len(taken) * 4, dtype=torch.float16).view(-1, 1, 4) + i for i in range(2)]
     v = [t + 100 for t in k]
     client.write_kv("m", taken, k, v, session=victim)
     return victim, taken, k, v
 
 
-def _intact_then_returned(server: ServerThread, client: PrefixCacheClient, victim: Any,
-                          taken: list[int], k: list[torch.Tensor], v: list[torch.Tensor]
-                          ) -> None:
+def _intact_then_returned(
+    server: ServerThread,
+    client: PrefixCacheClient,
+    victim: Any,
+    taken: list[int],
+    k: list[torch.Tensor],
+    v: list[torch.Tensor],
+) -> None:
     """Once the writer is gone: ``victim``'s rows are as it wrote them, and the fenced
     slots are back (here, or on a reaper tick that settled them already), and only now;
     then ``victim`` ends."""
@@ -137,8 +157,10 @@ def _intact_then_returned(server: ServerThread, client: PrefixCacheClient, victi
 def test_slots_freed_mid_copy_wait_for_the_writer(server: ServerThread) -> None:
     engine = server.service.engines["m"]
     free = lambda: server.run(engine.allocator.available_size)  # noqa: E731
-    with PrefixCacheClient(server.address, timeout=10) as client, \
-            stopped_writer(server, client) as (owner, slots, worker):
+    with (
+        PrefixCacheClient(server.address, timeout=10) as client,
+        stopped_writer(server, client) as (owner, slots, worker),
+    ):
         # Rank 0's give-back, while the stopped worker still holds the fence.
         before = free()
         client.free("m", slots, session=owner)
@@ -160,8 +182,7 @@ def test_slots_freed_mid_copy_wait_for_the_writer(server: ServerThread) -> None:
 
 
 @pytest.mark.parametrize("how", ["ended", "freed"])
-def test_a_reset_keeps_fenced_slots_from_other_sessions(server: ServerThread,
-                                                        how: str) -> None:
+def test_a_reset_keeps_fenced_slots_from_other_sessions(server: ServerThread, how: str) -> None:
     """The slots of a session that ended (or freed them) while its writer is stopped
     mid-copy survive an admin Reset out of the free list: a session that takes every
     free slot after the Reset and writes its KV keeps its rows when the writer resumes,
@@ -169,8 +190,10 @@ def test_a_reset_keeps_fenced_slots_from_other_sessions(server: ServerThread,
     the allocator and the writer overwrote the other session's layer 1."""
     engine = server.service.engines["m"]
     free = lambda: server.run(engine.allocator.available_size)  # noqa: E731
-    with PrefixCacheClient(server.address, timeout=10) as client, \
-            stopped_writer(server, client) as (owner, slots, worker):
+    with (
+        PrefixCacheClient(server.address, timeout=10) as client,
+        stopped_writer(server, client) as (owner, slots, worker),
+    ):
         if how == "ended":
             client.close_session(owner)
         else:
@@ -217,14 +240,14 @@ def test_a_free_without_a_writer_inside_frees_at_once(server: ServerThread) -> N
 
 @pytest.mark.parametrize("model", ["p", "s", "h"])
 def test_partial_frees_under_a_held_fence_keep_the_accounting_sound(
-        tmp_path: Path, model: str) -> None:
+    tmp_path: Path, model: str
+) -> None:
     """Pages shared by a session and its fence holder (a Free of part of a page), a
     slot model, then the session's end while the holder waits: check_integrity holds
     throughout, and every slot comes back once the writer lets go."""
     from prefixcache.client.write_fence import open_fence
 
-    with running(tmp_path, EVERY_KIND) as srv, \
-            PrefixCacheClient(srv.address, timeout=10) as client:
+    with running(tmp_path, EVERY_KIND) as srv, PrefixCacheClient(srv.address, timeout=10) as client:
         engine = srv.service.engines[model]
         idle = srv.run(lambda: int(engine.session_slots))
         owner = client.open_session(60)
@@ -247,15 +270,13 @@ def test_partial_frees_under_a_held_fence_keep_the_accounting_sound(
 
 
 @pytest.mark.parametrize("model", ["m", "p", "w", "c", "h", "s"])
-def test_a_reset_under_a_held_fence_keeps_the_accounting_sound(
-        tmp_path: Path, model: str) -> None:
+def test_a_reset_under_a_held_fence_keeps_the_accounting_sound(tmp_path: Path, model: str) -> None:
     """Every model kind: slots freed and slots of the ended session, both waiting on a
     held fence, survive a Reset held (check_integrity holds), and come back once the
     writer lets go."""
     from prefixcache.client.write_fence import open_fence
 
-    with running(tmp_path, EVERY_KIND) as srv, \
-            PrefixCacheClient(srv.address, timeout=10) as client:
+    with running(tmp_path, EVERY_KIND) as srv, PrefixCacheClient(srv.address, timeout=10) as client:
         engine = srv.service.engines[model]
         owner = client.open_session(60)
         slots = [int(s) for s in client.alloc(model, 3, session=owner).slots]

@@ -23,8 +23,9 @@ from prefixcache.server.memory.page_seal import (
 
 SECRET = bytes(range(32))
 KEYS = [None, derive_key(SECRET, "tier-pages", "acme")]
-fields = st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=8),
-                   st.binary(max_size=8))
+fields = st.one_of(
+    st.none(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=8), st.binary(max_size=8)
+)
 parts = st.lists(st.binary(min_size=0, max_size=64), min_size=1, max_size=4)
 
 
@@ -76,6 +77,7 @@ def test_macs_take_a_fresh_nonce_each_time() -> None:
 def test_identities_of_different_fields_differ(a, b) -> None:
     def norm(fs):  # bytes and str with the same bytes encode alike, by design
         return [f.encode() if isinstance(f, str) else f for f in fs]
+
     if norm(a) != norm(b):
         assert identity(*a) != identity(*b)
 

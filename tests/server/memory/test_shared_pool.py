@@ -53,8 +53,12 @@ def _files(directory: Path, owner: str, buffers: int = 2) -> list[Path]:
 def holder(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """A live process in "another namespace": its files name a pid that does not exist."""
     owner = f"prefixcache-{NO_SUCH_PID}.{'a' * 16}"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / f"{owner}.lock")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path / f"{owner}.lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "locked\n"
         yield proc, owner
@@ -64,7 +68,8 @@ def holder(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
 
 
 def test_a_live_owner_keeps_its_files_whatever_its_pid(
-        tmp_path: Path, holder: tuple[subprocess.Popen[str], str]) -> None:
+    tmp_path: Path, holder: tuple[subprocess.Popen[str], str]
+) -> None:
     proc, owner = holder
     live = _files(tmp_path, owner)
     # A dead server's files whose pid is a live process here (pid reuse, or our own pid
@@ -88,7 +93,8 @@ def test_a_live_owner_keeps_its_files_whatever_its_pid(
 
 
 def test_a_starting_service_sweeps_around_a_live_one(
-        tmp_path: Path, holder: tuple[subprocess.Popen[str], str]) -> None:
+    tmp_path: Path, holder: tuple[subprocess.Popen[str], str]
+) -> None:
     _, owner = holder
     live = _files(tmp_path, owner)
     stale = _files(tmp_path, f"prefixcache-{NO_SUCH_PID}.{'d' * 16}")
@@ -110,17 +116,32 @@ def shm_dir() -> Iterator[Path]:
 
 
 def test_a_running_servers_files_survive_a_sweep_by_another_process(
-        tmp_path: Path, shm_dir: Path) -> None:
+    tmp_path: Path, shm_dir: Path
+) -> None:
     (tmp_path / "pc.yaml").write_text(
-        "models:\n  - name: m\n    pool: {size: 64, layers: 2, k_heads: 1, k_head_dim: 4}\n")
+        "models:\n  - name: m\n    pool: {size: 64, layers: 2, k_heads: 1, k_head_dim: 4}\n"
+    )
     sock = tmp_path / "pc.sock"
-    env = {**os.environ, "PYTHONPATH": SOURCE_PATH,
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": SOURCE_PATH, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.server.cli", "serve", "--config",
-         str(tmp_path / "pc.yaml"), "--listen", f"unix:{sock}", "--metrics-port", "-1",
-         "--shm-dir", str(shm_dir)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "prefixcache.server.cli",
+            "serve",
+            "--config",
+            str(tmp_path / "pc.yaml"),
+            "--listen",
+            f"unix:{sock}",
+            "--metrics-port",
+            "-1",
+            "--shm-dir",
+            str(shm_dir),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_serving(proc, f"unix:{sock}")
         files = sorted(shm_dir.iterdir())
@@ -150,11 +171,18 @@ def test_a_warm_services_marked_files_outlive_another_services_sweep(tmp_path: P
     does not wait; a mark that is past, too far ahead or garbage holds nothing."""
     now = time.time()
     kept = f"prefixcache-{NO_SUCH_PID}.{'e' * 16}"
-    files = [*_files(tmp_path, kept), _mark(tmp_path, kept, f"keep-until {now + 60} "
-                                                           f"service {'a' * 16}\n")]
-    for i, text in enumerate([f"keep-until {now - 1} service {'a' * 16}",  # past
-                              f"keep-until {now + 2 * MAX_KEEP} service {'a' * 16}",
-                              "keep-until soon service x", ""]):
+    files = [
+        *_files(tmp_path, kept),
+        _mark(tmp_path, kept, f"keep-until {now + 60} service {'a' * 16}\n"),
+    ]
+    for i, text in enumerate(
+        [
+            f"keep-until {now - 1} service {'a' * 16}",  # past
+            f"keep-until {now + 2 * MAX_KEEP} service {'a' * 16}",
+            "keep-until soon service x",
+            "",
+        ]
+    ):
         owner = f"prefixcache-{NO_SUCH_PID}.{i:016x}"
         _files(tmp_path, owner)
         _mark(tmp_path, owner, text)

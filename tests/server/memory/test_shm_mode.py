@@ -20,22 +20,25 @@ def _modes(shm: Path) -> set[int]:
     return {p.stat().st_mode & 0o777 for p in files}
 
 
-@pytest.mark.parametrize(("settings", "mode"), [
-    ({}, 0o600),
-    ({"socket_mode": 0o660}, 0o660),
-    ({"socket_mode": 0o666}, 0o660),  # a socket open to all: the pool is not
-    ({"socket_mode": 0o777}, 0o660),
-    ({"socket_mode": 0o666, "shm_mode": 0o640}, 0o640),
-    ({"shm_mode": 0o666}, 0o666),     # only when asked for by name
-])
-def test_pool_files_take_the_shm_mode(tmp_path: Path, settings: dict[str, int],
-                                      mode: int) -> None:
+@pytest.mark.parametrize(
+    ("settings", "mode"),
+    [
+        ({}, 0o600),
+        ({"socket_mode": 0o660}, 0o660),
+        ({"socket_mode": 0o666}, 0o660),  # a socket open to all: the pool is not
+        ({"socket_mode": 0o777}, 0o660),
+        ({"socket_mode": 0o666, "shm_mode": 0o640}, 0o640),
+        ({"shm_mode": 0o666}, 0o666),  # only when asked for by name
+    ],
+)
+def test_pool_files_take_the_shm_mode(tmp_path: Path, settings: dict[str, int], mode: int) -> None:
     shm = tmp_path / "shm"
     shm.mkdir()
     with running(tmp_path, shm_dir=str(shm), **settings) as srv:
         assert _modes(shm) == {mode}
-        assert (Path(srv.address.removeprefix("unix:")).stat().st_mode & 0o777
-                == settings.get("socket_mode", 0o600))
+        assert Path(srv.address.removeprefix("unix:")).stat().st_mode & 0o777 == settings.get(
+            "socket_mode", 0o600
+        )
 
 
 def test_shm_mode_setting(tmp_path: Path) -> None:

@@ -29,8 +29,7 @@ def test_off_by_default_and_refused_without_shared_memory(tmp_path: Path) -> Non
     path.write_text("server: {warm_restart: true, shm_dir: 'off'}\nmodels: [{name: m}]\n")
     with pytest.raises(ConfigError, match=r"server\.warm_restart: needs shm_dir"):
         load_config(path)
-    path.write_text(f"server: {{warm_restart: true, shm_dir: {tmp_path}}}\n"
-                    "models: [{name: m}]\n")
+    path.write_text(f"server: {{warm_restart: true, shm_dir: {tmp_path}}}\nmodels: [{{name: m}}]\n")
     assert load_config(path).server.warm_restart is True
 
 
@@ -48,13 +47,20 @@ def test_a_restored_cache_passes_the_integrity_check_and_evicts(tmp_path: Path) 
     shm.mkdir()
     keys = [list(range(1, 11)), [*range(1, 5), 70, 71], [5, 6, 7, 8]]
     # A chunk model beside it holds nothing to restore; its pool is taken over too.
-    with running(tmp_path, (RADIX, CHUNK), shm_dir=str(shm), warm_restart=True) as srv, \
-            PrefixCacheClient(srv.address, timeout=10) as client, client.session(10) as s:
+    with (
+        running(tmp_path, (RADIX, CHUNK), shm_dir=str(shm), warm_restart=True) as srv,
+        PrefixCacheClient(srv.address, timeout=10) as client,
+        client.session(10) as s,
+    ):
         for key in keys:
             have = s.match("m", key)
             new = list(s.alloc("m", len(key) - have.prefix_len).slots)
-            s.write_kv("m", new, torch.ones((1, len(new), 1, 4)).half(),
-                       torch.ones((1, len(new), 1, 4)).half())
+            s.write_kv(
+                "m",
+                new,
+                torch.ones((1, len(new), 1, 4)).half(),
+                torch.ones((1, len(new), 1, 4)).half(),
+            )
             s.insert("m", key, [*have.slots, *new])
         before = {tuple(k): list(client.match("m", k).slots) for k in keys}
         used = srv.service.engines["m"].allocator.num_allocated()
@@ -82,16 +88,18 @@ def test_a_pool_on_a_gpu_starts_cold(tmp_path: Path) -> None:
     from prefixcache.server.memory.warm_restart import WarmRestart
 
     gpu = replace(RADIX, pool=replace(RADIX.pool, device="cuda:0"))
-    warm = WarmRestart(Config(ServerConfig(shm_dir=str(tmp_path), warm_restart=True),
-                              (RADIX, gpu)))
+    warm = WarmRestart(Config(ServerConfig(shm_dir=str(tmp_path), warm_restart=True), (RADIX, gpu)))
     assert warm.prepare() is None and warm.outcome == "unsupported"
     assert warm.counts["unsupported"] == 1
 
 
 def _cached_then_stopped(tmp_path: Path, shm: Path) -> list[list[int]]:
     keys = [list(range(1, 9)), [1, 2, 3, 4, 60, 61]]
-    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
-            PrefixCacheClient(srv.address, timeout=10) as client, client.session(10) as s:
+    with (
+        running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv,
+        PrefixCacheClient(srv.address, timeout=10) as client,
+        client.session(10) as s,
+    ):
         for key in keys:
             have = s.match("m", key)
             new = list(s.alloc("m", len(key) - have.prefix_len).slots)
@@ -110,8 +118,9 @@ def _rewrite(shm: Path, edit: Any) -> None:
     assert read is not None
     manifest = read.manifest
     trees = edit(manifest, [(bytes(tree), bytes(seals)) for tree, seals in read.trees])
-    warm_snapshot.write(path, warm_snapshot.encode_body(
-        manifest, [([tree], seals) for tree, seals in trees]), 0o600)
+    warm_snapshot.write(
+        path, warm_snapshot.encode_body(manifest, [([tree], seals) for tree, seals in trees]), 0o600
+    )
 
 
 def test_another_snapshot_format_starts_cold(tmp_path: Path) -> None:
@@ -124,8 +133,10 @@ def test_another_snapshot_format_starts_cold(tmp_path: Path) -> None:
         return trees
 
     _rewrite(shm, newer)
-    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
-            PrefixCacheClient(srv.address, timeout=10) as client:
+    with (
+        running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv,
+        PrefixCacheClient(srv.address, timeout=10) as client,
+    ):
         assert srv.server.warm.outcome == "config_changed"
         assert all(client.match("m", k).prefix_len == 0 for k in keys)
 
@@ -144,8 +155,10 @@ def test_a_tree_that_does_not_rebuild_leaves_every_model_empty(tmp_path: Path) -
         return [(encode(replace(image, slots=slots).parts()), trees[0][1])]
 
     _rewrite(shm, twice)
-    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
-            PrefixCacheClient(srv.address, timeout=10) as client:
+    with (
+        running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv,
+        PrefixCacheClient(srv.address, timeout=10) as client,
+    ):
         assert srv.server.warm.outcome == "corrupt"
         engine = srv.service.engines["m"]
         assert engine.cache.total_size() == 0 and engine.allocator.num_allocated() == 0
@@ -166,8 +179,10 @@ def test_another_services_start_leaves_a_stopped_warm_services_pool(tmp_path: Pa
     (tmp_path / "other").mkdir()
     with running(tmp_path / "other", (RADIX,), shm_dir=str(shm)):
         assert set(kept) <= {p.name for p in shm.iterdir()}
-    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
-            PrefixCacheClient(srv.address, timeout=10) as client:
+    with (
+        running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv,
+        PrefixCacheClient(srv.address, timeout=10) as client,
+    ):
         assert srv.server.warm.outcome == "restored"
         assert all(client.match("m", k).prefix_len == len(k) - len(k) % 2 for k in keys)
 
@@ -178,9 +193,18 @@ def test_a_checkpoint_that_does_not_fit_is_skipped_and_counted(tmp_path: Path) -
     writes its snapshot when that fits."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True,
-                 warm_checkpoint_interval=0.05, warm_checkpoint_max_bytes=64) as srv, \
-            PrefixCacheClient(srv.address, timeout=10) as client, client.session(10) as s:
+    with (
+        running(
+            tmp_path,
+            (RADIX,),
+            shm_dir=str(shm),
+            warm_restart=True,
+            warm_checkpoint_interval=0.05,
+            warm_checkpoint_max_bytes=64,
+        ) as srv,
+        PrefixCacheClient(srv.address, timeout=10) as client,
+        client.session(10) as s,
+    ):
         s.insert("m", [1, 2, 3, 4], list(s.alloc("m", 4).slots))
         deadline = time.monotonic() + 30
         while srv.server.warm.checkpoints["no_room"] < 2:
@@ -190,8 +214,10 @@ def test_a_checkpoint_that_does_not_fit_is_skipped_and_counted(tmp_path: Path) -
         assert not list(shm.glob("*.snapshot"))
         assert client.match("m", [1, 2, 3, 4]).prefix_len == 4
     assert len(list(shm.glob("*.snapshot"))) == 1  # the stop's is not capped
-    with running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv, \
-            PrefixCacheClient(srv.address, timeout=10) as client:
+    with (
+        running(tmp_path, (RADIX,), shm_dir=str(shm), warm_restart=True) as srv,
+        PrefixCacheClient(srv.address, timeout=10) as client,
+    ):
         assert srv.server.warm.outcome == "restored"
         assert client.match("m", [1, 2, 3, 4]).prefix_len == 4
 

@@ -54,8 +54,9 @@ def shm(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_directory_is_refused_and_the_server_starts(shm: Path, tmp_path: Path,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_a_directory_is_refused_and_the_server_starts(
+    shm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = _path(shm)
     path.mkdir()
     (path / "inside").write_text("x")  # not empty: it stays, and every start says so
@@ -71,8 +72,9 @@ def test_a_directory_is_refused_and_the_server_starts(shm: Path, tmp_path: Path,
 
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink", "dangling symlink"])
-def test_what_is_not_a_file_is_refused_and_removed(shm: Path, tmp_path: Path, kind: str,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_what_is_not_a_file_is_refused_and_removed(
+    shm: Path, tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
     path = _path(shm)
     target = tmp_path / "target"
     target.write_bytes(b"precious")
@@ -111,8 +113,9 @@ def test_a_torn_header_or_a_lying_length_is_refused(shm: Path) -> None:
     assert not path.exists()
 
 
-def test_a_killed_writers_temporary_files_are_removed(shm: Path,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_a_killed_writers_temporary_files_are_removed(
+    shm: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = _path(shm)
     leftover = path.with_name(f"{path.name}.4242.tmp")
     leftover.write_bytes(bytes(1 << 20))

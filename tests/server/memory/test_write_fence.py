@@ -17,8 +17,9 @@ from prefixcache.client import FailedPrecondition, NotFound, PrefixCacheClient, 
 from prefixcache.client.write_fence import WriteFence, open_fence
 from prefixcache.server.config import ModelConfig, PoolConfig
 
-MODELS = (ModelConfig(name="m", page_size=2, pool=PoolConfig(size=64, layers=1, k_heads=1,
-                                                             k_head_dim=4)),)
+MODELS = (
+    ModelConfig(name="m", page_size=2, pool=PoolConfig(size=64, layers=1, k_heads=1, k_head_dim=4)),
+)
 
 
 @pytest.fixture
@@ -38,7 +39,8 @@ def _held(client: PrefixCacheClient) -> int:
 
 
 def test_a_held_fence_keeps_an_ended_sessions_slots_until_let_go(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     session = client.open_session(60)
     slots = client.alloc("m", 8, session=session).slots
     fence = open_fence(client, session.session_id)
@@ -60,7 +62,8 @@ def test_a_held_fence_keeps_an_ended_sessions_slots_until_let_go(
 
 
 def test_an_unheld_fence_frees_at_once_and_its_record_is_reused(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     first = client.open_session(60)
     old = open_fence(client, first.session_id)
     client.alloc("m", 4, session=first)
@@ -69,8 +72,7 @@ def test_an_unheld_fence_frees_at_once_and_its_record_is_reused(
     second = client.open_session(60)
     new = open_fence(client, second.session_id)
     # The same record, another token: the old session's writer never reads its own.
-    assert (new.info.shm_path, new.info.offset_bytes) == (old.info.shm_path,
-                                                          old.info.offset_bytes)
+    assert (new.info.shm_path, new.info.offset_bytes) == (old.info.shm_path, old.info.offset_bytes)
     assert new.info.token != old.info.token
     with new.held():
         pass
@@ -80,7 +82,8 @@ def test_an_unheld_fence_frees_at_once_and_its_record_is_reused(
 
 
 def test_reset_keeps_waiting_slots_until_let_go(
-        server: ServerThread, client: PrefixCacheClient) -> None:
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
     session = client.open_session(60)
     client.alloc("m", 6, session=session)
     fence = open_fence(client, session.session_id)
@@ -96,14 +99,17 @@ def test_reset_keeps_waiting_slots_until_let_go(
 
 
 def test_no_fence_for_an_ended_session_or_without_shared_memory(
-        tmp_path: Path, client: PrefixCacheClient) -> None:
+    tmp_path: Path, client: PrefixCacheClient
+) -> None:
     session = client.open_session(60)
     client.close_session(session)
     with pytest.raises(NotFound):
         open_fence(client, session.session_id)
     (tmp_path / "private").mkdir()
-    with running(tmp_path / "private", MODELS, shm_dir="") as srv, \
-            PrefixCacheClient(srv.address, timeout=5) as other:
+    with (
+        running(tmp_path / "private", MODELS, shm_dir="") as srv,
+        PrefixCacheClient(srv.address, timeout=5) as other,
+    ):
         mine = other.open_session(60)
         with pytest.raises(FailedPrecondition, match="WriteKV"):
             open_fence(other, mine.session_id)
@@ -121,8 +127,10 @@ def test_a_worker_without_a_fence_record_writes_through_writekv(tmp_path: Path) 
 
     from prefixcache.integrations.vllm.pool_access import MappedAccess
 
-    with running(tmp_path, MODELS, session_ttl_min=0.1, max_sessions=1) as srv, \
-            PrefixCacheClient(srv.address, timeout=5) as client:
+    with (
+        running(tmp_path, MODELS, session_ttl_min=0.1, max_sessions=1) as srv,
+        PrefixCacheClient(srv.address, timeout=5) as client,
+    ):
         first = client.open_session(60)
         held = open_fence(client, first.session_id)  # the only record
         with held.held():
@@ -132,8 +140,13 @@ def test_a_worker_without_a_fence_record_writes_through_writekv(tmp_path: Path) 
             access = MappedAccess(client, "m")
             rows = torch.arange(4 * 4, dtype=torch.float16).view(4, 1, 4)
             # No record left for the second session: the rows go through WriteKV.
-            access.write(slots, lambda layer: (rows, rows + 1), slice(None),
-                         second.session_id, second.server_epoch)
+            access.write(
+                slots,
+                lambda layer: (rows, rows + 1),
+                slice(None),
+                second.session_id,
+                second.server_epoch,
+            )
             got = client.read_kv("m", slots, session=second)
             assert torch.equal(got.k[0], rows) and torch.equal(got.v[0], rows + 1)
             assert not access._fences

@@ -45,8 +45,14 @@ def test_a_flood_of_large_lookups_leaves_other_clients_served(tmp_path) -> None:
     pages = MAX_PROMPT_TOKENS // 4
     with running(tmp_path, models, max_request_tokens=MAX_PROMPT_TOKENS) as srv:
         channel, stub = stub_for(srv.address)
-        flooders = [subprocess.Popen([sys.executable, "-c", FLOOD, srv.address, str(pages)],
-                                     stdout=subprocess.PIPE, text=True) for _ in range(8)]
+        flooders = [
+            subprocess.Popen(
+                [sys.executable, "-c", FLOOD, srv.address, str(pages)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(8)
+        ]
         worst = 0.0
         with channel:
             served = 0
@@ -63,8 +69,9 @@ def test_a_flood_of_large_lookups_leaves_other_clients_served(tmp_path) -> None:
 
 def test_refusals_and_the_session_rule(tmp_path) -> None:
     models = (ModelConfig(name="g", page_size=16, pool=POOL),)
-    with running(tmp_path, models, max_request_tokens=4 * MAX_PROMPT_TOKENS,
-                 max_session_slots=64) as srv:
+    with running(
+        tmp_path, models, max_request_tokens=4 * MAX_PROMPT_TOKENS, max_session_slots=64
+    ) as srv:
         channel, stub = stub_for(srv.address)
         with channel:
             before = stub.Stats(pb.StatsRequest(model="g")).models[0]
@@ -88,8 +95,11 @@ def test_refusals_and_the_session_rule(tmp_path) -> None:
                 stub.ExistsPages(request)
             assert err.value.code() == CODE.INVALID_ARGUMENT
             after = stub.Stats(pb.StatsRequest(model="g")).models[0]
-            assert (after.evictable_tokens, after.locks, after.session_slots) == \
-                (before.evictable_tokens, before.locks, before.session_slots)
+            assert (after.evictable_tokens, after.locks, after.session_slots) == (
+                before.evictable_tokens,
+                before.locks,
+                before.session_slots,
+            )
             srv.check_integrity()
     # No tenants and no quotas: no session needed.
     with running(tmp_path, models) as srv:
@@ -131,8 +141,14 @@ print(answer)
 
 def test_page_lookups_over_a_long_chain_go_in_slices(tmp_path) -> None:
     chain = 200_000  # one 200k-token prompt, page size 1
-    models = (ModelConfig(name="m", page_size=1, vocab_size=1 << 20, pool=PoolConfig(
-        size=chain + 4096, layers=1, k_heads=1, k_head_dim=4)),)
+    models = (
+        ModelConfig(
+            name="m",
+            page_size=1,
+            vocab_size=1 << 20,
+            pool=PoolConfig(size=chain + 4096, layers=1, k_heads=1, k_head_dim=4),
+        ),
+    )
     srv = ServerThread(make_config(tmp_path, models), check_integrity=False)
     engine = srv.service.engines["m"]
     key = RadixKey(list(range(1, chain + 1)), "a")
@@ -157,13 +173,20 @@ def test_page_lookups_over_a_long_chain_go_in_slices(tmp_path) -> None:
             victim.start()
             time.sleep(0.2)
             modes = ["exists", "exists", "get", "reversed"]
-            flooders = [subprocess.Popen([sys.executable, "-c", PAGE_FLOOD, srv.address,
-                                          mode, str(path)], stdout=subprocess.PIPE, text=True)
-                        for mode in modes]
+            flooders = [
+                subprocess.Popen(
+                    [sys.executable, "-c", PAGE_FLOOD, srv.address, mode, str(path)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for mode in modes
+            ]
             answers = [int(p.communicate(timeout=300)[0]) for p in flooders]
             worst = victim.finish()
-        print(f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls; "
-              f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}")
+        print(
+            f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls; "
+            f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}"
+        )
         assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
         assert worst < VICTIM_BOUND, f"a Stats call waited {worst:.2f} s behind the page RPCs"
         # Nothing held in namespace b; the chain whole in order; reversed, only its

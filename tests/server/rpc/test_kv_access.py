@@ -29,20 +29,32 @@ from prefixcache.server.errors import PreconditionError as FailedPreconditionErr
 from prefixcache.server.rpc import kv_access, kv_transfer
 
 MODELS = (
-    ModelConfig(name="m", page_size=1, pool=SMALL_POOL),           # rows of 8 bytes
+    ModelConfig(name="m", page_size=1, pool=SMALL_POOL),  # rows of 8 bytes
     ModelConfig(name="o", page_size=1, pool=SMALL_POOL, open_reads=True),
-    ModelConfig(name="h", kind="mamba", page_size=1, pool=SMALL_POOL,
-                mamba=MambaConfig(state_slots=4, working_slots=2, layers=1,
-                                  conv_state_shape=(3, 2), temporal_state_shape=(2, 2))),
-    ModelConfig(name="s", kind="slot", max_seq_len=4,
-                pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)),
+    ModelConfig(
+        name="h",
+        kind="mamba",
+        page_size=1,
+        pool=SMALL_POOL,
+        mamba=MambaConfig(
+            state_slots=4,
+            working_slots=2,
+            layers=1,
+            conv_state_shape=(3, 2),
+            temporal_state_shape=(2, 2),
+        ),
+    ),
+    ModelConfig(
+        name="s", kind="slot", max_seq_len=4, pool=PoolConfig(size=4, k_heads=1, k_head_dim=2)
+    ),
 )
 ROW = 8  # bytes of one K (or V) row of model "m": 1 head x 4 dims x float16
 
 
 def _refusals(srv: ServerThread, limit: str) -> float:
-    value = srv.server.metrics.registry.get_sample_value("prefixcache_refusals_total",
-                                                         {"limit": limit})
+    value = srv.server.metrics.registry.get_sample_value(
+        "prefixcache_refusals_total", {"limit": limit}
+    )
     return value or 0.0
 
 
@@ -53,9 +65,14 @@ def _rows(n: int, seed: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    with running(tmp_path_factory.mktemp("kv"), MODELS, min_chunk_bytes=1,
-                 max_request_tokens=4096, max_inflight_write_bytes=6,
-                 max_inflight_write_bytes_total=10) as thread:
+    with running(
+        tmp_path_factory.mktemp("kv"),
+        MODELS,
+        min_chunk_bytes=1,
+        max_request_tokens=4096,
+        max_inflight_write_bytes=6,
+        max_inflight_write_bytes_total=10,
+    ) as thread:
         yield thread
 
 
@@ -69,7 +86,8 @@ def client(srv: ServerThread) -> Iterator[PrefixCacheClient]:
 
 
 def test_a_read_needs_the_session_that_holds_or_locked_the_slots(
-        srv: ServerThread, client: PrefixCacheClient) -> None:
+    srv: ServerThread, client: PrefixCacheClient
+) -> None:
     with client.session(10) as mine, client.session(10) as other:
         slots = list(mine.alloc("m", 3).slots)
         k = _rows(3, 1)
@@ -91,8 +109,7 @@ def test_a_read_needs_the_session_that_holds_or_locked_the_slots(
         mine.unlock(done.lock_id)
 
 
-def test_state_slots_and_slot_models_follow_the_same_rule(
-        client: PrefixCacheClient) -> None:
+def test_state_slots_and_slot_models_follow_the_same_rule(client: PrefixCacheClient) -> None:
     with client.session(10) as mine, client.session(10) as other:
         got = mine.alloc("h", 1, num_state_slots=1)
         assert mine.read_kv("h", state_slots=got.state_slots).conv[0].shape == (1, 3, 2)
@@ -125,6 +142,7 @@ def test_open_reads_lets_anyone_read(client: PrefixCacheClient) -> None:
 def test_a_grant_is_checked_again_before_each_chunk(srv: ServerThread) -> None:
     """A slot freed, or a lock released, while the stream waited to send: the next
     chunk's rows are refused, since they may hold somebody else's KV by then."""
+
     def message(call: Any) -> str:
         try:
             call()
@@ -139,8 +157,7 @@ def test_a_grant_is_checked_again_before_each_chunk(srv: ServerThread) -> None:
         none = np.zeros(0, dtype=np.int64)
         try:
             held, _ = engine.alloc(session, 2)
-            grant = kv_access.ReadGrant(engine, session, held, none, open_reads=False,
-                                        bound=False)
+            grant = kv_access.ReadGrant(engine, session, held, none, open_reads=False, bound=False)
             part = kv_transfer.plan(engine, held, [], none)[0]
             engine.free(session, held[1:])
             grant.check(part, 0, 1)  # the row still held reads on
@@ -152,8 +169,9 @@ def test_a_grant_is_checked_again_before_each_chunk(srv: ServerThread) -> None:
             again = engine.lock(session, done.node_id)  # a second lock on the same node
             elsewhere, _ = engine.alloc(session, 1)
             other = engine.insert(RadixKey([9003]), elsewhere, session, lock=True)
-            grant = kv_access.ReadGrant(engine, session, cached, none, open_reads=False,
-                                        bound=False)
+            grant = kv_access.ReadGrant(
+                engine, session, cached, none, open_reads=False, bound=False
+            )
             part = kv_transfer.plan(engine, cached, [], none)[0]
             engine.unlock(session, other.lock_id)  # a lock the read does not rely on
             grant.check(part, 0, 2)
@@ -166,15 +184,22 @@ def test_a_grant_is_checked_again_before_each_chunk(srv: ServerThread) -> None:
             service.close_session(session)
 
     freed, unlocked = srv.run(scenario)
-    assert re.fullmatch(r"slot \d+ is neither held nor locked by this session \(only "
-                        r"those may be read\)", freed), freed
-    assert re.fullmatch(r"lock \d+ was released \(or its slot handed on\) during the "
-                        r"read", unlocked), unlocked
+    assert re.fullmatch(
+        r"slot \d+ is neither held nor locked by this session \(only "
+        r"those may be read\)",
+        freed,
+    ), freed
+    assert re.fullmatch(
+        r"lock \d+ was released \(or its slot handed on\) during the "
+        r"read",
+        unlocked,
+    ), unlocked
 
 
 def test_a_grant_costs_its_rows_not_the_pool(srv: ServerThread) -> None:
     """What a read under locks keeps is the locked rows (no per-call temporaries
     proportional to the pool), and it still tells locked rows from others."""
+
     def scenario() -> tuple[int, int, list[str]]:
         service = srv.service
         engine = service.engine("m")
@@ -183,8 +208,9 @@ def test_a_grant_costs_its_rows_not_the_pool(srv: ServerThread) -> None:
         try:
             cached, _ = engine.alloc(session, 3)
             engine.insert(RadixKey([9101, 9102, 9103]), cached, session, lock=True)
-            grant = kv_access.ReadGrant(engine, session, cached, none, open_reads=False,
-                                        bound=False)
+            grant = kv_access.ReadGrant(
+                engine, session, cached, none, open_reads=False, bound=False
+            )
             part = kv_transfer.plan(engine, cached, [], none)[0]
             grant.check(part, 0, 3)
             loose, _ = engine.alloc(session, 1)
@@ -207,8 +233,9 @@ def test_a_grant_costs_its_rows_not_the_pool(srv: ServerThread) -> None:
 # ------------------------------------------------------------------ read limits
 
 
-def test_duplicates_count_against_the_read_byte_cap(srv: ServerThread,
-                                                    client: PrefixCacheClient) -> None:
+def test_duplicates_count_against_the_read_byte_cap(
+    srv: ServerThread, client: PrefixCacheClient
+) -> None:
     with client.session(10) as s:
         slot = list(s.alloc("m", 1).slots)
         before = _refusals(srv, "max_read_bytes")
@@ -223,8 +250,11 @@ def test_duplicates_count_against_the_read_byte_cap(srv: ServerThread,
 
 
 def test_the_read_byte_cap_is_a_setting(tmp_path: Path) -> None:
-    with running(tmp_path, MODELS[:1], max_read_bytes=64) as srv, \
-            PrefixCacheClient(srv.address) as c, c.session(10) as s:
+    with (
+        running(tmp_path, MODELS[:1], max_read_bytes=64) as srv,
+        PrefixCacheClient(srv.address) as c,
+        c.session(10) as s,
+    ):
         slots = list(s.alloc("m", 5).slots)
         assert len(s.read_kv("m", slots[:4]).k[0]) == 4  # 4 x (8 + 8) bytes
         with pytest.raises(ResourceExhausted, match=r"server\.max_read_bytes"):
@@ -234,15 +264,22 @@ def test_the_read_byte_cap_is_a_setting(tmp_path: Path) -> None:
 
 
 def test_chunks_below_the_floor_are_raised_to_it(tmp_path: Path) -> None:
-    with running(tmp_path, MODELS[:1], min_chunk_bytes=24) as srv, \
-            PrefixCacheClient(srv.address) as c, c.session(10) as s:
+    with (
+        running(tmp_path, MODELS[:1], min_chunk_bytes=24) as srv,
+        PrefixCacheClient(srv.address) as c,
+        c.session(10) as s,
+    ):
         slots = list(s.alloc("m", 10).slots)
         k = _rows(10, 3)
         s.write_kv("m", slots, k, k)
         channel, stub = stub_for(srv.address)
         with channel:
-            request = pb.ReadKVRequest(model="m", slot_indices=pack_slots(slots),
-                                       session_id=s.session_id, max_chunk_bytes=1)
+            request = pb.ReadKVRequest(
+                model="m",
+                slot_indices=pack_slots(slots),
+                session_id=s.session_id,
+                max_chunk_bytes=1,
+            )
             sizes = [len(x.data) for x in stub.ReadKV(request, timeout=10)]
         # 80 bytes per buffer, in 24-byte chunks (whole rows: 3 of 8 bytes), not 160 of 1.
         assert sizes == [24, 24, 24, 8] * 2
@@ -264,8 +301,9 @@ def test_reads_split_anywhere_when_the_floor_allows(client: PrefixCacheClient) -
 
 
 def _header(slots: list[int], session_id: str) -> pb.KVChunk:
-    return pb.KVChunk(header=pb.WriteKVHeader(model="m", slot_indices=pack_slots(slots),
-                                              session_id=session_id))
+    return pb.KVChunk(
+        header=pb.WriteKVHeader(model="m", slot_indices=pack_slots(slots), session_id=session_id)
+    )
 
 
 def _budget(srv: ServerThread) -> int:
@@ -280,8 +318,9 @@ def _wait_for_budget(srv: ServerThread, want: int) -> None:
         time.sleep(0.01)
 
 
-def test_rows_are_written_as_their_bytes_arrive(srv: ServerThread,
-                                                client: PrefixCacheClient) -> None:
+def test_rows_are_written_as_their_bytes_arrive(
+    srv: ServerThread, client: PrefixCacheClient
+) -> None:
     with client.session(10) as s:
         slots = list(s.alloc("m", 3).slots)
         zero = torch.zeros(1, 3, 1, 4).half()
@@ -290,10 +329,16 @@ def test_rows_are_written_as_their_bytes_arrive(srv: ServerThread,
         channel, stub = stub_for(srv.address)
         with channel, pytest.raises(grpc.RpcError) as err:
             # Two and a half rows of K, then a chunk out of order: the stream fails.
-            stub.WriteKV(iter([_header(slots, s.session_id),
-                               pb.KVChunk(role=pb.BUFFER_ROLE_K, data=data[:20]),
-                               pb.KVChunk(role=pb.BUFFER_ROLE_K, offset_bytes=0,
-                                          data=data[20:])]), timeout=10)
+            stub.WriteKV(
+                iter(
+                    [
+                        _header(slots, s.session_id),
+                        pb.KVChunk(role=pb.BUFFER_ROLE_K, data=data[:20]),
+                        pb.KVChunk(role=pb.BUFFER_ROLE_K, offset_bytes=0, data=data[20:]),
+                    ]
+                ),
+                timeout=10,
+            )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         back = s.read_kv("m", slots).k[0].contiguous().view(torch.uint8).reshape(-1)
         assert back.numpy().tobytes() == data[:16] + bytes(8)  # whole rows only
@@ -302,7 +347,8 @@ def test_rows_are_written_as_their_bytes_arrive(srv: ServerThread,
 
 
 def test_a_half_sent_write_holds_a_partial_row_not_a_layer(
-        srv: ServerThread, client: PrefixCacheClient) -> None:
+    srv: ServerThread, client: PrefixCacheClient
+) -> None:
     with client.session(10) as s:
         slots = list(s.alloc("m", 100).slots)
         k = _rows(100, 7)
@@ -329,7 +375,8 @@ def test_a_half_sent_write_holds_a_partial_row_not_a_layer(
 
 
 def test_inflight_write_bytes_are_capped_per_session_and_in_total(
-        srv: ServerThread, client: PrefixCacheClient) -> None:
+    srv: ServerThread, client: PrefixCacheClient
+) -> None:
     with client.session(10) as one, client.session(10) as two:
         mine, theirs = list(one.alloc("m", 1).slots), list(two.alloc("m", 1).slots)
         zero = torch.zeros(1, 1, 1, 4).half()
@@ -338,9 +385,15 @@ def test_inflight_write_bytes_are_capped_per_session_and_in_total(
         with channel:
             per_session = _refusals(srv, "max_inflight_write_bytes")
             with pytest.raises(grpc.RpcError) as err:  # 7 bytes of an 8-byte row > 6
-                stub.WriteKV(iter([_header(mine, one.session_id),
-                                   pb.KVChunk(role=pb.BUFFER_ROLE_K, data=b"\1" * 7)]),
-                             timeout=10)
+                stub.WriteKV(
+                    iter(
+                        [
+                            _header(mine, one.session_id),
+                            pb.KVChunk(role=pb.BUFFER_ROLE_K, data=b"\1" * 7),
+                        ]
+                    ),
+                    timeout=10,
+                )
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "server.max_inflight_write_bytes " in (err.value.details() or "")
             assert _refusals(srv, "max_inflight_write_bytes") == per_session + 1
@@ -357,9 +410,15 @@ def test_inflight_write_bytes_are_capped_per_session_and_in_total(
             _wait_for_budget(srv, 5)
             total = _refusals(srv, "max_inflight_write_bytes_total")
             with pytest.raises(grpc.RpcError) as err:  # 5 + 6 > 10 in all
-                stub.WriteKV(iter([_header(theirs, two.session_id),
-                                   pb.KVChunk(role=pb.BUFFER_ROLE_K, data=b"\1" * 6)]),
-                             timeout=10)
+                stub.WriteKV(
+                    iter(
+                        [
+                            _header(theirs, two.session_id),
+                            pb.KVChunk(role=pb.BUFFER_ROLE_K, data=b"\1" * 6),
+                        ]
+                    ),
+                    timeout=10,
+                )
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "max_inflight_write_bytes_total" in (err.value.details() or "")
             assert _refusals(srv, "max_inflight_write_bytes_total") == total + 1
@@ -373,8 +432,11 @@ def test_inflight_write_bytes_are_capped_per_session_and_in_total(
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=20), st.integers(1, 9),
-       st.binary(min_size=8 * 9, max_size=8 * 9))
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=20),
+    st.integers(1, 9),
+    st.binary(min_size=8 * 9, max_size=8 * 9),
+)
 def test_any_chunking_writes_the_same_rows(cuts: list[int], n: int, data: bytes) -> None:
     """A write split anywhere, even inside rows, writes the same bytes, and never holds
     more than one row's bytes less one."""
@@ -383,12 +445,15 @@ def test_any_chunking_writes_the_same_rows(cuts: list[int], n: int, data: bytes)
     part = kv_transfer._part(pb.BUFFER_ROLE_K, 0, view, rows)
     budget = kv_access.WriteBudget(ROW - 1, ROW - 1)
     writer = kv_transfer.Writer([part], lambda *_: None, lambda d: budget.hold("s", d))
-    data = data[:n * ROW]
+    data = data[: n * ROW]
     offset, i = 0, 0
     while offset < len(data):
         size = cuts[i % len(cuts)]
-        writer.add(pb.KVChunk(role=pb.BUFFER_ROLE_K, offset_bytes=offset,
-                              data=data[offset:offset + size]))
+        writer.add(
+            pb.KVChunk(
+                role=pb.BUFFER_ROLE_K, offset_bytes=offset, data=data[offset : offset + size]
+            )
+        )
         offset = min(offset + size, len(data))
         i += 1
         assert budget.total == writer.held == offset % ROW

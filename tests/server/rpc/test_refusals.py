@@ -14,11 +14,16 @@ from prefixcache.server.config import MambaConfig, ModelConfig, PoolConfig
 
 MODELS = (
     ModelConfig(name="p", page_size=4, pool=PoolConfig(size=64, k_heads=1, k_head_dim=4)),
-    ModelConfig(name="h", kind="mamba", page_size=2, pool=PoolConfig(size=32, k_heads=1,
-                                                                       k_head_dim=4),
-                mamba=MambaConfig(state_slots=2, layers=1)),
-    ModelConfig(name="s", kind="slot", max_seq_len=16,
-                pool=PoolConfig(size=1, k_heads=1, k_head_dim=2)),
+    ModelConfig(
+        name="h",
+        kind="mamba",
+        page_size=2,
+        pool=PoolConfig(size=32, k_heads=1, k_head_dim=4),
+        mamba=MambaConfig(state_slots=2, layers=1),
+    ),
+    ModelConfig(
+        name="s", kind="slot", max_seq_len=16, pool=PoolConfig(size=1, k_heads=1, k_head_dim=2)
+    ),
     ModelConfig(name="m", page_size=1, pool=SMALL_POOL),
 )
 CODE = grpc.StatusCode
@@ -53,8 +58,7 @@ def test_undecodable_request_bytes_are_invalid_argument(server) -> None:
     # On the Session stream, the op's reply carries the error and the stream goes on.
     session = channel.stream_stream(path + "Session")
     ok = pb.SessionRequest(seq=7, stats=pb.StatsRequest()).SerializeToString()
-    replies = [pb.SessionResponse.FromString(r)
-               for r in session(iter([GARBAGE, ok]), timeout=10)]
+    replies = [pb.SessionResponse.FromString(r) for r in session(iter([GARBAGE, ok]), timeout=10)]
     assert replies[0].error.code == CODE.INVALID_ARGUMENT.value[0]
     assert replies[1].seq == 7 and replies[1].WhichOneof("result") == "stats"
     server.check_integrity()
@@ -69,8 +73,9 @@ def test_a_match_refused_for_room_counts_no_lookup(server) -> None:
     stub.Alloc(pb.AllocRequest(model="s", num_slots=1, session_id=sid))  # the only slot
     before = stub.Stats(pb.StatsRequest())
     for model, n in (("p", 100), ("s", 3)):
-        req = pb.MatchRequest(model=model, token_ids=toks(range(n)), session_id=sid,
-                              lock=True, allocate=True)
+        req = pb.MatchRequest(
+            model=model, token_ids=toks(range(n)), session_id=sid, lock=True, allocate=True
+        )
         assert _code(lambda req=req: stub.Match(req)) == CODE.RESOURCE_EXHAUSTED
     assert stub.Stats(pb.StatsRequest()) == before
     channel.close()
@@ -83,11 +88,16 @@ def test_a_mamba_alloc_refused_for_kv_evicts_no_snapshot(server) -> None:
     sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
     for first in (1, 100):  # two snapshots fill the state pool; both evictable
         tokens = toks(range(first, first + 4))
-        m = stub.Match(pb.MatchRequest(model="h", token_ids=tokens, session_id=sid,
-                                       allocate=True))
-        stub.Insert(pb.InsertRequest(model="h", token_ids=tokens, session_id=sid,
-                                     slot_indices=m.allocated_slots,
-                                     state_slot=m.allocated_state_slot))
+        m = stub.Match(pb.MatchRequest(model="h", token_ids=tokens, session_id=sid, allocate=True))
+        stub.Insert(
+            pb.InsertRequest(
+                model="h",
+                token_ids=tokens,
+                session_id=sid,
+                slot_indices=m.allocated_slots,
+                state_slot=m.allocated_state_slot,
+            )
+        )
     before = stub.Stats(pb.StatsRequest(model="h"))
     assert before.models[0].free_state_slots == 0
     assert before.models[0].mamba_evictable_slots == 2

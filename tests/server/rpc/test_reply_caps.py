@@ -21,16 +21,17 @@ from prefixcache.server.config import ModelConfig, PoolConfig
 
 MAX_MESSAGE = 256 * 1024
 POOL = PoolConfig(size=65536, layers=1, k_heads=1, k_head_dim=4)
-MODELS = (ModelConfig(name="m", page_size=1, vocab_size=100000, pool=POOL),
-          ModelConfig(name="g", page_size=16, pool=POOL))
+MODELS = (
+    ModelConfig(name="m", page_size=1, vocab_size=100000, pool=POOL),
+    ModelConfig(name="g", page_size=16, pool=POOL),
+)
 # More slots than a 256 KiB reply can carry (8 bytes each), fewer than the pool holds.
 TOO_MANY = 40000
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    yield from serve_module(tmp_path_factory, "replycaps", MODELS,
-                            max_message_bytes=MAX_MESSAGE)
+    yield from serve_module(tmp_path_factory, "replycaps", MODELS, max_message_bytes=MAX_MESSAGE)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,10 @@ def session(server, stub) -> Iterator[str]:
 def state(server, stub) -> tuple:
     server.check_integrity()
     stats = stub.Stats(pb.StatsRequest())
-    return tuple((m.model, m.locks, m.session_slots, m.free_slots, m.evictable_tokens,
-                  m.protected_tokens) for m in stats.models)
+    return tuple(
+        (m.model, m.locks, m.session_slots, m.free_slots, m.evictable_tokens, m.protected_tokens)
+        for m in stats.models
+    )
 
 
 def refused(call, request) -> None:
@@ -63,12 +66,22 @@ def test_match_alloc_and_step_are_refused_before_the_work(server, stub, session)
     before = state(server, stub)
     tokens = toks(np.arange(TOO_MANY) % 90000 + 1)
     refused(stub.Alloc, pb.AllocRequest(model="m", num_slots=TOO_MANY, session_id=session))
-    refused(stub.Match, pb.MatchRequest(model="m", token_ids=tokens, session_id=session,
-                                        lock=True, allocate=True))
-    refused(stub.Step, pb.StepRequest(model="m", session_id=session, admits=[
-        pb.StepAdmit(token_ids=tokens, lock=True, allocate=True)]))
-    refused(stub.Step, pb.StepRequest(model="m", session_id=session,
-                                      decodes=[TOO_MANY // 2, TOO_MANY // 2]))
+    refused(
+        stub.Match,
+        pb.MatchRequest(model="m", token_ids=tokens, session_id=session, lock=True, allocate=True),
+    )
+    refused(
+        stub.Step,
+        pb.StepRequest(
+            model="m",
+            session_id=session,
+            admits=[pb.StepAdmit(token_ids=tokens, lock=True, allocate=True)],
+        ),
+    )
+    refused(
+        stub.Step,
+        pb.StepRequest(model="m", session_id=session, decodes=[TOO_MANY // 2, TOO_MANY // 2]),
+    )
     assert state(server, stub) == before
     # Within the limit the same calls work (and a plain Match is never refused here).
     assert stub.Match(pb.MatchRequest(model="m", token_ids=tokens)).prefix_len == 0
@@ -85,18 +98,26 @@ def test_get_pages_is_refused_before_it_locks(server, stub, session) -> None:
         prior = hash_token_ids([7, p], prior)
         keys.append(bytes.fromhex(prior))
     for start in range(0, pages, chunk):
-        slots = stub.Alloc(pb.AllocRequest(model="g", num_slots=chunk * 16,
-                                           session_id=session)).slot_indices
-        stub.SetPages(pb.SetPagesRequest(
-            model="g", session_id=session, slot_indices=slots,
-            prior_hash=keys[start - 1] if start else b"",
-            page_hashes=b"".join(keys[start:start + chunk])))
+        slots = stub.Alloc(
+            pb.AllocRequest(model="g", num_slots=chunk * 16, session_id=session)
+        ).slot_indices
+        stub.SetPages(
+            pb.SetPagesRequest(
+                model="g",
+                session_id=session,
+                slot_indices=slots,
+                prior_hash=keys[start - 1] if start else b"",
+                page_hashes=b"".join(keys[start : start + chunk]),
+            )
+        )
     before = state(server, stub)
-    refused(stub.GetPages, pb.GetPagesRequest(model="g", session_id=session,
-                                              page_hashes=b"".join(keys)))
+    refused(
+        stub.GetPages, pb.GetPagesRequest(model="g", session_id=session, page_hashes=b"".join(keys))
+    )
     assert state(server, stub) == before
-    got = stub.GetPages(pb.GetPagesRequest(model="g", session_id=session,
-                                           page_hashes=b"".join(keys[:1000])))
+    got = stub.GetPages(
+        pb.GetPagesRequest(model="g", session_id=session, page_hashes=b"".join(keys[:1000]))
+    )
     assert got.found_pages == 1000
     for lock_id in got.lock_ids:
         stub.Unlock(pb.UnlockRequest(lock_id=lock_id, session_id=session))

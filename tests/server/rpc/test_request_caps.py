@@ -44,8 +44,9 @@ CAPS = request_caps.derive(LIMITS, MODELS)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    yield from serve_module(tmp_path_factory, "caps", MODELS, max_request_tokens=TOKENS,
-                            max_step_bytes=1 << 16)
+    yield from serve_module(
+        tmp_path_factory, "caps", MODELS, max_request_tokens=TOKENS, max_step_bytes=1 << 16
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +56,19 @@ def stub(server) -> Iterator:
 
 def refusals(server, limit: str) -> float:
     value = server.server.metrics.registry.get_sample_value(
-        "prefixcache_refusals_total", {"limit": limit})
+        "prefixcache_refusals_total", {"limit": limit}
+    )
     return 0.0 if value is None else value
 
 
 def raw_call(server, method: str, data: bytes) -> grpc.RpcError:
     """Send ``data`` as the request bytes of unary ``method``; the error it gets."""
     with grpc.insecure_channel(server.address) as channel:
-        call = channel.unary_unary(f"/prefixcache.v1.PrefixCache/{method}",
-                                   request_serializer=None, response_deserializer=None)
+        call = channel.unary_unary(
+            f"/prefixcache.v1.PrefixCache/{method}",
+            request_serializer=None,
+            response_deserializer=None,
+        )
         with pytest.raises(grpc.RpcError) as err:
             call(data, timeout=10)
     return err.value
@@ -92,7 +97,8 @@ def test_caps_follow_the_limits() -> None:
     # finish at the pool's 256 tokens); the setting replaces every cap.
     default = request_caps.derive(limits_of(), MODELS)
     assert default["StepRequest"] == base + 8192 * (
-        request_caps.STEP_ITEM + 4096 + 256 * (4 * 8 + 8))
+        request_caps.STEP_ITEM + 4096 + 256 * (4 * 8 + 8)
+    )
     fixed = request_caps.derive(limits_of(ServerConfig(max_request_bytes=5000)), MODELS)
     assert set(fixed.values()) == {5000}
 
@@ -109,19 +115,22 @@ def test_bytes_over_the_cap_are_refused_unparsed(server, stub) -> None:
         assert err.code() == CODE.RESOURCE_EXHAUSTED, err.details()
         assert "server.max_request_bytes" in err.details()
         assert "before parsing" in err.details()
+
     unchanged(server, stub, "max_request_bytes", 1, body)
 
 
 def test_token_ids_past_the_cap_are_resource_exhausted(server, stub) -> None:
     too_many = CAPS["MatchRequest"] // 4 + 64  # at width 1
-    request = pb.MatchRequest(model="m", token_ids=toks(np.zeros(too_many)), lock=True,
-                              allocate=True)
+    request = pb.MatchRequest(
+        model="m", token_ids=toks(np.zeros(too_many)), lock=True, allocate=True
+    )
 
     def body() -> None:
         with pytest.raises(grpc.RpcError) as err:
             stub.Match(request, timeout=10)
         assert err.value.code() == CODE.RESOURCE_EXHAUSTED
         assert "server.max_request_bytes" in err.value.details()
+
     unchanged(server, stub, "max_request_bytes", 1, body)
 
 
@@ -136,6 +145,7 @@ def test_an_oversized_string_is_its_own_refusal_without_parsing(server, stub) ->
         assert err.code() == CODE.INVALID_ARGUMENT, err.details()
         assert "extra_key" in err.details()
         assert "server.max_extra_key_bytes" in err.details()
+
     unchanged(server, stub, "max_extra_key_bytes", 1, body)
 
 
@@ -151,6 +161,7 @@ def test_control_messages_have_a_small_cap(server, stub) -> None:
             err = raw_call(server, method, padded)
             assert err.code() == CODE.RESOURCE_EXHAUSTED, err.details()
             assert "server.max_request_bytes" in err.details()
+
     unchanged(server, stub, "max_request_bytes", 2, body)
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 
@@ -166,15 +177,20 @@ def test_a_step_over_its_cap_is_refused(server, stub) -> None:
             stub.Step(step, timeout=30)
         assert err.value.code() == CODE.RESOURCE_EXHAUSTED
         assert "server.max_request_bytes" in err.value.details()
+
     unchanged(server, stub, "max_request_bytes", 1, body)
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 
 
 def test_a_session_stream_message_over_its_cap_is_an_error_reply(server, stub) -> None:
     too_many = CAPS["MatchRequest"] // 4 + 64  # at width 1
-    requests = [pb.SessionRequest(seq=7, match=pb.MatchRequest(
-                    model="m", token_ids=toks(np.zeros(too_many)), allocate=True)),
-                pb.SessionRequest(seq=8, keep_alive=pb.KeepAliveRequest())]
+    requests = [
+        pb.SessionRequest(
+            seq=7,
+            match=pb.MatchRequest(model="m", token_ids=toks(np.zeros(too_many)), allocate=True),
+        ),
+        pb.SessionRequest(seq=8, keep_alive=pb.KeepAliveRequest()),
+    ]
 
     def body() -> None:
         replies = list(stub.Session(iter(requests), timeout=30))
@@ -182,6 +198,7 @@ def test_a_session_stream_message_over_its_cap_is_an_error_reply(server, stub) -
         assert replies[0].error.code == CODE.RESOURCE_EXHAUSTED.value[0]
         assert "server.max_request_bytes" in replies[0].error.message
         assert replies[1].WhichOneof("result") == "keep_alive"  # the stream goes on
+
     unchanged(server, stub, "max_request_bytes", 1, body)
 
 
@@ -210,39 +227,64 @@ def test_a_read_is_sized_before_any_slot_is_looked_at(server, stub) -> None:
     rows = kv_transfer.transfer_bytes(server.service.engine("m"), 1, [], 0)
     pool = server.run(kv_access.pool_bytes, server.service.engine("m"))
     count = pool // rows + 1
-    request = pb.ReadKVRequest(model="m", session_id=sid,
-                               slot_indices=slot * (count - 1) + pack_slots([10 ** 9]))
+    request = pb.ReadKVRequest(
+        model="m", session_id=sid, slot_indices=slot * (count - 1) + pack_slots([10**9])
+    )
 
     def body() -> None:
         with pytest.raises(grpc.RpcError) as err:
             list(stub.ReadKV(request, timeout=10))
         assert err.value.code() == CODE.RESOURCE_EXHAUSTED
         assert "server.max_read_bytes" in err.value.details()
+
     unchanged(server, stub, "max_read_bytes", 1, body)
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 
 
-@pytest.mark.parametrize("model", [
-    ModelConfig(name="r", page_size=1, pool=PoolConfig(size=16, layers=3, k_heads=1,
-                                                       k_head_dim=4, v_head_dim=2)),
-    ModelConfig(name="h", kind="mamba", page_size=1,
-                pool=PoolConfig(size=256, layers=2, k_heads=1, k_head_dim=4),
-                mamba=MambaConfig(state_slots=4, working_slots=2, layers=2,
-                                  conv_state_shape=(3, 2), temporal_state_shape=(2, 2))),
-    ModelConfig(name="s", kind="slot", max_seq_len=4,
-                pool=PoolConfig(size=4, layers=2, k_heads=1, k_head_dim=2)),
-], ids=lambda m: m.kind)
-def test_transfer_bytes_is_the_plans_size_and_the_plan_shares_its_index(tmp_path,
-                                                                         model) -> None:
+@pytest.mark.parametrize(
+    "model",
+    [
+        ModelConfig(
+            name="r",
+            page_size=1,
+            pool=PoolConfig(size=16, layers=3, k_heads=1, k_head_dim=4, v_head_dim=2),
+        ),
+        ModelConfig(
+            name="h",
+            kind="mamba",
+            page_size=1,
+            pool=PoolConfig(size=256, layers=2, k_heads=1, k_head_dim=4),
+            mamba=MambaConfig(
+                state_slots=4,
+                working_slots=2,
+                layers=2,
+                conv_state_shape=(3, 2),
+                temporal_state_shape=(2, 2),
+            ),
+        ),
+        ModelConfig(
+            name="s",
+            kind="slot",
+            max_seq_len=4,
+            pool=PoolConfig(size=4, layers=2, k_heads=1, k_head_dim=2),
+        ),
+    ],
+    ids=lambda m: m.kind,
+)
+def test_transfer_bytes_is_the_plans_size_and_the_plan_shares_its_index(tmp_path, model) -> None:
     with running(tmp_path, (model,)) as srv:
         engine = srv.service.engine(model.name)
         low = 0 if model.kind == "slot" else 1
         slots = np.array([low, low + 1, low, low + 2], dtype=np.int64)
-        states = np.array([0, 1, 1], dtype=np.int64) if model.kind == "mamba" else \
-            np.zeros(0, dtype=np.int64)
+        states = (
+            np.array([0, 1, 1], dtype=np.int64)
+            if model.kind == "mamba"
+            else np.zeros(0, dtype=np.int64)
+        )
         for layers in ([], [1], [1, 0]):
             parts = srv.run(kv_transfer.plan, engine, slots, layers, states)
-            assert srv.run(kv_transfer.transfer_bytes, engine, len(slots), layers,
-                           len(states)) == sum(p.nbytes for p in parts)
+            assert srv.run(
+                kv_transfer.transfer_bytes, engine, len(slots), layers, len(states)
+            ) == sum(p.nbytes for p in parts)
             # One index per row vector, whatever the number of buffers.
             assert len({id(p.index) for p in parts}) == 1 + (len(states) > 0)

@@ -48,8 +48,13 @@ stub.CloseSession(pb.CloseSessionRequest(session_id=session))
 
 def test_a_long_chain_stored_by_hash_goes_in_slices(tmp_path) -> None:
     chain = 200_000  # one 200k-page chain, page size 1
-    models = (ModelConfig(name="m", page_size=1, pool=PoolConfig(
-        size=chain + 4096, layers=1, k_heads=1, k_head_dim=4)),)
+    models = (
+        ModelConfig(
+            name="m",
+            page_size=1,
+            pool=PoolConfig(size=chain + 4096, layers=1, k_heads=1, k_head_dim=4),
+        ),
+    )
     srv = ServerThread(make_config(tmp_path, models), check_integrity=False)
     engine = srv.service.engines["m"]
     try:
@@ -59,12 +64,17 @@ def test_a_long_chain_stored_by_hash_goes_in_slices(tmp_path) -> None:
         with LoopWatch(srv) as watch:
             victim.start()
             time.sleep(0.2)
-            flooder = subprocess.Popen([sys.executable, "-c", SET_FLOOD, srv.address,
-                                        str(path)], stdout=subprocess.PIPE, text=True)
+            flooder = subprocess.Popen(
+                [sys.executable, "-c", SET_FLOOD, srv.address, str(path)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             out = flooder.communicate(timeout=300)[0]
             worst = victim.finish()
-        print(f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls; "
-              f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}")
+        print(
+            f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls; "
+            f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}"
+        )
         assert flooder.returncode == 0
         assert out.split("\n")[:2] == [f"0 {chain // 2} 0"] * 2
         assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"

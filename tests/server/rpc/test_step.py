@@ -44,16 +44,28 @@ def _prefill(tokens: list[int], op: str = "insert", **kw: Any):
     ids, extra = m.slot_indices + m.allocated_slots, {}
     if m.HasField("allocated_slot_version"):  # a slot model: the one sequence slot
         ids, extra = m.allocated_slots, {"slot_version": m.allocated_slot_version}
-    ins = yield op, {"token_ids": toks(tokens), "release_lock_id": m.lock_id, **_state(m),
-                     "slot_indices": ids, **extra, **kw}
+    ins = yield (
+        op,
+        {
+            "token_ids": toks(tokens),
+            "release_lock_id": m.lock_id,
+            **_state(m),
+            "slot_indices": ids,
+            **extra,
+            **kw,
+        },
+    )
     return m, ins
 
 
 def _lengths(kind: str) -> tuple[list[int], list[int]]:
     """Two prompts, the second extending the first; both with an unaligned tail on page
     size 4, except for Mamba (page 2), whose inserts with a state must be whole pages."""
-    return ([1, 2, 3, 4, 5, 6], list(range(1, 11))) if kind == "h" else \
-        ([1, 2, 3, 4, 5], list(range(1, 10)))
+    return (
+        ([1, 2, 3, 4, 5, 6], list(range(1, 11)))
+        if kind == "h"
+        else ([1, 2, 3, 4, 5], list(range(1, 10)))
+    )
 
 
 def prefill(kind: str):
@@ -81,16 +93,18 @@ def bad_inserts(kind: str):
     mine = slots((yield "alloc", {"num_slots": 3}).slot_indices)
     theirs = slots((yield "alloc_other", {"num_slots": 1}).slot_indices)
     tree = slots((yield "match", {"token_ids": toks([40, 41, 42])}).slot_indices)
-    for tokens, ids, kw in (([40, 41, 42, 43], [*tree, *theirs], {}),  # not mine
-                            ([50, 51], mine[:1], {}),  # count mismatch
-                            ([50, 51], [mine[0], mine[0]], {}),  # named twice
-                            ([50, 51], [mine[0], 10_000], {}),  # outside the pool
-                            ([50, 51], [mine[0], 0], {}),  # the padding slot
-                            ([50, 51], [mine[0], -3], {}),
-                            ([50, 1500], mine[:2], {}),  # beyond vocab_size
-                            ([41, 40], tree[:2], {}),  # tree slots, wrong tokens
-                            ([40, 41], mine[:2], {"release_lock_id": 10**9}),
-                            ([40, 41], mine[:2], {"extra_key": "x" * 5000})):
+    for tokens, ids, kw in (
+        ([40, 41, 42, 43], [*tree, *theirs], {}),  # not mine
+        ([50, 51], mine[:1], {}),  # count mismatch
+        ([50, 51], [mine[0], mine[0]], {}),  # named twice
+        ([50, 51], [mine[0], 10_000], {}),  # outside the pool
+        ([50, 51], [mine[0], 0], {}),  # the padding slot
+        ([50, 51], [mine[0], -3], {}),
+        ([50, 1500], mine[:2], {}),  # beyond vocab_size
+        ([41, 40], tree[:2], {}),  # tree slots, wrong tokens
+        ([40, 41], mine[:2], {"release_lock_id": 10**9}),
+        ([40, 41], mine[:2], {"extra_key": "x" * 5000}),
+    ):
         yield "insert", {"token_ids": toks(tokens), "slot_indices": pack_slots(ids), **kw}
     yield "insert", {"token_ids": b"\x01\x00\x00"}
     yield "insert", {"token_ids": toks([1]), "slot_indices": b"\x01\x00"}
@@ -130,8 +144,10 @@ def duplicate_in_prefix(kind: str):
     yield from _prefill([60, 61, 62])
     tree = slots((yield "match", {"token_ids": toks([60, 61, 62])}).slot_indices)
     mine = slots((yield "alloc", {"num_slots": 2}).slot_indices)
-    yield "insert", {"token_ids": toks([60, 61, 62, 63]),
-                     "slot_indices": pack_slots([*tree[:2], *mine])}
+    yield (
+        "insert",
+        {"token_ids": toks([60, 61, 62, 63]), "slot_indices": pack_slots([*tree[:2], *mine])},
+    )
 
 
 def kept_duplicates(kind: str):
@@ -140,8 +156,14 @@ def kept_duplicates(kind: str):
     yield from _prefill([60, 61, 62, 63])
     tree = slots((yield "match", {"token_ids": toks([60, 61, 62, 63])}).slot_indices)
     mine = slots((yield "alloc", {"num_slots": 3}).slot_indices)
-    yield "insert", {"token_ids": toks([60, 61, 62, 63, 64, 65]), "keep_duplicates": True,
-                     "slot_indices": pack_slots([*tree[:2], *mine, 0][:6])}
+    yield (
+        "insert",
+        {
+            "token_ids": toks([60, 61, 62, 63, 64, 65]),
+            "keep_duplicates": True,
+            "slot_indices": pack_slots([*tree[:2], *mine, 0][:6]),
+        },
+    )
     yield "free", {"slot_indices": pack_slots(mine[:2])}
     yield "free", {"slot_indices": pack_slots(mine[:2])}
     yield "free", {"slot_indices": pack_slots(mine[2:])}
@@ -159,14 +181,31 @@ def pressure(kind: str):
 def mamba_states(kind: str):
     """test_service's Mamba cases that items can express."""
     m, _ = yield from _prefill([1, 2, 3, 4])
-    hit = yield "match", {"token_ids": toks([1, 2, 3, 4, 5, 6]), "lock": True,
-                          "allocate": True}
-    yield "insert", {"token_ids": toks([1, 2, 3, 4, 5, 6]),
-                     "slot_indices": hit.slot_indices + hit.allocated_slots}
-    yield "insert", {"token_ids": toks([1, 2, 3, 4, 5, 6]), "state_slot": 9,
-                     "slot_indices": hit.slot_indices + hit.allocated_slots}
-    yield "insert", {"token_ids": toks([1, 2, 3, 4]), "state_slot": hit.allocated_state_slot,
-                     "slot_indices": hit.slot_indices, "release_lock_id": hit.lock_id}
+    hit = yield "match", {"token_ids": toks([1, 2, 3, 4, 5, 6]), "lock": True, "allocate": True}
+    yield (
+        "insert",
+        {
+            "token_ids": toks([1, 2, 3, 4, 5, 6]),
+            "slot_indices": hit.slot_indices + hit.allocated_slots,
+        },
+    )
+    yield (
+        "insert",
+        {
+            "token_ids": toks([1, 2, 3, 4, 5, 6]),
+            "state_slot": 9,
+            "slot_indices": hit.slot_indices + hit.allocated_slots,
+        },
+    )
+    yield (
+        "insert",
+        {
+            "token_ids": toks([1, 2, 3, 4]),
+            "state_slot": hit.allocated_state_slot,
+            "slot_indices": hit.slot_indices,
+            "release_lock_id": hit.lock_id,
+        },
+    )
     yield "free", {"slot_indices": hit.allocated_slots}
     yield "free", {"state_slots": pack_slots([m.allocated_state_slot])}
 
@@ -174,28 +213,50 @@ def mamba_states(kind: str):
 def slot_model(kind: str):
     """Sequence slots: copies, reuse in place, stale versions, a full pool."""
     first, _ = yield from _prefill([1, 2, 3, 4, 5, 6], "finish")
-    hit = yield "match", {"token_ids": toks([1, 2, 3, 4, 5, 6, 7, 8]), "lock": True,
-                          "allocate": True}
+    hit = yield (
+        "match",
+        {"token_ids": toks([1, 2, 3, 4, 5, 6, 7, 8]), "lock": True, "allocate": True},
+    )
     yield "unlock", {"lock_id": hit.lock_id}
     yield "free", {"slot_indices": hit.allocated_slots}
     again = yield "match", {"token_ids": toks([1, 2, 3, 4, 5, 6]), "allocate": True}
-    yield "insert", {"token_ids": toks([1, 2, 3, 4, 5, 6]), "slot_indices": again.allocated_slots,
-                     "slot_version": first.allocated_slot_version}
+    yield (
+        "insert",
+        {
+            "token_ids": toks([1, 2, 3, 4, 5, 6]),
+            "slot_indices": again.allocated_slots,
+            "slot_version": first.allocated_slot_version,
+        },
+    )
     yield "alloc", {"num_slots": 2}
     yield "alloc", {"num_slots": 2}
 
 
-CASES = [(prefill, kind) for kind in "mpwch"] + [(finish, kind) for kind in "mpwch"] + [
-    (bad_inserts, "m"), (bad_matches, "m"), (pool_errors, "m"), (pool_errors, "s"),
-    (duplicate_in_prefix, "m"), (kept_duplicates, "m"), (kept_duplicates, "h"),
-    (kept_duplicates, "w"), (kept_duplicates, "s"), (pressure, "p"), (mamba_states, "h"),
-    (slot_model, "s"), (finish, "s")]
+CASES = (
+    [(prefill, kind) for kind in "mpwch"]
+    + [(finish, kind) for kind in "mpwch"]
+    + [
+        (bad_inserts, "m"),
+        (bad_matches, "m"),
+        (pool_errors, "m"),
+        (pool_errors, "s"),
+        (duplicate_in_prefix, "m"),
+        (kept_duplicates, "m"),
+        (kept_duplicates, "h"),
+        (kept_duplicates, "w"),
+        (kept_duplicates, "s"),
+        (pressure, "p"),
+        (mamba_states, "h"),
+        (slot_model, "s"),
+        (finish, "s"),
+    ]
+)
 
 
-@pytest.mark.parametrize(("scenario", "model"), CASES,
-                         ids=[f"{s.__name__}-{m}" for s, m in CASES])
-def test_each_item_behaves_like_its_unary_call(server, stub, scenario: Scenario,
-                                               model: str) -> None:
+@pytest.mark.parametrize(("scenario", "model"), CASES, ids=[f"{s.__name__}-{m}" for s, m in CASES])
+def test_each_item_behaves_like_its_unary_call(
+    server, stub, scenario: Scenario, model: str
+) -> None:
     unary = drive(scenario, Unary(stub, model))
     stepped = drive(scenario, Stepped(stub, TWINS[model]))
     for want, got in zip(unary, stepped, strict=True):
@@ -207,17 +268,28 @@ def _fill(stub: Any, runner: Runner) -> None:
     """Cache as many whole pages as leave 4 slots free: allocations must evict."""
     free = stub.Stats(pb.StatsRequest(model=runner.model)).models[0].free_slots
     tokens = toks(list(range((free - 4) // 4 * 4)))
-    m = stub.Match(pb.MatchRequest(model=runner.model, token_ids=tokens, session_id=runner.sid,
-                                   lock=True, allocate=True))
-    stub.Insert(pb.InsertRequest(model=runner.model, token_ids=tokens, session_id=runner.sid,
-                                 slot_indices=m.slot_indices + m.allocated_slots,
-                                 release_lock_id=m.lock_id, **_state(m)))
+    m = stub.Match(
+        pb.MatchRequest(
+            model=runner.model, token_ids=tokens, session_id=runner.sid, lock=True, allocate=True
+        )
+    )
+    stub.Insert(
+        pb.InsertRequest(
+            model=runner.model,
+            token_ids=tokens,
+            session_id=runner.sid,
+            slot_indices=m.slot_indices + m.allocated_slots,
+            release_lock_id=m.lock_id,
+            **_state(m),
+        )
+    )
 
 
 @pytest.mark.parametrize("model", ["m", "p", "w", "h", "s"])
 @pytest.mark.parametrize("pressure", [False, True], ids=["room", "pressure"])
-def test_a_step_s_decodes_are_its_allocs_one_by_one(server, stub, model: str,
-                                                    pressure: bool) -> None:
+def test_a_step_s_decodes_are_its_allocs_one_by_one(
+    server, stub, model: str, pressure: bool
+) -> None:
     """Several decodes in one step (allocated at once where that changes nothing) answer
     what as many Allocs in a row would: the same slots, evictions, errors and counters."""
     counts = [1, 2, 3, 10**6, 1] if pressure else [1, 2, 3, 1]
@@ -229,13 +301,21 @@ def test_a_step_s_decodes_are_its_allocs_one_by_one(server, stub, model: str,
         if isinstance(runner, Unary):
             results = [runner("alloc", num_slots=n) for n in counts]
         else:
-            reply = stub.Step(pb.StepRequest(model=runner.model, session_id=runner.sid,
-                                             decodes=counts))
-            results = [r.decode if r.HasField("decode") else
-                       Err(CODES[r.error.code].name, r.error.message) for r in reply.decodes]
+            reply = stub.Step(
+                pb.StepRequest(model=runner.model, session_id=runner.sid, decodes=counts)
+            )
+            results = [
+                r.decode if r.HasField("decode") else Err(CODES[r.error.code].name, r.error.message)
+                for r in reply.decodes
+            ]
         after = server.service.engine(runner.model).ops
-        traces.append(([runner.norm(r) for r in results], runner.stats(),
-                       {op: after[op] - ops[op] for op in ops}))
+        traces.append(
+            (
+                [runner.norm(r) for r in results],
+                runner.stats(),
+                {op: after[op] - ops[op] for op in ops},
+            )
+        )
         runner.close()
     assert traces[1] == traces[0]
     server.check_integrity()
@@ -247,17 +327,29 @@ def test_kept_duplicates_stay_the_session_s(server, stub) -> None:
     for keep in (True, False):
         sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60)).session_id
         tokens = toks([70 + keep, 71, 72, 73])
-        m = stub.Match(pb.MatchRequest(model="m", token_ids=tokens, session_id=sid,
-                                       allocate=True))
-        stub.Insert(pb.InsertRequest(model="m", token_ids=tokens, session_id=sid,
-                                     slot_indices=m.allocated_slots))
+        m = stub.Match(pb.MatchRequest(model="m", token_ids=tokens, session_id=sid, allocate=True))
+        stub.Insert(
+            pb.InsertRequest(
+                model="m", token_ids=tokens, session_id=sid, slot_indices=m.allocated_slots
+            )
+        )
         again = stub.Alloc(pb.AllocRequest(model="m", num_slots=4, session_id=sid))
-        reply = stub.Step(pb.StepRequest(model="m", session_id=sid, finishes=[
-            pb.StepFinish(token_ids=tokens, slot_indices=again.slot_indices, keep_tail=True,
-                          keep_duplicates=keep)]))
+        reply = stub.Step(
+            pb.StepRequest(
+                model="m",
+                session_id=sid,
+                finishes=[
+                    pb.StepFinish(
+                        token_ids=tokens,
+                        slot_indices=again.slot_indices,
+                        keep_tail=True,
+                        keep_duplicates=keep,
+                    )
+                ],
+            )
+        )
         freed = slots(reply.finishes[0].finish.freed_slots)
         held = stub.Stats(pb.StatsRequest(model="m")).models[0]
-        assert (freed, held.session_slots) == (([], 4) if keep else (slots(
-            again.slot_indices), 0))
+        assert (freed, held.session_slots) == (([], 4) if keep else (slots(again.slot_indices), 0))
         stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
     server.check_integrity()

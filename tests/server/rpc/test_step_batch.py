@@ -27,8 +27,14 @@ MAX_ITEMS, MAX_BYTES = 40, 8192
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    yield from serve_module(tmp_path_factory, "batch", EVERY_KIND, session_ttl_min=0.2,
-                            max_step_items=MAX_ITEMS, max_step_bytes=MAX_BYTES)
+    yield from serve_module(
+        tmp_path_factory,
+        "batch",
+        EVERY_KIND,
+        session_ttl_min=0.2,
+        max_step_items=MAX_ITEMS,
+        max_step_bytes=MAX_BYTES,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +54,12 @@ def stats(stub: Any, model: str = "m") -> pb.ModelStats:
     """A model's Stats, less what only Stats carries (lookup outcomes and the ceiling),
     so that it compares with a Step reply's counters."""
     out = stub.Stats(pb.StatsRequest(model=model)).models[0]
-    for name in ("lookup_tokens_total", "pages_requested_total", "distinct_pages",
-                 "hit_ratio_ceiling"):
+    for name in (
+        "lookup_tokens_total",
+        "pages_requested_total",
+        "distinct_pages",
+        "hit_ratio_ceiling",
+    ):
         out.ClearField(name)
     return out
 
@@ -64,8 +74,12 @@ def admit(tokens: list[int], **kw: Any) -> pb.StepAdmit:
 
 
 def finish(tokens: list[int], m: pb.MatchResponse, **kw: Any) -> pb.StepFinish:
-    return pb.StepFinish(token_ids=toks(tokens), slot_indices=m.slot_indices + m.allocated_slots,
-                         release_lock_id=m.lock_id, **kw)
+    return pb.StepFinish(
+        token_ids=toks(tokens),
+        slot_indices=m.slot_indices + m.allocated_slots,
+        release_lock_id=m.lock_id,
+        **kw,
+    )
 
 
 def refused(call: Any, request: Any, code: CODE) -> grpc.RpcError:
@@ -80,23 +94,37 @@ def test_items_fail_alone_and_run_in_order(server, stub, session) -> None:
     admissions, so an admission hits what a finish of the same step cached."""
     cached = list(range(90, 94))
     pre = stub.Step(pb.StepRequest(model="p", session_id=session, admits=[admit(cached)]))
-    stub.Step(pb.StepRequest(model="p", session_id=session,
-                             finishes=[finish(cached, pre.admits[0].admit)]))
+    stub.Step(
+        pb.StepRequest(
+            model="p", session_id=session, finishes=[finish(cached, pre.admits[0].admit)]
+        )
+    )
     longer = list(range(90, 100))
-    first = stub.Step(pb.StepRequest(model="p", session_id=session,
-                                     admits=[admit(list(range(10))), admit(longer)]))
+    first = stub.Step(
+        pb.StepRequest(
+            model="p", session_id=session, admits=[admit(list(range(10))), admit(longer)]
+        )
+    )
     a, b = (r.admit for r in first.admits)
     before = stats(stub, "p")
     bad_tail = finish(longer, b)  # the tail's last slot is not the session's:
     bad_tail.slot_indices = bad_tail.slot_indices[:-8] + pack_slots([3])
-    reply = stub.Step(pb.StepRequest(
-        model="p", session_id=session,
-        finishes=[finish(list(range(10)), a), bad_tail],  # a's 10 tokens: 8 cached
-        unlocks=[10**12, b.lock_id],
-        frees=[pb.StepFree(slot_indices=b"\x01")],
-        decodes=[1, 10**6, 1],
-        admits=[admit(list(range(12)), expected_prefix_len=8), admit([1], token_width=9),
-                admit([5], extra_key="k" * 5000), admit([5, 6, 7, 8], expected_prefix_len=4)]))
+    reply = stub.Step(
+        pb.StepRequest(
+            model="p",
+            session_id=session,
+            finishes=[finish(list(range(10)), a), bad_tail],  # a's 10 tokens: 8 cached
+            unlocks=[10**12, b.lock_id],
+            frees=[pb.StepFree(slot_indices=b"\x01")],
+            decodes=[1, 10**6, 1],
+            admits=[
+                admit(list(range(12)), expected_prefix_len=8),
+                admit([1], token_width=9),
+                admit([5], extra_key="k" * 5000),
+                admit([5, 6, 7, 8], expected_prefix_len=4),
+            ],
+        )
+    )
     ok, failed = reply.finishes
     assert ok.finish.cached_len == 8 and code_of(failed) == CODE.FAILED_PRECONDITION
     assert "unaligned tail" in failed.error.message
@@ -116,13 +144,15 @@ def test_items_fail_alone_and_run_in_order(server, stub, session) -> None:
     server.check_integrity()
 
 
-def test_a_tail_repeating_an_aligned_slot_refuses_the_finish_whole(server, stub,
-                                                                   session) -> None:
+def test_a_tail_repeating_an_aligned_slot_refuses_the_finish_whole(server, stub, session) -> None:
     """The insert does not check the tail against the aligned part; the finish must, or
     the repeated slot goes to the tree and the tail's free then fails, half done."""
     tokens = list(range(800, 806))  # page 4: 4 aligned tokens, a tail of 2
-    m = stub.Step(pb.StepRequest(model="p", session_id=session,
-                                 admits=[admit(tokens, lock=False)])).admits[0].admit
+    m = (
+        stub.Step(pb.StepRequest(model="p", session_id=session, admits=[admit(tokens, lock=False)]))
+        .admits[0]
+        .admit
+    )
     own = slots(m.allocated_slots)
     before = stats(stub, "p")
     repeat = pb.StepFinish(token_ids=toks(tokens), slot_indices=pack_slots(own[:5] + own[1:2]))
@@ -134,14 +164,21 @@ def test_a_tail_repeating_an_aligned_slot_refuses_the_finish_whole(server, stub,
     # A tail whose span holds aligned slots, none of them its own, is fine.
     ordered = sorted(own)
     spread = [*ordered[1:5], ordered[0], ordered[5]]
-    done = stub.Step(pb.StepRequest(model="p", session_id=session, finishes=[pb.StepFinish(
-        token_ids=toks(tokens), slot_indices=pack_slots(spread))]))
+    done = stub.Step(
+        pb.StepRequest(
+            model="p",
+            session_id=session,
+            finishes=[pb.StepFinish(token_ids=toks(tokens), slot_indices=pack_slots(spread))],
+        )
+    )
     assert done.finishes[0].finish.cached_len == 4 and done.counters.session_slots == 0
 
 
 @settings(max_examples=200, deadline=None)
-@given(tail=st.lists(st.integers(1, 64), min_size=1, max_size=6, unique=True),
-       head=st.lists(st.integers(1, 64), max_size=40))
+@given(
+    tail=st.lists(st.integers(1, 64), min_size=1, max_size=6, unique=True),
+    head=st.lists(st.integers(1, 64), max_size=40),
+)
 def test_shares_a_slot_is_isin(tail: list[int], head: list[int]) -> None:
     t, h = np.array(tail, dtype=np.int64), np.array(head, dtype=np.int64)
     assert _shares_a_slot(t, h) == bool(np.isin(t, h).any())
@@ -150,27 +187,38 @@ def test_shares_a_slot_is_isin(tail: list[int], head: list[int]) -> None:
 def test_whole_step_refusals_change_nothing(server, stub, session) -> None:
     before = stub.Stats(pb.StatsRequest())
     item = admit([1, 2, 3])
-    too_many = pb.StepRequest(model="m", session_id=session, admits=[item] * (MAX_ITEMS // 2),
-                              decodes=[1] * (MAX_ITEMS // 2 + 1))
+    too_many = pb.StepRequest(
+        model="m",
+        session_id=session,
+        admits=[item] * (MAX_ITEMS // 2),
+        decodes=[1] * (MAX_ITEMS // 2 + 1),
+    )
     assert "max_step_items" in refused(stub.Step, too_many, CODE.RESOURCE_EXHAUSTED).details()
-    too_big = pb.StepRequest(model="m", session_id=session,
-                             admits=[admit(list(range(100)))] * 21)  # 8400 bytes
+    too_big = pb.StepRequest(
+        model="m", session_id=session, admits=[admit(list(range(100)))] * 21
+    )  # 8400 bytes
     assert "max_step_bytes" in refused(stub.Step, too_big, CODE.RESOURCE_EXHAUSTED).details()
     epoch = server.service.epoch
     for request, code in (
-            (pb.StepRequest(model="m", admits=[item]), CODE.FAILED_PRECONDITION),
-            (pb.StepRequest(model="m", session_id="f" * 32, admits=[item]), CODE.NOT_FOUND),
-            (pb.StepRequest(model="zz", session_id=session, admits=[item]), CODE.NOT_FOUND),
-            (pb.StepRequest(model="m", session_id="x" * 200, admits=[item]),
-             CODE.INVALID_ARGUMENT)):
+        (pb.StepRequest(model="m", admits=[item]), CODE.FAILED_PRECONDITION),
+        (pb.StepRequest(model="m", session_id="f" * 32, admits=[item]), CODE.NOT_FOUND),
+        (pb.StepRequest(model="zz", session_id=session, admits=[item]), CODE.NOT_FOUND),
+        (pb.StepRequest(model="m", session_id="x" * 200, admits=[item]), CODE.INVALID_ARGUMENT),
+    ):
         refused(stub.Step, request, code)
-    stale = refused(stub.Step, pb.StepRequest(model="m", session_id=session, admits=[item],
-                                              server_epoch=epoch + 1), CODE.FAILED_PRECONDITION)
+    stale = refused(
+        stub.Step,
+        pb.StepRequest(model="m", session_id=session, admits=[item], server_epoch=epoch + 1),
+        CODE.FAILED_PRECONDITION,
+    )
     assert (EPOCH_TRAILER, str(epoch)) in tuple(stale.trailing_metadata())
     server.run(setattr, server.service, "draining", True)
     try:
-        refused(stub.Step, pb.StepRequest(model="m", session_id=session, admits=[item]),
-                CODE.UNAVAILABLE)
+        refused(
+            stub.Step,
+            pb.StepRequest(model="m", session_id=session, admits=[item]),
+            CODE.UNAVAILABLE,
+        )
     finally:
         server.run(setattr, server.service, "draining", False)
     stats_now = stub.Stats(pb.StatsRequest())
@@ -189,14 +237,21 @@ def test_malformed_bytes_are_invalid_argument(server) -> None:
 def test_a_retried_step_is_answered_again_and_kept_compactly(server, stub, session) -> None:
     """A retry with the same request id gets the first answer, changes nothing, and the
     replay window does not keep a locked admission's prefix slots (the tree has them)."""
-    warm = stub.Step(pb.StepRequest(model="m", session_id=session,
-                                    admits=[admit(list(range(100, 140)))]))
+    warm = stub.Step(
+        pb.StepRequest(model="m", session_id=session, admits=[admit(list(range(100, 140)))])
+    )
     m = warm.admits[0].admit
-    stub.Step(pb.StepRequest(model="m", session_id=session,
-                             finishes=[finish(list(range(100, 140)), m)]))
-    request = pb.StepRequest(model="m", session_id=session, request_id=77,
-                             admits=[admit(list(range(100, 150))), admit([7], lock=False)],
-                             decodes=[2, 10**6], unlocks=[10**12])
+    stub.Step(
+        pb.StepRequest(model="m", session_id=session, finishes=[finish(list(range(100, 140)), m)])
+    )
+    request = pb.StepRequest(
+        model="m",
+        session_id=session,
+        request_id=77,
+        admits=[admit(list(range(100, 150))), admit([7], lock=False)],
+        decodes=[2, 10**6],
+        unlocks=[10**12],
+    )
     first = stub.Step(request)
     after_first = stats(stub)
     again = stub.Step(request)
@@ -220,20 +275,33 @@ def test_a_retried_step_is_answered_again_and_kept_compactly(server, stub, sessi
 def test_a_lapsed_lease_hands_back_what_steps_took(server, stub) -> None:
     sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=0.5)).session_id
     base = stats(stub)
-    m = stub.Step(pb.StepRequest(model="m", session_id=sid,
-                                 admits=[admit([500, 501, 502, 503])])).admits[0].admit
-    stub.Step(pb.StepRequest(model="m", session_id=sid,
-                             finishes=[finish([500, 501, 502, 503], m)]))
+    m = (
+        stub.Step(pb.StepRequest(model="m", session_id=sid, admits=[admit([500, 501, 502, 503])]))
+        .admits[0]
+        .admit
+    )
+    stub.Step(pb.StepRequest(model="m", session_id=sid, finishes=[finish([500, 501, 502, 503], m)]))
     for _ in range(4):  # 0.8 s in all: each step renews the lease
-        stub.Step(pb.StepRequest(model="m", session_id=sid, decodes=[1],
-                                 admits=[admit([500, 501, 502, 503, 504])]))
+        stub.Step(
+            pb.StepRequest(
+                model="m", session_id=sid, decodes=[1], admits=[admit([500, 501, 502, 503, 504])]
+            )
+        )
         time.sleep(0.2)
     held = stats(stub)
     assert (held.locks, held.session_slots) == (4, 4 + 4)
-    ins = stub.Step(pb.StepRequest(model="m", session_id=sid, admits=[admit([500])],
-                                   finishes=[pb.StepFinish(token_ids=toks([600, 601]),
-                                                           slot_indices=pack_slots([1, 2]),
-                                                           keep_tail=True)]))
+    ins = stub.Step(
+        pb.StepRequest(
+            model="m",
+            session_id=sid,
+            admits=[admit([500])],
+            finishes=[
+                pb.StepFinish(
+                    token_ids=toks([600, 601]), slot_indices=pack_slots([1, 2]), keep_tail=True
+                )
+            ],
+        )
+    )
     assert code_of(ins.finishes[0]) == CODE.FAILED_PRECONDITION  # not its slots
     deadline = time.monotonic() + 5
     while stats(stub).session_slots and time.monotonic() < deadline:
@@ -241,20 +309,30 @@ def test_a_lapsed_lease_hands_back_what_steps_took(server, stub) -> None:
     gone = stats(stub)
     assert (gone.locks, gone.session_slots, gone.protected_tokens) == (0, 0, 0)
     assert gone.free_slots + gone.evictable_tokens == base.free_slots + base.evictable_tokens
-    refused(stub.Step, pb.StepRequest(model="m", session_id=sid, decodes=[1]),
-            CODE.NOT_FOUND)
+    refused(stub.Step, pb.StepRequest(model="m", session_id=sid, decodes=[1]), CODE.NOT_FOUND)
     server.check_integrity()
 
 
 def test_the_session_stream_carries_steps_and_releases_them(server, stub, session) -> None:
-    m = stub.Step(pb.StepRequest(model="m", session_id=session,
-                                 admits=[admit([700, 701])])).admits[0].admit
+    m = (
+        stub.Step(pb.StepRequest(model="m", session_id=session, admits=[admit([700, 701])]))
+        .admits[0]
+        .admit
+    )
     stub.Step(pb.StepRequest(model="m", session_id=session, finishes=[finish([700, 701], m)]))
     requests: queue.Queue = queue.Queue()
     replies = stub.Session(iter(requests.get, None))
-    requests.put(pb.SessionRequest(seq=1, step=pb.StepRequest(
-        model="m", session_id="ignored", decodes=[3], admits=[admit([700, 701, 702]),
-                                                               admit([1], token_width=9)])))
+    requests.put(
+        pb.SessionRequest(
+            seq=1,
+            step=pb.StepRequest(
+                model="m",
+                session_id="ignored",
+                decodes=[3],
+                admits=[admit([700, 701, 702]), admit([1], token_width=9)],
+            ),
+        )
+    )
     first = next(replies)
     assert first.seq == 1 and first.WhichOneof("result") == "step"
     assert len(slots(first.step.decodes[0].decode.slot_indices)) == 3
@@ -273,30 +351,55 @@ def test_the_session_stream_carries_steps_and_releases_them(server, stub, sessio
     server.check_integrity()
 
 
-_garbage = st.one_of(st.binary(max_size=24), st.lists(st.integers(-5, 300), max_size=6).map(
-    lambda ids: pack_slots(ids)))
+_garbage = st.one_of(
+    st.binary(max_size=24),
+    st.lists(st.integers(-5, 300), max_size=6).map(lambda ids: pack_slots(ids)),
+)
 _tokens = st.one_of(st.binary(max_size=24), st.lists(st.integers(0, 1200), max_size=8).map(toks))
-_items = st.fixed_dictionaries({
-    "finishes": st.lists(st.builds(
-        pb.StepFinish, token_ids=_tokens, slot_indices=_garbage,
-        token_width=st.integers(0, 10), release_lock_id=st.integers(0, 2**64 - 1),
-        lock=st.booleans(), keep_tail=st.booleans(),
-        slot_version=st.integers(0, 2**64 - 1)), max_size=3),
-    "unlocks": st.lists(st.integers(0, 2**64 - 1), max_size=3),
-    "frees": st.lists(st.builds(pb.StepFree, slot_indices=_garbage, state_slots=_garbage),
-                      max_size=3),
-    "decodes": st.lists(st.integers(0, 2**64 - 1), max_size=4),
-    "admits": st.lists(st.builds(
-        pb.StepAdmit, token_ids=_tokens, token_width=st.integers(0, 10), lock=st.booleans(),
-        allocate=st.booleans(), expected_prefix_len=st.integers(0, 2**32 - 1)), max_size=3),
-})
+_items = st.fixed_dictionaries(
+    {
+        "finishes": st.lists(
+            st.builds(
+                pb.StepFinish,
+                token_ids=_tokens,
+                slot_indices=_garbage,
+                token_width=st.integers(0, 10),
+                release_lock_id=st.integers(0, 2**64 - 1),
+                lock=st.booleans(),
+                keep_tail=st.booleans(),
+                slot_version=st.integers(0, 2**64 - 1),
+            ),
+            max_size=3,
+        ),
+        "unlocks": st.lists(st.integers(0, 2**64 - 1), max_size=3),
+        "frees": st.lists(
+            st.builds(pb.StepFree, slot_indices=_garbage, state_slots=_garbage), max_size=3
+        ),
+        "decodes": st.lists(st.integers(0, 2**64 - 1), max_size=4),
+        "admits": st.lists(
+            st.builds(
+                pb.StepAdmit,
+                token_ids=_tokens,
+                token_width=st.integers(0, 10),
+                lock=st.booleans(),
+                allocate=st.booleans(),
+                expected_prefix_len=st.integers(0, 2**32 - 1),
+            ),
+            max_size=3,
+        ),
+    }
+)
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(model=st.sampled_from([m.name for m in EVERY_KIND]), items=_items)
-def test_adversarial_items_get_documented_codes(server, stub, model: str,
-                                                items: dict[str, Any]) -> None:
+def test_adversarial_items_get_documented_codes(
+    server, stub, model: str, items: dict[str, Any]
+) -> None:
     """Garbage items never answer INTERNAL, whole or per item, and leave a sound cache."""
     sid = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60)).session_id
     try:
@@ -315,15 +418,15 @@ def test_adversarial_items_get_documented_codes(server, stub, model: str,
         server.check_integrity()
 
 
-ALLOWED = {CODE.INVALID_ARGUMENT, CODE.NOT_FOUND, CODE.FAILED_PRECONDITION,
-           CODE.RESOURCE_EXHAUSTED}
+ALLOWED = {CODE.INVALID_ARGUMENT, CODE.NOT_FOUND, CODE.FAILED_PRECONDITION, CODE.RESOURCE_EXHAUSTED}
 
 
 def test_the_step_limits_are_settings(tmp_path) -> None:
     from prefixcache.server.config import ConfigError, load_config
 
-    (tmp_path / "c.yaml").write_text("models:\n  - name: m\n    pool: {size: 64, layers: 1, "
-                                     "k_heads: 1, k_head_dim: 4}\n")
+    (tmp_path / "c.yaml").write_text(
+        "models:\n  - name: m\n    pool: {size: 64, layers: 1, k_heads: 1, k_head_dim: 4}\n"
+    )
     env = {"PREFIXCACHE_MAX_STEP_ITEMS": "7", "PREFIXCACHE_MAX_STEP_BYTES": "100"}
     server = load_config(tmp_path / "c.yaml", env=env).server
     assert (server.max_step_items, server.max_step_bytes) == (7, 100)

@@ -22,8 +22,10 @@ from step_runners import LISTS, Stepped, Unary, stepped_step, unary_step
 
 from prefixcache.server.config import ModelConfig, PoolConfig
 
-BASE = (ModelConfig(name="m", page_size=1, vocab_size=1000, pool=SMALL_POOL),
-        ModelConfig(name="p", page_size=4, pool=PoolConfig(size=128, k_heads=1, k_head_dim=4)))
+BASE = (
+    ModelConfig(name="m", page_size=1, vocab_size=1000, pool=SMALL_POOL),
+    ModelConfig(name="p", page_size=4, pool=PoolConfig(size=128, k_heads=1, k_head_dim=4)),
+)
 MODELS = (*BASE, *(replace(m, name=m.name + "2") for m in BASE))
 PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [20, 21, 22])
 
@@ -37,15 +39,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]
 
 
 _finish = st.tuples(st.integers(0, 7), st.booleans(), st.booleans())  # which, keep_tail, lock
-_admit = st.tuples(st.sampled_from(range(len(PREFIXES))), st.integers(0, 40),
-                   st.integers(0, 3))  # prefix, tail length, hint
-_step = st.fixed_dictionaries({
-    "finishes": st.lists(_finish, max_size=3),
-    "unlocks": st.lists(st.integers(0, 7), max_size=2),
-    "frees": st.lists(st.integers(0, 7), max_size=2),
-    "decodes": st.lists(st.one_of(st.integers(0, 4), st.just(10**6)), max_size=6),
-    "admits": st.lists(_admit, max_size=3),
-})
+_admit = st.tuples(
+    st.sampled_from(range(len(PREFIXES))), st.integers(0, 40), st.integers(0, 3)
+)  # prefix, tail length, hint
+_step = st.fixed_dictionaries(
+    {
+        "finishes": st.lists(_finish, max_size=3),
+        "unlocks": st.lists(st.integers(0, 7), max_size=2),
+        "frees": st.lists(st.integers(0, 7), max_size=2),
+        "decodes": st.lists(st.one_of(st.integers(0, 4), st.just(10**6)), max_size=6),
+        "admits": st.lists(_admit, max_size=3),
+    }
+)
 
 
 class Worker:
@@ -64,21 +69,34 @@ class Worker:
             if not self.admitted:
                 continue
             tokens, m = self.admitted.pop(which % len(self.admitted))
-            req.finishes.add(token_ids=tokens, slot_indices=m.slot_indices + m.allocated_slots,
-                             release_lock_id=m.lock_id, keep_tail=keep_tail, lock=lock)
+            req.finishes.add(
+                token_ids=tokens,
+                slot_indices=m.slot_indices + m.allocated_slots,
+                release_lock_id=m.lock_id,
+                keep_tail=keep_tail,
+                lock=lock,
+            )
         for which in step["unlocks"]:
-            req.unlocks.append(self.locks.pop(which % len(self.locks)) if self.locks
-                               else 10**12 + which)  # bogus: NOT_FOUND
+            req.unlocks.append(
+                self.locks.pop(which % len(self.locks)) if self.locks else 10**12 + which
+            )  # bogus: NOT_FOUND
         for which in step["frees"]:
-            slots = self.decoded.pop(which % len(self.decoded)) if self.decoded \
-                else (10_000 + which).to_bytes(8, "little")  # bogus: INVALID_ARGUMENT
+            slots = (
+                self.decoded.pop(which % len(self.decoded))
+                if self.decoded
+                else (10_000 + which).to_bytes(8, "little")
+            )  # bogus: INVALID_ARGUMENT
             req.frees.add(slot_indices=slots)
         req.decodes.extend(step["decodes"])
         for prefix, extra, hint in step["admits"]:
             self.tokens += 1
             tail = [100 + (self.tokens * 7 + i) % 800 for i in range(extra)]
-            req.admits.add(token_ids=toks(PREFIXES[prefix] + tail), lock=True, allocate=True,
-                           expected_prefix_len=hint * 4)
+            req.admits.add(
+                token_ids=toks(PREFIXES[prefix] + tail),
+                lock=True,
+                allocate=True,
+                expected_prefix_len=hint * 4,
+            )
         return req
 
     def absorb(self, req: pb.StepRequest, results: dict[str, list[Any]]) -> None:
@@ -92,36 +110,53 @@ class Worker:
             if hasattr(r, "prefix_len"):
                 self.admitted.append((a.token_ids, r))
 
+
 def _s(frees=(), decodes=(), admits=()) -> dict[str, Any]:
-    return {"finishes": [], "unlocks": [], "frees": list(frees), "decodes": list(decodes),
-            "admits": list(admits)}
+    return {
+        "finishes": [],
+        "unlocks": [],
+        "frees": list(frees),
+        "decodes": list(decodes),
+        "admits": list(admits),
+    }
 
 
 # Found by CI: the step's decodes handed out other slots than the unary Allocs.
-_CI_EXAMPLE = [_s(), _s(), _s(admits=[(0, 0, 0), (0, 3, 0), (0, 40, 0)]),
-               _s(admits=[(0, 0, 0), (0, 21, 0)]),
-               _s(frees=[0], decodes=[1], admits=[(0, 0, 0), (0, 1, 0), (0, 40, 0)]),
-               _s(frees=[0, 0], decodes=[0], admits=[(0, 0, 0), (0, 11, 0), (0, 40, 0)]),
-               _s(decodes=[4, 4, 4])]
+_CI_EXAMPLE = [
+    _s(),
+    _s(),
+    _s(admits=[(0, 0, 0), (0, 3, 0), (0, 40, 0)]),
+    _s(admits=[(0, 0, 0), (0, 21, 0)]),
+    _s(frees=[0], decodes=[1], admits=[(0, 0, 0), (0, 1, 0), (0, 40, 0)]),
+    _s(frees=[0, 0], decodes=[0], admits=[(0, 0, 0), (0, 11, 0), (0, 40, 0)]),
+    _s(decodes=[4, 4, 4]),
+]
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(model=st.sampled_from(["m", "p"]), steps=st.lists(_step, min_size=1, max_size=8))
 @example(model="m", steps=_CI_EXAMPLE)
-def test_a_step_is_its_items_one_by_one(world: tuple[Any, Any], model: str,
-                                         steps: list[dict[str, Any]]) -> None:
+def test_a_step_is_its_items_one_by_one(
+    world: tuple[Any, Any], model: str, steps: list[dict[str, Any]]
+) -> None:
     srv, stub = world
     traces = []
-    for runner, run in ((Unary(stub, model), unary_step),
-                        (Stepped(stub, model + "2"), stepped_step)):
+    for runner, run in (
+        (Unary(stub, model), unary_step),
+        (Stepped(stub, model + "2"), stepped_step),
+    ):
         worker, trace = Worker(), []
         for step in steps:
             req = worker.request(step)
             results = run(runner, req)
             worker.absorb(req, results)
-            trace.append(({name: [runner.norm(r) for r in results[name]] for name in LISTS},
-                          runner.stats()))
+            trace.append(
+                ({name: [runner.norm(r) for r in results[name]] for name in LISTS}, runner.stats())
+            )
         runner.close()
         trace.append(runner.stats())
         traces.append(trace)

@@ -29,8 +29,14 @@ def _sample(srv: ServerThread, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    with running(tmp_path_factory.mktemp("evict"), MODELS, token="t0k", admin_token="adm",
-                 max_evict_tokens=4, evict_interval=1e-6) as thread:
+    with running(
+        tmp_path_factory.mktemp("evict"),
+        MODELS,
+        token="t0k",
+        admin_token="adm",
+        max_evict_tokens=4,
+        evict_interval=1e-6,
+    ) as thread:
         yield thread
 
 
@@ -55,7 +61,8 @@ def _cache(client: PrefixCacheClient, first: int, n: int) -> None:
 
 
 def test_an_eviction_over_the_cap_needs_the_admin_token(
-        srv: ServerThread, worker: PrefixCacheClient, admin: PrefixCacheClient) -> None:
+    srv: ServerThread, worker: PrefixCacheClient, admin: PrefixCacheClient
+) -> None:
     _cache(worker, 1000, 20)
     before = worker.stats("m").models[0].evictable_tokens
     refused = _sample(srv, "prefixcache_refusals_total", limit="max_evict_tokens")
@@ -64,8 +71,7 @@ def test_an_eviction_over_the_cap_needs_the_admin_token(
     with pytest.raises(PermissionDenied):
         worker.evict("m", 0, swa_num_tokens=2**64 - 1)
     assert worker.stats("m").models[0].evictable_tokens == before  # nothing evicted
-    assert _sample(srv, "prefixcache_refusals_total",
-                   limit="max_evict_tokens") == refused + 2
+    assert _sample(srv, "prefixcache_refusals_total", limit="max_evict_tokens") == refused + 2
     assert worker.evict("m", 4).evicted_tokens >= 4  # within the cap: anyone
     left = worker.stats("m").models[0].evictable_tokens
     assert admin.evict("m", 2**64 - 1).evicted_tokens == left  # the admin: any amount
@@ -74,8 +80,10 @@ def test_an_eviction_over_the_cap_needs_the_admin_token(
 
 def test_the_session_stream_is_held_to_the_cap(srv: ServerThread) -> None:
     _, stub = stub_for(srv.address)
-    requests = [pb.SessionRequest(seq=1, evict=pb.EvictRequest(model="m", num_tokens=5)),
-                pb.SessionRequest(seq=2, evict=pb.EvictRequest(model="m", num_tokens=4))]
+    requests = [
+        pb.SessionRequest(seq=1, evict=pb.EvictRequest(model="m", num_tokens=5)),
+        pb.SessionRequest(seq=2, evict=pb.EvictRequest(model="m", num_tokens=4)),
+    ]
     denied, allowed = stub.Session(iter(requests), timeout=10, metadata=_bearer("t0k"))
     assert denied.error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
     assert allowed.WhichOneof("result") == "evict"
@@ -84,8 +92,11 @@ def test_the_session_stream_is_held_to_the_cap(srv: ServerThread) -> None:
 
 
 def test_evictions_are_counted_by_kind_of_caller_and_logged_by_client(
-        srv: ServerThread, worker: PrefixCacheClient, admin: PrefixCacheClient,
-        caplog: pytest.LogCaptureFixture) -> None:
+    srv: ServerThread,
+    worker: PrefixCacheClient,
+    admin: PrefixCacheClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     def calls(kind: str) -> float:
         return _sample(srv, "prefixcache_evict_calls_total", model="m", caller=kind)
 
@@ -95,8 +106,10 @@ def test_evictions_are_counted_by_kind_of_caller_and_logged_by_client(
     logger = logging.getLogger("prefixcache")
     logger.addHandler(caplog.handler)  # the service's logger may not propagate to root
     try:
-        with caplog.at_level(logging.DEBUG, logger="prefixcache"), \
-                worker.session(10, name="worker-7") as s:
+        with (
+            caplog.at_level(logging.DEBUG, logger="prefixcache"),
+            worker.session(10, name="worker-7") as s,
+        ):
             evicted = s.evict("m", 3).evicted_tokens
             worker.evict("m", 1)
             worker.evict("m", 1, session="no-such-session")  # gone: anonymous, not refused
@@ -106,8 +119,10 @@ def test_evictions_are_counted_by_kind_of_caller_and_logged_by_client(
     assert calls("session") == counts["session"] + 1
     assert calls("anonymous") == counts["anonymous"] + 2
     assert calls("admin") == counts["admin"] + 1
-    assert _sample(srv, "prefixcache_evict_call_tokens_total", model="m",
-                   caller="session") == freed + evicted
+    assert (
+        _sample(srv, "prefixcache_evict_call_tokens_total", model="m", caller="session")
+        == freed + evicted
+    )
     records = list({id(r): r for r in caplog.records if r.getMessage() == "evict"}.values())
     mine = [r for r in records if getattr(r, "client", None) == "worker-7"]
     assert len(mine) == 1 and mine[0].levelno == logging.DEBUG and mine[0].caller == "session"
@@ -122,5 +137,7 @@ def test_no_cap_by_default(tmp_path: pytest.TempPathFactory) -> None:
         channel, stub = stub_for(srv.address)
         with channel:
             stub.Evict(pb.EvictRequest(model="m", num_tokens=1), timeout=10)
-            assert stub.Match(pb.MatchRequest(model="m", token_ids=toks([1])),
-                              timeout=10).prefix_len == 0
+            assert (
+                stub.Match(pb.MatchRequest(model="m", token_ids=toks([1])), timeout=10).prefix_len
+                == 0
+            )

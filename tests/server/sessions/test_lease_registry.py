@@ -20,14 +20,17 @@ class Clock:
 
 
 # Durations are binary fractions, so that lease arithmetic is exact on both sides.
-OPS = st.lists(st.one_of(
-    st.tuples(st.just("open"), st.sampled_from([0.5, 1.0, 3.0, None])),
-    st.tuples(st.just("renew"), st.integers(0, 30)),
-    st.tuples(st.just("close"), st.integers(0, 30)),
-    st.tuples(st.just("advance"), st.sampled_from([0.25, 0.75, 1.0, 2.5])),
-    st.tuples(st.just("stall"), st.sampled_from([0.5, 5.0])),
-    st.tuples(st.just("expire"), st.sampled_from([None, 1, 3])),
-), max_size=60)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("open"), st.sampled_from([0.5, 1.0, 3.0, None])),
+        st.tuples(st.just("renew"), st.integers(0, 30)),
+        st.tuples(st.just("close"), st.integers(0, 30)),
+        st.tuples(st.just("advance"), st.sampled_from([0.25, 0.75, 1.0, 2.5])),
+        st.tuples(st.just("stall"), st.sampled_from([0.5, 5.0])),
+        st.tuples(st.just("expire"), st.sampled_from([None, 1, 3])),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -36,9 +39,9 @@ def test_leases_lapse_exactly_when_their_deadline_passes(ops) -> None:
     clock = Clock()
     released = []
     registry = SessionRegistry(lambda s: (released.append(s.id), (0, 0))[1], clock)
-    opened = []                    # every session, in order
+    opened = []  # every session, in order
     deadline: dict[str, float] = {}  # model: open session -> lease-time deadline
-    lease_now = clock.now          # model's lease time: the clock less the stalls
+    lease_now = clock.now  # model's lease time: the clock less the stalls
     for op, arg in ops:
         if op == "open":
             session = registry.open(arg)
@@ -92,6 +95,5 @@ def test_a_lapsed_session_is_told_after_it_is_closed() -> None:
     seen = []
     session.on_lapse = lambda: seen.append((session.closed, session.lapsed))
     clock.now += 1.0
-    assert [(s.id, locks, slots) for s, locks, slots in registry.expire()] == \
-        [(session.id, 2, 3)]
+    assert [(s.id, locks, slots) for s, locks, slots in registry.expire()] == [(session.id, 2, 3)]
     assert seen == [(True, True)]

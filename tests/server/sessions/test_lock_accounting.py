@@ -50,11 +50,18 @@ def refused(call, request) -> grpc.StatusCode:
 
 def cache_sequence(stub, sid: str, tokens: list[int]) -> pb.MatchResponse:
     """Cache ``tokens`` in the slot model in a slot the session then frees."""
-    m = stub.Match(pb.MatchRequest(model="s", token_ids=toks(tokens), session_id=sid,
-                                   allocate=True))
-    stub.Insert(pb.InsertRequest(model="s", token_ids=toks(tokens), session_id=sid,
-                                 slot_indices=m.allocated_slots,
-                                 slot_version=m.allocated_slot_version))
+    m = stub.Match(
+        pb.MatchRequest(model="s", token_ids=toks(tokens), session_id=sid, allocate=True)
+    )
+    stub.Insert(
+        pb.InsertRequest(
+            model="s",
+            token_ids=toks(tokens),
+            session_id=sid,
+            slot_indices=m.allocated_slots,
+            slot_version=m.allocated_slot_version,
+        )
+    )
     stub.Free(pb.FreeRequest(model="s", slot_indices=m.allocated_slots, session_id=sid))
     return m
 
@@ -66,8 +73,11 @@ def test_slot_model_locking_match_reuses_a_freed_slot_in_place(server, stub, sid
     before = stats(stub)["s"]
 
     # The worker's prefill: the prefix is cached in a free slot, so it is reused in place.
-    hit = stub.Match(pb.MatchRequest(model="s", token_ids=toks([*tokens, 105, 106]),
-                                     session_id=sid, lock=True, allocate=True))
+    hit = stub.Match(
+        pb.MatchRequest(
+            model="s", token_ids=toks([*tokens, 105, 106]), session_id=sid, lock=True, allocate=True
+        )
+    )
     assert hit.prefix_len == 4 and hit.lock_id and hit.node_id
     assert slots(hit.allocated_slots) == [slot]
     assert hit.allocated_slot_version != first.allocated_slot_version
@@ -79,9 +89,17 @@ def test_slot_model_locking_match_reuses_a_freed_slot_in_place(server, stub, sid
 
     # ...then the insert under the new version, handing the lock over, and the finish.
     full = [*tokens, 105, 106]
-    ins = stub.Insert(pb.InsertRequest(
-        model="s", token_ids=toks(full), session_id=sid, slot_indices=hit.allocated_slots,
-        slot_version=hit.allocated_slot_version, lock=True, release_lock_id=hit.lock_id))
+    ins = stub.Insert(
+        pb.InsertRequest(
+            model="s",
+            token_ids=toks(full),
+            session_id=sid,
+            slot_indices=hit.allocated_slots,
+            slot_version=hit.allocated_slot_version,
+            lock=True,
+            release_lock_id=hit.lock_id,
+        )
+    )
     assert (ins.prefix_len, ins.cached_len) == (4, 6) and ins.lock_id
     stub.Unlock(pb.UnlockRequest(lock_id=ins.lock_id, session_id=sid))
     stub.Free(pb.FreeRequest(model="s", slot_indices=hit.allocated_slots, session_id=sid))
@@ -99,19 +117,27 @@ def test_slot_model_refused_locking_match_changes_nothing(server, stub, sid) -> 
     other = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60)).session_id
     pool = stub.DescribePool(pb.DescribePoolRequest(model="s")).pool_size
     stub.Alloc(pb.AllocRequest(model="s", num_slots=pool - 1, session_id=other))
-    hit = stub.Match(pb.MatchRequest(model="s", token_ids=toks(tokens), session_id=sid,
-                                     lock=True, allocate=True))
+    hit = stub.Match(
+        pb.MatchRequest(model="s", token_ids=toks(tokens), session_id=sid, lock=True, allocate=True)
+    )
     assert hit.lock_id and len(slots(hit.allocated_slots)) == 1
     # ...and a second one finds no slot at all: refused, with no lock, counted only as
     # a lookup refused for room (the capacity outcome).
     before = stats(stub)["s"]
     try:
-        assert refused(stub.Match, pb.MatchRequest(model="s", token_ids=toks(tokens),
-                                                   session_id=sid, lock=True,
-                                                   allocate=True)) == CODE.RESOURCE_EXHAUSTED
+        assert (
+            refused(
+                stub.Match,
+                pb.MatchRequest(
+                    model="s", token_ids=toks(tokens), session_id=sid, lock=True, allocate=True
+                ),
+            )
+            == CODE.RESOURCE_EXHAUSTED
+        )
         after = stats(stub)["s"]
-        assert after.lookup_tokens_total["capacity"] \
-            == before.lookup_tokens_total["capacity"] + len(tokens)
+        assert after.lookup_tokens_total["capacity"] == before.lookup_tokens_total[
+            "capacity"
+        ] + len(tokens)
         after.lookup_tokens_total["capacity"] = before.lookup_tokens_total["capacity"]
         assert after == before
     finally:
@@ -123,16 +149,30 @@ def _lock_on(stub, sid: str, model: str) -> int:
     """A lock the session holds on a cached prefix of ``model``."""
     tokens = [201, 202, 203, 204]
     if model == "s":
-        m = stub.Match(pb.MatchRequest(model="s", token_ids=toks(tokens), session_id=sid,
-                                       allocate=True))
-        ins = stub.Insert(pb.InsertRequest(model="s", token_ids=toks(tokens), session_id=sid,
-                                           slot_indices=m.allocated_slots, lock=True,
-                                           slot_version=m.allocated_slot_version))
+        m = stub.Match(
+            pb.MatchRequest(model="s", token_ids=toks(tokens), session_id=sid, allocate=True)
+        )
+        ins = stub.Insert(
+            pb.InsertRequest(
+                model="s",
+                token_ids=toks(tokens),
+                session_id=sid,
+                slot_indices=m.allocated_slots,
+                lock=True,
+                slot_version=m.allocated_slot_version,
+            )
+        )
         return ins.lock_id
-    m = stub.Match(pb.MatchRequest(model=model, token_ids=toks(tokens), session_id=sid,
-                                   allocate=True))
-    req = pb.InsertRequest(model=model, token_ids=toks(tokens), session_id=sid, lock=True,
-                           slot_indices=m.slot_indices + m.allocated_slots)
+    m = stub.Match(
+        pb.MatchRequest(model=model, token_ids=toks(tokens), session_id=sid, allocate=True)
+    )
+    req = pb.InsertRequest(
+        model=model,
+        token_ids=toks(tokens),
+        session_id=sid,
+        lock=True,
+        slot_indices=m.slot_indices + m.allocated_slots,
+    )
     if m.HasField("allocated_state_slot"):
         req.state_slot = m.allocated_state_slot
     return stub.Insert(req).lock_id
@@ -140,12 +180,17 @@ def _lock_on(stub, sid: str, model: str) -> int:
 
 def _insert_into(stub, sid: str, model: str, release_lock_id: int) -> pb.InsertRequest:
     tokens = [301, 302, 303, 304]
-    m = stub.Match(pb.MatchRequest(model=model, token_ids=toks(tokens), session_id=sid,
-                                   allocate=True))
-    req = pb.InsertRequest(model=model, token_ids=toks(tokens), session_id=sid, lock=True,
-                           release_lock_id=release_lock_id,
-                           slot_indices=m.allocated_slots if model == "s"
-                           else m.slot_indices + m.allocated_slots)
+    m = stub.Match(
+        pb.MatchRequest(model=model, token_ids=toks(tokens), session_id=sid, allocate=True)
+    )
+    req = pb.InsertRequest(
+        model=model,
+        token_ids=toks(tokens),
+        session_id=sid,
+        lock=True,
+        release_lock_id=release_lock_id,
+        slot_indices=m.allocated_slots if model == "s" else m.slot_indices + m.allocated_slots,
+    )
     if model == "s":
         req.slot_version = m.allocated_slot_version
     if m.HasField("allocated_state_slot"):
@@ -153,10 +198,12 @@ def _insert_into(stub, sid: str, model: str, release_lock_id: int) -> pb.InsertR
     return req
 
 
-@pytest.mark.parametrize(("target", "owner"), [("s", "m"), ("s", "h"), ("m", "s"),
-                                               ("w", "s"), ("h", "m")])
+@pytest.mark.parametrize(
+    ("target", "owner"), [("s", "m"), ("s", "h"), ("m", "s"), ("w", "s"), ("h", "m")]
+)
 def test_insert_refuses_another_models_lock_and_changes_nothing(
-        server, stub, sid, target: str, owner: str) -> None:
+    server, stub, sid, target: str, owner: str
+) -> None:
     lock_id = _lock_on(stub, sid, owner)
     req = _insert_into(stub, sid, target, lock_id)
     before = stats(stub)
@@ -178,8 +225,10 @@ def test_insert_refuses_another_models_lock_and_changes_nothing(
 def test_unlock_of_another_sessions_or_models_lock(server, stub, sid) -> None:
     lock_id = _lock_on(stub, sid, "s")
     other = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60)).session_id
-    assert refused(stub.Unlock, pb.UnlockRequest(lock_id=lock_id, session_id=other)) \
+    assert (
+        refused(stub.Unlock, pb.UnlockRequest(lock_id=lock_id, session_id=other))
         == CODE.FAILED_PRECONDITION
+    )
     # The engine refuses a lock of another model too, whoever calls it.
     engine, session = server.service.engine("m"), server.service.session(sid)
     with pytest.raises(Exception, match="another model"):
@@ -200,8 +249,7 @@ def _corrupt_and_check(server, corrupt, undo, match: str) -> None:
     server.check_integrity()
 
 
-def test_integrity_check_compares_locks_with_the_sessions_that_hold_them(
-        server, stub, sid) -> None:
+def test_integrity_check_compares_locks_with_the_sessions_that_hold_them(server, stub, sid) -> None:
     lock_id = _lock_on(stub, sid, "m")
     slot_lock = _lock_on(stub, sid, "s")
     session = server.service.session(sid)
@@ -213,17 +261,29 @@ def test_integrity_check_compares_locks_with_the_sessions_that_hold_them(
 
     _corrupt_and_check(server, bump(1), bump(-1), "num_locks")
     # A lock that left the session but stayed in the tree (and in the counter).
-    _corrupt_and_check(server, lambda: session.locks.pop(lock_id),
-                       lambda: session.locks.__setitem__(lock_id, held), "lock")
+    _corrupt_and_check(
+        server,
+        lambda: session.locks.pop(lock_id),
+        lambda: session.locks.__setitem__(lock_id, held),
+        "lock",
+    )
     # A lock in the tree that no session holds.
     node = held.node
-    _corrupt_and_check(server, lambda: engine.cache.inc_lock_ref(node),
-                       lambda: engine.cache.dec_lock_ref(node), "own lock")
+    _corrupt_and_check(
+        server,
+        lambda: engine.cache.inc_lock_ref(node),
+        lambda: engine.cache.dec_lock_ref(node),
+        "own lock",
+    )
     # The same on the slot model (pins).
     slot_engine = server.service.engine("s")
     pinned = session.locks[slot_lock].node
-    _corrupt_and_check(server, lambda: slot_engine.cache.pin(pinned),
-                       lambda: slot_engine.cache.release(pinned), "own lock")
+    _corrupt_and_check(
+        server,
+        lambda: slot_engine.cache.pin(pinned),
+        lambda: slot_engine.cache.release(pinned),
+        "own lock",
+    )
     stub.Unlock(pb.UnlockRequest(lock_id=lock_id, session_id=sid))
     stub.Unlock(pb.UnlockRequest(lock_id=slot_lock, session_id=sid))
     server.check_integrity()
@@ -231,8 +291,9 @@ def test_integrity_check_compares_locks_with_the_sessions_that_hold_them(
 
 def test_integrity_check_follows_swa_window_locks(server, stub, sid) -> None:
     lock_id = _lock_on(stub, sid, "w")
-    again = stub.Match(pb.MatchRequest(model="w", token_ids=toks([201, 202, 203, 204]),
-                                       session_id=sid, lock=True)).lock_id
+    again = stub.Match(
+        pb.MatchRequest(model="w", token_ids=toks([201, 202, 203, 204]), session_id=sid, lock=True)
+    ).lock_id
     engine = server.service.engine("w")
     node = server.service.session(sid).locks[lock_id].node
     assert server.service.session(sid).locks[again].node is node and node.swa_lock_ref == 2

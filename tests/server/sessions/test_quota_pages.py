@@ -18,8 +18,11 @@ from harness import pack_slots, pb, serve_module, slots, stub_of, toks
 from prefixcache.server.config import ModelConfig, PoolConfig
 
 PAGE, POOL, CAP = 16, 4096, 512
-MODELS = (ModelConfig(name="p", page_size=PAGE,
-                      pool=PoolConfig(size=POOL, layers=1, k_heads=1, k_head_dim=2)),)
+MODELS = (
+    ModelConfig(
+        name="p", page_size=PAGE, pool=PoolConfig(size=POOL, layers=1, k_heads=1, k_head_dim=2)
+    ),
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,9 @@ def free_slots(stub) -> int:
 
 
 def alloc(stub, sid: str, n: int) -> list[int]:
-    return slots(stub.Alloc(pb.AllocRequest(model="p", num_slots=n, session_id=sid),
-                            timeout=10).slot_indices)
+    return slots(
+        stub.Alloc(pb.AllocRequest(model="p", num_slots=n, session_id=sid), timeout=10).slot_indices
+    )
 
 
 def test_one_slot_allocations_are_charged_whole_pages(server, stub, sid) -> None:
@@ -76,27 +80,30 @@ def test_freeing_a_pages_last_slot_gives_its_page_back_to_the_quota(server, stub
     with pytest.raises(grpc.RpcError):
         alloc(stub, sid, 1)
     # Half of the first page is not enough: the page is still held.
-    stub.Free(pb.FreeRequest(model="p", session_id=sid,
-                             slot_indices=pack_slots(first[:8])))
+    stub.Free(pb.FreeRequest(model="p", session_id=sid, slot_indices=pack_slots(first[:8])))
     with pytest.raises(grpc.RpcError):
         alloc(stub, sid, 1)
-    stub.Free(pb.FreeRequest(model="p", session_id=sid,
-                             slot_indices=pack_slots(first[8:16])))
+    stub.Free(pb.FreeRequest(model="p", session_id=sid, slot_indices=pack_slots(first[8:16])))
     assert len(alloc(stub, sid, PAGE)) == PAGE  # the whole page came back
     server.check_integrity()
 
 
-def test_an_insert_hands_its_whole_pages_over_and_keeps_the_tail_page(server, stub,
-                                                                       sid) -> None:
+def test_an_insert_hands_its_whole_pages_over_and_keeps_the_tail_page(server, stub, sid) -> None:
     tokens = list(range(1000, 1020))  # 20 tokens: one whole page and a tail of 4
-    m = stub.Match(pb.MatchRequest(model="p", token_ids=toks(tokens), allocate=True,
-                                   session_id=sid))
-    stub.Insert(pb.InsertRequest(model="p", token_ids=toks(tokens), session_id=sid,
-                                 slot_indices=m.slot_indices + m.allocated_slots))
+    m = stub.Match(
+        pb.MatchRequest(model="p", token_ids=toks(tokens), allocate=True, session_id=sid)
+    )
+    stub.Insert(
+        pb.InsertRequest(
+            model="p",
+            token_ids=toks(tokens),
+            session_id=sid,
+            slot_indices=m.slot_indices + m.allocated_slots,
+        )
+    )
     # The tree took the first page; the tail's page (4 slots held) still counts 16.
     assert len(alloc(stub, sid, CAP - PAGE)) == CAP - PAGE
     with pytest.raises(grpc.RpcError) as err:
         alloc(stub, sid, 1)
     assert "holds 512 slots" in err.value.details()
     server.check_integrity()
-

@@ -27,11 +27,16 @@ MODELS = (
     ModelConfig(name="r1", page_size=1, pool=POOL),
     ModelConfig(name="r4", page_size=4, pool=POOL),
     ModelConfig(name="w", kind="swa", page_size=1, sliding_window_size=3, pool=POOL),
-    ModelConfig(name="mb", kind="mamba", page_size=1, pool=POOL,
-                mamba=MambaConfig(state_slots=6, conv_state_shape=(2,),
-                                  temporal_state_shape=(2,))),
-    ModelConfig(name="s", kind="slot", max_seq_len=12,
-                pool=PoolConfig(size=6, k_heads=1, k_head_dim=2)),
+    ModelConfig(
+        name="mb",
+        kind="mamba",
+        page_size=1,
+        pool=POOL,
+        mamba=MambaConfig(state_slots=6, conv_state_shape=(2,), temporal_state_shape=(2,)),
+    ),
+    ModelConfig(
+        name="s", kind="slot", max_seq_len=12, pool=PoolConfig(size=6, k_heads=1, k_head_dim=2)
+    ),
 )
 NAMES = [m.name for m in MODELS]
 SLOTS, LOCKED = 9, 14
@@ -54,10 +59,14 @@ class QuotaMachine(RuleBasedStateMachine):
         return self.sessions[i]
 
     def _state(self) -> tuple:
-        engines = tuple((e.num_locks, e.session_slots, e.session_state_slots,
-                         tuple(sorted(e.sizes().items()))) for e in self.svc.engines.values())
-        held = tuple((tuple(sorted(s.slots.items())), tuple(sorted(s.locked_tokens.items())),
-                      len(s.locks)) for s in self.svc.sessions)
+        engines = tuple(
+            (e.num_locks, e.session_slots, e.session_state_slots, tuple(sorted(e.sizes().items())))
+            for e in self.svc.engines.values()
+        )
+        held = tuple(
+            (tuple(sorted(s.slots.items())), tuple(sorted(s.locked_tokens.items())), len(s.locks))
+            for s in self.svc.sessions
+        )
         return engines, held
 
     def _try(self, call, *args, **kwargs):
@@ -91,12 +100,20 @@ class QuotaMachine(RuleBasedStateMachine):
         if engine.kind == "slot":
             if not len(m.allocated):
                 return
-            out = self._try(engine.insert, RadixKey(tokens), m.allocated, session, lock,
-                            release, slot_version=m.allocated_version)
+            out = self._try(
+                engine.insert,
+                RadixKey(tokens),
+                m.allocated,
+                session,
+                lock,
+                release,
+                slot_version=m.allocated_version,
+            )
         else:
             slots = np.concatenate([m.indices, m.allocated]).astype(np.int64)
-            out = self._try(engine.insert, RadixKey(tokens), slots, session, lock, release,
-                            m.allocated_state)
+            out = self._try(
+                engine.insert, RadixKey(tokens), slots, session, lock, release, m.allocated_state
+            )
         if out is not None and out.node_id:
             self.nodes.append((model, out.node_id))
 
@@ -141,5 +158,9 @@ class QuotaMachine(RuleBasedStateMachine):
 
 
 TestQuotas = QuotaMachine.TestCase
-TestQuotas.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
-                               suppress_health_check=[HealthCheck.too_slow])
+TestQuotas.settings = settings(
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

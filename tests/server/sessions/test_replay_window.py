@@ -57,8 +57,9 @@ def test_reset_forgets_replies_so_a_retry_takes_a_new_lock(stub) -> None:
     alloc = stub.Alloc(pb.AllocRequest(model="m", num_slots=3, session_id=sid))
     ins.slot_indices = alloc.slot_indices
     stub.Insert(ins)
-    m = pb.MatchRequest(model="m", token_ids=toks([5, 6, 7]), session_id=sid,
-                        lock=True, request_id=41)
+    m = pb.MatchRequest(
+        model="m", token_ids=toks([5, 6, 7]), session_id=sid, lock=True, request_id=41
+    )
     before = stub.Match(m)
     assert before.lock_id and stub.Match(m).lock_id == before.lock_id
     stub.Reset(pb.ResetRequest(model="m"))

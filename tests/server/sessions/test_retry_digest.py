@@ -46,13 +46,21 @@ def refused(call, request) -> str:
 
 
 def test_a_step_retried_with_other_tokens_is_refused(server, stub, session) -> None:
-    first = pb.StepRequest(model="m", session_id=session, request_id=5, admits=[
-        pb.StepAdmit(token_ids=toks([1, 2, 3]), lock=True, allocate=True)])
+    first = pb.StepRequest(
+        model="m",
+        session_id=session,
+        request_id=5,
+        admits=[pb.StepAdmit(token_ids=toks([1, 2, 3]), lock=True, allocate=True)],
+    )
     reply = stub.Step(first)
     before = state(stub)
     # The same shape (one admission), other tokens: refused, not answered `replayed`.
-    other = pb.StepRequest(model="m", session_id=session, request_id=5, admits=[
-        pb.StepAdmit(token_ids=toks([9, 9, 9, 9, 9]), lock=True, allocate=True)])
+    other = pb.StepRequest(
+        model="m",
+        session_id=session,
+        request_id=5,
+        admits=[pb.StepAdmit(token_ids=toks([9, 9, 9, 9, 9]), lock=True, allocate=True)],
+    )
     assert "request_id 5 was used by a different step" in refused(stub.Step, other)
     assert state(stub) == before
     again = stub.Step(first)  # the faithful retry is still answered from the window
@@ -64,16 +72,27 @@ def test_a_step_retried_with_other_tokens_is_refused(server, stub, session) -> N
 
 
 def test_match_lock_and_get_pages_retries_are_checked_too(server, stub, session) -> None:
-    match = pb.MatchRequest(model="m", session_id=session, request_id=8,
-                            token_ids=toks([4, 5]), lock=True, allocate=True)
+    match = pb.MatchRequest(
+        model="m",
+        session_id=session,
+        request_id=8,
+        token_ids=toks([4, 5]),
+        lock=True,
+        allocate=True,
+    )
     stub.Match(match)
     before = state(stub)
-    other = pb.MatchRequest(model="m", session_id=session, request_id=8,
-                            token_ids=toks([4, 5, 6, 7]), lock=True, allocate=True)
+    other = pb.MatchRequest(
+        model="m",
+        session_id=session,
+        request_id=8,
+        token_ids=toks([4, 5, 6, 7]),
+        lock=True,
+        allocate=True,
+    )
     assert "different match" in refused(stub.Match, other)
     assert state(stub) == before
-    pages = pb.GetPagesRequest(model="m", session_id=session, request_id=10,
-                               page_hashes=b"\1" * 32)
+    pages = pb.GetPagesRequest(model="m", session_id=session, request_id=10, page_hashes=b"\1" * 32)
     stub.GetPages(pages)
     pages.page_hashes = b"\2" * 32
     assert "different get_pages" in refused(stub.GetPages, pages)

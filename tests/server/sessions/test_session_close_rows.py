@@ -16,8 +16,10 @@ from prefixcache.server.service import CacheService
 POOL = PoolConfig(size=512, k_heads=1, k_head_dim=2)
 
 # (who, what, amount): who 0 is the session closed at the end, 1 another session.
-OPS = st.lists(st.tuples(st.integers(0, 1), st.sampled_from(["alloc", "free", "insert"]),
-                         st.integers(1, 24)), max_size=30)
+OPS = st.lists(
+    st.tuples(st.integers(0, 1), st.sampled_from(["alloc", "free", "insert"]), st.integers(1, 24)),
+    max_size=30,
+)
 
 
 def _service(page_size: int, pool: PoolConfig = POOL) -> CacheService:
@@ -26,8 +28,7 @@ def _service(page_size: int, pool: PoolConfig = POOL) -> CacheService:
 
 @settings(max_examples=60, deadline=None)
 @given(page_size=st.sampled_from([1, 4]), ops=OPS)
-def test_close_frees_exactly_the_held_rows(page_size: int, ops: list[tuple[int, str, int]]
-                                           ) -> None:
+def test_close_frees_exactly_the_held_rows(page_size: int, ops: list[tuple[int, str, int]]) -> None:
     svc = _service(page_size)
     engine = svc.engine("m")
     sessions = [svc.open_session(10.0), svc.open_session(10.0)]

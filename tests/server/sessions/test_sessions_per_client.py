@@ -46,8 +46,9 @@ else:
 
 
 def _open(stub, name: str = "", metadata=None) -> str:
-    return stub.OpenSession(pb.OpenSessionRequest(client_name=name), metadata=metadata,
-                            timeout=10).session_id
+    return stub.OpenSession(
+        pb.OpenSessionRequest(client_name=name), metadata=metadata, timeout=10
+    ).session_id
 
 
 def _refused(stub, name: str = "", metadata=None) -> str:
@@ -60,9 +61,14 @@ def _refused(stub, name: str = "", metadata=None) -> str:
 
 def _other(address: str, tries: int) -> tuple[int, str, str]:
     """Run OTHER; what it printed."""
-    done = subprocess.run([sys.executable, "-c", OTHER, address, str(tries)],
-                          env={**os.environ, "PYTHONPATH": SOURCE_PATH},
-                          capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", OTHER, address, str(tries)],
+        env={**os.environ, "PYTHONPATH": SOURCE_PATH},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     opened, code, details = json.loads(done.stdout)
     return opened, code, details
 
@@ -91,8 +97,9 @@ def test_rotating_names_on_the_unix_socket_are_one_process(tmp_path) -> None:
             assert (opened, code) == (CAP, "RESOURCE_EXHAUSTED"), details
             assert f"pid={os.getpid()}" not in details
             # Session streams of this process count against it too.
-            stream = stub.Session(iter([pb.SessionRequest(
-                seq=1, stats=pb.StatsRequest(model="m"))]))
+            stream = stub.Session(
+                iter([pb.SessionRequest(seq=1, stats=pb.StatsRequest(model="m"))])
+            )
             with pytest.raises(grpc.RpcError) as err:
                 list(stream)
             assert "server.max_sessions_per_client" in err.value.details()
@@ -101,8 +108,14 @@ def test_rotating_names_on_the_unix_socket_are_one_process(tmp_path) -> None:
 
 
 def test_rotating_names_on_loopback_tcp_are_one_user(tmp_path) -> None:
-    with running(tmp_path, MODELS, listen="127.0.0.1:0", insecure=True,
-                 max_sessions=4 * CAP, max_sessions_per_client=CAP) as srv:
+    with running(
+        tmp_path,
+        MODELS,
+        listen="127.0.0.1:0",
+        insecure=True,
+        max_sessions=4 * CAP,
+        max_sessions_per_client=CAP,
+    ) as srv:
         channel, stub = stub_for(srv.address)
         with channel:
             _rotating_names_are_one_client(srv, stub, f"uid={os.geteuid()}")
@@ -113,8 +126,9 @@ def test_rotating_names_on_loopback_tcp_are_one_user(tmp_path) -> None:
 
 
 def test_without_peer_credentials_names_tell_local_clients_apart(tmp_path) -> None:
-    with running(tmp_path, MODELS, max_sessions=4 * CAP, max_sessions_per_client=CAP,
-                 peer_credentials=False) as srv:
+    with running(
+        tmp_path, MODELS, max_sessions=4 * CAP, max_sessions_per_client=CAP, peer_credentials=False
+    ) as srv:
         channel, stub = stub_for(srv.address)
         with channel:
             for _ in range(CAP):
@@ -128,10 +142,18 @@ def test_without_peer_credentials_names_tell_local_clients_apart(tmp_path) -> No
 def test_a_tenant_is_one_client_whatever_names_it_sends(tmp_path) -> None:
     """Under a tenant's token, changing names opens nothing more; another tenant still
     opens its sessions, from the same process."""
-    tenants = (TenantConfig("acme", "tok-acme", namespaces=("acme/",)),
-               TenantConfig("beta", "tok-beta", namespaces=("beta/",)))
-    with running(tmp_path, MODELS, token="t0k", tenants=tenants, max_sessions=4 * CAP,
-                 max_sessions_per_client=CAP) as srv:
+    tenants = (
+        TenantConfig("acme", "tok-acme", namespaces=("acme/",)),
+        TenantConfig("beta", "tok-beta", namespaces=("beta/",)),
+    )
+    with running(
+        tmp_path,
+        MODELS,
+        token="t0k",
+        tenants=tenants,
+        max_sessions=4 * CAP,
+        max_sessions_per_client=CAP,
+    ) as srv:
         channel, stub = stub_for(srv.address)
         acme = (("authorization", "Bearer tok-acme"),)
         beta = (("authorization", "Bearer tok-beta"),)
@@ -164,11 +186,17 @@ def test_client_identity() -> None:
     assert peer_address("ipv6:[2001:db8::2]:9") == ("2001:db8::2", 9)
     assert peer_address("unix:/tmp/pc.sock") is None and peer_address("") is None
     # A remote peer is its address, whatever name it sends and whichever port.
-    assert client_identity(ANYONE, "ipv4:10.0.0.7:1", "x") == \
-        client_identity(ANYONE, "ipv4:10.0.0.7:2", "y") == "host:10.0.0.7"
+    assert (
+        client_identity(ANYONE, "ipv4:10.0.0.7:1", "x")
+        == client_identity(ANYONE, "ipv4:10.0.0.7:2", "y")
+        == "host:10.0.0.7"
+    )
     # A tenant is its token, from anywhere.
-    assert client_identity(tenant, "ipv4:10.0.0.7:1", "x") == \
-        client_identity(tenant, "unix:", "y") == "tenant:acme"
+    assert (
+        client_identity(tenant, "ipv4:10.0.0.7:1", "x")
+        == client_identity(tenant, "unix:", "y")
+        == "tenant:acme"
+    )
     # A unix peer named like a relay's, but not under a relay's directory of this
     # process, is no credential: a socket served without the relay tells it by name.
     assert client_identity(ANYONE, "unix:/tmp/x/0.1.2", "w1") == "local:w1"
@@ -180,8 +208,12 @@ def test_client_identity() -> None:
 def test_the_settings_are_checked(tmp_path) -> None:
     from prefixcache.server.config import ConfigError, load_config
 
-    for bad in ("max_sessions_per_client: -1", "evict_interval: 0", "evict_interval: .nan",
-                "peer_credentials: maybe"):
+    for bad in (
+        "max_sessions_per_client: -1",
+        "evict_interval: 0",
+        "evict_interval: .nan",
+        "peer_credentials: maybe",
+    ):
         path = tmp_path / "c.yaml"
         path.write_text(f"server:\n  {bad}\nmodels:\n  - name: m\n    pool: {{size: 64}}\n")
         with pytest.raises(ConfigError, match=bad.split(":")[0]):

@@ -18,9 +18,13 @@ def test_pages_are_written_once_hit_min_hits_times(tmp_path: Path) -> None:
     needs_mooncake()
     master = Master(tmp_path)
     master.start()
-    config = tier_config(master.address, models=[
-        {"name": "m", "page_size": 4, "pool": POOL},
-        {"name": "off", "page_size": 4, "pool": POOL, "tier": False}])
+    config = tier_config(
+        master.address,
+        models=[
+            {"name": "m", "page_size": 4, "pool": POOL},
+            {"name": "off", "page_size": 4, "pool": POOL, "tier": False},
+        ],
+    )
     config["server"]["tier"]["min_hits"] = 2
     node = Node(tmp_path, "a", config)
     try:
@@ -38,8 +42,9 @@ def test_pages_are_written_once_hit_min_hits_times(tmp_path: Path) -> None:
                 assert client.match("m", tokens).prefix_len == len(tokens)
             node.wait(written, len(tokens) // 4)
             assert node.metric(r'prefixcache_tier_put_pages_total\{model="off"\}') == 0
-            assert not [k for k in node.metrics()
-                        if k.startswith("prefixcache_tier") and 'model="off"' in k]
+            assert not [
+                k for k in node.metrics() if k.startswith("prefixcache_tier") and 'model="off"' in k
+            ]
     finally:
         code = node.stop()
         master.stop()

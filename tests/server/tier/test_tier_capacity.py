@@ -17,9 +17,12 @@ from prefixcache.client import PrefixCacheClient
 
 POOL = 512
 FETCH_SLOTS = 256
-MODEL = {"name": "m", "kind": "radix", "page_size": 4,
-         "pool": {"size": POOL, "layers": 2, "k_heads": 2, "k_head_dim": 8,
-                  "dtype": "float16"}}
+MODEL = {
+    "name": "m",
+    "kind": "radix",
+    "page_size": 4,
+    "pool": {"size": POOL, "layers": 2, "k_heads": 2, "k_head_dim": 8, "dtype": "float16"},
+}
 TIMEOUT = 5.0  # about what is fetched, not how fast: no timeouts on a loaded machine
 LOOKUPS = r'prefixcache_tier_lookups_total\{.*result="%s".*\}'
 REMOTE = r'prefixcache_tier_hit_tokens_total\{.*tier="remote".*\}'
@@ -32,9 +35,17 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node
     master = Master(tmp)
     master.start()
     a = Node(tmp, "a", tier_config(master.address, timeout=TIMEOUT, models=[MODEL]))
-    b = Node(tmp, "b", tier_config(master.address, timeout=TIMEOUT, models=[MODEL],
-                                   max_session_slots=64,
-                                   tier={"max_fetch_slots": FETCH_SLOTS}))
+    b = Node(
+        tmp,
+        "b",
+        tier_config(
+            master.address,
+            timeout=TIMEOUT,
+            models=[MODEL],
+            max_session_slots=64,
+            tier={"max_fetch_slots": FETCH_SLOTS},
+        ),
+    )
     try:
         for node in (a, b):
             node.wait(r"prefixcache_tier_connected", 1)
@@ -67,7 +78,8 @@ def test_client_quotas_do_not_apply_to_the_tiers_fetch(nodes: tuple[Node, Node])
 
 
 def test_a_hit_longer_than_max_fetch_slots_comes_in_its_leading_slots(
-        nodes: tuple[Node, Node]) -> None:
+    nodes: tuple[Node, Node],
+) -> None:
     a, b = nodes
     tokens = np.arange(2000, 2320).tolist()
     _cache(a, tokens)

@@ -30,7 +30,9 @@ def _load(tmp_path: Path, text: str) -> object:
 
 def test_off_by_default_and_every_key_read(tmp_path: Path) -> None:
     assert load_config(None, env={}).server.tier is None
-    cfg = _load(tmp_path, """
+    cfg = _load(
+        tmp_path,
+        """
 server:
   tier:
     backend: mooncake
@@ -48,13 +50,34 @@ models:
   - name: a
   - name: b
     tier: false
-""")
+""",
+    )
     tier = cfg.server.tier
-    assert (tier.master, tier.metadata, tier.protocol, tier.local_hostname, tier.segment_bytes,
-            tier.write, tier.min_hits, tier.timeout, tier.min_fetch_bandwidth,
-            tier.max_fetch_slots, tier.secret_file) == (
-        "10.0.0.5:50051", "http://10.0.0.5:8080/metadata", "rdma", "10.0.0.7", 2 << 30,
-        "on_evict", 2, 0.25, 5e8, 4096, None)
+    assert (
+        tier.master,
+        tier.metadata,
+        tier.protocol,
+        tier.local_hostname,
+        tier.segment_bytes,
+        tier.write,
+        tier.min_hits,
+        tier.timeout,
+        tier.min_fetch_bandwidth,
+        tier.max_fetch_slots,
+        tier.secret_file,
+    ) == (
+        "10.0.0.5:50051",
+        "http://10.0.0.5:8080/metadata",
+        "rdma",
+        "10.0.0.7",
+        2 << 30,
+        "on_evict",
+        2,
+        0.25,
+        5e8,
+        4096,
+        None,
+    )
     assert [m.tier for m in cfg.models] == [True, False]
 
 
@@ -64,13 +87,28 @@ def test_the_env_carries_the_section_as_json() -> None:
     assert load_config(None, env={"PREFIXCACHE_TIER": "off"}).server.tier is None
 
 
-@pytest.mark.parametrize(("key", "value"), [
-    ("protocol", "udp"), ("write", "sometimes"), ("timeout", 0),
-    ("timeout", ".nan"), ("timeout", 61), ("min_hits", -1), ("segment_bytes", 10),
-    ("master", "nohost"), ("metadata", "etcd://x"), ("backend", "redis"),
-    ("local_hostname", "a b"), ("colour", "blue"), ("min_fetch_bandwidth", 0),
-    ("min_fetch_bandwidth", ".inf"), ("max_fetch_slots", -1), ("secret_file", "/nonexistent"),
-    ("secret_file", '" "')])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("protocol", "udp"),
+        ("write", "sometimes"),
+        ("timeout", 0),
+        ("timeout", ".nan"),
+        ("timeout", 61),
+        ("min_hits", -1),
+        ("segment_bytes", 10),
+        ("master", "nohost"),
+        ("metadata", "etcd://x"),
+        ("backend", "redis"),
+        ("local_hostname", "a b"),
+        ("colour", "blue"),
+        ("min_fetch_bandwidth", 0),
+        ("min_fetch_bandwidth", ".inf"),
+        ("max_fetch_slots", -1),
+        ("secret_file", "/nonexistent"),
+        ("secret_file", '" "'),
+    ],
+)
 def test_bad_settings_are_refused_by_name(tmp_path: Path, key: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"server.tier.{key}"):
         _load(tmp_path, f"server:\n  tier:\n    {key}: {value}\n")
@@ -112,15 +150,17 @@ def test_models_tier_must_be_a_bool(tmp_path: Path) -> None:
         _load(tmp_path, "models:\n  - name: a\n    tier: maybe\n")
 
 
-MODEL = ModelConfig(name="m", page_size=4, pool=PoolConfig(size=64, layers=2, k_heads=2,
-                                                            k_head_dim=8))
+MODEL = ModelConfig(
+    name="m", page_size=4, pool=PoolConfig(size=64, layers=2, k_heads=2, k_head_dim=8)
+)
 HASHES = ["ab" * 32, "cd" * 32]
 
 
 def test_keys_agree_across_equal_configs_and_differ_otherwise() -> None:
     keys = KeyMaker(MODEL).keys(None, 1, HASHES)
     assert keys == KeyMaker(replace(MODEL, pool=replace(MODEL.pool, size=128))).keys(
-        None, 1, HASHES)  # the pool's size decides no page's bytes
+        None, 1, HASHES
+    )  # the pool's size decides no page's bytes
     others = [
         KeyMaker(replace(MODEL, name="other")).keys(None, 1, HASHES),
         KeyMaker(replace(MODEL, page_size=8)).keys(None, 1, HASHES),
@@ -133,7 +173,7 @@ def test_keys_agree_across_equal_configs_and_differ_otherwise() -> None:
         KeyMaker(MODEL, TENANTS[:1]).keys("acme/shared/x", 1, HASHES),
         KeyMaker(MODEL, secret=SECRET).keys(None, 1, HASHES),
         KeyMaker(MODEL, secret=bytes(32 - i for i in range(32))).keys(None, 1, HASHES),
-        KeyMaker(MODEL).keys("", 1, HASHES),          # "" is not None
+        KeyMaker(MODEL).keys("", 1, HASHES),  # "" is not None
         KeyMaker(MODEL).keys("tenant-a/", 1, HASHES),
         KeyMaker(MODEL).keys(None, 2, HASHES),
     ]
@@ -145,8 +185,10 @@ def test_keys_agree_across_equal_configs_and_differ_otherwise() -> None:
 
 
 SECRET = bytes(range(32))
-TENANTS = (TenantConfig("acme", "t1", None, ("acme/",)),
-           TenantConfig("beta", "t2", None, ("beta/", "acme/shared/")))
+TENANTS = (
+    TenantConfig("acme", "t1", None, ("acme/",)),
+    TenantConfig("beta", "t2", None, ("beta/", "acme/shared/")),
+)
 
 
 def test_a_namespace_is_its_tenants_and_only_theirs() -> None:
@@ -156,8 +198,9 @@ def test_a_namespace_is_its_tenants_and_only_theirs() -> None:
     assert namespace_tenant(TENANTS, None) is None
     assert namespace_tenant((), "acme/app") is None
     # A namespace no tenant covers keeps its keys whatever the tenants.
-    assert KeyMaker(MODEL, TENANTS).keys("other/", 1, HASHES) == \
-        KeyMaker(MODEL).keys("other/", 1, HASHES)
+    assert KeyMaker(MODEL, TENANTS).keys("other/", 1, HASHES) == KeyMaker(MODEL).keys(
+        "other/", 1, HASHES
+    )
 
 
 def test_keyed_keys_name_neither_the_page_nor_the_tenant() -> None:
@@ -172,10 +215,13 @@ def test_keyed_keys_name_neither_the_page_nor_the_tenant() -> None:
 
 def test_page_identities_differ_wherever_keys_do() -> None:
     ns = KeyMaker(MODEL, TENANTS).namespace
-    idents = {ns("acme/app", 1).ident(HASHES[0]), ns("acme/app", 1).ident(HASHES[1]),
-              ns("acme/app", 2).ident(HASHES[0]), ns("beta/app", 1).ident(HASHES[0]),
-              KeyMaker(replace(MODEL, tokenizer="t")).namespace("acme/app", 1).ident(
-                  HASHES[0])}
+    idents = {
+        ns("acme/app", 1).ident(HASHES[0]),
+        ns("acme/app", 1).ident(HASHES[1]),
+        ns("acme/app", 2).ident(HASHES[0]),
+        ns("beta/app", 1).ident(HASHES[0]),
+        KeyMaker(replace(MODEL, tokenizer="t")).namespace("acme/app", 1).ident(HASHES[0]),
+    }
     assert len(idents) == 5
     assert KeyMaker(MODEL, secret=SECRET).namespace(None, 1).seal.keyed
     assert not KeyMaker(MODEL).namespace(None, 1).seal.keyed

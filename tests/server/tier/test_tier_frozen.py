@@ -32,10 +32,10 @@ def test_a_frozen_master_pins_no_more_than_a_share_of_the_pool(tmp_path: Path) -
             # whether it meets the hanging master, the breaker or busy threads.
             for i in range(6):
                 start = time.monotonic()
-                assert client.match("m", (np.arange(16) + 9000 + 100 * i).tolist()
-                                    ).prefix_len == 0
+                assert client.match("m", (np.arange(16) + 9000 + 100 * i).tolist()).prefix_len == 0
                 slowest = max(slowest, time.monotonic() - start)
                 time.sleep(0.4)
         assert slowest < 2.0, slowest
-        assert node.metric(r'prefixcache_tier_put_dropped_pages_total\{.*reason="pin_limit".*\}'
-                           ) > 0
+        assert (
+            node.metric(r'prefixcache_tier_put_dropped_pages_total\{.*reason="pin_limit".*\}') > 0
+        )

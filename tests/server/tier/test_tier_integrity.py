@@ -36,8 +36,10 @@ PAGE = 4
 ROW = (2, 8)  # k_heads, k_head_dim of the harness's model
 PAGE_BYTES = PAGE * 4 * 2 * 8 * 2  # 4 buffers (2 layers, K and V) of float16 rows
 OBJECT_BYTES = PAGE_BYTES + 32  # and the seal
-TENANTS = [{"name": "one", "token": "token-one", "namespaces": ["one/"]},
-           {"name": "two", "token": "token-two", "namespaces": ["two/"]}]
+TENANTS = [
+    {"name": "one", "token": "token-one", "namespaces": ["one/"]},
+    {"name": "two", "token": "token-two", "namespaces": ["two/"]},
+]
 NS = "one/chat"
 FAILURES = r'prefixcache_integrity_failures_total\{(?=.*source="tier")%s.*\}'
 PUTS = r"prefixcache_tier_put_pages_total\{.*\}"
@@ -52,14 +54,16 @@ class Cluster:
     config: dict[str, Any]
     secret: bytes | None
 
-    def keys(self, tokens: list[int], extra_key: str | None = NS,
-             config: dict[str, Any] | None = None) -> list[str]:
+    def keys(
+        self, tokens: list[int], extra_key: str | None = NS, config: dict[str, Any] | None = None
+    ) -> list[str]:
         return prompt_keys(config or self.config, tokens, extra_key, self.secret)
 
 
 @pytest.fixture(scope="module", params=["digest", "mac"])
-def cluster(request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp(f"integrity-{request.param}")
     secret = None
     tier: dict[str, Any] = {}
@@ -92,19 +96,20 @@ def _kv(tokens: list[int]) -> list[torch.Tensor]:
     its whole prefix, so a page is right only at its own place under its own prefix."""
     rows: list[list[torch.Tensor]] = [[] for _ in range(4)]
     for i in range(len(tokens)):
-        prefix = np.asarray(tokens[:i + 1], "<u4").tobytes()
+        prefix = np.asarray(tokens[: i + 1], "<u4").tobytes()
         gen = torch.Generator().manual_seed(
-            int.from_bytes(hashlib.sha256(prefix).digest()[:7], "little"))
+            int.from_bytes(hashlib.sha256(prefix).digest()[:7], "little")
+        )
         for buf in rows:
             buf.append(torch.randn(1, *ROW, generator=gen).half())
     return [torch.cat(buf) for buf in rows]
 
 
-def _cache(node: Node, tokens: list[int], extra_key: str = NS, token: str = "token-one"
-           ) -> list[torch.Tensor]:
+def _cache(
+    node: Node, tokens: list[int], extra_key: str = NS, token: str = "token-one"
+) -> list[torch.Tensor]:
     kv = _kv(tokens)
-    with PrefixCacheClient(node.address, timeout=10, token=token) as client, \
-            client.session() as s:
+    with PrefixCacheClient(node.address, timeout=10, token=token) as client, client.session() as s:
         slots = client.alloc("m", len(tokens), session=s).slots
         client.write_kv("m", slots, kv[:2], kv[2:], session=s)
         client.insert("m", tokens, slots, session=s, extra_key=extra_key)
@@ -118,11 +123,11 @@ def _cache_and_put(cl: Cluster, node: Node, tokens: list[int], **kw: Any) -> lis
     return kv
 
 
-def _read(node: Node, tokens: list[int], extra_key: str = NS, token: str = "token-one"
-          ) -> tuple[int, list[torch.Tensor]]:
+def _read(
+    node: Node, tokens: list[int], extra_key: str = NS, token: str = "token-one"
+) -> tuple[int, list[torch.Tensor]]:
     """Match on ``node``, then ReadKV of the hit under the match's lock."""
-    with PrefixCacheClient(node.address, timeout=10, token=token) as client, \
-            client.session() as s:
+    with PrefixCacheClient(node.address, timeout=10, token=token) as client, client.session() as s:
         reply = client.match("m", tokens, session=s, lock=True, extra_key=extra_key)
         if not reply.prefix_len:
             return 0, []
@@ -151,7 +156,7 @@ def _failures(node: Node, reason: str = "") -> float:
 def _page_bytes(tokens: list[int], page: int) -> bytes:
     """The bytes of page ``page`` of ``tokens``' KV as an object carries them."""
     kv = _kv(tokens)
-    return b"".join(t[page * PAGE:(page + 1) * PAGE].numpy().tobytes() for t in kv)
+    return b"".join(t[page * PAGE : (page + 1) * PAGE].numpy().tobytes() for t in kv)
 
 
 def test_a_sidecar_without_the_secret_says_once_whom_its_tier_trusts(cluster: Cluster) -> None:
@@ -274,12 +279,19 @@ def test_a_forged_digest_is_refused_where_a_mac_is_required(cluster: Cluster) ->
 FUZZ_TOKENS = _tokens(8)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(page=st.integers(0, 3),
-       bits=st.lists(st.integers(0, OBJECT_BYTES * 8 - 1), min_size=1, max_size=3, unique=True))
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    page=st.integers(0, 3),
+    bits=st.lists(st.integers(0, OBJECT_BYTES * 8 - 1), min_size=1, max_size=3, unique=True),
+)
 def test_bit_flips_in_a_fetched_object_never_serve_changed_bytes(
-        cluster: Cluster, page: int, bits: list[int]) -> None:
+    cluster: Cluster, page: int, bits: list[int]
+) -> None:
     a, b, raw = cluster.a, cluster.b, cluster.raw
     keys = cluster.keys(FUZZ_TOKENS)
     if not all(map(raw.exists, keys)):  # the first example: the honest pages, from A
@@ -304,19 +316,35 @@ def test_bit_flips_in_a_fetched_object_never_serve_changed_bytes(
 
 
 ALPHABET = [_tokens(100 + i, PAGE) for i in range(4)]  # pages that prompts share
-ops = st.lists(st.one_of(
-    st.tuples(st.just("insert"), st.sampled_from("ab"),
-              st.lists(st.integers(0, 3), min_size=1, max_size=4)),
-    st.tuples(st.just("evict"), st.sampled_from("ab"), st.integers(4, 64)),
-    st.tuples(st.just("lookup"), st.sampled_from("ab"),
-              st.lists(st.integers(0, 3), min_size=1, max_size=4))), min_size=1, max_size=8)
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("insert"),
+            st.sampled_from("ab"),
+            st.lists(st.integers(0, 3), min_size=1, max_size=4),
+        ),
+        st.tuples(st.just("evict"), st.sampled_from("ab"), st.integers(4, 64)),
+        st.tuples(
+            st.just("lookup"),
+            st.sampled_from("ab"),
+            st.lists(st.integers(0, 3), min_size=1, max_size=4),
+        ),
+    ),
+    min_size=1,
+    max_size=8,
+)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(steps=ops)
 def test_every_served_page_is_the_page_inserted_under_its_prefix(
-        cluster: Cluster, steps: list[tuple[str, str, Any]]) -> None:
+    cluster: Cluster, steps: list[tuple[str, str, Any]]
+) -> None:
     """Prompts are made of four shared pages in any order, so they share prefixes and
     diverge; each token's KV is a function of its whole prefix (``_kv``). Whatever both
     nodes insert, evict and fetch from each other, a hit serves exactly that KV, and

@@ -57,8 +57,10 @@ MISSES = r'prefixcache_tier_lookups_total\{.*result="miss".*\}'
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    with two_nodes(tmp_path_factory.mktemp("tier"), lambda address: tier_config(
-            address, timeout=TIMEOUT, change_log_capacity=1024)) as (master, a, b):
+    with two_nodes(
+        tmp_path_factory.mktemp("tier"),
+        lambda address: tier_config(address, timeout=TIMEOUT, change_log_capacity=1024),
+    ) as (master, a, b):
         yield {"master": master, "a": a, "b": b}
 
 
@@ -66,8 +68,9 @@ def _tokens(seed: int, n: int = 16) -> list[int]:
     return np.random.default_rng(seed).integers(1, 30000, n).tolist()
 
 
-def _cache(node: Node, tokens: list[int], seed: int, extra_key: str | None = None,
-           scattered: bool = False) -> list[torch.Tensor]:
+def _cache(
+    node: Node, tokens: list[int], seed: int, extra_key: str | None = None, scattered: bool = False
+) -> list[torch.Tensor]:
     """Cache ``tokens`` on ``node`` with KV written through the client; returns the KV
     (k layers, then v layers). ``scattered``: in slots given in reverse, so no page's
     slots are one run."""
@@ -82,8 +85,9 @@ def _cache(node: Node, tokens: list[int], seed: int, extra_key: str | None = Non
     return kv
 
 
-def _read(node: Node, tokens: list[int], extra_key: str | None = None
-          ) -> tuple[int, list[torch.Tensor]]:
+def _read(
+    node: Node, tokens: list[int], extra_key: str | None = None
+) -> tuple[int, list[torch.Tensor]]:
     """Match on ``node`` (timed), then ReadKV of the hit under the match's lock."""
     with PrefixCacheClient(node.address, timeout=10) as client, client.session() as s:
         reply = client.match(MODEL, tokens, session=s, lock=True, extra_key=extra_key)
@@ -97,7 +101,7 @@ def _chain(tokens: list[int]) -> list[str]:
     """SGLang's page keys for ``tokens`` (whole pages)."""
     keys: list[str] = []
     for i in range(0, len(tokens) - PAGE + 1, PAGE):
-        keys.append(hash_token_ids(tokens[i:i + PAGE], keys[-1] if keys else None))
+        keys.append(hash_token_ids(tokens[i : i + PAGE], keys[-1] if keys else None))
     return keys
 
 
@@ -107,8 +111,10 @@ def _put_pages(node: Node) -> float:
 
 def _outcomes(node: Node) -> dict[str, float]:
     """``node``'s prefixcache_lookup_tokens_total of the model, by outcome."""
-    return {o: node.metric(r'prefixcache_lookup_tokens_total\{.*outcome="' + o + r'".*\}')
-            for o in OUTCOMES}
+    return {
+        o: node.metric(r'prefixcache_lookup_tokens_total\{.*outcome="' + o + r'".*\}')
+        for o in OUTCOMES
+    }
 
 
 def _grew(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -202,8 +208,9 @@ def test_session_stream_match_sees_remote_pages(cluster: dict[str, Any]) -> None
     a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(tokens) // PAGE)
     channel, stub = stub_for(b.address)
     with channel:
-        request = pb.SessionRequest(seq=1, match=pb.MatchRequest(model=MODEL,
-                                                                 token_ids=toks(tokens)))
+        request = pb.SessionRequest(
+            seq=1, match=pb.MatchRequest(model=MODEL, token_ids=toks(tokens))
+        )
         replies = list(stub.Session(iter([request]), timeout=10))
     assert replies[0].match.prefix_len == len(tokens)
 
@@ -230,8 +237,7 @@ def test_vllm_scheduler_core_sees_remote_pages(cluster: dict[str, Any]) -> None:
         core.close()
 
 
-def _engine_step(core: Any, workers: list[Any], finished: frozenset[str] = frozenset()
-                 ) -> Any:
+def _engine_step(core: Any, workers: list[Any], finished: frozenset[str] = frozenset()) -> Any:
     """One vLLM engine step (as tests/integrations/vllm/test_worker.py drives it)."""
     meta = core.build_meta()
     done, failed = None, set()
@@ -251,10 +257,8 @@ def test_vllm_connector_cores_across_nodes(cluster: dict[str, Any]) -> None:
     service): a request saved on node A is loaded on node B into other blocks, byte for
     byte."""
     a, b = cluster["a"], cluster["b"]
-    cores = [make_scheduler(n.address, model=MODEL, block=PAGE, transfer="remote")
-             for n in (a, b)]
-    workers = [make_worker(n.address, model=MODEL, block=PAGE, transfer="remote")
-               for n in (a, b)]
+    cores = [make_scheduler(n.address, model=MODEL, block=PAGE, transfer="remote") for n in (a, b)]
+    workers = [make_worker(n.address, model=MODEL, block=PAGE, transfer="remote") for n in (a, b)]
     a_blocks, b_blocks = [2, 5, 7, 9, 11], [1, 3, 4, 6, 8]
     prompt = _tokens(15, 18)
     try:
@@ -273,8 +277,9 @@ def test_vllm_connector_cores_across_nodes(cluster: dict[str, Any]) -> None:
         cores[1].allocated("B", b_blocks, 16)
         assert len(_engine_step(cores[1], workers[1:]).loads) == 1
         assert workers[1].take_load_errors() == set()
-        views = [[split_kv(name, t, "kv_first", ROW[1]) for name, t in cache.items()]
-                 for cache in caches]
+        views = [
+            [split_kv(name, t, "kv_first", ROW[1]) for name, t in cache.items()] for cache in caches
+        ]
         for va, vb in zip(*views, strict=True):
             assert torch.equal(token_rows(va, a_blocks, 16), token_rows(vb, b_blocks, 16))
         cores[1].finished(req, b_blocks, 17)
@@ -332,9 +337,11 @@ def test_master_killed_then_restarted(cluster: dict[str, Any]) -> None:
     slowest = {"cache on A": 0.0, "lookup on A": 0.0, "lookup on B": 0.0}
     for i in range(6):
         tokens = _tokens(100 + i)
-        for what, call in (("cache on A", lambda t=tokens, i=i: _cache(a, t, seed=100 + i)),
-                           ("lookup on A", lambda t=tokens: _read(a, t)),
-                           ("lookup on B", lambda t=tokens: _read(b, t))):
+        for what, call in (
+            ("cache on A", lambda t=tokens, i=i: _cache(a, t, seed=100 + i)),
+            ("lookup on A", lambda t=tokens: _read(a, t)),
+            ("lookup on B", lambda t=tokens: _read(b, t)),
+        ):
             start = time.monotonic()
             out = call()
             slowest[what] = max(slowest[what], time.monotonic() - start)
@@ -354,12 +361,16 @@ def test_master_killed_then_restarted(cluster: dict[str, Any]) -> None:
     assert slowest["lookup on B"] < TIMEOUT + MARGIN, slowest
     assert slowest["cache on A"] < MARGIN and slowest["lookup on A"] < MARGIN, slowest
     failed = b.metric(ERRORS) + b.metric(
-        r'prefixcache_tier_lookups_total\{.*result="(breaker_open|busy|error)".*\}')
+        r'prefixcache_tier_lookups_total\{.*result="(breaker_open|busy|error)".*\}'
+    )
     assert failed >= 6
     # The failures are counted under Mooncake's code (a dead master's RPC_FAIL) or as
     # calls past the deadline, and nothing else.
-    codes = {re.search(r'code="([^"]*)"', k).group(1)  # type: ignore[union-attr]
-             for k, v in b.metrics().items() if k.startswith("prefixcache_tier_errors") and v}
+    codes = {
+        re.search(r'code="([^"]*)"', k).group(1)  # type: ignore[union-attr]
+        for k, v in b.metrics().items()
+        if k.startswith("prefixcache_tier_errors") and v
+    }
     assert codes and codes <= {"RPC_FAIL", "TIMEOUT"}, codes
     # Restarted: an empty tier. What A stored before is a counted miss on B...
     master.start()

@@ -57,19 +57,22 @@ def test_a_dead_peer_is_a_counted_local_miss(tmp_path: Path) -> None:
             assert client.match("m", tokens).prefix_len == len(head)
             took = time.monotonic() - start
             assert took < TIMEOUT + MARGIN, took
-            assert b.metric(r'prefixcache_tier_errors_total\{(?=.*op="get")'
-                            r'(?=.*code="TRANSFER_FAIL").*\}') >= 1, _tier_metrics(b)
+            assert (
+                b.metric(
+                    r'prefixcache_tier_errors_total\{(?=.*op="get")'
+                    r'(?=.*code="TRANSFER_FAIL").*\}'
+                )
+                >= 1
+            ), _tier_metrics(b)
             # The lookup's outcome is an error (as a failed exists is), not a plain miss.
             assert b.metric(r'prefixcache_tier_lookups_total\{.*result="error".*\}') == 1
             assert b.metric(r'prefixcache_tier_lookups_total\{.*result="miss".*\}') == 0
             assert b.metric(r'prefixcache_tier_hit_tokens_total\{.*tier="remote".*\}') == 0
-            assert b.metric(r'prefixcache_tier_hit_tokens_total\{.*tier="local".*\}') \
-                == len(head)
+            assert b.metric(r'prefixcache_tier_hit_tokens_total\{.*tier="local".*\}') == len(head)
             # Nothing was fetched: neither bytes nor seconds (the GB/s they make is of
             # fetches that brought pages).
             assert b.metric(r"prefixcache_tier_fetch_bytes_total\{.*\}") == 0
-            assert b.metric(r"prefixcache_tier_fetch_seconds_total\{.*\}") == 0, \
-                _tier_metrics(b)
+            assert b.metric(r"prefixcache_tier_fetch_seconds_total\{.*\}") == 0, _tier_metrics(b)
             assert _free(client) == free  # the fetch's slots went back
             # B goes on serving: it caches and hits locally.
             other = np.arange(2000, 2016).tolist()

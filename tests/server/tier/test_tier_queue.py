@@ -32,7 +32,8 @@ def _locks(client: PrefixCacheClient) -> int:
 
 
 def test_a_full_put_queue_drops_and_counts_and_drains_once_the_store_answers(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     model = {"name": "m", "page_size": PAGE, "pool": POOL}
     with frozen_master_node(tmp_path, model) as (master, node):
         slowest = 0.0

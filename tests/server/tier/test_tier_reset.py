@@ -29,8 +29,7 @@ PROMPT = 96  # 24 pages: under the fetch's cap (half the 256-slot pool)
 FROM_A, FROM_B = 7.0, -3.0  # the KV each node writes
 
 
-def _write(client: PrefixCacheClient, session: object, slots: np.ndarray,
-           value: float) -> None:
+def _write(client: PrefixCacheClient, session: object, slots: np.ndarray, value: float) -> None:
     """Fill ``slots``' K and V rows, every layer, with ``value``."""
     rows = client.read_kv("m", slots[:1], session=session)
     k = [torch.full((len(slots), *t.shape[1:]), value, dtype=t.dtype) for t in rows.k]
@@ -44,15 +43,19 @@ def _model(client: PrefixCacheClient) -> object:
 
 @pytest.mark.parametrize("when", ["after_the_timeout", "before_the_timeout"])
 def test_a_fetch_still_writing_at_a_reset_writes_into_no_one_elses_slots(
-        tmp_path: Path, when: str) -> None:
+    tmp_path: Path, when: str
+) -> None:
     needs_mooncake()
     master = Master(tmp_path)
     master.start()
     a = Node(tmp_path, "a", tier_config(master.address, timeout=5.0))
     # after_the_timeout: the lookup gave up (0.5 s) and its thread writes on; before:
     # the lookup itself still waits (5 s) when the Reset comes.
-    b = Node(tmp_path, "b", tier_config(
-        master.address, timeout=0.5 if when == "after_the_timeout" else 5.0))
+    b = Node(
+        tmp_path,
+        "b",
+        tier_config(master.address, timeout=0.5 if when == "after_the_timeout" else 5.0),
+    )
     prompt = (np.arange(PROMPT) + 1000).tolist()
     try:
         a.wait(r"prefixcache_tier_connected", 1)
@@ -63,8 +66,7 @@ def test_a_fetch_still_writing_at_a_reset_writes_into_no_one_elses_slots(
             ca.insert("m", prompt, slots, session=s)
         a.wait(r'prefixcache_tier_put_pages_total\{model="m"\}', PROMPT // PAGE)
         a.proc.send_signal(signal.SIGSTOP)  # B's transfer from A's segment now hangs
-        with PrefixCacheClient(b.address, timeout=10) as cb, \
-                ThreadPoolExecutor(1) as pool:
+        with PrefixCacheClient(b.address, timeout=10) as cb, ThreadPoolExecutor(1) as pool:
             lookup = pool.submit(cb.match, "m", prompt)
             if when == "after_the_timeout":
                 assert lookup.result(3.0).prefix_len == 0  # timed out: a miss

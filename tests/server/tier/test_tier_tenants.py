@@ -16,14 +16,15 @@ from tier_harness import Master, Node, needs_mooncake, tier_config, two_nodes
 from prefixcache.client import PrefixCacheClient
 from prefixcache.client.errors import PrefixCacheError
 
-TENANTS = [{"name": "one", "token": "token-one", "namespaces": ["one/"]},
-           {"name": "two", "token": "token-two", "namespaces": ["two/"]}]
+TENANTS = [
+    {"name": "one", "token": "token-one", "namespaces": ["one/"]},
+    {"name": "two", "token": "token-two", "namespaces": ["two/"]},
+]
 
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[tuple[Node, Node]]:
-    with two_nodes(tmp_path, lambda address: tier_config(address, tenants=TENANTS)) \
-            as (_, a, b):
+    with two_nodes(tmp_path, lambda address: tier_config(address, tenants=TENANTS)) as (_, a, b):
         yield a, b
 
 
@@ -55,16 +56,20 @@ def test_a_sidecar_without_a_tenants_config_reads_none_of_its_pages(tmp_path: Pa
     needs_mooncake()
     master = Master(tmp_path)
     master.start()
-    nodes = [Node(tmp_path, "a", tier_config(master.address, tenants=acme)),
-             Node(tmp_path, "b", tier_config(master.address)),
-             Node(tmp_path, "c", tier_config(master.address, tenants=other))]
+    nodes = [
+        Node(tmp_path, "a", tier_config(master.address, tenants=acme)),
+        Node(tmp_path, "b", tier_config(master.address)),
+        Node(tmp_path, "c", tier_config(master.address, tenants=other)),
+    ]
     a, b, c = nodes
     try:
         for node in nodes:
             node.wait(r"prefixcache_tier_connected", 1)
         tokens = np.arange(100, 164).tolist()
-        with PrefixCacheClient(a.address, timeout=10, token="token-acme") as client, \
-                client.session() as s:
+        with (
+            PrefixCacheClient(a.address, timeout=10, token="token-acme") as client,
+            client.session() as s,
+        ):
             slots = client.alloc("m", len(tokens), session=s).slots
             client.insert("m", tokens, slots, session=s, extra_key="acme/app")
         a.wait(r"prefixcache_tier_put_pages_total\{.*\}", len(tokens) // 4)
@@ -74,7 +79,7 @@ def test_a_sidecar_without_a_tenants_config_reads_none_of_its_pages(tmp_path: Pa
             assert client.match("m", tokens, extra_key="acme/app").prefix_len == 0
         for node in (b, c):
             assert node.metric(r'prefixcache_tier_lookups_total\{.*result="miss".*\}') == 1
-        assert a.metric(r'prefixcache_tier_lookups_total\{.*\}') == 0
+        assert a.metric(r"prefixcache_tier_lookups_total\{.*\}") == 0
     finally:
         codes = [node.stop() for node in nodes]
         master.stop()

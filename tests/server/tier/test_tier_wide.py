@@ -30,20 +30,28 @@ LAYERS = 32
 ROW = (1, 8)  # k_heads, k_head_dim: 16 bytes a row, 64 a part, 4 KiB a page
 PAGES = 80
 TOKENS = PAGES * PAGE
-MODEL = {"name": "m", "page_size": PAGE,
-         "pool": {"size": 4 * TOKENS, "layers": LAYERS, "k_heads": ROW[0],
-                  "k_head_dim": ROW[1], "dtype": "float16"}}
+MODEL = {
+    "name": "m",
+    "page_size": PAGE,
+    "pool": {
+        "size": 4 * TOKENS,
+        "layers": LAYERS,
+        "k_heads": ROW[0],
+        "k_head_dim": ROW[1],
+        "dtype": "float16",
+    },
+}
 
 
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[tuple[Node, Node]]:
-    with two_nodes(tmp_path, lambda address: tier_config(address, timeout=10.0,
-                                                         models=[MODEL])) as (_, a, b):
+    with two_nodes(
+        tmp_path, lambda address: tier_config(address, timeout=10.0, models=[MODEL])
+    ) as (_, a, b):
         yield a, b
 
 
-def test_a_fetch_of_more_parts_than_mooncake_queues_arrives_whole(
-        nodes: tuple[Node, Node]) -> None:
+def test_a_fetch_of_more_parts_than_mooncake_queues_arrives_whole(nodes: tuple[Node, Node]) -> None:
     assert PAGES * 2 * LAYERS > 2 * MAX_QUEUED_PARTS  # past what one call could carry
     a, b = nodes
     tokens = np.random.default_rng(5).integers(1, 30000, TOKENS).tolist()
@@ -57,8 +65,9 @@ def test_a_fetch_of_more_parts_than_mooncake_queues_arrives_whole(
     assert a.metric(r"prefixcache_tier_put_failed_pages_total\{.*\}") == 0
     with PrefixCacheClient(b.address, timeout=30) as client, client.session() as s:
         reply = client.match("m", tokens, session=s, lock=True)
-        errors = {k: v for k, v in b.metrics().items()
-                  if k.startswith("prefixcache_tier_errors") and v}
+        errors = {
+            k: v for k, v in b.metrics().items() if k.startswith("prefixcache_tier_errors") and v
+        }
         assert reply.prefix_len == TOKENS, errors
         got = client.read_kv("m", reply.slots, session=s)
     assert all(torch.equal(x, y) for x, y in zip([*got.k, *got.v], kv, strict=True))
@@ -87,6 +96,7 @@ def test_chunked_calls_stop_where_told() -> None:
             assert sum(map(len, p)) <= MAX_CALL_PARTS and len(k) == len(p) == len(z)
             made.append(k)
             return [answers.get(key, 0) for key in k]
+
         return call
 
     budget = PartBudget()
@@ -96,6 +106,5 @@ def test_chunked_calls_stop_where_told() -> None:
     codes = chunked(store({"3": -800}), budget, keys, ptrs, ptrs, lambda c: c < 0)
     assert codes == [0, 0, 0, -800] + [0] * 12 + [-800] * 24 and len(made) == 1
     made.clear()
-    codes = chunked(store({"3": -800, "20": -900}), budget, keys, ptrs, ptrs,
-                    lambda c: c == -900)
+    codes = chunked(store({"3": -800, "20": -900}), budget, keys, ptrs, ptrs, lambda c: c == -900)
     assert (codes[3], codes[20], codes[32:], len(made)) == (-800, -900, [-900] * 8, 2)

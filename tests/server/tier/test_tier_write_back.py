@@ -61,7 +61,8 @@ def _tokens(seed: int, n: int = 24) -> list[int]:
 def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
     return len(got) == len(want) and all(
         g.shape == w.shape and g.view(torch.int16).equal(w.view(torch.int16))
-        for g, w in zip(got, want, strict=True))
+        for g, w in zip(got, want, strict=True)
+    )
 
 
 def test_pages_reach_the_store_when_evicted_and_b_hits_them(nodes: tuple[Node, Node]) -> None:
@@ -96,7 +97,8 @@ def test_eviction_under_allocation_pressure_writes_back_too(nodes: tuple[Node, N
 
 
 def test_a_node_longer_than_the_staging_buffer_writes_its_leading_pages(
-        nodes: tuple[Node, Node]) -> None:
+    nodes: tuple[Node, Node],
+) -> None:
     a, b = nodes
     staging_pages = POOL // 4 // PAGE  # staging.py: a quarter of the pool
     tokens = _tokens(3, (staging_pages + 4) * PAGE)

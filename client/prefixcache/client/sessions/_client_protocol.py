@@ -27,69 +27,93 @@ class ClientCalls(Protocol):
     fail_open: bool
     _sessions: weakref.WeakSet[Any]
 
-    def _stand_in(self, what: str, fallback: Callable[[], R] | None, err: PrefixCacheError,
-                  fail_open: bool | None) -> R: ...
+    def _stand_in(
+        self,
+        what: str,
+        fallback: Callable[[], R] | None,
+        err: PrefixCacheError,
+        fail_open: bool | None,
+    ) -> R: ...
 
-    def _run_flow(self, op: Op[R], timeout: float | None,
-                  fail_open: bool | None) -> Flow[R]: ...
+    def _run_flow(self, op: Op[R], timeout: float | None, fail_open: bool | None) -> Flow[R]: ...
 
-    def _op_step(self, model: str, items: step.StepItems, session: SessionLike,
-                 request_id: int | None,
-                 server_epoch: int | None = None) -> Op[step.StepReply]: ...
+    def _op_step(
+        self,
+        model: str,
+        items: step.StepItems,
+        session: SessionLike,
+        request_id: int | None,
+        server_epoch: int | None = None,
+    ) -> Op[step.StepReply]: ...
 
-    def _op_keep_alive(self, session: SessionLike,
-                       server_epoch: int | None = None) -> Op[float]: ...
+    def _op_keep_alive(
+        self, session: SessionLike, server_epoch: int | None = None
+    ) -> Op[float]: ...
 
 
 class BlockingClient(ClientCalls, Protocol):
     """What a ``ClientSession`` calls on its ``PrefixCacheClient``."""
 
-    def _run(self, op: Op[R], timeout: float | None = None,
-             fail_open: bool | None = None) -> R: ...
+    def _run(self, op: Op[R], timeout: float | None = None, fail_open: bool | None = None) -> R: ...
 
-    def open_session(self, ttl: float | None = None, name: str | None = None, *,
-                     timeout: float | None = None, retain: Any = None) -> SessionInfo: ...
+    def open_session(
+        self,
+        ttl: float | None = None,
+        name: str | None = None,
+        *,
+        timeout: float | None = None,
+        retain: Any = None,
+    ) -> SessionInfo: ...
 
     def keep_alive(self, session: SessionLike, *, timeout: float | None = None) -> float: ...
 
-    def close_session(self, session: SessionLike, *,
-                      timeout: float | None = None) -> CloseReply: ...
+    def close_session(
+        self, session: SessionLike, *, timeout: float | None = None
+    ) -> CloseReply: ...
 
     # The sessions pass the clients' keyword arguments through (hence *args, **kwargs).
-    def read_kv(self, model: str, slots: Any = (), *args: Any,
-                **kwargs: Any) -> kv.KVData: ...
+    def read_kv(self, model: str, slots: Any = (), *args: Any, **kwargs: Any) -> kv.KVData: ...
 
-    def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
-                 *args: Any, **kwargs: Any) -> kv.WriteKVReply: ...
+    def write_kv(
+        self, model: str, slots: Any = (), k: Any = None, v: Any = None, *args: Any, **kwargs: Any
+    ) -> kv.WriteKVReply: ...
 
-    def evict(self, model: str, num_tokens: int = 0, *args: Any,
-              **kwargs: Any) -> EvictReply: ...
+    def evict(self, model: str, num_tokens: int = 0, *args: Any, **kwargs: Any) -> EvictReply: ...
 
 
 class AsyncClient(ClientCalls, Protocol):
     """What an ``AsyncClientSession`` calls on its ``AsyncPrefixCacheClient``."""
 
-    async def _run(self, op: Op[R], timeout: float | None = None,
-                   fail_open: bool | None = None) -> R: ...
+    async def _run(
+        self, op: Op[R], timeout: float | None = None, fail_open: bool | None = None
+    ) -> R: ...
 
-    async def open_session(self, ttl: float | None = None, name: str | None = None, *,
-                           retain: Any = None,
-                           timeout: float | None = None) -> SessionInfo: ...
+    async def open_session(
+        self,
+        ttl: float | None = None,
+        name: str | None = None,
+        *,
+        retain: Any = None,
+        timeout: float | None = None,
+    ) -> SessionInfo: ...
 
-    async def keep_alive(self, session: SessionLike, *,
-                         timeout: float | None = None) -> float: ...
+    async def keep_alive(self, session: SessionLike, *, timeout: float | None = None) -> float: ...
 
-    async def close_session(self, session: SessionLike, *,
-                            timeout: float | None = None) -> CloseReply: ...
+    async def close_session(
+        self, session: SessionLike, *, timeout: float | None = None
+    ) -> CloseReply: ...
 
-    async def read_kv(self, model: str, slots: Any = (), *args: Any,
-                      **kwargs: Any) -> kv.KVData: ...
+    async def read_kv(
+        self, model: str, slots: Any = (), *args: Any, **kwargs: Any
+    ) -> kv.KVData: ...
 
-    async def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
-                       *args: Any, **kwargs: Any) -> kv.WriteKVReply: ...
+    async def write_kv(
+        self, model: str, slots: Any = (), k: Any = None, v: Any = None, *args: Any, **kwargs: Any
+    ) -> kv.WriteKVReply: ...
 
-    async def evict(self, model: str, num_tokens: int = 0, *args: Any,
-                    **kwargs: Any) -> EvictReply: ...
+    async def evict(
+        self, model: str, num_tokens: int = 0, *args: Any, **kwargs: Any
+    ) -> EvictReply: ...
 
 
 class AsyncStreamClient(AsyncClient, Protocol):
@@ -106,7 +130,13 @@ class AsyncStreamClient(AsyncClient, Protocol):
 
     def _parse(self, op: Op[R], reply: Any) -> R: ...
 
-    def _op_evict(self, model: str, num_tokens: int, swa_num_tokens: int, mamba_num: int,
-                  session: SessionLike = None) -> Op[EvictReply]: ...
+    def _op_evict(
+        self,
+        model: str,
+        num_tokens: int,
+        swa_num_tokens: int,
+        mamba_num: int,
+        session: SessionLike = None,
+    ) -> Op[EvictReply]: ...
 
     def _op_stats(self, model: str) -> Op[StatsReply]: ...

@@ -60,8 +60,13 @@ class LeasedSession(Protocol):
     def close(self) -> Any: ...
 
 
-def call_flow(session: LeasedSession, state: SessionState, name: str,
-              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Flow[Any]:
+def call_flow(
+    session: LeasedSession,
+    state: SessionState,
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Flow[Any]:
     """``session.client.<name>(*args, session=session, **kwargs)``, across a lost
     service-side session."""
     client = session.client
@@ -88,9 +93,16 @@ def call_flow(session: LeasedSession, state: SessionState, name: str,
     raise AssertionError("unreachable")
 
 
-def step_flow(session: LeasedSession, state: SessionState, model: str,
-              request_id: int | None, server_epoch: int | None, fail_open: bool | None,
-              timeout: float | None, lists: dict[str, Any]) -> Flow[step.StepReply]:
+def step_flow(
+    session: LeasedSession,
+    state: SessionState,
+    model: str,
+    request_id: int | None,
+    server_epoch: int | None,
+    fail_open: bool | None,
+    timeout: float | None,
+    lists: dict[str, Any],
+) -> Flow[step.StepReply]:
     """``client.step`` in ``session``: after the service-side session was lost, the
     items naming its handles are answered ``SessionLost`` without being sent; the
     admissions and decodes go out in a new session."""
@@ -99,15 +111,15 @@ def step_flow(session: LeasedSession, state: SessionState, model: str,
     items = step.StepItems.of(**lists)
     for attempt in range(2):
         if (refused := step.stale_fence(state, server_epoch)) is not None:
-            return client._stand_in("step", partial(step.failed_open, items, refused),
-                                    refused, fail_open)
+            return client._stand_in(
+                "step", partial(step.failed_open, items, refused), refused, fail_open
+            )
         todo = step.plan(state, items)
         if todo.fresh and state.needs_reopen("match"):
             try:
                 yield session._reopen
             except FAIL_OPEN_ERRORS as err:
-                return client._stand_in("step", partial(todo.failed_open, err), err,
-                                        fail_open)
+                return client._stand_in("step", partial(todo.failed_open, err), err, fail_open)
         if not len(todo.send):
             return todo.merge(step.StepReply(server_epoch=state.server_epoch))
         op = client._op_step(model, todo.send, session, request_id, server_epoch)
@@ -131,16 +143,19 @@ def reopen_flow(session: LeasedSession, timeout: float | None) -> Flow[None]:
     if state is None or state.lost is None:
         return
     yield session._stop_renewal
-    info: SessionInfo = yield partial(session.client.open_session, session.ttl, session.name,
-                                      timeout=timeout, retain=session.retain)
+    info: SessionInfo = yield partial(
+        session.client.open_session,
+        session.ttl,
+        session.name,
+        timeout=timeout,
+        retain=session.retain,
+    )
     session.info = info
     state.replaced_by(info)
     if state.reopened:
-        log.warning("session reopened as %s... after losing the last one",
-                    state.session_id[:8])
+        log.warning("session reopened as %s... after losing the last one", state.session_id[:8])
     else:
-        log.info("session %s... opened: the service is reachable again",
-                 state.session_id[:8])
+        log.info("session %s... opened: the service is reachable again", state.session_id[:8])
     session._start_renewal()
 
 
@@ -173,8 +188,14 @@ def exit_flow(session: LeasedSession, leaving_on_error: bool) -> Flow[None]:
         log.warning("closing session %s... failed: %s", session.session_id[:8], err)
 
 
-def renewal_flow(ref: weakref.ref[Any], client: ClientCalls, session_id: str, epoch: int,
-                 ttl: float, wait: Callable[[float], Any]) -> Flow[None]:
+def renewal_flow(
+    ref: weakref.ref[Any],
+    client: ClientCalls,
+    session_id: str,
+    epoch: int,
+    ttl: float,
+    wait: Callable[[float], Any],
+) -> Flow[None]:
     """Keep a session's lease alive every ``ttl / 3`` until it is closed or lost; ``wait``
     (a blocking or awaitable wait) answers true when the renewal is to stop.
 
@@ -187,8 +208,7 @@ def renewal_flow(ref: weakref.ref[Any], client: ClientCalls, session_id: str, ep
         if ref() is None:
             return
         try:
-            yield from client._run_flow(client._op_keep_alive(session_id, epoch), timeout,
-                                        None)
+            yield from client._run_flow(client._op_keep_alive(session_id, epoch), timeout, None)
         except (NotFound, StaleEpoch) as err:
             _lost(ref, session_id, err)
             log.warning("session %s... is gone: %s", session_id[:8], err.details)
@@ -203,10 +223,10 @@ def renewal_flow(ref: weakref.ref[Any], client: ClientCalls, session_id: str, ep
 
 # Apart from the renewal, so that it keeps no strong reference to its session.
 
+
 def _lost(ref: weakref.ref[Any], session_id: str, err: PrefixCacheError) -> None:
     session = ref()
-    if session is not None and session._state is not None \
-            and session.session_id == session_id:
+    if session is not None and session._state is not None and session.session_id == session_id:
         session._state.mark_lost(err)
 
 

@@ -32,8 +32,9 @@ class _SessionCalls:
         reply: results.MatchReply = await self._call("match", model, tokens, **kwargs)
         return reply
 
-    async def insert(self, model: str, tokens: Any, slots: Any,
-                     **kwargs: Any) -> results.InsertReply:
+    async def insert(
+        self, model: str, tokens: Any, slots: Any, **kwargs: Any
+    ) -> results.InsertReply:
         kwargs.setdefault("fail_open", self.fail_open)
         reply: results.InsertReply = await self._call("insert", model, tokens, slots, **kwargs)
         return reply
@@ -63,9 +64,17 @@ class AsyncClientSession(_SessionCalls):
     """A leased session renewed by an asyncio task; like ``ClientSession`` it outlives
     its service-side session (restart, lapsed lease) and refuses stale handles."""
 
-    def __init__(self, client: AsyncClient, ttl: float | None, *,
-                 name: str | None = None, renew: bool = True, fail_open: bool | None = None,
-                 timeout: float | None = None, retain: Any = None) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        ttl: float | None,
+        *,
+        name: str | None = None,
+        renew: bool = True,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+        retain: Any = None,
+    ) -> None:
         self.client = client
         self.retain = retain  # its default retention hint, also for a reopened session
         self.requested_ttl = ttl
@@ -88,23 +97,29 @@ class AsyncClientSession(_SessionCalls):
     dropped = property(lambda self: self._state.dropped if self._state else 0)
 
     def __repr__(self) -> str:
-        state = ("new" if self.info is None else "closed" if self.closed
-                 else "lost" if self.lost else "open")
+        state = (
+            "new"
+            if self.info is None
+            else "closed"
+            if self.closed
+            else "lost"
+            if self.lost
+            else "open"
+        )
         return f"AsyncClientSession({self.session_id[:8]}..., ttl={self.ttl}, {state})"
 
     async def open(self) -> AsyncClientSession:
         """Open the session and start renewing it (a no-op when already open)."""
         if self.info is None:
             try:
-                self.info = await self.client.open_session(self.requested_ttl, self.name,
-                                                           timeout=self.timeout,
-                                                           retain=self.retain)
+                self.info = await self.client.open_session(
+                    self.requested_ttl, self.name, timeout=self.timeout, retain=self.retain
+                )
             except FAIL_OPEN_ERRORS as err:
                 # As ClientSession: raises unless failing open; then the first match
                 # or alloc opens it.
                 self.client._stand_in("open_session", lambda: None, err, self.fail_open)
-                log.warning("session not opened (%s): failing open until the service "
-                            "answers", err)
+                log.warning("session not opened (%s): failing open until the service answers", err)
                 self._state = SessionState.unopened(self.requested_ttl, err)
                 self.info = results.SessionInfo("", self._state.ttl, 0)
             else:
@@ -118,8 +133,14 @@ class AsyncClientSession(_SessionCalls):
 
     def _start_renewal(self) -> None:
         if self.renew and self.ttl > 0 and self.session_id:
-            flow = flows.renewal_flow(weakref.ref(self), self.client, self.session_id,
-                                      self.server_epoch, self.ttl, asyncio.sleep)
+            flow = flows.renewal_flow(
+                weakref.ref(self),
+                self.client,
+                self.session_id,
+                self.server_epoch,
+                self.ttl,
+                asyncio.sleep,
+            )
             self._task = asyncio.create_task(run_async(flow))
 
     async def _stop_renewal(self) -> None:
@@ -147,8 +168,9 @@ class AsyncClientSession(_SessionCalls):
     async def __aenter__(self) -> AsyncClientSession:
         return await self.open()
 
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await run_async(flows.exit_flow(self, kind is not None))
 
     async def _opened(self) -> SessionState:
@@ -165,31 +187,42 @@ class AsyncClientSession(_SessionCalls):
         state = await self._opened()
         return await run_async(flows.call_flow(self, state, name, args, kwargs))
 
-    async def step(self, model: str, *, request_id: int | None = None,
-                   server_epoch: int | None = None, fail_open: bool | None = None,
-                   timeout: float | None = None, **lists: Any) -> step.StepReply:
+    async def step(
+        self,
+        model: str,
+        *,
+        request_id: int | None = None,
+        server_epoch: int | None = None,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+        **lists: Any,
+    ) -> step.StepReply:
         """As ``ClientSession.step``."""
         state = await self._opened()
-        return await run_async(flows.step_flow(self, state, model, request_id, server_epoch,
-                                               fail_open, timeout, lists))
+        return await run_async(
+            flows.step_flow(self, state, model, request_id, server_epoch, fail_open, timeout, lists)
+        )
 
-    async def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
-                       **kwargs: Any) -> kv.WriteKVReply:
+    async def write_kv(
+        self, model: str, slots: Any = (), k: Any = None, v: Any = None, **kwargs: Any
+    ) -> kv.WriteKVReply:
         """``AsyncPrefixCacheClient.write_kv`` in this session."""
-        if self._state is not None and \
-                (refused := self._state.refusal("write_kv", (), kwargs)) is not None:
+        if (
+            self._state is not None
+            and (refused := self._state.refusal("write_kv", (), kwargs)) is not None
+        ):
             raise refused
         return await self.client.write_kv(model, slots, k, v, session=self, **kwargs)
 
     async def read_kv(self, model: str, slots: Any = (), **kwargs: Any) -> kv.KVData:
         """``AsyncPrefixCacheClient.read_kv`` of slots this session holds or has locked."""
-        if self._state is not None and \
-                (refused := self._state.refusal("read_kv", (), kwargs)) is not None:
+        if (
+            self._state is not None
+            and (refused := self._state.refusal("read_kv", (), kwargs)) is not None
+        ):
             raise refused
         return await self.client.read_kv(model, slots, session=self, **kwargs)
 
-    async def evict(self, model: str, num_tokens: int = 0,
-                    **kwargs: Any) -> results.EvictReply:
+    async def evict(self, model: str, num_tokens: int = 0, **kwargs: Any) -> results.EvictReply:
         """``AsyncPrefixCacheClient.evict``, attributed to this session."""
         return await self.client.evict(model, num_tokens, session=self, **kwargs)
-

@@ -19,9 +19,18 @@ from ..step import StepItems, StepReply
 from ._client_protocol import AsyncStreamClient
 from .aio_session import _SessionCalls
 
-_STREAM_OPS = {"Match": "match", "Insert": "insert", "Evict": "evict", "Lock": "lock",
-               "Unlock": "unlock", "Alloc": "alloc", "Free": "free", "Stats": "stats",
-               "Step": "step", "KeepAlive": "keep_alive"}
+_STREAM_OPS = {
+    "Match": "match",
+    "Insert": "insert",
+    "Evict": "evict",
+    "Lock": "lock",
+    "Unlock": "unlock",
+    "Alloc": "alloc",
+    "Free": "free",
+    "Stats": "stats",
+    "Step": "step",
+    "KeepAlive": "keep_alive",
+}
 # The stream's lease is renewed by any message; an idle stream sends a keep_alive once
 # it has been silent for this fraction of the TTL the service told it.
 KEEP_ALIVE_FRACTION = 1 / 3
@@ -47,8 +56,14 @@ class AsyncStreamSession(_SessionCalls):
     session_id = ""
     client: AsyncStreamClient
 
-    def __init__(self, client: AsyncStreamClient, *, fail_open: bool | None = None,
-                 timeout: float | None = None, keep_alive: bool = True) -> None:
+    def __init__(
+        self,
+        client: AsyncStreamClient,
+        *,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+        keep_alive: bool = True,
+    ) -> None:
         self.client = client
         self.fail_open = fail_open
         self.timeout = timeout
@@ -94,9 +109,10 @@ class AsyncStreamSession(_SessionCalls):
                 await self._call_obj.done_writing()
         if self._reader is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(self._reader),
-                                       self.client.timeout if self.timeout is None
-                                       else self.timeout)
+                await asyncio.wait_for(
+                    asyncio.shield(self._reader),
+                    self.client.timeout if self.timeout is None else self.timeout,
+                )
             except (TimeoutError, grpc.RpcError):
                 self._call_obj.cancel()
             except asyncio.CancelledError:
@@ -132,8 +148,9 @@ class AsyncStreamSession(_SessionCalls):
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
-                future.set_exception(error_for(err.code or grpc.StatusCode.UNAVAILABLE,
-                                               err.details))
+                future.set_exception(
+                    error_for(err.code or grpc.StatusCode.UNAVAILABLE, err.details)
+                )
 
     async def _send(self, op: Op[R], timeout: float | None) -> Any:
         if self._call_obj is None:
@@ -156,11 +173,11 @@ class AsyncStreamSession(_SessionCalls):
                 self._last_sent = asyncio.get_running_loop().time()
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            raise DeadlineExceeded(f"no answer to {op.method} on the session stream "
-                                   f"within {timeout} s") from None
+            raise DeadlineExceeded(
+                f"no answer to {op.method} on the session stream within {timeout} s"
+            ) from None
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
-            err = from_rpc_error(exc) if isinstance(exc, grpc.RpcError) \
-                else Unavailable(str(exc))
+            err = from_rpc_error(exc) if isinstance(exc, grpc.RpcError) else Unavailable(str(exc))
             raise err from exc
         finally:
             self._pending.pop(seq, None)
@@ -196,21 +213,40 @@ class AsyncStreamSession(_SessionCalls):
             return self.client._failed_open(op, err, allowed)
         return self.client._parse(op, reply)
 
-    async def _call(self, name: str, *args: Any, timeout: float | None = None,
-                    fail_open: bool | None = None, **kwargs: Any) -> Any:
+    async def _call(
+        self,
+        name: str,
+        *args: Any,
+        timeout: float | None = None,
+        fail_open: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
         op = getattr(self.client, f"_op_{name}")(*_stream_args(name, args, kwargs))
         return await self._run(op, timeout, fail_open)
 
-    async def evict(self, model: str, num_tokens: int = 0, *, swa_num_tokens: int = 0,
-                    mamba_num: int = 0, timeout: float | None = None) -> EvictReply:
+    async def evict(
+        self,
+        model: str,
+        num_tokens: int = 0,
+        *,
+        swa_num_tokens: int = 0,
+        mamba_num: int = 0,
+        timeout: float | None = None,
+    ) -> EvictReply:
         op = self.client._op_evict(model, num_tokens, swa_num_tokens, mamba_num)
         return await self._run(op, timeout, False)
 
     async def stats(self, model: str = "", *, timeout: float | None = None) -> StatsReply:
         return await self._run(self.client._op_stats(model), timeout, False)
 
-    async def step(self, model: str, *, timeout: float | None = None,
-                   fail_open: bool | None = None, **items: Any) -> StepReply:
+    async def step(
+        self,
+        model: str,
+        *,
+        timeout: float | None = None,
+        fail_open: bool | None = None,
+        **items: Any,
+    ) -> StepReply:
         """``AsyncPrefixCacheClient.step`` on the stream (never retried: no request id)."""
         op = self.client._op_step(model, StepItems.of(**items), None, 0)
         return await self._run(op, timeout, fail_open)
@@ -220,13 +256,33 @@ def _stream_args(name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[
     """The ``_op_<name>`` arguments for a stream call (no session: the stream is one)."""
     if name == "match":
         model, tokens = args
-        return (model, tokens, kw.pop("extra_key", None), kw.pop("token_width", None), None,
-                kw.pop("lock", False), kw.pop("allocate", False), None, *_no_more(kw))
+        return (
+            model,
+            tokens,
+            kw.pop("extra_key", None),
+            kw.pop("token_width", None),
+            None,
+            kw.pop("lock", False),
+            kw.pop("allocate", False),
+            None,
+            *_no_more(kw),
+        )
     if name == "insert":
         model, tokens, slots = args
-        return (model, tokens, slots, kw.pop("extra_key", None), kw.pop("token_width", None),
-                None, kw.pop("lock", False), kw.pop("release_lock_id", 0),
-                kw.pop("state_slot", None), kw.pop("slot_version", 0), None, *_no_more(kw))
+        return (
+            model,
+            tokens,
+            slots,
+            kw.pop("extra_key", None),
+            kw.pop("token_width", None),
+            None,
+            kw.pop("lock", False),
+            kw.pop("release_lock_id", 0),
+            kw.pop("state_slot", None),
+            kw.pop("slot_version", 0),
+            None,
+            *_no_more(kw),
+        )
     if name == "lock":
         model, node_id = args
         return (model, node_id, None, None, *_no_more(kw))

@@ -34,14 +34,22 @@ class ClientSession:
         renewals: successful keep-alives so far.
     """
 
-    def __init__(self, client: BlockingClient, info: results.SessionInfo | SessionState,
-                 *, renew: bool = True, fail_open: bool | None = None,
-                 name: str | None = None, retain: Any = None) -> None:
+    def __init__(
+        self,
+        client: BlockingClient,
+        info: results.SessionInfo | SessionState,
+        *,
+        renew: bool = True,
+        fail_open: bool | None = None,
+        name: str | None = None,
+        retain: Any = None,
+    ) -> None:
         self.client = client
         self.retain = retain  # its default retention hint, also for a reopened session
         self._state = info if isinstance(info, SessionState) else SessionState(info)
-        self.info = results.SessionInfo(self._state.session_id, self._state.ttl,
-                                        self._state.server_epoch)
+        self.info = results.SessionInfo(
+            self._state.session_id, self._state.ttl, self._state.server_epoch
+        )
         self.name = name
         self.fail_open = fail_open
         self.closed = False
@@ -66,11 +74,20 @@ class ClientSession:
     def _start_renewal(self) -> None:
         if self._renew and self.ttl > 0 and self.session_id:
             self._stop = threading.Event()
-            flow = flows.renewal_flow(weakref.ref(self), self.client, self.session_id,
-                                      self.server_epoch, self.ttl, self._stop.wait)
+            flow = flows.renewal_flow(
+                weakref.ref(self),
+                self.client,
+                self.session_id,
+                self.server_epoch,
+                self.ttl,
+                self._stop.wait,
+            )
             self._thread = threading.Thread(
-                target=run_blocking, args=(flow,), daemon=True,
-                name=f"prefixcache-lease-{self.session_id[:8]}")
+                target=run_blocking,
+                args=(flow,),
+                daemon=True,
+                name=f"prefixcache-lease-{self.session_id[:8]}",
+            )
             self._thread.start()
 
     def _stop_renewal(self) -> None:
@@ -100,8 +117,9 @@ class ClientSession:
     def __enter__(self) -> ClientSession:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         run_blocking(flows.exit_flow(self, kind is not None))
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -118,8 +136,7 @@ class ClientSession:
         reply: results.MatchReply = self._call("match", model, tokens, **kwargs)
         return reply
 
-    def insert(self, model: str, tokens: Any, slots: Any,
-               **kwargs: Any) -> results.InsertReply:
+    def insert(self, model: str, tokens: Any, slots: Any, **kwargs: Any) -> results.InsertReply:
         """``PrefixCacheClient.insert`` in this session."""
         reply: results.InsertReply = self._call("insert", model, tokens, slots, **kwargs)
         return reply
@@ -143,18 +160,29 @@ class ClientSession:
         """``PrefixCacheClient.free`` in this session."""
         self._call("free", model, slots, **kwargs)
 
-    def step(self, model: str, *, request_id: int | None = None,
-             server_epoch: int | None = None, fail_open: bool | None = None,
-             timeout: float | None = None, **lists: Any) -> step.StepReply:
+    def step(
+        self,
+        model: str,
+        *,
+        request_id: int | None = None,
+        server_epoch: int | None = None,
+        fail_open: bool | None = None,
+        timeout: float | None = None,
+        **lists: Any,
+    ) -> step.StepReply:
         """``PrefixCacheClient.step`` in this session. After the service-side session
         was lost, the items that name its handles (finishes, unlocks, frees, and lock ids
         of an earlier session) are answered ``SessionLost`` without being sent; the
         admissions and decodes go out in a new session."""
-        return run_blocking(flows.step_flow(self, self._state, model, request_id,
-                                            server_epoch, fail_open, timeout, lists))
+        return run_blocking(
+            flows.step_flow(
+                self, self._state, model, request_id, server_epoch, fail_open, timeout, lists
+            )
+        )
 
-    def write_kv(self, model: str, slots: Any = (), k: Any = None, v: Any = None,
-                 **kwargs: Any) -> kv.WriteKVReply:
+    def write_kv(
+        self, model: str, slots: Any = (), k: Any = None, v: Any = None, **kwargs: Any
+    ) -> kv.WriteKVReply:
         """``PrefixCacheClient.write_kv`` in this session."""
         if (refused := self._state.refusal("write_kv", (), kwargs)) is not None:
             raise refused
@@ -169,4 +197,3 @@ class ClientSession:
     def evict(self, model: str, num_tokens: int = 0, **kwargs: Any) -> results.EvictReply:
         """``PrefixCacheClient.evict``, attributed to this session."""
         return self.client.evict(model, num_tokens, session=self, **kwargs)
-

@@ -42,8 +42,11 @@ from .overlay import LocalOverlay
 
 Namespace = tuple[str | None, int]
 
-_REASONS = {pb.SNAPSHOT_REASON_NEW: "new", pb.SNAPSHOT_REASON_EPOCH: "epoch",
-            pb.SNAPSHOT_REASON_BEHIND: "behind"}
+_REASONS = {
+    pb.SNAPSHOT_REASON_NEW: "new",
+    pb.SNAPSHOT_REASON_EPOCH: "epoch",
+    pb.SNAPSHOT_REASON_BEHIND: "behind",
+}
 
 
 class ShadowProtocolError(PrefixCacheError):
@@ -67,16 +70,16 @@ class Lag:
 
 
 def namespace_of(message: pb.PageNamespace) -> Namespace:
-    return (message.extra_key if message.HasField("extra_key") else None,
-            message.token_width or 1)
+    return (message.extra_key if message.HasField("extra_key") else None, message.token_width or 1)
 
 
 def _keys(data: bytes) -> list[int]:
     """The page keys of concatenated 32-byte digests: each one's first 8 bytes, native."""
     if len(data) % DIGEST_BYTES:
-        raise ShadowProtocolError(f"page_hashes has {len(data)} bytes, not whole "
-                                  f"{DIGEST_BYTES}-byte digests")
-    return memoryview(data).cast("Q")[::DIGEST_BYTES // 8].tolist()
+        raise ShadowProtocolError(
+            f"page_hashes has {len(data)} bytes, not whole {DIGEST_BYTES}-byte digests"
+        )
+    return memoryview(data).cast("Q")[:: DIGEST_BYTES // 8].tolist()
 
 
 class ShadowIndex:
@@ -93,8 +96,9 @@ class ShadowIndex:
         events_applied: events applied in all.
     """
 
-    def __init__(self, model: str, *, lag_samples: int = 4096,
-                 overlay_capacity: int = 65536) -> None:
+    def __init__(
+        self, model: str, *, lag_samples: int = 4096, overlay_capacity: int = 65536
+    ) -> None:
         self.model = model
         self.page_size = 0
         self.seq = -1
@@ -187,11 +191,13 @@ class ShadowIndex:
         with self.changed:
             return list(self._samples)
 
-    def resume_request(self, namespaces: list[pb.PageNamespace] | None = None,
-                       max_pages_per_event: int = 0) -> pb.SubscribeRequest:
+    def resume_request(
+        self, namespaces: list[pb.PageNamespace] | None = None, max_pages_per_event: int = 0
+    ) -> pb.SubscribeRequest:
         """The Subscribe request that continues this replica (or starts it)."""
-        request = pb.SubscribeRequest(model=self.model, namespaces=namespaces or (),
-                                      max_pages_per_event=max_pages_per_event)
+        request = pb.SubscribeRequest(
+            model=self.model, namespaces=namespaces or (), max_pages_per_event=max_pages_per_event
+        )
         if self.ready and self._resumable:
             request.after_seq = self.seq
             request.server_epoch = self.server_epoch
@@ -229,9 +235,11 @@ class ShadowIndex:
 
     def _check_page_size(self, request: RequestHashes) -> None:
         if self.page_size and request.page_size != self.page_size:
-            raise InvalidArgument(f"the request is hashed in pages of {request.page_size} "
-                                  f"tokens, model {self.model!r} caches pages of "
-                                  f"{self.page_size}")
+            raise InvalidArgument(
+                f"the request is hashed in pages of {request.page_size} "
+                f"tokens, model {self.model!r} caches pages of "
+                f"{self.page_size}"
+            )
 
     def apply(self, event: pb.SubscribeEvent) -> None:
         """Apply one Subscribe event (in stream order).
@@ -243,8 +251,12 @@ class ShadowIndex:
         body = event.WhichOneof("body")
         with self.changed:
             if body == "changes":
-                if self._pending is not None or not self._resumable \
-                        or event.server_epoch != self.server_epoch or event.seq < self.seq:
+                if (
+                    self._pending is not None
+                    or not self._resumable
+                    or event.server_epoch != self.server_epoch
+                    or event.seq < self.seq
+                ):
                     raise ShadowProtocolError(f"changes at seq {event.seq} out of place")
                 _apply_runs(self._pages, event.changes.runs, self._own)
                 self.seq = event.seq
@@ -277,12 +289,10 @@ class ShadowIndex:
             self.changed.notify_all()
 
     def __repr__(self) -> str:
-        return (f"ShadowIndex({self.model!r}, {len(self)} pages, seq={self.seq}, "
-                f"lag={self.lag})")
+        return f"ShadowIndex({self.model!r}, {len(self)} pages, seq={self.seq}, lag={self.lag})"
 
 
-def _apply_runs(pages: dict[Namespace, set[int]], runs: Any,
-                own: LocalOverlay | None) -> None:
+def _apply_runs(pages: dict[Namespace, set[int]], runs: Any, own: LocalOverlay | None) -> None:
     """Apply ``runs`` to ``pages``; every page they name ends its ``own`` entry."""
     for run in runs:
         op = run.op

@@ -49,8 +49,10 @@ def namespace_filter(namespaces: Iterable[NamespaceLike] | None) -> list[pb.Page
     for entry in namespaces or ():
         key, width = entry if isinstance(entry, tuple) else (entry, 1)
         if key is not None and not isinstance(key, str):
-            raise InvalidArgument(f"a namespace is an extra_key (str or None) or an "
-                                  f"(extra_key, token_width) pair, not {entry!r}")
+            raise InvalidArgument(
+                f"a namespace is an extra_key (str or None) or an "
+                f"(extra_key, token_width) pair, not {entry!r}"
+            )
         message = pb.PageNamespace(token_width=int(width))
         if key is not None:
             message.extra_key = key
@@ -58,13 +60,20 @@ def namespace_filter(namespaces: Iterable[NamespaceLike] | None) -> list[pb.Page
     return out
 
 
-def subscribe_request(model: str, after_seq: int | None, server_epoch: int,
-                      namespaces: Iterable[NamespaceLike] | None,
-                      max_pages_per_event: int) -> pb.SubscribeRequest:
+def subscribe_request(
+    model: str,
+    after_seq: int | None,
+    server_epoch: int,
+    namespaces: Iterable[NamespaceLike] | None,
+    max_pages_per_event: int,
+) -> pb.SubscribeRequest:
     """The SubscribeRequest of ``subscribe`` (blocking and asyncio clients alike)."""
-    request = pb.SubscribeRequest(model=model, server_epoch=int(server_epoch),
-                                  namespaces=namespace_filter(namespaces),
-                                  max_pages_per_event=int(max_pages_per_event))
+    request = pb.SubscribeRequest(
+        model=model,
+        server_epoch=int(server_epoch),
+        namespaces=namespace_filter(namespaces),
+        max_pages_per_event=int(max_pages_per_event),
+    )
     if after_seq is not None:
         request.after_seq = int(after_seq)
     return request
@@ -73,8 +82,15 @@ def subscribe_request(model: str, after_seq: int | None, server_epoch: int,
 class _FollowerBase:
     """What both followers share: the index, the request, the retry policy."""
 
-    def __init__(self, client: Any, model: str, namespaces: Iterable[NamespaceLike] | None,
-                 max_pages_per_event: int, backoff: float, max_backoff: float) -> None:
+    def __init__(
+        self,
+        client: Any,
+        model: str,
+        namespaces: Iterable[NamespaceLike] | None,
+        max_pages_per_event: int,
+        backoff: float,
+        max_backoff: float,
+    ) -> None:
         self.client = client
         self.index = ShadowIndex(model)
         self.error: PrefixCacheError | None = None
@@ -115,14 +131,17 @@ class _FollowerBase:
         """They were not cached from page ``first`` on (``ShadowIndex.unnote``)."""
         self.index.unnote(request, first, end)
 
-    def request_hashes(self, tokens: Any, *, extra_key: str | None = None,
-                       token_width: int | None = None) -> RequestHashes:
+    def request_hashes(
+        self, tokens: Any, *, extra_key: str | None = None, token_width: int | None = None
+    ) -> RequestHashes:
         """A ``RequestHashes`` for ``tokens`` in this model's page size (once ready)."""
         if not self.index.page_size:
-            raise FailedPrecondition(f"the shadow of {self.model!r} has no snapshot yet "
-                                     "(wait_ready first)")
-        return RequestHashes(tokens, page_size=self.index.page_size, extra_key=extra_key,
-                             token_width=token_width)
+            raise FailedPrecondition(
+                f"the shadow of {self.model!r} has no snapshot yet (wait_ready first)"
+            )
+        return RequestHashes(
+            tokens, page_size=self.index.page_size, extra_key=extra_key, token_width=token_width
+        )
 
     # ------------------------------------------------------------ machinery
 
@@ -142,15 +161,19 @@ class _FollowerBase:
         elif isinstance(err, FailedPrecondition):
             # A service set up without what a shadow needs (its change log): a choice of
             # its operator, not a fault; what follows the shadow falls back to lookups.
-            log.warning("shadow of %r stopped: %s (server.change_log_capacity, e.g. "
-                        "65536, turns the change log on)", self.model, err)
+            log.warning(
+                "shadow of %r stopped: %s (server.change_log_capacity, e.g. "
+                "65536, turns the change log on)",
+                self.model,
+                err,
+            )
             self.error = err
             return None
         elif isinstance(err, PERMANENT):
             log.error("shadow of %r stopped: %s", self.model, err)
             self.error = err
             return None
-        return min(self._backoff * 2.0 ** attempt, self._max_backoff)
+        return min(self._backoff * 2.0**attempt, self._max_backoff)
 
     def _crashed(self, exc: Exception) -> None:
         log.exception("shadow of %r stopped by an unexpected error", self.model)
@@ -180,23 +203,31 @@ class ShadowFollower(_FollowerBase):
     Use it as a context manager, or ``close()`` it; closing the client closes it too.
     """
 
-    def __init__(self, client: Any, model: str, *,
-                 namespaces: Iterable[NamespaceLike] | None = None,
-                 max_pages_per_event: int = 0, backoff: float = 0.05,
-                 max_backoff: float = 1.0) -> None:
+    def __init__(
+        self,
+        client: Any,
+        model: str,
+        *,
+        namespaces: Iterable[NamespaceLike] | None = None,
+        max_pages_per_event: int = 0,
+        backoff: float = 0.05,
+        max_backoff: float = 1.0,
+    ) -> None:
         super().__init__(client, model, namespaces, max_pages_per_event, backoff, max_backoff)
         self._call: Any = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"prefixcache-shadow-{model}")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name=f"prefixcache-shadow-{model}"
+        )
         self._thread.start()
 
     def _run(self) -> None:
         attempt = 0
         while not self._stop.is_set():
             try:
-                self._call = self.client._stub.Subscribe(self._request(),
-                                                         metadata=self.client._metadata)
+                self._call = self.client._stub.Subscribe(
+                    self._request(), metadata=self.client._metadata
+                )
                 self.subscriptions += 1
                 if self._stop.is_set():
                     break
@@ -255,10 +286,16 @@ class AsyncShadowFollower(_FollowerBase):
     """The asyncio twin of :class:`ShadowFollower`: the stream is read by a task of the
     running loop (``client.shadow`` in a coroutine)."""
 
-    def __init__(self, client: Any, model: str, *,
-                 namespaces: Iterable[NamespaceLike] | None = None,
-                 max_pages_per_event: int = 0, backoff: float = 0.05,
-                 max_backoff: float = 1.0) -> None:
+    def __init__(
+        self,
+        client: Any,
+        model: str,
+        *,
+        namespaces: Iterable[NamespaceLike] | None = None,
+        max_pages_per_event: int = 0,
+        backoff: float = 0.05,
+        max_backoff: float = 1.0,
+    ) -> None:
         super().__init__(client, model, namespaces, max_pages_per_event, backoff, max_backoff)
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -267,8 +304,7 @@ class AsyncShadowFollower(_FollowerBase):
         attempt = 0
         try:
             while True:
-                call = self.client._stub.Subscribe(self._request(),
-                                                   metadata=self.client._metadata)
+                call = self.client._stub.Subscribe(self._request(), metadata=self.client._metadata)
                 self.subscriptions += 1
                 try:
                     async for event in call:

@@ -50,8 +50,14 @@ class AttachedPool:
 
     def close(self) -> None:
         """Drop this object's tensors; the mappings go once no view of them is left."""
-        for name in ("k_buffer", "v_buffer", "swa_k_buffer", "swa_v_buffer", "conv_state",
-                     "temporal_state"):
+        for name in (
+            "k_buffer",
+            "v_buffer",
+            "swa_k_buffer",
+            "swa_v_buffer",
+            "conv_state",
+            "temporal_state",
+        ):
             getattr(self, name).clear()
 
 
@@ -63,8 +69,10 @@ def attach(info: PoolInfo) -> AttachedPool:
             buffers, runs on another host, or the CUDA pool's device is not visible).
     """
     if not info.buffers:
-        raise FailedPrecondition(f"model {info.model!r}: the service shares no buffers "
-                                 "(shared memory is off); use read_kv / write_kv")
+        raise FailedPrecondition(
+            f"model {info.model!r}: the service shares no buffers "
+            "(shared memory is off); use read_kv / write_kv"
+        )
     pool = AttachedPool(info)
     files: dict[str, Any] = {}
     for buf in info.buffers:
@@ -74,9 +82,14 @@ def attach(info: PoolInfo) -> AttachedPool:
             views = [tensor[:, :, layer] for layer in range(tensor.shape[2])]
             getattr(pool, f"{buf.role}_buffer").extend(views)
             continue
-        target = {"k": pool.k_buffer, "v": pool.v_buffer, "swa_k": pool.swa_k_buffer,
-                  "swa_v": pool.swa_v_buffer, "conv": pool.conv_state,
-                  "temporal": pool.temporal_state}.get(buf.role)
+        target = {
+            "k": pool.k_buffer,
+            "v": pool.v_buffer,
+            "swa_k": pool.swa_k_buffer,
+            "swa_v": pool.swa_v_buffer,
+            "conv": pool.conv_state,
+            "temporal": pool.temporal_state,
+        }.get(buf.role)
         if target is None:
             continue  # a role this client does not know yet
         while len(target) <= buf.layer:
@@ -102,18 +115,21 @@ def _map_shm(buf: BufferInfo, files: dict[str, Any]) -> Any:
         files[buf.shm_path] = flat
     end = buf.offset_bytes + buf.nbytes
     if end > flat.numel():
-        raise FailedPrecondition(f"{buf.shm_path} has {flat.numel()} bytes, the buffer "
-                                 f"needs {end}: the pool changed; describe it again")
+        raise FailedPrecondition(
+            f"{buf.shm_path} has {flat.numel()} bytes, the buffer "
+            f"needs {end}: the pool changed; describe it again"
+        )
     dtype = getattr(torch, buf.dtype)
-    return flat[buf.offset_bytes:end].view(dtype).view(buf.shape)
+    return flat[buf.offset_bytes : end].view(dtype).view(buf.shape)
 
 
 def _map_cuda(buf: BufferInfo) -> Any:
     import torch
 
     if buf.cuda is None:
-        raise FailedPrecondition(f"buffer {buf.role} of layer {buf.layer} names no CUDA "
-                                 "handle: describe the pool again")
+        raise FailedPrecondition(
+            f"buffer {buf.role} of layer {buf.layer} names no CUDA handle: describe the pool again"
+        )
     if not torch.cuda.is_available():
         raise FailedPrecondition("the pool is on a GPU and this process has no CUDA")
     torch.cuda._lazy_init()  # type: ignore[no-untyped-call]  # unannotated in torch
@@ -122,8 +138,9 @@ def _map_cuda(buf: BufferInfo) -> Any:
         # multiprocessing rebuild makes (torch/multiprocessing/reductions.py).
         storage = torch.UntypedStorage._new_shared_cuda(*buf.cuda)
     except RuntimeError as exc:
-        raise FailedPrecondition(f"cannot open the CUDA IPC handle of {buf.role}"
-                                 f"[{buf.layer}]: {exc}") from exc
+        raise FailedPrecondition(
+            f"cannot open the CUDA IPC handle of {buf.role}[{buf.layer}]: {exc}"
+        ) from exc
     dtype = getattr(torch, buf.dtype)
     size = torch.empty((), dtype=dtype).element_size()
     if buf.offset_bytes % size:

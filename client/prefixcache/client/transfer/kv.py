@@ -81,27 +81,31 @@ def _check_host() -> None:
         raise InvalidArgument("KV transfer needs a little-endian host")
 
 
-def plan(info: PoolInfo, num_slots: int, layers: Sequence[int] | None,
-         num_states: int) -> tuple[tuple[int, ...], list[_Part]]:
+def plan(
+    info: PoolInfo, num_slots: int, layers: Sequence[int] | None, num_states: int
+) -> tuple[tuple[int, ...], list[_Part]]:
     """The layers and the parts of a transfer, in wire order."""
     _check_host()
     wanted = tuple(range(info.layer_num)) if not layers else tuple(int(x) for x in layers)
     seq = (info.max_seq_len,) if info.max_seq_len else ()
     parts: list[_Part] = []
     for layer in wanted:
-        parts.append(_Part(K, layer, num_slots, (*seq, info.k_head_num, info.k_head_dim),
-                           info.dtype))
+        parts.append(
+            _Part(K, layer, num_slots, (*seq, info.k_head_num, info.k_head_dim), info.dtype)
+        )
         if not info.mla:  # an MLA pool's latent is its K; there is no V
-            parts.append(_Part(V, layer, num_slots, (*seq, info.v_head_num, info.v_head_dim),
-                               info.dtype))
+            parts.append(
+                _Part(V, layer, num_slots, (*seq, info.v_head_num, info.v_head_dim), info.dtype)
+            )
     if num_states:
         if info.mamba is None:
             raise FailedPrecondition(f"model {info.model!r} has no Mamba state pool")
         m = info.mamba
         for layer in range(m.layer_num):
             parts.append(_Part(CONV, layer, num_states, m.conv_state_shape, m.conv_dtype))
-            parts.append(_Part(TEMPORAL, layer, num_states, m.temporal_state_shape,
-                               m.temporal_dtype))
+            parts.append(
+                _Part(TEMPORAL, layer, num_states, m.temporal_state_shape, m.temporal_dtype)
+            )
     return wanted, parts
 
 
@@ -119,27 +123,43 @@ class Reader:
     first touch costs more than the copy itself).
     """
 
-    def __init__(self, info: PoolInfo, slots: Any, layers: Sequence[int] | None,
-                 state_slots: Any, chunk_bytes: int, out: KVData | None = None) -> None:
+    def __init__(
+        self,
+        info: PoolInfo,
+        slots: Any,
+        layers: Sequence[int] | None,
+        state_slots: Any,
+        chunk_bytes: int,
+        out: KVData | None = None,
+    ) -> None:
         self._slots, self._states = pack_slots(slots), pack_slots(state_slots)
-        self._layers, parts = plan(info, len(self._slots) // 8, layers,
-                                   len(self._states) // 8)
+        self._layers, parts = plan(info, len(self._slots) // 8, layers, len(self._states) // 8)
         self._parts = {(p.role, p.layer): p for p in parts}
         self._order = parts
         self._tensors = self._destinations(parts, out)
         self._data = {key: memoryview(_bytes_of(t)) for key, t in self._tensors.items()}
         self._got = dict.fromkeys(self._parts, 0)
-        self.request = pb.ReadKVRequest(model=info.model, slot_indices=self._slots,
-                                        layers=list(self._layers) if layers else [],
-                                        state_slots=self._states,
-                                        max_chunk_bytes=chunk_bytes)
+        self.request = pb.ReadKVRequest(
+            model=info.model,
+            slot_indices=self._slots,
+            layers=list(self._layers) if layers else [],
+            state_slots=self._states,
+            max_chunk_bytes=chunk_bytes,
+        )
 
     def _destinations(self, parts: list[_Part], out: KVData | None) -> dict[Any, Any]:
         import torch
 
-        given: dict[int, list[Any]] = {} if out is None else {
-            K: list(out.k), V: list(out.v), CONV: list(out.conv),
-            TEMPORAL: list(out.temporal)}
+        given: dict[int, list[Any]] = (
+            {}
+            if out is None
+            else {
+                K: list(out.k),
+                V: list(out.v),
+                CONV: list(out.conv),
+                TEMPORAL: list(out.temporal),
+            }
+        )
         seen: dict[int, int] = {}
         tensors = {}
         for part in parts:
@@ -148,12 +168,17 @@ class Reader:
             i = seen[part.role] = seen.get(part.role, -1) + 1
             mine = given.get(part.role, [])
             tensor = mine[i] if i < len(mine) else None
-            if tensor is not None and (tuple(tensor.shape) != shape or tensor.dtype != dtype
-                                       or tensor.device.type != "cpu"
-                                       or not tensor.is_contiguous()):
-                raise InvalidArgument(f"out's {_label(part)} is {tuple(tensor.shape)} "
-                                      f"{tensor.dtype} on {tensor.device}; this read "
-                                      f"needs a contiguous CPU {shape} {dtype}")
+            if tensor is not None and (
+                tuple(tensor.shape) != shape
+                or tensor.dtype != dtype
+                or tensor.device.type != "cpu"
+                or not tensor.is_contiguous()
+            ):
+                raise InvalidArgument(
+                    f"out's {_label(part)} is {tuple(tensor.shape)} "
+                    f"{tensor.dtype} on {tensor.device}; this read "
+                    f"needs a contiguous CPU {shape} {dtype}"
+                )
             if tensor is None:
                 if out is not None:
                     raise InvalidArgument(f"out has no tensor for {_label(part)}")
@@ -166,9 +191,11 @@ class Reader:
         buf = self._data.get(key)
         end = chunk.offset_bytes + len(chunk.data)
         if buf is None or chunk.offset_bytes != self._got[key] or end > len(buf):
-            raise InvalidArgument(f"unexpected ReadKV chunk for buffer {key} at offset "
-                                  f"{chunk.offset_bytes} (the pool layout changed?)")
-        buf[chunk.offset_bytes:end] = chunk.data
+            raise InvalidArgument(
+                f"unexpected ReadKV chunk for buffer {key} at offset "
+                f"{chunk.offset_bytes} (the pool layout changed?)"
+            )
+        buf[chunk.offset_bytes : end] = chunk.data
         self._got[key] = end
 
     def result(self) -> KVData:
@@ -176,8 +203,9 @@ class Reader:
         for part in self._order:
             key = (part.role, part.layer)
             if self._got[key] != part.nbytes:
-                raise InvalidArgument(f"ReadKV ended early: buffer {key} has "
-                                      f"{self._got[key]} of {part.nbytes} bytes")
+                raise InvalidArgument(
+                    f"ReadKV ended early: buffer {key} has {self._got[key]} of {part.nbytes} bytes"
+                )
             out[part.role].append(self._tensors[key])
         return KVData(self._layers, out[K], out[V], out[CONV], out[TEMPORAL])
 
@@ -186,8 +214,7 @@ def _bytes_of(tensor: Any) -> Any:
     """A contiguous CPU tensor's bytes, writable (a flat uint8 numpy view)."""
     import torch
 
-    return tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else \
-        bytearray()
+    return tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else bytearray()
 
 
 def parse_chunk(message: bytes) -> DataChunk:
@@ -220,9 +247,19 @@ def _per_layer(values: Any, count: int, row_dims: int, what: str) -> list[Any]:
     return seq
 
 
-def write_chunks(info: PoolInfo, session_id: str, slots: Any, k: Any, v: Any,
-                 layers: Sequence[int] | None, state_slots: Any, conv: Any, temporal: Any,
-                 chunk_bytes: int, server_epoch: int = 0) -> Iterator[pb.KVChunk | bytes]:
+def write_chunks(
+    info: PoolInfo,
+    session_id: str,
+    slots: Any,
+    k: Any,
+    v: Any,
+    layers: Sequence[int] | None,
+    state_slots: Any,
+    conv: Any,
+    temporal: Any,
+    chunk_bytes: int,
+    server_epoch: int = 0,
+) -> Iterator[pb.KVChunk | bytes]:
     """The header chunk (a KVChunk), then the tensors as data chunks, serialized
     already (``encode_chunk``; ``serialize_chunk`` sends both).
 
@@ -239,14 +276,16 @@ def write_chunks(info: PoolInfo, session_id: str, slots: Any, k: Any, v: Any,
     jobs = [(K, k, "k")] + ([] if info.mla else [(V, v, "v")]) if wanted and packed else []
     for role, values, name in jobs:
         row_dims = len(parts[0 if role == K else 1].row_shape)
-        for layer, tensor in zip(wanted, _per_layer(values, len(wanted), row_dims, name),
-                                 strict=True):
+        for layer, tensor in zip(
+            wanted, _per_layer(values, len(wanted), row_dims, name), strict=True
+        ):
             sources[(role, layer)] = tensor
     if states and info.mamba is not None:
         m = info.mamba
-        for role, values, name, dims in ((CONV, conv, "conv", len(m.conv_state_shape)),
-                                         (TEMPORAL, temporal, "temporal",
-                                          len(m.temporal_state_shape))):
+        for role, values, name, dims in (
+            (CONV, conv, "conv", len(m.conv_state_shape)),
+            (TEMPORAL, temporal, "temporal", len(m.temporal_state_shape)),
+        ):
             for layer, tensor in enumerate(_per_layer(values, m.layer_num, dims, name)):
                 sources[(role, layer)] = tensor
     todo = []
@@ -258,17 +297,24 @@ def write_chunks(info: PoolInfo, session_id: str, slots: Any, k: Any, v: Any,
             tensor = torch.as_tensor(tensor)
         shape = (part.rows, *part.row_shape)
         if tuple(tensor.shape) != shape:
-            raise InvalidArgument(f"{_label(part)} has shape {tuple(tensor.shape)}, "
-                                  f"expected {shape}")
+            raise InvalidArgument(
+                f"{_label(part)} has shape {tuple(tensor.shape)}, expected {shape}"
+            )
         todo.append((part, tensor))
-    header = pb.WriteKVHeader(model=info.model, slot_indices=packed,
-                              layers=list(wanted) if layers else [], state_slots=states,
-                              session_id=session_id, server_epoch=server_epoch)
+    header = pb.WriteKVHeader(
+        model=info.model,
+        slot_indices=packed,
+        layers=list(wanted) if layers else [],
+        state_slots=states,
+        session_id=session_id,
+        server_epoch=server_epoch,
+    )
     return _chunks(header, todo, chunk_bytes)
 
 
-def _chunks(header: pb.WriteKVHeader, todo: list[tuple[_Part, Any]],
-            chunk_bytes: int) -> Iterator[pb.KVChunk | bytes]:
+def _chunks(
+    header: pb.WriteKVHeader, todo: list[tuple[_Part, Any]], chunk_bytes: int
+) -> Iterator[pb.KVChunk | bytes]:
     import torch
 
     yield pb.KVChunk(header=header)
@@ -276,7 +322,7 @@ def _chunks(header: pb.WriteKVHeader, todo: list[tuple[_Part, Any]],
         host = tensor.detach().to(device="cpu", dtype=getattr(torch, part.dtype))
         data = memoryview(host.contiguous().view(torch.uint8).reshape(-1).numpy())
         for i in range(0, len(data), chunk_bytes):
-            yield encode_chunk(part.role, part.layer, i, data[i:i + chunk_bytes])
+            yield encode_chunk(part.role, part.layer, i, data[i : i + chunk_bytes])
 
 
 def wide_pair(a: Any, b: Any) -> tuple[Any, Any]:

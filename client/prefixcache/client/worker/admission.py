@@ -98,13 +98,17 @@ class AdmissionWindow:
             self._round, self._closed = self._round + 1, False
         extra, n = key_namespace(key), key_len(key)
         cand = self._by_req.get(id(req)) if req is not None else None
-        if cand is None or cand.req is not req or cand.extra_key != extra \
-                or cand.num_tokens != n:
+        if cand is None or cand.req is not req or cand.extra_key != extra or cand.num_tokens != n:
             tokens, extra = key_parts(key)
             data, width = pack_tokens(tokens)
-            cand = Candidate(req, data, width, extra,
-                             RequestHashes(data, page_size=self.page_size, extra_key=extra,
-                                           token_width=width), n)
+            cand = Candidate(
+                req,
+                data,
+                width,
+                extra,
+                RequestHashes(data, page_size=self.page_size, extra_key=extra, token_width=width),
+                n,
+            )
             # A match without a request is kept too (until the window closes), so that
             # its admission can be claimed or released like any other.
             self._by_req[id(req) if req is not None else id(cand)] = cand
@@ -126,9 +130,15 @@ class AdmissionWindow:
         once the window closed: they are ranked again first)."""
         if self._closed:
             return []
-        ready = [c for c in self._by_req.values()
-                 if c.round == self._round and c.state == "ranked" and c.estimate > 0
-                 and c.req is not None and c is not exclude]
+        ready = [
+            c
+            for c in self._by_req.values()
+            if c.round == self._round
+            and c.state == "ranked"
+            and c.estimate > 0
+            and c.req is not None
+            and c is not exclude
+        ]
         ready.sort(key=lambda c: (-c.estimate, c.order))
         return ready
 
@@ -178,8 +188,12 @@ class AdmissionWindow:
         scheduler's ``inc_lock_ref`` takes it over instead of locking again."""
         for key, cand in self._by_req.items():
             reply = cand.reply
-            if cand.state == "used" and reply is not None and reply.node_id == node_id \
-                    and reply.lock_id:
+            if (
+                cand.state == "used"
+                and reply is not None
+                and reply.node_id == node_id
+                and reply.lock_id
+            ):
                 cand.state = "claimed"
                 del self._by_req[key]  # admitted: no longer waiting
                 return reply.lock_id
@@ -190,8 +204,7 @@ class AdmissionWindow:
         Candidates not ranked in the last ranking round are forgotten."""
         release = []
         for key, cand in list(self._by_req.items()):
-            if cand.reply is not None and cand.state in ("admitted", "used") \
-                    and cand.reply.lock_id:
+            if cand.reply is not None and cand.state in ("admitted", "used") and cand.reply.lock_id:
                 release.append(cand.reply.lock_id)
             if cand.state == "claimed" or cand.round < self._round:
                 del self._by_req[key]

@@ -40,8 +40,9 @@ class OwnPages:
         self.noted = self.taken_back = 0
         self._by_req: OrderedDict[int, RequestHashes] = OrderedDict()
 
-    def queued(self, req: Any, packed: bytes, token_width: int, extra_key: str | None, *,
-               last: bool) -> Answered:
+    def queued(
+        self, req: Any, packed: bytes, token_width: int, extra_key: str | None, *, last: bool
+    ) -> Answered:
         """An insert of ``packed`` tokens for ``req`` was queued (``last``: its final
         one); returns what to call with the insert's reply."""
         hashes = self._hashes(req, packed, token_width, extra_key, last)
@@ -64,14 +65,15 @@ class OwnPages:
         """``req`` will insert no more (it was aborted)."""
         self._by_req.pop(id(req), None)
 
-    def _hashes(self, req: Any, packed: bytes, width: int, extra_key: str | None,
-                last: bool) -> RequestHashes:
+    def _hashes(
+        self, req: Any, packed: bytes, width: int, extra_key: str | None, last: bool
+    ) -> RequestHashes:
         key = id(req)
         hashes = self._by_req.pop(key, None)
-        if hashes is None or hashes.extra_key != extra_key \
-                or not hashes.grow_to(packed, width):
-            hashes = RequestHashes(packed, page_size=self.page_size, extra_key=extra_key,
-                                   token_width=width)
+        if hashes is None or hashes.extra_key != extra_key or not hashes.grow_to(packed, width):
+            hashes = RequestHashes(
+                packed, page_size=self.page_size, extra_key=extra_key, token_width=width
+            )
         if not last:
             self._by_req[key] = hashes
             while len(self._by_req) > self.keep:

@@ -28,22 +28,27 @@ def ints(values: Any) -> list[int]:
     return [int(x) for x in values]
 
 
-def extend(prefix_lens: Sequence[int], seq_lens: Sequence[int], last_loc: Sequence[int],
-           page_size: int, take: Callable[[int], Sequence[int] | None]) -> list[int] | None:
+def extend(
+    prefix_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    last_loc: Sequence[int],
+    page_size: int,
+    take: Callable[[int], Sequence[int] | None],
+) -> list[int] | None:
     """The slots of tokens ``prefix_lens[i] .. seq_lens[i]`` of every request, request by
     request: first the rest of the request's last page, then new pages, all taken by one
     ``take(n)`` (n whole pages' worth of slots, page by page; None: the pool is short)."""
     if not len(prefix_lens) == len(seq_lens) == len(last_loc):
-        raise InvalidArgument("prefix_lens, seq_lens and last_loc must have one entry per "
-                              "request")
+        raise InvalidArgument("prefix_lens, seq_lens and last_loc must have one entry per request")
     plans, pages = [], 0
     for pre, seq, last in zip(prefix_lens, seq_lens, last_loc, strict=True):
         if seq < pre or pre < 0:
             raise InvalidArgument(f"seq_len {seq} is below prefix_len {pre}")
         own = 0 if pre % page_size == 0 else min(seq - pre, page_size - pre % page_size)
         if own and (last < 0 or last % page_size != (pre - 1) % page_size):
-            raise InvalidArgument(f"last_loc {last} is not the slot of token {pre - 1} "
-                                  f"(page size {page_size})")
+            raise InvalidArgument(
+                f"last_loc {last} is not the slot of token {pre - 1} (page size {page_size})"
+            )
         fresh = seq - pre - own
         need = -(-fresh // page_size)
         plans.append((last, own, fresh, pages))
@@ -55,12 +60,16 @@ def extend(prefix_lens: Sequence[int], seq_lens: Sequence[int], last_loc: Sequen
     for last, own, fresh, first_page in plans:
         out.extend(range(last + 1, last + 1 + own))
         start = first_page * page_size
-        out.extend(slots[start: start + fresh])
+        out.extend(slots[start : start + fresh])
     return out
 
 
-def decode(seq_lens: Sequence[int], last_loc: Sequence[int], page_size: int,
-           take: Callable[[int], Sequence[int] | None]) -> list[int] | None:
+def decode(
+    seq_lens: Sequence[int],
+    last_loc: Sequence[int],
+    page_size: int,
+    take: Callable[[int], Sequence[int] | None],
+) -> list[int] | None:
     """One slot per request for its token ``seq_lens[i] - 1``: the next slot of its last
     page, or the first of a new page (one ``take`` for all new pages)."""
     if len(seq_lens) != len(last_loc):
@@ -79,8 +88,9 @@ def decode(seq_lens: Sequence[int], last_loc: Sequence[int], page_size: int,
     return out
 
 
-def _take(take: Callable[[int], Sequence[int] | None], pages: int,
-          page_size: int) -> Sequence[int] | None:
+def _take(
+    take: Callable[[int], Sequence[int] | None], pages: int, page_size: int
+) -> Sequence[int] | None:
     if not pages:
         return []
     slots = take(pages * page_size)
@@ -88,8 +98,9 @@ def _take(take: Callable[[int], Sequence[int] | None], pages: int,
         return None
     for i in range(0, len(slots), page_size):  # whole pages, each from its first slot
         if slots[i] % page_size:
-            raise InvalidArgument(f"the service handed out slot {slots[i]} as the start "
-                                  f"of a page of {page_size}")
+            raise InvalidArgument(
+                f"the service handed out slot {slots[i]} as the start of a page of {page_size}"
+            )
     return slots
 
 
@@ -168,11 +179,11 @@ class PagedCalls:
             seq_lens, last_loc, total = args
         else:
             raise TypeError(f"alloc_extend takes 4 or 6 arguments, got {len(args) + 1}")
-        out = extend(ints(prefix_lens), ints(seq_lens), ints(last_loc), self.page_size,
-                     self._take)
+        out = extend(ints(prefix_lens), ints(seq_lens), ints(last_loc), self.page_size, self._take)
         if out is not None and len(out) != int(total):
-            raise InvalidArgument(f"extend_num_tokens is {int(total)}, but the requests "
-                                  f"extend by {len(out)} tokens")
+            raise InvalidArgument(
+                f"extend_num_tokens is {int(total)}, but the requests extend by {len(out)} tokens"
+            )
         return self._tensor(out)
 
     def alloc_decode(self, seq_lens: Any, *args: Any) -> Any:
@@ -185,8 +196,7 @@ class PagedCalls:
             (last_loc,) = args
         else:
             raise TypeError(f"alloc_decode takes 2 or 3 arguments, got {len(args) + 1}")
-        return self._tensor(decode(ints(seq_lens), ints(last_loc), self.page_size,
-                                   self._take))
+        return self._tensor(decode(ints(seq_lens), ints(last_loc), self.page_size, self._take))
 
     def _take(self, n: int) -> Sequence[int] | None:
         from ..errors import ResourceExhausted

@@ -208,8 +208,7 @@ class RemoteAllocator(PagedCalls):
 
     def free_group_end(self) -> None:
         if self._group_depth == 0:
-            raise cache_errors().InvalidInputError("free_group_end() without "
-                                                   "free_group_begin()")
+            raise cache_errors().InvalidInputError("free_group_end() without free_group_begin()")
         self._group_depth -= 1
         if self._group_depth == 0:
             batch, self._group = self._group, []
@@ -248,5 +247,4 @@ class RemoteAllocator(PagedCalls):
             return []
         ids = torch.tensor(sorted(partial), dtype=torch.int64)
         held = set(mine[torch.isin(mine // ps, ids)].tolist())
-        return [s for p in sorted(partial) for s in range(p * ps, (p + 1) * ps)
-                if s not in held]
+        return [s for p in sorted(partial) for s in range(p * ps, (p + 1) * ps) if s not in held]

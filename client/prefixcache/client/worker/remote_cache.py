@@ -116,23 +116,36 @@ class RemoteRadixCache(SGLangCalls):
 
     _kinds: tuple[str, ...] = ("radix",)  # the cache kinds this class serves
 
-    def __init__(self, client: PrefixCacheClient | str | Path, model: str, *,
-                 session: ClientSession | None = None, ttl: float | None = None,
-                 device: Any = "cpu", req_to_token_pool: Any = None,
-                 shadow_wait: float = 5.0, reserve: bool = True,
-                 **client_kwargs: Any) -> None:
+    def __init__(
+        self,
+        client: PrefixCacheClient | str | Path,
+        model: str,
+        *,
+        session: ClientSession | None = None,
+        ttl: float | None = None,
+        device: Any = "cpu",
+        req_to_token_pool: Any = None,
+        shadow_wait: float = 5.0,
+        reserve: bool = True,
+        **client_kwargs: Any,
+    ) -> None:
         register_base()
         self._owns_client = not isinstance(client, PrefixCacheClient)
-        self.client = PrefixCacheClient(client, **client_kwargs) \
-            if not isinstance(client, PrefixCacheClient) else client
+        self.client = (
+            PrefixCacheClient(client, **client_kwargs)
+            if not isinstance(client, PrefixCacheClient)
+            else client
+        )
         self.model = model
         try:
             info = self.client.list_models()[model]
         except KeyError:
             raise NotFound(f"model {model!r} is not hosted by {self.client.target}") from None
         if info.cache_kind not in self._kinds:
-            raise InvalidArgument(f"{type(self).__name__} needs a {' or '.join(self._kinds)} "
-                                  f"model; {model!r} is {info.cache_kind}")
+            raise InvalidArgument(
+                f"{type(self).__name__} needs a {' or '.join(self._kinds)} "
+                f"model; {model!r} is {info.cache_kind}"
+            )
         self.page_size = info.page_size
         self.sliding_window_size = None
         self.on_node_evict = None
@@ -143,8 +156,11 @@ class RemoteRadixCache(SGLangCalls):
 
         self.device = torch.device(device)
         self._owns_session = session is None
-        self.session = session if session is not None else self.client.session(
-            ttl, name=f"RemoteRadixCache:{model}")
+        self.session = (
+            session
+            if session is not None
+            else self.client.session(ttl, name=f"RemoteRadixCache:{model}")
+        )
         self.root_node = RemoteNode(0)
         # node id -> lock ids this cache took on it, most recent last.
         self._locks: dict[int, list[int]] = {}
@@ -225,8 +241,12 @@ class RemoteRadixCache(SGLangCalls):
         if isinstance(reply, PrefixCacheError):
             raise reply
         node = self._node(reply.node_id, reply.server_epoch)
-        return MatchResult(as_tensor(reply.slots, self.device), node, reply.prefix_len,
-                           reply.mamba_branching_seqlen)
+        return MatchResult(
+            as_tensor(reply.slots, self.device),
+            node,
+            reply.prefix_len,
+            reply.mamba_branching_seqlen,
+        )
 
     def insert(self, key: Any, value: Any = None, **kwargs: Any) -> Any:
         """Cache ``key``'s page-aligned part with slots ``value`` (or SGLang's
@@ -250,7 +270,8 @@ class RemoteRadixCache(SGLangCalls):
         errors = cache_errors()
         if value is None:
             raise errors.InvalidInputError(
-                "RemoteRadixCache.insert needs value: slots come from the service's pool")
+                "RemoteRadixCache.insert needs value: slots come from the service's pool"
+            )
         data, width = pack_tokens(key)
         n = len(data) // (4 * width)
         slots = pack_slots(value)
@@ -262,8 +283,10 @@ class RemoteRadixCache(SGLangCalls):
             n = have
             data = data[: n * 4 * width]
         box: list[Any] = []
-        self._buffer.finish(Finish(data, slots[: n * 8], extra_key=extra_key,
-                                   token_width=width, keep_tail=True), box.append)
+        self._buffer.finish(
+            Finish(data, slots[: n * 8], extra_key=extra_key, token_width=width, keep_tail=True),
+            box.append,
+        )
         self._buffer.flush()
         (reply,) = box
         if isinstance(reply, (InvalidArgument, FailedPrecondition)):
@@ -271,8 +294,9 @@ class RemoteRadixCache(SGLangCalls):
         if isinstance(reply, PrefixCacheError):
             raise reply
         self.token_to_kv_pool_allocator._server_freed.update(reply.freed)
-        return InsertResult(reply.prefix_len, self._node(reply.node_id, reply.server_epoch),
-                            reply.state_exist)
+        return InsertResult(
+            reply.prefix_len, self._node(reply.node_id, reply.server_epoch), reply.state_exist
+        )
 
     def evict(self, num_tokens: Any, swa_num_tokens: int = 0) -> Any:
         """Free at least ``num_tokens`` unlocked tokens on the service (whole leaves),
@@ -286,8 +310,9 @@ class RemoteRadixCache(SGLangCalls):
         reply = self.session.evict(self.model, n, swa_num_tokens=swa)
         self._buffer.changed()
         if sglang:
-            return api.EvictResult(reply.evicted_tokens, reply.swa_evicted_tokens,
-                                   reply.mamba_evicted)
+            return api.EvictResult(
+                reply.evicted_tokens, reply.swa_evicted_tokens, reply.mamba_evicted
+            )
         from prefixcache.cache import EvictResult
 
         return EvictResult(reply.evicted_tokens, reply.swa_evicted_tokens, reply.mamba_evicted)
@@ -308,8 +333,7 @@ class RemoteRadixCache(SGLangCalls):
         if claimed is not None:
             return claimed
         try:
-            reply = self.session.lock(self.model, node_id,
-                                      server_epoch=node.server_epoch or None)
+            reply = self.session.lock(self.model, node_id, server_epoch=node.server_epoch or None)
         except NotFound as err:
             raise cache_errors().LockError(f"node {node_id} has been evicted") from err
         self._buffer.changed()
@@ -318,8 +342,9 @@ class RemoteRadixCache(SGLangCalls):
         self._locks.setdefault(node_id, []).append(reply.lock_id)
         return _receipt(node_id, reply.lock_id)
 
-    def dec_lock_ref(self, node: Any, params: Any = None, *args: Any,
-                     **kwargs: Any) -> api.DecLockRefResult:
+    def dec_lock_ref(
+        self, node: Any, params: Any = None, *args: Any, **kwargs: Any
+    ) -> api.DecLockRefResult:
         """Release one ``inc_lock_ref(node)`` of this cache (the one ``params``, its
         receipt, names; else the latest). The release goes with the next call.
 
@@ -335,7 +360,8 @@ class RemoteRadixCache(SGLangCalls):
             if not getattr(node, "node_id", 0) or self._failing_open():
                 return api.DecLockRefResult(0)  # its lock failed open
             raise cache_errors().LockError(
-                f"unlock of node {node.node_id}, which holds no lock of this cache")
+                f"unlock of node {node.node_id}, which holds no lock of this cache"
+            )
         self._buffer.unlock(lock_id)
         return api.DecLockRefResult()
 

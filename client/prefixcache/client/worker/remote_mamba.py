@@ -93,8 +93,11 @@ class RemoteMambaPool:
         buffer = cache._buffer
         counters = buffer.counters
         if buffer.fresh and counters is not None:  # a free slot was there: nothing evicted
-            buffer.counters = replace(counters, free_state_slots=counters.free_state_slots - 1,
-                                      session_state_slots=counters.session_state_slots + 1)
+            buffer.counters = replace(
+                counters,
+                free_state_slots=counters.free_state_slots - 1,
+                session_state_slots=counters.session_state_slots + 1,
+            )
         else:
             buffer.changed()
         (slot,) = reply.state_slots
@@ -159,11 +162,14 @@ class RemoteMambaRadixCache(RemoteRadixCache):
             node = RemoteMambaNode(reply.node_id, reply.server_epoch, state)
             if reply.lock_id:
                 self._spec[reply.node_id] = reply.lock_id
-        return MatchResult(as_tensor(reply.slots, self.device), node, reply.prefix_len,
-                           reply.mamba_branching_seqlen)
+        return MatchResult(
+            as_tensor(reply.slots, self.device),
+            node,
+            reply.prefix_len,
+            reply.mamba_branching_seqlen,
+        )
 
-    def insert(self, key: Any, value: Any = None, *, mamba_value: Any = None,
-               **kwargs: Any) -> Any:
+    def insert(self, key: Any, value: Any = None, *, mamba_value: Any = None, **kwargs: Any) -> Any:
         """Cache ``key`` with KV slots ``value`` and the state slot ``mamba_value`` at its
         end; ``mamba_exist``: the tree had a state there (the service freed the caller's,
         which ``mamba_pool.free_track_slot`` then skips).
@@ -179,8 +185,9 @@ class RemoteMambaRadixCache(RemoteRadixCache):
         errors = cache_errors()
         self._close_window()
         if value is None:
-            raise errors.InvalidInputError("RemoteMambaRadixCache.insert needs value: slots "
-                                           "come from the service's pool")
+            raise errors.InvalidInputError(
+                "RemoteMambaRadixCache.insert needs value: slots come from the service's pool"
+            )
         state = None if mamba_value is None else _slot(mamba_value, "mamba_value")
         data, width = pack_tokens(key)
         n = len(data) // (4 * width)
@@ -192,10 +199,17 @@ class RemoteMambaRadixCache(RemoteRadixCache):
         if have < n:
             n, data = have, data[: have * 4 * width]
         box: list[Any] = []
-        self._buffer.finish(Finish(data, slots[: n * 8], extra_key=getattr(key, "extra_key",
-                                                                            None),
-                                   token_width=width, keep_tail=True, state_slot=state),
-                            box.append)
+        self._buffer.finish(
+            Finish(
+                data,
+                slots[: n * 8],
+                extra_key=getattr(key, "extra_key", None),
+                token_width=width,
+                keep_tail=True,
+                state_slot=state,
+            ),
+            box.append,
+        )
         self._buffer.flush()
         (reply,) = box
         if isinstance(reply, (InvalidArgument, FailedPrecondition)):
@@ -233,13 +247,15 @@ class RemoteMambaRadixCache(RemoteRadixCache):
         lock_id = self._spec.pop(getattr(node, "node_id", 0), 0)
         if lock_id and not self._stale(node):
             self._locks.setdefault(node.node_id, []).append(lock_id)
-            return api.IncLockRefResult(node_id=node.node_id, receipt=api.DecLockRefParams(
-                node.node_id, lock_id=lock_id))
+            return api.IncLockRefResult(
+                node_id=node.node_id, receipt=api.DecLockRefParams(node.node_id, lock_id=lock_id)
+            )
         self._close_window()
         return super().inc_lock_ref(node)
 
-    def dec_lock_ref(self, node: Any, params: Any = None, *args: Any,
-                     **kwargs: Any) -> api.DecLockRefResult:
+    def dec_lock_ref(
+        self, node: Any, params: Any = None, *args: Any, **kwargs: Any
+    ) -> api.DecLockRefResult:
         self._close_window()
         return super().dec_lock_ref(node, params, *args, **kwargs)
 
@@ -248,8 +264,7 @@ class RemoteMambaRadixCache(RemoteRadixCache):
         None)."""
         import torch
 
-        return torch.tensor([] if slot is None else [slot], dtype=torch.int64,
-                            device=self.device)
+        return torch.tensor([] if slot is None else [slot], dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ sizes
 
@@ -305,12 +320,14 @@ def _slot(value: Any, name: str) -> int:
     try:
         return int(value.__index__())
     except (AttributeError, TypeError):
-        raise cache_errors().InvalidInputError(f"{name} must be an int, not "
-                                               f"{type(value).__name__}") from None
+        raise cache_errors().InvalidInputError(
+            f"{name} must be an int, not {type(value).__name__}"
+        ) from None
 
 
 def _sglang_refused() -> Exception:
     refused: Exception = cache_errors().InvalidInputError(
         "RemoteMambaRadixCache serves the in-process MambaRadixCache API; SGLang's "
-        "scheduler API is served for radix models only (RemoteRadixCache)")
+        "scheduler API is served for radix models only (RemoteRadixCache)"
+    )
     return refused

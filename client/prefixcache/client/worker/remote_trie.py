@@ -105,11 +105,27 @@ class RemoteTrieNode:
             insert did not happen.
     """
 
-    __slots__ = ("__weakref__", "_hashes", "blocks", "exact", "node_id", "prefix",
-                 "server_epoch", "state", "trie_tag")
+    __slots__ = (
+        "__weakref__",
+        "_hashes",
+        "blocks",
+        "exact",
+        "node_id",
+        "prefix",
+        "server_epoch",
+        "state",
+        "trie_tag",
+    )
 
-    def __init__(self, prefix: bytes, blocks: list[int], node_id: int, server_epoch: int,
-                 trie_tag: int, state: str = "ok") -> None:
+    def __init__(
+        self,
+        prefix: bytes,
+        blocks: list[int],
+        node_id: int,
+        server_epoch: int,
+        trie_tag: int,
+        state: str = "ok",
+    ) -> None:
         self.prefix = prefix
         self.blocks = blocks
         self.node_id = node_id
@@ -129,8 +145,10 @@ class RemoteTrieNode:
         return self.node_id
 
     def __repr__(self) -> str:
-        return (f"RemoteTrieNode({len(self.prefix) // 4} tokens, node {self.node_id}"
-                f"{'' if self.state == 'ok' else ', ' + self.state})")
+        return (
+            f"RemoteTrieNode({len(self.prefix) // 4} tokens, node {self.node_id}"
+            f"{'' if self.state == 'ok' else ', ' + self.state})"
+        )
 
 
 @dataclass(eq=False)
@@ -166,8 +184,13 @@ class _Queue:
     frees: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return (len(self.inserts) + len(self.admits) + len(self.unlocks) + len(self.later)
-                + len(self.frees))
+        return (
+            len(self.inserts)
+            + len(self.admits)
+            + len(self.unlocks)
+            + len(self.later)
+            + len(self.frees)
+        )
 
 
 class NotHeldBlocks:
@@ -219,33 +242,49 @@ class RemoteRadixTrie:
         max_queued: queued items that make the next queued one send them.
     """
 
-    def __init__(self, client: PrefixCacheClient | str | Path, model: str, *,
-                 session: ClientSession | None = None, ttl: float | None = None,
-                 shadow: bool = True, shadow_wait: float = 5.0, max_queued: int = 512,
-                 **client_kwargs: Any) -> None:
+    def __init__(
+        self,
+        client: PrefixCacheClient | str | Path,
+        model: str,
+        *,
+        session: ClientSession | None = None,
+        ttl: float | None = None,
+        shadow: bool = True,
+        shadow_wait: float = 5.0,
+        max_queued: int = 512,
+        **client_kwargs: Any,
+    ) -> None:
         self._owns_client = not isinstance(client, PrefixCacheClient)
-        self.client = client if isinstance(client, PrefixCacheClient) else \
-            PrefixCacheClient(client, **client_kwargs)
+        self.client = (
+            client
+            if isinstance(client, PrefixCacheClient)
+            else PrefixCacheClient(client, **client_kwargs)
+        )
         self.model = model
         try:
             info = self.client.list_models()[model]
         except KeyError:
             raise NotFound(f"model {model!r} is not hosted by {self.client.target}") from None
         if info.cache_kind != "radix":
-            raise InvalidArgument(f"RemoteRadixTrie needs a radix model; {model!r} is "
-                                  f"{info.cache_kind}")
+            raise InvalidArgument(
+                f"RemoteRadixTrie needs a radix model; {model!r} is {info.cache_kind}"
+            )
         self.page_size = info.page_size
         self._page_bytes = 4 * info.page_size
         self._pool_pages = (info.pool_size + 1) // info.page_size
         self.max_queued = max_queued
         self._owns_session = session is None
-        self.session = session if session is not None else self.client.session(
-            ttl, name=f"RemoteRadixTrie:{model}")
+        self.session = (
+            session
+            if session is not None
+            else self.client.session(ttl, name=f"RemoteRadixTrie:{model}")
+        )
         self._tag = id(self)
         self._epoch = self.session.server_epoch
         self.root = RemoteTrieNode(b"", [], 0, 0, self._tag)
-        self._handles: weakref.WeakValueDictionary[bytes, RemoteTrieNode] = \
+        self._handles: weakref.WeakValueDictionary[bytes, RemoteTrieNode] = (
             weakref.WeakValueDictionary()
+        )
         self._marks: dict[Any, dict[bytes, _Lock]] = {}  # seq -> prefix -> its lock
         self._spec: dict[bytes, int] = {}  # prefix -> a match's lock no mark took yet
         self._recent: dict[bytes, RemoteTrieNode] = {}  # query -> its answer, meanwhile
@@ -293,8 +332,9 @@ class RemoteRadixTrie:
 
     # ------------------------------------------------------------------ the API
 
-    def match_prefix(self, tokens: Any, node: RemoteTrieNode | None = None
-                     ) -> tuple[RemoteTrieNode, list[int]]:
+    def match_prefix(
+        self, tokens: Any, node: RemoteTrieNode | None = None
+    ) -> tuple[RemoteTrieNode, list[int]]:
         """The longest cached run of whole pages of ``tokens`` after ``node``: the node
         where it ends and its pages. No call when the shadow index holds nothing past
         ``node``.
@@ -306,8 +346,9 @@ class RemoteRadixTrie:
         self._check_epoch()
         data = self._packed(tokens)
         if not data:
-            raise _errors().InvalidInputError("Match failed: attempted to match 0 tokens "
-                                              "in the trie; provide at least one token.")
+            raise _errors().InvalidInputError(
+                "Match failed: attempted to match 0 tokens in the trie; provide at least one token."
+            )
         start = self._start(node)
         aligned = data[: len(data) - len(data) % self._page_bytes]
         if not aligned:
@@ -330,8 +371,9 @@ class RemoteRadixTrie:
         self._recent[full] = answer
         return answer, answer.blocks[base:]
 
-    def insert(self, tokens: Any, blocks: Any, node: RemoteTrieNode | None = None
-               ) -> RemoteTrieNode:
+    def insert(
+        self, tokens: Any, blocks: Any, node: RemoteTrieNode | None = None
+    ) -> RemoteTrieNode:
         """Queue the insert of ``tokens`` (whole pages) with one page per page below
         ``node``; returns its node (``state`` ``"pending"`` until the call is answered).
 
@@ -349,14 +391,18 @@ class RemoteRadixTrie:
         if n % ps:
             raise errors.InvalidInputError(
                 f"Insertion failed: the number of tokens is not divisible by the page "
-                f"size. len(tokens) == {n} but page_size == {ps}.")
+                f"size. len(tokens) == {n} but page_size == {ps}."
+            )
         if n // ps != len(pages):
             raise errors.InvalidInputError(
                 f"Insertion failed: the number of tokens and blocks do not match. "
-                f"len(tokens) // page_size == {n // ps} but len(blocks) == {len(pages)}.")
+                f"len(tokens) // page_size == {n // ps} but len(blocks) == {len(pages)}."
+            )
         if n == 0:
-            raise errors.InvalidInputError("Insertion failed: attempted to insert 0 tokens "
-                                           "into the trie; provide at least one page.")
+            raise errors.InvalidInputError(
+                "Insertion failed: attempted to insert 0 tokens "
+                "into the trie; provide at least one page."
+            )
         if len(set(pages)) != len(pages):
             raise errors.InvalidInputError("a block is named twice")
         start = self._start(node)
@@ -380,8 +426,18 @@ class RemoteRadixTrie:
         self._close_window()
         held = frozenset(self._held.intersection(pages))
         self._held.difference_update(pages)
-        self._queue.inserts.append(_Insert(start, handle, full, _slots_of(
-            start.blocks + pages, ps), pages, hashes, temp_lock=temp, held=held))
+        self._queue.inserts.append(
+            _Insert(
+                start,
+                handle,
+                full,
+                _slots_of(start.blocks + pages, ps),
+                pages,
+                hashes,
+                temp_lock=temp,
+                held=held,
+            )
+        )
         self._maybe_send()
         return handle
 
@@ -417,8 +473,10 @@ class RemoteRadixTrie:
         prefix = h.prefix
         for q in marks:
             if q != prefix and q.startswith(prefix):
-                raise _errors().LockError(f"sequence {seq_id!r} still uses a node below "
-                                          f"{h!r}: release it from the deepest node it uses")
+                raise _errors().LockError(
+                    f"sequence {seq_id!r} still uses a node below "
+                    f"{h!r}: release it from the deepest node it uses"
+                )
         if prefix not in marks:
             if h is self.root:
                 return
@@ -449,8 +507,9 @@ class RemoteRadixTrie:
         (got,) = self._send(decodes=[want * ps])
         if isinstance(got, ResourceExhausted):
             counters = self._counters
-            room = 0 if counters is None else \
-                (counters.free_slots + counters.evictable_tokens) // ps
+            room = (
+                0 if counters is None else (counters.free_slots + counters.evictable_tokens) // ps
+            )
             if min(room, want) <= 0:
                 return []
             (got,) = self._send(decodes=[min(room, want) * ps])
@@ -481,8 +540,7 @@ class RemoteRadixTrie:
     def get_evictable_blocks(self) -> EvictableCount:
         """How many pages ``evict_blocks`` could hand out now (after what is queued)."""
         counters = self.stats()
-        return EvictableCount((counters.free_slots + counters.evictable_tokens)
-                              // self.page_size)
+        return EvictableCount((counters.free_slots + counters.evictable_tokens) // self.page_size)
 
     def held_blocks(self) -> frozenset[int]:
         """The pages this cache's session holds for the worker (handed out by
@@ -512,7 +570,7 @@ class RemoteRadixTrie:
             tokens = array("I", prefix[cut:]).tolist()
             line = f"{'-' * (2 * len(above))}{tokens}"
             if print_blocks:
-                blocks = handle.blocks[cut // self._page_bytes:] if handle else "?"
+                blocks = handle.blocks[cut // self._page_bytes :] if handle else "?"
                 line = f"{line} : {blocks}"
             lines.append(line)
         return lines
@@ -561,21 +619,20 @@ class RemoteRadixTrie:
             lock.lock_id = spec
             return lock
         if h.state == "pending":
-            ins = next((i for i in self._queue.inserts if i.node is h and i.lock is None),
-                       None)
+            ins = next((i for i in self._queue.inserts if i.node is h and i.lock is None), None)
             if ins is not None:
                 ins.lock = lock
                 return lock
         if self._protected(h.prefix) or h.state == "pending":
-            self._queue.admits.append((Admit(h.prefix, lock=True, allocate=False),
-                                       lambda r: self._locked(lock, r)))
+            self._queue.admits.append(
+                (Admit(h.prefix, lock=True, allocate=False), lambda r: self._locked(lock, r))
+            )
             self._maybe_send()
             return lock
         (reply,) = self._send(admits=[Admit(h.prefix, lock=True, allocate=False)])
         self._locked(lock, reply)
         if lock.lost:
-            raise _errors().LockError(f"{h!r} is no longer cached at the service: match "
-                                      "it again")
+            raise _errors().LockError(f"{h!r} is no longer cached at the service: match it again")
         return lock
 
     def _locked(self, lock: _Lock, reply: Any) -> None:
@@ -592,9 +649,13 @@ class RemoteRadixTrie:
         if reply.prefix_len * 4 < len(lock.prefix):
             lock.lost = True
             self._release_id(reply.lock_id)
-            self._failed("marks", PrefixCacheError(
-                f"a mark's prefix of {len(lock.prefix) // 4} tokens was evicted before its "
-                f"lock; {reply.prefix_len} are held"))
+            self._failed(
+                "marks",
+                PrefixCacheError(
+                    f"a mark's prefix of {len(lock.prefix) // 4} tokens was evicted before its "
+                    f"lock; {reply.prefix_len} are held"
+                ),
+            )
             return
         lock.lock_id = reply.lock_id
 
@@ -620,8 +681,9 @@ class RemoteRadixTrie:
             for q, lock in marks.items():
                 if not lock.lost and q.startswith(prefix):
                     return True
-        return any(i.lock is not None and i.node.prefix.startswith(prefix)
-                   for i in self._queue.inserts)
+        return any(
+            i.lock is not None and i.node.prefix.startswith(prefix) for i in self._queue.inserts
+        )
 
     def _verify(self, start: RemoteTrieNode) -> int:
         """Lock ``start``'s prefix now (no lock of this cache protects it) and check it
@@ -631,8 +693,9 @@ class RemoteRadixTrie:
             raise reply
         if reply.prefix_len * 4 < len(start.prefix):
             self._release_id(reply.lock_id)
-            raise _errors().InvalidInputError(f"{start!r} is no longer cached at the "
-                                              "service: match it again")
+            raise _errors().InvalidInputError(
+                f"{start!r} is no longer cached at the service: match it again"
+            )
         pages = _pages_of(reply.slots, self.page_size)
         start.blocks = pages[: len(start.prefix) // self._page_bytes]
         return int(reply.lock_id)
@@ -641,8 +704,7 @@ class RemoteRadixTrie:
         """Learn the tree's own pages of ``h`` (its blocks hold a caller's duplicates)."""
         (reply,) = self._send(admits=[Admit(h.prefix, lock=False, allocate=False)])
         if isinstance(reply, MatchReply) and reply.prefix_len * 4 >= len(h.prefix):
-            h.blocks = _pages_of(reply.slots, self.page_size)[: len(h.prefix)
-                                                                  // self._page_bytes]
+            h.blocks = _pages_of(reply.slots, self.page_size)[: len(h.prefix) // self._page_bytes]
             h.exact = True
 
     def _close_window(self) -> None:
@@ -656,8 +718,9 @@ class RemoteRadixTrie:
         if len(self._queue) >= self.max_queued:
             self._send()
 
-    def _send(self, admits: list[Admit] | None = None, decodes: list[int] | None = None
-              ) -> tuple[Any, ...]:
+    def _send(
+        self, admits: list[Admit] | None = None, decodes: list[int] | None = None
+    ) -> tuple[Any, ...]:
         """One Step: the queued items (inserts, releases, frees, marks), then ``admits``
         and ``decodes``; returns the results of those two."""
         q = self._queue
@@ -665,15 +728,22 @@ class RemoteRadixTrie:
         q.inserts, q.admits, q.unlocks, q.frees = [], [], q.later, []
         q.later = []
         ps = self.page_size
-        finishes = [Finish(i.tokens, i.slots, keep_tail=True, keep_duplicates=True,
-                           lock=i.lock is not None) for i in inserts]
+        finishes = [
+            Finish(i.tokens, i.slots, keep_tail=True, keep_duplicates=True, lock=i.lock is not None)
+            for i in inserts
+        ]
         free_items = [Free(_slots_of(frees, ps))] if frees else []
         temps = [i.temp_lock for i in inserts if i.temp_lock]
         self.calls += 1
         try:
             reply = self.session.step(
-                self.model, finishes=finishes, unlocks=unlocks + temps, frees=free_items,
-                decodes=decodes or [], admits=[a for a, _ in queued] + (admits or []))
+                self.model,
+                finishes=finishes,
+                unlocks=unlocks + temps,
+                frees=free_items,
+                decodes=decodes or [],
+                admits=[a for a, _ in queued] + (admits or []),
+            )
         except PrefixCacheError as err:
             self._fresh = False
             for ins in inserts:
@@ -692,7 +762,7 @@ class RemoteRadixTrie:
             self._counters, self._fresh = reply.counters, True
         else:
             self._fresh = False
-        mine = reply.admits[len(queued):]
+        mine = reply.admits[len(queued) :]
         return (*mine, *reply.decodes) if admits or decodes else ()
 
     def _inserted(self, ins: _Insert, result: Any) -> None:
@@ -733,13 +803,13 @@ class RemoteRadixTrie:
             raise _errors().InvalidInputError("RadixTrie tokens are plain ids, one per token")
         return data
 
-    def _handle(self, prefix: bytes, blocks: list[int], node_id: int, state: str,
-                epoch: int = 0) -> RemoteTrieNode:
+    def _handle(
+        self, prefix: bytes, blocks: list[int], node_id: int, state: str, epoch: int = 0
+    ) -> RemoteTrieNode:
         """The one handle of ``prefix`` (so that equal prefixes give the same object)."""
         h = self._handles.get(prefix)
         if h is None:
-            h = RemoteTrieNode(prefix, blocks, node_id, epoch or self._epoch, self._tag,
-                               state)
+            h = RemoteTrieNode(prefix, blocks, node_id, epoch or self._epoch, self._tag, state)
             self._handles[prefix] = h
         elif state == "ok":
             h.blocks, h.node_id, h.state, h.exact = blocks, node_id, "ok", True
@@ -754,21 +824,28 @@ class RemoteRadixTrie:
     def _start(self, node: RemoteTrieNode | None) -> RemoteTrieNode:
         if node is None:
             return self.root
-        if not isinstance(node, RemoteTrieNode) or node.trie_tag != self._tag \
-                or node.state == "failed" or (node is not self.root
-                                              and node.server_epoch != self._epoch):
-            raise _errors().InvalidInputError(f"{node!r} is not a node of this trie (its "
-                                              "insert failed, or it is another trie's, or "
-                                              "from before a restart)")
+        if (
+            not isinstance(node, RemoteTrieNode)
+            or node.trie_tag != self._tag
+            or node.state == "failed"
+            or (node is not self.root and node.server_epoch != self._epoch)
+        ):
+            raise _errors().InvalidInputError(
+                f"{node!r} is not a node of this trie (its "
+                "insert failed, or it is another trie's, or "
+                "from before a restart)"
+            )
         return node
 
     def _marked(self, node: Any) -> RemoteTrieNode | None:
         """The handle to mark or release (None: one from before a restart, dropped)."""
         self._check_epoch()
-        if not isinstance(node, RemoteTrieNode) or node.trie_tag != self._tag \
-                or node.state == "failed":
-            raise _errors().LockError(f"{node!r} is not a node of this trie (or its insert "
-                                      "failed)")
+        if (
+            not isinstance(node, RemoteTrieNode)
+            or node.trie_tag != self._tag
+            or node.state == "failed"
+        ):
+            raise _errors().LockError(f"{node!r} is not a node of this trie (or its insert failed)")
         if node is not self.root and node.server_epoch != self._epoch:
             self.stale_dropped += 1
             return None
@@ -788,8 +865,9 @@ class RemoteRadixTrie:
 
 def _count(value: Any) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise _errors().InvalidInputError(f"desired_num_evicted must be an int, not "
-                                          f"{type(value).__name__}")
+        raise _errors().InvalidInputError(
+            f"desired_num_evicted must be an int, not {type(value).__name__}"
+        )
     return int(value.__index__())
 
 
@@ -797,18 +875,19 @@ def _hashable(seq_id: Any) -> Any:
     try:
         hash(seq_id)
     except TypeError:
-        raise _errors().InvalidInputError(f"seq_id must be hashable, not "
-                                          f"{type(seq_id).__name__}") from None
+        raise _errors().InvalidInputError(
+            f"seq_id must be hashable, not {type(seq_id).__name__}"
+        ) from None
     return seq_id
 
 
 def _block_list(blocks: Any) -> list[int]:
     tolist = getattr(blocks, "tolist", None)
-    values = tolist() if callable(tolist) and not isinstance(blocks, (list, tuple)) \
-        else blocks
+    values = tolist() if callable(tolist) and not isinstance(blocks, (list, tuple)) else blocks
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise _errors().InvalidInputError(f"blocks must be a sequence of page ids, not "
-                                          f"{type(blocks).__name__}")
+        raise _errors().InvalidInputError(
+            f"blocks must be a sequence of page ids, not {type(blocks).__name__}"
+        )
     out = []
     for b in values:
         if isinstance(b, bool) or not hasattr(b, "__index__") or b.__index__() < 0:
@@ -845,8 +924,9 @@ def _pages_of(slots: array[int], page_size: int) -> list[int]:
     out = []
     for i in range(n):
         s = slots[i * page_size]
-        if s % page_size or list(slots[i * page_size:(i + 1) * page_size]) != list(
-                range(s, s + page_size)):
+        if s % page_size or list(slots[i * page_size : (i + 1) * page_size]) != list(
+            range(s, s + page_size)
+        ):
             break
         out.append(s // page_size)
     return out

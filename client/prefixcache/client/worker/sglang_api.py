@@ -98,9 +98,12 @@ class IncLockRefResult:
     def to_dec_params(self) -> DecLockRefParams:
         if self.receipt is not None:
             return self.receipt
-        return DecLockRefParams(self.node_id, self.swa_uuid_for_lock,
-                                self.swa_uuid_for_host_lock,
-                                tuple(self.skipped_lock_components))
+        return DecLockRefParams(
+            self.node_id,
+            self.swa_uuid_for_lock,
+            self.swa_uuid_for_host_lock,
+            tuple(self.skipped_lock_components),
+        )
 
 
 @dataclasses.dataclass
@@ -142,17 +145,20 @@ class MatchResult(NamedTuple):
 def is_match_params(value: Any) -> bool:
     """Whether ``value`` is a ``MatchPrefixParams`` (ours or SGLang's, by shape)."""
     return isinstance(value, MatchPrefixParams) or (
-        hasattr(value, "key") and hasattr(value, "cow_mamba"))
+        hasattr(value, "key") and hasattr(value, "cow_mamba")
+    )
 
 
 def is_insert_params(value: Any) -> bool:
     return isinstance(value, InsertParams) or (
-        hasattr(value, "key") and hasattr(value, "prev_prefix_len"))
+        hasattr(value, "key") and hasattr(value, "prev_prefix_len")
+    )
 
 
 def is_evict_params(value: Any) -> bool:
     return isinstance(value, EvictParams) or (
-        hasattr(value, "num_tokens") and hasattr(value, "mamba_num"))
+        hasattr(value, "num_tokens") and hasattr(value, "mamba_num")
+    )
 
 
 def key_parts(key: Any) -> tuple[Any, str | None]:
@@ -166,8 +172,7 @@ def key_parts(key: Any) -> tuple[Any, str | None]:
         limit = getattr(key, "limit", None)
         if limit is not None:
             tokens = tokens[:limit]
-        return tokens, _salted(getattr(key, "extra_key", None),
-                               getattr(key, "cache_salt", None))
+        return tokens, _salted(getattr(key, "extra_key", None), getattr(key, "cache_salt", None))
     return key, getattr(key, "extra_key", None)
 
 
@@ -236,8 +241,10 @@ def all_tokens(req: Any, n: int) -> Any:
 def kv_row(pool: Any, req: Any, n: int) -> Any:
     """The first ``n`` KV slots of the request's row of ``req_to_token_pool``."""
     if pool is None:
-        raise ValueError("this cache was made without a req_to_token_pool; pass one to "
-                         "use cache_finished_req / cache_unfinished_req")
+        raise ValueError(
+            "this cache was made without a req_to_token_pool; pass one to "
+            "use cache_finished_req / cache_unfinished_req"
+        )
     return pool.req_to_token[req_pool_idx(req), :n]
 
 

@@ -75,16 +75,25 @@ class LocalSGLangCache(api.FullTreeCapabilities):
         cache: an existing ``RadixCache`` whose allocator is a ``TokenToKVPoolAllocator``.
     """
 
-    def __init__(self, pool_size: int = 0, page_size: int = 1, *,
-                 req_to_token_pool: Any = None, cache: RadixCache | None = None,
-                 device: Any = "cpu",
-                 eviction_policy: str = "lru") -> None:
+    def __init__(
+        self,
+        pool_size: int = 0,
+        page_size: int = 1,
+        *,
+        req_to_token_pool: Any = None,
+        cache: RadixCache | None = None,
+        device: Any = "cpu",
+        eviction_policy: str = "lru",
+    ) -> None:
         from prefixcache.cache import RadixCache, RadixKey, TokenToKVPoolAllocator
 
         if cache is None:
             inner = TokenToKVPoolAllocator(pool_size, device, page_size)
-            cache = RadixCache(page_size=page_size, token_to_kv_pool_allocator=inner,
-                               eviction_policy=eviction_policy)
+            cache = RadixCache(
+                page_size=page_size,
+                token_to_kv_pool_allocator=inner,
+                eviction_policy=eviction_policy,
+            )
         self.cache = cache
         self._key = RadixKey
         self.page_size = cache.page_size
@@ -111,8 +120,7 @@ class LocalSGLangCache(api.FullTreeCapabilities):
     def match_prefix(self, params: api.MatchPrefixParams) -> api.MatchResult:
         hit = self.cache.match_prefix(self._radix_key(params.key))
         node = hit.last_node
-        return api.MatchResult(hit.indices, node, node, node,
-                               full_kv_hit_length=hit.prefix_len)
+        return api.MatchResult(hit.indices, node, node, node, full_kv_hit_length=hit.prefix_len)
 
     def supports_fast_match_prefix(self) -> bool:
         return False  # as SGLang's RadixCache: a match walks the tree
@@ -129,11 +137,13 @@ class LocalSGLangCache(api.FullTreeCapabilities):
     def inc_lock_ref(self, node: Any) -> api.IncLockRefResult:
         before = self.cache.evictable_size()
         self.cache.inc_lock_ref(node)
-        return api.IncLockRefResult(self.cache.evictable_size() - before,
-                                    node_id=getattr(node, "id", None))
+        return api.IncLockRefResult(
+            self.cache.evictable_size() - before, node_id=getattr(node, "id", None)
+        )
 
-    def dec_lock_ref(self, node: Any,
-                     params: api.DecLockRefParams | None = None) -> api.DecLockRefResult:
+    def dec_lock_ref(
+        self, node: Any, params: api.DecLockRefParams | None = None
+    ) -> api.DecLockRefResult:
         before = self.cache.evictable_size()
         self.cache.dec_lock_ref(node)
         return api.DecLockRefResult(self.cache.evictable_size() - before)
@@ -146,14 +156,15 @@ class LocalSGLangCache(api.FullTreeCapabilities):
     def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
         """Insert the request's tokens, free its duplicates and unaligned tail, and
         release its lock (SGLang's ``RadixCache.cache_finished_req``)."""
-        kv, aligned, protected = api.req_rows(self.req_to_token_pool, req,
-                                              api.committed_len(req), self.page_size)
+        kv, aligned, protected = api.req_rows(
+            self.req_to_token_pool, req, api.committed_len(req), self.page_size
+        )
         alloc = self.token_to_kv_pool_allocator
         if is_insert:
             key = self._key(api.all_tokens(req, aligned), api.namespace(req))
             done = self.cache.insert(key, kv[:aligned].clone())
-            alloc.free(kv[protected:done.prefix_len])
-            alloc.forget_pages(kv[done.prefix_len:aligned])
+            alloc.free(kv[protected : done.prefix_len])
+            alloc.forget_pages(kv[done.prefix_len : aligned])
         else:
             alloc.free(kv[protected:aligned])
         alloc.free(kv[aligned:])
@@ -166,24 +177,22 @@ class LocalSGLangCache(api.FullTreeCapabilities):
 
         tokens = req.fill_ids
         n = len(tokens)
-        kv, aligned, protected = api.req_rows(self.req_to_token_pool, req, n,
-                                              self.page_size)
+        kv, aligned, protected = api.req_rows(self.req_to_token_pool, req, n, self.page_size)
         key = self._key(tokens[:aligned], api.namespace(req))
         done = self.cache.insert(key, kv[:aligned].clone())
         alloc = self.token_to_kv_pool_allocator
-        alloc.free(kv[protected:done.prefix_len])
-        alloc.forget_pages(kv[done.prefix_len:aligned])
+        alloc.free(kv[protected : done.prefix_len])
+        alloc.forget_pages(kv[done.prefix_len : aligned])
         hit = self.cache.match_prefix(key)
         new = hit.indices
         if len(new) != aligned:
-            raise RuntimeError(f"the tree holds {len(new)} of the {aligned} tokens just "
-                               "inserted")
+            raise RuntimeError(f"the tree holds {len(new)} of the {aligned} tokens just inserted")
         idx = api.req_pool_idx(req)
         self.req_to_token_pool.write((idx, slice(protected, len(new))), new[protected:])
         api.set_protected_len(req, len(new))
         self.dec_lock_ref(req.last_node, getattr(req, "lock_receipt", None))
         req.lock_receipt = self.inc_lock_ref(hit.last_node).to_dec_params()
-        req.prefix_indices = torch.cat([new, kv[len(new):]]) if len(new) < n else new
+        req.prefix_indices = torch.cat([new, kv[len(new) :]]) if len(new) < n else new
         req.last_node = hit.last_node
 
     # ----------------------------------------------------------------- sizes
@@ -207,4 +216,3 @@ class LocalSGLangCache(api.FullTreeCapabilities):
 
     def root_node_handle(self, extra_key: str | None = None) -> Any:
         return self.cache.root_node
-

@@ -148,11 +148,13 @@ class SGLangCalls(api.FullTreeCapabilities):
             return api.MatchResult(empty, root, root, root)
         # The candidate stands in for the node: PrefillAdder's temporary lock of it
         # takes its estimate out of evictable_size(), as a lock of the node would.
-        return api.MatchResult(empty, cand, cand, cand, host_hit_length=cand.estimate,
-                               full_kv_hit_length=cand.estimate)
+        return api.MatchResult(
+            empty, cand, cand, cand, host_hit_length=cand.estimate, full_kv_hit_length=cand.estimate
+        )
 
-    def init_load_back(self, params: Any, host_hit_length: int | None = None,
-                       *args: Any, **kwargs: Any) -> tuple[Any, Any] | None:
+    def init_load_back(
+        self, params: Any, host_hit_length: int | None = None, *args: Any, **kwargs: Any
+    ) -> tuple[Any, Any] | None:
         """Admit the request of a ranking match: ``(slots, node)`` of at least the
         promised tokens, locked at the service; None when the service holds fewer now.
         Takes ``InitLoadBackParams`` or, as older SGLang, ``(node, host_hit_length)``."""
@@ -162,19 +164,21 @@ class SGLangCalls(api.FullTreeCapabilities):
             cand, promised = params, host_hit_length
         if not isinstance(cand, Candidate):
             raise _errors().InvalidInputError(
-                f"init_load_back needs the best_match_node of a match_prefix, not {cand!r}")
+                f"init_load_back needs the best_match_node of a match_prefix, not {cand!r}"
+            )
         window = self.window
         if cand.reply is None and cand.state == "ranked":
             self._admit(window.on_demand(cand))
         reply = window.take(cand, int(promised))
         if reply is None:
             return None
-        return as_tensor(reply.slots, self.device), self._node(reply.node_id,
-                                                               reply.server_epoch)
+        return as_tensor(reply.slots, self.device), self._node(reply.node_id, reply.server_epoch)
 
     def _admit(self, cands: list[Candidate]) -> None:
-        admits = [Admit(c.packed, c.extra_key, c.width, lock=True, allocate=False,
-                        hint=c.estimate) for c in cands]
+        admits = [
+            Admit(c.packed, c.extra_key, c.width, lock=True, allocate=False, hint=c.estimate)
+            for c in cands
+        ]
         results = self._buffer.flush(admits=admits).admits
         self.window.admitted(cands, results)
 
@@ -200,8 +204,9 @@ class SGLangCalls(api.FullTreeCapabilities):
         """A lock of a ranking match's stand-in node: its estimate leaves the local
         evictable size until the matching release (the budget errs small)."""
         self._pinned += cand.estimate
-        return api.IncLockRefResult(-cand.estimate,
-                                    receipt=api.DecLockRefParams(pinned=cand.estimate))
+        return api.IncLockRefResult(
+            -cand.estimate, receipt=api.DecLockRefParams(pinned=cand.estimate)
+        )
 
     def _unpin(self, receipt: Any) -> api.DecLockRefResult:
         pinned = getattr(receipt, "pinned", 0)
@@ -252,9 +257,12 @@ class SGLangCalls(api.FullTreeCapabilities):
         if is_insert:
             data, width = pack_tokens(api.all_tokens(req, n))
             ns = api.namespace(req)
-            buffer.finish(Finish(data, pack_slots(kv), release_lock_id=lock_id,
-                                 extra_key=ns, token_width=width),
-                          self._noted(req, data, width, ns, last=True))
+            buffer.finish(
+                Finish(
+                    data, pack_slots(kv), release_lock_id=lock_id, extra_key=ns, token_width=width
+                ),
+                self._noted(req, data, width, ns, last=True),
+            )
         else:
             buffer.free(pack_slots(kv[protected:]))
             buffer.unlock(lock_id)
@@ -269,8 +277,9 @@ class SGLangCalls(api.FullTreeCapabilities):
         of it; when they are answered the request moves onto the tree's slots and its
         new node and receipt are filled in."""
         tokens = req.fill_ids
-        kv, aligned, protected = api.req_rows(self.req_to_token_pool, req, len(tokens),
-                                              self.page_size)
+        kv, aligned, protected = api.req_rows(
+            self.req_to_token_pool, req, len(tokens), self.page_size
+        )
         old = self._lock_to_release(req.last_node, getattr(req, "lock_receipt", None))
         self.token_to_kv_pool_allocator.forget_pages(kv[protected:aligned])
         data, width = pack_tokens(tokens)
@@ -278,16 +287,34 @@ class SGLangCalls(api.FullTreeCapabilities):
         prefix = kv.clone()
         node, receipt = PendingNode(), api.DecLockRefParams()
         fix = _Fixup(self, req, prefix, protected, aligned, node, receipt)
-        self._buffer.finish(Finish(data, pack_slots(kv), release_lock_id=old, extra_key=ns,
-                                   token_width=width, lock=True, keep_tail=True),
-                            self._noted(req, data, width, ns, last=False, then=fix.inserted))
-        self._buffer.admit(Admit(data[: aligned * 4 * width], ns, width, lock=False,
-                                 allocate=False), fix.matched)
+        self._buffer.finish(
+            Finish(
+                data,
+                pack_slots(kv),
+                release_lock_id=old,
+                extra_key=ns,
+                token_width=width,
+                lock=True,
+                keep_tail=True,
+            ),
+            self._noted(req, data, width, ns, last=False, then=fix.inserted),
+        )
+        self._buffer.admit(
+            Admit(data[: aligned * 4 * width], ns, width, lock=False, allocate=False), fix.matched
+        )
         api.set_protected_len(req, aligned)
         req.prefix_indices, req.last_node, req.lock_receipt = prefix, node, receipt
 
-    def _noted(self, req: Any, data: bytes, width: int, extra_key: str | None, *,
-               last: bool, then: Any = None) -> Any:
+    def _noted(
+        self,
+        req: Any,
+        data: bytes,
+        width: int,
+        extra_key: str | None,
+        *,
+        last: bool,
+        then: Any = None,
+    ) -> Any:
         """The reply callback of a queued insert, its pages noted in the shadow index
         now (``then`` gets the reply too; without it an error is logged, as for any
         queued item)."""
@@ -313,15 +340,24 @@ class SGLangCalls(api.FullTreeCapabilities):
             import torch
 
             empty = self.__dict__["_empty_slots"] = torch.empty(
-                (0,), dtype=torch.int64, device=self.device)
+                (0,), dtype=torch.int64, device=self.device
+            )
         return empty
 
 
 class _Fixup:
     """Applies the answers of a queued ``cache_unfinished_req``."""
 
-    def __init__(self, cache: SGLangCalls, req: Any, prefix: Any, protected: int,
-                 aligned: int, node: PendingNode, receipt: api.DecLockRefParams) -> None:
+    def __init__(
+        self,
+        cache: SGLangCalls,
+        req: Any,
+        prefix: Any,
+        protected: int,
+        aligned: int,
+        node: PendingNode,
+        receipt: api.DecLockRefParams,
+    ) -> None:
         self.cache, self.req, self.prefix = cache, req, prefix
         self.protected, self.aligned = protected, aligned
         self.node, self.receipt = node, receipt
@@ -343,8 +379,12 @@ class _Fixup:
         if insert.lock_id:
             self.cache._locks.setdefault(insert.node_id, []).append(insert.lock_id)
         if isinstance(result, PrefixCacheError) or result.skipped:
-            self.cache._buffer._failed("admits", result if isinstance(
-                result, PrefixCacheError) else PrefixCacheError("the match failed open"))
+            self.cache._buffer._failed(
+                "admits",
+                result
+                if isinstance(result, PrefixCacheError)
+                else PrefixCacheError("the match failed open"),
+            )
             return
         lo, hi = self.protected, self.aligned
         if len(result.slots) < hi or hi <= lo:
@@ -357,8 +397,9 @@ class _Fixup:
 
 
 def _receipt(node_id: int, lock_id: int) -> api.IncLockRefResult:
-    return api.IncLockRefResult(node_id=node_id,
-                                receipt=api.DecLockRefParams(node_id, lock_id=lock_id))
+    return api.IncLockRefResult(
+        node_id=node_id, receipt=api.DecLockRefParams(node_id, lock_id=lock_id)
+    )
 
 
 def _errors() -> Any:

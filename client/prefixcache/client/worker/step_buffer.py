@@ -64,8 +64,7 @@ class StepBuffer:
         self.topup: Any = None
 
     def __len__(self) -> int:
-        return (len(self._finishes) + len(self._unlocks) + len(self._frees)
-                + len(self._admits))
+        return len(self._finishes) + len(self._unlocks) + len(self._frees) + len(self._admits)
 
     @property
     def pending(self) -> bool:
@@ -100,8 +99,9 @@ class StepBuffer:
 
     # ------------------------------------------------------------------ sending
 
-    def flush(self, admits: Sequence[Admit] = (), decodes: Sequence[int] = (),
-              frees: Sequence[Any] = ()) -> Sent:
+    def flush(
+        self, admits: Sequence[Admit] = (), decodes: Sequence[int] = (), frees: Sequence[Any] = ()
+    ) -> Sent:
         """Send everything queued, with ``admits``, ``decodes`` and ``frees``, in one
         Step.
 
@@ -121,10 +121,13 @@ class StepBuffer:
         self.calls += 1
         try:
             reply = self.session.step(
-                self.model, finishes=[f for f, _ in finishes], unlocks=unlocks,
+                self.model,
+                finishes=[f for f, _ in finishes],
+                unlocks=unlocks,
                 frees=queued_frees + [f if isinstance(f, Free) else Free(f) for f in frees],
                 decodes=[*decodes, extra] if extra else list(decodes),
-                admits=[a for a, _ in queued] + list(admits))
+                admits=[a for a, _ in queued] + list(admits),
+            )
         except PrefixCacheError as err:
             self.fresh = False
             for _, callback in (*finishes, *queued):
@@ -147,8 +150,11 @@ class StepBuffer:
             self.counters, self.fresh = reply.counters, True
         else:
             self.fresh = False
-        return Sent(reply.admits[len(queued):], reply.decodes[: len(decodes)],
-                    reply.frees[len(queued_frees):])
+        return Sent(
+            reply.admits[len(queued) :],
+            reply.decodes[: len(decodes)],
+            reply.frees[len(queued_frees) :],
+        )
 
     def sizes(self) -> ModelStats:
         """The model's counters, current: queued items are sent first, and a Stats call

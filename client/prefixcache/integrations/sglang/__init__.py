@@ -11,5 +11,14 @@ from .core import GeometryError, HiCacheCore, prior_of
 from .host_layout import LAYOUTS, HostLayout
 from .settings import Ranks, Settings, rank_namespace
 
-__all__ = ["LAYOUTS", "AuxPools", "GeometryError", "HiCacheCore", "HostLayout", "Ranks",
-           "Settings", "prior_of", "rank_namespace"]
+__all__ = [
+    "LAYOUTS",
+    "AuxPools",
+    "GeometryError",
+    "HiCacheCore",
+    "HostLayout",
+    "Ranks",
+    "Settings",
+    "prior_of",
+    "rank_namespace",
+]

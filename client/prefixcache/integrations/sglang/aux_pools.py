@@ -51,8 +51,7 @@ def pool_name(name: Any) -> str:
 
 def part_hashes(pool: str, page_bytes: int, key: str, parts: int) -> list[str]:
     """The hashes the parts of pool ``pool``'s page under page key ``key`` are stored by."""
-    base = (_TAG + pool.encode() + b"\x00" + page_bytes.to_bytes(8, "little")
-            + bytes.fromhex(key))
+    base = _TAG + pool.encode() + b"\x00" + page_bytes.to_bytes(8, "little") + bytes.fromhex(key)
     return [hashlib.sha256(base + i.to_bytes(4, "little")).hexdigest() for i in range(parts)]
 
 
@@ -104,8 +103,12 @@ class AuxPools:
         else:
             why = "its pages hold no bytes"
         if page_bytes < 1:
-            log.warning("prefixcache HiCache: host pool %r is not stored (%s); prefixes "
-                        "that need it are misses", name, why)
+            log.warning(
+                "prefixcache HiCache: host pool %r is not stored (%s); prefixes "
+                "that need it are misses",
+                name,
+                why,
+            )
             return
         page_size = int(getattr(host, "page_size", 1) or 1)
         self.pools[name] = AuxPool(name, host, page_size, page_bytes)
@@ -119,13 +122,12 @@ class AuxPools:
         valid = self.core._hashes(keys) if pool is not None and parts is not None else []
         if not valid or pool is None or parts is None:
             return [False] * len(keys)
-        hashes = [h for key in valid for h in part_hashes(name, pool.page_bytes, key,
-                                                         parts.count)]
+        hashes = [h for key in valid for h in part_hashes(name, pool.page_bytes, key, parts.count)]
         held = self.core._guard("exists", functools.partial(self._exists, hashes))
         if held is None:
             return [False] * len(keys)
         n = parts.count
-        found = [all(held[i * n:(i + 1) * n]) for i in range(len(valid))]
+        found = [all(held[i * n : (i + 1) * n]) for i in range(len(valid))]
         return found + [False] * (len(keys) - len(valid))
 
     def store(self, name: str, keys: list[str], host_indices: Any) -> list[bool]:
@@ -133,21 +135,29 @@ class AuxPools:
         held after."""
         pool, parts = self.pools.get(name), self._parts(name)
         starts = None if pool is None else _starts(pool, len(keys), host_indices)
-        if pool is None or parts is None or starts is None \
-                or len(self.core._hashes(keys)) < len(keys):
+        if (
+            pool is None
+            or parts is None
+            or starts is None
+            or len(self.core._hashes(keys)) < len(keys)
+        ):
             return [False] * len(keys)
         held: list[bool] = []
         prior: str | None = None
         step = self._per_call(parts)
         for first in range(0, len(keys), step):
-            chunk = keys[first:first + step]
-            hashes = [h for key in chunk for h in part_hashes(name, pool.page_bytes, key,
-                                                             parts.count)]
-            got = self.core._guard("set", functools.partial(
-                self._store_parts, pool, parts, hashes, starts[first:first + step], prior))
+            chunk = keys[first : first + step]
+            hashes = [
+                h for key in chunk for h in part_hashes(name, pool.page_bytes, key, parts.count)
+            ]
+            got = self.core._guard(
+                "set",
+                functools.partial(
+                    self._store_parts, pool, parts, hashes, starts[first : first + step], prior
+                ),
+            )
             n = parts.count
-            held += [got is not None and all(got[j * n:(j + 1) * n])
-                     for j in range(len(chunk))]
+            held += [got is not None and all(got[j * n : (j + 1) * n]) for j in range(len(chunk))]
             prior = hashes[-1]  # the next chunk continues this chain
         self.core._count(aux_pages_stored=sum(held))
         return held
@@ -162,11 +172,19 @@ class AuxPools:
         valid = self.core._hashes(keys)
         loaded, step = 0, self._per_call(parts)
         while loaded < len(valid):
-            chunk = valid[loaded:loaded + step]
-            hashes = [h for key in chunk for h in part_hashes(name, pool.page_bytes, key,
-                                                             parts.count)]
-            whole = self.core._guard("get", functools.partial(
-                self._load_parts, pool, parts, hashes, starts[loaded:loaded + step])) or 0
+            chunk = valid[loaded : loaded + step]
+            hashes = [
+                h for key in chunk for h in part_hashes(name, pool.page_bytes, key, parts.count)
+            ]
+            whole = (
+                self.core._guard(
+                    "get",
+                    functools.partial(
+                        self._load_parts, pool, parts, hashes, starts[loaded : loaded + step]
+                    ),
+                )
+                or 0
+            )
             loaded += whole
             if whole < len(chunk):
                 break
@@ -175,8 +193,9 @@ class AuxPools:
 
     # ------------------------------------------------------------- helpers
 
-    def _store_parts(self, pool: AuxPool, parts: _Parts, hashes: list[str],
-                     starts: list[int], prior: str | None) -> list[bool]:
+    def _store_parts(
+        self, pool: AuxPool, parts: _Parts, hashes: list[str], starts: list[int], prior: str | None
+    ) -> list[bool]:
         """Cut the pages at ``starts`` into parts and store them as one chain after
         ``prior``; per part, held after."""
         import torch
@@ -185,12 +204,13 @@ class AuxPools:
         for start in starts:
             page = pool.host.get_data_page(start, flat=True).contiguous()
             padded = torch.zeros(parts.count * parts.nbytes, dtype=torch.uint8)
-            padded[:pool.page_bytes] = page.reshape(-1).view(torch.uint8)
+            padded[: pool.page_bytes] = page.reshape(-1).view(torch.uint8)
             values += list(padded.view(parts.dtype).view(parts.count, parts.elems))
         return self.core._store(hashes, None, values, prior)
 
-    def _load_parts(self, pool: AuxPool, parts: _Parts, hashes: list[str],
-                    starts: list[int]) -> int:
+    def _load_parts(
+        self, pool: AuxPool, parts: _Parts, hashes: list[str], starts: list[int]
+    ) -> int:
         """Read the leading run of parts; put each page read whole into the host pool
         at its start; the pages put."""
         import torch
@@ -200,7 +220,7 @@ class AuxPools:
         data = targets.view(len(starts), -1).view(torch.uint8)
         for j in range(min(whole, len(starts))):
             page = pool.host.get_dummy_flat_data_page().contiguous()
-            page.view(-1).view(torch.uint8).copy_(data[j, :pool.page_bytes])
+            page.view(-1).view(torch.uint8).copy_(data[j, : pool.page_bytes])
             pool.host.set_from_flat_data_page(starts[j], page)
         return whole
 
@@ -210,9 +230,13 @@ class AuxPools:
         for i in range(0, len(hashes), BATCH_PARTS):
             # before_set: a probe of the state is no lookup (the KV probe counted it).
             held += self.core.client.exists_pages(
-                settings.model, hashes[i:i + BATCH_PARTS], extra_key=settings.namespace,
-                token_width=settings.token_width, before_set=True,
-                session=session).present
+                settings.model,
+                hashes[i : i + BATCH_PARTS],
+                extra_key=settings.namespace,
+                token_width=settings.token_width,
+                before_set=True,
+                session=session,
+            ).present
         return held
 
     def _parts(self, name: str) -> _Parts | None:
@@ -220,8 +244,7 @@ class AuxPools:
         pool, host = self.pools.get(name), self.core.host
         if pool is None or host is None:
             return None
-        elems = (1 if host.is_mla else 2) * math.prod(host.page_dims(host.head_num,
-                                                                     host.head_dim))
+        elems = (1 if host.is_mla else 2) * math.prod(host.page_dims(host.head_num, host.head_dim))
         nbytes = elems * host.dtype.itemsize
         return _Parts(-(-pool.page_bytes // nbytes), elems, host.dtype)
 
@@ -241,4 +264,4 @@ def _starts(pool: AuxPool, count: int, host_indices: Any) -> list[int] | None:
     flat = torch.as_tensor(host_indices).reshape(-1)
     if flat.numel() != count * pool.page_size:
         return None
-    return [int(v) for v in flat[::pool.page_size].tolist()]
+    return [int(v) for v in flat[:: pool.page_size].tolist()]

@@ -38,12 +38,17 @@ class PrefixCacheStorage(HiCacheStorage):
     """SGLang HiCache L3 storage in a prefixcache sidecar's pool (see the module doc)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
-        settings = Settings.parse(storage_config.extra_config, Ranks.of(storage_config),
-                                  storage_config.model_name)
+        settings = Settings.parse(
+            storage_config.extra_config, Ranks.of(storage_config), storage_config.model_name
+        )
         self.core = HiCacheCore(settings)
         self.pools = AuxPools(self.core)  # Mamba, SWA, indexer, draft: the v2 calls
-        log.info("prefixcache HiCache storage: model %r namespace %r at %s",
-                 settings.model, settings.namespace, settings.target)
+        log.info(
+            "prefixcache HiCache storage: model %r namespace %r at %s",
+            settings.model,
+            settings.namespace,
+            settings.target,
+        )
 
     # ------------------------------------------------------------ set-up
 
@@ -68,16 +73,19 @@ class PrefixCacheStorage(HiCacheStorage):
 
     # --------------------------------------------- zero-copy (interface_v1)
 
-    def batch_exists(self, keys: list[str],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
         return self.core.exists(keys)
 
-    def batch_get_v1(self, keys: list[str], host_indices: Any,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         return self.core.get(keys, host_indices)
 
-    def batch_set_v1(self, keys: list[str], host_indices: Any,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         return self.core.set(keys, host_indices, prior_of(extra_info))
 
     # ------------------------------------------------ flat pages (generic)
@@ -88,33 +96,46 @@ class PrefixCacheStorage(HiCacheStorage):
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         return self.core.get_flat([key], [target_location])[0]
 
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[Any]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[Any]:
         return self.core.get_flat(keys, list(target_locations or []))
 
-    def set(self, key: str, value: Any = None, target_location: Any = None,
-            target_sizes: Any = None) -> bool:
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
         return self.core.set_flat([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
         return self.core.set_flat(keys, list(values or []))
 
     # -------------------------------------------------- pools (interface v2)
 
-    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None,
-                        extra_info: HiCacheStorageExtraInfo | None = None) -> Any:
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: Any = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> Any:
         pages, hits, usable = exists_v2(self.core, keys, pool_transfers, self.pools)
-        if "restorable_prefix_pages" in getattr(PoolTransferResult, "__dataclass_fields__",
-                                                ()):  # SGLang versions that have it
+        if "restorable_prefix_pages" in getattr(
+            PoolTransferResult, "__dataclass_fields__", ()
+        ):  # SGLang versions that have it
             return PoolTransferResult(pages, hits, restorable_prefix_pages=usable)
         return PoolTransferResult(pages, hits)
 
-    def batch_get_v2(self, transfers: list[Any],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+    def batch_get_v2(
+        self, transfers: list[Any], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
         return transfer_v2(self.core, transfers, None, load=True, pools=self.pools)
 
-    def batch_set_v2(self, transfers: list[Any],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return transfer_v2(self.core, transfers, prior_of(extra_info), load=False,
-                           pools=self.pools)
+    def batch_set_v2(
+        self, transfers: list[Any], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return transfer_v2(self.core, transfers, prior_of(extra_info), load=False, pools=self.pools)

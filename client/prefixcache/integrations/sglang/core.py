@@ -81,8 +81,12 @@ class HiCacheCore:
     def __init__(self, settings: Settings, client: PrefixCacheClient | None = None) -> None:
         self.settings = settings
         self.client = client or PrefixCacheClient(
-            settings.target, timeout=settings.timeout, token=settings.token, retries=1,
-            client_name=f"sglang-hicache/{settings.model}")
+            settings.target,
+            timeout=settings.timeout,
+            token=settings.token,
+            retries=1,
+            client_name=f"sglang-hicache/{settings.model}",
+        )
         self.host: HostLayout | None = None
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
@@ -107,8 +111,12 @@ class HiCacheCore:
         except GeometryError:
             raise
         except PrefixCacheError as exc:
-            log.warning("prefixcache sidecar at %s is not reachable yet (%s); HiCache "
-                        "storage answers misses until it is", self.settings.target, exc)
+            log.warning(
+                "prefixcache sidecar at %s is not reachable yet (%s); HiCache "
+                "storage answers misses until it is",
+                self.settings.target,
+                exc,
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -126,9 +134,16 @@ class HiCacheCore:
         hashes = self._hashes(keys)
         if not hashes:
             return 0
-        reply = self._guard("exists", lambda: self.client.exists_pages(
-            self.settings.model, hashes, extra_key=self.settings.namespace,
-            token_width=self.settings.token_width, session=self._ready()[0]))
+        reply = self._guard(
+            "exists",
+            lambda: self.client.exists_pages(
+                self.settings.model,
+                hashes,
+                extra_key=self.settings.namespace,
+                token_width=self.settings.token_width,
+                session=self._ready()[0],
+            ),
+        )
         found = 0 if reply is None else reply.leading_pages
         self._count(exists_calls=1, pages_asked=len(keys), pages_found=found)
         return found
@@ -163,9 +178,13 @@ class HiCacheCore:
             return 0
         pages = self._host_pages(len(hashes), host_indices, flat)
         session, io = self._ready()
-        reply = self.client.get_pages(self.settings.model, hashes,
-                                      extra_key=self.settings.namespace,
-                                      token_width=self.settings.token_width, session=session)
+        reply = self.client.get_pages(
+            self.settings.model,
+            hashes,
+            extra_key=self.settings.namespace,
+            token_width=self.settings.token_width,
+            session=session,
+        )
         # Until every page found is in the host pool, the hit went unused: the locks
         # are released saying so, and the sidecar counts their pages as load_failed
         # (once: a lock already gone, with its lapsed session, refuses the unlock).
@@ -185,8 +204,9 @@ class HiCacheCore:
                 with contextlib.suppress(PrefixCacheError):
                     self.client.unlock(lock_id, session=session, unused=unused)
 
-    def _store(self, keys: list[str], host_indices: Any, flat: list[Any] | None,
-               prior: str | None) -> list[bool]:
+    def _store(
+        self, keys: list[str], host_indices: Any, flat: list[Any] | None, prior: str | None
+    ) -> list[bool]:
         import torch
 
         hashes = self._hashes(keys)
@@ -195,11 +215,11 @@ class HiCacheCore:
         pages = self._host_pages(len(keys), host_indices, flat)
         if prior is not None and not _HASH.fullmatch(prior):
             prior = None
-        model, ns, width = self.settings.model, self.settings.namespace, \
-            self.settings.token_width
+        model, ns, width = self.settings.model, self.settings.namespace, self.settings.token_width
         session, io = self._ready()
-        present = self.client.exists_pages(model, hashes, extra_key=ns, token_width=width,
-                                           before_set=True, session=session).present
+        present = self.client.exists_pages(
+            model, hashes, extra_key=ns, token_width=width, before_set=True, session=session
+        ).present
         missing = [i for i, held in enumerate(present) if not held]
         if not missing:
             return [True] * len(keys)
@@ -212,13 +232,21 @@ class HiCacheCore:
                 io.store(slots, [pages[i] for i in missing], layers, session)
             per_page = torch.zeros((len(keys), size), dtype=torch.int64)
             per_page[missing] = slots.view(len(missing), size)
-            reply = self.client.set_pages(model, hashes, per_page.view(-1), extra_key=ns,
-                                          token_width=width, prior_hash=prior,
-                                          session=session, server_epoch=alloc.server_epoch)
+            reply = self.client.set_pages(
+                model,
+                hashes,
+                per_page.view(-1),
+                extra_key=ns,
+                token_width=width,
+                prior_hash=prior,
+                session=session,
+                server_epoch=alloc.server_epoch,
+            )
         except BaseException:
             with contextlib.suppress(PrefixCacheError):  # else gone with the session
-                self.client.free(model, alloc.slots, session=session,
-                                 server_epoch=alloc.server_epoch)
+                self.client.free(
+                    model, alloc.slots, session=session, server_epoch=alloc.server_epoch
+                )
             raise
         held = reply.held
         self._count(set_calls=1, pages_stored=sum(held) - (len(keys) - len(missing)))
@@ -236,7 +264,8 @@ class HiCacheCore:
             session = self._session
             if session is None or session.lost is not None or session.closed:
                 session = self._session = self.client.session(
-                    self.settings.session_ttl, name=f"sglang-hicache/{self.settings.model}")
+                    self.settings.session_ttl, name=f"sglang-hicache/{self.settings.model}"
+                )
             return session, self._io
 
     def _io_for(self, epoch: int) -> PoolIO:
@@ -250,8 +279,10 @@ class HiCacheCore:
                 io.close()
             self._io = io = self._open_io()
             if io.info.server_epoch != epoch:
-                raise StaleEpoch(f"the sidecar restarted during the call (epoch "
-                                 f"{epoch} became {io.info.server_epoch})")
+                raise StaleEpoch(
+                    f"the sidecar restarted during the call (epoch "
+                    f"{epoch} became {io.info.server_epoch})"
+                )
             return io
 
     def _open_io(self) -> PoolIO:
@@ -264,11 +295,16 @@ class HiCacheCore:
             except (FailedPrecondition, OSError, RuntimeError) as exc:
                 if transfer == "attach":
                     raise
-                log.info("prefixcache pool of %r is not mappable here (%s): streaming "
-                         "pages over RPC", self.settings.model, exc)
+                log.info(
+                    "prefixcache pool of %r is not mappable here (%s): streaming pages over RPC",
+                    self.settings.model,
+                    exc,
+                )
         elif transfer == "attach":
-            raise FailedPrecondition(f"model {self.settings.model!r}: the sidecar shares "
-                                     "no pool buffers (transfer: attach)")
+            raise FailedPrecondition(
+                f"model {self.settings.model!r}: the sidecar shares "
+                "no pool buffers (transfer: attach)"
+            )
         return RemoteIO(self.client, info)
 
     def _check(self, info: PoolInfo) -> None:
@@ -279,26 +315,33 @@ class HiCacheCore:
         if info.layer_num != host.layer_num:
             problems.append(f"{info.layer_num} layers vs {host.layer_num}")
         if (info.k_head_num, info.k_head_dim) != (host.head_num, host.head_dim):
-            problems.append(f"K rows [{info.k_head_num}, {info.k_head_dim}] vs "
-                            f"[{host.head_num}, {host.head_dim}]")
-        if not host.is_mla and (info.v_head_num, info.v_head_dim) != (host.v_head_num,
-                                                                      host.v_head_dim):
-            problems.append(f"V rows [{info.v_head_num}, {info.v_head_dim}] vs "
-                            f"[{host.v_head_num}, {host.v_head_dim}]")
+            problems.append(
+                f"K rows [{info.k_head_num}, {info.k_head_dim}] vs "
+                f"[{host.head_num}, {host.head_dim}]"
+            )
+        if not host.is_mla and (info.v_head_num, info.v_head_dim) != (
+            host.v_head_num,
+            host.v_head_dim,
+        ):
+            problems.append(
+                f"V rows [{info.v_head_num}, {info.v_head_dim}] vs "
+                f"[{host.v_head_num}, {host.v_head_dim}]"
+            )
         itemsize = _itemsize(info.dtype)
         if itemsize is not None and itemsize != host.dtype.itemsize:
             problems.append(f"dtype {info.dtype} vs {host.dtype}")
         if problems:
-            self._disabled = (f"prefixcache model {info.model!r} cannot hold this SGLang "
-                              f"worker's pages: {'; '.join(problems)}")
+            self._disabled = (
+                f"prefixcache model {info.model!r} cannot hold this SGLang "
+                f"worker's pages: {'; '.join(problems)}"
+            )
             raise GeometryError(self._disabled)
 
     # ------------------------------------------------------------- helpers
 
     def _guard(self, what: str, call: Any) -> Any:
         """``call()``, or None (a miss) when the sidecar cannot answer."""
-        if self.host is None or self._disabled is not None \
-                or time.monotonic() < self._down_until:
+        if self.host is None or self._disabled is not None or time.monotonic() < self._down_until:
             self._count(skipped=1)
             return None
         try:
@@ -320,11 +363,13 @@ class HiCacheCore:
         now = time.monotonic()
         if now - self._last_log >= _LOG_EVERY:
             self._last_log = now
-            detail = str(exc) if isinstance(exc, PrefixCacheError | GeometryError) \
-                else repr(exc)
-            log.warning("prefixcache HiCache %s failed, answering a miss (SGLang "
-                        "recomputes): %s", what, detail,
-                        exc_info=not isinstance(exc, PrefixCacheError | GeometryError))
+            detail = str(exc) if isinstance(exc, PrefixCacheError | GeometryError) else repr(exc)
+            log.warning(
+                "prefixcache HiCache %s failed, answering a miss (SGLang recomputes): %s",
+                what,
+                detail,
+                exc_info=not isinstance(exc, PrefixCacheError | GeometryError),
+            )
 
     def _hashes(self, keys: list[str]) -> list[str]:
         """The leading keys that are SHA-256 page hashes (64 lowercase hex digits)."""
@@ -332,14 +377,17 @@ class HiCacheCore:
             if not (isinstance(key, str) and _HASH.fullmatch(key)):
                 if not self._warned_keys:
                     self._warned_keys = True
-                    log.warning("SGLang page key %r is not a SHA-256 page hash: such pages "
-                                "are never found or stored (is SGLANG_USE_XXH3_HASH set?)",
-                                key)
+                    log.warning(
+                        "SGLang page key %r is not a SHA-256 page hash: such pages "
+                        "are never found or stored (is SGLANG_USE_XXH3_HASH set?)",
+                        key,
+                    )
                 return list(keys[:i])
         return list(keys)
 
-    def _host_pages(self, count: int, host_indices: Any,
-                    flat: list[Any] | None) -> list[tuple[HostLayout, int]]:
+    def _host_pages(
+        self, count: int, host_indices: Any, flat: list[Any] | None
+    ) -> list[tuple[HostLayout, int]]:
         """Where each of ``count`` pages lives on the host: a position in the host pool
         (``host_indices``, ``page_size`` consecutive positions a page) or a flat page."""
         host = self._host()
@@ -351,7 +399,7 @@ class HiCacheCore:
         tokens = _as_long(host_indices)
         if len(tokens) < count * size:
             raise ValueError(f"{len(tokens)} host positions for {count} pages of {size}")
-        per_page = tokens[:count * size].view(count, size)
+        per_page = tokens[: count * size].view(count, size)
         if size > 1 and not bool((per_page[:, 1:] - per_page[:, :-1] == 1).all()):
             raise ValueError("host positions of a page are not consecutive")
         return [(host, start) for start in per_page[:, 0].tolist()]
@@ -363,12 +411,16 @@ class HiCacheCore:
 
     def _groups(self, info: PoolInfo) -> list[list[int]]:
         """Layers in groups of at most ``GROUP_BYTES`` per page batch (at least one)."""
-        per_layer = max(1, (info.k_head_num * info.k_head_dim + info.v_head_num
-                            * info.v_head_dim) * (_itemsize(info.dtype) or 2) * 128
-                        * max(1, info.page_size))
+        per_layer = max(
+            1,
+            (info.k_head_num * info.k_head_dim + info.v_head_num * info.v_head_dim)
+            * (_itemsize(info.dtype) or 2)
+            * 128
+            * max(1, info.page_size),
+        )
         step = max(1, GROUP_BYTES // per_layer)
         layers = list(range(info.layer_num))
-        return [layers[i:i + step] for i in range(0, len(layers), step)]
+        return [layers[i : i + step] for i in range(0, len(layers), step)]
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -382,8 +434,11 @@ def _as_long(values: Any) -> Any:
         return values.reshape(-1).to(device="cpu", dtype=torch.int64)
     if len(values) == 0:
         return torch.zeros(0, dtype=torch.int64)
-    return torch.frombuffer(bytearray(values), dtype=torch.int64) \
-        if hasattr(values, "typecode") else torch.as_tensor(values, dtype=torch.int64)
+    return (
+        torch.frombuffer(bytearray(values), dtype=torch.int64)
+        if hasattr(values, "typecode")
+        else torch.as_tensor(values, dtype=torch.int64)
+    )
 
 
 def _itemsize(dtype: str) -> int | None:
@@ -391,4 +446,3 @@ def _itemsize(dtype: str) -> int | None:
 
     found = getattr(torch, dtype, None)
     return found.itemsize if isinstance(found, torch.dtype) else None
-

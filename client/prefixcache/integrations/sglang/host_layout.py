@@ -73,8 +73,9 @@ class HostLayout:
             ValueError: an unsupported layout, or buffers of the wrong rank or shape.
         """
         if layout not in LAYOUTS:
-            raise ValueError(f"HiCache host layout {layout!r} is not supported (supported: "
-                             f"{', '.join(LAYOUTS)})")
+            raise ValueError(
+                f"HiCache host layout {layout!r} is not supported (supported: {', '.join(LAYOUTS)})"
+            )
         if page_size < 1:
             raise ValueError(f"HiCache host pool page_size must be >= 1, got {page_size}")
         layers, heads, dim = _geometry(layout, page_size, k, "K")
@@ -90,18 +91,39 @@ class HostLayout:
         one-page buffer of the same layout: token positions ``0 .. page_size - 1``."""
         dims = self.page_dims(self.head_num, self.head_dim)
         if self.v is None:
-            return HostLayout(self.layout, self.page_size, self.layer_num, self.head_num,
-                              self.head_dim, 0, 0, flat.view(*dims), None)
+            return HostLayout(
+                self.layout,
+                self.page_size,
+                self.layer_num,
+                self.head_num,
+                self.head_dim,
+                0,
+                0,
+                flat.view(*dims),
+                None,
+            )
         both = flat.view(2, *dims)
-        return HostLayout(self.layout, self.page_size, self.layer_num, self.head_num,
-                          self.head_dim, self.v_head_num, self.v_head_dim, both[0], both[1])
+        return HostLayout(
+            self.layout,
+            self.page_size,
+            self.layer_num,
+            self.head_num,
+            self.head_dim,
+            self.v_head_num,
+            self.v_head_dim,
+            both[0],
+            both[1],
+        )
 
     def page_dims(self, heads: int, dim: int) -> tuple[int, ...]:
         """The shape of one page of one component in this layout."""
         p, lyr = self.page_size, self.layer_num
-        return {"layer_first": (lyr, p, heads, dim), "page_first": (p, lyr, heads, dim),
-                "page_first_direct": (1, lyr, p, heads, dim),
-                "page_head": (1, heads, p, lyr, dim)}[self.layout]
+        return {
+            "layer_first": (lyr, p, heads, dim),
+            "page_first": (p, lyr, heads, dim),
+            "page_first_direct": (1, lyr, p, heads, dim),
+            "page_head": (1, heads, p, lyr, dim),
+        }[self.layout]
 
     def page_view(self, part: str, layer: int, start: int) -> Any:
         """The ``[page_size, heads, dim]`` rows of ``layer`` of component ``part`` ("k"
@@ -118,13 +140,12 @@ class HostLayout:
         if start % size:
             raise ValueError(f"host position {start} does not start a page of {size}")
         if self.layout == "layer_first":
-            return buf[layer, start:start + size]
+            return buf[layer, start : start + size]
         if self.layout == "page_first":
-            return buf[start:start + size, layer]
+            return buf[start : start + size, layer]
         if self.layout == "page_first_direct":
             return buf[start // size, layer]
         return buf[start // size, :, :, layer].transpose(0, 1)  # page_head: [heads, page, dim]
-
 
     def pages_view(self, part: str, layer: int) -> Any | None:
         """Every page of ``layer`` of component ``part`` as ``[pages, page_size, heads,
@@ -145,8 +166,11 @@ class HostLayout:
             return buf[:, :, :, layer].transpose(1, 2)  # page_head: [pages, heads, page, dim]
         if rows.shape[0] % size:
             return None
-        return rows.view(rows.shape[0] // size, size, *rows.shape[1:]) \
-            if rows.is_contiguous() else rows.unflatten(0, (rows.shape[0] // size, size))
+        return (
+            rows.view(rows.shape[0] // size, size, *rows.shape[1:])
+            if rows.is_contiguous()
+            else rows.unflatten(0, (rows.shape[0] // size, size))
+        )
 
 
 def _geometry(layout: str, page_size: int, buf: Any, what: str) -> tuple[int, int, int]:
@@ -154,16 +178,19 @@ def _geometry(layout: str, page_size: int, buf: Any, what: str) -> tuple[int, in
     shape = tuple(buf.shape)
     want = 4 if layout in ("layer_first", "page_first") else 5
     if len(shape) != want:
-        raise ValueError(f"HiCache host {what} buffer has shape {shape}; layout {layout} "
-                         f"has {want} dims")
+        raise ValueError(
+            f"HiCache host {what} buffer has shape {shape}; layout {layout} has {want} dims"
+        )
     if layout == "layer_first":
         return shape[0], shape[2], shape[3]
     if layout == "page_first":
         return shape[1], shape[2], shape[3]
     page_dim = 2
     if shape[page_dim] != page_size:
-        raise ValueError(f"HiCache host {what} buffer has shape {shape}: its page dim is "
-                         f"not page_size {page_size}")
+        raise ValueError(
+            f"HiCache host {what} buffer has shape {shape}: its page dim is "
+            f"not page_size {page_size}"
+        )
     if layout == "page_first_direct":
         return shape[1], shape[3], shape[4]
     return shape[3], shape[1], shape[4]  # page_head: [pages, heads, page, layers, dim]

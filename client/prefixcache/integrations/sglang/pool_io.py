@@ -38,11 +38,9 @@ class PoolIO(Protocol):
 
     info: PoolInfo
 
-    def load(self, slots: Any, pages: list[HostPage], layers: list[int],
-             session: Any) -> None: ...
+    def load(self, slots: Any, pages: list[HostPage], layers: list[int], session: Any) -> None: ...
 
-    def store(self, slots: Any, pages: list[HostPage], layers: list[int],
-              session: Any) -> None: ...
+    def store(self, slots: Any, pages: list[HostPage], layers: list[int], session: Any) -> None: ...
 
     def close(self) -> None: ...
 
@@ -58,8 +56,7 @@ class AttachedIO:
         self.pool = pool
         self.info: PoolInfo = pool.info
 
-    def load(self, slots: Any, pages: list[HostPage], layers: list[int],
-             session: Any) -> None:
+    def load(self, slots: Any, pages: list[HostPage], layers: list[int], session: Any) -> None:
         batch = _batch(pages, self.pool.k_buffer[0])
         if batch is not None:
             self._load_batch(slots, batch, layers, pages)
@@ -68,8 +65,7 @@ class AttachedIO:
         for buf, i, dst in self._flat_pages(pages, layers):
             dst.copy_(bitcast(runs.rows(buf, i), dst.dtype))
 
-    def store(self, slots: Any, pages: list[HostPage], layers: list[int],
-              session: Any) -> None:
+    def store(self, slots: Any, pages: list[HostPage], layers: list[int], session: Any) -> None:
         batch = _batch(pages, self.pool.k_buffer[0])
         if batch is not None:
             self._store_batch(slots, batch, layers, pages)
@@ -78,8 +74,9 @@ class AttachedIO:
         for buf, i, src in self._flat_pages(pages, layers):
             runs.put(buf, i, src)
 
-    def _flat_pages(self, pages: list[HostPage], layers: list[int]
-                    ) -> Iterator[tuple[Any, int, Any]]:
+    def _flat_pages(
+        self, pages: list[HostPage], layers: list[int]
+    ) -> Iterator[tuple[Any, int, Any]]:
         """(pool buffer, page number, host view) for every layer, part and page: the
         page-at-a-time path of pages that are not one host pool's."""
         for layer in layers:
@@ -92,8 +89,9 @@ class AttachedIO:
     # (a page-sized element each), straight from or into the pool's rows when the slots
     # are one run.
 
-    def _load_batch(self, slots: Any, batch: tuple[HostLayout, Any], layers: list[int],
-                    pages: list[HostPage]) -> None:
+    def _load_batch(
+        self, slots: Any, batch: tuple[HostLayout, Any], layers: list[int], pages: list[HostPage]
+    ) -> None:
         host, page_ids = batch
         first = _run(slots, self.pool.k_buffer[0].shape[0])
         index = None if first is not None else slots.to(self.pool.k_buffer[0].device)
@@ -102,14 +100,16 @@ class AttachedIO:
             for part in _parts(pages):
                 buf = self._buffers(part)[layer]
                 dst = host.pages_view(part, layer)
-                rows = buf[first:first + len(slots)] if index is None else \
-                    buf.index_select(0, index)
+                rows = (
+                    buf[first : first + len(slots)] if index is None else buf.index_select(0, index)
+                )
                 rows = rows.view(count, -1, *rows.shape[1:]).to(dst.device)
                 d, r = wide_pair(dst, rows)
                 d.index_copy_(0, page_ids, r)
 
-    def _store_batch(self, slots: Any, batch: tuple[HostLayout, Any], layers: list[int],
-                     pages: list[HostPage]) -> None:
+    def _store_batch(
+        self, slots: Any, batch: tuple[HostLayout, Any], layers: list[int], pages: list[HostPage]
+    ) -> None:
         import torch
 
         host, page_ids = batch
@@ -121,7 +121,7 @@ class AttachedIO:
                 buf = self._buffers(part)[layer]
                 src = host.pages_view(part, layer)
                 if first is not None and src.device == device:
-                    out = buf[first:first + len(slots)]
+                    out = buf[first : first + len(slots)]
                     s, o = wide_pair(src, out.view(count, -1, *out.shape[1:]))
                     torch.index_select(s, 0, page_ids, out=o)
                     continue
@@ -142,13 +142,17 @@ def _batch(pages: list[HostPage], pool_rows: Any) -> tuple[HostLayout, Any] | No
     import torch
 
     host = pages[0][0] if pages else None
-    if host is None or any(h is not host for h, _ in pages) or \
-            host.dtype.itemsize != pool_rows.element_size() or \
-            host.pages_view(K, 0) is None:
+    if (
+        host is None
+        or any(h is not host for h, _ in pages)
+        or host.dtype.itemsize != pool_rows.element_size()
+        or host.pages_view(K, 0) is None
+    ):
         return None
     size = host.page_size
-    return host, torch.tensor([start // size for _, start in pages], dtype=torch.int64,
-                              device=host.k.device)
+    return host, torch.tensor(
+        [start // size for _, start in pages], dtype=torch.int64, device=host.k.device
+    )
 
 
 def _run(slots: Any, rows: int) -> int | None:
@@ -170,19 +174,18 @@ class _Runs:
         per_page = slots.view(-1, page_size)
         steps = per_page[:, 1:] - per_page[:, :-1]
         self.first = per_page[:, 0].tolist()
-        self.block = (steps == 1).all(dim=1).tolist() if page_size > 1 \
-            else [True] * len(self.first)
+        self.block = (steps == 1).all(dim=1).tolist() if page_size > 1 else [True] * len(self.first)
         self.index = per_page.to(device)
 
     def rows(self, buf: Any, page: int) -> Any:
         if self.block[page]:
-            return buf[self.first[page]:self.first[page] + self.size]
+            return buf[self.first[page] : self.first[page] + self.size]
         return buf.index_select(0, self.index[page])
 
     def put(self, buf: Any, page: int, rows: Any) -> None:
         rows = bitcast(rows, buf.dtype)
         if self.block[page]:
-            buf[self.first[page]:self.first[page] + self.size].copy_(rows)
+            buf[self.first[page] : self.first[page] + self.size].copy_(rows)
         else:
             buf.index_copy_(0, self.index[page], rows.to(buf.device))
 
@@ -194,8 +197,7 @@ class RemoteIO:
         self.client = client
         self.info = info
 
-    def load(self, slots: Any, pages: list[HostPage], layers: list[int],
-             session: Any) -> None:
+    def load(self, slots: Any, pages: list[HostPage], layers: list[int], session: Any) -> None:
         data = self.client.read_kv(self.info.model, slots, session=session, layers=layers)
         size = self.info.page_size
         for j, layer in enumerate(layers):
@@ -203,24 +205,32 @@ class RemoteIO:
                 rows = (data.k if part == K else data.v)[j]
                 for i, (host, start) in enumerate(pages):
                     dst = host.page_view(part, layer, start)
-                    dst.copy_(bitcast(rows[i * size:(i + 1) * size], dst.dtype))
+                    dst.copy_(bitcast(rows[i * size : (i + 1) * size], dst.dtype))
 
-    def store(self, slots: Any, pages: list[HostPage], layers: list[int],
-              session: Any) -> None:
+    def store(self, slots: Any, pages: list[HostPage], layers: list[int], session: Any) -> None:
         import torch
 
         dtype = getattr(torch, self.info.dtype)
         rows: dict[str, list[Any]] = {K: [], V: []}
         for layer in layers:
             for part in _parts(pages):
-                rows[part].append(torch.cat([bitcast(host.page_view(part, layer, start), dtype)
-                                             for host, start in pages]))
+                rows[part].append(
+                    torch.cat(
+                        [
+                            bitcast(host.page_view(part, layer, start), dtype)
+                            for host, start in pages
+                        ]
+                    )
+                )
         if not rows[V]:  # MLA: the pool's V rows are unused, but WriteKV writes whole rows
             info = self.info
-            rows[V] = [torch.zeros((len(slots), info.v_head_num, info.v_head_dim),
-                                   dtype=dtype) for _ in layers]
-        self.client.write_kv(self.info.model, slots, k=rows[K], v=rows[V], session=session,
-                             layers=layers)
+            rows[V] = [
+                torch.zeros((len(slots), info.v_head_num, info.v_head_dim), dtype=dtype)
+                for _ in layers
+            ]
+        self.client.write_kv(
+            self.info.model, slots, k=rows[K], v=rows[V], session=session, layers=layers
+        )
 
     def close(self) -> None:
         pass

@@ -54,11 +54,20 @@ class Ranks:
     @classmethod
     def of(cls, storage_config: Any) -> Ranks:
         """From SGLang's ``HiCacheStorageConfig`` (or anything with its fields)."""
-        get = lambda name, default: getattr(storage_config, name, default)  # noqa: E731
-        return cls(tp_rank=int(get("tp_rank", 0)), tp_size=int(get("tp_size", 1)),
-                   pp_rank=int(get("pp_rank", 0)), pp_size=int(get("pp_size", 1)),
-                   cp_rank=int(get("attn_cp_rank", 0)), cp_size=int(get("attn_cp_size", 1)),
-                   dp_rank=int(get("dp_rank", 0)), is_mla=bool(get("is_mla_model", False)))
+
+        def get(name: str, default: object) -> Any:
+            return getattr(storage_config, name, default)
+
+        return cls(
+            tp_rank=int(get("tp_rank", 0)),
+            tp_size=int(get("tp_size", 1)),
+            pp_rank=int(get("pp_rank", 0)),
+            pp_size=int(get("pp_size", 1)),
+            cp_rank=int(get("attn_cp_rank", 0)),
+            cp_size=int(get("attn_cp_size", 1)),
+            dp_rank=int(get("dp_rank", 0)),
+            is_mla=bool(get("is_mla_model", False)),
+        )
 
     def suffix(self) -> str:
         """The ranks that hold different bytes for the same page ("" when none do)."""
@@ -102,49 +111,68 @@ class Settings:
         return rank_namespace(self.extra_key, self.ranks)
 
     @classmethod
-    def parse(cls, extra_config: Mapping[str, Any] | None, ranks: Ranks,
-              model_name: str | None = None) -> Settings:
+    def parse(
+        cls, extra_config: Mapping[str, Any] | None, ranks: Ranks, model_name: str | None = None
+    ) -> Settings:
         """Settings from the extra-config JSON; a bad value raises ValueError."""
         cfg = dict(extra_config or {})
         model = str(cfg.get("model") or model_name or "")
         if not model:
-            raise ValueError("prefixcache HiCache backend: set \"model\" in "
-                             "--hicache-storage-backend-extra-config (the sidecar's model)")
+            raise ValueError(
+                'prefixcache HiCache backend: set "model" in '
+                "--hicache-storage-backend-extra-config (the sidecar's model)"
+            )
         try:
-            model = model.format(tp_rank=ranks.tp_rank, tp_size=ranks.tp_size,
-                                 pp_rank=ranks.pp_rank, pp_size=ranks.pp_size,
-                                 cp_rank=ranks.cp_rank, cp_size=ranks.cp_size,
-                                 dp_rank=ranks.dp_rank)
+            model = model.format(
+                tp_rank=ranks.tp_rank,
+                tp_size=ranks.tp_size,
+                pp_rank=ranks.pp_rank,
+                pp_size=ranks.pp_size,
+                cp_rank=ranks.cp_rank,
+                cp_size=ranks.cp_size,
+                dp_rank=ranks.dp_rank,
+            )
         except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"prefixcache HiCache backend: bad \"model\" template "
-                             f"{model!r}: {exc}") from None
+            raise ValueError(
+                f'prefixcache HiCache backend: bad "model" template {model!r}: {exc}'
+            ) from None
         transfer = str(cfg.get("transfer", "auto"))
         if transfer not in TRANSFERS:
-            raise ValueError(f"prefixcache HiCache backend: \"transfer\" must be one of "
-                             f"{', '.join(TRANSFERS)}, got {transfer!r}")
+            raise ValueError(
+                f'prefixcache HiCache backend: "transfer" must be one of '
+                f"{', '.join(TRANSFERS)}, got {transfer!r}"
+            )
         token = cfg.get("token")
         if token is None and cfg.get("token_env"):
             token = os.environ.get(str(cfg["token_env"]))
         extra_key = cfg.get("extra_key")
         return cls(
-            target=str(cfg.get("target") or DEFAULT_TARGET), model=model,
+            target=str(cfg.get("target") or DEFAULT_TARGET),
+            model=model,
             extra_key=None if extra_key is None else str(extra_key),
             token_width=_positive(cfg, "token_width", 1, int),
-            transfer=transfer, timeout=_positive(cfg, "timeout", 5.0, float),
+            transfer=transfer,
+            timeout=_positive(cfg, "timeout", 5.0, float),
             retry_after=_positive(cfg, "retry_after", 1.0, float, zero=True),
             token=None if token is None else str(token),
-            session_ttl=_positive(cfg, "session_ttl", 30.0, float), ranks=ranks)
+            session_ttl=_positive(cfg, "session_ttl", 30.0, float),
+            ranks=ranks,
+        )
 
 
-def _positive(cfg: Mapping[str, Any], key: str, default: Any, kind: type,
-              zero: bool = False) -> Any:
+def _positive(
+    cfg: Mapping[str, Any], key: str, default: Any, kind: type, zero: bool = False
+) -> Any:
     value = cfg.get(key, default)
     try:
         number = kind(value)
     except (TypeError, ValueError):
-        raise ValueError(f"prefixcache HiCache backend: \"{key}\" must be a number, "
-                         f"got {value!r}") from None
+        raise ValueError(
+            f'prefixcache HiCache backend: "{key}" must be a number, got {value!r}'
+        ) from None
     if number < 0 or (number == 0 and not zero):
-        raise ValueError(f"prefixcache HiCache backend: \"{key}\" must be "
-                         f"{'>= 0' if zero else '> 0'}, got {value!r}")
+        raise ValueError(
+            f'prefixcache HiCache backend: "{key}" must be '
+            f"{'>= 0' if zero else '> 0'}, got {value!r}"
+        )
     return number

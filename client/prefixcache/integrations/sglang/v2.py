@@ -18,8 +18,7 @@ from .aux_pools import KV, AuxPools, pool_name
 TRAILING = "trailing_pages"
 BLOCK_GROUPS = "block_groups"
 
-__all__ = ["BLOCK_GROUPS", "KV", "TRAILING", "exists_v2", "pool_name", "restorable",
-           "transfer_v2"]
+__all__ = ["BLOCK_GROUPS", "KV", "TRAILING", "exists_v2", "pool_name", "restorable", "transfer_v2"]
 
 
 def restorable(held: list[bool], policy: str, trailing: int) -> list[int]:
@@ -37,8 +36,9 @@ def restorable(held: list[bool], policy: str, trailing: int) -> list[int]:
     return out
 
 
-def exists_v2(core: Any, keys: list[str], pool_transfers: list[Any] | None,
-              pools: AuxPools | None = None) -> tuple[int, dict[str, int], list[int]]:
+def exists_v2(
+    core: Any, keys: list[str], pool_transfers: list[Any] | None, pools: AuxPools | None = None
+) -> tuple[int, dict[str, int], list[int]]:
     """``(usable pages, hits per pool, restorable prefix lengths)``, as SGLang's
     ``PoolTransferResult``: from the KV pool's leading run, each named pool keeps the
     prefix lengths it can restore (SGLang's ``PoolHitPolicy``; a TRAILING_PAGES pool
@@ -65,19 +65,26 @@ def exists_v2(core: Any, keys: list[str], pool_transfers: list[Any] | None,
     return (usable[-1] if usable else 0), hits, usable
 
 
-def transfer_v2(core: Any, transfers: list[Any], prior: str | None,
-                load: bool, pools: AuxPools | None = None) -> dict[str, list[bool]]:
+def transfer_v2(
+    core: Any, transfers: list[Any], prior: str | None, load: bool, pools: AuxPools | None = None
+) -> dict[str, list[bool]]:
     """Each transfer's per-page results: the KV pool's through the core, a registered
     pool's through ``pools``, any other pool's all False."""
     out: dict[str, list[bool]] = {}
     for transfer in transfers:
         name, keys = pool_name(transfer.name), list(transfer.keys or ())
         if name == KV and transfer.host_indices is not None:
-            out[name] = core.get(keys, transfer.host_indices) if load \
+            out[name] = (
+                core.get(keys, transfer.host_indices)
+                if load
                 else core.set(keys, transfer.host_indices, prior)
+            )
         elif pools is not None and name in pools.pools:
-            out[name] = pools.load(name, keys, transfer.host_indices) if load \
+            out[name] = (
+                pools.load(name, keys, transfer.host_indices)
+                if load
                 else pools.store(name, keys, transfer.host_indices)
+            )
         else:
             out[name] = [False] * len(keys)
     return out

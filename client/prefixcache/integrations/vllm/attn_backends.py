@@ -44,10 +44,15 @@ _TABLE: dict[str, dict[int, str]] = {
 # (mla_attention.py: bind_kv_cache squeezes dim 1; concat_and_cache_mla, or the CPU
 # backends' own writes, store token slot % block of block slot // block), and
 # [blocks, block, head_size] before. Sparse and fp8_ds_mla caches are not listed.
-for _cls in ("mla.flashmla.FlashMLABackend", "mla.flashattn_mla.FlashAttnMLABackend",
-             "mla.cutlass_mla.CutlassMLABackend", "mla.triton_mla.TritonMLABackend",
-             "mla.flashinfer_mla.FlashInferMLABackend", "mla.cpu_mla.CPUMLABackend",
-             "mla.amx_mla.AMXMLABackend"):
+for _cls in (
+    "mla.flashmla.FlashMLABackend",
+    "mla.flashattn_mla.FlashAttnMLABackend",
+    "mla.cutlass_mla.CutlassMLABackend",
+    "mla.triton_mla.TritonMLABackend",
+    "mla.flashinfer_mla.FlashInferMLABackend",
+    "mla.cpu_mla.CPUMLABackend",
+    "mla.amx_mla.AMXMLABackend",
+):
     _TABLE[_V1 + _cls] = {4: "mla", 3: "mla"}
 
 # The CPU backend's kernel ISA (the layer's ``isa``, cpu_attn.py _get_attn_isa) ->
@@ -80,25 +85,29 @@ def layout_for(info: BackendInfo | None, tensor: Any, override: str = "auto") ->
     """
     if override != "auto":
         if override not in KNOWN_LAYOUTS:
-            raise UnknownLayout(f"kv_layout {override!r} is not one of "
-                                f"{', '.join(KNOWN_LAYOUTS)}")
+            raise UnknownLayout(f"kv_layout {override!r} is not one of {', '.join(KNOWN_LAYOUTS)}")
         return override
     if info is None:
-        raise UnknownLayout("vLLM did not report the layer's attention backend; set "
-                            "kv_layout to the layout it uses")
+        raise UnknownLayout(
+            "vLLM did not report the layer's attention backend; set kv_layout to the layout it uses"
+        )
     by_rank = _TABLE.get(info.cls_name)
     if by_rank is None:
-        raise UnknownLayout(f"attention backend {info.cls_name} is not one whose KV "
-                            "layout prefixcache knows")
+        raise UnknownLayout(
+            f"attention backend {info.cls_name} is not one whose KV layout prefixcache knows"
+        )
     layout = by_rank.get(int(tensor.dim()))
     if layout is None:
-        raise UnknownLayout(f"attention backend {info.cls_name} with a "
-                            f"{tensor.dim()}-dimensional KV cache is not known")
+        raise UnknownLayout(
+            f"attention backend {info.cls_name} with a "
+            f"{tensor.dim()}-dimensional KV cache is not known"
+        )
     if layout != "cpu":
         return layout
     size = int(tensor.element_size())
     cpu = _CPU_ISA.get(info.isa or "")
     if cpu is None or size == 1 or (cpu == "cpu_amx" and size != 2):
-        raise UnknownLayout(f"the CPU backend's layout with ISA {info.isa!r} and "
-                            f"{tensor.dtype} is not known")
+        raise UnknownLayout(
+            f"the CPU backend's layout with ISA {info.isa!r} and {tensor.dtype} is not known"
+        )
     return cpu

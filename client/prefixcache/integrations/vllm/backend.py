@@ -133,13 +133,13 @@ class RpcBackend:
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
-        self._pool = ThreadPoolExecutor(config.max_inflight,
-                                        thread_name_prefix="prefixcache-vllm")
+        self._pool = ThreadPoolExecutor(config.max_inflight, thread_name_prefix="prefixcache-vllm")
         self._closed = False
         # Every namespace (LoRA adapters, cache salts) of the model: a miss in any
         # of them is answered locally.
         self.shadow: ShadowFollower | None = (
-            self._client.shadow(self.model) if config.fast_miss and config.load else None)
+            self._client.shadow(self.model) if config.fast_miss and config.load else None
+        )
         if self.shadow is not None:  # whether a tier lies below the tree, meanwhile
             self._info_asked = True
             self._pool.submit(self._learn_model)
@@ -191,8 +191,12 @@ class RpcBackend:
         """Whether ``session_id`` is still this backend's live session (its slots and
         locks still its own)."""
         session = self._session
-        return (session is not None and session.session_id == session_id
-                and session.lost is None and not session.closed)
+        return (
+            session is not None
+            and session.session_id == session_id
+            and session.lost is None
+            and not session.closed
+        )
 
     def shadow_hit(self, tokens: array, extra_key: str | None) -> int | None:
         """Tokens of ``tokens`` the shadow index holds, from the start (whole pages of
@@ -248,8 +252,9 @@ class RpcBackend:
     def _open(self) -> ClientSession:
         with self._open_lock:
             if self._session is None:
-                self._session = self._client.session(self.config.session_ttl,
-                                                     name=self._name, fail_open=True)
+                self._session = self._client.session(
+                    self.config.session_ttl, name=self._name, fail_open=True
+                )
             return self._session
 
     def _down(self) -> None:
@@ -311,17 +316,18 @@ class RpcBackend:
     def _dispatch_call(self, op: Op) -> Any:
         session = self._open()
         if isinstance(op, Lookup):
-            return session.match(self.model, op.tokens, extra_key=op.extra_key, lock=True,
-                                 retain=op.retain)
+            return session.match(
+                self.model, op.tokens, extra_key=op.extra_key, lock=True, retain=op.retain
+            )
         if isinstance(op, Release):
-            return session.unlock(op.lock_id, server_epoch=op.server_epoch,
-                                  unused=op.unused)
+            return session.unlock(op.lock_id, server_epoch=op.server_epoch, unused=op.unused)
         if isinstance(op, SaveAlloc):
             n = len(op.tokens) // self.page_size() * self.page_size()
             if n == 0:
                 return None
-            return session.match(self.model, op.tokens[:n], extra_key=op.extra_key,
-                                 lock=True, allocate=True)
+            return session.match(
+                self.model, op.tokens[:n], extra_key=op.extra_key, lock=True, allocate=True
+            )
         if isinstance(op, SaveCommit):
             return self._commit(session, op)
         if isinstance(op, SaveAbort):
@@ -329,23 +335,29 @@ class RpcBackend:
         raise TypeError(f"unknown operation {op!r}")
 
     def _commit(self, session: ClientSession, op: SaveCommit) -> Any:
-        reply = session.insert(self.model, op.tokens, op.slots, extra_key=op.extra_key,
-                               release_lock_id=op.lock_id, server_epoch=op.server_epoch,
-                               retain=op.retain)
+        reply = session.insert(
+            self.model,
+            op.tokens,
+            op.slots,
+            extra_key=op.extra_key,
+            release_lock_id=op.lock_id,
+            server_epoch=op.server_epoch,
+            retain=op.retain,
+        )
         if reply.skipped:
             # Not inserted: the slots are still the session's unless the service
             # restarted, in which case they are gone with the lock.
-            self._abort(session, op.slots[op.owned_from:], op.lock_id, op.server_epoch)
+            self._abort(session, op.slots[op.owned_from :], op.lock_id, op.server_epoch)
         return reply
 
-    def _abort(self, session: ClientSession, slots: array, lock_id: int,
-               epoch: int) -> None:
+    def _abort(self, session: ClientSession, slots: array, lock_id: int, epoch: int) -> None:
         """Unlock, then free: each is tried even when the other fails (the lock may be
         gone with a Reset while the slots are still the session's)."""
         first: BaseException | None = None
-        for call in (lambda: lock_id and session.unlock(lock_id, server_epoch=epoch),
-                     lambda: len(slots) and session.free(self.model, slots,
-                                                         server_epoch=epoch)):
+        for call in (
+            lambda: lock_id and session.unlock(lock_id, server_epoch=epoch),
+            lambda: len(slots) and session.free(self.model, slots, server_epoch=epoch),
+        ):
             try:
                 call()
             except PrefixCacheError as err:

@@ -39,8 +39,14 @@ class Span:
     offsets: Any = None
 
 
-def spans(block_ids: array, start: int, num_tokens: int, block_size: int,
-          kernel_block_size: int, device: Any = None) -> list[Span]:
+def spans(
+    block_ids: array,
+    start: int,
+    num_tokens: int,
+    block_size: int,
+    kernel_block_size: int,
+    device: Any = None,
+) -> list[Span]:
     """The spans of tokens ``start .. start + num_tokens`` of a request whose vLLM
     blocks are ``block_ids`` (see the module docstring).
 
@@ -61,16 +67,17 @@ def spans(block_ids: array, start: int, num_tokens: int, block_size: int,
     if last > first:
         # One id per whole kernel block, from the first token of each.
         if block_size % kb:
-            raise ValueError(f"kernel block size {kb} does not divide the block size "
-                             f"{block_size}")
+            raise ValueError(f"kernel block size {kb} does not divide the block size {block_size}")
         if last > len(block_ids) * block_size:
-            raise ValueError(f"tokens {start}..{end} are not covered by "
-                             f"{len(block_ids)} blocks of {block_size}")
+            raise ValueError(
+                f"tokens {start}..{end} are not covered by {len(block_ids)} blocks of {block_size}"
+            )
         pos = torch.arange(first, last, kb, dtype=torch.int64)
         ids = torch.frombuffer(block_ids, dtype=torch.int64)
         kernel = ids[pos // block_size] * (block_size // kb) + (pos % block_size) // kb
-        out.insert(1 if start < first else 0,
-                   Span(first - start, last - start, to_device(kernel, device)))
+        out.insert(
+            1 if start < first else 0, Span(first - start, last - start, to_device(kernel, device))
+        )
     return out
 
 
@@ -165,8 +172,11 @@ def save_span(view: Any, span: Span, out: Any) -> None:
     blocks = whole_blocks(view) if span.kernel is not None else None
     if blocks is None:
         kernel_block = int(view.shape[1]) * int(view.shape[2])
-        where = (span.blocks, span.offsets) if span.kernel is None else \
-            _tokens(span, kernel_block, view.device)
+        where = (
+            (span.blocks, span.offsets)
+            if span.kernel is None
+            else _tokens(span, kernel_block, view.device)
+        )
         rows = gather_blocks(view, *where)
         # Straight into the pool's rows, also from a GPU: a copy through a fresh host
         # tensor first (``.to``) went through pageable memory at a fifteenth of the speed.
@@ -188,8 +198,7 @@ def _tokens(span: Span, kernel_block: int, device: Any) -> tuple[Any, Any]:
 
     n = span.hi - span.lo
     pos = torch.arange(n, device=span.kernel.device)
-    return (span.kernel[pos // kernel_block].to(device),
-            (pos % kernel_block).to(device))
+    return (span.kernel[pos // kernel_block].to(device), (pos % kernel_block).to(device))
 
 
 def slot_run(slots: array) -> int | None:
@@ -208,22 +217,23 @@ def slot_run(slots: array) -> int | None:
 SpanMemo = dict[tuple[int, str], list[Span]]
 
 
-def view_spans(view: Any, block_ids: array, start: int, count: int, block_size: int,
-               memo: SpanMemo) -> list[Span]:
+def view_spans(
+    view: Any, block_ids: array, start: int, count: int, block_size: int, memo: SpanMemo
+) -> list[Span]:
     """``spans`` of one copy in ``view``'s kernel blocks: the same for every layer of one
     kernel block size and device, so ``memo`` (one per copy) keeps them."""
     key = (view.kernel_block_size, str(view.k.device))
     found = memo.get(key)
     if found is None:
-        found = memo[key] = spans(block_ids, start, count, block_size,
-                                  view.kernel_block_size, view.k.device)
+        found = memo[key] = spans(
+            block_ids, start, count, block_size, view.kernel_block_size, view.k.device
+        )
     return found
 
 
-def save_rows(layers: list[Any], tables: tuple[array, ...], start: int, count: int,
-              block_size: int
-              ) -> tuple[Callable[[int], tuple[Any, Any | None]],
-                         Callable[[int, Any, Any | None], None]]:
+def save_rows(
+    layers: list[Any], tables: tuple[array, ...], start: int, count: int, block_size: int
+) -> tuple[Callable[[int], tuple[Any, Any | None]], Callable[[int, Any, Any | None], None]]:
     """A save's two ways to the pool's rows of tokens ``start ..`` (``count`` of them):
     ``source(layer)``, the rows gathered token by token (for slots that are not one
     run), and ``fill(layer, k, v)``, which copies each span of whole kernel blocks
@@ -235,9 +245,9 @@ def save_rows(layers: list[Any], tables: tuple[array, ...], start: int, count: i
     def source(layer: int) -> tuple[Any, Any | None]:
         view = layers[layer]
         if layer not in positions:
-            positions[layer] = block_positions(tables[view.group], start, count,
-                                               block_size, view.kernel_block_size,
-                                               view.k.device)
+            positions[layer] = block_positions(
+                tables[view.group], start, count, block_size, view.kernel_block_size, view.k.device
+            )
         blocks, offsets = positions[layer]
         k = gather_blocks(view.k, blocks, offsets)
         return k, None if view.v is None else gather_blocks(view.v, blocks, offsets)
@@ -246,8 +256,8 @@ def save_rows(layers: list[Any], tables: tuple[array, ...], start: int, count: i
         view = layers[layer]
         memo = memos.setdefault(view.group, {})
         for span in view_spans(view, tables[view.group], start, count, block_size, memo):
-            save_span(view.k, span, k[span.lo:span.hi])
+            save_span(view.k, span, k[span.lo : span.hi])
             if view.v is not None and v is not None:
-                save_span(view.v, span, v[span.lo:span.hi])
+                save_span(view.v, span, v[span.lo : span.hi])
 
     return source, fill

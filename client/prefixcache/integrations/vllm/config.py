@@ -77,25 +77,36 @@ class ConnectorConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError("kv_connector_extra_config: 'model' (the prefixcache model "
-                             "name) is required")
+            raise ValueError(
+                "kv_connector_extra_config: 'model' (the prefixcache model name) is required"
+            )
         for name in ("timeout", "lease_ttl", "session_ttl"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"kv_connector_extra_config: {name!r} must be a number "
-                                 f"> 0, got {value!r}")
-        for name, allowed in (("save", SAVE_MODES), ("transfer", TRANSFERS),
-                              ("kv_layout", LAYOUTS)):
+                raise ValueError(
+                    f"kv_connector_extra_config: {name!r} must be a number > 0, got {value!r}"
+                )
+        for name, allowed in (
+            ("save", SAVE_MODES),
+            ("transfer", TRANSFERS),
+            ("kv_layout", LAYOUTS),
+        ):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"kv_connector_extra_config: {name!r} must be one of "
-                                 f"{', '.join(allowed)}; got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"kv_connector_extra_config: {name!r} must be one of "
+                    f"{', '.join(allowed)}; got {getattr(self, name)!r}"
+                )
         if not isinstance(self.max_inflight, int) or self.max_inflight < 1:
-            raise ValueError("kv_connector_extra_config: 'max_inflight' must be an "
-                             f"integer >= 1, got {self.max_inflight!r}")
+            raise ValueError(
+                "kv_connector_extra_config: 'max_inflight' must be an "
+                f"integer >= 1, got {self.max_inflight!r}"
+            )
         for name in ("load", "verify_loads", "fast_miss", "layerwise_load"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"kv_connector_extra_config: {name!r} must be true or "
-                                 f"false, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"kv_connector_extra_config: {name!r} must be true or "
+                    f"false, got {getattr(self, name)!r}"
+                )
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -104,11 +115,13 @@ class ConnectorConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; "
-                             f"known: {sorted(known)}")
+            raise ValueError(
+                f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(known)}"
+            )
         if "model" not in extra:
-            raise ValueError("kv_connector_extra_config: 'model' (the prefixcache model "
-                             "name) is required")
+            raise ValueError(
+                "kv_connector_extra_config: 'model' (the prefixcache model name) is required"
+            )
         return cls(**extra)
 
     def bearer_token(self) -> str | None:
@@ -118,15 +131,20 @@ class ConnectorConfig:
         if self.token_env:
             value = os.environ.get(self.token_env)
             if not value:
-                raise ValueError(f"kv_connector_extra_config: token_env "
-                                 f"{self.token_env!r} is not set")
+                raise ValueError(
+                    f"kv_connector_extra_config: token_env {self.token_env!r} is not set"
+                )
             return value
         return None
 
     def client_kwargs(self, name: str) -> dict[str, Any]:
         """Arguments for a prefixcache client of this service."""
-        kwargs: dict[str, Any] = {"timeout": self.timeout, "token": self.bearer_token(),
-                                  "fail_open": True, "client_name": name}
+        kwargs: dict[str, Any] = {
+            "timeout": self.timeout,
+            "token": self.bearer_token(),
+            "fail_open": True,
+            "client_name": name,
+        }
         if self.tls is not None:
             kwargs["tls"] = self.tls
         if self.root_certificates:

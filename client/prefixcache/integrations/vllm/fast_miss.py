@@ -40,8 +40,9 @@ class FastMiss:
             (it was evicted before the stream told of it).
     """
 
-    def __init__(self, shadow_hit: ShadowHit, block_size: int, clock: Callable[[], float],
-                 grace: float) -> None:
+    def __init__(
+        self, shadow_hit: ShadowHit, block_size: int, clock: Callable[[], float], grace: float
+    ) -> None:
         self._shadow_hit = shadow_hit
         self.block_size = block_size
         self._clock = clock
@@ -55,8 +56,7 @@ class FastMiss:
         if self._unseen and not self._settle():
             return False
         cached = self._shadow_hit(tokens, extra_key)
-        return cached is not None and \
-            cached // self.block_size * self.block_size <= num_computed
+        return cached is not None and cached // self.block_size * self.block_size <= num_computed
 
     def inserting(self, op: SaveCommit) -> None:
         """An Insert of this engine's leaves now."""

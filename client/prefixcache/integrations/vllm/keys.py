@@ -84,8 +84,9 @@ def lookup_len(num_tokens: int, block_size: int) -> int:
     return (num_tokens - 1) // block_size * block_size
 
 
-def save_len(info: RequestInfo, num_computed: int, num_blocks: int, block_size: int,
-             mode: str) -> int:
+def save_len(
+    info: RequestInfo, num_computed: int, num_blocks: int, block_size: int, mode: str
+) -> int:
     """Tokens of a finished request to store: whole blocks whose KV vLLM computed and
     still holds, of the prompt only or of prompt and output (``mode``)."""
     if mode == "off" or info.miss_reason() is not None:

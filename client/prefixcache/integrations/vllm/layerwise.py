@@ -128,8 +128,11 @@ class StepLayers:
         if layer is None:
             if self._marks and name not in self._unknown:
                 self._unknown.add(name)
-                log.warning("prefixcache: wait_for_layer_load(%r): not a layer vLLM "
-                            "registered; waiting for every layer's loads", name)
+                log.warning(
+                    "prefixcache: wait_for_layer_load(%r): not a layer vLLM "
+                    "registered; waiting for every layer's loads",
+                    name,
+                )
             self.wait_all()
             return bool(self._marks)
         if layer not in self._marks:
@@ -164,9 +167,12 @@ def pin_host(tensors: Iterable[Any]) -> list[int]:
         seen.add(ptr)
         result = cudart.cudaHostRegister(ptr, size, 0)
         if _code(result):
-            log.warning("prefixcache: cannot pin the pool's %d bytes for the GPU (CUDA "
-                        "error %s): layer-wise loads copy through pageable memory",
-                        size, _code(result))
+            log.warning(
+                "prefixcache: cannot pin the pool's %d bytes for the GPU (CUDA "
+                "error %s): layer-wise loads copy through pageable memory",
+                size,
+                _code(result),
+            )
             continue
         done.append(ptr)
     return done

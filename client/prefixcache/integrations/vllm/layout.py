@@ -125,9 +125,11 @@ def _cpu_vec(t: Any, dim: int) -> tuple[Any, Any | None]:
 def _cpu_amx(t: Any, dim: int) -> tuple[Any, Any | None]:
     key, value, blocks, heads, block = _cpu_halves(t, dim)
     if t.element_size() != 2 or dim % 16 or block % 16:
-        raise UnknownLayout(f"the CPU backend's AMX layout is known for 16-bit types, "
-                            f"dims and blocks in multiples of 16 only (got {t.dtype}, "
-                            f"dim {dim}, block {block})")
+        raise UnknownLayout(
+            f"the CPU backend's AMX layout is known for 16-bit types, "
+            f"dims and blocks in multiples of 16 only (got {t.dtype}, "
+            f"dim {dim}, block {block})"
+        )
     # K in tiles of 16 tokens, each in VNNI pairs of dims: (token 16T + u, dim 2p + j)
     # at ((T * dim / 2 + p) * 16 + u) * 2 + j.
     k = key.view(blocks, heads, block // 16, dim // 2, 16, 2).permute(0, 2, 4, 1, 3, 5)
@@ -146,8 +148,12 @@ def _mla(t: Any, dim: int) -> tuple[Any, Any | None]:
 
 
 _BUILDERS: dict[str, Callable[[Any, int], tuple[Any, Any | None]]] = {
-    "kv_first": _kv_first, "blocks_first": _blocks_first, "bhn2d": _bhn2d,
-    "cpu_vec": _cpu_vec, "cpu_amx": _cpu_amx, "mla": _mla,
+    "kv_first": _kv_first,
+    "blocks_first": _blocks_first,
+    "bhn2d": _bhn2d,
+    "cpu_vec": _cpu_vec,
+    "cpu_amx": _cpu_amx,
+    "mla": _mla,
 }
 
 
@@ -171,14 +177,17 @@ def split_kv(name: str, tensor: Any, layout: str, head_dim: int) -> LayerView:
     except UnknownLayout as err:
         raise UnknownLayout(f"KV cache of layer {name!r} ({layout}): {err}") from None
     except RuntimeError as err:  # a view the tensor's strides do not allow
-        raise UnknownLayout(f"KV cache of layer {name!r} ({layout}): shape "
-                            f"{list(tensor.shape)}, strides {list(tensor.stride())}: "
-                            f"{err}") from None
+        raise UnknownLayout(
+            f"KV cache of layer {name!r} ({layout}): shape "
+            f"{list(tensor.shape)}, strides {list(tensor.stride())}: "
+            f"{err}"
+        ) from None
     return LayerView(name, k, v, layout)
 
 
-def unique_layers(kv_caches: dict[str, Any], groups: Mapping[str, int] | None = None
-                  ) -> list[tuple[str, Any]]:
+def unique_layers(
+    kv_caches: dict[str, Any], groups: Mapping[str, int] | None = None
+) -> list[tuple[str, Any]]:
     """The layers in vLLM's order, once per tensor and KV cache group (``groups``: each
     layer's): layers of one group that share a cache (KV sharing across layers) hold
     one pool layer between them; layers of different groups that share a tensor (the
@@ -194,8 +203,9 @@ def unique_layers(kv_caches: dict[str, Any], groups: Mapping[str, int] | None = 
     return out
 
 
-def layer_numbers(kv_caches: dict[str, Any], groups: Mapping[str, int] | None = None
-                  ) -> dict[str, int]:
+def layer_numbers(
+    kv_caches: dict[str, Any], groups: Mapping[str, int] | None = None
+) -> dict[str, int]:
     """Every layer's name and the index of its cache in ``unique_layers``: layers of
     one group that share a cache share its index."""
     first: dict[tuple[int, tuple[int, ...], int], int] = {}
@@ -207,8 +217,14 @@ def layer_numbers(kv_caches: dict[str, Any], groups: Mapping[str, int] | None = 
     return out
 
 
-def block_positions(block_ids: array, start: int, num_tokens: int, block_size: int,
-                    kernel_block_size: int, device: Any = None) -> tuple[Any, Any]:
+def block_positions(
+    block_ids: array,
+    start: int,
+    num_tokens: int,
+    block_size: int,
+    kernel_block_size: int,
+    device: Any = None,
+) -> tuple[Any, Any]:
     """Kernel block and offset of tokens ``start .. start + num_tokens`` of a request
     whose vLLM blocks are ``block_ids``, as two int64 tensors. Each token goes to its
     own block and offset, whatever page or block sizes the pool was filled with.
@@ -220,16 +236,21 @@ def block_positions(block_ids: array, start: int, num_tokens: int, block_size: i
     import torch
 
     if block_size % kernel_block_size:
-        raise ValueError(f"kernel block size {kernel_block_size} does not divide the "
-                         f"block size {block_size}")
+        raise ValueError(
+            f"kernel block size {kernel_block_size} does not divide the block size {block_size}"
+        )
     end = start + num_tokens
     if start < 0 or end > len(block_ids) * block_size:
-        raise ValueError(f"tokens {start}..{end} are not covered by "
-                         f"{len(block_ids)} blocks of {block_size}")
+        raise ValueError(
+            f"tokens {start}..{end} are not covered by {len(block_ids)} blocks of {block_size}"
+        )
     ratio = block_size // kernel_block_size
     pos = torch.arange(start, end, dtype=torch.int64)
-    blocks = torch.frombuffer(block_ids, dtype=torch.int64) if len(block_ids) else \
-        torch.empty(0, dtype=torch.int64)
+    blocks = (
+        torch.frombuffer(block_ids, dtype=torch.int64)
+        if len(block_ids)
+        else torch.empty(0, dtype=torch.int64)
+    )
     within = pos % block_size
     kernel = blocks[pos // block_size] * ratio + within // kernel_block_size
     return to_device(kernel, device), to_device(within % kernel_block_size, device)
@@ -275,5 +296,4 @@ def scatter_blocks(view: Any, blocks: Any, offsets: Any, rows: Any) -> None:
     # Only a host-to-device copy may be asynchronous: it is ordered on the stream
     # before the forward that reads it. A copy to the host must be complete on return.
     src = byte_view(rows).to(target.device, non_blocking=target.is_cuda)
-    target[_index(view, blocks, offsets)] = src.reshape(src.shape[0], src.shape[1],
-                                                        *view.shape[4:])
+    target[_index(view, blocks, offsets)] = src.reshape(src.shape[0], src.shape[1], *view.shape[4:])

@@ -46,8 +46,7 @@ def live_end(block_ids: Sequence[int], start: int, end: int, block_size: int) ->
     return end
 
 
-def live_from(block_ids: Sequence[int], start: int, end: int, block_size: int
-              ) -> int | None:
+def live_from(block_ids: Sequence[int], start: int, end: int, block_size: int) -> int | None:
     """The first token from ``start`` on whose block, and every later one's up to
     ``end``, is not the null block (``end`` if every one is); None where a null block
     follows a block that is not (vLLM puts null blocks before the live ones only)."""

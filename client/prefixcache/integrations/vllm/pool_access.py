@@ -59,8 +59,15 @@ class PoolAccess(Protocol):
 
     def pin(self) -> None: ...
 
-    def write(self, slots: Any, source: Rows, heads: slice, session_id: str,
-              server_epoch: int, fill: Fill | None = None) -> None: ...
+    def write(
+        self,
+        slots: Any,
+        source: Rows,
+        heads: slice,
+        session_id: str,
+        server_epoch: int,
+        fill: Fill | None = None,
+    ) -> None: ...
 
 
 class MappedAccess:
@@ -126,9 +133,11 @@ class MappedAccess:
     def _check_epoch(self, server_epoch: int) -> None:
         if server_epoch != self.info.server_epoch:
             # The slots belong to another start of the service than the mapped pool.
-            raise StaleEpoch(f"slots of epoch {server_epoch}, the mapped pool is of "
-                             f"epoch {self.info.server_epoch}",
-                             server_epoch=self.info.server_epoch)
+            raise StaleEpoch(
+                f"slots of epoch {server_epoch}, the mapped pool is of "
+                f"epoch {self.info.server_epoch}",
+                server_epoch=self.info.server_epoch,
+            )
 
     def _run(self, slots: Any) -> int | None:
         """The first slot of ``slots`` when they are one run inside the pool."""
@@ -146,16 +155,24 @@ class MappedAccess:
             end = first + len(slots)
             if self.info.mla:
                 return lambda layer: (byte_view(k[layer][first:end]), None)
-            return lambda layer: (byte_view(k[layer][first:end]),
-                                  byte_view(v[layer][first:end]))
+            return lambda layer: (byte_view(k[layer][first:end]), byte_view(v[layer][first:end]))
         index = self._index(slots, server_epoch)
         if self.info.mla:
             return lambda layer: (byte_view(k[layer]).index_select(0, index), None)
-        return lambda layer: (byte_view(k[layer]).index_select(0, index),
-                              byte_view(v[layer]).index_select(0, index))
+        return lambda layer: (
+            byte_view(k[layer]).index_select(0, index),
+            byte_view(v[layer]).index_select(0, index),
+        )
 
-    def write(self, slots: Any, source: Rows, heads: slice, session_id: str,
-              server_epoch: int, fill: Fill | None = None) -> None:
+    def write(
+        self,
+        slots: Any,
+        source: Rows,
+        heads: slice,
+        session_id: str,
+        server_epoch: int,
+        fill: Fill | None = None,
+    ) -> None:
         """Copy ``source``'s rows into ``slots`` under the session's write fence; when
         the slots are one run, ``fill`` (if given) writes each layer's rows straight
         into the pool's (one copy, not a gather and a scatter).
@@ -166,8 +183,9 @@ class MappedAccess:
         index = self._index(slots, server_epoch)
         fence = self._fence(session_id, server_epoch)
         if fence is None:
-            _write_kv(self.client, self.model, self.info, slots, source, heads,
-                      session_id, server_epoch)
+            _write_kv(
+                self.client, self.model, self.info, slots, source, heads, session_id, server_epoch
+            )
             return
         try:
             with fence.held():
@@ -186,8 +204,7 @@ class MappedAccess:
         end = first + count
         for layer in range(self.info.layer_num):
             k = self.pool.k_buffer[layer][first:end, heads]
-            fill(layer, k, None if self.info.mla else
-                 self.pool.v_buffer[layer][first:end, heads])
+            fill(layer, k, None if self.info.mla else self.pool.v_buffer[layer][first:end, heads])
         self._synchronize()
 
     def _copy(self, index: Any, source: Rows, heads: slice) -> None:
@@ -239,37 +256,63 @@ class RemoteAccess:
             dtype = getattr(torch, info.dtype)
             layers = range(info.layer_num)
             have = self._staging = (
-                [torch.empty(rows, info.k_head_num, info.k_head_dim, dtype=dtype)
-                 for _ in layers],
-                [] if info.mla else
-                [torch.empty(rows, info.v_head_num, info.v_head_dim, dtype=dtype)
-                 for _ in layers])
-        return KVData(tuple(range(info.layer_num)), [t[:count] for t in have[0]],
-                      [t[:count] for t in have[1]])
+                [torch.empty(rows, info.k_head_num, info.k_head_dim, dtype=dtype) for _ in layers],
+                []
+                if info.mla
+                else [
+                    torch.empty(rows, info.v_head_num, info.v_head_dim, dtype=dtype) for _ in layers
+                ],
+            )
+        return KVData(
+            tuple(range(info.layer_num)), [t[:count] for t in have[0]], [t[:count] for t in have[1]]
+        )
 
     def pin(self) -> None:
         return None  # the rows are read into staging tensors, a fresh read each load
 
     def reader(self, slots: Any, server_epoch: int, session_id: str) -> Rows:
-        data = self.client.read_kv(self.model, slots, session=session_id,
-                                   server_epoch=server_epoch, out=self._out(len(slots)))
+        data = self.client.read_kv(
+            self.model,
+            slots,
+            session=session_id,
+            server_epoch=server_epoch,
+            out=self._out(len(slots)),
+        )
         if self.info.mla:
             return lambda layer: (byte_view(data.k[layer]), None)
         return lambda layer: (byte_view(data.k[layer]), byte_view(data.v[layer]))
 
-    def write(self, slots: Any, source: Rows, heads: slice, session_id: str,
-              server_epoch: int, fill: Fill | None = None) -> None:
-        _write_kv(self.client, self.model, self.info, slots, source, heads, session_id,
-                  server_epoch)
+    def write(
+        self,
+        slots: Any,
+        source: Rows,
+        heads: slice,
+        session_id: str,
+        server_epoch: int,
+        fill: Fill | None = None,
+    ) -> None:
+        _write_kv(
+            self.client, self.model, self.info, slots, source, heads, session_id, server_epoch
+        )
 
 
-def _write_kv(client: PrefixCacheClient, model: str, info: PoolInfo, slots: Any,
-              source: Rows, heads: slice, session_id: str, server_epoch: int) -> None:
+def _write_kv(
+    client: PrefixCacheClient,
+    model: str,
+    info: PoolInfo,
+    slots: Any,
+    source: Rows,
+    heads: slice,
+    session_id: str,
+    server_epoch: int,
+) -> None:
     """Write ``source``'s rows into ``slots`` through WriteKV (whole rows only)."""
     if heads != slice(None):
-        raise FailedPrecondition("WriteKV writes whole rows: a tensor-parallel worker "
-                                 "can only save through the mapped pool (with its write "
-                                 "fence)")
+        raise FailedPrecondition(
+            "WriteKV writes whole rows: a tensor-parallel worker "
+            "can only save through the mapped pool (with its write "
+            "fence)"
+        )
     import torch
 
     ks, vs = [], []
@@ -279,8 +322,9 @@ def _write_kv(client: PrefixCacheClient, model: str, info: PoolInfo, slots: Any,
         ks.append(k.view(dtype) if k.dtype != dtype else k)
         if not info.mla:
             vs.append(v.view(dtype) if v.dtype != dtype else v)
-    client.write_kv(model, slots, ks, None if info.mla else vs, session=session_id,
-                    server_epoch=server_epoch)
+    client.write_kv(
+        model, slots, ks, None if info.mla else vs, session=session_id, server_epoch=server_epoch
+    )
 
 
 def open_access(client: PrefixCacheClient, model: str, transfer: str) -> PoolAccess:
@@ -300,8 +344,7 @@ def open_access(client: PrefixCacheClient, model: str, transfer: str) -> PoolAcc
         return RemoteAccess(client, model)
 
 
-__all__ = ["MappedAccess", "PoolAccess", "PrefixCacheError", "RemoteAccess", "Rows",
-           "open_access"]
+__all__ = ["MappedAccess", "PoolAccess", "PrefixCacheError", "RemoteAccess", "Rows", "open_access"]
 
 
 @dataclass(frozen=True)
@@ -313,15 +356,15 @@ class HeadShare:
     writes: bool
 
 
-def fit_pool(info: PoolInfo, layers: Sequence[LayerView], tp_rank: int, tp_size: int
-             ) -> HeadShare | str:
+def fit_pool(
+    info: PoolInfo, layers: Sequence[LayerView], tp_rank: int, tp_size: int
+) -> HeadShare | str:
     """Which heads of the pool ``layers`` (one rank's, at least one) hold, or why the
     pool cannot hold their KV."""
     if info.max_seq_len or info.mamba is not None:
         return f"model {info.model!r} is not a radix/SWA model"
     if info.layer_num != len(layers):
-        return (f"the pool of {info.model!r} has {info.layer_num} layers, vLLM "
-                f"{len(layers)}")
+        return f"the pool of {info.model!r} has {info.layer_num} layers, vLLM {len(layers)}"
     first = layers[0]
     if not _same_dtype(info.dtype, first.dtype):
         return f"the pool's dtype is {info.dtype}, vLLM's {first.dtype}"
@@ -331,14 +374,17 @@ def fit_pool(info: PoolInfo, layers: Sequence[LayerView], tp_rank: int, tp_size:
         return _fit_mla(info, first, tp_rank)
     local = first.heads
     if (info.k_head_dim, info.v_head_dim) != (first.head_dim, first.v_head_dim):
-        return (f"the pool's head dims are {info.k_head_dim}/{info.v_head_dim}, "
-                f"vLLM's {first.head_dim}/{first.v_head_dim}")
+        return (
+            f"the pool's head dims are {info.k_head_dim}/{info.v_head_dim}, "
+            f"vLLM's {first.head_dim}/{first.v_head_dim}"
+        )
     total, rank, size = info.k_head_num, tp_rank, tp_size
     if info.v_head_num != total:
         return "K and V head counts differ in the pool"
     if total == local * size:
-        return HeadShare(slice(None) if size == 1 else slice(rank * local, (rank + 1) * local),
-                         True)
+        return HeadShare(
+            slice(None) if size == 1 else slice(rank * local, (rank + 1) * local), True
+        )
     if local == 1 and total < size and size % total == 0:
         # Fewer KV heads than ranks: vLLM replicates each head over size/total ranks;
         # the first of each group writes it.
@@ -350,16 +396,22 @@ def fit_pool(info: PoolInfo, layers: Sequence[LayerView], tp_rank: int, tp_size:
 def _fit_mla(info: PoolInfo, first: LayerView, tp_rank: int) -> HeadShare | str:
     """The MLA half of ``fit_pool``: both sides MLA, one latent of the same size."""
     if not first.mla:
-        return (f"the pool of {info.model!r} is an MLA pool (no V) but vLLM's KV cache "
-                "has K and V: configure the model's pool without mla")
+        return (
+            f"the pool of {info.model!r} is an MLA pool (no V) but vLLM's KV cache "
+            "has K and V: configure the model's pool without mla"
+        )
     if not info.mla:
-        return (f"vLLM's KV cache is MLA (one latent of {first.head_dim}, no V) but the "
-                f"pool of {info.model!r} has K and V: configure its pool with "
-                f"mla: true, k_heads: 1, k_head_dim: {first.head_dim}")
+        return (
+            f"vLLM's KV cache is MLA (one latent of {first.head_dim}, no V) but the "
+            f"pool of {info.model!r} has K and V: configure its pool with "
+            f"mla: true, k_heads: 1, k_head_dim: {first.head_dim}"
+        )
     if (info.k_head_num, info.k_head_dim) != (1, first.head_dim):
-        return (f"the MLA pool of {info.model!r} is {info.k_head_num} x "
-                f"{info.k_head_dim}; vLLM's latent needs k_heads: 1, "
-                f"k_head_dim: {first.head_dim}")
+        return (
+            f"the MLA pool of {info.model!r} is {info.k_head_num} x "
+            f"{info.k_head_dim}; vLLM's latent needs k_heads: 1, "
+            f"k_head_dim: {first.head_dim}"
+        )
     # Every rank holds the whole latent (worker.py's docstring, MLA): rank 0 saves it.
     return HeadShare(slice(None), tp_rank == 0)
 
@@ -371,5 +423,4 @@ def _same_dtype(pool: str, vllm: Any) -> bool:
     theirs = str(vllm).removeprefix("torch.")
     if theirs == pool:
         return True
-    return "uint8" in (theirs, pool) and {theirs, pool} <= {"uint8", "float8_e4m3fn",
-                                                             "float8_e5m2"}
+    return "uint8" in (theirs, pool) and {theirs, pool} <= {"uint8", "float8_e4m3fn", "float8_e5m2"}

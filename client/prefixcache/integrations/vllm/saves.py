@@ -79,7 +79,7 @@ log = logging.getLogger("prefixcache.integrations.vllm")
 
 class _Final(Enum):
     NONE = 0  # no copy at the finish (none needed, or the request still runs)
-    DUE = 1   # the finished request's copy is to go out with the next step
+    DUE = 1  # the finished request's copy is to go out with the next step
     SENT = 2  # out: the workers name the request in ``sends_done`` once it is made
     DONE = 3
 
@@ -101,8 +101,8 @@ class _Save:
     failed: bool = False  # a worker's copy failed: give the slots back, never insert
     matched: bool = False  # the Match answered (else the save was skipped)
     during_run: bool = False  # copied while the request runs (the module docstring)
-    written: int = 0      # tokens prefix .. written are copied (or being copied)
-    end: int = 0          # tokens to insert at most: a gap or the finish lowers it
+    written: int = 0  # tokens prefix .. written are copied (or being copied)
+    end: int = 0  # tokens to insert at most: a gap or the finish lowers it
     closed: bool = False  # the request finished
     final: _Final = _Final.NONE
     unreported: set[int] = field(default_factory=set)  # copies the workers owe a report
@@ -120,8 +120,13 @@ class Saves:
         block_size: vLLM's block size in tokens.
     """
 
-    def __init__(self, stats: SchedulerStats, queue: Callable[[Op], None],
-                 session_alive: Callable[[str], bool], block_size: int) -> None:
+    def __init__(
+        self,
+        stats: SchedulerStats,
+        queue: Callable[[Op], None],
+        session_alive: Callable[[str], bool],
+        block_size: int,
+    ) -> None:
         self.stats = stats
         self._queue = queue
         self._session_alive = session_alive
@@ -138,8 +143,16 @@ class Saves:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._saves or req_id in self._saved
 
-    def start(self, req_id: str, gen: int, tokens: array, extra_key: str | None, *,
-              during_run: bool = False, retain: Any = None) -> bool:
+    def start(
+        self,
+        req_id: str,
+        gen: int,
+        tokens: array,
+        extra_key: str | None,
+        *,
+        during_run: bool = False,
+        retain: Any = None,
+    ) -> bool:
         """Start saving a request's ``tokens`` (its Match leaves with the next
         dispatch); False if it is being saved. ``during_run``: before the request
         runs, its copies made step by step (the module docstring); else the request
@@ -147,8 +160,16 @@ class Saves:
         hint, passed on with the insert."""
         if req_id in self:
             return False
-        self._saves[req_id] = _Save(req_id, gen, tokens, extra_key, (),
-                                    during_run=during_run, end=len(tokens), retain=retain)
+        self._saves[req_id] = _Save(
+            req_id,
+            gen,
+            tokens,
+            extra_key,
+            (),
+            during_run=during_run,
+            end=len(tokens),
+            retain=retain,
+        )
         self._queue(SaveAlloc(req_id, tokens, extra_key))
         return True
 
@@ -178,15 +199,19 @@ class Saves:
     def running(self) -> set[str]:
         """The running requests whose saves still copy step by step: the requests
         ``step_ops`` needs the progress of."""
-        return {s.req_id for s in self._saves.values()
-                if s.during_run and not s.closed and (not s.ready or s.written < s.end)}
+        return {
+            s.req_id
+            for s in self._saves.values()
+            if s.during_run and not s.closed and (not s.ready or s.written < s.end)
+        }
 
     def pending_finished(self) -> bool:
         """Whether a finished request's save is not through yet."""
         return any(s.closed for s in self._saves.values())
 
-    def step_ops(self, progress: Mapping[str, tuple[int, Sequence[Any]]] | None = None
-                 ) -> list[SaveOp]:
+    def step_ops(
+        self, progress: Mapping[str, tuple[int, Sequence[Any]]] | None = None
+    ) -> list[SaveOp]:
         """The copies for this step's workers: every finished request's save whose Match
         landed, once; and the tokens of running requests (``progress``: request id ->
         its tokens computed once this step ran, and its block table, or one per KV
@@ -201,8 +226,13 @@ class Saves:
                 final = self._copy(save, save.tables, save.end, during_run=False)
                 if final is not None:  # always: a finish-time copy goes out even empty
                     out.append(final)
-            elif (not save.closed and save.during_run and progress
-                  and save.req_id in progress and save.written < save.end):
+            elif (
+                not save.closed
+                and save.during_run
+                and progress
+                and save.req_id in progress
+                and save.written < save.end
+            ):
                 computed, table = progress[save.req_id]
                 if min(computed, save.end) <= save.written or not self._check_session(save):
                     self._settle(save)
@@ -224,8 +254,7 @@ class Saves:
             return False
         return True
 
-    def _copy(self, save: _Save, tables: Tables, upto: int, *, during_run: bool
-              ) -> SaveOp | None:
+    def _copy(self, save: _Save, tables: Tables, upto: int, *, during_run: bool) -> SaveOp | None:
         """The copy of the save's tokens from ``written`` to ``upto`` (at most its
         ``end``) out of ``tables``, up to a gap in any of them (the module docstring;
         a pool row holds every group's layers of its token): None where a copy
@@ -242,16 +271,25 @@ class Saves:
             return None
         if not during_run:
             save.end = min(save.end, max(hi, lo))
-        slots = save.allocated[lo - save.prefix:hi - save.prefix] if hi > lo else array("q")
+        slots = save.allocated[lo - save.prefix : hi - save.prefix] if hi > lo else array("q")
         save.written = max(hi, lo)
         report = 0
         if during_run:
             report = next(self._copies)
             save.unreported.add(report)
         first = tables[0] if tables else array("q")
-        return SaveOp(save.req_id, first, lo, slots, save.epoch, save.session_id, save.gen,
-                      during_run=during_run, report=report,
-                      group_block_ids=tables if len(tables) > 1 else ())
+        return SaveOp(
+            save.req_id,
+            first,
+            lo,
+            slots,
+            save.epoch,
+            save.session_id,
+            save.gen,
+            during_run=during_run,
+            report=report,
+            group_block_ids=tables if len(tables) > 1 else (),
+        )
 
     def copied(self, reports: Iterable[int]) -> None:
         """The workers made these copies during the run (``SaveOp.report``; a failed
@@ -279,8 +317,9 @@ class Saves:
         the slots back (``_conclude``)."""
         if not save.ready or save.final in (_Final.DUE, _Final.SENT):
             return
-        if save.final is _Final.NONE and (save.unreported or (not save.closed
-                                                             and save.written < save.end)):
+        if save.final is _Final.NONE and (
+            save.unreported or (not save.closed and save.written < save.end)
+        ):
             return
         self._conclude(save)
 
@@ -300,9 +339,17 @@ class Saves:
             self.stats.saves_skipped += 1
             self._queue(SaveAbort(spare, save.lock_id, save.epoch))
             return
-        self._queue(SaveCommit(save.tokens[:save.prefix + used], save.extra_key,
-                               save.cached + save.allocated[:used], save.lock_id,
-                               save.epoch, len(save.cached), save.retain))
+        self._queue(
+            SaveCommit(
+                save.tokens[: save.prefix + used],
+                save.extra_key,
+                save.cached + save.allocated[:used],
+                save.lock_id,
+                save.epoch,
+                len(save.cached),
+                save.retain,
+            )
+        )
         if len(spare):
             self._queue(SaveAbort(spare, 0, save.epoch))
         self.stats.saves += 1
@@ -341,8 +388,7 @@ class Saves:
             self._settle(save)
             return
         save.matched = True
-        save.prefix, save.cached, save.allocated = reply.prefix_len, reply.slots, \
-            reply.allocated
+        save.prefix, save.cached, save.allocated = reply.prefix_len, reply.slots, reply.allocated
         save.lock_id, save.epoch = reply.lock_id, reply.server_epoch
         save.session_id = done.session_id
         save.written = save.prefix
@@ -358,7 +404,7 @@ class Saves:
         """Not inserted (the service refused): release the lock and whatever slots the
         session still holds."""
         self.stats.saves_failed += 1
-        self._queue(SaveAbort(op.slots[op.owned_from:], op.lock_id, op.server_epoch))
+        self._queue(SaveAbort(op.slots[op.owned_from :], op.lock_id, op.server_epoch))
 
     def drop_all(self) -> tuple[int, int]:
         """Forget every save (shutdown): how many, and their tokens."""

@@ -82,10 +82,10 @@ class Backend(Protocol):
 
 
 class _State(Enum):
-    LOOKING = 1     # lookup queued or in flight
-    READY = 2       # answer landed; vLLM may use it
-    ALLOCATED = 3   # vLLM allocated blocks for the hit; the load is due
-    LOADING = 4     # the load went out to the workers
+    LOOKING = 1  # lookup queued or in flight
+    READY = 2  # answer landed; vLLM may use it
+    ALLOCATED = 3  # vLLM allocated blocks for the hit; the load is due
+    LOADING = 4  # the load went out to the workers
 
 
 @dataclass(slots=True)
@@ -122,9 +122,15 @@ class SchedulerCore:
             docstring).
     """
 
-    def __init__(self, backend: Backend, config: ConnectorConfig, block_size: int,
-                 clock: Callable[[], float] = time.monotonic, *,
-                 during_run_saves: bool = False) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        config: ConnectorConfig,
+        block_size: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        during_run_saves: bool = False,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.backend = backend
@@ -135,8 +141,9 @@ class SchedulerCore:
         self.stats = SchedulerStats()
         self._res: dict[str, _Reservation] = {}
         self._saves = Saves(self.stats, self._queue, backend.session_alive, block_size)
-        self._misses = FastMiss(backend.shadow_hit, block_size, clock,
-                                grace=max(2 * config.timeout, 1.0))
+        self._misses = FastMiss(
+            backend.shadow_hit, block_size, clock, grace=max(2 * config.timeout, 1.0)
+        )
         self._gens = count(1)
         self._queued: list[Op] = []
         # Locks of loads that may still be running: (step to release at, the
@@ -174,15 +181,22 @@ class SchedulerCore:
             n = info.num_prompt_tokens // self.block_size * self.block_size
             if n == 0:
                 return False
-            self._saves.start(info.req_id, next(self._gens), array("q", info.tokens[:n]),
-                              info.extra_key, during_run=True, retain=info.retention)
+            self._saves.start(
+                info.req_id,
+                next(self._gens),
+                array("q", info.tokens[:n]),
+                info.extra_key,
+                during_run=True,
+                retain=info.retention,
+            )
         return self.during_run_saves and self._saves.waiting(info.req_id)
 
     def _answer(self, info: RequestInfo, num_computed: int) -> tuple[int | None, bool]:
         """The lookup's answer to a probe (``probe``)."""
         res = self._res.get(info.req_id)
-        if res is not None and (res.attempt != info.attempt
-                                or res.state not in (_State.LOOKING, _State.READY)):
+        if res is not None and (
+            res.attempt != info.attempt or res.state not in (_State.LOOKING, _State.READY)
+        ):
             # A probe after vLLM allocated: it dropped the request's blocks (preempted)
             # and starts over.
             self._drop(info.req_id)
@@ -193,15 +207,14 @@ class SchedulerCore:
             return 0, False
         if res is None:
             tokens = array("q", info.tokens[:length])
-            if self.config.fast_miss and self._misses.certain(tokens, info.extra_key,
-                                                              num_computed):
+            if self.config.fast_miss and self._misses.certain(tokens, info.extra_key, num_computed):
                 self.stats.fast_misses += 1
                 return 0, False
             gen = next(self._gens)
-            self._res[info.req_id] = _Reservation(info.req_id, info.attempt, gen, tokens,
-                                                  info.extra_key)
-            self._queued.append(Lookup((info.req_id, gen), tokens, info.extra_key,
-                                       info.retention))
+            self._res[info.req_id] = _Reservation(
+                info.req_id, info.attempt, gen, tokens, info.extra_key
+            )
+            self._queued.append(Lookup((info.req_id, gen), tokens, info.extra_key, info.retention))
             self.stats.lookups += 1
             self.stats.lookup_tokens += length
             return None, False
@@ -212,8 +225,9 @@ class SchedulerCore:
         extra = res.hit - num_computed
         return (extra, False) if extra > 0 else (0, False)
 
-    def allocated(self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]],
-                  num_external: int) -> None:
+    def allocated(
+        self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]], num_external: int
+    ) -> None:
         """``update_state_after_alloc``: vLLM allocated ``block_ids`` (a table, or one
         per KV cache group) and counts ``num_external`` tokens as loaded from us (0: it
         will not load)."""
@@ -225,8 +239,12 @@ class SchedulerCore:
             return
         if res is None or res.state is not _State.READY:
             # vLLM counts tokens we never offered: have every block reported failed.
-            log.warning("request %s: vLLM allocated %d external tokens without a ready "
-                        "reservation; they will be recomputed", req_id, num_external)
+            log.warning(
+                "request %s: vLLM allocated %d external tokens without a ready "
+                "reservation; they will be recomputed",
+                req_id,
+                num_external,
+            )
             res = _Reservation(req_id, -1, 0, array("q"), None, _State.ALLOCATED)
             res.tables, res.hit = as_tables(block_ids), -1
             # Where vLLM's own hit ends is unknown here: every block fails.
@@ -237,9 +255,11 @@ class SchedulerCore:
         res.tables = as_tables(block_ids)
         res.num_external = num_external
 
-    def build_meta(self, preempted: Iterable[str] = (),
-                   progress: Mapping[str, tuple[int, Sequence[Any]]] | None = None
-                   ) -> StepMeta:
+    def build_meta(
+        self,
+        preempted: Iterable[str] = (),
+        progress: Mapping[str, tuple[int, Sequence[Any]]] | None = None,
+    ) -> StepMeta:
         """``build_connector_meta``: the step's loads and saves for the workers. The
         step's queued lookups leave now, as one batch. ``progress``: of the requests
         ``saving_during_run`` names that this step runs, each one's tokens computed
@@ -267,21 +287,34 @@ class SchedulerCore:
         still have tokens to copy: ``build_meta`` wants their progress."""
         return self._saves.running()
 
-    def finished(self, info: RequestInfo, block_ids: Sequence[int] | Sequence[Sequence[int]],
-                 num_computed: int) -> bool:
+    def finished(
+        self,
+        info: RequestInfo,
+        block_ids: Sequence[int] | Sequence[Sequence[int]],
+        num_computed: int,
+    ) -> bool:
         """``request_finished``: release the request's reservation and save its whole
         blocks (those the save has not copied while it ran). True: vLLM must keep the
         blocks until ``sends_done`` names it."""
         self._absorb()
         self._drop(info.req_id)
         blocks = as_tables(block_ids)
-        n = save_len(info, num_computed, max(map(len, blocks), default=0), self.block_size,
-                     self.config.save)
+        n = save_len(
+            info, num_computed, max(map(len, blocks), default=0), self.block_size, self.config.save
+        )
         keep = self._saves.finish(info.req_id, blocks, n)
         if keep is None:
-            keep = n > 0 and self.disabled is None and self._saves.start(
-                info.req_id, next(self._gens), array("q", info.tokens[:n]), info.extra_key,
-                retain=info.retention)
+            keep = (
+                n > 0
+                and self.disabled is None
+                and self._saves.start(
+                    info.req_id,
+                    next(self._gens),
+                    array("q", info.tokens[:n]),
+                    info.extra_key,
+                    retain=info.retention,
+                )
+            )
             if keep:
                 self._saves.finish(info.req_id, blocks, n)
         self._flush()
@@ -333,8 +366,9 @@ class SchedulerCore:
             return
         self.disabled = reason
         log.info("prefixcache: a worker disabled the connector; no more lookups or saves")
-        for req_id in [k for k, r in self._res.items()
-                       if r.state in (_State.LOOKING, _State.READY)]:
+        for req_id in [
+            k for k, r in self._res.items() if r.state in (_State.LOOKING, _State.READY)
+        ]:
             self._drop(req_id)
         self._saves.stop_running()
         self._flush()
@@ -353,9 +387,13 @@ class SchedulerCore:
         lost = left + self.stats.saves_failed - failed
         if lost:
             self.stats.saves_lost += lost
-            log.warning("prefixcache: %d save(s) in flight at shutdown were lost "
-                        "(%d tokens of unfinished copies); the next engine recomputes "
-                        "them", lost, tokens)
+            log.warning(
+                "prefixcache: %d save(s) in flight at shutdown were lost "
+                "(%d tokens of unfinished copies); the next engine recomputes "
+                "them",
+                lost,
+                tokens,
+            )
         self._queued.clear()  # the session's close releases the locks and slots
         close = getattr(self.backend, "close", None)
         if close is not None:
@@ -373,8 +411,12 @@ class SchedulerCore:
         dispatches; none of these outlives the calls' deadline."""
         self._absorb()
         in_flight = getattr(self.backend, "in_flight", None)
-        return (self._saves.pending_finished() or bool(self._later) or bool(self._queued)
-                or (in_flight is not None and in_flight()))
+        return (
+            self._saves.pending_finished()
+            or bool(self._later)
+            or bool(self._queued)
+            or (in_flight is not None and in_flight())
+        )
 
     def reservations(self) -> dict[str, str]:
         """Request id -> reservation state, for tests and debugging."""
@@ -384,31 +426,65 @@ class SchedulerCore:
 
     def _load_op(self, res: _Reservation) -> LoadOp:
         end = res.local + res.num_external
-        first, groups = (res.tables[0] if res.tables else array("q")), \
-            (res.tables if len(res.tables) > 1 else ())
+        first, groups = (
+            (res.tables[0] if res.tables else array("q")),
+            (res.tables if len(res.tables) > 1 else ()),
+        )
         # Tokens in the null block (where vLLM needs no KV: sliding-window blocks
         # before the window) are not loaded; a null block after a live one is a table
         # this side does not understand.
         starts = [live_from(t, res.local, end, self.block_size) for t in res.tables]
         if any(start is None for start in starts):
-            log.warning("request %s: vLLM's block table for the hit has the null block "
-                        "after a block to load; it will be recomputed", res.req_id)
+            log.warning(
+                "request %s: vLLM's block table for the hit has the null block "
+                "after a block to load; it will be recomputed",
+                res.req_id,
+            )
             res.unused = "load_failed"
-            return LoadOp(res.req_id, first, res.local, res.num_external, fail=True,
-                          ref=res.gen, group_block_ids=groups)
+            return LoadOp(
+                res.req_id,
+                first,
+                res.local,
+                res.num_external,
+                fail=True,
+                ref=res.gen,
+                group_block_ids=groups,
+            )
         if res.hit < 0 or end > res.hit:
-            log.warning("request %s: vLLM counts %d external tokens from %d, the "
-                        "reservation has %d; they will be recomputed", res.req_id,
-                        res.num_external, res.local, res.hit)
+            log.warning(
+                "request %s: vLLM counts %d external tokens from %d, the "
+                "reservation has %d; they will be recomputed",
+                res.req_id,
+                res.num_external,
+                res.local,
+                res.hit,
+            )
             res.unused = "load_failed"  # the service counts the reserved hit so
-            return LoadOp(res.req_id, first, res.local, res.num_external, fail=True,
-                          ref=res.gen, group_block_ids=groups)
+            return LoadOp(
+                res.req_id,
+                first,
+                res.local,
+                res.num_external,
+                fail=True,
+                ref=res.gen,
+                group_block_ids=groups,
+            )
         start = min((s for s in starts if s is not None), default=res.local)
         self.stats.loads += 1
         self.stats.load_tokens += res.num_external
-        return LoadOp(res.req_id, first, start, end - start,
-                      res.slots[start:end], res.epoch, res.session_id, res.tokens[:end],
-                      res.extra_key, ref=res.gen, group_block_ids=groups)
+        return LoadOp(
+            res.req_id,
+            first,
+            start,
+            end - start,
+            res.slots[start:end],
+            res.epoch,
+            res.session_id,
+            res.tokens[:end],
+            res.extra_key,
+            ref=res.gen,
+            group_block_ids=groups,
+        )
 
     def _drop(self, req_id: str, unused: str | None = None) -> None:
         """Forget a request's reservation and release its lock (a lookup still out is
@@ -427,8 +503,9 @@ class SchedulerCore:
 
     def _expire(self) -> None:
         deadline = self.clock() - self.config.lease_ttl
-        for req_id in [k for k, r in self._res.items()
-                       if r.state is _State.READY and r.touched < deadline]:
+        for req_id in [
+            k for k, r in self._res.items() if r.state is _State.READY and r.touched < deadline
+        ]:
             self.stats.leases_expired += 1
             self._drop(req_id, "lease_expired")
 

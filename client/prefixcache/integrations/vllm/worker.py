@@ -102,13 +102,21 @@ class WorkerCore:
         client: the client to use (default: one made from ``config``).
     """
 
-    def __init__(self, config: ConnectorConfig, block_size: int, *, tp_rank: int = 0,
-                 tp_size: int = 1, client: PrefixCacheClient | None = None) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        block_size: int,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        client: PrefixCacheClient | None = None,
+    ) -> None:
         self.config = config
         self.block_size = block_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.client = client or PrefixCacheClient(
-            config.target, **config.client_kwargs(f"vllm-worker-{tp_rank}"))
+            config.target, **config.client_kwargs(f"vllm-worker-{tp_rank}")
+        )
         self._own_client = client is None
         self.layers: list[LayerView] = []
         self._access: PoolAccess | None = None
@@ -136,9 +144,12 @@ class WorkerCore:
 
     # ------------------------------------------------------------ vLLM's calls
 
-    def register(self, kv_caches: dict[str, Any],
-                 backends: Mapping[str, BackendInfo] | BackendInfo | None = None,
-                 groups: Mapping[str, int] | None = None) -> None:
+    def register(
+        self,
+        kv_caches: dict[str, Any],
+        backends: Mapping[str, BackendInfo] | BackendInfo | None = None,
+        groups: Mapping[str, int] | None = None,
+    ) -> None:
         """``register_kv_caches``: the engine's KV tensors, one per attention layer, and
         the attention backend of each (a mapping by layer name, or one for all);
         ``groups``: each layer's KV cache group (vLLM's hybrid manager), whose block
@@ -158,8 +169,7 @@ class WorkerCore:
             return
         self.layers = layers
         if layers:
-            self._step = StepLayers(layer_numbers(kv_caches, groups),
-                                    copies_for(layers[0].device))
+            self._step = StepLayers(layer_numbers(kv_caches, groups), copies_for(layers[0].device))
 
     def start_step(self, meta: StepMeta | None, *, by_layer: bool = True) -> None:
         """``start_load_kv``: every save of the step done on return, and every load;
@@ -268,8 +278,11 @@ class WorkerCore:
             access = open_access(self.client, self.config.model, self.config.transfer)
         except PrefixCacheError as err:
             self._retry_at = now + self.config.timeout
-            log.warning("prefixcache pool of %r unavailable (%s): loading nothing, "
-                        "saving nothing", self.config.model, err)
+            log.warning(
+                "prefixcache pool of %r unavailable (%s): loading nothing, saving nothing",
+                self.config.model,
+                err,
+            )
             return None
         problem = self._check(access)
         if problem is not None:
@@ -319,9 +332,13 @@ class WorkerCore:
             self._failed_refs.add(op.ref)
         why = LOAD_FAILURE_REASONS[reason] + (f": {detail}" if detail else "")
         # "disabled": said once, by disable(); the scheduler side stops loading.
-        log.log(logging.DEBUG if reason == "disabled" else logging.WARNING,
-                "prefixcache load of request %s failed (%s): %d blocks recomputed",
-                op.req_id, why, max(last - first, 0))
+        log.log(
+            logging.DEBUG if reason == "disabled" else logging.WARNING,
+            "prefixcache load of request %s failed (%s): %d blocks recomputed",
+            op.req_id,
+            why,
+            max(last - first, 0),
+        )
 
     def _load(self, op: LoadOp) -> None:
         rows = self._open(op)
@@ -394,8 +411,7 @@ class WorkerCore:
             self._fail_on(op, err)
             return None
 
-    def _copy_layer(self, op: LoadOp, rows: Rows, layer: int,
-                    memo: dict[int, SpanMemo]) -> None:
+    def _copy_layer(self, op: LoadOp, rows: Rows, layer: int, memo: dict[int, SpanMemo]) -> None:
         """``op``'s rows of cache ``layer`` into its blocks: whole kernel blocks in one
         copy per side (block_copy.py). The layer's group's table gives the blocks; its
         tokens in null blocks before the first live one are left out (``meta``)."""
@@ -406,14 +422,15 @@ class WorkerCore:
             raise ValueError("a null block after a live one in the block table")
         if first >= op.end:
             return
-        parts = view_spans(view, table, first, op.end - first, self.block_size,
-                           memo.setdefault(view.group, {}))
+        parts = view_spans(
+            view, table, first, op.end - first, self.block_size, memo.setdefault(view.group, {})
+        )
         k, v = rows(layer)
         off = first - op.start
         for span in parts:
-            load_span(view.k, span, k[off + span.lo:off + span.hi, self._heads])
+            load_span(view.k, span, k[off + span.lo : off + span.hi, self._heads])
             if view.v is not None:
-                load_span(view.v, span, v[off + span.lo:off + span.hi, self._heads])
+                load_span(view.v, span, v[off + span.lo : off + span.hi, self._heads])
 
     def _verify(self, op: LoadOp) -> None:
         """Count ``op`` loaded, or failed if the tree no longer maps its tokens to the
@@ -445,23 +462,30 @@ class WorkerCore:
             return "unverified"  # the check got no answer: nothing is known
         if reply.server_epoch != op.server_epoch:
             return "restarted"
-        if reply.prefix_len >= op.end and reply.slots[op.start:op.end] == op.slots:
+        if reply.prefix_len >= op.end and reply.slots[op.start : op.end] == op.slots:
             return None
         return "moved"
 
     def _save(self, op: SaveOp) -> None:
         try:
             if len(op.slots):
-                if any(touches_null(t, op.start, op.start + len(op.slots),
-                                    self.block_size) for t in op.tables):
-                    raise ValueError(f"tokens {op.start}..{op.start + len(op.slots)} "
-                                     "fall into vLLM's null block")
+                if any(
+                    touches_null(t, op.start, op.start + len(op.slots), self.block_size)
+                    for t in op.tables
+                ):
+                    raise ValueError(
+                        f"tokens {op.start}..{op.start + len(op.slots)} fall into vLLM's null block"
+                    )
                 self._write(op)
                 self.saved_tokens += len(op.slots)
         except (PrefixCacheError, ValueError, RuntimeError) as err:
             self.failed_saves += 1
-            log.log(logging.DEBUG if self._disabled is not None else logging.WARNING,
-                    "prefixcache save of request %s failed: %s", op.req_id, err)
+            log.log(
+                logging.DEBUG if self._disabled is not None else logging.WARNING,
+                "prefixcache save of request %s failed: %s",
+                op.req_id,
+                err,
+            )
             if op.ref:
                 self._failed_saves.add(op.ref)
         if op.during_run:
@@ -475,8 +499,7 @@ class WorkerCore:
             raise RuntimeError(self._disabled or "pool unavailable")
         if not self._write_heads:
             return
-        source, fill = save_rows(self.layers, op.tables, op.start, len(op.slots),
-                                 self.block_size)
+        source, fill = save_rows(self.layers, op.tables, op.start, len(op.slots), self.block_size)
         access.write(op.slots, source, self._heads, op.session_id, op.server_epoch, fill)
 
 
@@ -486,8 +509,7 @@ LOAD_FAILURE_REASONS = {
     "disabled": "the connector is disabled",
     "unavailable": "the service could not be reached",
     "restarted": "the service restarted: the slots are gone",
-    "unverified": "the service did not answer the check that the slots still hold "
-                  "these tokens",
+    "unverified": "the service did not answer the check that the slots still hold these tokens",
     "moved": "the slots no longer hold these tokens",
     "copy": "the copy failed",
     "null_block": "vLLM's block table holds its null block where the tokens were to go",

@@ -155,8 +155,9 @@ class ChangeLog:
             too (the newest record is always kept).
     """
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(
+        self, capacity: int = DEFAULT_CAPACITY, max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
         if not isinstance(max_bytes, int) or max_bytes < 1:
@@ -182,17 +183,26 @@ class ChangeLog:
         ns = node.namespace
         if ns is None or node.hash_values is None:
             raise ValueError(f"node {node.id} has no namespace or no page hashes")
-        self._append(PagesStored(self._next_seq, ns.extra_key, ns.token_width, ns.page_size,
-                                 last_hash(node.parent), tuple(node.hash_values),
-                                 node.key_bytes))
+        self._append(
+            PagesStored(
+                self._next_seq,
+                ns.extra_key,
+                ns.token_width,
+                ns.page_size,
+                last_hash(node.parent),
+                tuple(node.hash_values),
+                node.key_bytes,
+            )
+        )
 
     def pages_removed(self, node: TreeNode) -> None:
         """``node`` left the tree (its ``hash_values`` are still there)."""
         ns = node.namespace
         if ns is None or node.hash_values is None:
             raise ValueError(f"node {node.id} has no namespace or no page hashes")
-        self._append(PagesRemoved(self._next_seq, ns.extra_key, ns.token_width,
-                                  tuple(node.hash_values)))
+        self._append(
+            PagesRemoved(self._next_seq, ns.extra_key, ns.token_width, tuple(node.hash_values))
+        )
 
     # ------------------------------------------------------- readers' side
 
@@ -242,9 +252,17 @@ class ChangeLog:
                 hashes = node.hash_values
                 if hashes is None:  # only if the cache was built without eager hashes
                     hashes = cache.compute_node_hash(node)
-                pages.append(PagesStored(seq, ns.extra_key, ns.token_width, ns.page_size,
-                                         last_hash(node.parent), tuple(hashes),
-                                         node.key_bytes))
+                pages.append(
+                    PagesStored(
+                        seq,
+                        ns.extra_key,
+                        ns.token_width,
+                        ns.page_size,
+                        last_hash(node.parent),
+                        tuple(hashes),
+                        node.key_bytes,
+                    )
+                )
                 stack.extend(node.children.values())
         return Snapshot(seq, tuple(pages))
 
@@ -268,8 +286,9 @@ class ChangeLog:
         cost = _cost(record)
         self._costs.append(cost)
         self.bytes += cost
-        while len(self._records) > 1 and (len(self._records) > self._capacity
-                                          or self.bytes > self.max_bytes):
+        while len(self._records) > 1 and (
+            len(self._records) > self._capacity or self.bytes > self.max_bytes
+        ):
             self._records.popleft()
             self.bytes -= self._costs.popleft()
         for callback in self._watchers:

@@ -88,8 +88,9 @@ class PrefixIds:
             self._powers = powers
         return self._powers[:n]
 
-    def pages(self, packed: bytes | memoryview, page_words: int, salt: int,
-              first: int = 0) -> np.ndarray:
+    def pages(
+        self, packed: bytes | memoryview, page_words: int, salt: int, first: int = 0
+    ) -> np.ndarray:
         """Ids of the whole pages of ``packed`` (uint32 words, from the namespace
         root), from page ``first`` on; ``page_words`` words a page (or a block of
         pages: an id names everything up to its end)."""
@@ -100,7 +101,7 @@ class PrefixIds:
         words = np.frombuffer(packed, dtype="<u4", count=n).astype(_U64)
         words += _U64(1)  # so leading zero tokens still count
         words *= self._table(n)
-        sums = np.cumsum(words, dtype=_U64)[page_words - 1::page_words][first:]
+        sums = np.cumsum(words, dtype=_U64)[page_words - 1 :: page_words][first:]
         ends = np.arange(first + 1, count + 1, dtype=_U64) * _U64(page_words)
         return _mix(sums ^ (ends * _LEN) ^ _U64(salt))
 
@@ -134,7 +135,7 @@ class EvictedPages:
         if not fresh:
             return
         if len(fresh) > self.capacity:
-            fresh = fresh[-self.capacity:]
+            fresh = fresh[-self.capacity :]
         n, cap = len(fresh), self.capacity
         at = self._next % cap
         first = min(n, cap - at)
@@ -143,7 +144,7 @@ class EvictedPages:
         for start, chunk in parts:
             stop = start + len(chunk)
             if start < filled:  # these slots hold older ids: they go
-                known.difference_update(self._ring[start:min(stop, filled)].tolist())
+                known.difference_update(self._ring[start : min(stop, filled)].tolist())
             self._ring[start:stop] = chunk
         known.update(fresh)
         self._next += n
@@ -199,8 +200,9 @@ class EvictionRecorder:
             above = above.parent
         before = sum(len(p) for p in parts[1:])
         block_bytes = ns.page_bytes * self.block  # the blocks that end in this node
-        ids = self.ids.pages(b"".join(reversed(parts)), block_bytes // 4, salt,
-                             before // block_bytes)
+        ids = self.ids.pages(
+            b"".join(reversed(parts)), block_bytes // 4, salt, before // block_bytes
+        )
         self.record.add(ids.tolist())
         if node.hash_values:
             self.record.add(sha_page_id(h, salt) for h in node.hash_values)
@@ -212,8 +214,10 @@ class EvictionRecorder:
             return []
         salt = namespace_salt(*owner)
         size, data = ns.page_bytes, node.key_bytes
-        return [sha_page_id(data[i:i + DIGEST_BYTES].hex(), salt)
-                for i in range(0, len(data) - size + 1, size)]
+        return [
+            sha_page_id(data[i : i + DIGEST_BYTES].hex(), salt)
+            for i in range(0, len(data) - size + 1, size)
+        ]
 
 
 @lru_cache(maxsize=1024)
@@ -222,7 +226,7 @@ def token_namespace_of(hidden: str | None) -> tuple[str | None, int] | None:
     inverse): ``PREFIX/w<width>`` for None, ``PREFIX/w<width>=<extra_key>`` otherwise."""
     if hidden is None:
         return None
-    rest = hidden[len(hash_namespace(None, 0)) - 1:]  # after ".../w"
+    rest = hidden[len(hash_namespace(None, 0)) - 1 :]  # after ".../w"
     width, sep, extra_key = rest.partition("=")
     if not width.isdigit():
         return None

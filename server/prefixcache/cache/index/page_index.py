@@ -112,8 +112,7 @@ class PageIndex:
         hashes, pages = _pages(node)
         if hashes:
             parents = self._parents.setdefault(key, {})
-            parents.update(zip(hashes, [_last_hash(node.parent), *hashes[:-1]],
-                               strict=True))
+            parents.update(zip(hashes, [_last_hash(node.parent), *hashes[:-1]], strict=True))
             self._tokens.setdefault(key, {}).update(zip(hashes, pages, strict=True))
         if self.forward is not None and not is_hash_namespace(ns.extra_key):
             self.forward.pages_stored(node)
@@ -161,8 +160,9 @@ class PageIndex:
         pages.reverse()
         return b"".join(pages), len(pages)
 
-    def path_part(self, namespace: Namespace, page_hash: str, limit: int | None = None,
-                  walked: int = 0) -> tuple[list[bytes], str | None]:
+    def path_part(
+        self, namespace: Namespace, page_hash: str, limit: int | None = None, walked: int = 0
+    ) -> tuple[list[bytes], str | None]:
         """Up to ``limit`` pages (None: all) of ``path``, from ``page_hash`` rootward,
         and the page the rest of the path ends at (None once the root is reached), for
         a caller that walks a long path in parts; ``walked``: the pages its earlier
@@ -172,8 +172,9 @@ class PageIndex:
         current: str | None = page_hash
         while current is not None and (limit is None or len(pages) < limit):
             if current not in parents:
-                raise IntegrityError(f"page index: page {current[:16]} on the path of "
-                                     f"{page_hash[:16]} is missing")
+                raise IntegrityError(
+                    f"page index: page {current[:16]} on the path of {page_hash[:16]} is missing"
+                )
             if walked + len(pages) >= len(parents):  # a page on its own path: never from SetPages
                 raise IntegrityError(f"page index: the path of {page_hash[:16]} loops")
             pages.append(tokens[current])
@@ -204,8 +205,10 @@ class PageIndex:
         if parents != self._parents or tokens != self._tokens:
             have = {ns: len(t) for ns, t in self._parents.items()}
             want = {ns: len(t) for ns, t in parents.items()}
-            raise IntegrityError(f"page index out of step with the tree: indexes {have} "
-                                 f"pages per namespace, the tree holds {want}")
+            raise IntegrityError(
+                f"page index out of step with the tree: indexes {have} "
+                f"pages per namespace, the tree holds {want}"
+            )
 
 
 def _pages(node: TreeNode) -> tuple[list[str], list[bytes]]:
@@ -230,7 +233,7 @@ def _last_hash(parent: TreeNode | None) -> str | None:
     if parent is None or ns is None or not parent.key_len:
         return None
     if is_hash_namespace(ns.extra_key):
-        return parent.key_bytes[-ns.page_bytes:][:DIGEST_BYTES].hex()
+        return parent.key_bytes[-ns.page_bytes :][:DIGEST_BYTES].hex()
     if not parent.hash_values:
         raise ValueError(f"node {parent.id} has no page hashes (eager page hashing is off)")
     return parent.hash_values[-1]

@@ -36,8 +36,9 @@ class WalkedPages:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def add(self, ns: tuple[str | None, int, int], parent: str | None, hashes: str,
-            key_bytes: bytes) -> None:
+    def add(
+        self, ns: tuple[str | None, int, int], parent: str | None, hashes: str, key_bytes: bytes
+    ) -> None:
         index = self._ns_index.get(ns)
         if index is None:
             index = self._ns_index[ns] = len(self.namespaces)
@@ -49,12 +50,13 @@ class WalkedPages:
 
     def page_hashes(self, i: int) -> tuple[str, ...]:
         joined = self.hashes[i]
-        return tuple(joined[k:k + _HEX] for k in range(0, len(joined), _HEX))
+        return tuple(joined[k : k + _HEX] for k in range(0, len(joined), _HEX))
 
     def record(self, i: int, seq: int) -> PagesStored:
         extra_key, width, page_size = self.namespaces[self.ns[i]]
-        return PagesStored(seq, extra_key, width, page_size, self.parents[i],
-                           self.page_hashes(i), self.keys[i])
+        return PagesStored(
+            seq, extra_key, width, page_size, self.parents[i], self.page_hashes(i), self.keys[i]
+        )
 
 
 class Walked:
@@ -93,8 +95,9 @@ class Walked:
             for i in range(len(pages)):
                 hit, joined = hits[pages.ns[i]], pages.hashes[i]
                 rec = pages.record(i, seq)
-                if hit is None or (joined not in hit if len(joined) == _HEX
-                                   else hit.isdisjoint(rec.page_hashes)):
+                if hit is None or (
+                    joined not in hit if len(joined) == _HEX else hit.isdisjoint(rec.page_hashes)
+                ):
                     yield rec
                 else:
                     yield from _kept(rec, lambda key: key not in last)
@@ -170,8 +173,12 @@ class SnapshotWalk:
         hashes = node.hash_values
         if hashes is None:  # only if the cache was built without eager hashes
             hashes = self._cache.compute_node_hash(node)
-        self._pages.add((ns.extra_key, ns.token_width, ns.page_size),
-                        last_hash(node.parent), "".join(hashes), node.key_bytes)
+        self._pages.add(
+            (ns.extra_key, ns.token_width, ns.page_size),
+            last_hash(node.parent),
+            "".join(hashes),
+            node.key_bytes,
+        )
         self.nodes += 1
 
     def _uppers(self, node: TreeNode, above: TreeNode) -> None:
@@ -198,8 +205,9 @@ class SnapshotWalk:
         return Walked(changes[-1].seq if changes else self.seq, pages, changes)
 
 
-def _kept(rec: PagesStored, keep: Callable[[tuple[tuple[str | None, int], str]], bool]
-          ) -> Iterator[PagesStored]:
+def _kept(
+    rec: PagesStored, keep: Callable[[tuple[tuple[str | None, int], str]], bool]
+) -> Iterator[PagesStored]:
     """The runs of ``rec``'s pages that ``keep`` keeps, each chained on the page before."""
     ns, size = rec.namespace, rec.page_bytes
     start = None
@@ -211,6 +219,13 @@ def _kept(rec: PagesStored, keep: Callable[[tuple[tuple[str | None, int], str]],
             continue
         if start is not None:
             parent = rec.parent_hash if start == 0 else hashes[start - 1]
-            yield PagesStored(rec.seq, rec.extra_key, rec.token_width, rec.page_size, parent,
-                              hashes[start:i], rec.key_bytes[start * size:i * size])
+            yield PagesStored(
+                rec.seq,
+                rec.extra_key,
+                rec.token_width,
+                rec.page_size,
+                parent,
+                hashes[start:i],
+                rec.key_bytes[start * size : i * size],
+            )
             start = None

@@ -31,8 +31,13 @@ class MambaEviction(RadixEviction):
 
     # The second positional argument is the state target here, not the SWA one: the
     # reference's hybrid cache reads it so, and callers of a hybrid cache pass it so.
-    def evict(self, num_tokens: int, mamba_num: int = 0, *,  # type: ignore[override]
-              swa_num_tokens: int = 0) -> EvictResult:
+    def evict(  # type: ignore[override]
+        self,
+        num_tokens: int,
+        mamba_num: int = 0,
+        *,
+        swa_num_tokens: int = 0,
+    ) -> EvictResult:
         """Free at least ``num_tokens`` KV tokens and ``mamba_num`` state slots if possible.
 
         Phase 1 deletes unlocked leaves in LRU order (with any tombstones left childless
@@ -67,8 +72,7 @@ class MambaEviction(RadixEviction):
 
         if num_tokens:
             self.full_lru_list.take_lru(_unlocked_leaf, delete, lambda: tokens < num_tokens)
-        self.mamba_lru_list.take_lru(_no_mamba_lock, drop_state,
-                                     lambda: len(states) < mamba_num)
+        self.mamba_lru_list.take_lru(_no_mamba_lock, drop_state, lambda: len(states) < mamba_num)
         try:
             self._free(freed)
         finally:  # the nodes and states are out of the tree even if a free was refused
@@ -78,8 +82,9 @@ class MambaEviction(RadixEviction):
                 self._notify_evicted(gone)
         return EvictResult(full_evicted=tokens, mamba_evicted=len(states))
 
-    def _delete_chain(self, leaf: MambaTreeNode, freed: list[torch.Tensor], states: list[int],
-                      gone: list[int]) -> tuple[int, MambaTreeNode]:
+    def _delete_chain(
+        self, leaf: MambaTreeNode, freed: list[torch.Tensor], states: list[int], gone: list[int]
+    ) -> tuple[int, MambaTreeNode]:
         """Delete an unlocked leaf and every unlocked tombstone it leaves childless.
 
         Returns the tokens deleted and the first node that stays.
@@ -94,8 +99,12 @@ class MambaEviction(RadixEviction):
             self.full_lru_list.remove(node)
             parent = node.parent
             self._delete_leaf(node)
-            if not parent.key_len or parent.children or parent.lock_ref \
-                    or parent.mamba_value is not None:
+            if (
+                not parent.key_len
+                or parent.children
+                or parent.lock_ref
+                or parent.mamba_value is not None
+            ):
                 return tokens, parent
             node = parent
 
@@ -158,8 +167,7 @@ class MambaEviction(RadixEviction):
     def _take_state(self, node: MambaTreeNode) -> int:
         """Detach an unlocked node's state slot (for freeing) and return it."""
         if node.mamba_value is None or node.mamba_lock_ref:
-            raise IntegrityError(f"node {node.id}'s state is gone or locked; it cannot be "
-                                 "taken")
+            raise IntegrityError(f"node {node.id}'s state is gone or locked; it cannot be taken")
         slot = int(node.mamba_value[0])
         self.mamba_lru_list.remove(node)
         del self._state_owner[slot]

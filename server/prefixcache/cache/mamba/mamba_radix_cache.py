@@ -114,15 +114,23 @@ class MambaRadixCache(MambaEviction, RadixCache):  # type: ignore[misc]
         listener: PageListener | None = None,
     ) -> None:
         if eviction_policy != "lru":
-            raise InvalidInputError(f"MambaRadixCache evicts in LRU order only, not "
-                                    f"{eviction_policy!r}")
+            raise InvalidInputError(
+                f"MambaRadixCache evicts in LRU order only, not {eviction_policy!r}"
+            )
         if mamba_pool is not None and not callable(getattr(mamba_pool, "free_track_slot", None)):
             raise InvalidInputError("mamba_pool needs free_track_slot (e.g. a MambaPool)")
         self.mamba_pool = mamba_pool
-        self.mamba_cache_chunk_size = check_count(mamba_cache_chunk_size,
-                                                  "mamba_cache_chunk_size", 1)
-        super().__init__(page_size, None, token_to_kv_pool_allocator, on_node_evict,
-                         eager_page_hashes=eager_page_hashes, listener=listener)
+        self.mamba_cache_chunk_size = check_count(
+            mamba_cache_chunk_size, "mamba_cache_chunk_size", 1
+        )
+        super().__init__(
+            page_size,
+            None,
+            token_to_kv_pool_allocator,
+            on_node_evict,
+            eager_page_hashes=eager_page_hashes,
+            listener=listener,
+        )
 
     def reset(self) -> None:
         """Forget every node. No slot is freed: clear the allocator and pool alongside."""
@@ -189,8 +197,9 @@ class MambaRadixCache(MambaEviction, RadixCache):  # type: ignore[misc]
         if best_pos == 0:
             return MatchResult(self._empty(), self.root_node, 0, branching)
         self._touch_path(best_node, hit=True)
-        return MatchResult(joined_slots(values[:kept], self.device), best_node,
-                           best_pos // token_bytes, branching)
+        return MatchResult(
+            joined_slots(values[:kept], self.device), best_node, best_pos // token_bytes, branching
+        )
 
     # Takes the state slot where RadixCache.insert takes the SWA options (which a
     # hybrid cache has no use for).
@@ -221,8 +230,10 @@ class MambaRadixCache(MambaEviction, RadixCache):  # type: ignore[misc]
         value = self._checked_value(key, value, num_tokens)
         slot = self._checked_state(mamba_value, end != len(packed))
         if slot is None and len(self.peek_prefix(key)) < num_tokens:
-            raise InvalidInputError("insert of tokens that are not cached yet needs the "
-                                    "state after them: pass mamba_value")
+            raise InvalidInputError(
+                "insert of tokens that are not cached yet needs the "
+                "state after them: pass mamba_value"
+            )
         if end == 0:
             return InsertResult(0, self.root_node, mamba_exist=True)
 
@@ -258,22 +269,24 @@ class MambaRadixCache(MambaEviction, RadixCache):  # type: ignore[misc]
         """Recompute everything from the tree; ``IntegrityError`` names any mismatch."""
         check_mamba_cache(self)
 
-    def _checked_state(self, mamba_value: int | torch.Tensor | None,
-                       unaligned: bool) -> int | None:
+    def _checked_state(self, mamba_value: int | torch.Tensor | None, unaligned: bool) -> int | None:
         """The state slot in ``mamba_value``, vetted, or None."""
         if mamba_value is None:
             return None
         slot = to_index(mamba_value, "mamba_value")
         if unaligned:
-            raise InvalidInputError(f"mamba_value is the state after the whole key, so the "
-                                    f"key must be whole pages of {self.page_size} tokens")
+            raise InvalidInputError(
+                f"mamba_value is the state after the whole key, so the "
+                f"key must be whole pages of {self.page_size} tokens"
+            )
         owner = self._state_owner.get(slot)
         if owner is not None:
             raise InvalidInputError(f"state slot {slot} already belongs to node {owner.id}")
         is_allocated = getattr(self.mamba_pool, "is_track_slot_allocated", None)
         if is_allocated is not None and not is_allocated(slot):
-            raise InvalidInputError(f"state slot {slot} is not a track slot handed out by "
-                                    "the Mamba pool")
+            raise InvalidInputError(
+                f"state slot {slot} is not a track slot handed out by the Mamba pool"
+            )
         return slot
 
     def _give_state(self, node: MambaTreeNode, slot: int) -> None:
@@ -326,15 +339,17 @@ class MambaRadixCache(MambaEviction, RadixCache):  # type: ignore[misc]
             self.root_node.children[(extra_key, width)] = ns_root
         return ns_root
 
-    def _add_leaf(self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor,
-                  slot: int | None = None) -> MambaTreeNode:
+    def _add_leaf(
+        self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor, slot: int | None = None
+    ) -> MambaTreeNode:
         parent = as_mamba(parent)
         ns = parent.require_namespace()
         if slot is None:  # insert refuses this first; a leaf without state is unmatchable
             raise InvalidInputError("a new leaf needs the state after it: pass mamba_value")
         self._clock += 1
-        leaf = MambaTreeNode(ns, key_bytes, owned_slots(value, 0, value.shape[0]), parent,
-                             self._clock)
+        leaf = MambaTreeNode(
+            ns, key_bytes, owned_slots(value, 0, value.shape[0]), parent, self._clock
+        )
         parent.children[key_bytes[: ns.page_bytes]] = leaf
         self._evictable += leaf.key_len
         self.full_lru_list.push_mru(leaf)

@@ -23,12 +23,24 @@ class MambaTreeNode(TreeNode):
     ``own_lock_ref`` while the node has state and is 0 otherwise.
     """
 
-    __slots__ = ("full_next", "full_prev", "mamba_access_time", "mamba_lock_ref",
-                 "mamba_next", "mamba_prev", "mamba_value")
+    __slots__ = (
+        "full_next",
+        "full_prev",
+        "mamba_access_time",
+        "mamba_lock_ref",
+        "mamba_next",
+        "mamba_prev",
+        "mamba_value",
+    )
 
-    def __init__(self, namespace: Namespace | None = None, key_bytes: bytes = b"",
-                 value: torch.Tensor | None = None, parent: MambaTreeNode | None = None,
-                 last_access_time: int = 0) -> None:
+    def __init__(
+        self,
+        namespace: Namespace | None = None,
+        key_bytes: bytes = b"",
+        value: torch.Tensor | None = None,
+        parent: MambaTreeNode | None = None,
+        last_access_time: int = 0,
+    ) -> None:
         super().__init__(namespace, key_bytes, value, parent, last_access_time)
         self.mamba_value: torch.Tensor | None = None
         self.mamba_lock_ref = 0
@@ -49,9 +61,11 @@ class MambaTreeNode(TreeNode):
 
     def __repr__(self) -> str:
         state = "tombstone" if self.mamba_value is None else f"state={self.mamba_value.tolist()}"
-        return (f"MambaTreeNode(id={self.id}, len={self.key_len}, lock_ref={self.lock_ref}, "
-                f"mamba_lock_ref={self.mamba_lock_ref}, {state}, "
-                f"children={len(self.children)}{', evicted' if self.evicted else ''})")
+        return (
+            f"MambaTreeNode(id={self.id}, len={self.key_len}, lock_ref={self.lock_ref}, "
+            f"mamba_lock_ref={self.mamba_lock_ref}, {state}, "
+            f"children={len(self.children)}{', evicted' if self.evicted else ''})"
+        )
 
 
 def as_mamba(node: TreeNode) -> MambaTreeNode:
@@ -62,8 +76,9 @@ def as_mamba(node: TreeNode) -> MambaTreeNode:
     return node
 
 
-def new_root(namespace: Namespace | None, parent: MambaTreeNode | None, value: torch.Tensor,
-             clock: int) -> MambaTreeNode:
+def new_root(
+    namespace: Namespace | None, parent: MambaTreeNode | None, value: torch.Tensor, clock: int
+) -> MambaTreeNode:
     """A root (or namespace root): locked for good, with the empty state of position 0."""
     root = MambaTreeNode(namespace, b"", value, parent, clock)
     root.lock_ref = root.swa_lock_ref = root.mamba_lock_ref = 1
@@ -71,8 +86,7 @@ def new_root(namespace: Namespace | None, parent: MambaTreeNode | None, value: t
     return root
 
 
-def split_node(child: MambaTreeNode, split_len: int, page_size: int,
-               clock: int) -> MambaTreeNode:
+def split_node(child: MambaTreeNode, split_len: int, page_size: int, clock: int) -> MambaTreeNode:
     """Put a new node holding ``child``'s first ``split_len`` tokens above it.
 
     The new node takes its part of the key, KV and page hashes and the full lock
@@ -83,8 +97,9 @@ def split_node(child: MambaTreeNode, split_len: int, page_size: int,
     ns = child.require_namespace()
     cut = split_len * ns.token_bytes
     parent = child.parent
-    upper = MambaTreeNode(ns, child.key_bytes[:cut], owned_slots(child.value, 0, split_len), parent,
-                          clock)
+    upper = MambaTreeNode(
+        ns, child.key_bytes[:cut], owned_slots(child.value, 0, split_len), parent, clock
+    )
     upper.lock_ref = child.lock_ref
     upper.hit_count = child.hit_count
     if child.hash_values is not None:
@@ -122,8 +137,7 @@ class LRUList:
 
     __slots__ = ("_head", "_len", "_next", "_prev", "_tail", "_time")
 
-    def __init__(self, prev_attr: str, next_attr: str,
-                 time_attr: str = "last_access_time") -> None:
+    def __init__(self, prev_attr: str, next_attr: str, time_attr: str = "last_access_time") -> None:
         self._prev = prev_attr
         self._next = next_attr
         self._time = time_attr
@@ -178,8 +192,9 @@ class LRUList:
                 anchor = node
             node = node.parent
 
-    def lru(self, accept: Callable[[MambaTreeNode], bool],
-            newer_than: MambaTreeNode | None = None) -> MambaTreeNode | None:
+    def lru(
+        self, accept: Callable[[MambaTreeNode], bool], newer_than: MambaTreeNode | None = None
+    ) -> MambaTreeNode | None:
         """The least recently used node that ``accept`` takes, or None.
 
         With ``newer_than`` (a node in the list) the search starts just above it, so a
@@ -194,9 +209,12 @@ class LRUList:
             node = getattr(node, prev)
         return None
 
-    def take_lru(self, accept: Callable[[MambaTreeNode], bool],
-                 take: Callable[[MambaTreeNode], MambaTreeNode | None],
-                 want_more: Callable[[], bool]) -> None:
+    def take_lru(
+        self,
+        accept: Callable[[MambaTreeNode], bool],
+        take: Callable[[MambaTreeNode], MambaTreeNode | None],
+        want_more: Callable[[], bool],
+    ) -> None:
         """Hand ``take`` the nodes that ``accept`` takes, least recent first, while
         ``want_more()``.
 
@@ -220,8 +238,11 @@ class LRUList:
             else:
                 return
             new = take(node)
-            if new is not None and accept(new) and (
-                    ahead is None or getattr(new, self._time) < getattr(ahead, self._time)):
+            if (
+                new is not None
+                and accept(new)
+                and (ahead is None or getattr(new, self._time) < getattr(ahead, self._time))
+            ):
                 heapq.heappush(behind, (getattr(new, self._time), new.id, new))
 
     def __iter__(self) -> Iterator[MambaTreeNode]:
@@ -321,17 +342,20 @@ def check_mamba_cache(cache: MambaCacheView) -> None:
         _check_state(cache, node, stateful, problems)
     counted = (cache.evictable_size(), cache.protected_size())
     if counted != (evictable, protected):
-        problems.append(f"sizes: counted evictable/protected {counted}, tree has "
-                        f"{(evictable, protected)}")
+        problems.append(
+            f"sizes: counted evictable/protected {counted}, tree has {(evictable, protected)}"
+        )
     locked = sum(1 for n in stateful.values() if n.mamba_lock_ref)
     counted = (cache.mamba_evictable_size(), cache.mamba_protected_size())
     if counted != (len(stateful) - locked, locked):
-        problems.append(f"Mamba sizes: counted {counted}, tree has "
-                        f"{(len(stateful) - locked, locked)}")
+        problems.append(
+            f"Mamba sizes: counted {counted}, tree has {(len(stateful) - locked, locked)}"
+        )
     owners = cache._state_owner
     if len(owners) != len(stateful):
-        problems.append(f"{len(owners)} state slots are registered, {len(stateful)} nodes "
-                        "have state")
+        problems.append(
+            f"{len(owners)} state slots are registered, {len(stateful)} nodes have state"
+        )
     problems += cache.full_lru_list.check(nodes, "full")
     problems += cache.mamba_lru_list.check(stateful, "Mamba")
     _check_slots(cache, [n.value for n in nodes.values()], problems)
@@ -342,11 +366,16 @@ def check_mamba_cache(cache: MambaCacheView) -> None:
         raise IntegrityError("; ".join(problems[:12]))
 
 
-def _check_state(cache: MambaCacheView, node: MambaTreeNode,
-                 stateful: dict[int, MambaTreeNode], problems: list[str]) -> None:
+def _check_state(
+    cache: MambaCacheView,
+    node: MambaTreeNode,
+    stateful: dict[int, MambaTreeNode],
+    problems: list[str],
+) -> None:
     if node.mamba_lock_ref > node.lock_ref:
-        problems.append(f"node {node.id}: mamba_lock_ref {node.mamba_lock_ref} > "
-                        f"full_lock_ref {node.lock_ref}")
+        problems.append(
+            f"node {node.id}: mamba_lock_ref {node.mamba_lock_ref} > full_lock_ref {node.lock_ref}"
+        )
     if node.mamba_value is None:
         if node.mamba_lock_ref:
             problems.append(f"tombstone {node.id} holds a Mamba lock")
@@ -354,20 +383,27 @@ def _check_state(cache: MambaCacheView, node: MambaTreeNode,
             problems.append(f"tombstone {node.id} is an unlocked leaf")
         return
     stateful[node.id] = node
-    if tuple(node.mamba_value.shape) != (1,) \
-            or cache._state_owner.get(int(node.mamba_value[0])) is not node:
-        problems.append(f"node {node.id}: state {node.mamba_value.tolist()} is not one "
-                        "registered slot")
+    if (
+        tuple(node.mamba_value.shape) != (1,)
+        or cache._state_owner.get(int(node.mamba_value[0])) is not node
+    ):
+        problems.append(
+            f"node {node.id}: state {node.mamba_value.tolist()} is not one registered slot"
+        )
     if node.mamba_lock_ref != node.own_lock_ref:
-        problems.append(f"node {node.id}: mamba_lock_ref {node.mamba_lock_ref} != its own "
-                        f"locks {node.own_lock_ref}")
+        problems.append(
+            f"node {node.id}: mamba_lock_ref {node.mamba_lock_ref} != its own "
+            f"locks {node.own_lock_ref}"
+        )
 
 
 def format_mamba_tree(cache: MambaCacheView) -> str:
     """The tree, one node a line: length, both locks, state slot (or tombstone), tokens."""
-    lines = [f"root  total={cache.total_size()} evictable={cache.evictable_size()} "
-             f"states={cache.mamba_total_size()} "
-             f"state_evictable={cache.mamba_evictable_size()}"]
+    lines = [
+        f"root  total={cache.total_size()} evictable={cache.evictable_size()} "
+        f"states={cache.mamba_total_size()} "
+        f"state_evictable={cache.mamba_evictable_size()}"
+    ]
     for tree_node, depth in walk(cache.root_node):
         node = as_mamba(tree_node)
         if not node.key_len:
@@ -376,7 +412,9 @@ def format_mamba_tree(cache: MambaCacheView) -> str:
             continue
         state = "tombstone" if node.mamba_value is None else f"state={int(node.mamba_value[0])}"
         more = "..." if node.key_len > 6 else ""
-        lines.append(f"{'  ' * (depth + 1)}#{node.id} len={node.key_len} lock={node.lock_ref} "
-                     f"mamba_lock={node.mamba_lock_ref} {state} "
-                     f"{node.key.token_ids[:6]}{more}")
+        lines.append(
+            f"{'  ' * (depth + 1)}#{node.id} len={node.key_len} lock={node.lock_ref} "
+            f"mamba_lock={node.mamba_lock_ref} {state} "
+            f"{node.key.token_ids[:6]}{more}"
+        )
     return "\n".join(lines)

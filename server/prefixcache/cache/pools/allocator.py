@@ -215,8 +215,11 @@ class TokenToKVPoolAllocator:
         ``[first, end)`` bounds of their runs of consecutive slots (None where they
         are too many to list), so a caller can work on them slice by slice."""
         # A plain non-negative int skips check_count's general coercion.
-        n = need_size if type(need_size) is int and need_size >= 0 \
+        n = (
+            need_size
+            if type(need_size) is int and need_size >= 0
             else check_count(need_size, "need_size", 0)
+        )
         if n == 0:
             return np.zeros(0, dtype=np.int64), []
         ps = self.page_size
@@ -320,8 +323,9 @@ class TokenToKVPoolAllocator:
                     break
                 runs += found
         if runs is None:
-            TokenToKVPoolAllocator.free(self, arrays[0] if len(arrays) == 1
-                                        else np.concatenate(arrays))
+            TokenToKVPoolAllocator.free(
+                self, arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            )
             return
         self._check_runs(runs, arrays)
         self._apply_free(_Checked(None, None, runs))
@@ -387,11 +391,15 @@ class TokenToKVPoolAllocator:
         else:
             emptied = [self._emptied_among(_kept(checked.idx))]
         if not self.need_sort and self.page_size > 1 and emptied:
-            pages = np.concatenate([np.arange(p[0], p[1] + 1, dtype=np.int64)
-                                    if isinstance(p, tuple) else p
-                                    for p in emptied])
-            emptied = [self._in_given_order(pages, _kept(checked.given))
-                       if pages.size > 1 else pages]
+            pages = np.concatenate(
+                [
+                    np.arange(p[0], p[1] + 1, dtype=np.int64) if isinstance(p, tuple) else p
+                    for p in emptied
+                ]
+            )
+            emptied = [
+                self._in_given_order(pages, _kept(checked.given)) if pages.size > 1 else pages
+            ]
         if self._group_depth:
             self._group_pending.append(emptied)
         else:
@@ -423,8 +431,11 @@ class TokenToKVPoolAllocator:
             done = last
             if first * ps < lo and live.find(1, first * ps, first * ps + ps) != -1:
                 first += 1
-            if first <= last and hi < last * ps + ps - 1 \
-                    and live.find(1, last * ps, last * ps + ps) != -1:
+            if (
+                first <= last
+                and hi < last * ps + ps - 1
+                and live.find(1, last * ps, last * ps + ps) != -1
+            ):
                 last -= 1
             if first > last:
                 continue

@@ -26,8 +26,17 @@ class FreePages:
     be a malloc. Released spans are merged without a sort or a temporary.
     """
 
-    __slots__ = ("_base", "_free", "_head", "_num_released", "_released", "_scratch",
-                 "_spare", "need_sort", "num_pages")
+    __slots__ = (
+        "_base",
+        "_free",
+        "_head",
+        "_num_released",
+        "_released",
+        "_scratch",
+        "_spare",
+        "need_sort",
+        "num_pages",
+    )
 
     def __init__(self, num_pages: int, need_sort: bool, scratch: Scratch) -> None:
         self.num_pages = num_pages
@@ -91,8 +100,7 @@ class FreePages:
         self._free, self._head = out[:total], 0
         self._released, self._num_released = [], 0
 
-    def _merge_spans(self, rest: np.ndarray, spans: list[tuple[int, int]],
-                     out: np.ndarray) -> None:
+    def _merge_spans(self, rest: np.ndarray, spans: list[tuple[int, int]], out: np.ndarray) -> None:
         """Write sorted ``rest`` and the spans (disjoint from it and from each other)
         into ``out``, ascending."""
         pos = done = 0

@@ -93,8 +93,9 @@ class KVPool:
         self.mla = bool(mla)
         if self.mla:
             if v_head_num is not None or v_head_dim is not None:
-                raise InvalidInputError("an MLA pool has no V: leave v_head_num and "
-                                        "v_head_dim unset")
+                raise InvalidInputError(
+                    "an MLA pool has no V: leave v_head_num and v_head_dim unset"
+                )
             self.v_head_num = self.v_head_dim = 0
         else:
             v_heads = self.k_head_num if v_head_num is None else v_head_num
@@ -118,7 +119,6 @@ class KVPool:
         if self._factory is not None:
             return checked_buffer(self._factory, shape, self.dtype, self.device)
         return torch.zeros(shape, dtype=self.dtype, device=self.device, pin_memory=pin)
-
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """Returns layer ``layer_id``'s K buffer (the live tensor, not a copy).
@@ -209,7 +209,6 @@ class KVPool:
         """Returns the total size of all K and V buffers in bytes."""
         return sum(t.numel() * t.element_size() for t in (*self.k_buffer, *self.v_buffer))
 
-
     def _check_not_mla(self, what: str) -> None:
         if self.mla:
             raise InvalidInputError(f"{what}: an MLA pool has no V buffer")
@@ -264,13 +263,20 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def checked_buffer(factory: BufferFactory, shape: tuple[int, ...], dtype: torch.dtype,
-          device: torch.device) -> torch.Tensor:
+def checked_buffer(
+    factory: BufferFactory, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """``factory``'s buffer, checked: a wrong one would corrupt KV silently later."""
     out = factory(shape, dtype)
-    if (tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device
-            or not out.is_contiguous()):
-        raise InvalidInputError(f"buffer_factory returned {tuple(out.shape)} {out.dtype} on "
-                                f"{out.device}, expected contiguous {tuple(shape)} {dtype} "
-                                f"on {device}")
+    if (
+        tuple(out.shape) != tuple(shape)
+        or out.dtype != dtype
+        or out.device != device
+        or not out.is_contiguous()
+    ):
+        raise InvalidInputError(
+            f"buffer_factory returned {tuple(out.shape)} {out.dtype} on "
+            f"{out.device}, expected contiguous {tuple(shape)} {dtype} "
+            f"on {device}"
+        )
     return out

@@ -90,16 +90,22 @@ class MambaPool:
         pin = self.device.type == "cpu" and torch.cuda.is_available()
         rows = (self.num_layers, self.num_slots)
         if buffer_factory is not None:
-            self.conv_state = checked_buffer(buffer_factory, rows + self.conv_state_shape, dtype,
-                                    self.device)
-            self.temporal_state = checked_buffer(buffer_factory, rows + self.temporal_state_shape,
-                                        temporal_dtype, self.device)
+            self.conv_state = checked_buffer(
+                buffer_factory, rows + self.conv_state_shape, dtype, self.device
+            )
+            self.temporal_state = checked_buffer(
+                buffer_factory, rows + self.temporal_state_shape, temporal_dtype, self.device
+            )
         else:
-            self.conv_state = torch.zeros(rows + self.conv_state_shape, dtype=dtype,
-                                          device=self.device, pin_memory=pin)
-            self.temporal_state = torch.zeros(rows + self.temporal_state_shape,
-                                              dtype=temporal_dtype, device=self.device,
-                                              pin_memory=pin)
+            self.conv_state = torch.zeros(
+                rows + self.conv_state_shape, dtype=dtype, device=self.device, pin_memory=pin
+            )
+            self.temporal_state = torch.zeros(
+                rows + self.temporal_state_shape,
+                dtype=temporal_dtype,
+                device=self.device,
+                pin_memory=pin,
+            )
         self._track_in_use = bytearray(self.num_slots)
         self.clear()
 
@@ -145,8 +151,7 @@ class MambaPool:
     def is_track_slot_allocated(self, slot: int | torch.Tensor) -> bool:
         """Whether ``slot`` is a track slot handed out and not yet freed."""
         index = to_index(slot, "slot")
-        return self.first_track_slot <= index < self.num_slots \
-            and bool(self._track_in_use[index])
+        return self.first_track_slot <= index < self.num_slots and bool(self._track_in_use[index])
 
     def available_track_slots(self) -> int:
         return len(self._free_track)
@@ -168,8 +173,9 @@ class MambaPool:
         """
         src_idx, dst_idx = self._slots(src, "src"), self._slots(dst, "dst")
         if src_idx.numel() != dst_idx.numel():
-            raise InvalidInputError(f"copy_states of {src_idx.numel()} slots onto "
-                                    f"{dst_idx.numel()}")
+            raise InvalidInputError(
+                f"copy_states of {src_idx.numel()} slots onto {dst_idx.numel()}"
+            )
         if len(torch.unique(dst_idx)) != dst_idx.numel():
             raise InvalidInputError("copy_states: dst names a slot twice")
         for state in (self.conv_state, self.temporal_state):
@@ -201,8 +207,9 @@ class MambaPool:
     def _track(self, slot: Any) -> int:
         index = to_index(slot, "slot")
         if not self.first_track_slot <= index < self.num_slots:
-            raise SlotIndexError(f"slot {index} is not a track slot "
-                                 f"[{self.first_track_slot}, {self.num_slots})")
+            raise SlotIndexError(
+                f"slot {index} is not a track slot [{self.first_track_slot}, {self.num_slots})"
+            )
         return index
 
     def _layer(self, layer_id: int) -> int:
@@ -234,10 +241,16 @@ def to_index(value: object, name: str) -> int:
     if isinstance(value, bool):
         raise InvalidInputError(f"{name} must be an int, got bool")
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_floating_point() or value.is_complex() \
-                or value.dtype == torch.bool:
-            raise InvalidInputError(f"{name} must be one integer slot, got a "
-                                    f"{value.dtype} tensor of shape {tuple(value.shape)}")
+        if (
+            value.numel() != 1
+            or value.is_floating_point()
+            or value.is_complex()
+            or value.dtype == torch.bool
+        ):
+            raise InvalidInputError(
+                f"{name} must be one integer slot, got a "
+                f"{value.dtype} tensor of shape {tuple(value.shape)}"
+            )
         return int(value.reshape(()).item())
     try:
         return operator.index(value)  # type: ignore[arg-type]  # it decides what is an int

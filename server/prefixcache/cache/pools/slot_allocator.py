@@ -135,8 +135,9 @@ class SlotAllocator:
         return f"SlotAllocator(max_slots={self.max_slots}, free={len(self._free)})"
 
 
-def kv_layout(kv_cache: Any, num_slots: int,
-              n_layers: int | None = None) -> tuple[list[torch.Tensor], int]:
+def kv_layout(
+    kv_cache: Any, num_slots: int, n_layers: int | None = None
+) -> tuple[list[torch.Tensor], int]:
     """Check a slot-major KV layout and return its tensors and the layers to copy.
 
     ``kv_cache`` is one tensor ``[num_slots, max_seq_len, n_layers, ...]`` or a sequence
@@ -146,24 +147,34 @@ def kv_layout(kv_cache: Any, num_slots: int,
     Raises:
         InvalidInputError: anything else.
     """
-    tensors = [kv_cache] if isinstance(kv_cache, torch.Tensor) else \
-        list(kv_cache) if isinstance(kv_cache, (list, tuple)) else []
+    tensors = (
+        [kv_cache]
+        if isinstance(kv_cache, torch.Tensor)
+        else list(kv_cache)
+        if isinstance(kv_cache, (list, tuple))
+        else []
+    )
     if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in tensors):
-        raise InvalidInputError("kv_cache must be a tensor [slots, positions, layers, ...] "
-                                "or a (k_cache, v_cache) pair of them")
+        raise InvalidInputError(
+            "kv_cache must be a tensor [slots, positions, layers, ...] "
+            "or a (k_cache, v_cache) pair of them"
+        )
     lead = tensors[0].shape[:3]
     if any(t.shape[:3] != lead for t in tensors) or lead[0] < num_slots:
-        raise InvalidInputError(f"kv_cache tensors must share [slots, positions, layers] and "
-                                f"have at least {num_slots} slots, got "
-                                f"{[tuple(t.shape) for t in tensors]}")
+        raise InvalidInputError(
+            f"kv_cache tensors must share [slots, positions, layers] and "
+            f"have at least {num_slots} slots, got "
+            f"{[tuple(t.shape) for t in tensors]}"
+        )
     layers = lead[2] if n_layers is None else check_count(n_layers, "n_layers")
     if layers > lead[2]:
         raise InvalidInputError(f"n_layers {layers} > the {lead[2]} layers of kv_cache")
     return tensors, layers
 
 
-def copy_slot_kv(tensors: list[torch.Tensor], source: int, target: int, length: int,
-                 n_layers: int) -> None:
+def copy_slot_kv(
+    tensors: list[torch.Tensor], source: int, target: int, length: int, n_layers: int
+) -> None:
     """Copy positions ``[0, length)`` of the first ``n_layers`` layers from slot ``source``
     to slot ``target`` in every tensor (checked by ``kv_layout``), on their device."""
     with torch.no_grad():

@@ -122,8 +122,9 @@ class SWATokenToKVPoolAllocator:
             for got, side in ((full, self.full_attn_allocator), (swa, self.swa_attn_allocator)):
                 if got is not None:
                     side.free(got)
-            raise IntegrityError(f"SWA allocator: {n} slots were available, yet one side "
-                                 "refused them")
+            raise IntegrityError(
+                f"SWA allocator: {n} slots were available, yet one side refused them"
+            )
         self._full_to_swa[host_indices(full)] = host_indices(swa)
         return full
 

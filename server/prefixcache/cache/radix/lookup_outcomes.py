@@ -45,8 +45,16 @@ BELOW_PAGE = "below_page"
 LOAD_FAILED = "load_failed"
 LEASE_EXPIRED = "lease_expired"
 CAPACITY = "capacity"
-OUTCOMES = (HIT, MISS_COLD, MISS_EVICTED, MISS_NAMESPACE, BELOW_PAGE, LOAD_FAILED,
-            LEASE_EXPIRED, CAPACITY)
+OUTCOMES = (
+    HIT,
+    MISS_COLD,
+    MISS_EVICTED,
+    MISS_NAMESPACE,
+    BELOW_PAGE,
+    LOAD_FAILED,
+    LEASE_EXPIRED,
+    CAPACITY,
+)
 # Other namespaces looked into for a miss, at most, and namespaces examined to find
 # them: bounds a lookup's cost where a model has many (one per LoRA adapter, tenant or
 # salt), the oldest first.
@@ -85,7 +93,7 @@ def cached_bytes(ns_root: TreeNode | None, packed: bytes, end: int, page_bytes: 
     only (no split, no touch), like ``RadixCache.peek_prefix`` without the slots."""
     node, pos = ns_root, 0
     while node is not None and pos < end:
-        child = node.children.get(packed[pos:pos + page_bytes])
+        child = node.children.get(packed[pos : pos + page_bytes])
         if child is None:
             break
         if packed.startswith(child.key_bytes, pos):
@@ -97,9 +105,17 @@ def cached_bytes(ns_root: TreeNode | None, packed: bytes, end: int, page_bytes: 
     return pos
 
 
-def classify(cache: Any, key: RadixKey, hit: int, record: EvictedPages | None,
-             ids: PrefixIds, *, check_same: bool = False,
-             namespaces: Any = None, block: int = 1) -> Classified:
+def classify(
+    cache: Any,
+    key: RadixKey,
+    hit: int,
+    record: EvictedPages | None,
+    ids: PrefixIds,
+    *,
+    check_same: bool = False,
+    namespaces: Any = None,
+    block: int = 1,
+) -> Classified:
     """The outcome of each range of ``key``, which a lookup hit for ``hit`` tokens.
 
     Args:
@@ -125,8 +141,12 @@ def classify(cache: Any, key: RadixKey, hit: int, record: EvictedPages | None,
         pos = hit
         roots = cache.root_node.children
         if check_same:
-            same = cached_bytes(roots.get((key.extra_key, width)), packed,
-                                end * token_bytes, page_bytes) // token_bytes
+            same = (
+                cached_bytes(
+                    roots.get((key.extra_key, width)), packed, end * token_bytes, page_bytes
+                )
+                // token_bytes
+            )
             if same > pos:
                 out.add(MISS_EVICTED, pos, same)
                 pos = same
@@ -135,13 +155,15 @@ def classify(cache: Any, key: RadixKey, hit: int, record: EvictedPages | None,
             for examined, ((extra_key, token_width), root) in enumerate(roots.items()):
                 if examined >= MAX_EXAMINED:
                     break
-                if token_width != width or extra_key == key.extra_key \
-                        or is_hash_namespace(extra_key) \
-                        or (namespaces is not None and not namespaces(extra_key)):
+                if (
+                    token_width != width
+                    or extra_key == key.extra_key
+                    or is_hash_namespace(extra_key)
+                    or (namespaces is not None and not namespaces(extra_key))
+                ):
                     continue
                 looked += 1
-                other = cached_bytes(root, packed, end * token_bytes,
-                                     page_bytes) // token_bytes
+                other = cached_bytes(root, packed, end * token_bytes, page_bytes) // token_bytes
                 if other > best:
                     best, out.namespace = other, extra_key
                 if looked >= MAX_OTHER_NAMESPACES:
@@ -150,11 +172,10 @@ def classify(cache: Any, key: RadixKey, hit: int, record: EvictedPages | None,
             pos = best
         size = page * block  # tokens per id
         first = hit // size
-        out.page_ids = ids.pages(packed, size * width, namespace_salt(key.extra_key, width),
-                                 first)
+        out.page_ids = ids.pages(packed, size * width, namespace_salt(key.extra_key, width), first)
         if pos < end and record is not None and len(record):
             start = pos // size  # the first block that ends beyond pos
-            known = out.page_ids[start - first:].tolist()
+            known = out.page_ids[start - first :].tolist()
             run = 0
             while run < len(known) and known[run] in record:
                 run += 1

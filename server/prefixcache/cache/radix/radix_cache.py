@@ -93,8 +93,13 @@ class RadixCache(RadixEviction, BasePrefixCache):
         if windowed:
             RadixCache._windowed = cls
 
-    def __new__(cls, page_size: int = 1, sliding_window_size: int | None = None,
-                *args: object, **kwargs: object) -> RadixCache:
+    def __new__(
+        cls,
+        page_size: int = 1,
+        sliding_window_size: int | None = None,
+        *args: object,
+        **kwargs: object,
+    ) -> RadixCache:
         if cls is RadixCache and sliding_window_size is not None:
             if RadixCache._windowed is None:  # prefixcache.cache is still loading
                 raise CacheError("SWARadixCache is not loaded yet: import prefixcache.cache")
@@ -214,8 +219,11 @@ class RadixCache(RadixEviction, BasePrefixCache):
         pos, last = 0, self.root_node
         while node is not None and pos < end:
             child = node.children.get(packed[pos : pos + page_bytes])
-            if child is None or len(child.key_bytes) > end - pos \
-                    or not packed.startswith(child.key_bytes, pos):
+            if (
+                child is None
+                or len(child.key_bytes) > end - pos
+                or not packed.startswith(child.key_bytes, pos)
+            ):
                 break
             pos += len(child.key_bytes)
             node = last = child
@@ -263,8 +271,14 @@ class RadixCache(RadixEviction, BasePrefixCache):
             node = self._add_leaf(node, packed[pos:end], run)
         return InsertResult(prefix_len, node)
 
-    def retain(self, node: TreeNode, seconds: float, priority: int, owner: Hashable = None,
-               limit: int | None = None) -> RetainResult:
+    def retain(
+        self,
+        node: TreeNode,
+        seconds: float,
+        priority: int,
+        owner: Hashable = None,
+        limit: int | None = None,
+    ) -> RetainResult:
         """Retain the prefix ending at ``node`` for ``seconds`` (renewed by every touch)
         at ``priority`` (1 to 99), counted against ``owner``, whose retained tokens may
         not pass ``limit``; ``seconds`` 0 ends ``owner``'s retention of it. The rules,
@@ -324,8 +338,8 @@ class RadixCache(RadixEviction, BasePrefixCache):
         check_radix_cache(self)
         if self.retention is not None:
             problems = self.retention.problems(
-                node for ns_root in self.root_node.children.values()
-                for node, _ in walk(ns_root))
+                node for ns_root in self.root_node.children.values() for node, _ in walk(ns_root)
+            )
             if problems:
                 raise IntegrityError("; ".join(problems[:12]))
 
@@ -337,8 +351,16 @@ class RadixCache(RadixEviction, BasePrefixCache):
         page_bytes = token_bytes * self.page_size
         return packed, width, token_bytes, page_bytes, len(packed) - len(packed) % page_bytes
 
-    def _descend(self, node: TreeNode, packed: bytes, pos: int, end: int, page_bytes: int,
-                 touch: bool = True, hit: bool = False) -> tuple[TreeNode, TreeNode] | None:
+    def _descend(
+        self,
+        node: TreeNode,
+        packed: bytes,
+        pos: int,
+        end: int,
+        page_bytes: int,
+        touch: bool = True,
+        hit: bool = False,
+    ) -> tuple[TreeNode, TreeNode] | None:
         """Follow ``packed[pos:end]`` one edge down from ``node``.
 
         Returns ``(child, covered)``, or None if no child starts with the next page: the
@@ -395,18 +417,25 @@ class RadixCache(RadixEviction, BasePrefixCache):
             if self.token_to_kv_pool_allocator is not None:
                 # The token ids would be stored as slots the allocator never handed
                 # out, and a later eviction would free them.
-                raise InvalidInputError("value=None is only for a cache without an "
-                                        "allocator: pass the slots of the key's tokens")
+                raise InvalidInputError(
+                    "value=None is only for a cache without an "
+                    "allocator: pass the slots of the key's tokens"
+                )
             if key.token_width != 1:
                 raise InvalidInputError("value=None needs int tokens; pass slots for tuple keys")
             return torch.tensor(list(key.token_ids[:num_tokens]), dtype=torch.int64)
-        slots = value if isinstance(value, torch.Tensor) else torch.as_tensor(value,
-                                                                             dtype=torch.int64)
+        slots = (
+            value if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=torch.int64)
+        )
         # A set lookup settles the usual dtypes; the tensor queries cost ~0.3 µs each.
-        if slots.dim() != 1 or (slots.dtype not in _INT_DTYPES and (
-                slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool)):
-            raise InvalidInputError(f"value must be a 1-D integer tensor, got {slots.dtype} "
-                                    f"of shape {tuple(slots.shape)}")
+        if slots.dim() != 1 or (
+            slots.dtype not in _INT_DTYPES
+            and (slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool)
+        ):
+            raise InvalidInputError(
+                f"value must be a 1-D integer tensor, got {slots.dtype} "
+                f"of shape {tuple(slots.shape)}"
+            )
         if slots.shape[0] < num_tokens:
             raise InvalidInputError(f"value has {len(slots)} slots for {num_tokens} tokens")
         return slots
@@ -414,8 +443,7 @@ class RadixCache(RadixEviction, BasePrefixCache):
     def _add_leaf(self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor) -> TreeNode:
         ns = parent.require_namespace()
         self._clock += 1
-        leaf = TreeNode(ns, key_bytes, owned_slots(value, 0, value.shape[0]), parent,
-                        self._clock)
+        leaf = TreeNode(ns, key_bytes, owned_slots(value, 0, value.shape[0]), parent, self._clock)
         parent.children[key_bytes[: ns.page_bytes]] = leaf
         self._evictable += leaf.key_len
         self._leaves.push(leaf)
@@ -436,8 +464,13 @@ class RadixCache(RadixEviction, BasePrefixCache):
         ns = child.require_namespace()
         cut = split_len * ns.token_bytes
         parent = child.parent
-        upper = TreeNode(ns, child.key_bytes[:cut], owned_slots(child.value, 0, split_len), parent,
-                         child.last_access_time)
+        upper = TreeNode(
+            ns,
+            child.key_bytes[:cut],
+            owned_slots(child.value, 0, split_len),
+            parent,
+            child.last_access_time,
+        )
         upper.lock_ref = child.lock_ref
         upper.swa_lock_ref = child.swa_lock_ref
         upper.swa_tombstone = child.swa_tombstone
@@ -447,8 +480,10 @@ class RadixCache(RadixEviction, BasePrefixCache):
         upper.swa_boundary_id, child.swa_boundary_id = child.swa_boundary_id, None
         if child.hash_values is not None:
             pages = split_len // self.page_size
-            upper.hash_values, child.hash_values = (child.hash_values[:pages],
-                                                    child.hash_values[pages:])
+            upper.hash_values, child.hash_values = (
+                child.hash_values[:pages],
+                child.hash_values[pages:],
+            )
         child.key_bytes = child.key_bytes[cut:]
         child.key_len -= split_len
         child.value = owned_slots(child.value, split_len, child.value.shape[0])

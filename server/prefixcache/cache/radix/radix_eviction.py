@@ -135,8 +135,7 @@ class RadixEviction:
         """Detach an unlocked leaf (its slots are the caller's to free)."""
         ns = node.namespace
         if ns is None or node.children or node.lock_ref:  # only an unlocked leaf may go
-            raise IntegrityError(f"node {node.id} is not an unlocked leaf; it cannot be "
-                                 "deleted")
+            raise IntegrityError(f"node {node.id} is not an unlocked leaf; it cannot be deleted")
         if node.retain_priority and self.retention is not None:
             self.retention.forget(node)
         parent = node.parent
@@ -158,8 +157,9 @@ class RadixEviction:
             del self.root_node.children[(ns.extra_key, ns.token_width)]
             ns_root.evicted = True
 
-    def _free(self, values: list[torch.Tensor],
-              free: Callable[[torch.Tensor], None] | None = None) -> None:
+    def _free(
+        self, values: list[torch.Tensor], free: Callable[[torch.Tensor], None] | None = None
+    ) -> None:
         """Give the allocator (``free``, by default its ``free``) the slots of ``values``.
 
         One call frees them all: the allocator's ``free_parts`` where it has one (no

@@ -57,19 +57,26 @@ class SWARadixCache(RadixCache, windowed=True):
     ) -> None:
         if not isinstance(sliding_window_size, int) or sliding_window_size < 1:
             raise InvalidInputError(
-                f"sliding_window_size must be an int >= 1, got {sliding_window_size!r}")
+                f"sliding_window_size must be an int >= 1, got {sliding_window_size!r}"
+            )
         free_swa = getattr(token_to_kv_pool_allocator, "free_swa", None)
         if token_to_kv_pool_allocator is not None and not callable(free_swa):
-            raise InvalidInputError("SWA mode needs an allocator with free_swa "
-                                    "(e.g. SWATokenToKVPoolAllocator)")
+            raise InvalidInputError(
+                "SWA mode needs an allocator with free_swa (e.g. SWATokenToKVPoolAllocator)"
+            )
         self._free_swa: Callable[[torch.Tensor], None] | None = free_swa
         self._window = sliding_window_size
-        self._windows: EvictionQueue[TreeNode] = EvictionQueue(
-            get_eviction_policy(eviction_policy))
+        self._windows: EvictionQueue[TreeNode] = EvictionQueue(get_eviction_policy(eviction_policy))
         self._boundary_ids = count(1)
-        super().__init__(page_size, sliding_window_size, token_to_kv_pool_allocator,
-                         on_node_evict, eviction_policy=eviction_policy,
-                         eager_page_hashes=eager_page_hashes, listener=listener)
+        super().__init__(
+            page_size,
+            sliding_window_size,
+            token_to_kv_pool_allocator,
+            on_node_evict,
+            eviction_policy=eviction_policy,
+            eager_page_hashes=eager_page_hashes,
+            listener=listener,
+        )
 
     def reset(self) -> None:
         super().reset()
@@ -149,8 +156,10 @@ class SWARadixCache(RadixCache, windowed=True):
         value = self._checked_value(key, value, num_tokens)
         if swa_evicted_seqlen % self.page_size and swa_evicted_seqlen < num_tokens:
             # Rounding either way would tombstone live SWA KV or keep freed KV live.
-            raise InvalidInputError(f"swa_evicted_seqlen {swa_evicted_seqlen} is not a "
-                                    f"multiple of the page size {self.page_size}")
+            raise InvalidInputError(
+                f"swa_evicted_seqlen {swa_evicted_seqlen} is not a "
+                f"multiple of the page size {self.page_size}"
+            )
         if end == 0:
             return InsertResult(0, self.root_node)
         swa_evicted = min(swa_evicted_seqlen, num_tokens)
@@ -180,8 +189,12 @@ class SWARadixCache(RadixCache, windowed=True):
                 self._leaves.discard(node)
                 if swa_evicted > off:
                     cut = swa_evicted - off
-                    node = self._add_leaf(node, packed[pos : pos + cut * token_bytes],
-                                          value[off:swa_evicted], tombstone=True)
+                    node = self._add_leaf(
+                        node,
+                        packed[pos : pos + cut * token_bytes],
+                        value[off:swa_evicted],
+                        tombstone=True,
+                    )
                     self._leaves.discard(node)
                     pos, off = pos + cut * token_bytes, swa_evicted
                 node = self._add_leaf(node, packed[pos:end], value[off:num_tokens])
@@ -190,9 +203,15 @@ class SWARadixCache(RadixCache, windowed=True):
         self._free(freed)
         return InsertResult(prefix_len, node if node.key_len else self.root_node)
 
-    def _take_incoming(self, node: TreeNode, value: torch.Tensor, off: int,
-                       prev_prefix_len: int, swa_evicted: int,
-                       freed: list[torch.Tensor]) -> TreeNode:
+    def _take_incoming(
+        self,
+        node: TreeNode,
+        value: torch.Tensor,
+        off: int,
+        prev_prefix_len: int,
+        swa_evicted: int,
+        freed: list[torch.Tensor],
+    ) -> TreeNode:
         """Settle the incoming slots for a matched node that lies past ``prev_prefix_len``.
 
         Returns the node covering the end of the matched segment.
@@ -255,8 +274,9 @@ class SWARadixCache(RadixCache, windowed=True):
                 self._notify_evicted(gone)
         return EvictResult(full_evicted=full, swa_evicted=swa)
 
-    def _delete_subtree_end(self, leaf: TreeNode, freed: list[torch.Tensor],
-                            gone: list[int]) -> tuple[int, int]:
+    def _delete_subtree_end(
+        self, leaf: TreeNode, freed: list[torch.Tensor], gone: list[int]
+    ) -> tuple[int, int]:
         """Delete an unlocked leaf and every childless unlocked tombstone above it."""
         full = swa = 0
         node = leaf
@@ -364,8 +384,9 @@ class SWARadixCache(RadixCache, windowed=True):
             n.hit_count += 1
             self._touch(n)
 
-    def _add_leaf(self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor,
-                  tombstone: bool = False) -> TreeNode:
+    def _add_leaf(
+        self, parent: TreeNode, key_bytes: bytes, value: torch.Tensor, tombstone: bool = False
+    ) -> TreeNode:
         leaf = super()._add_leaf(parent, key_bytes, value)
         if tombstone:
             leaf.swa_tombstone = True

@@ -86,13 +86,18 @@ class TreeImage:
         keys = memoryview(self.keys).cast("B")
         key_end, slot_end = self.key_ends().tolist(), self.slot_ends().tolist()
         key_start, slot_start = [0, *key_end[:-1]], [0, *slot_end[:-1]]
-        return TreeParts(self.page_size, self.namespaces, self.parent, self.namespace,
-                         self.key_lens, self.ticks,
-                         np.zeros(self.nodes, dtype=np.int64) if self.node_ids is None
-                         else self.node_ids,
-                         [bytes(keys[a:b]) for a, b in zip(key_start, key_end, strict=True)],
-                         [self.slots[a:b] for a, b in zip(slot_start, slot_end, strict=True)],
-                         [])
+        return TreeParts(
+            self.page_size,
+            self.namespaces,
+            self.parent,
+            self.namespace,
+            self.key_lens,
+            self.ticks,
+            np.zeros(self.nodes, dtype=np.int64) if self.node_ids is None else self.node_ids,
+            [bytes(keys[a:b]) for a, b in zip(key_start, key_end, strict=True)],
+            [self.slots[a:b] for a, b in zip(slot_start, slot_end, strict=True)],
+            [],
+        )
 
     def token_bytes(self) -> np.ndarray:
         """Bytes per token of each node (its namespace's width)."""
@@ -135,9 +140,17 @@ class TreeParts:
     def image(self) -> TreeImage:
         """The same tree as one ``TreeImage`` (its keys and slots joined)."""
         slots = np.concatenate(self.slots) if self.slots else np.zeros(0, dtype=np.int64)
-        return TreeImage(self.page_size, self.namespaces, self.parent, self.namespace,
-                         self.key_lens, self.ticks, b"".join(self.keys), slots,
-                         self.node_ids)
+        return TreeImage(
+            self.page_size,
+            self.namespaces,
+            self.parent,
+            self.namespace,
+            self.key_lens,
+            self.ticks,
+            b"".join(self.keys),
+            slots,
+            self.node_ids,
+        )
 
 
 def take(cache: RadixCache) -> TreeParts:
@@ -145,8 +158,9 @@ def take(cache: RadixCache) -> TreeParts:
     per node than this holds): one pass over the nodes, no copy of their tokens or
     slots."""
     if type(cache) is not RadixCache:
-        raise SnapshotError(f"only a plain RadixCache can be snapshotted, not "
-                            f"{type(cache).__name__}")
+        raise SnapshotError(
+            f"only a plain RadixCache can be snapshotted, not {type(cache).__name__}"
+        )
     namespaces: list[tuple[str | None, int]] = []
     parent: list[int] = []
     ns_of: list[int] = []
@@ -174,10 +188,18 @@ def take(cache: RadixCache) -> TreeParts:
             slots.append(host_indices(node.value))
             nodes.append(node)
             stack.extend((child, index) for child in node.children.values())
-    return TreeParts(cache.page_size, namespaces, np.asarray(parent, dtype=np.int64),
-                     np.asarray(ns_of, dtype=np.int64), np.asarray(lens, dtype=np.int64),
-                     np.asarray(ticks, dtype=np.int64), np.asarray(ids, dtype=np.int64),
-                     keys, slots, nodes)
+    return TreeParts(
+        cache.page_size,
+        namespaces,
+        np.asarray(parent, dtype=np.int64),
+        np.asarray(ns_of, dtype=np.int64),
+        np.asarray(lens, dtype=np.int64),
+        np.asarray(ticks, dtype=np.int64),
+        np.asarray(ids, dtype=np.int64),
+        keys,
+        slots,
+        nodes,
+    )
 
 
 _CHUNK_PAGES = 1 << 16
@@ -196,9 +218,9 @@ def _pages_of(slots: np.ndarray, page_size: int) -> np.ndarray | None:
     offsets = np.arange(page_size, dtype=np.int64)
     expect = np.empty((min(_CHUNK_PAGES, rows.shape[0]), page_size), dtype=np.int64)
     for lo in range(0, rows.shape[0], _CHUNK_PAGES):
-        part = rows[lo:lo + _CHUNK_PAGES]
-        want = expect[:part.shape[0]]
-        np.add(first[lo:lo + _CHUNK_PAGES, None], offsets, out=want)
+        part = rows[lo : lo + _CHUNK_PAGES]
+        want = expect[: part.shape[0]]
+        np.add(first[lo : lo + _CHUNK_PAGES, None], offsets, out=want)
         if not np.array_equal(part, want):
             return None
     return first // page_size
@@ -211,11 +233,18 @@ def encode_parts(tree: TreeParts) -> list[Buffer]:
     pages = [_pages_of(s, tree.page_size) for s in tree.slots]
     paged = bool(pages) and all(p is not None for p in pages)
     stored = [p for p in pages if p is not None] if paged else tree.slots
-    header = json.dumps({
-        "format": FORMAT, "version": VERSION, "page_size": tree.page_size,
-        "namespaces": [list(ns) for ns in tree.namespaces], "nodes": len(tree.nodes),
-        "key_bytes": sum(len(k) for k in tree.keys), "slots": tree.tokens,
-        "paged": paged}).encode()
+    header = json.dumps(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "page_size": tree.page_size,
+            "namespaces": [list(ns) for ns in tree.namespaces],
+            "nodes": len(tree.nodes),
+            "key_bytes": sum(len(k) for k in tree.keys),
+            "slots": tree.tokens,
+            "paged": paged,
+        }
+    ).encode()
     parts: list[Buffer] = [_LEN.pack(len(header)), header]
     parts += [_le(a) for a in (tree.parent, tree.namespace, tree.key_lens, tree.ticks)]
     parts += tree.keys
@@ -245,14 +274,17 @@ def decode(data: Buffer) -> TreeImage:
 
 def _decode(data: memoryview) -> TreeImage:
     (size,) = _LEN.unpack_from(data, 0)
-    header = json.loads(bytes(data[_LEN.size:_LEN.size + size]))
+    header = json.loads(bytes(data[_LEN.size : _LEN.size + size]))
     if header.get("format") != FORMAT or header.get("version") != VERSION:
         raise SnapshotError(f"not a version-{VERSION} tree snapshot")
     n, nkey, nslot = int(header["nodes"]), int(header["key_bytes"]), int(header["slots"])
     page_size, paged = int(header["page_size"]), header.get("paged") is True
     namespaces = [(ek, int(w)) for ek, w in header["namespaces"]]
-    if min(n, nkey, nslot) < 0 or page_size < 1 or any(
-            w < 1 or not (ek is None or isinstance(ek, str)) for ek, w in namespaces):
+    if (
+        min(n, nkey, nslot) < 0
+        or page_size < 1
+        or any(w < 1 or not (ek is None or isinstance(ek, str)) for ek, w in namespaces)
+    ):
         raise SnapshotError("negative counts, or a bad page size or namespace")
     if paged and nslot % page_size:
         raise SnapshotError("paged slots that are not whole pages")
@@ -265,16 +297,19 @@ def _decode(data: memoryview) -> TreeImage:
         arrays.append(np.frombuffer(data, dtype=_I64, count=n, offset=pos).astype(np.int64))
         pos += n * 8
     parent, namespace, key_lens, ticks = arrays
-    keys = data[pos:pos + nkey]
+    keys = data[pos : pos + nkey]
     slots = np.frombuffer(data, dtype=_I64, count=stored, offset=pos + nkey)
     if paged:  # one pass into one new array (the page numbers are a 1/page_size of it)
         out = np.empty((stored, page_size), dtype=np.int64)
         np.add((slots * page_size)[:, None], np.arange(page_size), out=out)
         slots = out.reshape(-1)
     index = np.arange(n, dtype=np.int64)
-    if n and (not ((parent >= -1) & (parent < index)).all()
-              or not ((namespace >= 0) & (namespace < len(namespaces))).all()
-              or (key_lens < 1).any() or (key_lens % page_size).any()):
+    if n and (
+        not ((parent >= -1) & (parent < index)).all()
+        or not ((namespace >= 0) & (namespace < len(namespaces))).all()
+        or (key_lens < 1).any()
+        or (key_lens % page_size).any()
+    ):
         raise SnapshotError("a node with a bad parent, namespace or length")
     inner = parent >= 0
     if (namespace[inner] != namespace[parent[inner]]).any():
@@ -311,22 +346,36 @@ def prune(image: TreeImage, keep: np.ndarray) -> TreeImage:
     slot_start = image.slot_ends() - image.key_lens
     tb = image.token_bytes()
     key_start = image.key_ends() - image.key_lens * tb
-    slots = np.concatenate([image.slots[s:s + k] for s, k in
-                            zip(slot_start[kept].tolist(), lens.tolist(), strict=True)]
-                           or [np.zeros(0, dtype=np.int64)])
+    slots = np.concatenate(
+        [
+            image.slots[s : s + k]
+            for s, k in zip(slot_start[kept].tolist(), lens.tolist(), strict=True)
+        ]
+        or [np.zeros(0, dtype=np.int64)]
+    )
     keys = memoryview(image.keys).cast("B")
-    key_bytes = b"".join(keys[s:s + k] for s, k in
-                         zip(key_start[kept].tolist(), (lens * tb[kept]).tolist(), strict=True))
+    key_bytes = b"".join(
+        keys[s : s + k]
+        for s, k in zip(key_start[kept].tolist(), (lens * tb[kept]).tolist(), strict=True)
+    )
     used = distinct(image.namespace[kept])
     namespace = np.searchsorted(used, image.namespace[kept])
-    return replace(image, namespaces=[image.namespaces[i] for i in used.tolist()],
-                   parent=new_parent, namespace=namespace.astype(np.int64), key_lens=lens,
-                   ticks=image.ticks[kept], keys=key_bytes, slots=slots,
-                   node_ids=None if image.node_ids is None else image.node_ids[kept])
+    return replace(
+        image,
+        namespaces=[image.namespaces[i] for i in used.tolist()],
+        parent=new_parent,
+        namespace=namespace.astype(np.int64),
+        key_lens=lens,
+        ticks=image.ticks[kept],
+        keys=key_bytes,
+        slots=slots,
+        node_ids=None if image.node_ids is None else image.node_ids[kept],
+    )
 
 
-def restore(cache: RadixCache, allocator: TokenToKVPoolAllocator, image: TreeImage,
-            check: bool = True) -> list[TreeNode]:
+def restore(
+    cache: RadixCache, allocator: TokenToKVPoolAllocator, image: TreeImage, check: bool = True
+) -> list[TreeNode]:
     """Rebuild ``image`` in the empty ``cache``, its slots taken from the empty
     ``allocator``; returns the new nodes, in the image's order. On SnapshotError both
     are left empty. ``check=False`` leaves the closing ``check_integrity`` to a caller
@@ -345,8 +394,9 @@ def restore(cache: RadixCache, allocator: TokenToKVPoolAllocator, image: TreeIma
         raise SnapshotError(f"the tree could not be rebuilt: {exc}") from exc
 
 
-def _restore(cache: RadixCache, allocator: TokenToKVPoolAllocator, image: TreeImage,
-             check: bool) -> list[TreeNode]:
+def _restore(
+    cache: RadixCache, allocator: TokenToKVPoolAllocator, image: TreeImage, check: bool
+) -> list[TreeNode]:
     if image.page_size != cache.page_size:
         raise SnapshotError(f"page size {image.page_size}, the cache's is {cache.page_size}")
     slots = image.slots
@@ -379,12 +429,12 @@ def _build(cache: RadixCache, image: TreeImage, slots: np.ndarray) -> list[TreeN
         root = roots[spaces[i]]
         ns = root.require_namespace()
         up = root if parents[i] < 0 else nodes[parents[i]]
-        key = bytes(keys[key_start:key_end[i]])
+        key = bytes(keys[key_start : key_end[i]])
         # A view of the one slot array: its memory goes once the last restored node
         # does (a split or an eviction copies or drops a node's slots).
-        value = torch.from_numpy(slots[slot_start:slot_end[i]])
+        value = torch.from_numpy(slots[slot_start : slot_end[i]])
         node = TreeNode(ns, key, value, up, ticks[i])
-        first = key[:ns.page_bytes]
+        first = key[: ns.page_bytes]
         if first in up.children:
             raise SnapshotError("two nodes under one parent begin with the same page")
         up.children[first] = node

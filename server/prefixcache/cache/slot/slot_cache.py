@@ -86,12 +86,19 @@ class SlotPrefixCache(SlotTree):
         eviction_policy: name from ``EVICTION_POLICIES``.
     """
 
-    def __init__(self, allocator: SlotAllocator, capacity: int, *,
-                 max_seq_len: int | None = None, eviction_policy: str = "lru") -> None:
+    def __init__(
+        self,
+        allocator: SlotAllocator,
+        capacity: int,
+        *,
+        max_seq_len: int | None = None,
+        eviction_policy: str = "lru",
+    ) -> None:
         self.allocator = allocator
         self.capacity = check_count(capacity, "capacity", minimum=1)
-        self.max_seq_len = None if max_seq_len is None else check_count(
-            max_seq_len, "max_seq_len", minimum=1)
+        self.max_seq_len = (
+            None if max_seq_len is None else check_count(max_seq_len, "max_seq_len", minimum=1)
+        )
         self.eviction_policy = eviction_policy
         self._leaves = EvictionQueue(get_eviction_policy(eviction_policy))
         self.reset()
@@ -130,8 +137,9 @@ class SlotPrefixCache(SlotTree):
         self._touch(path)
         return match
 
-    def insert(self, tokens: TokensLike, slot: int, version: int, *,
-               extra_key: str | None = None) -> SlotInsertResult:
+    def insert(
+        self, tokens: TokensLike, slot: int, version: int, *, extra_key: str | None = None
+    ) -> SlotInsertResult:
         """Record that ``slot`` at ``version`` holds the KV of ``tokens`` from position 0.
 
         Raises:
@@ -144,11 +152,13 @@ class SlotPrefixCache(SlotTree):
         slot = self.allocator.checked_slot(slot)
         version = check_count(version, "version")
         if not self.allocator.is_current(slot, version):
-            raise StaleSlotError(f"slot {slot} is at version {self.allocator.version(slot)}, "
-                                 f"not {version}")
+            raise StaleSlotError(
+                f"slot {slot} is at version {self.allocator.version(slot)}, not {version}"
+            )
         if self.max_seq_len is not None and len(key) > self.max_seq_len:
-            raise InvalidInputError(f"{len(key)} tokens do not fit a slot of "
-                                    f"{self.max_seq_len} positions")
+            raise InvalidInputError(
+                f"{len(key)} tokens do not fit a slot of {self.max_seq_len} positions"
+            )
         packed, width = key.packed()
         token_bytes = TOKEN_BYTES * width
         packed = packed[: self.capacity * token_bytes]
@@ -188,8 +198,9 @@ class SlotPrefixCache(SlotTree):
         evicted = self._shrink()
         return SlotInsertResult(prefix_len, None if node.evicted else node, evicted)
 
-    def pin(self, target: SlotNode | TokensLike, *,
-            extra_key: str | None = None) -> SlotNode | None:
+    def pin(
+        self, target: SlotNode | TokensLike, *, extra_key: str | None = None
+    ) -> SlotNode | None:
         """Keep a prefix in the tree until ``release``; pins on one node add up.
 
         ``target`` is a node handle, or tokens: then the prefix ``find`` would return is
@@ -252,8 +263,15 @@ class SlotPrefixCache(SlotTree):
         more) if there are that many, and return how many went. Slots are untouched."""
         return self._evict(check_count(num_tokens, "num_tokens"))
 
-    def copy_kv(self, tokens: TokensLike, target_slot: int, kv_cache: KVCacheLike,
-                n_layers: int | None = None, *, extra_key: str | None = None) -> SlotMatch:
+    def copy_kv(
+        self,
+        tokens: TokensLike,
+        target_slot: int,
+        kv_cache: KVCacheLike,
+        n_layers: int | None = None,
+        *,
+        extra_key: str | None = None,
+    ) -> SlotMatch:
         """Copy the K and V of ``tokens``' longest usable cached prefix into ``target_slot``.
 
         ``kv_cache`` is one tensor ``[num_slots, max_seq_len, n_layers, ...]`` (K and V
@@ -274,8 +292,10 @@ class SlotPrefixCache(SlotTree):
             raise InvalidInputError(f"target slot {target} is free; allocate it first")
         path, match = self._lookup(key)
         if match.prefix_len > tensors[0].shape[1]:
-            raise InvalidInputError(f"the cached prefix ({match.prefix_len} tokens) is longer "
-                                    f"than kv_cache's {tensors[0].shape[1]} positions")
+            raise InvalidInputError(
+                f"the cached prefix ({match.prefix_len} tokens) is longer "
+                f"than kv_cache's {tensors[0].shape[1]} positions"
+            )
         if match.slot != target and (target, self.allocator.version(target)) in self._tips:
             raise InvalidInputError(f"slot {target} holds cached KV that a copy would overwrite")
         self._touch(path)
@@ -295,8 +315,9 @@ class SlotPrefixCache(SlotTree):
     def _key(self, tokens: TokensLike, extra_key: str | None) -> RadixKey:
         if isinstance(tokens, RadixKey):
             if extra_key is not None and extra_key != tokens.extra_key:
-                raise InvalidInputError(f"extra_key {extra_key!r} contradicts the key's "
-                                        f"{tokens.extra_key!r}")
+                raise InvalidInputError(
+                    f"extra_key {extra_key!r} contradicts the key's {tokens.extra_key!r}"
+                )
             key = tokens
         else:
             try:
@@ -329,8 +350,7 @@ class SlotPrefixCache(SlotTree):
             # A stale node does not end the walk: a deeper node may name a slot that
             # holds this part of the path as well.
             if is_current(child.slot, child.version):
-                served, best = len(path), SlotMatch(pos // token_bytes, child.slot,
-                                                    child.version)
+                served, best = len(path), SlotMatch(pos // token_bytes, child.slot, child.version)
             if matched < len(child.key_bytes):
                 break
             node = child
@@ -344,8 +364,9 @@ class SlotPrefixCache(SlotTree):
             node.hit_count += 1
             self._leaves.refresh(node)
 
-    def _check_consistent(self, extra_key: str | None, width: int, packed: bytes,
-                          slot: int, version: int) -> None:
+    def _check_consistent(
+        self, extra_key: str | None, width: int, packed: bytes, slot: int, version: int
+    ) -> None:
         """Refuse a key that disagrees with what ``(slot, version)`` is known to hold."""
         tip = self._tips.get((slot, version))
         if tip is None:
@@ -356,10 +377,12 @@ class SlotPrefixCache(SlotTree):
             parts.append(n.key_bytes)
             n = n.parent
         held = b"".join(reversed(parts))
-        if (ns.extra_key, ns.token_width) != (extra_key, width) \
-                or not (held.startswith(packed) or packed.startswith(held)):
-            raise InvalidInputError(f"slot {slot} at version {version} already holds a "
-                                    "different sequence")
+        if (ns.extra_key, ns.token_width) != (extra_key, width) or not (
+            held.startswith(packed) or packed.startswith(held)
+        ):
+            raise InvalidInputError(
+                f"slot {slot} at version {version} already holds a different sequence"
+            )
 
     def _assign(self, node: SlotNode, slot: int, version: int) -> None:
         old = (node.slot, node.version)
@@ -385,4 +408,3 @@ class SlotPrefixCache(SlotTree):
             top = top.parent
         if top.evicted or top.parent is not self.root_node:
             raise LockError("node does not belong to this cache (or predates a reset)")
-

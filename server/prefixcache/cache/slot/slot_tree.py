@@ -24,13 +24,19 @@ class SlotNode(TreeNode):
     slot: int
     version: int
 
-    def __init__(self, namespace: Namespace | None, key_bytes: bytes, parent: SlotNode | None,
-                 slot: int, version: int, last_access_time: int) -> None:
+    def __init__(
+        self,
+        namespace: Namespace | None,
+        key_bytes: bytes,
+        parent: SlotNode | None,
+        slot: int,
+        version: int,
+        last_access_time: int,
+    ) -> None:
         super().__init__(namespace, key_bytes, None, parent, last_access_time)
         self.slot = slot
         self.version = version
         self.depth = (parent.depth if parent is not None else 0) + self.key_len
-
 
 
 class SlotTree:
@@ -58,8 +64,7 @@ class SlotTree:
             self.root_node.children[(extra_key, width)] = ns_root
         return ns_root
 
-    def _add_leaf(self, parent: SlotNode, key_bytes: bytes, slot: int,
-                  version: int) -> SlotNode:
+    def _add_leaf(self, parent: SlotNode, key_bytes: bytes, slot: int, version: int) -> SlotNode:
         ns = parent.require_namespace()
         leaf = SlotNode(ns, key_bytes, parent, slot, version, self._clock)
         parent.children[key_bytes[: ns.token_bytes]] = leaf
@@ -75,8 +80,9 @@ class SlotTree:
         if parent is None:
             raise IntegrityError(f"node {child.id} has no parent to split under")
         cut = split_len * ns.token_bytes
-        upper = SlotNode(ns, child.key_bytes[:cut], parent, child.slot, child.version,
-                         child.last_access_time)
+        upper = SlotNode(
+            ns, child.key_bytes[:cut], parent, child.slot, child.version, child.last_access_time
+        )
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
         child.key_bytes = child.key_bytes[cut:]

@@ -87,12 +87,27 @@ class TrieNode:
     and no tokens or blocks left.
     """
 
-    __slots__ = ("__weakref__", "active_seqs", "blocks", "children", "evicted", "id",
-                 "key_bytes", "last_access_time", "parent", "trie_tag")
+    __slots__ = (
+        "__weakref__",
+        "active_seqs",
+        "blocks",
+        "children",
+        "evicted",
+        "id",
+        "key_bytes",
+        "last_access_time",
+        "parent",
+        "trie_tag",
+    )
 
-    def __init__(self, key_bytes: bytes = b"", blocks: list[BlockId] | None = None,
-                 parent: TrieNode | None = None, last_access_time: int = 0,
-                 trie_tag: int = 0) -> None:
+    def __init__(
+        self,
+        key_bytes: bytes = b"",
+        blocks: list[BlockId] | None = None,
+        parent: TrieNode | None = None,
+        last_access_time: int = 0,
+        trie_tag: int = 0,
+    ) -> None:
         self.children: dict[bytes, TrieNode] = {}
         self.key_bytes = key_bytes
         self.blocks: list[BlockId] = [] if blocks is None else blocks
@@ -122,8 +137,10 @@ class TrieNode:
         return self.last_access_time < other.last_access_time
 
     def __repr__(self) -> str:
-        return (f"TrieNode(id={self.id}, tokens={self.num_tokens}, blocks={len(self.blocks)}, "
-                f"seqs={len(self.active_seqs)}{', evicted' if self.evicted else ''})")
+        return (
+            f"TrieNode(id={self.id}, tokens={self.num_tokens}, blocks={len(self.blocks)}, "
+            f"seqs={len(self.active_seqs)}{', evicted' if self.evicted else ''})"
+        )
 
 
 class RadixTrie:
@@ -170,18 +187,22 @@ class RadixTrie:
         if n % ps:
             raise InvalidInputError(
                 f"Insertion failed: the number of tokens is not divisible by the page "
-                f"size. len(tokens) == {n} but page_size == {ps}.")
+                f"size. len(tokens) == {n} but page_size == {ps}."
+            )
         if n // ps != len(blocks):
             raise InvalidInputError(
                 f"Insertion failed: the number of tokens and blocks do not match. "
-                f"len(tokens) // page_size == {n // ps} but len(blocks) == {len(blocks)}.")
+                f"len(tokens) // page_size == {n // ps} but len(blocks) == {len(blocks)}."
+            )
         if n == 0:
-            raise InvalidInputError("Insertion failed: attempted to insert 0 tokens into the "
-                                    "trie; provide at least one page.")
+            raise InvalidInputError(
+                "Insertion failed: attempted to insert 0 tokens into the "
+                "trie; provide at least one page."
+            )
         start = self._start(node)
         path, child, matched = self._walk(start, data)
         pos = sum(len(p.key_bytes) for p in path) + matched
-        new = blocks[pos // self._page_bytes:]
+        new = blocks[pos // self._page_bytes :]
         self._check_new_blocks(new)
         end = path[-1] if path else start
         if child is not None:
@@ -190,8 +211,9 @@ class RadixTrie:
             end = self._add_leaf(end, data[pos:], new)
         return end
 
-    def match_prefix(self, tokens: Any, node: TrieNode | None = None
-                     ) -> tuple[TrieNode, list[BlockId]]:
+    def match_prefix(
+        self, tokens: Any, node: TrieNode | None = None
+    ) -> tuple[TrieNode, list[BlockId]]:
         """The longest cached run of whole pages of ``tokens`` after ``node`` (the root
         by default): the node where it ends and its blocks. Does not refresh recency.
 
@@ -201,8 +223,9 @@ class RadixTrie:
         """
         data = self._packed(tokens)
         if not data:
-            raise InvalidInputError("Match failed: attempted to match 0 tokens in the trie; "
-                                    "provide at least one token.")
+            raise InvalidInputError(
+                "Match failed: attempted to match 0 tokens in the trie; provide at least one token."
+            )
         start = self._start(node)
         data = data[: len(data) - len(data) % self._page_bytes]
         path, child, matched = self._walk(start, data)
@@ -252,16 +275,21 @@ class RadixTrie:
         _check_seq(seq_id)
         for child in start.children.values():
             if seq_id in child.active_seqs:
-                raise LockError(f"sequence {seq_id!r} still uses node {child.id} below node "
-                                f"{start.id}: release it from the deepest node it uses")
+                raise LockError(
+                    f"sequence {seq_id!r} still uses node {child.id} below node "
+                    f"{start.id}: release it from the deepest node it uses"
+                )
         path = []
         cur, below = start, None
         while cur is not self.root:
             if seq_id not in cur.active_seqs:
-                raise LockError(f"sequence {seq_id!r} does not use node {cur.id} (on the "
-                                f"path of node {start.id})")
-            if below is not None and any(seq_id in c.active_seqs for c in cur.children.values()
-                                         if c is not below):
+                raise LockError(
+                    f"sequence {seq_id!r} does not use node {cur.id} (on the "
+                    f"path of node {start.id})"
+                )
+            if below is not None and any(
+                seq_id in c.active_seqs for c in cur.children.values() if c is not below
+            ):
                 break  # the sequence still uses this node through another branch
             path.append(cur)
             cur, below = cur.parent, cur  # type: ignore[assignment]
@@ -292,8 +320,9 @@ class RadixTrie:
         try:
             want = operator.index(desired_num_evicted)
         except TypeError:
-            raise InvalidInputError(f"desired_num_evicted must be an int, not "
-                                    f"{type(desired_num_evicted).__name__}") from None
+            raise InvalidInputError(
+                f"desired_num_evicted must be an int, not {type(desired_num_evicted).__name__}"
+            ) from None
         out: list[BlockId] = []
         leaves, pb = self._leaves, self._page_bytes
         while len(out) < want:
@@ -301,7 +330,7 @@ class RadixTrie:
             if leaf is None:
                 break
             take = min(want - len(out), len(leaf.blocks))
-            gone = leaf.blocks[len(leaf.blocks) - take:]
+            gone = leaf.blocks[len(leaf.blocks) - take :]
             out.extend(gone)
             for block in gone:
                 del self._owner[block]
@@ -351,26 +380,26 @@ class RadixTrie:
     def _packed(self, tokens: Any) -> bytes:
         data, width = pack_tokens(tokens)
         if width != 1:
-            raise InvalidInputError("RadixTrie tokens are plain ids, one per token (no "
-                                    "tuple tokens)")
+            raise InvalidInputError(
+                "RadixTrie tokens are plain ids, one per token (no tuple tokens)"
+            )
         return data
 
     def _start(self, node: TrieNode | None) -> TrieNode:
         if node is None:
             return self.root
         if not isinstance(node, TrieNode) or node.trie_tag != self._tag or node.evicted:
-            raise InvalidInputError(f"{node!r} is not a node of this trie (evicted, or "
-                                    "another trie's)")
+            raise InvalidInputError(
+                f"{node!r} is not a node of this trie (evicted, or another trie's)"
+            )
         return node
 
     def _marked(self, node: TrieNode) -> TrieNode:
         if not isinstance(node, TrieNode) or node.trie_tag != self._tag or node.evicted:
-            raise LockError(f"{node!r} is not a node of this trie (evicted, or another "
-                            "trie's)")
+            raise LockError(f"{node!r} is not a node of this trie (evicted, or another trie's)")
         return node
 
-    def _walk(self, start: TrieNode, data: bytes
-              ) -> tuple[list[TrieNode], TrieNode | None, int]:
+    def _walk(self, start: TrieNode, data: bytes) -> tuple[list[TrieNode], TrieNode | None, int]:
         """Follow whole pages of ``data`` down from ``start``, changing nothing: the
         nodes matched whole, then the child the match ends inside (None if none) and the
         bytes of it that match (whole pages, at least one)."""
@@ -378,7 +407,7 @@ class RadixTrie:
         path: list[TrieNode] = []
         node, pos = start, 0
         while pos < end:
-            child = node.children.get(data[pos:pos + pb])
+            child = node.children.get(data[pos : pos + pb])
             if child is None:
                 break
             if data.startswith(child.key_bytes, pos):
@@ -394,8 +423,9 @@ class RadixTrie:
         try:
             for block in blocks:
                 if block in self._owner:
-                    raise InvalidInputError(f"block {block!r} is stored at node "
-                                            f"{self._owner[block].id} already")
+                    raise InvalidInputError(
+                        f"block {block!r} is stored at node {self._owner[block].id} already"
+                    )
                 if block in seen:
                     raise InvalidInputError(f"block {block!r} is named twice")
                 seen.add(block)
@@ -418,8 +448,9 @@ class RadixTrie:
         pb = self._page_bytes
         pages = cut // pb
         parent: TrieNode = child.parent  # type: ignore[assignment]
-        upper = TrieNode(child.key_bytes[:cut], child.blocks[:pages], parent,
-                         child.last_access_time, self._tag)
+        upper = TrieNode(
+            child.key_bytes[:cut], child.blocks[:pages], parent, child.last_access_time, self._tag
+        )
         upper.active_seqs = set(child.active_seqs)
         child.key_bytes = child.key_bytes[cut:]
         child.blocks = child.blocks[pages:]
@@ -448,5 +479,4 @@ def _check_seq(seq_id: Any) -> None:
     try:
         hash(seq_id)
     except TypeError:
-        raise InvalidInputError(f"seq_id must be hashable, not {type(seq_id).__name__}") \
-            from None
+        raise InvalidInputError(f"seq_id must be hashable, not {type(seq_id).__name__}") from None

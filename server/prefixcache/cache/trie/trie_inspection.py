@@ -83,22 +83,28 @@ def check_radix_trie(trie: RadixTrie) -> None:
         if node.evicted or node.trie_tag != trie._tag:
             problems.append(f"node {node.id} is reachable but evicted or another trie's")
         if not node.key_bytes or len(node.key_bytes) % pb:
-            problems.append(f"node {node.id} holds {len(node.key_bytes) // 4} tokens, not "
-                            f"whole pages of {ps}")
+            problems.append(
+                f"node {node.id} holds {len(node.key_bytes) // 4} tokens, not whole pages of {ps}"
+            )
         if len(node.blocks) != len(node.key_bytes) // pb:
-            problems.append(f"node {node.id} has {len(node.blocks)} blocks for "
-                            f"{len(node.key_bytes) // pb} pages")
+            problems.append(
+                f"node {node.id} has {len(node.blocks)} blocks for "
+                f"{len(node.key_bytes) // pb} pages"
+            )
         if parent is None or parent.children.get(node.key_bytes[:pb]) is not node:
             problems.append(f"node {node.id} is not its parent's child under its first page")
         elif parent is not root and not node.active_seqs <= parent.active_seqs:
-            problems.append(f"node {node.id} is used by {node.active_seqs - parent.active_seqs}"
-                            f" that its parent {parent.id} is not")
+            problems.append(
+                f"node {node.id} is used by {node.active_seqs - parent.active_seqs}"
+                f" that its parent {parent.id} is not"
+            )
         if node.last_access_time > trie._clock:
             problems.append(f"node {node.id} is more recent than the clock")
         for block in node.blocks:
             if block in owner:
-                problems.append(f"block {block!r} is stored at nodes {owner[block].id} and "
-                                f"{node.id}")
+                problems.append(
+                    f"block {block!r} is stored at nodes {owner[block].id} and {node.id}"
+                )
             owner[block] = node
             if not node.active_seqs:
                 evictable.add(block)
@@ -107,10 +113,13 @@ def check_radix_trie(trie: RadixTrie) -> None:
     if {b: n.id for b, n in owner.items()} != {b: n.id for b, n in trie._owner.items()}:
         problems.append("the block owners disagree with the nodes")
     if evictable != set(trie._evictable):
-        problems.append(f"evictable blocks: {len(trie._evictable)} kept, {len(evictable)} "
-                        "recomputed")
+        problems.append(
+            f"evictable blocks: {len(trie._evictable)} kept, {len(evictable)} recomputed"
+        )
     if leaves != trie._leaves.node_ids():
-        problems.append(f"eviction candidates: {sorted(trie._leaves.node_ids())} kept, "
-                        f"{sorted(leaves)} recomputed")
+        problems.append(
+            f"eviction candidates: {sorted(trie._leaves.node_ids())} kept, "
+            f"{sorted(leaves)} recomputed"
+        )
     if problems:
         raise IntegrityError("; ".join(problems))

@@ -35,8 +35,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             by the servicer, not here).
     """
 
-    def __init__(self, token: str | None, admin_token: str | None,
-                 tenant_tokens: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, token: str | None, admin_token: str | None, tenant_tokens: tuple[str, ...] = ()
+    ) -> None:
         self.token = token
         self.admin_token = admin_token
         self.tenant_tokens = tenant_tokens
@@ -48,7 +49,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         return any(hits)
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         details: grpc.HandlerCallDetails,
     ) -> Any:
         method = details.method
@@ -56,28 +58,40 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(details)
         presented = ""
         for key, value in details.invocation_metadata or ():
-            if key == "authorization" and isinstance(value, str) \
-                    and value[:7].lower() == "bearer ":
+            if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
                 presented = value[7:].strip()
         is_admin = _matches(presented, self.admin_token)
         if method in ADMIN_METHODS:
             if not is_admin:
                 if self._required and not self._plain(presented):
-                    return await self._deny(continuation, details,
-                                            grpc.StatusCode.UNAUTHENTICATED,
-                                            "missing or wrong bearer token")
-                return await self._deny(continuation, details,
-                                        grpc.StatusCode.PERMISSION_DENIED,
-                                        f"{method} needs the admin token")
+                    return await self._deny(
+                        continuation,
+                        details,
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        "missing or wrong bearer token",
+                    )
+                return await self._deny(
+                    continuation,
+                    details,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method} needs the admin token",
+                )
         elif self._required and not is_admin and not self._plain(presented):
-            return await self._deny(continuation, details, grpc.StatusCode.UNAUTHENTICATED,
-                                    "missing or wrong bearer token")
+            return await self._deny(
+                continuation,
+                details,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token",
+            )
         return await continuation(details)
 
     @staticmethod
-    async def _deny(continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-                    details: grpc.HandlerCallDetails, code: grpc.StatusCode,
-                    message: str) -> Any:
+    async def _deny(
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        details: grpc.HandlerCallDetails,
+        code: grpc.StatusCode,
+        message: str,
+    ) -> Any:
         handler = await continuation(details)
         if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
             return None
@@ -96,6 +110,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             (True, False): grpc.stream_unary_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(handler.request_streaming, streaming)]
-        return factory(deny_stream if streaming else deny_unary,
-                       request_deserializer=handler.request_deserializer,
-                       response_serializer=handler.response_serializer)
+        return factory(
+            deny_stream if streaming else deny_unary,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

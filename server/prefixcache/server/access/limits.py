@@ -18,28 +18,45 @@ from ..config import ModelConfig, ServerConfig
 from ..errors import OverLimitError, TooLargeError
 
 # The `limit` label values of prefixcache_refusals_total that this module's checks use.
-LIMIT_NAMES = ("max_extra_key_bytes", "max_client_name_bytes", "max_session_id_bytes",
-               "max_request_tokens", "max_sessions", "max_sessions_per_client",
-               "max_step_items", "max_step_bytes",
-               # request_caps.py: a request's bytes, checked before it is parsed.
-               "max_request_bytes",
-               # kv_access.py and evict_policy.py; tenant_namespaces is tenants.py's refusal.
-               "max_read_bytes", "max_inflight_write_bytes", "max_inflight_write_bytes_total",
-               "max_evict_tokens", "tenant_namespaces",
-               # quotas.py: what one session may hold.
-               "max_session_slots", "max_session_state_slots", "max_session_locked_tokens",
-               "max_session_streams",
-               # reply_caps.py: a reply that could not be sent is refused before the work.
-               "max_message_bytes",
-               # subscriptions.py: Subscribe streams, and how far behind one may fall.
-               "max_subscribe_streams", "max_session_subscribes", "max_subscribes_per_client",
-               "max_subscriber_pending_bytes",
-               # turns.py: long calls (Explain, ExistsPages) admitted per client.
-               "long_calls_per_client")
+LIMIT_NAMES = (
+    "max_extra_key_bytes",
+    "max_client_name_bytes",
+    "max_session_id_bytes",
+    "max_request_tokens",
+    "max_sessions",
+    "max_sessions_per_client",
+    "max_step_items",
+    "max_step_bytes",
+    # request_caps.py: a request's bytes, checked before it is parsed.
+    "max_request_bytes",
+    # kv_access.py and evict_policy.py; tenant_namespaces is tenants.py's refusal.
+    "max_read_bytes",
+    "max_inflight_write_bytes",
+    "max_inflight_write_bytes_total",
+    "max_evict_tokens",
+    "tenant_namespaces",
+    # quotas.py: what one session may hold.
+    "max_session_slots",
+    "max_session_state_slots",
+    "max_session_locked_tokens",
+    "max_session_streams",
+    # reply_caps.py: a reply that could not be sent is refused before the work.
+    "max_message_bytes",
+    # subscriptions.py: Subscribe streams, and how far behind one may fall.
+    "max_subscribe_streams",
+    "max_session_subscribes",
+    "max_subscribes_per_client",
+    "max_subscriber_pending_bytes",
+    # turns.py: long calls (Explain, ExistsPages) admitted per client.
+    "long_calls_per_client",
+)
 
 # String fields with a size limit, by field name: the setting that bounds them.
-STRING_LIMITS = {"extra_key": "max_extra_key_bytes", "client_name": "max_client_name_bytes",
-                  "session_id": "max_session_id_bytes"}
+STRING_LIMITS = {
+    "extra_key": "max_extra_key_bytes",
+    "client_name": "max_client_name_bytes",
+    "session_id": "max_session_id_bytes",
+}
 
 
 # The limits are settings of ``ServerConfig``, declared there once with their defaults
@@ -62,8 +79,12 @@ def sessions_required(limits: ServerConfig) -> bool:
     """Whether calls that may go without a session (ExistsPages) must name one: where
     tenants or per-session quotas are configured, every call should be some session's,
     so that its cost can be told apart and bounded."""
-    return bool(limits.tenants or limits.max_session_slots or limits.max_session_state_slots
-                or limits.max_session_locked_tokens)
+    return bool(
+        limits.tenants
+        or limits.max_session_slots
+        or limits.max_session_state_slots
+        or limits.max_session_locked_tokens
+    )
 
 
 # Per message type: its string fields that have a limit (found once, from the descriptor).
@@ -74,8 +95,11 @@ def _limited_fields(message: Any) -> tuple[tuple[str, str], ...]:
     descriptor = message.DESCRIPTOR
     found = _LIMITED_FIELDS.get(descriptor.full_name)
     if found is None:
-        found = tuple((name, setting) for name, setting in STRING_LIMITS.items()
-                      if name in descriptor.fields_by_name)
+        found = tuple(
+            (name, setting)
+            for name, setting in STRING_LIMITS.items()
+            if name in descriptor.fields_by_name
+        )
         _LIMITED_FIELDS[descriptor.full_name] = found
     return found
 
@@ -106,8 +130,10 @@ def check_fields(message: Any, limits: Limits) -> None:
 def too_large(name: str, setting: str, limits: Limits) -> TooLargeError:
     """The refusal of string field ``name`` over ``setting``; it does not repeat the
     value."""
-    return TooLargeError(f"{name} is longer than {getattr(limits, setting)} bytes, the "
-                         f"limit server.{setting}", setting)
+    return TooLargeError(
+        f"{name} is longer than {getattr(limits, setting)} bytes, the limit server.{setting}",
+        setting,
+    )
 
 
 def check_count(field: str, count: int, cap: int) -> None:
@@ -120,7 +146,8 @@ def check_count(field: str, count: int, cap: int) -> None:
         raise OverLimitError(
             f"{field} holds {count} entries, more than the {cap} one request may carry "
             "(server.max_request_tokens; by default the model's pool size)",
-            "max_request_tokens")
+            "max_request_tokens",
+        )
 
 
 def truncate(text: str, cap: int) -> str:

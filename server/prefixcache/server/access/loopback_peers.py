@@ -41,11 +41,16 @@ def _packed(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
 
 
 def _lookup(family: int, src: bytes, sport: int, dst: bytes, dport: int) -> int | None:
-    sockid = struct.pack("!HH", sport, dport) + src + dst + struct.pack(
-        "=III", 0, _NO_COOKIE, _NO_COOKIE)
+    sockid = (
+        struct.pack("!HH", sport, dport)
+        + src
+        + dst
+        + struct.pack("=III", 0, _NO_COOKIE, _NO_COOKIE)
+    )
     body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0, _ALL_STATES) + sockid
-    message = _HEADER.pack(_HEADER.size + len(body), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST,
-                           1, 0) + body
+    message = (
+        _HEADER.pack(_HEADER.size + len(body), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0) + body
+    )
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
         nl.settimeout(1.0)
         nl.sendto(message, (0, 0))

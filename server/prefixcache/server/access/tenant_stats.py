@@ -52,8 +52,11 @@ class TenantCounts:
         key = extra_key or ""
         found = self._memo.get(key)
         if found is None:
-            found = tuple(name for name, spaces in self._tenants
-                          if any(key.startswith(prefix) for prefix in spaces))
+            found = tuple(
+                name
+                for name, spaces in self._tenants
+                if any(key.startswith(prefix) for prefix in spaces)
+            )
             if len(self._memo) >= _MEMO:
                 self._memo.clear()
             self._memo[key] = found

@@ -143,11 +143,15 @@ class Callers:
     whichever token matches (or none does).
     """
 
-    def __init__(self, admin_token: str | None = None,
-                 tenants: tuple[TenantConfig, ...] = ()) -> None:
+    def __init__(
+        self, admin_token: str | None = None, tenants: tuple[TenantConfig, ...] = ()
+    ) -> None:
         self._admin = admin_token
-        self._tenants = {_digest(t.token): Caller(tenant=t.name, namespaces=t.namespaces)
-                         for t in tenants if t.token}
+        self._tenants = {
+            _digest(t.token): Caller(tenant=t.name, namespaces=t.namespaces)
+            for t in tenants
+            if t.token
+        }
         self.tokens = tuple(t.token for t in tenants if t.token)
 
     @property
@@ -176,13 +180,18 @@ def check_request(caller: Caller, request: Any, service: Any) -> None:
         return
     for extra_key in _extra_keys(request):
         if not caller.may_use(extra_key):
-            raise DeniedError(f"extra_key is outside the namespaces of this token (tenant "
-                              f"{caller.tenant!r})", LIMIT)
+            raise DeniedError(
+                f"extra_key is outside the namespaces of this token (tenant {caller.tenant!r})",
+                LIMIT,
+            )
     if request.DESCRIPTOR.name == "LockRequest" and request.node_id:
         node = _node(service, request.model, request.node_id)
         if node is not None and not caller.may_use(_namespace_of(node)):
-            raise DeniedError(f"node {request.node_id} is outside the namespaces of this "
-                              f"token (tenant {caller.tenant!r})", LIMIT)
+            raise DeniedError(
+                f"node {request.node_id} is outside the namespaces of this "
+                f"token (tenant {caller.tenant!r})",
+                LIMIT,
+            )
 
 
 def _extra_keys(message: Any) -> Iterator[str | None]:

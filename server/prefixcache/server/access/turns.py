@@ -75,7 +75,8 @@ class Turns:
             raise OverLimitError(
                 f"this client has {held} long calls (Explain, ExistsPages) admitted, the most "
                 f"one client may have at once ({self.per_client}): wait for their answers",
-                LIMIT)
+                LIMIT,
+            )
         self.admitted[client] = held + 1
         turn = Turn(self, client)
         try:

@@ -63,8 +63,14 @@ _READY_WITHIN = 30.0
 _SUN_PATH = 107  # bytes of a unix socket path, less its terminating NUL
 _LONGEST_NAME = "prefixcache-peers-xxxxxxxx/4294967295.4294967295.18446744073709551615"
 # What stops the service does not stop the relay: the service drains through it.
-_IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-            signal.SIGUSR2)
+_IGNORED = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
 
 # The relays' directories in this process: a peer named under one of them was bound by
 # its relay (``credentials``).
@@ -126,8 +132,7 @@ class UnixPeerRelay:
         """Accept connections (gRPC must listen on ``inner`` by now)."""
         self._listener.listen(socket.SOMAXCONN)
         self._spawn()
-        self._watcher = threading.Thread(target=self._watch, name="unix-peer-relay",
-                                         daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="unix-peer-relay", daemon=True)
         self._watcher.start()
 
     def _spawn(self) -> None:
@@ -142,18 +147,31 @@ class UnixPeerRelay:
         listener = self._listener.fileno()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", os.path.abspath(__file__), str(listener),
-                 str(read), str(ready_w), self.inner, self.directory],
-                pass_fds=(listener, read, ready_w), stdin=subprocess.DEVNULL,
-                close_fds=True, start_new_session=True)  # a terminal's ^C: the service's
+                [
+                    sys.executable,
+                    "-I",
+                    "-S",
+                    os.path.abspath(__file__),
+                    str(listener),
+                    str(read),
+                    str(ready_w),
+                    self.inner,
+                    self.directory,
+                ],
+                pass_fds=(listener, read, ready_w),
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+                start_new_session=True,
+            )  # a terminal's ^C: the service's
         finally:
             os.close(read)
             os.close(ready_w)
         try:
             ready, _, _ = select.select([ready_r], [], [], _READY_WITHIN)
             if not ready or os.read(ready_r, 1) != b"r":
-                raise OSError(f"the unix socket's relay process did not start within "
-                              f"{_READY_WITHIN:.0f} s")
+                raise OSError(
+                    f"the unix socket's relay process did not start within {_READY_WITHIN:.0f} s"
+                )
         finally:
             os.close(ready_r)
 
@@ -166,8 +184,10 @@ class UnixPeerRelay:
             if self._closing.is_set():
                 return
             self._cut_lifeline()
-            log.error("the unix socket's relay process exited; starting it again",
-                      extra={"exit_code": code, "listen": self.path})
+            log.error(
+                "the unix socket's relay process exited; starting it again",
+                extra={"exit_code": code, "listen": self.path},
+            )
             if self._closing.wait(_RESTART_AFTER):
                 return
             with self._lock:
@@ -177,8 +197,10 @@ class UnixPeerRelay:
                 try:
                     self._spawn()
                 except OSError as exc:  # tried again after the pause
-                    log.error("the unix socket's relay process could not be started",
-                              extra={"error": str(exc), "listen": self.path})
+                    log.error(
+                        "the unix socket's relay process could not be started",
+                        extra={"error": str(exc), "listen": self.path},
+                    )
 
     def _cut_lifeline(self) -> None:
         with self._lock:
@@ -209,6 +231,7 @@ class UnixPeerRelay:
 
 
 # ------------------------------------------------------------------ the relay process
+
 
 class _Direction:
     """Bytes from one side to the other, through a pipe."""
@@ -286,8 +309,7 @@ class _Connection:
 class _Relay:
     """The relay process's loop: accept, connect to gRPC under the peer's name, splice."""
 
-    def __init__(self, listener: socket.socket, lifeline: int, inner: str,
-                 directory: str) -> None:
+    def __init__(self, listener: socket.socket, lifeline: int, inner: str, directory: str) -> None:
         self.listener, self.lifeline = listener, lifeline
         self.inner, self.directory = inner, directory
         listener.setblocking(False)
@@ -347,8 +369,9 @@ class _Relay:
             self.update(conn)
 
     def connect(self, client: socket.socket) -> socket.socket:
-        pid, uid, _ = _UCRED.unpack(client.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        pid, uid, _ = _UCRED.unpack(
+            client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        )
         self.serial += 1
         name = os.path.join(self.directory, f"{uid}.{pid}.{self.serial}")
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

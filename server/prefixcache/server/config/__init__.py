@@ -45,12 +45,32 @@ from .types import CACHE_KINDS, DTYPES, Config, MambaConfig, ModelConfig, PoolCo
 from .values import ENV_PREFIX, ConfigError, as_mapping, reject_unknown
 
 __all__ = [
-    "CACHE_KINDS", "DEFAULT_MODELS", "DTYPES", "ENV_OTHER", "ENV_PREFIX",
-    "KV_EVENTS_ENCODINGS", "KV_EVENTS_ENV", "KV_EVENTS_HASH_FORMATS", "KV_EVENTS_PUBLISHERS",
-    "LOG_FORMATS", "LOG_LEVELS", "MAX_GRACE_PERIOD", "MAX_MESSAGE_BYTES", "MAX_SESSION_TTL",
+    "CACHE_KINDS",
+    "DEFAULT_MODELS",
+    "DTYPES",
+    "ENV_OTHER",
+    "ENV_PREFIX",
+    "KV_EVENTS_ENCODINGS",
+    "KV_EVENTS_ENV",
+    "KV_EVENTS_HASH_FORMATS",
+    "KV_EVENTS_PUBLISHERS",
+    "LOG_FORMATS",
+    "LOG_LEVELS",
+    "MAX_GRACE_PERIOD",
+    "MAX_MESSAGE_BYTES",
+    "MAX_SESSION_TTL",
     "MAX_WARM_KEEP",
-    "Config", "ConfigError", "KvEventsConfig", "MambaConfig", "ModelConfig", "PoolConfig",
-    "RetentionConfig", "ServerConfig", "TenantConfig", "load_config", "unknown_env_warning",
+    "Config",
+    "ConfigError",
+    "KvEventsConfig",
+    "MambaConfig",
+    "ModelConfig",
+    "PoolConfig",
+    "RetentionConfig",
+    "ServerConfig",
+    "TenantConfig",
+    "load_config",
+    "unknown_env_warning",
 ]
 
 # A fresh machine has no config: one small CPU model so `prefixcache serve` just works.
@@ -59,9 +79,11 @@ DEFAULT_MODELS: tuple[ModelConfig, ...] = (
 )
 
 
-def load_config(path: str | os.PathLike[str] | None = None,
-                env: Mapping[str, str] | None = None,
-                overrides: Mapping[str, Any] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
     """Build the config from a YAML file (or the default), then env, then CLI overrides.
 
     Args:

@@ -39,23 +39,27 @@ MAX_WARM_KEEP = 86400.0
 MAX_MESSAGE_BYTES = 2**31 - 1
 
 # Server settings parsed other than by the type of their default.
-_PARSERS: dict[str, Callable[[Any, Any, str], Any]] = {"socket_mode": file_mode,
-            "shm_mode": lambda v, d, w: None if v is None or v == "" else file_mode(v, 0, w),
-            # "auto": the derived cap of quotas.Quota.of (None).
-            "max_session_locked_tokens":
-                lambda v, d, w: None if v == "auto" else coerce(v, 0, w),
-            "kv_events": parse_kv_events, "tenants": parse_tenants, "tier": parse_tier,
-            "retention": parse_retention,
-            "disk": parse_disk}
+_PARSERS: dict[str, Callable[[Any, Any, str], Any]] = {
+    "socket_mode": file_mode,
+    "shm_mode": lambda v, d, w: None if v is None or v == "" else file_mode(v, 0, w),
+    # "auto": the derived cap of quotas.Quota.of (None).
+    "max_session_locked_tokens": lambda v, d, w: None if v == "auto" else coerce(v, 0, w),
+    "kv_events": parse_kv_events,
+    "tenants": parse_tenants,
+    "tier": parse_tier,
+    "retention": parse_retention,
+    "disk": parse_disk,
+}
 
 
 def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:
     names = tuple(f.name for f in fields(ServerConfig))
     reject_unknown(settings, names, "server")
     base = ServerConfig()
-    values = {name: _PARSERS.get(name, coerce)(settings[name], getattr(base, name),
-                                               f"server.{name}")
-              for name in settings}
+    values = {
+        name: _PARSERS.get(name, coerce)(settings[name], getattr(base, name), f"server.{name}")
+        for name in settings
+    }
     cfg = replace(base, **values)
     where = "server"
     if not (cfg.listen.startswith("unix:") or is_host_port(cfg.listen)):
@@ -71,20 +75,27 @@ def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:
     # nan compares false and inf passes a ">= 0": either would slip through a range check.
     for name in ("session_ttl_min", "session_ttl", "session_ttl_max", "grace_period"):
         if not math.isfinite(getattr(cfg, name)):
-            raise ConfigError(f"{where}.{name}: must be a finite number of seconds, "
-                              f"got {getattr(cfg, name)}")
+            raise ConfigError(
+                f"{where}.{name}: must be a finite number of seconds, got {getattr(cfg, name)}"
+            )
     if not 0 < cfg.session_ttl_min <= cfg.session_ttl <= cfg.session_ttl_max:
-        raise ConfigError(f"{where}.session_ttl: need 0 < session_ttl_min <= session_ttl "
-                          f"<= session_ttl_max")
+        raise ConfigError(
+            f"{where}.session_ttl: need 0 < session_ttl_min <= session_ttl <= session_ttl_max"
+        )
     if not cfg.session_ttl_max <= MAX_SESSION_TTL:
-        raise ConfigError(f"{where}.session_ttl_max: at most {MAX_SESSION_TTL:g} seconds "
-                          f"(a lease outlives a crashed worker), got {cfg.session_ttl_max}")
+        raise ConfigError(
+            f"{where}.session_ttl_max: at most {MAX_SESSION_TTL:g} seconds "
+            f"(a lease outlives a crashed worker), got {cfg.session_ttl_max}"
+        )
     if not 0 <= cfg.grace_period <= MAX_GRACE_PERIOD:
-        raise ConfigError(f"{where}.grace_period: seconds in [0, {MAX_GRACE_PERIOD:g}], "
-                          f"got {cfg.grace_period}")
+        raise ConfigError(
+            f"{where}.grace_period: seconds in [0, {MAX_GRACE_PERIOD:g}], got {cfg.grace_period}"
+        )
     if not 1024 <= cfg.max_message_bytes <= MAX_MESSAGE_BYTES:
-        raise ConfigError(f"{where}.max_message_bytes: must be in [1024, {MAX_MESSAGE_BYTES}]"
-                          f" (gRPC's limit is a signed 32-bit int), got {cfg.max_message_bytes}")
+        raise ConfigError(
+            f"{where}.max_message_bytes: must be in [1024, {MAX_MESSAGE_BYTES}]"
+            f" (gRPC's limit is a signed 32-bit int), got {cfg.max_message_bytes}"
+        )
     if cfg.log_format not in LOG_FORMATS:
         raise ConfigError(f"{where}.log_format: one of {', '.join(LOG_FORMATS)}")
     if cfg.log_level not in LOG_LEVELS:
@@ -92,48 +103,78 @@ def build_server_config(settings: Mapping[str, Any]) -> ServerConfig:
     if not 0 <= cfg.socket_mode <= 0o777:
         raise ConfigError(f"{where}.socket_mode: must be a file mode such as 0o600")
     if cfg.socket_mode & 0o600 != 0o600:  # the service's own workers must connect and map
-        raise ConfigError(f"{where}.socket_mode: must let the owner read and write "
-                          f"(0o600 bits), got {cfg.socket_mode:#o}")
-    if cfg.shm_mode is not None and (not 0 <= cfg.shm_mode <= 0o777
-                                     or cfg.shm_mode & 0o600 != 0o600):
-        raise ConfigError(f"{where}.shm_mode: a file mode with the owner's read and write "
-                          f"bits (0o600), got {cfg.shm_mode:#o}")
+        raise ConfigError(
+            f"{where}.socket_mode: must let the owner read and write "
+            f"(0o600 bits), got {cfg.socket_mode:#o}"
+        )
+    if cfg.shm_mode is not None and (
+        not 0 <= cfg.shm_mode <= 0o777 or cfg.shm_mode & 0o600 != 0o600
+    ):
+        raise ConfigError(
+            f"{where}.shm_mode: a file mode with the owner's read and write "
+            f"bits (0o600), got {cfg.shm_mode:#o}"
+        )
     _check_limits(cfg, where)
     check_int(cfg.change_log_capacity, f"{where}.change_log_capacity", 0)
     if cfg.shm_dir.lower() == "off":
         cfg = replace(cfg, shm_dir="")
     if not (math.isfinite(cfg.warm_checkpoint_interval) and cfg.warm_checkpoint_interval >= 0):
-        raise ConfigError(f"{where}.warm_checkpoint_interval: seconds >= 0 (0: no "
-                          f"checkpoints), got {cfg.warm_checkpoint_interval}")
+        raise ConfigError(
+            f"{where}.warm_checkpoint_interval: seconds >= 0 (0: no "
+            f"checkpoints), got {cfg.warm_checkpoint_interval}"
+        )
     check_int(cfg.warm_checkpoint_max_bytes, f"{where}.warm_checkpoint_max_bytes", 0)
     if not 0 < cfg.warm_keep <= MAX_WARM_KEEP:
-        raise ConfigError(f"{where}.warm_keep: seconds in (0, {MAX_WARM_KEEP:g}], "
-                          f"got {cfg.warm_keep}")
+        raise ConfigError(
+            f"{where}.warm_keep: seconds in (0, {MAX_WARM_KEEP:g}], got {cfg.warm_keep}"
+        )
     if cfg.warm_restart and not cfg.shm_dir:
-        raise ConfigError(f"{where}.warm_restart: needs shm_dir, where the pools outlive "
-                          "the process (they are private memory with shm_dir off)")
+        raise ConfigError(
+            f"{where}.warm_restart: needs shm_dir, where the pools outlive "
+            "the process (they are private memory with shm_dir off)"
+        )
     token = read_secret(cfg.token, cfg.token_file, f"{where}.token_file")
     admin = read_secret(cfg.admin_token, cfg.admin_token_file, f"{where}.admin_token_file")
     check_tenant_tokens(cfg.tenants, (token, admin), f"{where}.tenants")
     check_kv_events_tenants(cfg.kv_events, cfg.tenants, f"{where}.kv_events")
-    metrics_token = read_secret(cfg.metrics_token, cfg.metrics_token_file,
-                                f"{where}.metrics_token_file")
+    metrics_token = read_secret(
+        cfg.metrics_token, cfg.metrics_token_file, f"{where}.metrics_token_file"
+    )
     return replace(cfg, token=token, admin_token=admin, metrics_token=metrics_token)
 
 
-_LIMIT_INTS = {"min_chunk_bytes": 1, "max_read_bytes": 0, "max_inflight_write_bytes": 1,
-               "max_inflight_write_bytes_total": 1, "max_evict_tokens": 0,
-               "max_extra_key_bytes": 1, "max_client_name_bytes": 1, "max_session_id_bytes": 1,
-               "max_request_tokens": 0, "max_sessions": 1,
-               "max_sessions_per_client": 0, "max_step_items": 1,
-               "max_step_bytes": 0, "max_request_bytes": 0, "log_queue_lines": 1,
-               "max_session_slots": 0, "max_session_state_slots": 0,
-               "max_session_locked_tokens": 0, "max_session_streams": 1,
-               "max_subscribe_streams": 1, "max_session_subscribes": 1,
-               "max_subscribes_per_client": 0,
-               "max_subscriber_pending_bytes": 0}
-_LIMIT_SECONDS = ("stream_ttl", "evict_interval", "keepalive_time", "keepalive_timeout",
-                  "keepalive_min_client_interval")
+_LIMIT_INTS = {
+    "min_chunk_bytes": 1,
+    "max_read_bytes": 0,
+    "max_inflight_write_bytes": 1,
+    "max_inflight_write_bytes_total": 1,
+    "max_evict_tokens": 0,
+    "max_extra_key_bytes": 1,
+    "max_client_name_bytes": 1,
+    "max_session_id_bytes": 1,
+    "max_request_tokens": 0,
+    "max_sessions": 1,
+    "max_sessions_per_client": 0,
+    "max_step_items": 1,
+    "max_step_bytes": 0,
+    "max_request_bytes": 0,
+    "log_queue_lines": 1,
+    "max_session_slots": 0,
+    "max_session_state_slots": 0,
+    "max_session_locked_tokens": 0,
+    "max_session_streams": 1,
+    "max_subscribe_streams": 1,
+    "max_session_subscribes": 1,
+    "max_subscribes_per_client": 0,
+    "max_subscriber_pending_bytes": 0,
+}
+_LIMIT_SECONDS = (
+    "stream_ttl",
+    "evict_interval",
+    "keepalive_time",
+    "keepalive_timeout",
+    "keepalive_min_client_interval",
+)
 
 
 def _check_limits(cfg: ServerConfig, where: str) -> None:
@@ -145,8 +186,7 @@ def _check_limits(cfg: ServerConfig, where: str) -> None:
     for name in _LIMIT_SECONDS:
         value = getattr(cfg, name)
         if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"{where}.{name}: must be a positive number of seconds, "
-                              f"got {value}")
+            raise ConfigError(f"{where}.{name}: must be a positive number of seconds, got {value}")
 
 
 def build_model_config(entry: Any, where: str) -> ModelConfig:
@@ -171,8 +211,9 @@ def build_model_config(entry: Any, where: str) -> ModelConfig:
     check_int(model.page_size, f"{where}.page_size", 1)
     check_int(model.vocab_size, f"{where}.vocab_size", 0)
     if not isinstance(model.tokenizer, str):
-        raise ConfigError(f"{where}.tokenizer: a string naming the tokenizer, got "
-                          f"{model.tokenizer!r}")
+        raise ConfigError(
+            f"{where}.tokenizer: a string naming the tokenizer, got {model.tokenizer!r}"
+        )
     if model.kind not in CACHE_KINDS:
         raise ConfigError(f"{where}.kind: one of {', '.join(CACHE_KINDS)}, got {model.kind!r}")
     if model.kind == "swa":
@@ -211,22 +252,27 @@ def build_model_config(entry: Any, where: str) -> ModelConfig:
 _Block = TypeVar("_Block", MambaConfig, PoolConfig)
 
 
-def _block(entry: Any, where: str, cls: type[_Block],
-           convert: Callable[[str, Any, Any], Any]) -> _Block:
+def _block(
+    entry: Any, where: str, cls: type[_Block], convert: Callable[[str, Any, Any], Any]
+) -> _Block:
     """``cls``'s defaults with the keys of mapping ``entry`` set, each value converted by
     ``convert(name, value, default)``; a key that is no field of ``cls`` is refused."""
     data = dict(as_mapping(entry, where))
     reject_unknown(data, tuple(f.name for f in fields(cls)), where)
     block = cls()
-    return replace(block, **{name: convert(name, value, getattr(block, name))
-                             for name, value in data.items()})
+    return replace(
+        block, **{name: convert(name, value, getattr(block, name)) for name, value in data.items()}
+    )
 
 
 def _mamba_config(entry: Any, where: str) -> MambaConfig:
     def convert(name: str, value: Any, default: Any) -> Any:
         if isinstance(default, tuple):
-            if not isinstance(value, list | tuple) or not value or not all(
-                    isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value):
+            if (
+                not isinstance(value, list | tuple)
+                or not value
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+            ):
                 raise ConfigError(f"{where}.{name}: a list of positive ints, got {value!r}")
             return tuple(value)
         return coerce(value, default, f"{where}.{name}")
@@ -256,8 +302,7 @@ def _pool_config(entry: Any, where: str) -> PoolConfig:
         if getattr(pool, name) is not None:
             check_int(getattr(pool, name), f"{where}.{name}", 1)
     if pool.mla and (pool.v_heads is not None or pool.v_head_dim is not None):
-        raise ConfigError(f"{where}.mla: an MLA pool has no V; leave v_heads and "
-                          "v_head_dim unset")
+        raise ConfigError(f"{where}.mla: an MLA pool has no V; leave v_heads and v_head_dim unset")
     if pool.dtype not in DTYPES:
         raise ConfigError(f"{where}.dtype: one of {', '.join(DTYPES)}, got {pool.dtype!r}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", pool.device):

@@ -64,21 +64,31 @@ def parse_disk(value: Any, default: Any, where: str) -> DiskConfig | None:
     data = dict(as_mapping(value, where))
     reject_unknown(data, tuple(f.name for f in fields(DiskConfig)), where)
     base = DiskConfig(path="", bytes=0)
-    cfg = replace(base, **{name: coerce(item, getattr(base, name), f"{where}.{name}")
-                           for name, item in data.items()})
+    cfg = replace(
+        base,
+        **{
+            name: coerce(item, getattr(base, name), f"{where}.{name}")
+            for name, item in data.items()
+        },
+    )
     if not isinstance(cfg.path, str) or not cfg.path.strip():
         raise ConfigError(f"{where}.path: the directory the disk tier keeps its pages in")
     if cfg.bytes < MIN_DISK_BYTES:
-        raise ConfigError(f"{where}.bytes: the bytes the disk tier may take, at least "
-                          f"{MIN_DISK_BYTES} (1 MiB), got {cfg.bytes}")
+        raise ConfigError(
+            f"{where}.bytes: the bytes the disk tier may take, at least "
+            f"{MIN_DISK_BYTES} (1 MiB), got {cfg.bytes}"
+        )
     check_int(cfg.min_hits, f"{where}.min_hits", 0)
     check_int(cfg.max_fetch_slots, f"{where}.max_fetch_slots", 0)
     if not (math.isfinite(cfg.timeout) and 0 < cfg.timeout <= MAX_TIER_TIMEOUT):
-        raise ConfigError(f"{where}.timeout: seconds in (0, {MAX_TIER_TIMEOUT:g}], "
-                          f"got {cfg.timeout}")
+        raise ConfigError(
+            f"{where}.timeout: seconds in (0, {MAX_TIER_TIMEOUT:g}], got {cfg.timeout}"
+        )
     if not (math.isfinite(cfg.min_fetch_bandwidth) and cfg.min_fetch_bandwidth > 0):
-        raise ConfigError(f"{where}.min_fetch_bandwidth: bytes per second, more than 0, "
-                          f"got {cfg.min_fetch_bandwidth}")
+        raise ConfigError(
+            f"{where}.min_fetch_bandwidth: bytes per second, more than 0, "
+            f"got {cfg.min_fetch_bandwidth}"
+        )
     if not Path(cfg.path).is_dir():
         # --check-config says so (the start refuses it, naming it, where it runs).
         note_unread(f"{where}.path: {cfg.path} is not a directory here")

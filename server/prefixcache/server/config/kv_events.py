@@ -70,16 +70,16 @@ class KvEventsConfig:
     hash_key_file: str | None = None
 
 
-def kv_events_settings(server: Any, env: Mapping[str, str],
-                       overrides: Mapping[str, Any]) -> dict[str, Any]:
+def kv_events_settings(
+    server: Any, env: Mapping[str, str], overrides: Mapping[str, Any]
+) -> dict[str, Any]:
     """The ``server.kv_events`` keys from every source, merged key by key."""
     merged: dict[str, Any] = {}
     section = (server or {}).get("kv_events") if isinstance(server, Mapping) else None
     if section is not None:
         merged.update(as_mapping(section, "server.kv_events"))
     if env.get(ENV_PREFIX + "KV_EVENTS"):
-        merged.update(_kv_events_json(env[ENV_PREFIX + "KV_EVENTS"],
-                                      ENV_PREFIX + "KV_EVENTS"))
+        merged.update(_kv_events_json(env[ENV_PREFIX + "KV_EVENTS"], ENV_PREFIX + "KV_EVENTS"))
     for f in fields(KvEventsConfig):
         value = env.get(KV_EVENTS_ENV + f.name.upper())
         if value is not None and value != "":
@@ -112,32 +112,39 @@ def parse_kv_events(value: Any, default: Any, where: str) -> KvEventsConfig:
                 continue
             base = ""
         cfg = replace(cfg, **{name: coerce(item, base, f"{where}.{name}")})
-    choices = {"publisher": KV_EVENTS_PUBLISHERS, "hash_format": KV_EVENTS_HASH_FORMATS,
-               "encoding": KV_EVENTS_ENCODINGS, "tenants": KV_EVENTS_TENANT_POLICIES}
+    choices = {
+        "publisher": KV_EVENTS_PUBLISHERS,
+        "hash_format": KV_EVENTS_HASH_FORMATS,
+        "encoding": KV_EVENTS_ENCODINGS,
+        "tenants": KV_EVENTS_TENANT_POLICIES,
+    }
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
-            raise ConfigError(f"{where}.{name}: one of {', '.join(allowed)}, "
-                              f"got {getattr(cfg, name)!r}")
+            raise ConfigError(
+                f"{where}.{name}: one of {', '.join(allowed)}, got {getattr(cfg, name)!r}"
+            )
     for name in ("endpoint", "replay_endpoint"):
         endpoint = getattr(cfg, name)
         if endpoint is not None and not endpoint.startswith(_ZMQ_SCHEMES):
-            raise ConfigError(f"{where}.{name}: a ZMQ endpoint (tcp://, ipc:// or "
-                              f"inproc://), got {endpoint!r}")
+            raise ConfigError(
+                f"{where}.{name}: a ZMQ endpoint (tcp://, ipc:// or inproc://), got {endpoint!r}"
+            )
     check_int(cfg.buffer_steps, f"{where}.buffer_steps", 1)
     check_int(cfg.hwm, f"{where}.hwm", 1)  # 0 is unbounded in ZMQ: a stuck peer would pin all
     check_int(cfg.max_queue_size, f"{where}.max_queue_size", 0)
     check_int(cfg.max_replays, f"{where}.max_replays", 1)
     check_int(cfg.max_replays_per_peer, f"{where}.max_replays_per_peer", 1)
     if not 0 < cfg.replay_timeout <= 3600:  # nan and inf fail this too
-        raise ConfigError(f"{where}.replay_timeout: seconds in (0, 3600], "
-                          f"got {cfg.replay_timeout}")
+        raise ConfigError(f"{where}.replay_timeout: seconds in (0, 3600], got {cfg.replay_timeout}")
     if cfg.enable_kv_cache_events and cfg.replay_endpoint == cfg.endpoint:
         raise ConfigError(f"{where}.replay_endpoint: must differ from endpoint")
     if cfg.hash_key_file is not None:
         if cfg.tenants != "hashed":
-            raise ConfigError(f"{where}.hash_key_file: keys hashed events only (tenants: "
-                              f"hashed); with tenants: {cfg.tenants} the token ids are "
-                              "published, so there is nothing to key")
+            raise ConfigError(
+                f"{where}.hash_key_file: keys hashed events only (tenants: "
+                f"hashed); with tenants: {cfg.tenants} the token ids are "
+                "published, so there is nothing to key"
+            )
         read_key(cfg.hash_key_file, f"{where}.hash_key_file")
     return cfg
 
@@ -154,8 +161,10 @@ def read_key(path: str, where: str) -> bytes:
     except OSError as exc:
         raise ConfigError(f"{where}: {path}: {exc.strerror or exc}") from exc
     if len(key) < MIN_KEY_BYTES:
-        raise ConfigError(f"{where}: {path} holds {len(key)} bytes, a key has at least "
-                          f"{MIN_KEY_BYTES} random ones (`head -c 32 /dev/urandom > {path}`)")
+        raise ConfigError(
+            f"{where}: {path} holds {len(key)} bytes, a key has at least "
+            f"{MIN_KEY_BYTES} random ones (`head -c 32 /dev/urandom > {path}`)"
+        )
     return key
 
 
@@ -173,4 +182,5 @@ def check_kv_events_tenants(cfg: KvEventsConfig, tenants: Any, where: str) -> No
             f"{where}.tenants: server.tenants is set, and KV events go to any ZMQ "
             "subscriber unauthenticated, with every tenant's token_ids and namespace; "
             "set it to 'hashed' (no token ids, hashed namespace names) or 'all' "
-            "(publish everything, on a trusted network only)")
+            "(publish everything, on a trusted network only)"
+        )

@@ -50,14 +50,21 @@ def parse_retention(value: Any, default: Any, where: str) -> RetentionConfig:
     data = dict(as_mapping(value, where))
     reject_unknown(data, tuple(f.name for f in fields(RetentionConfig)), where)
     cfg = RetentionConfig()
-    cfg = replace(cfg, **{name: coerce(item, getattr(cfg, name), f"{where}.{name}")
-                          for name, item in data.items()})
+    cfg = replace(
+        cfg,
+        **{
+            name: coerce(item, getattr(cfg, name), f"{where}.{name}") for name, item in data.items()
+        },
+    )
     if not (math.isfinite(cfg.max_seconds) and 0 < cfg.max_seconds <= MAX_RETENTION_SECONDS):
-        raise ConfigError(f"{where}.max_seconds: seconds in (0, {MAX_RETENTION_SECONDS:g}], "
-                          f"got {cfg.max_seconds}")
+        raise ConfigError(
+            f"{where}.max_seconds: seconds in (0, {MAX_RETENTION_SECONDS:g}], got {cfg.max_seconds}"
+        )
     if not (math.isfinite(cfg.tenant_share) and 0 <= cfg.tenant_share <= 1):
-        raise ConfigError(f"{where}.tenant_share: a share of the pool in [0, 1] (0: shared "
-                          f"evenly), got {cfg.tenant_share}")
+        raise ConfigError(
+            f"{where}.tenant_share: a share of the pool in [0, 1] (0: shared "
+            f"evenly), got {cfg.tenant_share}"
+        )
     return cfg
 
 

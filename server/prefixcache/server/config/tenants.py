@@ -46,25 +46,33 @@ def parse_tenants(value: Any, default: Any, where: str) -> tuple[TenantConfig, .
         if name in (t.name for t in out):
             raise ConfigError(f"{at}.name: {name!r} is used twice")
         spaces = data.get("namespaces")
-        if not isinstance(spaces, list) or not spaces \
-                or not all(isinstance(s, str) for s in spaces):
+        if (
+            not isinstance(spaces, list)
+            or not spaces
+            or not all(isinstance(s, str) for s in spaces)
+        ):
             raise ConfigError(f"{at}.namespaces: a non-empty list of extra_key prefixes")
-        token = read_secret(coerce(data.get("token"), None, f"{at}.token"),
-                            coerce(data.get("token_file"), None, f"{at}.token_file"),
-                            f"{at}.token_file")
+        token = read_secret(
+            coerce(data.get("token"), None, f"{at}.token"),
+            coerce(data.get("token_file"), None, f"{at}.token_file"),
+            f"{at}.token_file",
+        )
         if not token:
             raise ConfigError(f"{at}.token: required (token or token_file)")
         out.append(TenantConfig(name, token, data.get("token_file"), tuple(spaces)))
     return tuple(out)
 
 
-def check_tenant_tokens(tenants: tuple[TenantConfig, ...], others: tuple[str | None, ...],
-                        where: str) -> None:
+def check_tenant_tokens(
+    tenants: tuple[TenantConfig, ...], others: tuple[str | None, ...], where: str
+) -> None:
     """A tenant's token names one caller: never shared with another tenant, nor with the
     server's token or admin token (whose callers are bound to no namespace)."""
     seen = {t for t in others if t}
     for i, tenant in enumerate(tenants):
         if tenant.token in seen:
-            raise ConfigError(f"{where}[{i}].token: the same as another tenant's, the "
-                              "server token or the admin token")
+            raise ConfigError(
+                f"{where}[{i}].token: the same as another tenant's, the "
+                "server token or the admin token"
+            )
         seen.add(tenant.token)

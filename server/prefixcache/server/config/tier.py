@@ -83,35 +83,53 @@ def parse_tier(value: Any, default: Any, where: str) -> TierConfig | None:
     data = dict(as_mapping(value, where))
     reject_unknown(data, tuple(f.name for f in fields(TierConfig)), where)
     cfg = TierConfig()
-    cfg = replace(cfg, **{name: coerce(item, getattr(cfg, name), f"{where}.{name}")
-                          for name, item in data.items()})
+    cfg = replace(
+        cfg,
+        **{
+            name: coerce(item, getattr(cfg, name), f"{where}.{name}") for name, item in data.items()
+        },
+    )
     choices = {"backend": TIER_BACKENDS, "protocol": TIER_PROTOCOLS, "write": TIER_WRITES}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
-            raise ConfigError(f"{where}.{name}: one of {', '.join(allowed)}, "
-                              f"got {getattr(cfg, name)!r}")
+            raise ConfigError(
+                f"{where}.{name}: one of {', '.join(allowed)}, got {getattr(cfg, name)!r}"
+            )
     if not isinstance(cfg.master, str) or not is_host_port(cfg.master):
-        raise ConfigError(f"{where}.master: HOST:PORT of mooncake_master's RPC port, "
-                          f"got {cfg.master!r}")
+        raise ConfigError(
+            f"{where}.master: HOST:PORT of mooncake_master's RPC port, got {cfg.master!r}"
+        )
     if not isinstance(cfg.metadata, str) or not (
-            cfg.metadata == "P2PHANDSHAKE" or cfg.metadata.startswith(("http://", "https://"))):
-        raise ConfigError(f"{where}.metadata: P2PHANDSHAKE or an http:// metadata server, "
-                          f"got {cfg.metadata!r}")
-    if not isinstance(cfg.local_hostname, str) or not cfg.local_hostname.strip() \
-            or any(c.isspace() for c in cfg.local_hostname):
-        raise ConfigError(f"{where}.local_hostname: auto, or the address peers reach this "
-                          f"host at, got {cfg.local_hostname!r}")
+        cfg.metadata == "P2PHANDSHAKE" or cfg.metadata.startswith(("http://", "https://"))
+    ):
+        raise ConfigError(
+            f"{where}.metadata: P2PHANDSHAKE or an http:// metadata server, got {cfg.metadata!r}"
+        )
+    if (
+        not isinstance(cfg.local_hostname, str)
+        or not cfg.local_hostname.strip()
+        or any(c.isspace() for c in cfg.local_hostname)
+    ):
+        raise ConfigError(
+            f"{where}.local_hostname: auto, or the address peers reach this "
+            f"host at, got {cfg.local_hostname!r}"
+        )
     if cfg.segment_bytes < MIN_SEGMENT_BYTES:
-        raise ConfigError(f"{where}.segment_bytes: Mooncake's smallest segment is "
-                          f"{MIN_SEGMENT_BYTES} bytes (16 MiB), got {cfg.segment_bytes}")
+        raise ConfigError(
+            f"{where}.segment_bytes: Mooncake's smallest segment is "
+            f"{MIN_SEGMENT_BYTES} bytes (16 MiB), got {cfg.segment_bytes}"
+        )
     check_int(cfg.min_hits, f"{where}.min_hits", 0)
     check_int(cfg.max_fetch_slots, f"{where}.max_fetch_slots", 0)
     if not (math.isfinite(cfg.timeout) and 0 < cfg.timeout <= MAX_TIER_TIMEOUT):
-        raise ConfigError(f"{where}.timeout: seconds in (0, {MAX_TIER_TIMEOUT:g}], "
-                          f"got {cfg.timeout}")
+        raise ConfigError(
+            f"{where}.timeout: seconds in (0, {MAX_TIER_TIMEOUT:g}], got {cfg.timeout}"
+        )
     if not (math.isfinite(cfg.min_fetch_bandwidth) and cfg.min_fetch_bandwidth > 0):
-        raise ConfigError(f"{where}.min_fetch_bandwidth: bytes per second, more than 0, "
-                          f"got {cfg.min_fetch_bandwidth}")
+        raise ConfigError(
+            f"{where}.min_fetch_bandwidth: bytes per second, more than 0, "
+            f"got {cfg.min_fetch_bandwidth}"
+        )
     if cfg.secret_file is not None:
         if not cfg.secret_file.strip():
             raise ConfigError(f"{where}.secret_file: a path, or leave it out")
@@ -137,7 +155,9 @@ def read_tier_secret(path: str, where: str = "server.tier.secret_file") -> bytes
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read {path}: {exc.strerror or exc}") from exc
     if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(f"{where}: {path} holds {len(secret)} bytes, a secret at least "
-                          f"{MIN_SECRET_BYTES} random ones; make one with "
-                          f"`head -c 32 /dev/urandom > {path}`")
+        raise ConfigError(
+            f"{where}: {path} holds {len(secret)} bytes, a secret at least "
+            f"{MIN_SECRET_BYTES} random ones; make one with "
+            f"`head -c 32 /dev/urandom > {path}`"
+        )
     return secret

@@ -106,8 +106,16 @@ def coerce(value: Any, default: Any, where: str) -> Any:
     if isinstance(default, bool):
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0",
-                                                        "false", "no", "off"):
+        if isinstance(value, str) and value.lower() in (
+            "1",
+            "true",
+            "yes",
+            "on",
+            "0",
+            "false",
+            "no",
+            "off",
+        ):
             return value.lower() in ("1", "true", "yes", "on")
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
     if isinstance(default, int):

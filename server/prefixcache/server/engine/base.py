@@ -45,8 +45,9 @@ class EngineBase:
             restart names no node now (None: a fresh key).
     """
 
-    def __init__(self, config: ModelConfig, next_lock_id: Callable[[], int],
-                 handles: OpaqueIds | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, next_lock_id: Callable[[], int], handles: OpaqueIds | None = None
+    ) -> None:
         self.config = config
         self.name = config.name
         self.kind = config.kind
@@ -129,21 +130,28 @@ class EngineBase:
     def _node(self, node_id: int) -> Any:
         node = self._nodes.get(node_id)
         if node is None or node.evicted:
-            raise NotFoundError(f"node {node_id} is not in model {self.name!r}'s cache "
-                                "(evicted, reset, never handed out, or from before a "
-                                "restart)")
+            raise NotFoundError(
+                f"node {node_id} is not in model {self.name!r}'s cache "
+                "(evicted, reset, never handed out, or from before a "
+                "restart)"
+            )
         return node
 
-    def _hold(self, session: Session, node: Any, boundary: Any = None,
-              tokens: int | None = None, hit: int = 0) -> int:
+    def _hold(
+        self,
+        session: Session,
+        node: Any,
+        boundary: Any = None,
+        tokens: int | None = None,
+        hit: int = 0,
+    ) -> int:
         """Record a lock the caller just took on ``node`` as ``session``'s; ``tokens``,
         the prefix it protects, when the caller already knows it; ``hit``: taken by a
         lookup, the tokens it counted as a hit (a lapsed lease counts them as
         ``lease_expired``; ``HeldLock``)."""
         lock_id = self._next_lock_id()
         tokens = prefix_tokens(node) if tokens is None else tokens
-        session.locks[lock_id] = HeldLock(self, node, boundary, tokens,  # type: ignore[arg-type]
-                                          hit)
+        session.locks[lock_id] = HeldLock(self, node, boundary, tokens, hit)  # type: ignore[arg-type]
         session.locked_tokens[self.name] = session.locked_tokens.get(self.name, 0) + tokens
         self.num_locks += 1
         self.ops["lock"] += 1
@@ -154,11 +162,14 @@ class EngineBase:
         session does not hold it or holds it on another model (whose tree has the node)."""
         held = session.locks.get(lock_id)
         if held is None:
-            raise PreconditionError(f"lock {lock_id} is not held by this session (already "
-                                    "released, or never taken by it)")
+            raise PreconditionError(
+                f"lock {lock_id} is not held by this session (already "
+                "released, or never taken by it)"
+            )
         if held.engine is not self:
-            raise PreconditionError(f"lock {lock_id} is on another model "
-                                    f"({held.engine.name!r}), not on {self.name!r}")
+            raise PreconditionError(
+                f"lock {lock_id} is on another model ({held.engine.name!r}), not on {self.name!r}"
+            )
         return held
 
     def _check_release(self, session: Session | None, lock_id: int) -> None:
@@ -205,8 +216,9 @@ class EngineBase:
         owner = self._owner  # type: ignore[attr-defined]
         return [(s, np.flatnonzero(owner == s.tag)) for s in sessions]
 
-    def keep_held(self, held: list[tuple[Session, np.ndarray]],
-                  window: np.ndarray | None = None) -> None:
+    def keep_held(
+        self, held: list[tuple[Session, np.ndarray]], window: np.ndarray | None = None
+    ) -> None:
         """After a Reset cleared the allocator: ``held``'s rows (``held_rows``) are
         taken again and owned by their sessions again (slots a fenced writer may still
         copy into: write_fence.py); every other slot stays free. ``window``: the SWA
@@ -248,6 +260,5 @@ def needs_session(session: Session | None, what: str) -> Session:
     """``session``, or a refusal naming ``what`` needs one (never an ``assert``: under
     ``python -O`` that would let the call go on without one)."""
     if session is None:
-        raise PreconditionError(f"{what} needs a session_id (OpenSession or the Session "
-                                "stream)")
+        raise PreconditionError(f"{what} needs a session_id (OpenSession or the Session stream)")
     return session

@@ -85,15 +85,17 @@ class HashPages:
         if index is None:
             raise PreconditionError(
                 f"model {engine.name!r} cannot look pages up by hash: that needs a radix "
-                "model with page hashes (server.change_log_capacity > 0)")
+                "model with page hashes (server.change_log_capacity > 0)"
+            )
         self.engine = engine
         self.index: PageIndex = index
         self.page_size: int = engine.page_size
 
     # ---------------------------------------------------------------- reads
 
-    def exists(self, namespace: Namespace, page_hashes: list[str],
-               lookup: bool = True) -> tuple[int, bytes]:
+    def exists(
+        self, namespace: Namespace, page_hashes: list[str], lookup: bool = True
+    ) -> tuple[int, bytes]:
         """The number of pages held from the first, and one byte (1/0) per page;
         ``lookup``: count it in the model's query and hit tokens."""
         return self.count(self.presence(namespace, page_hashes), lookup)
@@ -103,8 +105,9 @@ class HashPages:
         # _locate's two lookups, with the hash namespace named once for the call.
         hidden = (hash_namespace(*namespace), hash_page_width(self.page_size))
         find = self.index.find
-        return bytes(find(namespace, h) is not None or find(hidden, h) is not None
-                     for h in page_hashes)
+        return bytes(
+            find(namespace, h) is not None or find(hidden, h) is not None for h in page_hashes
+        )
 
     def count(self, present: bytes, lookup: bool = True) -> tuple[int, bytes]:
         """``exists``' answer from ``presence``' bytes (of one chain, in order)."""
@@ -118,8 +121,9 @@ class HashPages:
         engine.hit_tokens += leading * self.page_size
         return leading, present
 
-    def get(self, namespace: Namespace, page_hashes: list[str],
-            session: Session | None) -> GetOutcome:
+    def get(
+        self, namespace: Namespace, page_hashes: list[str], session: Session | None
+    ) -> GetOutcome:
         """Lock the leading run of pages for ``session`` and answer their slots (in one
         go: the RPC runs ``plan`` in slices, then ``lock``)."""
         steps = self.plan(namespace, page_hashes)
@@ -129,8 +133,9 @@ class HashPages:
             except StopIteration as done:
                 return self.lock(done.value, session)
 
-    def plan(self, namespace: Namespace, page_hashes: list[str]
-             ) -> Generator[None, None, list[PlannedRun]]:
+    def plan(
+        self, namespace: Namespace, page_hashes: list[str]
+    ) -> Generator[None, None, list[PlannedRun]]:
         """The leading run of held pages as runs along one tree path each, with each
         run's path; reads only, and yields every ``SLICE`` pages looked at, so that
         the caller can let other calls run between slices.
@@ -194,10 +199,13 @@ class HashPages:
                     engine.quota.check_lock(owner, tokens)  # quotas.py; undone below
                     # The lookup's hit is the run's pages (ExistsPages counted them),
                     # not the prefix the lock protects (the quota's).
-                    lock_ids.append(engine._hold(owner, node, cache.inc_lock_ref(node),
-                                                 tokens, hit=usable * size))
+                    lock_ids.append(
+                        engine._hold(
+                            owner, node, cache.inc_lock_ref(node), tokens, hit=usable * size
+                        )
+                    )
                     first = (depth - count) * size
-                    parts.append(host_indices(result.indices)[first:first + usable * size])
+                    parts.append(host_indices(result.indices)[first : first + usable * size])
                     found += usable
                 if usable < count:
                     break

@@ -132,13 +132,29 @@ class Lookups:
 
     # ------------------------------------------------------- classifying
 
-    def classify(self, cache: Any, key: RadixKey, hit: int, *, check_same: bool = False,
-                 namespaces: Any = None) -> Classified:
-        return classify(cache, key, hit, self.record, self.ids, check_same=check_same,
-                        namespaces=namespaces, block=self.block)
+    def classify(
+        self,
+        cache: Any,
+        key: RadixKey,
+        hit: int,
+        *,
+        check_same: bool = False,
+        namespaces: Any = None,
+    ) -> Classified:
+        return classify(
+            cache,
+            key,
+            hit,
+            self.record,
+            self.ids,
+            check_same=check_same,
+            namespaces=namespaces,
+            block=self.block,
+        )
 
-    def count_pages(self, index: Any, namespace: tuple[str | None, int], data: bytes,
-                    leading: int) -> Iterator[None]:
+    def count_pages(
+        self, index: Any, namespace: tuple[str | None, int], data: bytes, leading: int
+    ) -> Iterator[None]:
         """Count an ExistsPages lookup: ``data`` its packed page hashes (32 bytes each),
         ``leading`` pages of them held. Beyond those: pages another namespace's index
         holds, then pages the record knows as evicted, then cold ones.
@@ -170,11 +186,12 @@ class Lookups:
 
 
 def _hex(data: bytes, page: int) -> str:
-    return data[page * DIGEST_BYTES:(page + 1) * DIGEST_BYTES].hex()
+    return data[page * DIGEST_BYTES : (page + 1) * DIGEST_BYTES].hex()
 
 
-def _other_run(index: Any, namespace: tuple[str | None, int], data: bytes, pos: int,
-               total: int, limit: int = 8) -> Generator[None, None, int]:
+def _other_run(
+    index: Any, namespace: tuple[str | None, int], data: bytes, pos: int, total: int, limit: int = 8
+) -> Generator[None, None, int]:
     """Pages from ``pos`` on that one other namespace of the same width holds (as token
     pages or hash pages), the longest run among at most ``limit`` namespaces; yields
     every ``COUNT_SLICE`` pages looked up."""
@@ -193,8 +210,9 @@ def _other_run(index: Any, namespace: tuple[str | None, int], data: bytes, pos: 
             continue
         looked += 1
         run = 1
-        while pos + run < total and index.find((extra_key, width),
-                                               _hex(data, pos + run)) is not None:
+        while (
+            pos + run < total and index.find((extra_key, width), _hex(data, pos + run)) is not None
+        ):
             run += 1
             if run % COUNT_SLICE == 0:
                 yield
@@ -231,8 +249,10 @@ def unused_reason(value: int) -> str | None:
         return None
     name = OUTCOMES[value - 1] if 0 < value <= len(OUTCOMES) else None
     if name not in CLIENT_REASONS:
-        raise InvalidInputError(f"unused_outcome {value} is not LOOKUP_OUTCOME_LOAD_FAILED "
-                                "or LOOKUP_OUTCOME_LEASE_EXPIRED")
+        raise InvalidInputError(
+            f"unused_outcome {value} is not LOOKUP_OUTCOME_LOAD_FAILED "
+            "or LOOKUP_OUTCOME_LEASE_EXPIRED"
+        )
     return name
 
 

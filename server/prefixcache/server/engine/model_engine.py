@@ -60,18 +60,28 @@ class ModelEngine(SlotOwnership, EngineBase):
         next_lock_id: Hands out service-wide lock ids.
     """
 
-    def __init__(self, config: ModelConfig, next_lock_id: Any,
-                 buffer_factory: BufferFactory | None = None,
-                 handles: OpaqueIds | None = None, *, change_log: bool = False,
-                 change_log_capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        next_lock_id: Any,
+        buffer_factory: BufferFactory | None = None,
+        handles: OpaqueIds | None = None,
+        *,
+        change_log: bool = False,
+        change_log_capacity: int = DEFAULT_CAPACITY,
+    ) -> None:
         super().__init__(config, next_lock_id, handles)
         # The page set's change log (KV events, shadow indexes); chunk caches no pages.
-        self.change_log = (ChangeLog(change_log_capacity)
-                           if change_log and config.kind != "chunk" else None)
+        self.change_log = (
+            ChangeLog(change_log_capacity) if change_log and config.kind != "chunk" else None
+        )
         # Radix models with page hashes find pages by hash (hash_pages.py, SGLang HiCache);
         # the index listens to the cache and passes token pages on to the change log.
-        self.page_index = (PageIndex(self.change_log)
-                           if self.change_log is not None and config.kind == "radix" else None)
+        self.page_index = (
+            PageIndex(self.change_log)
+            if self.change_log is not None and config.kind == "radix"
+            else None
+        )
         self.page_size = config.page_size
         pool = config.pool
         kv = {
@@ -94,27 +104,39 @@ class ModelEngine(SlotOwnership, EngineBase):
             swa_size = pool.swa_size or pool.size
             self.swa_kv_pool = KVPool(swa_size, **kv)
             self.allocator: Any = SWATokenToKVPoolAllocator(
-                pool.size, swa_size, "cpu", config.page_size)
+                pool.size, swa_size, "cpu", config.page_size
+            )
             self.cache: Any = SWARadixCache(
-                config.page_size, config.sliding_window_size, self.allocator,
-                eviction_policy=config.eviction_policy, listener=self.change_log)
+                config.page_size,
+                config.sliding_window_size,
+                self.allocator,
+                eviction_policy=config.eviction_policy,
+                listener=self.change_log,
+            )
         else:
             self.allocator = TokenToKVPoolAllocator(pool.size, "cpu", config.page_size)
             if config.kind == "mamba":
                 if config.mamba is None:  # load_config refuses this; a hand-built one may not
                     raise ConfigError(f"models.{config.name}: kind mamba needs a mamba section")
                 states = mamba_pool(config.mamba, pool.device, buffer_factory)
-                self.cache = MambaRadixCache(config.page_size, self.allocator, states,
-                                             mamba_cache_chunk_size=config.mamba.chunk_size,
-                                             listener=self.change_log)
+                self.cache = MambaRadixCache(
+                    config.page_size,
+                    self.allocator,
+                    states,
+                    mamba_cache_chunk_size=config.mamba.chunk_size,
+                    listener=self.change_log,
+                )
                 self.states = StateSlots(config.name, states, self.cache)
             elif config.kind == "chunk":
                 self.cache = ChunkCache(self.allocator)
             else:
-                self.cache = RadixCache(config.page_size, None, self.allocator,
-                                        eviction_policy=config.eviction_policy,
-                                        listener=self.change_log if self.page_index is None
-                                        else self.page_index)
+                self.cache = RadixCache(
+                    config.page_size,
+                    None,
+                    self.allocator,
+                    eviction_policy=config.eviction_policy,
+                    listener=self.change_log if self.page_index is None else self.page_index,
+                )
         if config.kind != "chunk":  # remember evicted pages (lookups.py)
             self.lookups.attach(self.cache)
         self.pool_size = pool.size
@@ -155,19 +177,28 @@ class ModelEngine(SlotOwnership, EngineBase):
 
     # ------------------------------------------------------------ operations
 
-    def match(self, key: RadixKey, session: Session | None, lock: bool = False,
-              allocate: bool = False, as_pages: bool = False) -> MatchOutcome:
+    def match(
+        self,
+        key: RadixKey,
+        session: Session | None,
+        lock: bool = False,
+        allocate: bool = False,
+        as_pages: bool = False,
+    ) -> MatchOutcome:
         """Longest cached prefix; optionally lock it and allocate slots for the rest.
 
         ``as_pages``: the hit ends before the first page whose slots are not one whole
         aligned page (an insert given other slots), so it can be answered as page ids.
         """
-        owner = needs_session(session, "a match with lock or allocate") \
-            if lock or allocate else None
+        owner = (
+            needs_session(session, "a match with lock or allocate") if lock or allocate else None
+        )
         result = self.cache.match_prefix(key)
         if as_pages and result.prefix_len and self.page_size > 1:
-            good = whole_pages(host_indices(result.indices)[:result.prefix_len],
-                               self.page_size) * self.page_size
+            good = (
+                whole_pages(host_indices(result.indices)[: result.prefix_len], self.page_size)
+                * self.page_size
+            )
             if good < result.prefix_len:  # rare: matched again, only up to that page
                 result = self.cache.match_prefix(key[:good])
         node = result.last_node if result.prefix_len else None
@@ -186,8 +217,9 @@ class ModelEngine(SlotOwnership, EngineBase):
             boundary = self.cache.inc_lock_ref(node)
         try:
             if allocate and owner is not None:  # owner is set whenever allocate is
-                allocated, states = self.alloc(owner, len(key) - result.prefix_len,
-                                               1 if self.states else 0)
+                allocated, states = self.alloc(
+                    owner, len(key) - result.prefix_len, 1 if self.states else 0
+                )
                 state = int(states[0]) if len(states) else None
         except PoolExhaustedError:
             if node is not None:
@@ -207,22 +239,35 @@ class ModelEngine(SlotOwnership, EngineBase):
         state_slot = None
         if node is not None and self.states is not None:
             state_slot = int(node.mamba_value[0])
-        return MatchOutcome(result.prefix_len, host_indices(result.indices), node_id,
-                            lock_id, allocated, state_slot, result.mamba_branching_seqlen,
-                            state)
+        return MatchOutcome(
+            result.prefix_len,
+            host_indices(result.indices),
+            node_id,
+            lock_id,
+            allocated,
+            state_slot,
+            result.mamba_branching_seqlen,
+            state,
+        )
 
     def _count_outcomes(self, key: RadixKey, hit: int) -> None:
         if self.kind == "chunk":
             super()._count_outcomes(key, hit)
             return
-        classified = self.lookups.classify(self.cache, key, hit,
-                                           check_same=self.kind != "radix")
+        classified = self.lookups.classify(self.cache, key, hit, check_same=self.kind != "radix")
         self.lookups.count(classified, len(key))
 
-    def insert(self, key: RadixKey, slots: np.ndarray, session: Session | None,
-               lock: bool = False, release_lock_id: int = 0,
-               state_slot: int | None = None, *,
-               keep_duplicates: bool = False) -> InsertOutcome:
+    def insert(
+        self,
+        key: RadixKey,
+        slots: np.ndarray,
+        session: Session | None,
+        lock: bool = False,
+        release_lock_id: int = 0,
+        state_slot: int | None = None,
+        *,
+        keep_duplicates: bool = False,
+    ) -> InsertOutcome:
         """Cache ``key`` with ``slots``; the tree takes the session's new slots.
 
         Each of the first ``aligned`` slots must be the tree's own slot for its token
@@ -234,8 +279,9 @@ class ModelEngine(SlotOwnership, EngineBase):
         if len(slots) != n:
             raise InvalidInputError(f"slot_indices has {len(slots)} slots for {n} tokens")
         if keep_duplicates and self.kind == "swa":  # its insert frees what it does not keep
-            raise PreconditionError(f"keep_duplicates is for radix, mamba and chunk models; "
-                                    f"{self.name!r} is swa")
+            raise PreconditionError(
+                f"keep_duplicates is for radix, mamba and chunk models; {self.name!r} is swa"
+            )
         if lock and session is None:
             raise PreconditionError("lock needs a session_id")
         # Checked before anything changes: a lock of another model (or none) is refused.
@@ -275,7 +321,7 @@ class ModelEngine(SlotOwnership, EngineBase):
                 result = self.cache.insert(key, value)
             freed = new[: max(0, result.prefix_len - first_held)]
             if keep_duplicates and len(freed):  # they stay the session's
-                new, runs, freed = new[len(freed):], None, _EMPTY
+                new, runs, freed = new[len(freed) :], None, _EMPTY
             elif len(freed):
                 self.allocator.free(freed)
         self._set_owner(new, runs, 0)
@@ -293,8 +339,9 @@ class ModelEngine(SlotOwnership, EngineBase):
             lock_id = self._hold(owner, node, self.cache.inc_lock_ref(node))
         if release_lock_id:
             self.unlock(needs_session(session, "release_lock_id"), release_lock_id)
-        return InsertOutcome(result.prefix_len, aligned, self._handle(node), lock_id, freed,
-                             state_exist)
+        return InsertOutcome(
+            result.prefix_len, aligned, self._handle(node), lock_id, freed, state_exist
+        )
 
     def evict(self, num_tokens: int, swa_num_tokens: int = 0, mamba_num: int = 0) -> EvictResult:
         if self.states is not None:
@@ -319,8 +366,9 @@ class ModelEngine(SlotOwnership, EngineBase):
         self.cache.dec_lock_ref(held.node, held.boundary)
         self._drop(session, lock_id)
 
-    def alloc(self, session: Session, num_slots: int,
-              num_states: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def alloc(
+        self, session: Session, num_slots: int, num_states: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
         self._check_slot_quota(session, num_slots)
         states = _EMPTY
         if num_states:
@@ -336,16 +384,17 @@ class ModelEngine(SlotOwnership, EngineBase):
                 self._states().free(states)
             raise
 
-    def free(self, session: Session, slots: np.ndarray,
-             states: np.ndarray = _EMPTY) -> None:
+    def free(self, session: Session, slots: np.ndarray, states: np.ndarray = _EMPTY) -> None:
         if len(states):
             self._states().check(session, states)
         self._check_range(slots)
         held = self._owner[slots] == session.tag
         if not held.all():
             bad = int(np.argmin(held))
-            raise PreconditionError(f"slot {int(slots[bad])} is not held by this session "
-                                    "(already freed, inserted, or never allocated to it)")
+            raise PreconditionError(
+                f"slot {int(slots[bad])} is not held by this session "
+                "(already freed, inserted, or never allocated to it)"
+            )
         check_distinct(slots, self.page_size)
         if len(slots) and not self._fenced(session, slots):
             self.allocator.free(slots)

@@ -69,9 +69,14 @@ class Path:
     last: str
 
 
-def store(pages: HashPages, namespace: Namespace, prior: str | None,
-          page_hashes: list[str], slots: np.ndarray, session: Session | None
-          ) -> Generator[None, None, bytes]:
+def store(
+    pages: HashPages,
+    namespace: Namespace,
+    prior: str | None,
+    page_hashes: list[str],
+    slots: np.ndarray,
+    session: Session | None,
+) -> Generator[None, None, bytes]:
     """Store the pages ``slots`` hold (``page_size`` a page; all zero: not sent) under
     their hashes, yielding between slices; returns one state byte per page (MISSING,
     STORED, HELD)."""
@@ -91,15 +96,22 @@ def store(pages: HashPages, namespace: Namespace, prior: str | None,
             base = yield from _walk(pages, hidden, base)
         if done or walked:
             _check_alive(pages, owner, per_page, sent, done)
-        done, base = _slice(pages, namespace, hidden, page_hashes, per_page, sent,
-                            states, owner, done, base)
+        done, base = _slice(
+            pages, namespace, hidden, page_hashes, per_page, sent, states, owner, done, base
+        )
         if done < len(page_hashes):
             yield
     return bytes(states)
 
 
-def store_now(pages: HashPages, namespace: Namespace, prior: str | None,
-              page_hashes: list[str], slots: np.ndarray, session: Session | None) -> bytes:
+def store_now(
+    pages: HashPages,
+    namespace: Namespace,
+    prior: str | None,
+    page_hashes: list[str],
+    slots: np.ndarray,
+    session: Session | None,
+) -> bytes:
     """``store`` in this loop turn, for a batch bounded by its caller (the tier's fetch,
     which must insert what it read before anything else runs)."""
     steps = store(pages, namespace, prior, page_hashes, slots, session)
@@ -110,10 +122,18 @@ def store_now(pages: HashPages, namespace: Namespace, prior: str | None,
             return done.value
 
 
-def _slice(pages: HashPages, namespace: Namespace, hidden: Namespace,
-           page_hashes: list[str], per_page: np.ndarray, sent: np.ndarray,
-           states: bytearray, owner: Session, start: int, base: Path | None
-           ) -> tuple[int, Path | str | None]:
+def _slice(
+    pages: HashPages,
+    namespace: Namespace,
+    hidden: Namespace,
+    page_hashes: list[str],
+    per_page: np.ndarray,
+    sent: np.ndarray,
+    states: bytearray,
+    owner: Session,
+    start: int,
+    base: Path | None,
+) -> tuple[int, Path | str | None]:
     """Look up and store pages from ``start`` until a slice's work is done; returns
     where it stopped and the path the next page's run goes on."""
     index, budget = pages.index, SLICE
@@ -152,8 +172,9 @@ def _slice(pages: HashPages, namespace: Namespace, hidden: Namespace,
     return at, out
 
 
-def _after_held(index: PageIndex, hidden: Namespace, base: Path | str | None,
-                page_hash: str) -> Path | str | None:
+def _after_held(
+    index: PageIndex, hidden: Namespace, base: Path | str | None, page_hash: str
+) -> Path | str | None:
     """The path after a held page: it extends ``base`` where it is a hash page that
     chains on it; else its own, to walk (or none, where it is no hash page)."""
     entry = index.find(hidden, page_hash)
@@ -167,17 +188,25 @@ def _after_held(index: PageIndex, hidden: Namespace, base: Path | str | None,
     return page_hash
 
 
-def _insert(pages: HashPages, hidden: Namespace, page_hashes: list[str],
-            per_page: np.ndarray, start: int, end: int, base: Path | str | None,
-            owner: Session) -> Path:
+def _insert(
+    pages: HashPages,
+    hidden: Namespace,
+    page_hashes: list[str],
+    per_page: np.ndarray,
+    start: int,
+    end: int,
+    base: Path | str | None,
+    owner: Session,
+) -> Path:
     """Store pages ``start:end`` on ``base`` (where it is still cached whole; on a path
     of their own where not); returns the path through their last page."""
     engine, size = pages.engine, pages.page_size
     path = base if isinstance(base, Path) else Path(bytearray(), 0, "")
     base_slots = np.zeros(0, dtype=np.int64)
     if path.depth:
-        base_slots = host_indices(engine.cache.peek_prefix(
-            RadixKey.from_bytes(path.packed, hidden[1], hidden[0])))
+        base_slots = host_indices(
+            engine.cache.peek_prefix(RadixKey.from_bytes(path.packed, hidden[1], hidden[0]))
+        )
         if len(base_slots) != path.depth * size:  # evicted since: a path of their own
             path, base_slots = Path(bytearray(), 0, ""), np.zeros(0, dtype=np.int64)
     path.packed += encode_hash_pages(page_hashes[start:end], size)
@@ -188,8 +217,9 @@ def _insert(pages: HashPages, hidden: Namespace, page_hashes: list[str],
     return path
 
 
-def _walk(pages: HashPages, hidden: Namespace, page_hash: str
-          ) -> Generator[None, None, Path | None]:
+def _walk(
+    pages: HashPages, hidden: Namespace, page_hash: str
+) -> Generator[None, None, Path | None]:
     """The path to held hash page ``page_hash``, walked ``SLICE`` pages a turn (None:
     evicted meanwhile)."""
     index, parts = pages.index, []
@@ -205,8 +235,9 @@ def _walk(pages: HashPages, hidden: Namespace, page_hash: str
     return Path(bytearray(b"".join(parts)), len(parts), page_hash)
 
 
-def _checked(pages: HashPages, page_hashes: list[str], slots: np.ndarray
-             ) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
+def _checked(
+    pages: HashPages, page_hashes: list[str], slots: np.ndarray
+) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
     """Each page's slots (a row each) and which pages were sent (not all zeros), every
     rule that reads only the request checked (its distinct hashes in slices)."""
     size, engine, count = pages.page_size, pages.engine, len(page_hashes)
@@ -214,19 +245,21 @@ def _checked(pages: HashPages, page_hashes: list[str], slots: np.ndarray
     for start in range(0, count, SLICE):
         if start:
             yield
-        seen.update(page_hashes[start:start + SLICE])
-        if len(seen) != start + len(page_hashes[start:start + SLICE]):
-            raise InvalidInputError("page_hashes names a page twice (a chain of page "
-                                    "hashes never repeats one)")
+        seen.update(page_hashes[start : start + SLICE])
+        if len(seen) != start + len(page_hashes[start : start + SLICE]):
+            raise InvalidInputError(
+                "page_hashes names a page twice (a chain of page hashes never repeats one)"
+            )
     if len(slots) != count * size:
-        raise InvalidInputError(f"slot_indices has {len(slots)} slots for {count} "
-                                f"pages of {size}")
+        raise InvalidInputError(f"slot_indices has {len(slots)} slots for {count} pages of {size}")
     per_page = slots.reshape(count, size)
     zero = (per_page == 0).all(axis=1)
     mixed = ~zero & (per_page == 0).any(axis=1)
     if mixed.any():
-        raise InvalidInputError(f"page {int(np.argmax(mixed))} names slot 0 among its "
-                                "slots: name all of a page's slots, or none (page_size zeros)")
+        raise InvalidInputError(
+            f"page {int(np.argmax(mixed))} names slot 0 among its "
+            "slots: name all of a page's slots, or none (page_size zeros)"
+        )
     rows = per_page[~zero].reshape(-1)
     check_range(rows, 1, engine.num_rows, engine.name)
     check_distinct(rows)
@@ -238,19 +271,26 @@ def _check_owned(pages: HashPages, owner: Session, rows: np.ndarray, done: int) 
     if not held.all():
         bad = int(rows[np.argmin(held)])
         if not done:
-            raise PreconditionError(f"slot {bad} is not held by this session (Alloc it, "
-                                    "and write the page's KV into it, first)")
-        raise PreconditionError(f"slot {bad} is no longer held by this session (freed, "
-                                "or the model reset, while SetPages stored its pages): "
-                                f"the call stopped after its first {done} pages")
+            raise PreconditionError(
+                f"slot {bad} is not held by this session (Alloc it, "
+                "and write the page's KV into it, first)"
+            )
+        raise PreconditionError(
+            f"slot {bad} is no longer held by this session (freed, "
+            "or the model reset, while SetPages stored its pages): "
+            f"the call stopped after its first {done} pages"
+        )
 
 
-def _check_alive(pages: HashPages, owner: Session, per_page: np.ndarray,
-                 sent: np.ndarray, done: int) -> None:
+def _check_alive(
+    pages: HashPages, owner: Session, per_page: np.ndarray, sent: np.ndarray, done: int
+) -> None:
     """Between slices: the session still open, and still holding the slots of the
     pages the next slice may reach (at most ``SLICE``: each costs a page of work)."""
     if owner.closed:
-        raise NotFoundError("SetPages: the session ended while its pages were stored: "
-                            f"the call stopped after its first {done} pages")
+        raise NotFoundError(
+            "SetPages: the session ended while its pages were stored: "
+            f"the call stopped after its first {done} pages"
+        )
     end = done + SLICE
     _check_owned(pages, owner, per_page[done:end][sent[done:end]].reshape(-1), done)

@@ -49,8 +49,7 @@ class Retentions:
             return self._counted(Grant(REJECTED, 0, hint.seconds, hint.priority))
         tokens, outcome = 0, ACCEPTED
         if node is not None:
-            result = self.engine.cache.retain(node, hint.seconds, hint.priority, tenant,
-                                              self.limit)
+            result = self.engine.cache.retain(node, hint.seconds, hint.priority, tenant, self.limit)
             tokens, outcome = result.tokens, result.outcome
         if outcome == ACCEPTED and hint.clipped:
             outcome = CLIPPED

@@ -30,8 +30,9 @@ def check_range(slots: np.ndarray, low: int, high: int, model: str) -> None:
     """Refuse a slot outside ``[low, high)``."""
     if len(slots) and (int(slots.min()) < low or int(slots.max()) >= high):
         bad = slots[(slots < low) | (slots >= high)][0]
-        raise InvalidInputError(f"slot {int(bad)} is outside model {model!r}'s pool "
-                                f"[{low}, {high})")
+        raise InvalidInputError(
+            f"slot {int(bad)} is outside model {model!r}'s pool [{low}, {high})"
+        )
 
 
 def check_tree_prefix(head: np.ndarray, tree: np.ndarray, first_held: int) -> None:
@@ -40,13 +41,15 @@ def check_tree_prefix(head: np.ndarray, tree: np.ndarray, first_held: int) -> No
         raise PreconditionError(
             f"slot_indices[{len(tree)}] = {int(head[len(tree)])} is not held by this "
             f"session, and the cache holds only the first {len(tree)} tokens (allocate "
-            "slots for the rest)")
+            "slots for the rest)"
+        )
     same = head[:first_held] == tree[:first_held]
     if not same.all():
         bad = int(np.argmin(same))
         raise PreconditionError(
             f"slot_indices[{bad}] = {int(head[bad])}, but the cache holds that token in "
-            f"slot {int(tree[bad])} and the session does not hold slot {int(head[bad])}")
+            f"slot {int(tree[bad])} and the session does not hold slot {int(head[bad])}"
+        )
 
 
 # Slots come as a few ascending runs (the allocator hands out runs of pages): with fewer

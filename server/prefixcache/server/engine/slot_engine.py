@@ -37,18 +37,25 @@ from .outcomes import InsertOutcome, MatchOutcome
 class SlotEngine(EngineBase):
     """The slot allocator, KV tensors and slot prefix cache of one model."""
 
-    def __init__(self, config: ModelConfig, next_lock_id: Any,
-                 buffer_factory: BufferFactory | None = None,
-                 handles: OpaqueIds | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        next_lock_id: Any,
+        buffer_factory: BufferFactory | None = None,
+        handles: OpaqueIds | None = None,
+    ) -> None:
         super().__init__(config, next_lock_id, handles)
         self.page_size = 1
         pool = config.pool
         self.max_seq_len = config.max_seq_len
         self.pool_size = pool.size
         self.allocator = SlotAllocator(pool.size)
-        self.cache = SlotPrefixCache(self.allocator, pool.size * config.max_seq_len,
-                                     max_seq_len=config.max_seq_len,
-                                     eviction_policy=config.eviction_policy)
+        self.cache = SlotPrefixCache(
+            self.allocator,
+            pool.size * config.max_seq_len,
+            max_seq_len=config.max_seq_len,
+            eviction_policy=config.eviction_policy,
+        )
         dtype = getattr(torch, pool.dtype)
         shape = (pool.size, config.max_seq_len, pool.layers)
         k_shape = (*shape, pool.k_heads, pool.k_head_dim)
@@ -68,14 +75,21 @@ class SlotEngine(EngineBase):
 
     def sizes(self) -> dict[str, int]:
         c = self.cache
-        return {"evictable": c.evictable_size(), "protected": c.protected_size(),
-                "swa_evictable": 0, "swa_protected": 0,
-                "free_slots": self.allocator.free_count(),
-                "used_slots": self.allocator.num_allocated(),
-                "mamba_evictable": 0, "mamba_protected": 0, "free_state_slots": 0}
+        return {
+            "evictable": c.evictable_size(),
+            "protected": c.protected_size(),
+            "swa_evictable": 0,
+            "swa_protected": 0,
+            "free_slots": self.allocator.free_count(),
+            "used_slots": self.allocator.num_allocated(),
+            "mamba_evictable": 0,
+            "mamba_protected": 0,
+            "free_state_slots": 0,
+        }
 
-    def match(self, key: RadixKey, session: Session | None, lock: bool = False,
-              allocate: bool = False) -> MatchOutcome:
+    def match(
+        self, key: RadixKey, session: Session | None, lock: bool = False, allocate: bool = False
+    ) -> MatchOutcome:
         """The cached prefix's slot; with ``lock`` it is pinned, with ``allocate`` the
         session gets a slot holding it. Either all of that happens or nothing does."""
         if not (lock or allocate):
@@ -125,9 +139,11 @@ class SlotEngine(EngineBase):
             # find and pin walk the same tree unchanged: a mismatch is a bug, not a refusal.
             if node is not None:
                 self.cache.release(node)
-            raise IntegrityError(f"model {self.name!r}: pin found "
-                                 f"{0 if node is None else node.depth} tokens where find "
-                                 f"found {found.prefix_len}")
+            raise IntegrityError(
+                f"model {self.name!r}: pin found "
+                f"{0 if node is None else node.depth} tokens where find "
+                f"found {found.prefix_len}"
+            )
         return node
 
     def _take(self, found: Any, key: RadixKey, reuse: bool) -> tuple[int, int]:
@@ -149,17 +165,27 @@ class SlotEngine(EngineBase):
         return slot, self.allocator.version(slot)
 
     def _exhausted(self) -> PoolExhaustedError:
-        return PoolExhaustedError(f"model {self.name!r}: all {self.pool_size} sequence "
-                                  "slots are held by sessions", self.name)
+        return PoolExhaustedError(
+            f"model {self.name!r}: all {self.pool_size} sequence slots are held by sessions",
+            self.name,
+        )
 
-    def insert(self, key: RadixKey, slots: np.ndarray, session: Session | None,
-               lock: bool = False, release_lock_id: int = 0, state_slot: int | None = None,
-               slot_version: int = 0) -> InsertOutcome:
+    def insert(
+        self,
+        key: RadixKey,
+        slots: np.ndarray,
+        session: Session | None,
+        lock: bool = False,
+        release_lock_id: int = 0,
+        state_slot: int | None = None,
+        slot_version: int = 0,
+    ) -> InsertOutcome:
         if state_slot is not None:
             raise PreconditionError(f"model {self.name!r} has no Mamba state pool")
         if len(slots) != 1:
-            raise InvalidInputError("a slot model's insert names one sequence slot, "
-                                    f"got {len(slots)}")
+            raise InvalidInputError(
+                f"a slot model's insert names one sequence slot, got {len(slots)}"
+            )
         slot = int(slots[0])
         self._check_held(session, slots)
         owner = needs_session(session, "an insert into a slot model")
@@ -195,16 +221,18 @@ class SlotEngine(EngineBase):
         self.cache.release(self._held(session, lock_id).node)
         self._drop(session, lock_id)
 
-    def alloc(self, session: Session, num_slots: int,
-              num_states: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def alloc(
+        self, session: Session, num_slots: int, num_states: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
         if num_states:
             raise PreconditionError(f"model {self.name!r} has no Mamba state pool")
         self.quota.check_slots(session, num_slots)
         if num_slots > self.allocator.free_count():
-            raise PoolExhaustedError(f"model {self.name!r}: {num_slots} slots asked, "
-                                     f"{self.allocator.free_count()} free", self.name,
-                                     "larger_than_pool" if num_slots > self.pool_size
-                                     else "pool_exhausted")
+            raise PoolExhaustedError(
+                f"model {self.name!r}: {num_slots} slots asked, {self.allocator.free_count()} free",
+                self.name,
+                "larger_than_pool" if num_slots > self.pool_size else "pool_exhausted",
+            )
         got = np.array([self.allocator.alloc() for _ in range(num_slots)], dtype=np.int64)
         self._owner[got] = session.tag
         self.session_slots += num_slots
@@ -235,8 +263,10 @@ class SlotEngine(EngineBase):
         self.allocator.check_integrity()
         owned = int(np.count_nonzero(self._owner))
         if owned != self.session_slots or owned != self.allocator.num_allocated():
-            raise IntegrityError(f"{owned} slots owned by sessions, {self.session_slots} "
-                                 f"counted, {self.allocator.num_allocated()} allocated")
+            raise IntegrityError(
+                f"{owned} slots owned by sessions, {self.session_slots} "
+                f"counted, {self.allocator.num_allocated()} allocated"
+            )
 
     def _check_held(self, session: Session | None, slots: np.ndarray) -> None:
         if len(slots) and (int(slots.min()) < 0 or int(slots.max()) >= self.pool_size):
@@ -244,8 +274,9 @@ class SlotEngine(EngineBase):
         tag = session.tag if session is not None else -1
         held = self._owner[slots] == tag
         if not held.all():
-            raise PreconditionError(f"slot {int(slots[np.argmin(held)])} is not held by this "
-                                    "session")
+            raise PreconditionError(
+                f"slot {int(slots[np.argmin(held)])} is not held by this session"
+            )
         if has_repeats(slots):
             raise InvalidInputError("a slot is named twice")
 
@@ -271,8 +302,20 @@ class SlotEngine(EngineBase):
             session.slots.pop(self.name, None)
 
 
-def _outcome(found: Any, node_id: int = 0, lock_id: int = 0, allocated: np.ndarray = _EMPTY,
-             version: int | None = None) -> MatchOutcome:
+def _outcome(
+    found: Any,
+    node_id: int = 0,
+    lock_id: int = 0,
+    allocated: np.ndarray = _EMPTY,
+    version: int | None = None,
+) -> MatchOutcome:
     indices = np.array([found.slot], dtype=np.int64) if found.prefix_len else _EMPTY
-    return MatchOutcome(found.prefix_len, indices, node_id, lock_id, allocated,
-                        slot_version=found.version, allocated_version=version)
+    return MatchOutcome(
+        found.prefix_len,
+        indices,
+        node_id,
+        lock_id,
+        allocated,
+        slot_version=found.version,
+        allocated_version=version,
+    )

@@ -60,8 +60,9 @@ class SlotOwnership:
     # are never shared between sessions: each was free when one session took it.
     _page_held: np.ndarray
 
-    def _checked_head(self, slots: np.ndarray, head: np.ndarray, tree: np.ndarray,
-                      tag: int) -> tuple[int, list[tuple[int, int]]] | None:
+    def _checked_head(
+        self, slots: np.ndarray, head: np.ndarray, tree: np.ndarray, tag: int
+    ) -> tuple[int, list[tuple[int, int]]] | None:
         """``(first_held, runs of head[first_held:])`` if ``slots`` pass every insert
         check, else None (not a refusal: the slots may be too scattered to check here).
 
@@ -76,9 +77,12 @@ class SlotOwnership:
             if not same.all():
                 first = int(np.argmin(same))
         runs = slot_runs(head[first:])
-        tail = slots[len(head):]
-        if runs is None or not runs_fit(runs, 1, self.num_rows) or (
-                len(tail) and (int(tail.min()) < 1 or int(tail.max()) >= self.num_rows)):
+        tail = slots[len(head) :]
+        if (
+            runs is None
+            or not runs_fit(runs, 1, self.num_rows)
+            or (len(tail) and (int(tail.min()) < 1 or int(tail.max()) >= self.num_rows))
+        ):
             return None
         owner = self._owner
         if not all((owner[lo:end] == tag).all() for lo, end in runs):
@@ -93,13 +97,14 @@ class SlotOwnership:
         check_tree_prefix(head, tree, first_held)
         if not held[first_held:].all():
             bad = first_held + int(np.argmin(held[first_held:]))
-            raise PreconditionError(f"slot_indices[{bad}] = {int(head[bad])} is not held by "
-                                    "this session (allocate it, or pass the matched slot)")
+            raise PreconditionError(
+                f"slot_indices[{bad}] = {int(head[bad])} is not held by "
+                "this session (allocate it, or pass the matched slot)"
+            )
         check_distinct(head[first_held:], self.page_size)
         return first_held
 
-    def _set_owner(self, slots: np.ndarray, runs: list[tuple[int, int]] | None,
-                   tag: int) -> None:
+    def _set_owner(self, slots: np.ndarray, runs: list[tuple[int, int]] | None, tag: int) -> None:
         """Mark ``slots`` (whose runs are ``runs``, or None: not known) as ``tag``'s."""
         if runs is None:
             self._owner[slots] = tag
@@ -119,8 +124,13 @@ class SlotOwnership:
         ps = self.page_size
         self.quota.check_slots(session, -(-n // ps) * ps, self._held_slots(session))
 
-    def _count_pages(self, session: Session | None, slots: np.ndarray, sign: int,
-                     runs: list[tuple[int, int]] | None = None) -> None:
+    def _count_pages(
+        self,
+        session: Session | None,
+        slots: np.ndarray,
+        sign: int,
+        runs: list[tuple[int, int]] | None = None,
+    ) -> None:
         """``session`` now holds (``sign`` 1) or no longer holds (-1) ``slots``, whose
         runs of consecutive slots are ``runs`` (None: not known): update the pages it
         holds slots on."""
@@ -154,7 +164,7 @@ class SlotOwnership:
             if end <= lo:
                 continue
             first, last = lo // ps, (end - 1) // ps
-            pages = held[first:last + 1]
+            pages = held[first : last + 1]
             before = int(np.count_nonzero(pages))
             pages += sign * ps  # whole pages, then the two ends' missing slots
             pages[0] -= sign * (lo - first * ps)
@@ -170,8 +180,10 @@ class SlotOwnership:
         counts = np.bincount(rows // self.page_size, minlength=len(self._page_held))
         problems = []
         if not np.array_equal(counts, self._page_held):
-            problems.append(f"{int(np.count_nonzero(counts != self._page_held))} pages count "
-                            "held slots the owner array disagrees with")
+            problems.append(
+                f"{int(np.count_nonzero(counts != self._page_held))} pages count "
+                "held slots the owner array disagrees with"
+            )
         # Distinct (tag, page) pairs, then pages per tag: one pass, whatever the sessions.
         pairs = distinct(self._owner[rows] * len(self._page_held) + rows // self.page_size)
         tags, held = distinct_counts(pairs // len(self._page_held))
@@ -179,15 +191,19 @@ class SlotOwnership:
         for session in sessions:
             pages = by_tag.get(session.tag, 0)
             if pages != session.pages.get(self.name, 0):
-                problems.append(f"session {session.id[:8]} holds slots on {pages} pages, "
-                                f"counts {session.pages.get(self.name, 0)}")
+                problems.append(
+                    f"session {session.id[:8]} holds slots on {pages} pages, "
+                    f"counts {session.pages.get(self.name, 0)}"
+                )
         return problems
 
     def _check_room(self, n: int) -> None:
         """Refuse ``n`` slots the pool cannot supply even after evicting (not SWA)."""
         want = -(-n // self.page_size) * self.page_size
-        if self.kind != "swa" and \
-                want - self.allocator.available_size() > self.cache.evictable_size():
+        if (
+            self.kind != "swa"
+            and want - self.allocator.available_size() > self.cache.evictable_size()
+        ):
             raise self._exhausted(n)
 
     def _allocate(self, n: int, session: Session) -> np.ndarray:
@@ -197,8 +213,10 @@ class SlotOwnership:
         if self.kind == "swa":
             full_short = want - self.allocator.full_available_size()
             swa_short = want - self.allocator.swa_available_size()
-            if full_short > self.cache.evictable_size() \
-                    or swa_short > self.cache.swa_evictable_size():
+            if (
+                full_short > self.cache.evictable_size()
+                or swa_short > self.cache.swa_evictable_size()
+            ):
                 raise self._exhausted(n)
             if full_short > 0 or swa_short > 0:
                 result = self.cache.evict(max(full_short, 0), max(swa_short, 0))
@@ -236,7 +254,9 @@ class SlotOwnership:
         return PoolExhaustedError(
             f"model {self.name!r} cannot supply {n} slots: {self.allocator.available_size()} "
             f"free and {self.cache.evictable_size()} evictable of {self.pool_size}",
-            self.name, "larger_than_pool" if n > self.pool_size else "pool_exhausted")
+            self.name,
+            "larger_than_pool" if n > self.pool_size else "pool_exhausted",
+        )
 
     def _disown(self, session: Session | None, n: int) -> None:
         if session is None or not n:
@@ -256,8 +276,11 @@ class SlotOwnership:
         if tracked is None:
             return
         tracked[0] += n
-        if runs is None or len(tracked[1]) + len(runs) > MAX_TRACKED_RUNS \
-                or tracked[0] > max(self.num_rows // 8, MAX_TRACKED_RUNS):
+        if (
+            runs is None
+            or len(tracked[1]) + len(runs) > MAX_TRACKED_RUNS
+            or tracked[0] > max(self.num_rows // 8, MAX_TRACKED_RUNS)
+        ):
             self._alloc_runs[tag] = None  # too many to follow: closing scans the pool
             return
         tracked[1].extend(runs)

@@ -23,12 +23,20 @@ from ..sessions.session import Session
 from .slot_checks import check_distinct
 
 
-def mamba_pool(config: MambaConfig, device: str,
-               buffer_factory: BufferFactory | None = None) -> MambaPool:
-    return MambaPool(config.working_slots, config.state_slots, config.layers,
-                     config.conv_state_shape, config.temporal_state_shape,
-                     getattr(torch, config.dtype), getattr(torch, config.temporal_dtype),
-                     device, buffer_factory)
+def mamba_pool(
+    config: MambaConfig, device: str, buffer_factory: BufferFactory | None = None
+) -> MambaPool:
+    return MambaPool(
+        config.working_slots,
+        config.state_slots,
+        config.layers,
+        config.conv_state_shape,
+        config.temporal_state_shape,
+        getattr(torch, config.dtype),
+        getattr(torch, config.temporal_dtype),
+        device,
+        buffer_factory,
+    )
 
 
 class StateSlots:
@@ -57,8 +65,10 @@ class StateSlots:
             raise PoolExhaustedError(
                 f"model {self.name!r} cannot supply {n} state slots: "
                 f"{self.pool.available_track_slots()} free and "
-                f"{self.cache.mamba_evictable_size()} evictable", self.name,
-                "larger_than_pool" if n > self.capacity else "pool_exhausted")
+                f"{self.cache.mamba_evictable_size()} evictable",
+                self.name,
+                "larger_than_pool" if n > self.capacity else "pool_exhausted",
+            )
         freed_tokens = self.cache.evict(0, short).full_evicted if short > 0 else 0
         slots = np.array([self.pool.alloc_track_slot() for _ in range(n)], dtype=np.int64)
         self._owner[slots] = session.tag
@@ -74,8 +84,9 @@ class StateSlots:
         tag = session.tag if session is not None else -1
         held = self._owner[slots] == tag
         if not held.all():
-            raise PreconditionError(f"state slot {int(slots[np.argmin(held)])} is not held "
-                                    "by this session")
+            raise PreconditionError(
+                f"state slot {int(slots[np.argmin(held)])} is not held by this session"
+            )
         check_distinct(slots)
 
     def free(self, slots: np.ndarray) -> None:
@@ -115,5 +126,7 @@ class StateSlots:
             raise IntegrityError("state slots counted per session disagree with their owners")
         in_use = self.pool.num_allocated_track_slots()
         if in_use != self.cache.mamba_total_size() + self.held:
-            raise IntegrityError(f"{in_use} state slots allocated, {self.cache.mamba_total_size()}"
-                                 f" in the tree and {self.held} held by sessions")
+            raise IntegrityError(
+                f"{in_use} state slots allocated, {self.cache.mamba_total_size()}"
+                f" in the tree and {self.held} held by sessions"
+            )

@@ -78,8 +78,7 @@ def endpoint_for(endpoint: str, index: int) -> str:
 
 def binds(endpoint: str) -> bool:
     """vLLM's rule: bind a wildcard, ipc or inproc endpoint; connect to anything else."""
-    return ("*" in endpoint or "::" in endpoint
-            or endpoint.startswith(("ipc://", "inproc://")))
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def medium_of(device: str) -> str:
@@ -106,22 +105,30 @@ class KvEventPublisher:
     ``replay_snapshots``).
     """
 
-    def __init__(self, model: str, change_log: ChangeLog, cfg: KvEventsConfig, *,
-                 index: int, medium: str, context: zmq.Context,
-                 hide_key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        change_log: ChangeLog,
+        cfg: KvEventsConfig,
+        *,
+        index: int,
+        medium: str,
+        context: zmq.Context,
+        hide_key: bytes | None = None,
+    ) -> None:
         self.model = model
         self.endpoint = endpoint_for(cfg.endpoint, index)
         self.bound = binds(self.endpoint)  # vLLM's rule (see start)
-        self.replay_endpoint = (endpoint_for(cfg.replay_endpoint, index)
-                                if cfg.replay_endpoint else None)
+        self.replay_endpoint = (
+            endpoint_for(cfg.replay_endpoint, index) if cfg.replay_endpoint else None
+        )
         self.topic = ""
         self.batches_published = 0
         self.events_published = 0
         self._cfg = cfg
         self._log = change_log
         self._ctx = context
-        self._encoder = EventEncoder(cfg.hash_format, cfg.encoding, medium,
-                                     hide_key=hide_key)
+        self._encoder = EventEncoder(cfg.hash_format, cfg.encoding, medium, hide_key=hide_key)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._seq = 0
         self._pending: list[Change] = []
@@ -175,29 +182,46 @@ class KvEventPublisher:
         if self.replay_endpoint is not None:
             replay = self._ctx.socket(zmq.ROUTER)
             ReplayServer.configure(replay)
-            self.replay_endpoint = _open(replay, self.replay_endpoint, "replay_endpoint",
-                                         bind=True)
+            self.replay_endpoint = _open(replay, self.replay_endpoint, "replay_endpoint", bind=True)
             self.replay = ReplayServer(
-                self.model, replay, self._cfg, buffer=self._buffer,
-                newest=lambda: self._seq - 1, flush=self.flush, log=self._log,
-                encoder=self._encoder, loop=loop)
+                self.model,
+                replay,
+                self._cfg,
+                buffer=self._buffer,
+                newest=lambda: self._seq - 1,
+                flush=self.flush,
+                log=self._log,
+                encoder=self._encoder,
+                loop=loop,
+            )
             self.replay.start()
         loop.add_reader(pub.getsockopt(zmq.FD), self._drain_subscriptions)
         port = self.endpoint.rpartition(":")[2] if self.endpoint.startswith("tcp://") else "0"
         template = self._cfg.topic or "kv@{host}:{port}@{model}"
-        self.topic = template.replace("{host}", topic_host).replace(
-            "{port}", port).replace("{model}", self.model)
+        self.topic = (
+            template.replace("{host}", topic_host)
+            .replace("{port}", port)
+            .replace("{model}", self.model)
+        )
         self._topic = self.topic.encode("utf-8")
         self._resync()
         self._unwatch = self._log.watch(self._on_change)
         # vLLM's rule, said out loud: a concrete address is connected to (a relay or a
         # router's bound SUB must be listening there), not bound.
-        log.info("publishing KV events: %s %s", "bound to" if self.bound else
-                 "connecting to (a concrete address; bind with tcp://*:PORT)",
-                 self.endpoint, extra={
-                     "model": self.model, "endpoint": self.endpoint, "topic": self.topic,
-                     "mode": "bind" if self.bound else "connect",
-                     "replay_endpoint": self.replay_endpoint})
+        log.info(
+            "publishing KV events: %s %s",
+            "bound to"
+            if self.bound
+            else "connecting to (a concrete address; bind with tcp://*:PORT)",
+            self.endpoint,
+            extra={
+                "model": self.model,
+                "endpoint": self.endpoint,
+                "topic": self.topic,
+                "mode": "bind" if self.bound else "connect",
+                "replay_endpoint": self.replay_endpoint,
+            },
+        )
 
     def close(self) -> None:
         """Publish what is pending, stop listening to the log and close the sockets."""
@@ -234,8 +258,9 @@ class KvEventPublisher:
         except KeyError:
             # A page's parent was never published: we were fed out of order. Never
             # leave subscribers with a hole; start them over from the tree.
-            log.exception("KV events out of order; resending the whole page set",
-                          extra={"model": self.model})
+            log.exception(
+                "KV events out of order; resending the whole page set", extra={"model": self.model}
+            )
             self._resync()
             return
         self._send(events)
@@ -257,8 +282,9 @@ class KvEventPublisher:
         # A plain XPUB never fails a send for a full peer (it drops that peer's copy);
         # NOBLOCK is belt and braces so the loop can never wait here.
         try:
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload),
-                                     flags=zmq.NOBLOCK, copy=False)
+            self._pub.send_multipart(
+                (self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK, copy=False
+            )
         except zmq.Again:  # not raised by a plain XPUB; never let it reach the loop
             return
         self.batches_published += 1
@@ -292,8 +318,9 @@ def _open(sock: zmq.Socket[bytes], endpoint: str, name: str, bind: bool | None =
 class KvEventPublishers:
     """The publishers of every model that has a change log (radix, swa and mamba)."""
 
-    def __init__(self, cfg: KvEventsConfig, engines: Mapping[str, Any],
-                 tier_secret_file: str | None = None) -> None:
+    def __init__(
+        self, cfg: KvEventsConfig, engines: Mapping[str, Any], tier_secret_file: str | None = None
+    ) -> None:
         # Before the context: a bad key file fails with nothing open.
         key = hash_key(cfg, tier_secret_file)
         self.context = zmq.Context()
@@ -303,9 +330,14 @@ class KvEventPublishers:
             if change_log is None:  # slot and chunk kinds cache no pages
                 continue
             self.publishers[name] = KvEventPublisher(
-                name, change_log, cfg, index=index,
-                medium=medium_of(engine.config.pool.device), context=self.context,
-                hide_key=key)
+                name,
+                change_log,
+                cfg,
+                index=index,
+                medium=medium_of(engine.config.pool.device),
+                context=self.context,
+                hide_key=key,
+            )
         self._check_distinct()
 
     def _check_distinct(self) -> None:
@@ -313,8 +345,10 @@ class KvEventPublishers:
         # that overlap once there are more models than the ports are apart.
         taken: dict[str, str] = {}
         for name, publisher in self.publishers.items():
-            for kind, endpoint in (("endpoint", publisher.endpoint),
-                                   ("replay_endpoint", publisher.replay_endpoint)):
+            for kind, endpoint in (
+                ("endpoint", publisher.endpoint),
+                ("replay_endpoint", publisher.replay_endpoint),
+            ):
                 if endpoint is None or endpoint.endswith((":*", ":0")):  # any free port
                     continue
                 if endpoint in taken:
@@ -322,7 +356,8 @@ class KvEventPublishers:
                     raise ConfigError(
                         f"server.kv_events.{kind}: model {name!r} would use {endpoint}, "
                         f"which is {taken[endpoint]}; model i uses port + i, so keep "
-                        "endpoint and replay_endpoint more ports apart than there are models")
+                        "endpoint and replay_endpoint more ports apart than there are models"
+                    )
                 taken[endpoint] = f"model {name!r}'s {kind}"
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -355,17 +390,22 @@ def hash_key(cfg: KvEventsConfig, tier_secret_file: str | None = None) -> bytes 
     if cfg.hash_key_file is None and tier_secret_file is not None:
         return derive_key(read_tier_secret(tier_secret_file), "kv-events", None)
     if cfg.hash_key_file is None:
-        log.warning("kv_events: block hashes and namespace names are keyed with a random "
-                    "key of this start (kv_events.hash_key_file is not set): routers "
-                    "cannot compute them from a request's tokens, and they change at "
-                    "every start")
+        log.warning(
+            "kv_events: block hashes and namespace names are keyed with a random "
+            "key of this start (kv_events.hash_key_file is not set): routers "
+            "cannot compute them from a request's tokens, and they change at "
+            "every start"
+        )
         return secrets.token_bytes(MIN_KEY_BYTES)
     return read_key(cfg.hash_key_file, "server.kv_events.hash_key_file")
 
 
-def start_kv_events(cfg: KvEventsConfig, engines: Mapping[str, Any],
-                    tenants: Sequence[Any] = (),
-                    tier_secret_file: str | None = None) -> KvEventPublishers | None:
+def start_kv_events(
+    cfg: KvEventsConfig,
+    engines: Mapping[str, Any],
+    tenants: Sequence[Any] = (),
+    tier_secret_file: str | None = None,
+) -> KvEventPublishers | None:
     """The running publishers, or None when ``server.kv_events`` leaves them off.
 
     Raises:

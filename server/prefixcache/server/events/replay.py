@@ -84,8 +84,15 @@ class _Throttled:
         self.count += 1
         now = time.monotonic()
         if now >= self._next:
-            log.warning(self.message, extra={"model": self.model, "count": self.count,
-                                             "interval_s": _LOG_INTERVAL, **extra})
+            log.warning(
+                self.message,
+                extra={
+                    "model": self.model,
+                    "count": self.count,
+                    "interval_s": _LOG_INTERVAL,
+                    **extra,
+                },
+            )
             self.count = 0
             self._next = now + _LOG_INTERVAL
 
@@ -164,10 +171,19 @@ class ReplayServer:
     the most answers ever in flight at once.
     """
 
-    def __init__(self, model: str, sock: zmq.Socket[bytes], cfg: KvEventsConfig, *,
-                 buffer: deque[tuple[int, bytes]], newest: Callable[[], int],
-                 flush: Callable[[], None], log: ChangeLog,
-                 encoder: EventEncoder, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        model: str,
+        sock: zmq.Socket[bytes],
+        cfg: KvEventsConfig,
+        *,
+        buffer: deque[tuple[int, bytes]],
+        newest: Callable[[], int],
+        flush: Callable[[], None],
+        log: ChangeLog,
+        encoder: EventEncoder,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self.model = model
         self.served = self.refused = self.dropped = self.invalid = self.snapshots = 0
         self.peak = 0
@@ -193,8 +209,9 @@ class ReplayServer:
         self._pump_handle: asyncio.Handle | None = None
         self._serve_handle: asyncio.Handle | None = None
         self._bad = _Throttled("ignoring malformed KV-event replay requests", model)
-        self._lost = _Throttled("KV-event replay answers dropped (requester not reading "
-                                "or gone)", model)
+        self._lost = _Throttled(
+            "KV-event replay answers dropped (requester not reading or gone)", model
+        )
 
     @staticmethod
     def configure(sock: zmq.Socket[bytes]) -> None:
@@ -213,8 +230,7 @@ class ReplayServer:
             self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._serve)
 
     def close(self) -> None:
-        for handle in (self._pump_handle, self._serve_handle, self._build_timer,
-                       self._step_handle):
+        for handle in (self._pump_handle, self._serve_handle, self._build_timer, self._step_handle):
             if handle is not None:
                 handle.cancel()
         if self._sock is not None:
@@ -286,8 +302,7 @@ class ReplayServer:
     # ------------------------------------------------------------ snapshots
 
     def _want_snapshot(self) -> None:
-        if self._walk is not None or self._building is not None \
-                or self._build_timer is not None:
+        if self._walk is not None or self._building is not None or self._build_timer is not None:
             return  # the snapshot under way serves this requester too
         delay = self._next_walk - time.monotonic()
         if delay > 0:
@@ -329,8 +344,9 @@ class ReplayServer:
         snap, self._building = self._building, None
         if snap is None:
             return
-        self._next_walk = self._started + max(_SNAPSHOT_INTERVAL,
-                                              _WALK_SPACING * self._build_seconds)
+        self._next_walk = self._started + max(
+            _SNAPSHOT_INTERVAL, _WALK_SPACING * self._build_seconds
+        )
         self._ready = snap
         self.snapshots += 1
         for identity in self._waiting:
@@ -342,8 +358,11 @@ class ReplayServer:
 
     def _pump_soon(self, delay: float = 0.0) -> None:
         if self._pump_handle is None and self._sending and self._sock is not None:
-            self._pump_handle = (self._loop.call_later(delay, self._pump) if delay
-                                 else self._loop.call_soon(self._pump))
+            self._pump_handle = (
+                self._loop.call_later(delay, self._pump)
+                if delay
+                else self._loop.call_soon(self._pump)
+            )
 
     def _pump(self) -> None:
         self._pump_handle = None
@@ -375,8 +394,9 @@ class ReplayServer:
         if self._serve_handle is None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self._serve_handle = self._loop.call_soon(self._serve)
 
-    def _send_some(self, sock: zmq.Socket[bytes], answer: _Answer, limit: int,
-                   now: float) -> tuple[int, str]:
+    def _send_some(
+        self, sock: zmq.Socket[bytes], answer: _Answer, limit: int, now: float
+    ) -> tuple[int, str]:
         sent = 0
         while sent < limit:
             try:

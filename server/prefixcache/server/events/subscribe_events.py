@@ -42,15 +42,24 @@ def _namespace(ns: Namespace) -> pb.PageNamespace:
     return message
 
 
-def _snapshot_events(snapshot: SharedSnapshot, reason: int, page_size: int,
-                     wanted: frozenset[Namespace] | None,
-                     bound: Bound) -> Iterator[pb.SubscribeEvent]:
+def _snapshot_events(
+    snapshot: SharedSnapshot,
+    reason: int,
+    page_size: int,
+    wanted: frozenset[Namespace] | None,
+    bound: Bound,
+) -> Iterator[pb.SubscribeEvent]:
     """A shared snapshot's events for one subscriber: slices of its packed hashes."""
     runs = [(ns, data) for ns, data in snapshot.runs if wanted is None or ns in wanted]
     seq = max(snapshot.seq, 0)
-    yield pb.SubscribeEvent(seq=seq, snapshot_begin=pb.SnapshotBegin(
-        reason=reason, pages=sum(len(data) for _, data in runs) // HASH_BYTES,
-        page_size=page_size))
+    yield pb.SubscribeEvent(
+        seq=seq,
+        snapshot_begin=pb.SnapshotBegin(
+            reason=reason,
+            pages=sum(len(data) for _, data in runs) // HASH_BYTES,
+            page_size=page_size,
+        ),
+    )
     event: list[pb.PageRun] = []
     pages = size = 0
     for ns, data in runs:
@@ -63,8 +72,11 @@ def _snapshot_events(snapshot: SharedSnapshot, reason: int, page_size: int,
                 event, pages, size = [], 0, 0
                 continue
             take = max(room, 1) * HASH_BYTES
-            run = pb.PageRun(op=pb.PAGE_OP_STORED, page_hashes=data[start:start + take],
-                             namespace=_namespace(ns))
+            run = pb.PageRun(
+                op=pb.PAGE_OP_STORED,
+                page_hashes=data[start : start + take],
+                namespace=_namespace(ns),
+            )
             event.append(run)
             pages += len(run.page_hashes) // HASH_BYTES
             size += cost + len(run.page_hashes)
@@ -74,8 +86,13 @@ def _snapshot_events(snapshot: SharedSnapshot, reason: int, page_size: int,
     yield pb.SubscribeEvent(seq=seq, snapshot_end=pb.SnapshotEnd())
 
 
-def _change_events(changes: list[Change], before: int, wanted: frozenset[Namespace] | None,
-                   bound: Bound, feed: ChangeFeed) -> Iterator[pb.SubscribeEvent]:
+def _change_events(
+    changes: list[Change],
+    before: int,
+    wanted: frozenset[Namespace] | None,
+    bound: Bound,
+    feed: ChangeFeed,
+) -> Iterator[pb.SubscribeEvent]:
     def items() -> Iterator[_Item]:
         for change in changes:
             if isinstance(change, AllCleared):
@@ -87,12 +104,14 @@ def _change_events(changes: list[Change], before: int, wanted: frozenset[Namespa
                 yield change.seq, op, change.namespace, change.page_hashes
 
     for runs, seq, first in _batches(items(), before, bound):
-        yield pb.SubscribeEvent(seq=seq, made_unix_ns=feed.made_ns(first),
-                                changes=pb.PageRuns(runs=runs))
+        yield pb.SubscribeEvent(
+            seq=seq, made_unix_ns=feed.made_ns(first), changes=pb.PageRuns(runs=runs)
+        )
 
 
-def _batches(items: Iterable[_Item], before: int,
-             bound: Bound) -> Iterator[tuple[list[pb.PageRun], int, int]]:
+def _batches(
+    items: Iterable[_Item], before: int, bound: Bound
+) -> Iterator[tuple[list[pb.PageRun], int, int]]:
     """Group changes into events of at most ``bound.pages`` hashes and about
     ``bound.bytes`` bytes (one run's namespace may go over).
 
@@ -151,7 +170,7 @@ def _batches(items: Iterable[_Item], before: int,
                     yield flush()
                     first = seq
                     continue
-                take = hashes[start:start + max(room, 1)]
+                take = hashes[start : start + max(room, 1)]
                 hexes.extend(take)
                 pages += len(take)
                 size += HASH_BYTES * len(take)

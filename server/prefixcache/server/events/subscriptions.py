@@ -74,12 +74,10 @@ DEFAULT_PENDING_BYTES = 64 << 20
 IDLE_POLL = 0.25
 
 
-
 class Stream:
     """One open Subscribe stream: what the watchdog needs to judge it."""
 
-    def __init__(self, feed: ChangeFeed, session: Session | None, client: str,
-                 seq: int) -> None:
+    def __init__(self, feed: ChangeFeed, session: Session | None, client: str, seq: int) -> None:
         self.feed = feed
         self.session = session
         self.client = client
@@ -134,10 +132,12 @@ class Subscriptions:
         self.per_client: dict[str, int] = {}
         self.dropped = 0  # streams the watchdog ended
         self._watch: asyncio.TimerHandle | None = None
-        pages = max((e.pool_size // max(e.page_size, 1) for e in service.engines.values()),
-                    default=0)
-        self.max_pending = limits.max_subscriber_pending_bytes or \
-            max(DEFAULT_PENDING_BYTES, 2 * HASH_BYTES * pages)
+        pages = max(
+            (e.pool_size // max(e.page_size, 1) for e in service.engines.values()), default=0
+        )
+        self.max_pending = limits.max_subscriber_pending_bytes or max(
+            DEFAULT_PENDING_BYTES, 2 * HASH_BYTES * pages
+        )
 
     def close(self) -> None:
         for feed in self.feeds.values():
@@ -161,10 +161,13 @@ class Subscriptions:
         log = getattr(engine, "change_log", None)
         if log is None:
             if engine.kind in ("slot", "chunk"):
-                raise PreconditionError(f"model {engine.name!r} (kind {engine.kind}) caches "
-                                        "no pages to subscribe to")
-            raise PreconditionError("the service runs without change logs "
-                                    "(server.change_log_capacity 0): nothing to subscribe to")
+                raise PreconditionError(
+                    f"model {engine.name!r} (kind {engine.kind}) caches no pages to subscribe to"
+                )
+            raise PreconditionError(
+                "the service runs without change logs "
+                "(server.change_log_capacity 0): nothing to subscribe to"
+            )
         wanted = self._namespaces(request.namespaces)
         after = request.after_seq if request.HasField("after_seq") else None
         epoch = self.service.epoch
@@ -173,13 +176,18 @@ class Subscriptions:
             if request.server_epoch != epoch:
                 after, reason = None, pb.SNAPSHOT_REASON_EPOCH
             elif after > log.last_seq:
-                raise InvalidInputError(f"after_seq {after} is past the newest change "
-                                        f"({log.last_seq}) of model {engine.name!r}")
+                raise InvalidInputError(
+                    f"after_seq {after} is past the newest change "
+                    f"({log.last_seq}) of model {engine.name!r}"
+                )
             else:  # a snapshot only if the log no longer reaches back to it
                 reason = pb.SNAPSHOT_REASON_BEHIND
         session = self.service.session(request.session_id) if request.session_id else None
-        client = session.client if session is not None and session.client else \
-            client_identity(CALLER.get(), PEER.get(), "")
+        client = (
+            session.client
+            if session is not None and session.client
+            else client_identity(CALLER.get(), PEER.get(), "")
+        )
         self._check_caps(session, client)
         feed = self.feeds.get(engine.name)
         if feed is None:
@@ -187,27 +195,32 @@ class Subscriptions:
         asked = request.max_pages_per_event or self.max_pages
         bound = Bound(max(min(asked, self.max_pages), self.min_pages), self.max_bytes)
         opened = Stream(feed, session, client, log.last_seq if after is None else after)
-        opened.events = self._events(feed, engine.page_size, epoch, after, reason, wanted,
-                                     bound)
+        opened.events = self._events(feed, engine.page_size, epoch, after, reason, wanted, bound)
         self._count(opened, 1)
         return opened
 
     def _check_caps(self, session: Session | None, client: str) -> None:
         cap = self.limits.max_subscribe_streams
         if len(self.streams) >= cap:
-            raise OverLimitError(f"{len(self.streams)} Subscribe streams are open, the {cap} "
-                                 "the service allows (server.max_subscribe_streams)",
-                                 "max_subscribe_streams")
+            raise OverLimitError(
+                f"{len(self.streams)} Subscribe streams are open, the {cap} "
+                "the service allows (server.max_subscribe_streams)",
+                "max_subscribe_streams",
+            )
         cap = self.limits.max_session_subscribes
         if session is not None and self.per_session.get(session.id, 0) >= cap:
-            raise OverLimitError(f"this session has {cap} Subscribe streams open, the most "
-                                 "one session may (server.max_session_subscribes)",
-                                 "max_session_subscribes")
+            raise OverLimitError(
+                f"this session has {cap} Subscribe streams open, the most "
+                "one session may (server.max_session_subscribes)",
+                "max_session_subscribes",
+            )
         cap = self.limits.max_subscribes_per_client
         if cap and self.per_client.get(client, 0) >= cap:
-            raise OverLimitError(f"this client has {cap} Subscribe streams open, the most "
-                                 "one client may (server.max_subscribes_per_client)",
-                                 "max_subscribes_per_client")
+            raise OverLimitError(
+                f"this client has {cap} Subscribe streams open, the most "
+                "one client may (server.max_subscribes_per_client)",
+                "max_subscribes_per_client",
+            )
 
     def _count(self, opened: Stream, step: int) -> None:
         feed, session = opened.feed, opened.session
@@ -222,8 +235,9 @@ class Subscriptions:
         if self.streams and self._watch is None:
             self._watch = asyncio.get_running_loop().call_later(WATCH_EVERY, self._watchdog)
 
-    async def run(self, opened: Stream,
-                  write: Callable[[pb.SubscribeEvent], Awaitable[None]]) -> None:
+    async def run(
+        self, opened: Stream, write: Callable[[pb.SubscribeEvent], Awaitable[None]]
+    ) -> None:
         """Write ``opened``'s events until it ends: the client goes, the service drains,
         or the watchdog drops it (its reason raised here)."""
         events = opened.events
@@ -254,14 +268,17 @@ class Subscriptions:
                 continue
             session = opened.session
             if session is not None and sessions.find(session.id) is not session:
-                opened.dropped = NotFoundError("the session this Subscribe stream counted "
-                                               "against has ended (closed or expired)")
+                opened.dropped = NotFoundError(
+                    "the session this Subscribe stream counted "
+                    "against has ended (closed or expired)"
+                )
             elif opened.stalled() and (pending := opened.pending()) > self.max_pending:
                 opened.dropped = OverLimitError(
                     f"this subscriber is {pending} bytes of page hashes behind, more than "
                     f"the {self.max_pending} allowed (server.max_subscriber_pending_bytes): "
                     "dropped; read faster, or subscribe again for a fresh snapshot",
-                    "max_subscriber_pending_bytes")
+                    "max_subscriber_pending_bytes",
+                )
             else:
                 continue
             self.dropped += 1
@@ -274,26 +291,37 @@ class Subscriptions:
         if not entries:
             return None
         if len(entries) > MAX_NAMESPACES:
-            raise InvalidInputError(f"namespaces has {len(entries)} entries, more than "
-                                    f"{MAX_NAMESPACES}")
+            raise InvalidInputError(
+                f"namespaces has {len(entries)} entries, more than {MAX_NAMESPACES}"
+            )
         cap = self.limits.max_extra_key_bytes
         wanted = set()
         for entry in entries:
             key = entry.extra_key if entry.HasField("extra_key") else None
             if key is not None and len(key.encode()) > cap:
-                raise TooLargeError(f"namespaces: an extra_key is longer than {cap} bytes, "
-                                    "the limit server.max_extra_key_bytes",
-                                    "max_extra_key_bytes")
+                raise TooLargeError(
+                    f"namespaces: an extra_key is longer than {cap} bytes, "
+                    "the limit server.max_extra_key_bytes",
+                    "max_extra_key_bytes",
+                )
             width = entry.token_width or 1
             if width > MAX_TOKEN_WIDTH:
-                raise InvalidInputError(f"namespaces: token_width {width} is above the "
-                                        f"supported {MAX_TOKEN_WIDTH}")
+                raise InvalidInputError(
+                    f"namespaces: token_width {width} is above the supported {MAX_TOKEN_WIDTH}"
+                )
             wanted.add((key, width))
         return frozenset(wanted)
 
-    async def _events(self, feed: ChangeFeed, page_size: int, epoch: int, cursor: int | None,
-                      reason: int, wanted: frozenset[Namespace] | None,
-                      bound: Bound) -> AsyncIterator[pb.SubscribeEvent]:
+    async def _events(
+        self,
+        feed: ChangeFeed,
+        page_size: int,
+        epoch: int,
+        cursor: int | None,
+        reason: int,
+        wanted: frozenset[Namespace] | None,
+        bound: Bound,
+    ) -> AsyncIterator[pb.SubscribeEvent]:
         log = feed.log
         while True:
             if cursor is None:

@@ -90,17 +90,18 @@ class Checkpoints:
             body = warm.body(self.service, capture, clean=False)
             on_loop += time.perf_counter() - begun
             del capture
-            self._writing = asyncio.ensure_future(
-                asyncio.to_thread(warm.write, self.service, body))
+            self._writing = asyncio.ensure_future(asyncio.to_thread(warm.write, self.service, body))
             size = await asyncio.shield(self._writing)
         except OSError as exc:
             outcome = "no_room" if exc.errno == 28 else "failed"
             warm.checkpoints[outcome] += 1
             if outcome == "failed" or not self._logged_room:
                 self._logged_room = outcome == "no_room"
-                log.warning("warm restart: a checkpoint was not written; a crash now "
-                            "restores the last one written", extra={
-                                "outcome": outcome, "reason": exc.strerror or str(exc)})
+                log.warning(
+                    "warm restart: a checkpoint was not written; a crash now "
+                    "restores the last one written",
+                    extra={"outcome": outcome, "reason": exc.strerror or str(exc)},
+                )
             return on_loop
         except CacheError as exc:  # a Reset during the checkpoint: the next one
             log.info("warm restart: checkpoint abandoned", extra={"reason": str(exc)})
@@ -111,7 +112,12 @@ class Checkpoints:
         warm.checkpoint_bytes = size
         warm.checkpoint_seconds = on_loop
         self._logged_room = False
-        log.debug("warm restart: checkpoint written", extra={
-            "bytes": size, "loop_seconds": round(on_loop, 4),
-            "seconds": round(time.perf_counter() - started, 3)})
+        log.debug(
+            "warm restart: checkpoint written",
+            extra={
+                "bytes": size,
+                "loop_seconds": round(on_loop, 4),
+                "seconds": round(time.perf_counter() - started, 3),
+            },
+        )
         return on_loop

@@ -93,12 +93,15 @@ def identity(*fields: str | bytes | int | None) -> bytes:
     return bytes(out)
 
 
-def address_views(ptrs: Sequence[int], sizes: Sequence[int], writable: bool = False
-                  ) -> list[memoryview]:
+def address_views(
+    ptrs: Sequence[int], sizes: Sequence[int], writable: bool = False
+) -> list[memoryview]:
     """Views of raw memory (a page's parts in a pool), for sealing in place; read-only
     unless ``writable`` (a disk read lands in them)."""
-    views = [memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
-             for ptr, size in zip(ptrs, sizes, strict=True)]
+    views = [
+        memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+        for ptr, size in zip(ptrs, sizes, strict=True)
+    ]
     return views if writable else [v.toreadonly() for v in views]
 
 
@@ -192,7 +195,7 @@ class MemoryRegions:
             if at < 0 or ptr + size > self._ends[at]:
                 raise ValueError(f"{size} bytes at {ptr:#x} lie in no known region")
             start = ptr - self._starts[at]
-            out.append(self._views[at][start:start + size])
+            out.append(self._views[at][start : start + size])
         return out
 
 
@@ -205,7 +208,8 @@ class IntegrityFailures:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.counts: dict[tuple[str, str], int] = {
-            (source, reason): 0 for source in INTEGRITY_SOURCES for reason in INTEGRITY_REASONS}
+            (source, reason): 0 for source in INTEGRITY_SOURCES for reason in INTEGRITY_REASONS
+        }
         self._clock = clock
         self._since_log: dict[str, int] = {}
         self._next_log: dict[str, float] = {}
@@ -217,9 +221,16 @@ class IntegrityFailures:
         self._since_log[source] = self._since_log.get(source, 0) + n
         now = self._clock()
         if now >= self._next_log.get(source, 0.0):
-            log.warning("pages refused: their seal did not check (never served)", extra={
-                "source": source, "reason": reason, "pages": self._since_log[source],
-                "interval_s": LOG_INTERVAL, **about})
+            log.warning(
+                "pages refused: their seal did not check (never served)",
+                extra={
+                    "source": source,
+                    "reason": reason,
+                    "pages": self._since_log[source],
+                    "interval_s": LOG_INTERVAL,
+                    **about,
+                },
+            )
             self._since_log[source] = 0
             self._next_log[source] = now + LOG_INTERVAL
 

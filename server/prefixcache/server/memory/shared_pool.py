@@ -93,9 +93,14 @@ class SharedPools:
             whose name is there is that file, renamed, instead of a new one.
     """
 
-    def __init__(self, directory: str | None, epoch: int, mode: int = 0o600,
-                 adopt: dict[str, tuple[Path, int]] | None = None,
-                 service: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | None,
+        epoch: int,
+        mode: int = 0o600,
+        adopt: dict[str, tuple[Path, int]] | None = None,
+        service: str | None = None,
+    ) -> None:
         self.directory = Path(directory) if directory else None
         self.mode = mode
         self.epoch = epoch
@@ -113,16 +118,18 @@ class SharedPools:
         if self.directory is not None:
             sweep(self.directory, service)
 
-    def factory(self, model: str, device: str) -> Callable[[tuple[int, ...], torch.dtype],
-                                                           torch.Tensor] | None:
+    def factory(
+        self, model: str, device: str
+    ) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None:
         """A ``buffer_factory`` for ``model``'s pools, or None to allocate as usual."""
         if self.directory is None or torch.device(device).type != "cpu":
             return None
         tag = file_tag(model)
         return lambda shape, dtype: self._zeros(tag, shape, dtype)
 
-    def pool_factory(self, model: str, device: str
-                     ) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None:
+    def pool_factory(
+        self, model: str, device: str
+    ) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None:
         """The ``buffer_factory`` of ``model``'s pools: shared files (``factory``), or,
         for private CPU pools, lazily mapped memory (``private_zeros``; pinned ones, on
         a CUDA host, come from torch as usual); None for device pools."""
@@ -139,8 +146,9 @@ class SharedPools:
         suffix = f"{tag}-{len(self._files)}"
         path = self.directory / f"{self._claim(self.directory)}-{suffix}"
         old = self._adopt.pop(suffix, None)
-        fd = _create(path, self.mode) if old is None else _take_over(old[0], path, nbytes,
-                                                                     self.mode)
+        fd = (
+            _create(path, self.mode) if old is None else _take_over(old[0], path, nbytes, self.mode)
+        )
         self._files.append(path)
         if old is not None:
             self.adopted.append(path)
@@ -179,8 +187,9 @@ class SharedPools:
                     for start in range(0, nbytes, _RESERVE_SLICE):
                         if self._closing.is_set():
                             return None
-                        _reserve(fd, path, min(_RESERVE_SLICE, nbytes - start),
-                                 self.directory, start)
+                        _reserve(
+                            fd, path, min(_RESERVE_SLICE, nbytes - start), self.directory, start
+                        )
                 finally:
                     os.close(fd)
                 self._unreserved.pop(0)
@@ -207,20 +216,36 @@ class SharedPools:
         if tensor.device.type == "cuda":
             fields = self._cuda_fields(tensor)
             offset = tensor.storage_offset() * tensor.element_size()
-            return pb.BufferHandle(role=role, layer=layer, shape=shape, dtype=dtype,
-                                   nbytes=nbytes, offset_bytes=offset, cuda=pb.CudaIpcHandle(
-                                       device=fields[0], handle=fields[1],
-                                       storage_size_bytes=fields[2],
-                                       storage_offset_bytes=fields[3],
-                                       ref_counter_handle=fields[4] or b"",
-                                       ref_counter_offset=fields[5],
-                                       event_handle=fields[6] or b"",
-                                       event_sync_required=fields[7]))
+            return pb.BufferHandle(
+                role=role,
+                layer=layer,
+                shape=shape,
+                dtype=dtype,
+                nbytes=nbytes,
+                offset_bytes=offset,
+                cuda=pb.CudaIpcHandle(
+                    device=fields[0],
+                    handle=fields[1],
+                    storage_size_bytes=fields[2],
+                    storage_offset_bytes=fields[3],
+                    ref_counter_handle=fields[4] or b"",
+                    ref_counter_offset=fields[5],
+                    event_handle=fields[6] or b"",
+                    event_sync_required=fields[7],
+                ),
+            )
         ptr = tensor.data_ptr()
         for base, (path, size) in self._maps.items():
             if base <= ptr and ptr + nbytes <= base + size:
-                return pb.BufferHandle(role=role, layer=layer, shape=shape, dtype=dtype,
-                                       nbytes=nbytes, shm_path=path, offset_bytes=ptr - base)
+                return pb.BufferHandle(
+                    role=role,
+                    layer=layer,
+                    shape=shape,
+                    dtype=dtype,
+                    nbytes=nbytes,
+                    shm_path=path,
+                    offset_bytes=ptr - base,
+                )
         return None
 
     def _cuda_fields(self, tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -286,9 +311,11 @@ def _create(path: Path, mode: int) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
-        raise ConfigError(f"server.shm_dir: cannot create files in {path.parent}: "
-                          f"{exc.strerror or exc}; set shm_dir to a writable tmpfs, or to "
-                          "'' to keep pools private") from exc
+        raise ConfigError(
+            f"server.shm_dir: cannot create files in {path.parent}: "
+            f"{exc.strerror or exc}; set shm_dir to a writable tmpfs, or to "
+            "'' to keep pools private"
+        ) from exc
     try:
         os.fchmod(fd, mode)  # not subject to the umask, unlike open's mode
     except BaseException:
@@ -304,11 +331,14 @@ def _reserve(fd: int, path: Path, nbytes: int, directory: Path | None, start: in
         os.posix_fallocate(fd, start, nbytes)
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
-            raise ConfigError(f"server.shm_dir: cannot reserve {nbytes} bytes in "
-                              f"{path}: {exc.strerror or exc}") from exc
-        raise ConfigError(f"server.shm_dir: {directory} has no room for the pool's "
-                          f"{path.name}; make it larger (e.g. docker --shm-size), or set "
-                          "shm_dir to '' to keep pools private") from exc
+            raise ConfigError(
+                f"server.shm_dir: cannot reserve {nbytes} bytes in {path}: {exc.strerror or exc}"
+            ) from exc
+        raise ConfigError(
+            f"server.shm_dir: {directory} has no room for the pool's "
+            f"{path.name}; make it larger (e.g. docker --shm-size), or set "
+            "shm_dir to '' to keep pools private"
+        ) from exc
 
 
 def private_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -363,14 +393,16 @@ def _take_lock(directory: Path, mode: int, epoch: int) -> tuple[str, tuple[Path,
             # Between our create and our flock a sweep may have taken the lock, judged
             # the file stale and unlinked it: then this lock guards nothing, try again.
             if os.path.samestat(os.fstat(fd), os.stat(path)):
-                os.write(fd, f"pid {os.getpid()} host {socket.gethostname()} "
-                             f"epoch {epoch:x}\n".encode())
+                os.write(
+                    fd, f"pid {os.getpid()} host {socket.gethostname()} epoch {epoch:x}\n".encode()
+                )
                 return owner, (path, fd)
         except (BlockingIOError, FileNotFoundError):
             pass
         os.close(fd)
-    raise ConfigError(f"server.shm_dir: could not lock a file in {directory} after "
-                      f"{_CLAIM_TRIES} tries")
+    raise ConfigError(
+        f"server.shm_dir: could not lock a file in {directory} after {_CLAIM_TRIES} tries"
+    )
 
 
 def sweep(directory: str | Path, service: str | None = None) -> int:
@@ -425,9 +457,15 @@ def _remove_stale(directory: Path, service: str | None = None) -> tuple[int, int
         # Still mapped by another process (a worker of the dead service): freed when it
         # unmaps; until then the free space does not include it.
         pinned = max(0, nbytes - max(0, freed))
-        log.warning("removed shared-memory files of dead services", extra={
-            "files": removed, "dir": str(directory), "bytes": nbytes,
-            "pinned_bytes": pinned})
+        log.warning(
+            "removed shared-memory files of dead services",
+            extra={
+                "files": removed,
+                "dir": str(directory),
+                "bytes": nbytes,
+                "pinned_bytes": pinned,
+            },
+        )
     return removed, pinned
 
 
@@ -439,8 +477,7 @@ def _free_bytes(directory: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _remove_if_gone(lock: Path, paths: list[Path], service: str | None = None
-                    ) -> tuple[int, int]:
+def _remove_if_gone(lock: Path, paths: list[Path], service: str | None = None) -> tuple[int, int]:
     """(files removed, bytes they held) of one owner; nothing when it is alive, or when
     it kept them for a warm restart of another service (``kept_for``)."""
     try:
@@ -515,8 +552,7 @@ def mark_kept(directory: Path, owner: str, seconds: float, service: str) -> None
     until = time.time() + min(seconds, MAX_KEEP)
     path = directory / f"{owner}{WARM_SUFFIX}"
     tmp = path.with_name(f"{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, f"keep-until {until:.3f} service {service}\n".encode())
     finally:
@@ -571,8 +607,10 @@ def describe_buffers(engine: Any, shared: SharedPools) -> list[pb.BufferHandle]:
         if engine.mamba_pool is not None:
             m = engine.mamba_pool
             for layer in range(m.num_layers):
-                buffers += [(pb.BUFFER_ROLE_CONV, layer, m.conv_state[layer]),
-                            (pb.BUFFER_ROLE_TEMPORAL, layer, m.temporal_state[layer])]
+                buffers += [
+                    (pb.BUFFER_ROLE_CONV, layer, m.conv_state[layer]),
+                    (pb.BUFFER_ROLE_TEMPORAL, layer, m.temporal_state[layer]),
+                ]
     out = []
     for role, layer, tensor in buffers:
         handle = shared.handle(role, layer, tensor)

@@ -68,36 +68,66 @@ def pool_needs(models: Sequence[ModelConfig]) -> list[Need]:
         where, pool, name = f"models[{i}]", m.pool, repr(m.name)
         size = _itemsize(pool.dtype)
         k_row = pool.k_heads * pool.k_head_dim
-        v_row = 0 if pool.mla else \
-            (pool.v_heads or pool.k_heads) * (pool.v_head_dim or pool.k_head_dim)
+        v_row = (
+            0 if pool.mla else (pool.v_heads or pool.k_heads) * (pool.v_head_dim or pool.k_head_dim)
+        )
         row = (k_row + v_row) * size * pool.layers
         if m.kind == "slot":
             # [slot, position, layer, heads, dim] for K and for V.
             slots = pool.size
-            needs.append(Need(f"{where}.max_seq_len", f"slot rows of model {name} "
-                              f"(pool.size x max_seq_len)", pool.device,
-                              slots * m.max_seq_len * row, slots * _SEQ_SLOT_BYTES))
+            needs.append(
+                Need(
+                    f"{where}.max_seq_len",
+                    f"slot rows of model {name} (pool.size x max_seq_len)",
+                    pool.device,
+                    slots * m.max_seq_len * row,
+                    slots * _SEQ_SLOT_BYTES,
+                )
+            )
             continue
         rows = pool.size + m.page_size  # KVPool keeps page_size spare rows
-        needs.append(Need(f"{where}.pool.size", f"KV pool of model {name}", pool.device,
-                          rows * row, rows * _KV_ROW_BYTES))
+        needs.append(
+            Need(
+                f"{where}.pool.size",
+                f"KV pool of model {name}",
+                pool.device,
+                rows * row,
+                rows * _KV_ROW_BYTES,
+            )
+        )
         if m.kind == "swa":
             swa_rows = (pool.swa_size or pool.size) + m.page_size
             field = f"{where}.pool.swa_size" if pool.swa_size else f"{where}.pool.size"
-            needs.append(Need(field, f"SWA pool of model {name}", pool.device,
-                              swa_rows * row, swa_rows * _KV_ROW_BYTES))
+            needs.append(
+                Need(
+                    field,
+                    f"SWA pool of model {name}",
+                    pool.device,
+                    swa_rows * row,
+                    swa_rows * _KV_ROW_BYTES,
+                )
+            )
         if m.kind == "mamba" and m.mamba is not None:
             mc = m.mamba
             slots = 1 + mc.working_slots + mc.state_slots  # slot 0 is the padding
-            per_slot = (math.prod(mc.conv_state_shape) * _itemsize(mc.dtype)
-                        + math.prod(mc.temporal_state_shape) * _itemsize(mc.temporal_dtype))
-            needs.append(Need(f"{where}.mamba", f"Mamba state of model {name}", pool.device,
-                              mc.layers * slots * per_slot, slots * _STATE_SLOT_BYTES))
+            per_slot = math.prod(mc.conv_state_shape) * _itemsize(mc.dtype) + math.prod(
+                mc.temporal_state_shape
+            ) * _itemsize(mc.temporal_dtype)
+            needs.append(
+                Need(
+                    f"{where}.mamba",
+                    f"Mamba state of model {name}",
+                    pool.device,
+                    mc.layers * slots * per_slot,
+                    slots * _STATE_SLOT_BYTES,
+                )
+            )
     return needs
 
 
-def check_fits(models: Sequence[ModelConfig], shm_dir: str | None,
-               budget: Budget | None = None) -> None:
+def check_fits(
+    models: Sequence[ModelConfig], shm_dir: str | None, budget: Budget | None = None
+) -> None:
     """Refuse, before anything is allocated, pools that the host cannot hold.
 
     Args:
@@ -122,7 +152,8 @@ def check_fits(models: Sequence[ModelConfig], shm_dir: str | None,
             f"{worst.field}: the pools need {_fmt(total)} of host memory ({worst.what}: "
             f"{_fmt(most)}), but {_fmt(budget.memory)} is available "
             f"({budget.memory_source}); make the pools smaller, or put them on a GPU "
-            "(pool.device)")
+            "(pool.device)"
+        )
     cpu = [n for n in needs if n.device == "cpu"]
     shared = sum(n.nbytes for n in cpu)
     if shm_dir and shared:
@@ -133,7 +164,8 @@ def check_fits(models: Sequence[ModelConfig], shm_dir: str | None,
                 f"server.shm_dir: the CPU pools need {_fmt(shared)} of shared memory "
                 f"(largest: {worst.field}, {_fmt(worst.nbytes)}), but {shm_dir} has "
                 f"{_fmt(free)} free; make it larger (e.g. docker --shm-size), make the "
-                "pools smaller, or set shm_dir to 'off' to keep the pools private")
+                "pools smaller, or set shm_dir to 'off' to keep the pools private"
+            )
     on_cuda: dict[int, list[Need]] = {}
     for n in needs:
         match = _CUDA.fullmatch(n.device)
@@ -147,13 +179,15 @@ def check_fits(models: Sequence[ModelConfig], shm_dir: str | None,
             raise ConfigError(
                 f"{worst.field}: the pools on cuda:{index} need {_fmt(total)} ({worst.what}: "
                 f"{_fmt(worst.nbytes)}), but the device has {_fmt(free)} free; make the "
-                "pools smaller or spread them over devices")
+                "pools smaller or spread them over devices"
+            )
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is an allocation that the host refused (the check's backstop)."""
-    return (isinstance(exc, MemoryError | torch.cuda.OutOfMemoryError)
-            or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)))
+    return isinstance(exc, MemoryError | torch.cuda.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    )
 
 
 def measure() -> Budget:
@@ -194,11 +228,14 @@ def _check_device(device: str, where: str, visible: int) -> None:
         return
     if not visible:
         why = "a CPU build" if torch.version.cuda is None else "no GPU visible"
-        raise ConfigError(f"{where}: {device} asked for, but this torch has no CUDA ({why}); "
-                          "use device: cpu, or a CUDA build of torch on a GPU host")
+        raise ConfigError(
+            f"{where}: {device} asked for, but this torch has no CUDA ({why}); "
+            "use device: cpu, or a CUDA build of torch on a GPU host"
+        )
     if int(match.group(1) or 0) >= visible:
-        raise ConfigError(f"{where}: {device} asked for, but only {visible} CUDA device(s) "
-                          "are visible")
+        raise ConfigError(
+            f"{where}: {device} asked for, but only {visible} CUDA device(s) are visible"
+        )
 
 
 def _itemsize(dtype: str) -> int:
@@ -221,8 +258,9 @@ def _meminfo_available() -> int | None:
     return int(match.group(1)) * 1024 if match else None
 
 
-def _cgroup_available(root: Path = Path("/sys/fs/cgroup"),
-                      proc_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+def _cgroup_available(
+    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> int | None:
     """The least headroom of the process's memory cgroup and its ancestors, if limited.
 
     Headroom is the limit less the usage, plus the inactive file cache that the kernel
@@ -238,8 +276,10 @@ def _cgroup_available(root: Path = Path("/sys/fs/cgroup"),
         if controllers == "":  # cgroup v2
             base, files = root, ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):  # cgroup v1
-            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                            "total_inactive_file")
+            base, files = (
+                root / "memory",
+                ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+            )
         else:
             continue
         for directory in _up_to(base, path):

@@ -73,8 +73,7 @@ class TreeSeals:
     """One model's seals: the identity its units are sealed under, its pool's rows, and
     the seals made so far (kept across checkpoints, see the module docstring)."""
 
-    def __init__(self, fingerprint: dict[str, Any], rows: list[np.ndarray],
-                 page_size: int) -> None:
+    def __init__(self, fingerprint: dict[str, Any], rows: list[np.ndarray], page_size: int) -> None:
         self._base = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).digest()
         self.rows = rows
         self.row_bytes = sum(r.shape[1] for r in rows)
@@ -99,8 +98,7 @@ class TreeSeals:
         """Every unit of ``tree``: (node index, offset, tokens, key)."""
         out = []
         ids = tree.node_ids.tolist()
-        for i, (slots, length) in enumerate(zip(tree.slots, tree.key_lens.tolist(),
-                                                strict=True)):
+        for i, (slots, length) in enumerate(zip(tree.slots, tree.key_lens.tolist(), strict=True)):
             for offset, n in _units(length, self.per_unit):
                 out.append((i, offset, n, (ids[i], int(slots[offset]), n)))
         return out
@@ -110,8 +108,13 @@ class TreeSeals:
         kept = self._kept
         return [u for u, unit in enumerate(plan) if unit[3] not in kept]
 
-    def seal_some(self, tree: TreeParts, plan: list[tuple[int, int, int, Key]],
-                  todo: list[int], seconds: float) -> list[int]:
+    def seal_some(
+        self,
+        tree: TreeParts,
+        plan: list[tuple[int, int, int, Key]],
+        todo: list[int],
+        seconds: float,
+    ) -> list[int]:
         """Seal units of ``todo`` for about ``seconds``; returns those left. A unit
         whose node left the tree meanwhile is not sealed (its slots may hold other KV
         by now): the caller drops that node (``dropped``)."""
@@ -122,10 +125,12 @@ class TreeSeals:
             if not node.evicted:
                 width = tree.namespaces[int(tree.namespace[i])][1]
                 tb = width * TOKEN_BYTES
-                slots = tree.slots[i][offset:offset + n]
-                token_bytes = memoryview(tree.keys[i])[offset * tb:(offset + n) * tb]
-                self._kept[key] = _SEALER.seal(self._ident(tree.namespaces[
-                    int(tree.namespace[i])]), self._parts(slots, token_bytes))
+                slots = tree.slots[i][offset : offset + n]
+                token_bytes = memoryview(tree.keys[i])[offset * tb : (offset + n) * tb]
+                self._kept[key] = _SEALER.seal(
+                    self._ident(tree.namespaces[int(tree.namespace[i])]),
+                    self._parts(slots, token_bytes),
+                )
                 self.sealed_bytes += n * self.row_bytes
             if time.perf_counter() > deadline:
                 break
@@ -147,8 +152,9 @@ class TreeSeals:
 
     # ------------------------------------------------------------------ starts
 
-    def verify(self, image: TreeImage, per_unit: int, seals: memoryview
-               ) -> tuple[np.ndarray, list[bytes], int]:
+    def verify(
+        self, image: TreeImage, per_unit: int, seals: memoryview
+    ) -> tuple[np.ndarray, list[bytes], int]:
         """Check every unit of ``image`` (sealed ``per_unit`` tokens a unit) against
         ``seals``: the tokens of each node to keep (up to its first failed unit; none
         below a node cut short), the seals kept, in order, and the units that failed.
@@ -178,12 +184,12 @@ class TreeSeals:
                 continue
             ident = self._ident(ns)
             for offset, n in units:
-                seal = bytes(seals[unit * SEAL_BYTES:(unit + 1) * SEAL_BYTES])
+                seal = bytes(seals[unit * SEAL_BYTES : (unit + 1) * SEAL_BYTES])
                 unit += 1
                 if keep[i] != length:
                     continue
-                slots = image.slots[slot0 + offset:slot0 + offset + n]
-                token_bytes = keys[key0 + offset * tb:key0 + (offset + n) * tb]
+                slots = image.slots[slot0 + offset : slot0 + offset + n]
+                token_bytes = keys[key0 + offset * tb : key0 + (offset + n) * tb]
                 if _SEALER.check(ident, self._parts(slots, token_bytes), seal):
                     good.append(seal)
                 else:

@@ -97,8 +97,16 @@ from .write_fence import FENCE_FILE, quiesce
 
 log = logging.getLogger("prefixcache.server")
 
-OUTCOMES = ("restored", "restored_from_checkpoint", "no_snapshot", "corrupt",
-            "config_changed", "foreign", "stale", "unsupported")
+OUTCOMES = (
+    "restored",
+    "restored_from_checkpoint",
+    "no_snapshot",
+    "corrupt",
+    "config_changed",
+    "foreign",
+    "stale",
+    "unsupported",
+)
 CHECKPOINT_OUTCOMES = ("written", "no_room", "failed")
 # Chunk models keep nothing between requests: their pool is taken over, with no tree.
 SUPPORTED_KINDS = ("radix", "chunk")
@@ -139,8 +147,10 @@ class Takeover:
         budget, nbytes = measure(), self.nbytes
         free = budget.shm_free
         return dataclasses.replace(
-            budget, shm_free=lambda directory: free(directory) + nbytes,
-            memory=None if budget.memory is None else budget.memory + nbytes)
+            budget,
+            shm_free=lambda directory: free(directory) + nbytes,
+            memory=None if budget.memory is None else budget.memory + nbytes,
+        )
 
     def release(self) -> None:
         """Remove what is left of the old owner (its fence file, its mark, its lock
@@ -185,7 +195,8 @@ class WarmRestart:
     # (model, reason) -> pages that failed their seal at this start
     integrity: dict[tuple[str, str], int] = field(default_factory=dict)
     checkpoints: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(CHECKPOINT_OUTCOMES, 0))
+        default_factory=lambda: dict.fromkeys(CHECKPOINT_OUTCOMES, 0)
+    )
     checkpoint_bytes: int = 0
     checkpoint_seconds: float = 0.0  # on the event loop, the last one
     _seals: dict[str, TreeSeals] = field(default_factory=dict)
@@ -202,8 +213,7 @@ class WarmRestart:
     def cold(self, outcome: str, reason: str) -> None:
         self.outcome = outcome
         self.counts[outcome] += 1
-        log.warning("warm restart: starting cold", extra={"outcome": outcome,
-                                                          "reason": reason})
+        log.warning("warm restart: starting cold", extra={"outcome": outcome, "reason": reason})
 
     # ------------------------------------------------------------------ start
 
@@ -212,8 +222,10 @@ class WarmRestart:
         and counted, when the start must be cold."""
         leftovers = warm_snapshot.remove_leftovers(self.path)
         if leftovers:
-            log.warning("warm restart: removed a snapshot's temporary files that a killed "
-                        "writer left", extra={"files": leftovers})
+            log.warning(
+                "warm restart: removed a snapshot's temporary files that a killed writer left",
+                extra={"files": leftovers},
+            )
         try:
             return self._prepare()
         except Refused as exc:
@@ -226,26 +238,39 @@ class WarmRestart:
         if why is not None:
             raise Refused("unsupported", why)
         if read is None:
-            raise Refused("no_snapshot", f"no snapshot at {self.path}: the first start, "
-                          "or the last run stopped before it wrote one")
+            raise Refused(
+                "no_snapshot",
+                f"no snapshot at {self.path}: the first start, "
+                "or the last run stopped before it wrote one",
+            )
         manifest = read.manifest
         if manifest.get("version") != warm_snapshot.VERSION:
-            raise Refused("config_changed", f"snapshot format {manifest.get('version')!r}, "
-                          f"this version reads {warm_snapshot.VERSION}")
-        why = warm_snapshot.changed(manifest.get("models"),
-                                    warm_snapshot.fingerprint(self.config.models))
+            raise Refused(
+                "config_changed",
+                f"snapshot format {manifest.get('version')!r}, "
+                f"this version reads {warm_snapshot.VERSION}",
+            )
+        why = warm_snapshot.changed(
+            manifest.get("models"), warm_snapshot.fingerprint(self.config.models)
+        )
         if why is not None:
             raise Refused("config_changed", why)
         try:
             owner, names = str(manifest["owner"]), [str(n) for n in manifest["trees"]]
-            files = [(str(f["suffix"]), str(f["name"]), int(f["size"]), int(f["ino"]))
-                     for f in manifest["files"]]
+            files = [
+                (str(f["suffix"]), str(f["name"]), int(f["size"]), int(f["ino"]))
+                for f in manifest["files"]
+            ]
             per_unit = {str(k): int(v) for k, v in manifest["unit_tokens"].items()}
             written, clean = int(manifest["written_ns"]), manifest["clean"] is True
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise Refused("corrupt", f"the snapshot's manifest lacks {exc}") from exc
-        if names != _tree_models(self.config) or len(read.trees) != len(names) \
-                or sorted(per_unit) != sorted(names) or min(per_unit.values(), default=1) < 1:
+        if (
+            names != _tree_models(self.config)
+            or len(read.trees) != len(names)
+            or sorted(per_unit) != sorted(names)
+            or min(per_unit.values(), default=1) < 1
+        ):
             raise Refused("corrupt", "the snapshot's trees are not its models'")
         directory = Path(self.config.server.shm_dir)
         lock_fd = _hold_lock(directory, owner)
@@ -256,8 +281,7 @@ class WarmRestart:
         except BaseException:
             os.close(lock_fd)
             raise
-        return Takeover(owner, lock_fd, directory, adopt, read, names, per_unit, clean,
-                        written)
+        return Takeover(owner, lock_fd, directory, adopt, read, names, per_unit, clean, written)
 
     def restore(self, service: Any, takeover: Takeover) -> None:
         """Check every seal and rebuild every model's tree from what verifies over the
@@ -266,20 +290,24 @@ class WarmRestart:
         takeover.release()
         if len(service.shared.adopted) != len(takeover.files):
             self._empty(service)
-            self.cold("stale", f"{len(service.shared.adopted)} of the "
-                               f"{len(takeover.files)} pool files were taken over")
+            self.cold(
+                "stale",
+                f"{len(service.shared.adopted)} of the "
+                f"{len(takeover.files)} pool files were taken over",
+            )
             return
         reason = SEAL_MISMATCH if takeover.clean else CHANGED_AFTER_CHECKPOINT
         tokens = nodes = dropped = checked = 0
         failures: dict[str, int] = {}
         try:
-            for name, (tree, seals) in zip(takeover.names, takeover.snapshot.trees,
-                                           strict=True):
+            for name, (tree, seals) in zip(takeover.names, takeover.snapshot.trees, strict=True):
                 engine = service.engines[name]
                 sealer = self._sealer(name, engine)
                 if takeover.per_unit[name] != sealer.per_unit:
-                    raise ValueError(f"model {name}'s seals cover {takeover.per_unit[name]} "
-                                     f"tokens each, this version's {sealer.per_unit}")
+                    raise ValueError(
+                        f"model {name}'s seals cover {takeover.per_unit[name]} "
+                        f"tokens each, this version's {sealer.per_unit}"
+                    )
                 image = decode(tree)
                 keep, good, failed = sealer.verify(image, sealer.per_unit, seals)
                 checked += image.tokens * sealer.row_bytes
@@ -302,22 +330,36 @@ class WarmRestart:
         outcome = "restored" if takeover.clean else "restored_from_checkpoint"
         self.outcome = outcome
         self.counts[outcome] += 1
-        log.info("warm restart: cache restored", extra={
-            "outcome": outcome, "models": ",".join(takeover.names), "tokens": tokens,
-            "nodes": nodes, "pool_bytes": takeover.nbytes, "checked_bytes": checked,
-            "seconds": round(time.monotonic() - started, 3),
-            "snapshot_age_s": round((time.time_ns() - takeover.written_ns) / 1e9, 1)})
+        log.info(
+            "warm restart: cache restored",
+            extra={
+                "outcome": outcome,
+                "models": ",".join(takeover.names),
+                "tokens": tokens,
+                "nodes": nodes,
+                "pool_bytes": takeover.nbytes,
+                "checked_bytes": checked,
+                "seconds": round(time.monotonic() - started, 3),
+                "snapshot_age_s": round((time.time_ns() - takeover.written_ns) / 1e9, 1),
+            },
+        )
         if failures:
-            log.warning("warm restart: pages whose bytes changed since the snapshot were "
-                        "dropped", extra={"reason": reason, "tokens": dropped,
-                                          "units": sum(failures.values()),
-                                          "models": ",".join(failures)})
+            log.warning(
+                "warm restart: pages whose bytes changed since the snapshot were dropped",
+                extra={
+                    "reason": reason,
+                    "tokens": dropped,
+                    "units": sum(failures.values()),
+                    "models": ",".join(failures),
+                },
+            )
 
     def _sealer(self, name: str, engine: Any) -> TreeSeals:
         sealer = self._seals.get(name)
         if sealer is None:
-            model = next(m for m in warm_snapshot.fingerprint(self.config.models)
-                         if m["name"] == name)
+            model = next(
+                m for m in warm_snapshot.fingerprint(self.config.models) if m["name"] == name
+            )
             sealer = self._seals[name] = TreeSeals(model, kv_rows(engine), engine.page_size)
         return sealer
 
@@ -365,17 +407,35 @@ class WarmRestart:
         names = _tree_models(self.config)
         owner = service.shared.owner
         files = []
-        paths = sorted({h.shm_path for e in service.engines.values()
-                        for h in describe_buffers(e, service.shared)})
+        paths = sorted(
+            {
+                h.shm_path
+                for e in service.engines.values()
+                for h in describe_buffers(e, service.shared)
+            }
+        )
         for p in paths:
             st = os.stat(p)
-            files.append({"suffix": Path(p).name.removeprefix(f"{owner}-"),
-                          "name": Path(p).name, "size": st.st_size, "ino": st.st_ino})
-        manifest = {"version": warm_snapshot.VERSION, "owner": owner, "uid": os.geteuid(),
-                    "written_ns": time.time_ns(), "trees": names, "files": files,
-                    "clean": clean, "service": self.service,
-                    "unit_tokens": {n: self._seals[n].per_unit for n in names},
-                    "models": warm_snapshot.fingerprint(self.config.models)}
+            files.append(
+                {
+                    "suffix": Path(p).name.removeprefix(f"{owner}-"),
+                    "name": Path(p).name,
+                    "size": st.st_size,
+                    "ino": st.st_ino,
+                }
+            )
+        manifest = {
+            "version": warm_snapshot.VERSION,
+            "owner": owner,
+            "uid": os.geteuid(),
+            "written_ns": time.time_ns(),
+            "trees": names,
+            "files": files,
+            "clean": clean,
+            "service": self.service,
+            "unit_tokens": {n: self._seals[n].per_unit for n in names},
+            "models": warm_snapshot.fingerprint(self.config.models),
+        }
         trees = []
         for name in names:
             sealer, tree, plan = self._seals[name], capture.trees[name], capture.plans[name]
@@ -393,8 +453,9 @@ class WarmRestart:
         snapshot (the free space of shm_dir caps both)."""
         cfg = self.config.server
         manifest, trees = body
-        parts = warm_snapshot.encode_body(manifest, [(encode_parts(tree), seals)
-                                                     for tree, seals in trees])
+        parts = warm_snapshot.encode_body(
+            manifest, [(encode_parts(tree), seals) for tree, seals in trees]
+        )
         cap = None if manifest["clean"] else cfg.warm_checkpoint_max_bytes or None
         size = warm_snapshot.write(self.path, parts, service.shared.mode, cap)
         owner = service.shared.owner
@@ -429,8 +490,9 @@ class WarmRestart:
         why = self._unsafe(service)
         if why is not None:
             self._discard()
-            log.warning("warm restart: no snapshot written; the next start is cold",
-                        extra={"reason": why})
+            log.warning(
+                "warm restart: no snapshot written; the next start is cold", extra={"reason": why}
+            )
             return frozenset()
         capture = self.capture(service)
         try:
@@ -439,15 +501,25 @@ class WarmRestart:
         except (OSError, CacheError) as exc:
             self._discard()
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            log.warning("warm restart: the snapshot could not be written; the next start "
-                        "is cold", extra={"reason": f"{self.path}: {why}"})
+            log.warning(
+                "warm restart: the snapshot could not be written; the next start is cold",
+                extra={"reason": f"{self.path}: {why}"},
+            )
             return frozenset()
-        log.info("warm restart: snapshot written", extra={
-            "path": str(self.path), "bytes": size,
-            "tokens": sum(t.tokens for t in capture.trees.values()),
-            "seconds": round(time.monotonic() - started, 3)})
-        return frozenset(h.shm_path for e in service.engines.values()
-                         for h in describe_buffers(e, service.shared))
+        log.info(
+            "warm restart: snapshot written",
+            extra={
+                "path": str(self.path),
+                "bytes": size,
+                "tokens": sum(t.tokens for t in capture.trees.values()),
+                "seconds": round(time.monotonic() - started, 3),
+            },
+        )
+        return frozenset(
+            h.shm_path
+            for e in service.engines.values()
+            for h in describe_buffers(e, service.shared)
+        )
 
     def _discard(self) -> None:
         """No snapshot, nor a checkpoint, outlives a stop that cannot vouch for one."""
@@ -459,8 +531,10 @@ class WarmRestart:
         if why is not None:
             return why
         if service.fences.waiting():
-            return (f"{len(service.fences.waiting())} ended sessions' workers were still "
-                    "copying into the mapped pool")
+            return (
+                f"{len(service.fences.waiting())} ended sessions' workers were still "
+                "copying into the mapped pool"
+            )
         try:
             service.check_integrity()
         except Exception as exc:  # never persist a cache that fails its own check
@@ -479,12 +553,18 @@ def _without(tree: TreeParts, drop: set[int]) -> TreeParts:
     parent = [index[parents[i]] if parents[i] >= 0 else -1 for i in kept]
     spaces = sorted({int(tree.namespace[i]) for i in kept})
     space = {old: new for new, old in enumerate(spaces)}
-    return TreeParts(tree.page_size, [tree.namespaces[s] for s in spaces],
-                     np.asarray(parent, dtype=np.int64),
-                     np.asarray([space[int(tree.namespace[i])] for i in kept], dtype=np.int64),
-                     tree.key_lens[kept], tree.ticks[kept], tree.node_ids[kept],
-                     [tree.keys[i] for i in kept], [tree.slots[i] for i in kept],
-                     [tree.nodes[i] for i in kept])
+    return TreeParts(
+        tree.page_size,
+        [tree.namespaces[s] for s in spaces],
+        np.asarray(parent, dtype=np.int64),
+        np.asarray([space[int(tree.namespace[i])] for i in kept], dtype=np.int64),
+        tree.key_lens[kept],
+        tree.ticks[kept],
+        tree.node_ids[kept],
+        [tree.keys[i] for i in kept],
+        [tree.slots[i] for i in kept],
+        [tree.nodes[i] for i in kept],
+    )
 
 
 def _unsupported(config: Config) -> str | None:
@@ -492,8 +572,7 @@ def _unsupported(config: Config) -> str | None:
     kinds = [f"{m.name} ({m.kind})" for m in config.models if m.kind not in SUPPORTED_KINDS]
     if kinds:
         return f"only radix (and chunk) models are restored warm, not {', '.join(kinds)}"
-    devices = [f"{m.name} ({m.pool.device})" for m in config.models
-               if m.pool.device != "cpu"]
+    devices = [f"{m.name} ({m.pool.device})" for m in config.models if m.pool.device != "cpu"]
     if devices:  # device memory does not outlive the process
         return f"only CPU pools outlive a restart, not {', '.join(devices)}"
     return None
@@ -511,8 +590,11 @@ def _hold_lock(directory: Path, owner: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise Refused("stale", f"the pool's owner {owner} left no lock file: its files "
-                               "were removed since the snapshot") from None
+        raise Refused(
+            "stale",
+            f"the pool's owner {owner} left no lock file: its files "
+            "were removed since the snapshot",
+        ) from None
     except OSError as exc:
         raise Refused("foreign", f"{path}: {exc.strerror or exc}") from exc
     try:
@@ -521,16 +603,18 @@ def _hold_lock(directory: Path, owner: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise Refused("foreign", f"the pool's owner {owner} is alive (it holds "
-                                 f"{path.name})") from None
+        raise Refused(
+            "foreign", f"the pool's owner {owner} is alive (it holds {path.name})"
+        ) from None
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _check_files(directory: Path, owner: str,
-                 files: list[tuple[str, str, int, int]]) -> dict[str, tuple[Path, int]]:
+def _check_files(
+    directory: Path, owner: str, files: list[tuple[str, str, int, int]]
+) -> dict[str, tuple[Path, int]]:
     """The files to adopt, each checked against the snapshot: there, ours, the same
     file (inode), the same size. Their bytes are checked by the seals."""
     adopt = {}
@@ -557,11 +641,16 @@ def _end_fences(directory: Path, owner: str) -> None:
         try:
             quiet = quiesce(str(path), _FENCE_WAIT)
         except OSError as exc:
-            raise Refused("stale", f"the killed run's write fences {path.name} cannot be "
-                                   f"ended: {exc.strerror or exc}") from exc
+            raise Refused(
+                "stale",
+                f"the killed run's write fences {path.name} cannot be ended: {exc.strerror or exc}",
+            ) from exc
         if not quiet:
-            raise Refused("stale", "a worker of the killed run is still copying into the "
-                                   f"pool (it holds a record of {path.name})")
+            raise Refused(
+                "stale",
+                "a worker of the killed run is still copying into the "
+                f"pool (it holds a record of {path.name})",
+            )
 
 
 class WarmRestartCollector(Collector):
@@ -574,23 +663,32 @@ class WarmRestartCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
-            "prefixcache_warm_restarts", "Starts with server.warm_restart on, by outcome "
+            "prefixcache_warm_restarts",
+            "Starts with server.warm_restart on, by outcome "
             "(restored, restored_from_checkpoint, or why the cache started cold).",
-            labels=["outcome"])
+            labels=["outcome"],
+        )
         counts = self.warm.counts if self.warm is not None else dict.fromkeys(OUTCOMES, 0)
         for outcome in OUTCOMES:
             family.add_metric([outcome], counts[outcome])
         yield family
         written = CounterMetricFamily(
-            "prefixcache_warm_checkpoints", "Checkpoints of the trees while serving, by "
+            "prefixcache_warm_checkpoints",
+            "Checkpoints of the trees while serving, by "
             "outcome (written; no_room: over warm_checkpoint_max_bytes or shm_dir's free "
-            "space; failed).", labels=["outcome"])
-        done = (self.warm.checkpoints if self.warm is not None
-                else dict.fromkeys(CHECKPOINT_OUTCOMES, 0))
+            "space; failed).",
+            labels=["outcome"],
+        )
+        done = (
+            self.warm.checkpoints
+            if self.warm is not None
+            else dict.fromkeys(CHECKPOINT_OUTCOMES, 0)
+        )
         for outcome in CHECKPOINT_OUTCOMES:
             written.add_metric([outcome], done[outcome])
         yield written
-        size = GaugeMetricFamily("prefixcache_warm_checkpoint_bytes",
-                                 "Bytes of the last snapshot or checkpoint written.")
+        size = GaugeMetricFamily(
+            "prefixcache_warm_checkpoint_bytes", "Bytes of the last snapshot or checkpoint written."
+        )
         size.add_metric([], self.warm.checkpoint_bytes if self.warm is not None else 0)
         yield size

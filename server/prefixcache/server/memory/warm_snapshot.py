@@ -68,10 +68,17 @@ def fingerprint(models: tuple[ModelConfig, ...] | list[ModelConfig]) -> list[dic
     paging and pool geometry (not its eviction policy, quotas or tier setting)."""
     out = []
     for m in models:
-        out.append({"name": m.name, "kind": m.kind, "page_size": m.page_size,
-                    "sliding_window_size": m.sliding_window_size,
-                    "max_seq_len": m.max_seq_len, "pool": asdict(m.pool),
-                    "mamba": asdict(m.mamba) if m.mamba is not None else None})
+        out.append(
+            {
+                "name": m.name,
+                "kind": m.kind,
+                "page_size": m.page_size,
+                "sliding_window_size": m.sliding_window_size,
+                "max_seq_len": m.max_seq_len,
+                "pool": asdict(m.pool),
+                "mamba": asdict(m.mamba) if m.mamba is not None else None,
+            }
+        )
     return json.loads(json.dumps(out))  # tuples as lists, as a snapshot reads back
 
 
@@ -86,8 +93,7 @@ def changed(old: Any, new: list[dict[str, Any]]) -> str | None:
     if not isinstance(old, list) or not all(isinstance(m, dict) for m in old):
         return "the snapshot names no models"
     if [m.get("name") for m in old] != [m["name"] for m in new]:
-        return (f"models {[m.get('name') for m in old]} then, "
-                f"{[m['name'] for m in new]} now")
+        return f"models {[m.get('name') for m in old]} then, {[m['name'] for m in new]} now"
     for before, now in zip(old, new, strict=True):
         for field, value in _flat(now):
             was = dict(_flat(before)).get(field)
@@ -109,8 +115,7 @@ def _flat(model: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
 Buffer = bytes | bytearray | memoryview
 
 
-def encode_body(manifest: dict[str, Any], trees: list[tuple[list[Buffer], bytes]]
-                ) -> list[Buffer]:
+def encode_body(manifest: dict[str, Any], trees: list[tuple[list[Buffer], bytes]]) -> list[Buffer]:
     """The body's buffers: the manifest, then each tree's parts and seals."""
     head = json.dumps(manifest).encode()
     parts: list[Buffer] = [_U32.pack(len(head)), head]
@@ -141,8 +146,7 @@ def write(path: Path, body: list[Buffer], mode: int, limit: int | None = None) -
         digest.update(part)
     parts = [MAGIC, _U64.pack(size - _HEAD - _DIGEST), *body, digest.digest()]
     tmp = temporary(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(fd, mode)
         _write_all(fd, parts)
@@ -227,15 +231,20 @@ def consume(path: Path, limit: int) -> Snapshot | None:
         if not stat.S_ISREG(st.st_mode):
             kind = _describe(st.st_mode)
             removed = _remove(path)
-            raise Refused("corrupt", f"{path} is {kind}, not a snapshot"
-                                     f"{' (removed)' if removed else ' (left in place)'}")
+            raise Refused(
+                "corrupt",
+                f"{path} is {kind}, not a snapshot"
+                f"{' (removed)' if removed else ' (left in place)'}",
+            )
         if st.st_uid != os.geteuid():
             raise Refused("foreign", f"{path} belongs to uid {st.st_uid}, not to this user")
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         if st.st_size > limit:
-            raise Refused("corrupt", f"{path} is {st.st_size} bytes, larger than any "
-                                     f"snapshot of these pools ({limit})")
+            raise Refused(
+                "corrupt",
+                f"{path} is {st.st_size} bytes, larger than any snapshot of these pools ({limit})",
+            )
         if st.st_size < _HEAD + _DIGEST:
             raise Refused("corrupt", f"{path} is not a snapshot, or is torn")
         head = os.pread(fd, _HEAD, 0)
@@ -243,13 +252,15 @@ def consume(path: Path, limit: int) -> Snapshot | None:
             raise Refused("corrupt", f"{path} is not a version-{VERSION} snapshot")
         (size,) = _U64.unpack_from(head, len(MAGIC))
         if st.st_size != _HEAD + size + _DIGEST:
-            raise Refused("corrupt", f"{path} is torn: {st.st_size} bytes, the header says "
-                                     f"{_HEAD + size + _DIGEST}")
+            raise Refused(
+                "corrupt",
+                f"{path} is torn: {st.st_size} bytes, the header says {_HEAD + size + _DIGEST}",
+            )
         data = memoryview(mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ))
     finally:
         os.close(fd)
-    body = data[_HEAD:_HEAD + size]
-    if xxhash.xxh3_128_digest(body) != bytes(data[_HEAD + size:]):
+    body = data[_HEAD : _HEAD + size]
+    if xxhash.xxh3_128_digest(body) != bytes(data[_HEAD + size :]):
         raise Refused("corrupt", f"{path} fails its checksum")
     try:
         manifest, trees = _parse(body)
@@ -262,7 +273,7 @@ def _parse(body: memoryview) -> tuple[dict[str, Any], list[tuple[memoryview, mem
     (hlen,) = _U32.unpack_from(body, 0)
     if hlen > _MAX_MANIFEST:
         raise ValueError("a manifest too large")
-    manifest = json.loads(bytes(body[_U32.size:_U32.size + hlen]))
+    manifest = json.loads(bytes(body[_U32.size : _U32.size + hlen]))
     if not isinstance(manifest, dict):
         raise ValueError("no manifest")
     pos, trees = _U32.size + hlen, []
@@ -272,7 +283,7 @@ def _parse(body: memoryview) -> tuple[dict[str, Any], list[tuple[memoryview, mem
             (n,) = _U64.unpack_from(body, pos)
             if pos + _U64.size + n > len(body):
                 raise ValueError("a tree runs past the end")
-            parts.append(body[pos + _U64.size:pos + _U64.size + n])
+            parts.append(body[pos + _U64.size : pos + _U64.size + n])
             pos += _U64.size + n
         trees.append((parts[0], parts[1]))
     return manifest, trees
@@ -286,9 +297,14 @@ def _kind(path: Path) -> str | None:
 
 
 def _describe(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return "not a regular file"

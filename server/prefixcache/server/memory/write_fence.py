@@ -143,19 +143,23 @@ class WriteFences:
             if self._set(fd, record, token):
                 return record
             self._free.append(record)  # somebody locks records at random: try it later
-        raise OverLimitError(f"all {self.capacity} write fences are taken (one per "
-                             "session that writes through the mapped pool, up to "
-                             "server.max_sessions); write through WriteKV",
-                             "max_sessions")
+        raise OverLimitError(
+            f"all {self.capacity} write fences are taken (one per "
+            "session that writes through the mapped pool, up to "
+            "server.max_sessions); write through WriteKV",
+            "max_sessions",
+        )
 
     def _open(self) -> int:
         if self._fd is not None:
             return self._fd
         factory = self._shared.factory(FENCE_FILE, "cpu")
         if factory is None:
-            raise PreconditionError("this service keeps its pools in private memory "
-                                    "(shm_dir is empty): there is no write fence; "
-                                    "write through WriteKV")
+            raise PreconditionError(
+                "this service keeps its pools in private memory "
+                "(shm_dir is empty): there is no write fence; "
+                "write through WriteKV"
+            )
         self._buffer = factory((self.capacity,), torch.int64)
         handle = self._shared.handle(pb.BUFFER_ROLE_UNSPECIFIED, 0, self._buffer)
         if handle is None:  # cannot happen: the factory's buffers are its own files
@@ -177,9 +181,11 @@ class WriteFences:
             self._free.append(record)
             return True
         self._waiting[record] = session
-        log.warning("a worker is copying into the slots of an ended session through "
-                    "the mapped pool: they are freed once it is done or gone",
-                    extra={"session": session.id[:8], "client": session.name})
+        log.warning(
+            "a worker is copying into the slots of an ended session through "
+            "the mapped pool: they are freed once it is done or gone",
+            extra={"session": session.id[:8], "client": session.name},
+        )
         return False
 
     def holder(self, session: Session) -> Session | None:
@@ -191,11 +197,18 @@ class WriteFences:
         held = self._holders.get(record)
         if held is None:
             held = self._holders[record] = Session(
-                id=f"fenced-{session.id[:8]}", tag=-(record + 2), name=session.name,
-                ttl=None, expires_at=float("inf"), client=session.client)
-            log.warning("a session freed slots a worker may still be copying into "
-                        "through the mapped pool: they are freed once it is done or gone",
-                        extra={"session": session.id[:8], "client": session.name})
+                id=f"fenced-{session.id[:8]}",
+                tag=-(record + 2),
+                name=session.name,
+                ttl=None,
+                expires_at=float("inf"),
+                client=session.client,
+            )
+            log.warning(
+                "a session freed slots a worker may still be copying into "
+                "through the mapped pool: they are freed once it is done or gone",
+                extra={"session": session.id[:8], "client": session.name},
+            )
         return held
 
     def settle(self) -> list[Session]:
@@ -254,8 +267,9 @@ class WriteFences:
 def reply(fences: WriteFences, session: Session, epoch: int) -> pb.WriteFenceResponse:
     """The ``WriteFence`` answer for ``session``."""
     path, offset, token = fences.claim(session)
-    return pb.WriteFenceResponse(shm_path=path, offset_bytes=offset, token=token,
-                                 server_epoch=epoch)
+    return pb.WriteFenceResponse(
+        shm_path=path, offset_bytes=offset, token=token, server_epoch=epoch
+    )
 
 
 def quiesce(path: str, wait: float) -> bool:

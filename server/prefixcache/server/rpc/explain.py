@@ -41,8 +41,10 @@ def explain_key(engine: Any, key: RadixKey, namespaces: Any = None) -> Classifie
     touching the tree; an SWA or Mamba model's is a match (its window and states
     decide it), which refreshes the prefix as a Match would."""
     if engine.kind not in ("radix", "swa", "mamba"):
-        raise PreconditionError(f"model {engine.name!r} is CACHE_KIND_{engine.kind.upper()}: "
-                                "Explain needs a radix, SWA or Mamba model")
+        raise PreconditionError(
+            f"model {engine.name!r} is CACHE_KIND_{engine.kind.upper()}: "
+            "Explain needs a radix, SWA or Mamba model"
+        )
     if engine.kind == "radix":
         packed, width = key.packed()
         page_bytes = 4 * width * engine.page_size
@@ -51,19 +53,23 @@ def explain_key(engine: Any, key: RadixKey, namespaces: Any = None) -> Classifie
         hit = cached_bytes(root, packed, end, page_bytes) // (4 * width)
     else:
         hit = engine.cache.match_prefix(key).prefix_len
-    return engine.lookups.classify(engine.cache, key, hit,
-                                   check_same=engine.kind != "radix", namespaces=namespaces)
+    return engine.lookups.classify(
+        engine.cache, key, hit, check_same=engine.kind != "radix", namespaces=namespaces
+    )
 
 
-def explain_hash(engine: Any, namespace: tuple[str | None, int], page_hash: str,
-                 namespaces: Any = None) -> Classified:
+def explain_hash(
+    engine: Any, namespace: tuple[str | None, int], page_hash: str, namespaces: Any = None
+) -> Classified:
     """Why the page ``page_hash`` (and so the prompt it ends) hits or not: a hit
     through it (its chain's pages), or one page's range saying why not."""
     index = getattr(engine, "page_index", None)
     if index is None:
-        raise PreconditionError(f"model {engine.name!r} has no page hashes to look "
-                                "prompt_hash up by (a radix model with "
-                                "server.change_log_capacity > 0)")
+        raise PreconditionError(
+            f"model {engine.name!r} has no page hashes to look "
+            "prompt_hash up by (a radix model with "
+            "server.change_log_capacity > 0)"
+        )
     size = engine.page_size
     out = Classified()
     if index.find(namespace, page_hash) is not None:
@@ -72,8 +78,12 @@ def explain_hash(engine: Any, namespace: tuple[str | None, int], page_hash: str,
         return out
     for other in index.namespaces():
         extra_key = other[0]
-        if other == namespace or other[1] != namespace[1] or is_hash_namespace(extra_key) \
-                or (namespaces is not None and not namespaces(extra_key)):
+        if (
+            other == namespace
+            or other[1] != namespace[1]
+            or is_hash_namespace(extra_key)
+            or (namespaces is not None and not namespaces(extra_key))
+        ):
             continue
         if index.find(other, page_hash) is not None:
             _, depth = index.path(other, page_hash)
@@ -85,8 +95,9 @@ def explain_hash(engine: Any, namespace: tuple[str | None, int], page_hash: str,
     return out
 
 
-async def explain(service: Any, limits: Limits, turns: Turns,
-                  req: pb.ExplainRequest) -> pb.ExplainResponse:
+async def explain(
+    service: Any, limits: Limits, turns: Turns, req: pb.ExplainRequest
+) -> pb.ExplainResponse:
     """The RPC: decode, explain, encode, in one slice that takes its turn with the other
     long calls (access/turns.py)."""
     engine = service.engine(req.model)
@@ -95,34 +106,38 @@ async def explain(service: Any, limits: Limits, turns: Turns,
         return _explain(service, engine, limits, req)
 
 
-def _explain(service: Any, engine: Any, limits: Limits,
-             req: pb.ExplainRequest) -> pb.ExplainResponse:
+def _explain(
+    service: Any, engine: Any, limits: Limits, req: pb.ExplainRequest
+) -> pb.ExplainResponse:
     caller = CALLER.get()
     namespaces = caller.may_use if caller.bound else None
     extra_key = req.extra_key if req.HasField("extra_key") else None
     if req.prompt_hash:
         if req.token_ids:
-            raise InvalidInputError("name the request by token_ids or by prompt_hash, "
-                                    "not both")
+            raise InvalidInputError("name the request by token_ids or by prompt_hash, not both")
         page_hash = req.prompt_hash.lower()
         if len(page_hash) != 64 or not set(page_hash) <= _HEX:
-            raise InvalidInputError("prompt_hash must be 64 hex digits (a SHA-256 page "
-                                    "hash)")
+            raise InvalidInputError("prompt_hash must be 64 hex digits (a SHA-256 page hash)")
         width = req.token_width or 1
         if width > MAX_TOKEN_WIDTH:
-            raise InvalidInputError(f"token_width {width} is above the supported "
-                                    f"{MAX_TOKEN_WIDTH}")
+            raise InvalidInputError(f"token_width {width} is above the supported {MAX_TOKEN_WIDTH}")
         classified = explain_hash(engine, (extra_key, width), page_hash, namespaces)
     else:
-        key = decode_key(req.token_ids, req.token_width, extra_key,
-                         engine.config.vocab_size, request_tokens(limits, engine.config))
+        key = decode_key(
+            req.token_ids,
+            req.token_width,
+            extra_key,
+            engine.config.vocab_size,
+            request_tokens(limits, engine.config),
+        )
         classified = explain_key(engine, key, namespaces)
     ranges = classified.ranges
     reply = pb.ExplainResponse(
-        num_tokens=ranges[-1][2] if ranges else 0, page_size=engine.page_size,
+        num_tokens=ranges[-1][2] if ranges else 0,
+        page_size=engine.page_size,
         server_epoch=service.epoch,
-        ranges=[pb.ExplainRange(outcome=outcome_value(o), start=a, end=b)
-                for o, a, b in ranges])
+        ranges=[pb.ExplainRange(outcome=outcome_value(o), start=a, end=b) for o, a, b in ranges],
+    )
     hit = ranges[0][2] if ranges and ranges[0][0] == HIT else 0
     reply.prefix_len = hit
     after = [o for o, a, _ in ranges if a == hit and o != HIT]

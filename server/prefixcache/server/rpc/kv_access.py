@@ -66,9 +66,12 @@ def check_read_size(engine: Any, total: int, limits: Limits) -> None:
     """
     cap = limits.max_read_bytes or pool_bytes(engine)
     if total > cap:
-        raise OverLimitError(f"the read is {total} bytes (duplicates count), more than the "
-                             f"{cap} one read may answer (server.max_read_bytes; by "
-                             "default the model's whole pool)", "max_read_bytes")
+        raise OverLimitError(
+            f"the read is {total} bytes (duplicates count), more than the "
+            f"{cap} one read may answer (server.max_read_bytes; by "
+            "default the model's whole pool)",
+            "max_read_bytes",
+        )
 
 
 class ReadGrant:
@@ -86,8 +89,16 @@ class ReadGrant:
             session where one is needed. Nothing changes.
     """
 
-    def __init__(self, engine: Any, session: Session | None, slots: np.ndarray,
-                 states: np.ndarray, *, open_reads: bool, bound: bool) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        session: Session | None,
+        slots: np.ndarray,
+        states: np.ndarray,
+        *,
+        open_reads: bool,
+        bound: bool,
+    ) -> None:
         self.engine = engine
         self.bound = bound
         self.session = None if open_reads and not bound else session
@@ -97,7 +108,8 @@ class ReadGrant:
             if not (open_reads and not bound):
                 raise PreconditionError(
                     f"ReadKV needs a session_id: only slots the session holds or has "
-                    f"locked may be read (model {engine.name!r} does not have open_reads)")
+                    f"locked may be read (model {engine.name!r} does not have open_reads)"
+                )
             return
         session = self.session
         # The locks the read relies on, each with what it covers: only their release
@@ -106,8 +118,11 @@ class ReadGrant:
         self._cover(locks)
         need_kv = self._unheld(session, slots, False)
         need_st = self._unheld(session, states, True)
-        self.locks = {lid: cover for lid, cover in locks.items()
-                      if _touches(cover[0], need_kv) or _touches(cover[1], need_st)}
+        self.locks = {
+            lid: cover
+            for lid, cover in locks.items()
+            if _touches(cover[0], need_kv) or _touches(cover[1], need_st)
+        }
         if len(self.locks) != len(locks):
             self._cover(self.locks)
         self._check_rows(session, slots, False)
@@ -120,8 +135,11 @@ class ReadGrant:
             return
         if session.closed:
             raise PreconditionError("the session closed during the read")
-        gone = [lid for lid, cover in self.locks.items()
-                if lid not in session.locks or not self._current(cover[2])]
+        gone = [
+            lid
+            for lid, cover in self.locks.items()
+            if lid not in session.locks or not self._current(cover[2])
+        ]
         if gone:
             # Another lock of the session may still cover the rows: the rows decide.
             for lid in gone:
@@ -131,8 +149,9 @@ class ReadGrant:
             self._check_rows(session, part.host[start:end], part.is_state)
         except PreconditionError:
             if gone:
-                raise PreconditionError(f"lock {gone[0]} was released (or its slot handed "
-                                        "on) during the read") from None
+                raise PreconditionError(
+                    f"lock {gone[0]} was released (or its slot handed on) during the read"
+                ) from None
             raise
 
     def _current(self, pin: tuple[int, int] | None) -> bool:
@@ -174,9 +193,11 @@ class ReadGrant:
             if self.bound:
                 raise PreconditionError(
                     f"{what} {bad} is not under a lock of this session (a tenant's token "
-                    "reads only slots under its session's locks)")
-            raise PreconditionError(f"{what} {bad} is neither held nor locked by this "
-                                    "session (only those may be read)")
+                    "reads only slots under its session's locks)"
+                )
+            raise PreconditionError(
+                f"{what} {bad} is neither held nor locked by this session (only those may be read)"
+            )
 
     @staticmethod
     def _locks(engine: Any, session: Session) -> dict[int, _Cover]:
@@ -241,12 +262,15 @@ class WriteBudget:
                     f"this session's WriteKV streams would hold {mine} bytes of rows not "
                     f"yet complete, more than server.max_inflight_write_bytes "
                     f"({self.per_session}); send whole rows, or fewer streams at once",
-                    "max_inflight_write_bytes")
+                    "max_inflight_write_bytes",
+                )
             if self.total + delta > self.total_cap:
                 raise OverLimitError(
                     f"WriteKV streams would hold {self.total + delta} bytes of rows not "
                     f"yet complete, more than server.max_inflight_write_bytes_total "
-                    f"({self.total_cap})", "max_inflight_write_bytes_total")
+                    f"({self.total_cap})",
+                    "max_inflight_write_bytes_total",
+                )
         self.total += delta
         if mine > 0:
             self._by_session[session_id] = mine
@@ -254,8 +278,9 @@ class WriteBudget:
             self._by_session.pop(session_id, None)
 
 
-def open_read(service: Any, request: Any, limits: Limits, bound: bool,
-              max_chunk: int) -> tuple[list[Part], int, ReadGrant]:
+def open_read(
+    service: Any, request: Any, limits: Limits, bound: bool, max_chunk: int
+) -> tuple[list[Part], int, ReadGrant]:
     """A ReadKV request checked, before its first chunk: its parts, the chunk size and
     the grant to check again before each chunk. ``bound``: the caller is a tenant.
 
@@ -273,10 +298,10 @@ def open_read(service: Any, request: Any, limits: Limits, bound: bool,
     check_read_size(engine, transfer_bytes(engine, len(slots), layers, len(states)), limits)
     parts = plan(engine, slots, layers, states)
     session = service.session(request.session_id) if request.session_id else None
-    grant = ReadGrant(engine, session, slots, states, open_reads=engine.config.open_reads,
-                      bound=bound)
-    return parts, chunk_bytes(request.max_chunk_bytes, limits.min_chunk_bytes,
-                              max_chunk), grant
+    grant = ReadGrant(
+        engine, session, slots, states, open_reads=engine.config.open_reads, bound=bound
+    )
+    return parts, chunk_bytes(request.max_chunk_bytes, limits.min_chunk_bytes, max_chunk), grant
 
 
 def _members(rows: np.ndarray, ordered: np.ndarray) -> np.ndarray:

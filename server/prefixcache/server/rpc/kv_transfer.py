@@ -77,8 +77,14 @@ def _row_bytes(view: torch.Tensor) -> int:
     return int(np.prod(view.shape[1:], dtype=np.int64)) * view.element_size()
 
 
-def _part(role: int, layer: int, view: torch.Tensor, rows: np.ndarray,
-          index: torch.Tensor | None = None, first: int | None = None) -> Part:
+def _part(
+    role: int,
+    layer: int,
+    view: torch.Tensor,
+    rows: np.ndarray,
+    index: torch.Tensor | None = None,
+    first: int | None = None,
+) -> Part:
     """The part of ``view`` at ``rows``; ``index``, the rows on the view's device, is
     made from them when not given (plan() shares one among its parts); ``first``: the
     first row when the rows are one run (``run_start``)."""
@@ -87,8 +93,7 @@ def _part(role: int, layer: int, view: torch.Tensor, rows: np.ndarray,
     view = byte_view(view)
     if index is None:
         index = torch.from_numpy(rows).to(view.device)
-    return Part(role, layer, view, index, tuple(view.shape[1:]), _row_bytes(view), rows,
-                first)
+    return Part(role, layer, view, index, tuple(view.shape[1:]), _row_bytes(view), rows, first)
 
 
 def run_start(rows: np.ndarray) -> int | None:
@@ -101,8 +106,9 @@ def run_start(rows: np.ndarray) -> int | None:
     return first if bool((np.diff(rows) == 1).all()) else None
 
 
-def _buffers(engine: Any, layers: Sequence[int],
-             states: bool) -> list[tuple[int, int, torch.Tensor]]:
+def _buffers(
+    engine: Any, layers: Sequence[int], states: bool
+) -> list[tuple[int, int, torch.Tensor]]:
     """``(role, layer, view)`` of each buffer a transfer covers, in transfer order:
     views only, nothing copied, so a transfer can be sized before it is planned.
 
@@ -122,13 +128,15 @@ def _buffers(engine: Any, layers: Sequence[int],
         def kv(layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             # An MLA pool has its latent in K and no V: its transfer has no V parts.
             return pool.k_buffer[layer], None if pool.mla else pool.v_buffer[layer]
+
     wanted = list(layers) if len(layers) else list(range(num_layers))
     if len(set(wanted)) != len(wanted):
         raise InvalidInputError(f"layers names a layer twice: {wanted}")
     bad = [x for x in wanted if not 0 <= x < num_layers]
     if bad:
-        raise InvalidInputError(f"layer {bad[0]} is outside model {engine.name!r}'s "
-                                f"[0, {num_layers})")
+        raise InvalidInputError(
+            f"layer {bad[0]} is outside model {engine.name!r}'s [0, {num_layers})"
+        )
     out = []
     for layer in wanted:
         k, v = kv(layer)
@@ -140,20 +148,23 @@ def _buffers(engine: Any, layers: Sequence[int],
         if mamba is None:
             raise PreconditionError(f"model {engine.name!r} has no Mamba state pool")
         for layer in range(mamba.num_layers):
-            out += [(pb.BUFFER_ROLE_CONV, layer, mamba.conv_state[layer]),
-                    (pb.BUFFER_ROLE_TEMPORAL, layer, mamba.temporal_state[layer])]
+            out += [
+                (pb.BUFFER_ROLE_CONV, layer, mamba.conv_state[layer]),
+                (pb.BUFFER_ROLE_TEMPORAL, layer, mamba.temporal_state[layer]),
+            ]
     return out
 
 
 def transfer_bytes(engine: Any, slots: int, layers: Sequence[int], states: int) -> int:
     """Bytes a transfer of ``slots`` KV slots and ``states`` state slots (duplicates
     counted) covers, from the buffers' row sizes alone: no plan is built."""
-    return sum(_row_bytes(view) * (states if role in STATE_ROLES else slots)
-               for role, _, view in _buffers(engine, layers, states > 0))
+    return sum(
+        _row_bytes(view) * (states if role in STATE_ROLES else slots)
+        for role, _, view in _buffers(engine, layers, states > 0)
+    )
 
 
-def plan(engine: Any, slots: np.ndarray, layers: Sequence[int],
-         states: np.ndarray) -> list[Part]:
+def plan(engine: Any, slots: np.ndarray, layers: Sequence[int], states: np.ndarray) -> list[Part]:
     """The parts of a transfer over ``engine``'s pools, every index checked.
 
     The parts share the row vectors: one index per (slots or states, device), not one
@@ -172,8 +183,7 @@ def plan(engine: Any, slots: np.ndarray, layers: Sequence[int],
     if len(states):
         num_states = engine.mamba_pool.num_slots
         if int(states.min()) < 0 or int(states.max()) >= num_states:
-            raise InvalidInputError(f"state slot outside model {engine.name!r}'s "
-                                    f"[0, {num_states})")
+            raise InvalidInputError(f"state slot outside model {engine.name!r}'s [0, {num_states})")
     indexes: dict[tuple[bool, torch.device], torch.Tensor] = {}
     runs = {False: run_start(slots), True: run_start(states)}
     parts = []
@@ -191,8 +201,10 @@ def check_held(engine: Any, session: Session, slots: np.ndarray, states: np.ndar
     """Refuse unless ``session`` holds every slot and state slot, each named once."""
     held = engine._owner[slots] == session.tag
     if not held.all():
-        raise PreconditionError(f"slot {int(slots[np.argmin(held)])} is not held by this "
-                                "session (only slots a session holds may be written)")
+        raise PreconditionError(
+            f"slot {int(slots[np.argmin(held)])} is not held by this "
+            "session (only slots a session holds may be written)"
+        )
     check_distinct(slots)
     if len(states):
         engine._states().check(session, states)
@@ -202,12 +214,13 @@ def _rows(part: Part, start: int, end: int) -> torch.Tensor:
     """Rows ``start .. end`` of a part: a slice of the pool when its rows are one run
     (copied once, into the chunk's bytes), else gathered."""
     if part.first is not None:
-        return part.view[part.first + start:part.first + end]
+        return part.view[part.first + start : part.first + end]
     return part.view.index_select(0, part.index[start:end])
 
 
-def read_chunks(parts: list[Part], chunk_bytes: int,
-                check: RowCheck | None = None) -> Iterator[bytes]:
+def read_chunks(
+    parts: list[Part], chunk_bytes: int, check: RowCheck | None = None
+) -> Iterator[bytes]:
     """The transfer's bytes as serialized ``KVChunk`` messages of at most
     ``chunk_bytes`` of data each (``encode_chunk``: the rows are copied once, into the
     message; registration.py sends them as they are).
@@ -228,8 +241,7 @@ def read_chunks(parts: list[Part], chunk_bytes: int,
                 check(part, start, end)
             data = _byte_rows(_rows(part, start, end))
             for i in range(0, len(data), chunk_bytes):
-                yield encode_chunk(part.role, part.layer, offset + i,
-                                   data[i:i + chunk_bytes])
+                yield encode_chunk(part.role, part.layer, offset + i, data[i : i + chunk_bytes])
             offset += len(data)
 
 
@@ -253,8 +265,9 @@ class Writer:
             an increase (kv_access.WriteBudget).
     """
 
-    def __init__(self, parts: list[Part], check: RowCheck,
-                 hold: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, parts: list[Part], check: RowCheck, hold: Callable[[int], None] | None = None
+    ) -> None:
         self._parts = {(p.role, p.layer): p for p in parts if p.nbytes}
         self._got: dict[tuple[int, int], int] = {}
         self._carry: dict[tuple[int, int], bytearray] = {}
@@ -268,18 +281,23 @@ class Writer:
         key = (chunk.role, chunk.layer)
         part = self._parts.get(key)
         if part is None:
-            raise InvalidInputError(f"chunk for buffer {_name(key)}, which the transfer "
-                                    "does not cover")
+            raise InvalidInputError(
+                f"chunk for buffer {_name(key)}, which the transfer does not cover"
+            )
         if key in self._done:
             raise InvalidInputError(f"buffer {_name(key)} is already complete")
         got = self._got.get(key, 0)
         if chunk.offset_bytes != got:
-            raise InvalidInputError(f"buffer {_name(key)}: chunk at offset "
-                                    f"{chunk.offset_bytes}, expected {got} (chunks of a "
-                                    "buffer must be contiguous and in order)")
+            raise InvalidInputError(
+                f"buffer {_name(key)}: chunk at offset "
+                f"{chunk.offset_bytes}, expected {got} (chunks of a "
+                "buffer must be contiguous and in order)"
+            )
         if got + len(chunk.data) > part.nbytes:
-            raise InvalidInputError(f"buffer {_name(key)}: more than its {part.nbytes} bytes "
-                                    f"({part.index.numel()} rows of {part.row_bytes})")
+            raise InvalidInputError(
+                f"buffer {_name(key)}: more than its {part.nbytes} bytes "
+                f"({part.index.numel()} rows of {part.row_bytes})"
+            )
         if not chunk.data:
             return
         size = part.row_bytes
@@ -295,10 +313,10 @@ class Writer:
         if last > first:
             self._check(part, first, last)
             payload = chunk.data  # one copy out of the message; sliced without copying
-            whole = memoryview(payload)[:len(payload) - keep]
+            whole = memoryview(payload)[: len(payload) - keep]
             data = carry + whole if carry else whole
             self._write(part, first, last, data)
-            carry = bytearray(payload[len(payload) - keep:]) if keep else bytearray()
+            carry = bytearray(payload[len(payload) - keep :]) if keep else bytearray()
         else:
             carry += chunk.data
         if grow < 0 and self._hold is not None:
@@ -316,8 +334,10 @@ class Writer:
         missing = [k for k in self._parts if k not in self._done]
         if missing:
             key = missing[0]
-            raise InvalidInputError(f"buffer {_name(key)}: {self._got.get(key, 0)} of "
-                                    f"{self._parts[key].nbytes} bytes arrived")
+            raise InvalidInputError(
+                f"buffer {_name(key)}: {self._got.get(key, 0)} of "
+                f"{self._parts[key].nbytes} bytes arrived"
+            )
         return len(self._done)
 
     def close(self) -> None:
@@ -335,14 +355,15 @@ class Writer:
             rows = torch.frombuffer(data, dtype=torch.uint8).view(view.dtype)
         rows = rows.view(last - first, *part.row_shape).to(view.device)
         if part.first is not None:  # one run of rows: a slice copy
-            view[part.first + first:part.first + last].copy_(rows)
+            view[part.first + first : part.first + last].copy_(rows)
         else:
             view.index_copy_(0, part.index[first:last], rows)
         self.bytes_written += len(data)
 
 
-def open_writer(service: Any, chunk: pb.KVChunk,
-                hold: Callable[[str, int], None] | None = None) -> Writer:
+def open_writer(
+    service: Any, chunk: pb.KVChunk, hold: Callable[[str, int], None] | None = None
+) -> Writer:
     """A Writer for a WriteKV stream, from its first chunk (the header), once the
     session is found to hold every slot it names. ``hold(session_id, bytes)`` accounts
     the bytes kept for partial rows (kv_access.WriteBudget.hold)."""
@@ -357,8 +378,9 @@ def open_writer(service: Any, chunk: pb.KVChunk,
     states = decode_slots(head.state_slots, "state_slots")
     parts = plan(engine, slots, list(head.layers), states)
     if not head.session_id:
-        raise PreconditionError("WriteKV needs a session_id (slots are written only by "
-                                "the session that holds them)")
+        raise PreconditionError(
+            "WriteKV needs a session_id (slots are written only by the session that holds them)"
+        )
     session_id = head.session_id
     check_held(engine, service.session(session_id), slots, states)
 
@@ -375,11 +397,12 @@ def open_writer(service: Any, chunk: pb.KVChunk,
             return
         held = engine._owner[rows] == session.tag
         if not held.all():
-            raise PreconditionError(f"slot {int(rows[np.argmin(held)])} is no longer held "
-                                    "by this session (freed or inserted during the write)")
+            raise PreconditionError(
+                f"slot {int(rows[np.argmin(held)])} is no longer held "
+                "by this session (freed or inserted during the write)"
+            )
 
-    return Writer(parts, check,
-                  None if hold is None else (lambda n: hold(session_id, n)))
+    return Writer(parts, check, None if hold is None else (lambda n: hold(session_id, n)))
 
 
 def _name(key: tuple[int, int]) -> str:

@@ -53,17 +53,20 @@ SLICE = 2048
 T = TypeVar("T")
 
 
-def decode_hashes(data: bytes | memoryview, field: str = "page_hashes",
-                  max_count: int = 0) -> list[str]:
+def decode_hashes(
+    data: bytes | memoryview, field: str = "page_hashes", max_count: int = 0
+) -> list[str]:
     """Packed 32-byte digests as hex strings (the form the page index keys them by)."""
     if len(data) % DIGEST_BYTES:
-        raise InvalidInputError(f"{field} has {len(data)} bytes, not a multiple of "
-                                f"{DIGEST_BYTES} (one SHA-256 digest per page)")
+        raise InvalidInputError(
+            f"{field} has {len(data)} bytes, not a multiple of "
+            f"{DIGEST_BYTES} (one SHA-256 digest per page)"
+        )
     count = len(data) // DIGEST_BYTES
     check_count(field, count, max_count)
     text = bytes(data).hex()  # one conversion, then slices: 5x faster than per digest
     step = 2 * DIGEST_BYTES
-    return [text[i:i + step] for i in range(0, len(text), step)]
+    return [text[i : i + step] for i in range(0, len(text), step)]
 
 
 def _namespace(req: Any) -> tuple[str | None, int]:
@@ -79,27 +82,38 @@ def max_pages(limits: Limits, engine: Any) -> int:
     return max(-(-tokens // engine.page_size), 1)
 
 
-async def exists(service: Any, limits: Limits, turns: Turns, req: pb.ExistsPagesRequest,
-                 session: Session | None = None) -> pb.ExistsPagesResponse:
+async def exists(
+    service: Any,
+    limits: Limits,
+    turns: Turns,
+    req: pb.ExistsPagesRequest,
+    session: Session | None = None,
+) -> pb.ExistsPagesResponse:
     if session is None and sessions_required(limits):
         if req.session_id:  # not open (any more): as every call that needs one answers
-            raise NotFoundError("ExistsPages: the session is not open (closed, expired or "
-                                "never opened)")
-        raise PreconditionError("ExistsPages needs a session_id where the service has "
-                                "tenants or per-session quotas (OpenSession first)")
+            raise NotFoundError(
+                "ExistsPages: the session is not open (closed, expired or never opened)"
+            )
+        raise PreconditionError(
+            "ExistsPages needs a session_id where the service has "
+            "tenants or per-session quotas (OpenSession first)"
+        )
     engine = service.engine(req.model)
     pages, namespace, data = HashPages(engine), _namespace(req), req.page_hashes
     if len(data) % DIGEST_BYTES:
         decode_hashes(data)  # refuses it, naming the field
     check_count("page_hashes", len(data) // DIGEST_BYTES, max_pages(limits, engine))
-    client = session.client if session is not None and session.client else \
-        client_identity(CALLER.get(), PEER.get(), "")
+    client = (
+        session.client
+        if session is not None and session.client
+        else client_identity(CALLER.get(), PEER.get(), "")
+    )
     async with turns.admit(client) as turn:
         view, step = memoryview(data), SLICE * DIGEST_BYTES
         present = bytearray()
         for start in range(0, len(data), step):
             await turn.next()  # each slice in its turn: the other calls run between
-            present += pages.presence(namespace, decode_hashes(view[start:start + step]))
+            present += pages.presence(namespace, decode_hashes(view[start : start + step]))
         leading, present_bytes = pages.count(bytes(present), lookup=not req.before_set)
         if not req.before_set:  # by outcome, beyond the leading run (lookups.py), in slices
             for _ in engine.lookups.count_pages(pages.index, namespace, data, leading):
@@ -116,29 +130,34 @@ async def _decoded(data: bytes, cap: int) -> list[str]:
     for start in range(0, len(data), step):
         if start:
             await asyncio.sleep(0)
-        out += decode_hashes(view[start:start + step])
+        out += decode_hashes(view[start : start + step])
     return out
 
 
-async def get(service: Any, limits: Limits, req: pb.GetPagesRequest,
-              session: Session | None) -> pb.GetPagesResponse:
+async def get(
+    service: Any, limits: Limits, req: pb.GetPagesRequest, session: Session | None
+) -> pb.GetPagesResponse:
     engine = service.engine(req.model)
     pages, namespace = HashPages(engine), _namespace(req)
     hashes = await _decoded(req.page_hashes, max_pages(limits, engine))
-    if (reply := replays.replayed(session, "get_pages", req)):
+    if reply := replays.replayed(session, "get_pages", req):
         return reply
     # The pages are looked up and their paths walked in slices too (reading only);
     # from the second replay check on, the call runs whole, so a retry racing its
     # first try is answered from the window.
     planned = await drive(pages.plan(namespace, hashes))
-    if (reply := replays.replayed(session, "get_pages", req)):
+    if reply := replays.replayed(session, "get_pages", req):
         return reply
     if session is not None and session.closed:
         raise NotFoundError("GetPages: the session ended while its pages were looked up")
     reply_caps.check(limits, "GetPages", reply_caps.get_pages_size(pages.engine, len(hashes)))
     out = pages.lock(planned, session)
-    reply = pb.GetPagesResponse(found_pages=out.found, slot_indices=encode_slots(out.slots),
-                                lock_ids=out.lock_ids, server_epoch=service.epoch)
+    reply = pb.GetPagesResponse(
+        found_pages=out.found,
+        slot_indices=encode_slots(out.slots),
+        lock_ids=out.lock_ids,
+        server_epoch=service.epoch,
+    )
     replays.remember(session, "get_pages", req, reply)
     return reply
 
@@ -154,25 +173,27 @@ async def drive(steps: Generator[None, None, T]) -> T:
         await asyncio.sleep(0)
 
 
-async def set_pages(service: Any, limits: Limits, req: pb.SetPagesRequest,
-                    session: Session | None) -> pb.SetPagesResponse:
-    if (reply := replays.replayed(session, "set_pages", req)):
+async def set_pages(
+    service: Any, limits: Limits, req: pb.SetPagesRequest, session: Session | None
+) -> pb.SetPagesResponse:
+    if reply := replays.replayed(session, "set_pages", req):
         return reply
     pages, namespace = HashPages(service.engine(req.model)), _namespace(req)
     prior = decode_hashes(req.prior_hash, "prior_hash") if req.prior_hash else []
     if len(prior) > 1:
-        raise InvalidInputError(f"prior_hash has {len(req.prior_hash)} bytes: one digest "
-                                f"({DIGEST_BYTES} bytes) or none")
+        raise InvalidInputError(
+            f"prior_hash has {len(req.prior_hash)} bytes: one digest ({DIGEST_BYTES} bytes) or none"
+        )
     hashes = await _decoded(req.page_hashes, max_pages(limits, pages.engine))
-    slots = decode_slots(req.slot_indices,
-                         max_count=request_tokens(limits, pages.engine.config))
+    slots = decode_slots(req.slot_indices, max_count=request_tokens(limits, pages.engine.config))
     # The store goes in slices (page_store.py), so a retry may come while its first
     # try is under way: it waits for that try's answer rather than storing again.
     async with _first_try(session, req):
-        if (reply := replays.replayed(session, "set_pages", req)):
+        if reply := replays.replayed(session, "set_pages", req):
             return reply
-        states = await drive(store(pages, namespace, prior[0] if prior else None,
-                                   hashes, slots, session))
+        states = await drive(
+            store(pages, namespace, prior[0] if prior else None, hashes, slots, session)
+        )
         reply = pb.SetPagesResponse(states=states, server_epoch=service.epoch)
         replays.remember(session, "set_pages", req, reply)
         return reply

@@ -39,8 +39,9 @@ class Refused:
         self.seq = seq
 
 
-def _lenient(cls: Any, limits: Limits | None,
-             caps: dict[str, int] | None = None) -> Callable[[bytes], Any]:
+def _lenient(
+    cls: Any, limits: Limits | None, caps: dict[str, int] | None = None
+) -> Callable[[bytes], Any]:
     session = cls.DESCRIPTOR.name == "SessionRequest"
     chunk = cls is pb.KVChunk
     cap = None if caps is None else caps.get(cls.DESCRIPTOR.name)
@@ -67,6 +68,7 @@ def _lenient(cls: Any, limits: Limits | None,
             except TooLargeError as exc:
                 return Refused(exc, getattr(message, "seq", 0))
         return message
+
     return parse
 
 
@@ -84,8 +86,9 @@ def parsed(request: Any) -> Any:
     return request
 
 
-def add_to_server(servicer: Any, server: Any, limits: Limits | None = None,
-                  models: Sequence[ModelConfig] = ()) -> None:
+def add_to_server(
+    servicer: Any, server: Any, limits: Limits | None = None, models: Sequence[ModelConfig] = ()
+) -> None:
     """Register ``servicer`` like the generated ``add_PrefixCacheServicer_to_server``,
     but with request parsers that hand a ``Refused`` marker to the handler instead of
     raising, so that bytes that are not a message get INVALID_ARGUMENT, and that refuse
@@ -93,18 +96,22 @@ def add_to_server(servicer: Any, server: Any, limits: Limits | None = None,
     and string fields over ``limits`` (None: unchecked)."""
     caps = None if limits is None else request_caps.derive(limits, models)
     service = pb.DESCRIPTOR.services_by_name["PrefixCache"]
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
-             (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler,
-             (True, True): grpc.stream_stream_rpc_method_handler}
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
     handlers = {}
     for method in service.methods:
         kind = kinds[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = kind(
             getattr(servicer, method.name),
-            request_deserializer=_lenient(getattr(pb, method.input_type.name), limits,
-                                          caps),
-            response_serializer=_chunks if method.name == "ReadKV" else
-            getattr(pb, method.output_type.name).SerializeToString)
+            request_deserializer=_lenient(getattr(pb, method.input_type.name), limits, caps),
+            response_serializer=_chunks
+            if method.name == "ReadKV"
+            else getattr(pb, method.output_type.name).SerializeToString,
+        )
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )

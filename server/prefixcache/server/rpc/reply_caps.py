@@ -48,7 +48,9 @@ def check(limits: Limits, what: str, size: int) -> None:
         raise OverLimitError(
             f"the {what} reply could be {size + BASE} bytes, more than the {cap} a message "
             "may carry (server.max_message_bytes): refused before doing anything; ask for "
-            "fewer tokens, slots or pages per call", "max_message_bytes")
+            "fewer tokens, slots or pages per call",
+            "max_message_bytes",
+        )
 
 
 def _tokens(item: Any) -> int:
@@ -77,8 +79,9 @@ def alloc_size(engine: Any, num_slots: int, num_state_slots: int) -> int:
 
 
 def step_size(engine: Any, req: Any) -> int:
-    size = ITEM * (len(req.finishes) + len(req.unlocks) + len(req.frees)
-                   + len(req.decodes) + len(req.admits))
+    size = ITEM * (
+        len(req.finishes) + len(req.unlocks) + len(req.frees) + len(req.decodes) + len(req.admits)
+    )
     size += sum(match_size(engine, item) for item in req.admits)
     size += sum(_slots(engine, count) for count in req.decodes)
     size += sum(len(item.slot_indices) for item in req.finishes)

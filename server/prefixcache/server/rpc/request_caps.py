@@ -37,41 +37,68 @@ STEP_ITEM = 64
 # Page hashes are 32-byte digests (page_rpcs.py); slot indices 8-byte ints (codec.py).
 _HASH_BYTES, _SLOT_BYTES = 32, 8
 # SessionRequest: its op oneof, by field number (prefix_cache.proto).
-_SESSION_OPS = {2: "MatchRequest", 3: "InsertRequest", 4: "EvictRequest", 5: "LockRequest",
-                6: "UnlockRequest", 7: "AllocRequest", 8: "FreeRequest", 9: "StatsRequest",
-                10: "StepRequest", 11: "KeepAliveRequest"}
+_SESSION_OPS = {
+    2: "MatchRequest",
+    3: "InsertRequest",
+    4: "EvictRequest",
+    5: "LockRequest",
+    6: "UnlockRequest",
+    7: "AllocRequest",
+    8: "FreeRequest",
+    9: "StatsRequest",
+    10: "StepRequest",
+    11: "KeepAliveRequest",
+}
 # Subscribe's namespaces (subscriptions.MAX_NAMESPACES), each an extra_key and a width.
 _NAMESPACES = 1024
 # Fields of a message read from their headers; valid requests have at most a dozen.
 _PEEK_FIELDS = 32
 
-_CONTROL = ("ListModelsRequest", "DescribePoolRequest", "StatsRequest", "OpenSessionRequest",
-            "KeepAliveRequest", "CloseSessionRequest", "EvictRequest", "LockRequest",
-            "UnlockRequest", "AllocRequest", "ResetRequest", "WriteFenceRequest")
+_CONTROL = (
+    "ListModelsRequest",
+    "DescribePoolRequest",
+    "StatsRequest",
+    "OpenSessionRequest",
+    "KeepAliveRequest",
+    "CloseSessionRequest",
+    "EvictRequest",
+    "LockRequest",
+    "UnlockRequest",
+    "AllocRequest",
+    "ResetRequest",
+    "WriteFenceRequest",
+)
 
 
 def derive(limits: Limits, models: Iterable[ModelConfig]) -> dict[str, int]:
     """The cap of each request type (by message name) that has one."""
     tokens = max((request_tokens(limits, m) for m in models), default=0)
-    strings = limits.max_extra_key_bytes + limits.max_session_id_bytes + \
-        limits.max_client_name_bytes
+    strings = (
+        limits.max_extra_key_bytes + limits.max_session_id_bytes + limits.max_client_name_bytes
+    )
     base = BASE + strings
-    ids, slots, hashes = tokens * 4 * MAX_TOKEN_WIDTH, tokens * _SLOT_BYTES, \
-        tokens * _HASH_BYTES
+    ids, slots, hashes = tokens * 4 * MAX_TOKEN_WIDTH, tokens * _SLOT_BYTES, tokens * _HASH_BYTES
     caps = dict.fromkeys(_CONTROL, base)
-    caps.update(MatchRequest=base + ids, ExplainRequest=base + ids, RetainRequest=base + ids,
-                InsertRequest=base + ids + slots,
-                FreeRequest=base + 2 * slots, ReadKVRequest=base + 2 * slots,
-                ExistsPagesRequest=base + hashes, GetPagesRequest=base + hashes,
-                SetPagesRequest=base + hashes + _HASH_BYTES + slots,
-                SubscribeRequest=BASE + _NAMESPACES * (limits.max_extra_key_bytes + 16))
+    caps.update(
+        MatchRequest=base + ids,
+        ExplainRequest=base + ids,
+        RetainRequest=base + ids,
+        InsertRequest=base + ids + slots,
+        FreeRequest=base + 2 * slots,
+        ReadKVRequest=base + 2 * slots,
+        ExistsPagesRequest=base + hashes,
+        GetPagesRequest=base + hashes,
+        SetPagesRequest=base + hashes + _HASH_BYTES + slots,
+        SubscribeRequest=BASE + _NAMESPACES * (limits.max_extra_key_bytes + 16),
+    )
     # A finish is the largest item (a free's two slot lists are at most its slots and
     # ids); every item is held to it, since the mix is not known before parsing.
     item = STEP_ITEM + limits.max_extra_key_bytes
     caps["StepRequest"] = base + limits.max_step_items * (item + ids + slots)
     if limits.max_step_bytes:
-        caps["StepRequest"] = min(caps["StepRequest"], base + limits.max_step_bytes
-                                  + limits.max_step_items * item)
+        caps["StepRequest"] = min(
+            caps["StepRequest"], base + limits.max_step_bytes + limits.max_step_items * item
+        )
     # An op that cannot be found in the first fields (only a hand-made encoding hides
     # it) is held to the largest op's cap.
     caps["SessionRequest"] = max(caps[name] for name in _SESSION_OPS.values()) + 32
@@ -104,8 +131,11 @@ def check(message: Any, data: bytes, cap: int | None, limits: Limits) -> None:
             fields = _scan(view, start, end)
         else:
             fields = None
-    limited = {descriptor.fields_by_name[name].number: (name, setting)
-               for name, setting in STRING_LIMITS.items() if name in descriptor.fields_by_name}
+    limited = {
+        descriptor.fields_by_name[name].number: (name, setting)
+        for name, setting in STRING_LIMITS.items()
+        if name in descriptor.fields_by_name
+    }
     for field, wire, start, end in fields or ():
         if wire == 2 and field in limited:
             name, setting = limited[field]
@@ -116,7 +146,8 @@ def check(message: Any, data: bytes, cap: int | None, limits: Limits) -> None:
         f"the {what} request is {len(data)} bytes, more than the {cap} one may be "
         "(server.max_request_bytes; by default derived from max_request_tokens, "
         "the string limits and max_step_bytes); refused before parsing",
-        "max_request_bytes")
+        "max_request_bytes",
+    )
 
 
 def session_op_cap(caps: dict[str, int], data: bytes) -> tuple[int | None, int]:

@@ -22,8 +22,11 @@ from ..service import CacheService
 from ..sessions.retention import Hint, granted
 from ..sessions.session import Session
 
-_OUTCOMES = {ACCEPTED: pb.RETENTION_OUTCOME_ACCEPTED, CLIPPED: pb.RETENTION_OUTCOME_CLIPPED,
-             REJECTED: pb.RETENTION_OUTCOME_REJECTED}
+_OUTCOMES = {
+    ACCEPTED: pb.RETENTION_OUTCOME_ACCEPTED,
+    CLIPPED: pb.RETENTION_OUTCOME_CLIPPED,
+    REJECTED: pb.RETENTION_OUTCOME_REJECTED,
+}
 
 
 def hint(message: Any, config: RetentionConfig) -> Hint | None:
@@ -46,16 +49,23 @@ def of_call(message: Any, session: Session | None, config: RetentionConfig) -> H
 
 
 def result(grant: Grant) -> pb.RetentionResult:
-    return pb.RetentionResult(outcome=_OUTCOMES[grant.outcome], retained_tokens=grant.tokens,
-                              seconds=grant.seconds, priority=grant.priority)
+    return pb.RetentionResult(
+        outcome=_OUTCOMES[grant.outcome],
+        retained_tokens=grant.tokens,
+        seconds=grant.seconds,
+        priority=grant.priority,
+    )
 
 
 def of_session(session_hint: Hint) -> pb.RetentionResult:
     """What OpenSession answers for its default: the hint as granted."""
     return pb.RetentionResult(
-        outcome=pb.RETENTION_OUTCOME_CLIPPED if session_hint.clipped
+        outcome=pb.RETENTION_OUTCOME_CLIPPED
+        if session_hint.clipped
         else pb.RETENTION_OUTCOME_ACCEPTED,
-        seconds=session_hint.seconds, priority=session_hint.priority)
+        seconds=session_hint.seconds,
+        priority=session_hint.priority,
+    )
 
 
 def apply(engine: Any, node_id: int, call_hint: Hint, reply: Any) -> None:
@@ -70,9 +80,13 @@ def retain(service: CacheService, limits: Limits, req: pb.RetainRequest) -> pb.R
     """Retain: the longest cached prefix of the request's tokens that ends at a node,
     found without a lookup (no touch, no hit), takes the retention."""
     engine = service.engine(req.model)
-    key = decode_key(req.token_ids, req.token_width,
-                     req.extra_key if req.HasField("extra_key") else None,
-                     engine.config.vocab_size, request_tokens(limits, engine.config))
+    key = decode_key(
+        req.token_ids,
+        req.token_width,
+        req.extra_key if req.HasField("extra_key") else None,
+        engine.config.vocab_size,
+        request_tokens(limits, engine.config),
+    )
     call_hint = granted(req.retention.seconds, req.retention.priority, limits.retention)
     cached, grant = engine.retentions.of_prefix(key, call_hint, CALLER.get().tenant)
     return pb.RetainResponse(prefix_len=cached, retention=result(grant))

@@ -60,21 +60,28 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
         callers: Tells callers apart by token (admin, tenants); None: all alike.
     """
 
-    def __init__(self, service: CacheService, metrics: Metrics | None = None,
-                 check_integrity: bool = False,
-                 max_message_bytes: int = 64 * 1024 * 1024,
-                 limits: Limits | None = None, callers: Callers | None = None) -> None:
+    def __init__(
+        self,
+        service: CacheService,
+        metrics: Metrics | None = None,
+        check_integrity: bool = False,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        limits: Limits | None = None,
+        callers: Callers | None = None,
+    ) -> None:
         self.service = service
         self.limits = service.limits if limits is None else limits
         self.callers = Callers() if callers is None else callers
         # Reading the caller's token costs a little per call: only when it matters.
         self._identify = self.callers.has_tenants or self.limits.max_evict_tokens > 0
-        self.evict_policy = EvictPolicy(self.limits.max_evict_tokens, list(service.engines),
-                                        self.limits.evict_interval)
+        self.evict_policy = EvictPolicy(
+            self.limits.max_evict_tokens, list(service.engines), self.limits.evict_interval
+        )
         if metrics is not None:
             metrics.registry.register(EvictCollector(self.evict_policy))
-        self.write_budget = kv_access.WriteBudget(self.limits.max_inflight_write_bytes,
-                                                  self.limits.max_inflight_write_bytes_total)
+        self.write_budget = kv_access.WriteBudget(
+            self.limits.max_inflight_write_bytes, self.limits.max_inflight_write_bytes_total
+        )
         self.metrics = metrics
         # The shared cross-node tier (tier/), set by the server once started; None: off.
         self.tier: Any = None
@@ -84,9 +91,15 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
         # Subscribe streams (subscriptions.py), one change feed per model.
         self.subscriptions = Subscriptions(service, self.limits, max_message_bytes)
         self._stream_ops: dict[str, Callable[[Any, Session | None], Any]] = {
-            "match": self._match, "insert": self._insert, "evict": self._evict,
-            "lock": self._lock, "unlock": self._unlock, "alloc": self._alloc,
-            "free": self._free, "stats": self._stats, "step": self._step,
+            "match": self._match,
+            "insert": self._insert,
+            "evict": self._evict,
+            "lock": self._lock,
+            "unlock": self._unlock,
+            "alloc": self._alloc,
+            "free": self._free,
+            "stats": self._stats,
+            "step": self._step,
             "keep_alive": self._stream_keep_alive,
         }
         self._steps = StepExecutor(service, self.limits, self._refusal)
@@ -114,9 +127,15 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
         if self.metrics is not None:
             self.metrics.observe_rpc(method, code, time.perf_counter() - start)
 
-    async def _unary(self, method: str, context: grpc.aio.ServicerContext,
-                     handler: Callable[..., Any], *args: Any, mutates: bool = False,
-                     prepare: Callable[[Any], Any] | None = None) -> Any:
+    async def _unary(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        handler: Callable[..., Any],
+        *args: Any,
+        mutates: bool = False,
+        prepare: Callable[[Any], Any] | None = None,
+    ) -> Any:
         start = time.perf_counter()
         code = _OK
         try:
@@ -154,25 +173,30 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
     def _session_of(self, session_id: str) -> Session | None:
         return self.service.session(session_id) if session_id else None
 
-    def _attributed(self, handler: Callable[[Any, Session | None], Any]
-                    ) -> Callable[[Any], Any]:
+    def _attributed(self, handler: Callable[[Any, Session | None], Any]) -> Callable[[Any], Any]:
         """As ``_with_session``, for a call that only names its session (Evict): one
         that is gone makes the call anonymous rather than refused."""
+
         def call(req: Any) -> Any:
             try:
                 session = self._session_of(req.session_id)
             except NotFoundError:
                 session = None
             return handler(req, session)
+
         return call
 
-    def _with_session(self, handler: Callable[[Any, Session | None], Any]
-                      ) -> Callable[[Any], Any]:
+    def _with_session(self, handler: Callable[[Any, Session | None], Any]) -> Callable[[Any], Any]:
         return lambda req: handler(req, self._session_of(req.session_id))
 
     async def Match(self, request: pb.MatchRequest, context: Any) -> pb.MatchResponse:
-        return await self._unary("Match", context, self._with_session(self._match), request,
-                                 prepare=self.tier.before_match if self.tier else None)
+        return await self._unary(
+            "Match",
+            context,
+            self._with_session(self._match),
+            request,
+            prepare=self.tier.before_match if self.tier else None,
+        )
 
     async def Insert(self, request: pb.InsertRequest, context: Any) -> pb.InsertResponse:
         return await self._unary("Insert", context, self._with_session(self._insert), request)
@@ -193,33 +217,46 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
         return await self._unary("Free", context, self._with_session(self._free), request)
 
     async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
-        return await self._unary("Step", context, self._with_session(self._step), request,
-                                 prepare=self.tier.before_step if self.tier else None)
+        return await self._unary(
+            "Step",
+            context,
+            self._with_session(self._step),
+            request,
+            prepare=self.tier.before_step if self.tier else None,
+        )
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         return await self._unary("Stats", context, self._stats, request, None)
 
-    async def ListModels(self, request: pb.ListModelsRequest,
-                         context: Any) -> pb.ListModelsResponse:
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: Any
+    ) -> pb.ListModelsResponse:
         return await self._unary("ListModels", context, self._list_models)
 
-    async def DescribePool(self, request: pb.DescribePoolRequest,
-                           context: Any) -> pb.DescribePoolResponse:
+    async def DescribePool(
+        self, request: pb.DescribePoolRequest, context: Any
+    ) -> pb.DescribePoolResponse:
         return await self._unary("DescribePool", context, self._describe_pool, request)
 
-    async def WriteFence(self, request: pb.WriteFenceRequest,
-                         context: Any) -> pb.WriteFenceResponse:
-        return await self._unary("WriteFence", context, lambda req: write_fence.reply(
-            self.service.fences, self.service.session(req.session_id),
-            self.service.epoch), request)
+    async def WriteFence(
+        self, request: pb.WriteFenceRequest, context: Any
+    ) -> pb.WriteFenceResponse:
+        return await self._unary(
+            "WriteFence",
+            context,
+            lambda req: write_fence.reply(
+                self.service.fences, self.service.session(req.session_id), self.service.epoch
+            ),
+            request,
+        )
 
-    async def OpenSession(self, request: pb.OpenSessionRequest,
-                          context: Any) -> pb.OpenSessionResponse:
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: Any
+    ) -> pb.OpenSessionResponse:
         PEER.set(context.peer())  # sessions are counted per client (tenants.client_identity)
         return await self._unary("OpenSession", context, self._open_session, request)
 
-    async def KeepAlive(self, request: pb.KeepAliveRequest,
-                        context: Any) -> pb.KeepAliveResponse:
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
         # Paced per session (keepalive.py): a renewal storm waits instead of spinning.
         sessions = self.service.sessions
         session = None if isinstance(request, Refused) else sessions.find(request.session_id)
@@ -232,18 +269,19 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
                 raise
         return await self._unary("KeepAlive", context, self._keep_alive, request)
 
-    async def CloseSession(self, request: pb.CloseSessionRequest,
-                           context: Any) -> pb.CloseSessionResponse:
-        return await self._unary("CloseSession", context, self._close_session, request,
-                                 mutates=True)
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: Any
+    ) -> pb.CloseSessionResponse:
+        return await self._unary(
+            "CloseSession", context, self._close_session, request, mutates=True
+        )
 
     async def Reset(self, request: pb.ResetRequest, context: Any) -> pb.ResetResponse:
         return await self._unary("Reset", context, self._reset, request, mutates=True)
 
     # ------------------------------------------------------------ KV transfer
 
-    async def ReadKV(self, request: pb.ReadKVRequest,
-                     context: Any) -> AsyncIterator[pb.KVChunk]:
+    async def ReadKV(self, request: pb.ReadKVRequest, context: Any) -> AsyncIterator[pb.KVChunk]:
         start = time.perf_counter()
         code = _OK
         streaming = None
@@ -251,9 +289,9 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
             if self.service.draining:
                 raise DrainingError("the service is shutting down")
             caller = self._enter(context)
-            parts, chunk, grant = kv_access.open_read(self.service, parsed(request),
-                                                      self.limits, caller.bound,
-                                                      self.max_chunk_bytes)
+            parts, chunk, grant = kv_access.open_read(
+                self.service, parsed(request), self.limits, caller.bound, self.max_chunk_bytes
+            )
             streaming = self.streams.open(self._session_of(request.session_id))
             # Each yield lets the loop serve other calls between chunks; the grant is
             # checked again before each, since the session may release what it read by.
@@ -266,8 +304,9 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
             self.streams.close(streaming)
             self._observe("ReadKV", code, start)
 
-    async def WriteKV(self, request_iterator: AsyncIterator[pb.KVChunk],
-                      context: Any) -> pb.WriteKVResponse:
+    async def WriteKV(
+        self, request_iterator: AsyncIterator[pb.KVChunk], context: Any
+    ) -> pb.WriteKVResponse:
         start = time.perf_counter()
         code = _OK
         writer = streaming = None
@@ -275,11 +314,9 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
             async for chunk in request_iterator:
                 parsed(chunk)
                 if writer is None:
-                    opened = kv_transfer.open_writer(self.service, chunk,
-                                                     self.write_budget.hold)
+                    opened = kv_transfer.open_writer(self.service, chunk, self.write_budget.hold)
                     # Counted before its first row is written: a refusal writes nothing.
-                    streaming = self.streams.open(
-                        self.service.session(chunk.header.session_id))
+                    streaming = self.streams.open(self.service.session(chunk.header.session_id))
                     writer = opened
                 else:
                     writer.add(chunk)
@@ -288,8 +325,7 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
             buffers = writer.finish()
             if self.check_integrity:
                 self.service.check_integrity()
-            return pb.WriteKVResponse(bytes_written=writer.bytes_written,
-                                      buffers_written=buffers)
+            return pb.WriteKVResponse(bytes_written=writer.bytes_written, buffers_written=buffers)
         except Exception as exc:
             code = self._refusal(exc, "WriteKV")
             await context.abort(code, str(exc), trailers_for(exc))
@@ -309,8 +345,10 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
         try:
             PEER.set(context.peer())  # streams are counted per client too
             if self._enter(context).bound:  # the feed names every namespace's pages
-                raise DeniedError("Subscribe follows every namespace: not for a tenant's "
-                                  "token", "tenant_namespaces")
+                raise DeniedError(
+                    "Subscribe follows every namespace: not for a tenant's token",
+                    "tenant_namespaces",
+                )
             # Checked before the first event: a refusal starts nothing.
             opened = self.subscriptions.stream(parsed(request))
             await self.subscriptions.run(opened, context.write)
@@ -319,8 +357,7 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
             # A dropped subscriber may not be reading: its status waits behind the events
             # it has not read, so the call ends without waiting long for it.
             try:
-                await asyncio.wait_for(context.abort(code, str(exc), trailers_for(exc)),
-                                       DROP_WAIT)
+                await asyncio.wait_for(context.abort(code, str(exc), trailers_for(exc)), DROP_WAIT)
             except TimeoutError:
                 raise asyncio.CancelledError from None
         finally:
@@ -328,28 +365,48 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
 
     # ------------------------------------------- pages by hash (page_rpcs.py)
 
-    async def ExistsPages(self, request: pb.ExistsPagesRequest,
-                          context: Any) -> pb.ExistsPagesResponse:
+    async def ExistsPages(
+        self, request: pb.ExistsPagesRequest, context: Any
+    ) -> pb.ExistsPagesResponse:
         PEER.set(context.peer())  # long calls take turns per client (access/turns.py)
-        return await self._unary("ExistsPages", context, self._attributed(
-            lambda req, session: page_rpcs.exists(self.service, self.limits, self.turns,
-                                                  req, session)), request,
-            prepare=self.tier.before_exists_pages if self.tier else None)
+        return await self._unary(
+            "ExistsPages",
+            context,
+            self._attributed(
+                lambda req, session: page_rpcs.exists(
+                    self.service, self.limits, self.turns, req, session
+                )
+            ),
+            request,
+            prepare=self.tier.before_exists_pages if self.tier else None,
+        )
 
     async def GetPages(self, request: pb.GetPagesRequest, context: Any) -> pb.GetPagesResponse:
-        return await self._unary("GetPages", context,
-                                 self._with_session(self._pages(page_rpcs.get)), request,
-                                 mutates=True)
+        return await self._unary(
+            "GetPages",
+            context,
+            self._with_session(self._pages(page_rpcs.get)),
+            request,
+            mutates=True,
+        )
 
     async def SetPages(self, request: pb.SetPagesRequest, context: Any) -> pb.SetPagesResponse:
-        return await self._unary("SetPages", context,
-                                 self._with_session(self._pages(page_rpcs.set_pages)),
-                                 request, mutates=True)
+        return await self._unary(
+            "SetPages",
+            context,
+            self._with_session(self._pages(page_rpcs.set_pages)),
+            request,
+            mutates=True,
+        )
 
     async def Retain(self, request: pb.RetainRequest, context: Any) -> pb.RetainResponse:
         return await self._unary("Retain", context, self._retain, request, mutates=True)
 
     async def Explain(self, request: pb.ExplainRequest, context: Any) -> pb.ExplainResponse:
         PEER.set(context.peer())  # long calls take turns per client (access/turns.py)
-        return await self._unary("Explain", context, lambda req: explain.explain(
-            self.service, self.limits, self.turns, req), request)
+        return await self._unary(
+            "Explain",
+            context,
+            lambda req: explain.explain(self.service, self.limits, self.turns, req),
+            request,
+        )

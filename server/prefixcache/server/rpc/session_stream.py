@@ -29,8 +29,15 @@ log = logging.getLogger("prefixcache.server")
 _OK = grpc.StatusCode.OK
 
 
-_MUTATING = (pb.InsertRequest, pb.EvictRequest, pb.LockRequest, pb.UnlockRequest,
-             pb.AllocRequest, pb.FreeRequest, pb.StepRequest)
+_MUTATING = (
+    pb.InsertRequest,
+    pb.EvictRequest,
+    pb.LockRequest,
+    pb.UnlockRequest,
+    pb.AllocRequest,
+    pb.FreeRequest,
+    pb.StepRequest,
+)
 
 
 def is_mutating(request: Any) -> bool:
@@ -53,8 +60,9 @@ class SessionStream:
     _refusal: Callable[[Exception, str], grpc.StatusCode]
     _observe: Callable[[str, grpc.StatusCode, float], None]
 
-    async def Session(self, request_iterator: AsyncIterator[pb.SessionRequest],
-                      context: Any) -> AsyncIterator[pb.SessionResponse]:
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: Any
+    ) -> AsyncIterator[pb.SessionResponse]:
         if self.service.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
         # Its operations are the caller's (tenants, Evict's cap), and so is its session.
@@ -62,7 +70,8 @@ class SessionStream:
         PEER.set(context.peer())
         try:
             session = self.service.open_stream_session(
-                truncate(context.peer(), self.limits.max_client_name_bytes))
+                truncate(context.peer(), self.limits.max_client_name_bytes)
+            )
         except LimitError as exc:
             await context.abort(self._refusal(exc, "Session"), str(exc))
         # The stream's lease lapsing (reaper.py) cancels this handler, ending the stream.
@@ -76,9 +85,13 @@ class SessionStream:
         except asyncio.CancelledError:
             if not session.lapsed:
                 raise
-            await context.abort(grpc.StatusCode.UNAVAILABLE, (
-                f"the session stream sent nothing for {session.ttl} s (server.stream_ttl): "
-                "its session ended and its locks and slots were released"))
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                (
+                    f"the session stream sent nothing for {session.ttl} s (server.stream_ttl): "
+                    "its session ended and its locks and slots were released"
+                ),
+            )
         finally:
             locks, slots = self.service.close_session(session)
             if self.check_integrity and (locks or slots):
@@ -87,8 +100,14 @@ class SessionStream:
                 except Exception:
                     log.exception("integrity check failed after closing a session stream")
             if locks or slots:
-                log.info("session stream closed", extra={
-                    "session": session.id[:8], "locks_released": locks, "slots_freed": slots})
+                log.info(
+                    "session stream closed",
+                    extra={
+                        "session": session.id[:8],
+                        "locks_released": locks,
+                        "slots_freed": slots,
+                    },
+                )
 
     def _stream_op(self, request: pb.SessionRequest, session: Session) -> pb.SessionResponse:
         start = time.perf_counter()
@@ -116,8 +135,6 @@ class SessionStream:
             return response
         except Exception as exc:
             code = self._refusal(exc, f"Session/{op}")
-            return pb.SessionResponse(seq=seq, error=pb.Error(
-                code=code.value[0], message=str(exc)))
+            return pb.SessionResponse(seq=seq, error=pb.Error(code=code.value[0], message=str(exc)))
         finally:
             self._observe(f"Session/{op}", code, start)
-

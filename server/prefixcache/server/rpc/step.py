@@ -51,18 +51,27 @@ _REPLAY_OP = "step"
 def model_stats(engine: Engine) -> pb.ModelStats:
     """One model's counters, as Stats and every Step reply carry them."""
     sizes = engine.sizes()
-    return tenant_view(pb.ModelStats(
-        model=engine.name, evictable_tokens=sizes["evictable"],
-        protected_tokens=sizes["protected"], free_slots=sizes["free_slots"],
-        match_tokens_total=engine.match_tokens, hit_tokens_total=engine.hit_tokens,
-        pool_size=engine.pool_size, session_slots=engine.session_slots,
-        locks=engine.num_locks, evicted_tokens_total=sum(engine.evicted_tokens.values()),
-        swa_evictable_tokens=sizes["swa_evictable"],
-        swa_protected_tokens=sizes["swa_protected"],
-        mamba_evictable_slots=sizes["mamba_evictable"],
-        mamba_protected_slots=sizes["mamba_protected"],
-        free_state_slots=sizes["free_state_slots"],
-        session_state_slots=engine.session_state_slots), engine)  # a tenant's: its own
+    return tenant_view(
+        pb.ModelStats(
+            model=engine.name,
+            evictable_tokens=sizes["evictable"],
+            protected_tokens=sizes["protected"],
+            free_slots=sizes["free_slots"],
+            match_tokens_total=engine.match_tokens,
+            hit_tokens_total=engine.hit_tokens,
+            pool_size=engine.pool_size,
+            session_slots=engine.session_slots,
+            locks=engine.num_locks,
+            evicted_tokens_total=sum(engine.evicted_tokens.values()),
+            swa_evictable_tokens=sizes["swa_evictable"],
+            swa_protected_tokens=sizes["swa_protected"],
+            mamba_evictable_slots=sizes["mamba_evictable"],
+            mamba_protected_slots=sizes["mamba_protected"],
+            free_state_slots=sizes["free_state_slots"],
+            session_state_slots=engine.session_state_slots,
+        ),
+        engine,
+    )  # a tenant's: its own
 
 
 def fill_match(out: pb.MatchResponse, m: MatchOutcome) -> None:
@@ -72,16 +81,25 @@ def fill_match(out: pb.MatchResponse, m: MatchOutcome) -> None:
     out.node_id = m.node_id
     out.lock_id = m.lock_id
     out.allocated_slots = encode_slots(m.allocated)
-    for name in ("state_slot", "allocated_state", "slot_version", "allocated_version",
-                 "branching_seqlen"):
+    for name in (
+        "state_slot",
+        "allocated_state",
+        "slot_version",
+        "allocated_version",
+        "branching_seqlen",
+    ):
         value = getattr(m, name)
         if value is not None:
             setattr(out, _MATCH_FIELDS[name], value)
 
 
-_MATCH_FIELDS = {"state_slot": "state_slot", "allocated_state": "allocated_state_slot",
-                 "slot_version": "slot_version", "allocated_version": "allocated_slot_version",
-                 "branching_seqlen": "mamba_branching_seqlen"}
+_MATCH_FIELDS = {
+    "state_slot": "state_slot",
+    "allocated_state": "allocated_state_slot",
+    "slot_version": "slot_version",
+    "allocated_version": "allocated_slot_version",
+    "branching_seqlen": "mamba_branching_seqlen",
+}
 
 
 def fill_insert(out: pb.InsertResponse, r: InsertOutcome) -> None:
@@ -124,20 +142,21 @@ class StepExecutor:
         for item in req.finishes:
             self._item(reply.finishes.add(), "finish", self._finish, engine, session, item, cap)
         for lock_id in req.unlocks:
-            self._item(reply.unlocks.add(), "unlock", self._unlock, engine, session, lock_id,
-                       cap)
+            self._item(reply.unlocks.add(), "unlock", self._unlock, engine, session, lock_id, cap)
         for item in req.frees:
             self._item(reply.frees.add(), "free", self._free, engine, session, item, cap)
         if not _decode_at_once(reply, engine, session, req.decodes):
             for count in req.decodes:
-                self._item(reply.decodes.add(), "decode", self._decode, engine, session,
-                           count, cap)
+                self._item(reply.decodes.add(), "decode", self._decode, engine, session, count, cap)
         stale = 0
         for item in req.admits:
             result = reply.admits.add()
             self._item(result, "admit", self._admit, engine, session, item, cap)
-            if item.HasField("expected_prefix_len") and result.HasField("admit") \
-                    and result.admit.prefix_len != item.expected_prefix_len:
+            if (
+                item.HasField("expected_prefix_len")
+                and result.HasField("admit")
+                and result.admit.prefix_len != item.expected_prefix_len
+            ):
                 stale += 1
         reply.stale_hints = stale
         if req.request_id:
@@ -147,8 +166,7 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ items
 
-    def _item(self, result: pb.StepResult, kind: str, run: Callable[..., None],
-              *args: Any) -> None:
+    def _item(self, result: pb.StepResult, kind: str, run: Callable[..., None], *args: Any) -> None:
         """``run`` one item into ``result``; its refusal becomes the item's Error."""
         try:
             run(result, *args)
@@ -163,19 +181,22 @@ class StepExecutor:
         checked as a request is decoded; an item's only here)."""
         if item.HasField("extra_key"):
             check_fields(item, self.limits)
-        return decode_key(item.token_ids, item.token_width, _extra_key(item),
-                          engine.config.vocab_size, cap)
+        return decode_key(
+            item.token_ids, item.token_width, _extra_key(item), engine.config.vocab_size, cap
+        )
 
-    def _admit(self, result: pb.StepResult, engine: Engine, session: Session,
-               item: pb.StepAdmit, cap: int) -> None:
+    def _admit(
+        self, result: pb.StepResult, engine: Engine, session: Session, item: pb.StepAdmit, cap: int
+    ) -> None:
         key = self._key(item, engine, cap)
         hint = retention.of_call(item, session, self.limits.retention)
         fill_match(result.admit, engine.match(key, session, item.lock, item.allocate))
         if hint is not None:
             retention.apply(engine, result.admit.node_id, hint, result.admit)
 
-    def _finish(self, result: pb.StepResult, engine: Engine, session: Session,
-                item: pb.StepFinish, cap: int) -> None:
+    def _finish(
+        self, result: pb.StepResult, engine: Engine, session: Session, item: pb.StepFinish, cap: int
+    ) -> None:
         key = self._key(item, engine, cap)
         slots = decode_slots(item.slot_indices, max_count=cap)
         state = item.state_slot if item.HasField("state_slot") else None
@@ -185,31 +206,51 @@ class StepExecutor:
         hint = retention.of_call(item, session, self.limits.retention)
         if engine.kind == "slot":
             refuse_keep_duplicates(item, engine)
-            out = engine.insert(key, slots, session, item.lock, item.release_lock_id, state,
-                                slot_version=item.slot_version)
+            out = engine.insert(
+                key,
+                slots,
+                session,
+                item.lock,
+                item.release_lock_id,
+                state,
+                slot_version=item.slot_version,
+            )
         else:
-            out = engine.insert(key, slots, session, item.lock, item.release_lock_id, state,
-                                keep_duplicates=item.keep_duplicates)
+            out = engine.insert(
+                key,
+                slots,
+                session,
+                item.lock,
+                item.release_lock_id,
+                state,
+                keep_duplicates=item.keep_duplicates,
+            )
         if tail is not None and len(tail):
             engine.free(session, tail)
         fill_insert(result.finish, out)
         if hint is not None:
             retention.apply(engine, out.node_id, hint, result.finish)
 
-    def _unlock(self, result: pb.StepResult, engine: Engine, session: Session,
-                lock_id: int, cap: int) -> None:
+    def _unlock(
+        self, result: pb.StepResult, engine: Engine, session: Session, lock_id: int, cap: int
+    ) -> None:
         # As the Unlock RPC: a lock of any model the session holds.
         self.service.unlock(session, lock_id)
         result.unlock.SetInParent()
 
-    def _free(self, result: pb.StepResult, engine: Engine, session: Session,
-              item: pb.StepFree, cap: int) -> None:
-        engine.free(session, decode_slots(item.slot_indices, max_count=cap),
-                    decode_slots(item.state_slots, "state_slots", cap))
+    def _free(
+        self, result: pb.StepResult, engine: Engine, session: Session, item: pb.StepFree, cap: int
+    ) -> None:
+        engine.free(
+            session,
+            decode_slots(item.slot_indices, max_count=cap),
+            decode_slots(item.state_slots, "state_slots", cap),
+        )
         result.free.SetInParent()
 
-    def _decode(self, result: pb.StepResult, engine: Engine, session: Session,
-                count: int, cap: int) -> None:
+    def _decode(
+        self, result: pb.StepResult, engine: Engine, session: Session, count: int, cap: int
+    ) -> None:
         slots, _ = engine.alloc(session, count)
         result.decode.slot_indices = encode_slots(slots)
         if engine.kind == "slot":
@@ -223,30 +264,40 @@ class StepExecutor:
         items = sum(len(getattr(req, name)) for name in _LISTS)
         cap = self.limits.max_step_items
         if items > cap:
-            raise OverLimitError(f"the step carries {items} items, more than the {cap} one "
-                                 "Step may carry (server.max_step_items)", "max_step_items")
+            raise OverLimitError(
+                f"the step carries {items} items, more than the {cap} one "
+                "Step may carry (server.max_step_items)",
+                "max_step_items",
+            )
         cap = self.limits.max_step_bytes
         if cap:
-            size = sum(len(a.token_ids) for a in req.admits) + sum(
-                len(f.token_ids) + len(f.slot_indices) for f in req.finishes) + sum(
-                len(f.slot_indices) + len(f.state_slots) for f in req.frees)
+            size = (
+                sum(len(a.token_ids) for a in req.admits)
+                + sum(len(f.token_ids) + len(f.slot_indices) for f in req.finishes)
+                + sum(len(f.slot_indices) + len(f.state_slots) for f in req.frees)
+            )
             if size > cap:
-                raise OverLimitError(f"the step carries {size} bytes of token ids and slot "
-                                     f"indices, more than the {cap} one Step may carry "
-                                     "(server.max_step_bytes)", "max_step_bytes")
+                raise OverLimitError(
+                    f"the step carries {size} bytes of token ids and slot "
+                    f"indices, more than the {cap} one Step may carry "
+                    "(server.max_step_bytes)",
+                    "max_step_bytes",
+                )
         reply_caps.check(self.limits, "Step", reply_caps.step_size(engine, req))
 
     # ----------------------------------------------------------------- replay
 
-    def _replay(self, stored: pb.StepResponse, req: pb.StepRequest, engine: Engine,
-                session: Session) -> pb.StepResponse:
+    def _replay(
+        self, stored: pb.StepResponse, req: pb.StepRequest, engine: Engine, session: Session
+    ) -> pb.StepResponse:
         """The first answer to this request id again, its prefixes read from the tree."""
         for name in _LISTS:
             if len(getattr(stored, name)) != len(getattr(req, name)):
                 raise PreconditionError(
                     f"request_id {req.request_id} was used by a different step in this "
                     f"session ({len(getattr(stored, name))} {name} then, "
-                    f"{len(getattr(req, name))} now)")
+                    f"{len(getattr(req, name))} now)"
+                )
         reply = pb.StepResponse()
         reply.CopyFrom(stored)
         if _strips(engine):
@@ -260,8 +311,7 @@ class StepExecutor:
         return reply
 
 
-def _decode_at_once(reply: pb.StepResponse, engine: Engine, session: Session,
-                    counts: Any) -> bool:
+def _decode_at_once(reply: pb.StepResponse, engine: Engine, session: Session, counts: Any) -> bool:
     """Allocate every decode with one call when that is what the calls one by one would
     do, only cheaper (a slot per running request is most of a step otherwise): page size
     1, so no item shares or splits a page, and room on the free list as it stands, so
@@ -281,7 +331,7 @@ def _decode_at_once(reply: pb.StepResponse, engine: Engine, session: Session,
     engine.ops["alloc"] += len(counts) - 1  # counted as the calls one by one would be
     data, start = encode_slots(slots), 0
     for count in counts:
-        reply.decodes.add().decode.slot_indices = data[8 * start: 8 * (start + count)]
+        reply.decodes.add().decode.slot_indices = data[8 * start : 8 * (start + count)]
         start += count
     return True
 
@@ -301,9 +351,11 @@ def _tail(engine: Engine, session: Session, n: int, slots: np.ndarray) -> np.nda
     held = engine._owner[tail] == session.tag
     if not held.all():
         bad = aligned + int(np.argmin(held))
-        raise PreconditionError(f"slot_indices[{bad}] = {int(slots[bad])}, in the unaligned "
-                                "tail that the finish frees, is not held by this session "
-                                "(set keep_tail to leave the tail alone)")
+        raise PreconditionError(
+            f"slot_indices[{bad}] = {int(slots[bad])}, in the unaligned "
+            "tail that the finish frees, is not held by this session "
+            "(set keep_tail to leave the tail alone)"
+        )
     check_distinct(tail)
     # The insert checks the aligned part's slots, not that the tail repeats none of them:
     # a repeated slot would go to the tree, and then the tail's free would fail.
@@ -339,26 +391,34 @@ def _compact(reply: pb.StepResponse, engine: Engine) -> pb.StepResponse:
     return stored
 
 
-def _restore(result: pb.StepResult, engine: Engine, session: Session, item: pb.StepAdmit,
-             cap: int) -> None:
+def _restore(
+    result: pb.StepResult, engine: Engine, session: Session, item: pb.StepAdmit, cap: int
+) -> None:
     """Put back a replayed admission's prefix slots, read from the tree under its lock."""
     match = result.admit
     held = session.locks.get(match.lock_id)
     if held is None or held.engine is not engine:
-        raise PreconditionError(f"the lock {match.lock_id} this admission took has been "
-                                "released since (a reset?): its answer cannot be replayed; "
-                                "admit the request again with a new request_id")
-    key = decode_key(item.token_ids, item.token_width, _extra_key(item),
-                     engine.config.vocab_size, cap)
+        raise PreconditionError(
+            f"the lock {match.lock_id} this admission took has been "
+            "released since (a reset?): its answer cannot be replayed; "
+            "admit the request again with a new request_id"
+        )
+    key = decode_key(
+        item.token_ids, item.token_width, _extra_key(item), engine.config.vocab_size, cap
+    )
     indices = host_indices(engine.cache.peek_prefix(key))[: match.prefix_len]
     if len(indices) != match.prefix_len:
-        raise PreconditionError(f"the retried admission's tokens are not the ones that took "
-                                f"lock {match.lock_id}: request_id reused for another step?")
+        raise PreconditionError(
+            f"the retried admission's tokens are not the ones that took "
+            f"lock {match.lock_id}: request_id reused for another step?"
+        )
     match.slot_indices = encode_slots(indices)
 
 
 def refuse_keep_duplicates(item: pb.InsertRequest | pb.StepFinish, engine: Engine) -> None:
     """A slot model keeps no duplicates to give back: ``keep_duplicates`` is refused."""
     if item.keep_duplicates:
-        raise PreconditionError(f"keep_duplicates is for radix, mamba and chunk models; "
-                                f"{engine.name!r} is {engine.kind}")
+        raise PreconditionError(
+            f"keep_duplicates is for radix, mamba and chunk models; "
+            f"{engine.name!r} is {engine.kind}"
+        )

@@ -68,8 +68,13 @@ class EvictPolicy:
         clock: Monotonic seconds (injectable for tests).
     """
 
-    def __init__(self, max_tokens: int, models: list[str], interval: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_tokens: int,
+        models: list[str],
+        interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_tokens = max_tokens
         self.interval = interval
         self.clock = clock
@@ -92,8 +97,11 @@ class EvictPolicy:
             return
         asked = max(request.num_tokens, request.swa_num_tokens, request.mamba_num)
         if asked > cap:
-            raise DeniedError(f"Evict of {asked} is more than server.max_evict_tokens "
-                              f"({cap}) allows without the admin token", LIMIT)
+            raise DeniedError(
+                f"Evict of {asked} is more than server.max_evict_tokens "
+                f"({cap}) allows without the admin token",
+                LIMIT,
+            )
         bucket = self._bucket(_client(caller, session))
         if asked > bucket[0]:
             wait = (asked - bucket[0]) * self.interval / cap
@@ -101,7 +109,9 @@ class EvictPolicy:
                 f"Evict of {asked}: this client may evict {cap} per {self.interval:g} s "
                 f"without the admin token (server.max_evict_tokens, "
                 f"server.evict_interval) and has {int(bucket[0])} left; retry in "
-                f"{wait:.2f} s", LIMIT)
+                f"{wait:.2f} s",
+                LIMIT,
+            )
         bucket[0] -= asked
 
     def _bucket(self, client: str) -> list[float]:
@@ -125,13 +135,13 @@ class EvictPolicy:
         while len(self._buckets) >= MAX_BUCKETS:
             del self._buckets[next(iter(self._buckets))]
 
-    def record(self, engine: Any, request: Any, evicted: int, caller: Caller,
-               session: Session | None) -> None:
+    def record(
+        self, engine: Any, request: Any, evicted: int, caller: Caller, session: Session | None
+    ) -> None:
         """Count a done eviction, charge the caller's budget what it freed beyond its
         ask (eviction takes whole entries), and log who asked for it."""
         if self.max_tokens and not caller.admin:
-            over = evicted - max(request.num_tokens, request.swa_num_tokens,
-                                 request.mamba_num)
+            over = evicted - max(request.num_tokens, request.swa_num_tokens, request.mamba_num)
             bucket = self._buckets.get(_client(caller, session)) if over > 0 else None
             if bucket is not None:  # may go below 0: the next ask waits for the refill
                 bucket[0] -= over
@@ -143,10 +153,18 @@ class EvictPolicy:
         asked = max(request.num_tokens, request.swa_num_tokens, request.mamba_num)
         level = logging.INFO if asked >= max(engine.pool_size // 4, 1) else logging.DEBUG
         if log.isEnabledFor(level):
-            log.log(level, "evict", extra={
-                "model": engine.name, "caller": kind, "asked": asked, "evicted": evicted,
-                "client": session.name if session is not None and session.name else "-",
-                "session": session.id[:8] if session is not None else "-"})
+            log.log(
+                level,
+                "evict",
+                extra={
+                    "model": engine.name,
+                    "caller": kind,
+                    "asked": asked,
+                    "evicted": evicted,
+                    "client": session.name if session is not None and session.name else "-",
+                    "session": session.id[:8] if session is not None else "-",
+                },
+            )
 
 
 def _client(caller: Caller, session: Session | None) -> str:
@@ -163,12 +181,16 @@ class EvictCollector(Collector):
         self.policy = policy
 
     def collect(self) -> Iterator[Metric]:
-        calls = CounterMetricFamily("prefixcache_evict_calls",
-                                    "Evict calls, by kind of caller (session, anonymous, "
-                                    "admin).", labels=["model", "caller"])
-        tokens = CounterMetricFamily("prefixcache_evict_call_tokens",
-                                     "Tokens freed by Evict calls, by kind of caller.",
-                                     labels=["model", "caller"])
+        calls = CounterMetricFamily(
+            "prefixcache_evict_calls",
+            "Evict calls, by kind of caller (session, anonymous, admin).",
+            labels=["model", "caller"],
+        )
+        tokens = CounterMetricFamily(
+            "prefixcache_evict_call_tokens",
+            "Tokens freed by Evict calls, by kind of caller.",
+            labels=["model", "caller"],
+        )
         for (model, kind), n in list(self.policy.calls.items()):
             calls.add_metric([model, kind], n)
             tokens.add_metric([model, kind], self.policy.tokens[(model, kind)])

@@ -40,8 +40,9 @@ def _state_slots(engines: Iterable[Any]) -> dict[int, int]:
     return held
 
 
-def top_sessions(sessions: Iterable[Session], engines: list[Any], count: int,
-                 now: float) -> list[pb.SessionHoldings]:
+def top_sessions(
+    sessions: Iterable[Session], engines: list[Any], count: int, now: float
+) -> list[pb.SessionHoldings]:
     """The ``count`` (at most ``MAX_TOP_SESSIONS``) sessions holding the most in
     ``engines``; ``now`` is the registry's lease time."""
     count = min(count, MAX_TOP_SESSIONS)
@@ -58,11 +59,20 @@ def top_sessions(sessions: Iterable[Session], engines: list[Any], count: int,
         rows.append((rank, session.tag, session, slots, locked, locks))
     out = []
     for _rank, tag, session, slots, locked, locks in heapq.nlargest(
-            count, rows, key=lambda r: (r[0], -r[1])):
+        count, rows, key=lambda r: (r[0], -r[1])
+    ):
         left = session.expires_at - now
-        out.append(pb.SessionHoldings(
-            session=session.id[:8], client_name=truncate(session.name, NAME_BYTES),
-            slots=slots, state_slots=states.get(tag, 0), locks=locks,
-            locked_tokens=locked, streams=session.streams, stream=session.stream,
-            lease_left_seconds=max(0.0, left) if left != float("inf") else 0.0))
+        out.append(
+            pb.SessionHoldings(
+                session=session.id[:8],
+                client_name=truncate(session.name, NAME_BYTES),
+                slots=slots,
+                state_slots=states.get(tag, 0),
+                locks=locks,
+                locked_tokens=locked,
+                streams=session.streams,
+                stream=session.stream,
+                lease_left_seconds=max(0.0, left) if left != float("inf") else 0.0,
+            )
+        )
     return out

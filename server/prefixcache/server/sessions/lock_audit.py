@@ -47,13 +47,14 @@ def audit(engines: dict[str, Any], sessions: Iterable[Session]) -> None:
         for lock_id, held in session.locks.items():
             mine = by_engine.get(id(held.engine))
             if mine is None or engines.get(held.engine.name) is not held.engine:
-                problems.append(f"session {session.id[:8]}: lock {lock_id} is on no hosted "
-                                "model")
+                problems.append(f"session {session.id[:8]}: lock {lock_id} is on no hosted model")
             else:
                 mine.append(held)
     for engine in engines.values():
-        problems += [f"model {engine.name!r}: {p}"
-                     for p in _engine_problems(engine, by_engine[id(engine)], sessions)]
+        problems += [
+            f"model {engine.name!r}: {p}"
+            for p in _engine_problems(engine, by_engine[id(engine)], sessions)
+        ]
     if problems:
         raise IntegrityError("; ".join(problems[:20]))
 
@@ -83,11 +84,15 @@ def _engine_problems(engine: Any, held: list[HeldLock], sessions: list[Session])
             continue
         want = own.pop(node, 0)
         if node.own_lock_ref != want:
-            problems.append(f"node {node.id}: own lock count {node.own_lock_ref}, sessions "
-                            f"hold {want} locks on it")
+            problems.append(
+                f"node {node.id}: own lock count {node.own_lock_ref}, sessions "
+                f"hold {want} locks on it"
+            )
         if swa is not None and node.swa_lock_ref != swa.get(node, 0):
-            problems.append(f"node {node.id}: swa_lock_ref {node.swa_lock_ref}, sessions' "
-                            f"windows cover it {swa.get(node, 0)} times")
+            problems.append(
+                f"node {node.id}: swa_lock_ref {node.swa_lock_ref}, sessions' "
+                f"windows cover it {swa.get(node, 0)} times"
+            )
     if own:
         problems.append(f"{sum(own.values())} session locks on nodes no longer in the tree")
     return problems
@@ -106,6 +111,8 @@ def _swa_expected(held: list[HeldLock], problems: list[str]) -> Counter[Any]:
             node = node.parent
         else:
             if lock.boundary is not None:
-                problems.append(f"a lock's SWA boundary {lock.boundary} is not on the path "
-                                f"of node {lock.node.id}")
+                problems.append(
+                    f"a lock's SWA boundary {lock.boundary} is not on the path "
+                    f"of node {lock.node.id}"
+                )
     return covered

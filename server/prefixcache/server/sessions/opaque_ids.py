@@ -45,8 +45,13 @@ class OpaqueIds:
     def __init__(self, key: bytes | None = None) -> None:
         key = secrets.token_bytes(32) if key is None else key
         # One round key per (kind, round), so node handles and lock ids are unrelated.
-        self._keys = {kind: [hashlib.blake2b(bytes([kind, r]), key=key, digest_size=32)
-                             .digest() for r in range(_ROUNDS)] for kind in (0, 1)}
+        self._keys = {
+            kind: [
+                hashlib.blake2b(bytes([kind, r]), key=key, digest_size=32).digest()
+                for r in range(_ROUNDS)
+            ]
+            for kind in (0, 1)
+        }
 
     def node(self, counter: int) -> int:
         """The handle of the node with this (process-wide) id."""

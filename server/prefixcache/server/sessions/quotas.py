@@ -62,8 +62,9 @@ class Quota:
 
     __slots__ = ("locked_tokens", "model", "slots", "state_slots")
 
-    def __init__(self, model: str = "", slots: int = 0, locked_tokens: int = 0,
-                 state_slots: int = 0) -> None:
+    def __init__(
+        self, model: str = "", slots: int = 0, locked_tokens: int = 0, state_slots: int = 0
+    ) -> None:
         self.model = model
         self.slots = slots
         self.locked_tokens = locked_tokens
@@ -76,11 +77,16 @@ class Quota:
         model's pool, off for the other kinds)."""
         locked = limits.max_session_locked_tokens
         if locked is None:
-            locked = int(engine.pool_size * DEFAULT_LOCKED_SHARE) \
-                if engine.kind in _TREE_KINDS else 0
+            locked = (
+                int(engine.pool_size * DEFAULT_LOCKED_SHARE) if engine.kind in _TREE_KINDS else 0
+            )
         states = getattr(engine, "states", None)
-        return cls(engine.name, limits.max_session_slots or engine.pool_size, locked,
-                   limits.max_session_state_slots or (states.capacity if states else 0))
+        return cls(
+            engine.name,
+            limits.max_session_slots or engine.pool_size,
+            locked,
+            limits.max_session_state_slots or (states.capacity if states else 0),
+        )
 
     def check_slots(self, session: Session, n: int, held: int | None = None) -> None:
         """Refuse ``n`` more slots for ``session``, which takes ``held`` (None: the slots
@@ -114,29 +120,41 @@ class Quota:
         """
         if session.internal:
             return
-        self._check("max_session_locked_tokens", self.locked_tokens,
-                    session.locked_tokens.get(self.model, 0), tokens)
+        self._check(
+            "max_session_locked_tokens",
+            self.locked_tokens,
+            session.locked_tokens.get(self.model, 0),
+            tokens,
+        )
 
     def _check(self, setting: str, cap: int, held: int, n: int) -> None:
         """Refuse ``n`` more of what ``setting`` caps at ``cap`` (0: no cap) for a session
         that holds ``held``."""
         if cap and n > 0 and held + n > cap:
-            raise OverLimitError(_REFUSALS[setting].format(
-                held=held, n=n, cap=cap, model=self.model, setting=setting), setting)
+            raise OverLimitError(
+                _REFUSALS[setting].format(
+                    held=held, n=n, cap=cap, model=self.model, setting=setting
+                ),
+                setting,
+            )
 
 
 # Each cap's refusal, formatted only when one is made.
-_HOLD = ("this session holds {held} {what} of model {model!r} and asks for {n} more, past "
-         "the {cap} one session may hold (server.{setting}): insert or free what it holds "
-         "first")
+_HOLD = (
+    "this session holds {held} {what} of model {model!r} and asks for {n} more, past "
+    "the {cap} one session may hold (server.{setting}): insert or free what it holds "
+    "first"
+)
 _REFUSALS = {
     "max_session_slots": _HOLD.replace("{what}", "slots (whole pages)").replace(
-        "asks for {n} more", "asks for {n} more (whole pages)"),
+        "asks for {n} more", "asks for {n} more (whole pages)"
+    ),
     "max_session_state_slots": _HOLD.replace("{what}", "state slots"),
     "max_session_locked_tokens": (
         "this session's locks on model {model!r} protect {held} tokens and this lock {n} "
         "more, past the {cap} one session may lock (server.{setting}; a lock counts its "
-        "whole prefix): unlock some first"),
+        "whole prefix): unlock some first"
+    ),
 }
 
 
@@ -177,7 +195,8 @@ class StreamQuota:
             raise OverLimitError(
                 f"this session has {session.streams} ReadKV/WriteKV streams in flight, the "
                 f"{self.cap} one session may have at once (server.max_session_streams)",
-                "max_session_streams")
+                "max_session_streams",
+            )
         session.streams += 1
         return session
 
@@ -198,12 +217,15 @@ def audit(sessions: Iterable[Session]) -> list[str]:
             sums[held.engine.name] = sums.get(held.engine.name, 0) + held.tokens
             depth = prefix_tokens(held.node)
             if held.tokens != depth:
-                problems.append(f"session {session.id[:8]}: lock {lock_id} counts "
-                                f"{held.tokens} tokens, its node's depth is {depth}")
+                problems.append(
+                    f"session {session.id[:8]}: lock {lock_id} counts "
+                    f"{held.tokens} tokens, its node's depth is {depth}"
+                )
         counted = {k: v for k, v in session.locked_tokens.items() if v}
         if counted != sums:
-            problems.append(f"session {session.id[:8]}: locked tokens {counted}, its locks "
-                            f"sum to {sums}")
+            problems.append(
+                f"session {session.id[:8]}: locked tokens {counted}, its locks sum to {sums}"
+            )
         if session.streams < 0:
             problems.append(f"session {session.id[:8]}: {session.streams} streams")
     return problems

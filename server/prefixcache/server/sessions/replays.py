@@ -76,7 +76,8 @@ def replayed(session: Session | None, op: str, request: Any) -> Any:
         raise PreconditionError(
             f"request_id {request.request_id} was used by a different {op} request in "
             "this session: a retry must repeat its request unchanged (a new request "
-            "takes a new request_id)")
+            "takes a new request_id)"
+        )
     return kept.reply
 
 

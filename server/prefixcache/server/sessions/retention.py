@@ -33,11 +33,10 @@ def granted(seconds: float, priority: int, config: RetentionConfig) -> Hint:
         InvalidInputError: seconds negative, infinite or nan, or priority negative.
     """
     if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidInputError(f"retention seconds must be a finite number >= 0, got "
-                                f"{seconds}")
+        raise InvalidInputError(f"retention seconds must be a finite number >= 0, got {seconds}")
     if priority < 0:
-        raise InvalidInputError(f"retention priority must be 0 to {MAX_PRIORITY}, got "
-                                f"{priority}")
+        raise InvalidInputError(f"retention priority must be 0 to {MAX_PRIORITY}, got {priority}")
     clipped = seconds > config.max_seconds or priority > MAX_PRIORITY
-    return Hint(min(seconds, config.max_seconds),
-                min(priority or DEFAULT_PRIORITY, MAX_PRIORITY), clipped)
+    return Hint(
+        min(seconds, config.max_seconds), min(priority or DEFAULT_PRIORITY, MAX_PRIORITY), clipped
+    )

@@ -141,8 +141,9 @@ class Session:
             self.replay_bytes -= old[1]
         self.replies[(op, request_id)] = (reply, size)
         self.replay_bytes += size
-        while len(self.replies) > 1 and (len(self.replies) > REPLAY_WINDOW
-                                         or self.replay_bytes > REPLAY_BYTES):
+        while len(self.replies) > 1 and (
+            len(self.replies) > REPLAY_WINDOW or self.replay_bytes > REPLAY_BYTES
+        ):
             self.replay_bytes -= self.replies.popitem(last=False)[1][1]
 
     def forget_replies(self) -> None:
@@ -168,9 +169,14 @@ class SessionRegistry:
         stalled: Seconds the loop could not run on schedule, credited to every lease.
     """
 
-    def __init__(self, release: Callable[[Session], tuple[int, int]],
-                 clock: Callable[[], float] = time.monotonic, ids: OpaqueIds | None = None,
-                 max_sessions: int = 10000, max_per_client: int = 0) -> None:
+    def __init__(
+        self,
+        release: Callable[[Session], tuple[int, int]],
+        clock: Callable[[], float] = time.monotonic,
+        ids: OpaqueIds | None = None,
+        max_sessions: int = 10000,
+        max_per_client: int = 0,
+    ) -> None:
         self._sessions: dict[str, Session] = {}
         self.max_per_client = max_per_client
         # Open sessions per client; a client with none has no entry (bounded by the
@@ -207,8 +213,9 @@ class SessionRegistry:
         if seconds > 0:
             self.stalled += seconds
 
-    def open(self, ttl: float | None, name: str = "", stream: bool = False,
-             client: str = "") -> Session:
+    def open(
+        self, ttl: float | None, name: str = "", stream: bool = False, client: str = ""
+    ) -> Session:
         """A new session of ``client``; ``ttl=None`` gives it no lease (it ends only
         when closed).
 
@@ -221,10 +228,14 @@ class SessionRegistry:
             raise OverLimitError(
                 f"this client ({_shown(client)}) has {held} sessions open, the most one "
                 "client may have (server.max_sessions_per_client): close some, or reuse "
-                "one session for many requests", "max_sessions_per_client")
+                "one session for many requests",
+                "max_sessions_per_client",
+            )
         if len(self._sessions) >= self.max_sessions:
-            raise OverLimitError(f"{len(self._sessions)} sessions are open, the limit "
-                                 "server.max_sessions", "max_sessions")
+            raise OverLimitError(
+                f"{len(self._sessions)} sessions are open, the limit server.max_sessions",
+                "max_sessions",
+            )
         session = Session(
             id=secrets.token_hex(16),
             tag=next(self._tags),
@@ -239,8 +250,9 @@ class SessionRegistry:
         if len(self._heap) > 2 * len(self._sessions) + 64:
             # Closed sessions wait in the heap until their deadline; rebuilding now and
             # then keeps it in proportion to the open ones.
-            self._heap = [(s.expires_at, s.tag, s) for s in self._sessions.values()
-                          if s.ttl is not None]
+            self._heap = [
+                (s.expires_at, s.tag, s) for s in self._sessions.values() if s.ttl is not None
+            ]
             heapq.heapify(self._heap)
         elif ttl is not None:
             heapq.heappush(self._heap, (session.expires_at, session.tag, session))
@@ -266,9 +278,11 @@ class SessionRegistry:
         """
         session = self._sessions.get(session_id)
         if session is None:
-            raise NotFoundError(f"session {session_id[:8]!r}... is not open "
-                                "(closed, expired or never opened)" if session_id
-                                else "this call needs a session_id (OpenSession)")
+            raise NotFoundError(
+                f"session {session_id[:8]!r}... is not open (closed, expired or never opened)"
+                if session_id
+                else "this call needs a session_id (OpenSession)"
+            )
         session.renew(self.now())
         return session
 

@@ -12,17 +12,17 @@ from typing import Protocol
 
 # Mooncake Store's codes (mooncake-store/include/types.h) as seen on this machine type.
 ERROR_NAMES = {
-    -200: "NO_AVAILABLE_HANDLE",    # the store is full (eviction lags a burst of puts)
+    -200: "NO_AVAILABLE_HANDLE",  # the store is full (eviction lags a burst of puts)
     -600: "INVALID_PARAMS",
     -704: "OBJECT_NOT_FOUND",
     -705: "OBJECT_ALREADY_EXISTS",
     -706: "OBJECT_HAS_LEASE",
-    -800: "TRANSFER_FAIL",          # the peer that held the bytes is gone
-    -900: "RPC_FAIL",               # the master is unreachable
+    -800: "TRANSFER_FAIL",  # the peer that held the bytes is gone
+    -900: "RPC_FAIL",  # the master is unreachable
     # The disk tier's own (never Mooncake's).
-    -2001: "TIMEOUT",               # not read: the lookup's deadline came first
-    -2002: "DISK_FULL",             # the file system is full (ENOSPC, EDQUOT, EFBIG)
-    -2003: "IO_ERROR",              # any other OSError of a read or write
+    -2001: "TIMEOUT",  # not read: the lookup's deadline came first
+    -2002: "DISK_FULL",  # the file system is full (ENOSPC, EDQUOT, EFBIG)
+    -2003: "IO_ERROR",  # any other OSError of a read or write
 }
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
@@ -57,9 +57,14 @@ class TierBackend(Protocol):
         """1 (held), 0 (not held) or a negative code, per key."""
         ...
 
-    def get_into(self, keys: list[str], ptrs: Parts, sizes: Parts,
-                 deadline: float | None = None,
-                 check: Callable[[int], None] | None = None) -> list[int]:
+    def get_into(
+        self,
+        keys: list[str],
+        ptrs: Parts,
+        sizes: Parts,
+        deadline: float | None = None,
+        check: Callable[[int], None] | None = None,
+    ) -> list[int]:
         """Read each object into its parts: bytes read, or a negative code, per key.
         A store that can stops before ``deadline`` (monotonic seconds; None: none) and
         answers ``PAST_DEADLINE`` for the objects it did not read, and calls
@@ -84,5 +89,4 @@ class TierBackend(Protocol):
         """Make ``[ptr, ptr + size)`` usable as parts (raises TierUnavailable)."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...

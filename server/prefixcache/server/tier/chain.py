@@ -27,8 +27,7 @@ class Tiers:
                 mt.counts_local = name not in seen
                 seen.add(name)
         # Models some tier serves: a miss in their tree may be a hit of the service.
-        self.models = {name: [t.models[name] for t in tiers if name in t.models]
-                       for name in seen}
+        self.models = {name: [t.models[name] for t in tiers if name in t.models] for name in seen}
 
     async def before_match(self, request: Any) -> None:
         for tier in self.tiers:

@@ -83,8 +83,7 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: Deadline | None
     if want <= 0:
         mt.looked_up(local, 0, "capacity")
         return 0
-    hashes = _hashes_after(cache, hit.last_node if local else None, local, want, packed,
-                           width, ps)
+    hashes = _hashes_after(cache, hit.last_node if local else None, local, want, packed, width, ps)
     keys = mt.keys.keys(key.extra_key, width, hashes)
     # One deadline for the whole lookup, grown by what it fetches.
     if deadline is None:
@@ -97,26 +96,43 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: Deadline | None
     if found == 0:
         mt.looked_up(local, 0, "error" if failed else "miss")
         return 0
-    got, why = await _fetch(tier, mt, key, local, mt.keys.namespace(key.extra_key, width),
-                            hashes[:found], keys[:found], deadline)
+    got, why = await _fetch(
+        tier,
+        mt,
+        key,
+        local,
+        mt.keys.namespace(key.extra_key, width),
+        hashes[:found],
+        keys[:found],
+        deadline,
+    )
     mt.looked_up(local, got, why)
     return got
 
 
-def _hashes_after(cache: Any, node: Any, local: int, pages: int, packed: bytes, width: int,
-                  ps: int) -> list[str]:
+def _hashes_after(
+    cache: Any, node: Any, local: int, pages: int, packed: bytes, width: int, ps: int
+) -> list[str]:
     """The chained hashes of ``pages`` pages after the first ``local`` tokens, which
     end at ``node`` (None for none)."""
     prior = None
     if node is not None:
         prior = bytes.fromhex(cache.compute_node_hash(node)[-1])
     token_bytes = TOKEN_BYTES * width
-    tail = packed[local * token_bytes:(local + pages * ps) * token_bytes]
+    tail = packed[local * token_bytes : (local + pages * ps) * token_bytes]
     return hash_pages(tail, ps * token_bytes, prior)
 
 
-async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, ns: Namespace,
-                 hashes: list[str], keys: list[str], deadline: Deadline) -> tuple[int, str]:
+async def _fetch(
+    tier: Any,
+    mt: ModelTier,
+    key: Any,
+    local: int,
+    ns: Namespace,
+    hashes: list[str],
+    keys: list[str],
+    deadline: Deadline,
+) -> tuple[int, str]:
     """Steps 3 to 5 of the module doc for the pages ``hashes`` (``keys``) that follow
     ``local``: the tokens fetched, and the lookup's result when none were (``miss``,
     ``error``: the store's read failed on its first page, ``refused``: its seal did not
@@ -124,7 +140,7 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, ns: Namespace,
     engine, ps, session = mt.engine, mt.page_size, tier.session
     cache = engine.cache
     # 3. The tree may have grown while we asked: fetch only what it still lacks.
-    result = cache.match_prefix(key[:local + len(keys) * ps])
+    result = cache.match_prefix(key[: local + len(keys) * ps])
     now = result.prefix_len
     if now < local or (now - local) % ps:
         return 0, "miss"  # the local hit shrank (evicted): leave it to the next lookup
@@ -142,12 +158,15 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, ns: Namespace,
     slots = read.slots
     # 5. Insert the run read whole after the (locked, so unchanged) local hit.
     end = now + whole * ps
-    head = host_indices(cache.match_prefix(key[:now]).indices)[:now] if now else \
-        np.zeros(0, dtype=np.int64)
+    head = (
+        host_indices(cache.match_prefix(key[:now]).indices)[:now]
+        if now
+        else np.zeros(0, dtype=np.int64)
+    )
     inserted = 0
     mt.suppressed = True
     try:
-        out = engine.insert(key[:end], np.concatenate([head, slots[:whole * ps]]), session)
+        out = engine.insert(key[:end], np.concatenate([head, slots[: whole * ps]]), session)
         inserted = whole * ps
         got = end - max(out.prefix_len, now)
     except Exception:
@@ -158,4 +177,3 @@ async def _fetch(tier: Any, mt: ModelTier, key: Any, local: int, ns: Namespace,
         mt.suppressed = False
     safely(read.release, inserted)
     return got, "miss"
-

@@ -37,11 +37,12 @@ SLICE = 4096
 
 
 def _hash(data: bytes, i: int) -> str:
-    return data[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES].hex()
+    return data[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES].hex()
 
 
-async def prefetch_pages(tier: Any, mt: ModelTier, namespace: tuple[str | None, int],
-                         data: bytes) -> int:
+async def prefetch_pages(
+    tier: Any, mt: ModelTier, namespace: tuple[str | None, int], data: bytes
+) -> int:
     """Bring the pages after the local leading run of the packed page hashes ``data``
     in from the store as hash pages; returns the pages brought in (0 on any miss)."""
     engine, ps = mt.engine, mt.page_size
@@ -76,16 +77,23 @@ async def prefetch_pages(tier: Any, mt: ModelTier, namespace: tuple[str | None, 
     got, why = 0, "error" if failed else "miss"
     if found:
         prior = _hash(data, local - 1) if local else None
-        got, why = await _fetch_pages(tier, mt, pages, namespace, prior, wanted[:found],
-                                      keys[:found], deadline)
+        got, why = await _fetch_pages(
+            tier, mt, pages, namespace, prior, wanted[:found], keys[:found], deadline
+        )
     mt.looked_up(local * ps, got * ps, why)
     return got
 
 
-async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
-                       namespace: tuple[str | None, int], prior: str | None,
-                       hashes: list[str], keys: list[str], deadline: Deadline
-                       ) -> tuple[int, str]:
+async def _fetch_pages(
+    tier: Any,
+    mt: ModelTier,
+    pages: HashPages,
+    namespace: tuple[str | None, int],
+    prior: str | None,
+    hashes: list[str],
+    keys: list[str],
+    deadline: Deadline,
+) -> tuple[int, str]:
     """The pages brought in, and the lookup's result when none were (fetch.py's)."""
     read = StoreRead(tier, mt)
     why = read.take(len(keys))
@@ -100,8 +108,7 @@ async def _fetch_pages(tier: Any, mt: ModelTier, pages: HashPages,
     mt.suppressed = True
     try:
         # Stored pages take their slots, pages held meanwhile free theirs (set's rules).
-        store_now(pages, namespace, prior, hashes[:whole], read.slots[:whole * ps],
-                  read.session)
+        store_now(pages, namespace, prior, hashes[:whole], read.slots[: whole * ps], read.session)
         kept = whole * ps
     except Exception:
         log.exception("tier fetch of hash pages failed to store them")

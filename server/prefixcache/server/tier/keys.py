@@ -51,14 +51,23 @@ PAGES_PURPOSE = "tier-pages"
 def model_fingerprint(model: ModelConfig) -> str:
     """What of a model's config decides a page's bytes, as a canonical string."""
     pool = model.pool
-    return json.dumps({
-        "name": model.name, "kind": model.kind, "page_size": model.page_size,
-        "vocab_size": model.vocab_size, "tokenizer": model.tokenizer,
-        "dtype": pool.dtype, "layers": pool.layers, "k_heads": pool.k_heads,
-        "k_head_dim": pool.k_head_dim, "mla": pool.mla,
-        "v_heads": 0 if pool.mla else (pool.v_heads or pool.k_heads),
-        "v_head_dim": 0 if pool.mla else (pool.v_head_dim or pool.k_head_dim),
-    }, sort_keys=True)
+    return json.dumps(
+        {
+            "name": model.name,
+            "kind": model.kind,
+            "page_size": model.page_size,
+            "vocab_size": model.vocab_size,
+            "tokenizer": model.tokenizer,
+            "dtype": pool.dtype,
+            "layers": pool.layers,
+            "k_heads": pool.k_heads,
+            "k_head_dim": pool.k_head_dim,
+            "mla": pool.mla,
+            "v_heads": 0 if pool.mla else (pool.v_heads or pool.k_heads),
+            "v_head_dim": 0 if pool.mla else (pool.v_head_dim or pool.k_head_dim),
+        },
+        sort_keys=True,
+    )
 
 
 def namespace_tenant(tenants: Iterable[TenantConfig], extra_key: str | None) -> str | None:
@@ -66,8 +75,9 @@ def namespace_tenant(tenants: Iterable[TenantConfig], extra_key: str | None) -> 
     ``Caller.may_use``), as the tier names them: their names, sorted, as a JSON list;
     None where no tenant may (no tenants configured, or a namespace only the server and
     admin tokens name)."""
-    names = sorted(t.name for t in tenants
-                   if Caller(tenant=t.name, namespaces=t.namespaces).may_use(extra_key))
+    names = sorted(
+        t.name for t in tenants if Caller(tenant=t.name, namespaces=t.namespaces).may_use(extra_key)
+    )
     return json.dumps(names) if names else None
 
 
@@ -85,8 +95,10 @@ class Namespace:
     def key(self, page_hash: str) -> str:
         if self.page_key is None:
             return self.prefix + page_hash
-        return self.prefix + hashlib.blake2b(page_hash.encode(), key=self.page_key,
-                                             digest_size=16).hexdigest()
+        return (
+            self.prefix
+            + hashlib.blake2b(page_hash.encode(), key=self.page_key, digest_size=16).hexdigest()
+        )
 
     def ident(self, page_hash: str) -> bytes:
         """The identity a page's seal binds: ``identity(..., page_hash)``, built once
@@ -103,8 +115,12 @@ class KeyMaker:
         secret: The cluster secret (``tier.secret_file``), or None.
     """
 
-    def __init__(self, model: ModelConfig, tenants: tuple[TenantConfig, ...] = (),
-                 secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        tenants: tuple[TenantConfig, ...] = (),
+        secret: bytes | None = None,
+    ) -> None:
         self._model = model_fingerprint(model)
         self._tenants = tenants
         self._secret = secret
@@ -116,8 +132,7 @@ class KeyMaker:
     def _seal(self, tenant: str | None) -> PageSeal:
         seal = self._seals.get(tenant)
         if seal is None:
-            key = None if self._secret is None else derive_key(self._secret, PAGES_PURPOSE,
-                                                               tenant)
+            key = None if self._secret is None else derive_key(self._secret, PAGES_PURPOSE, tenant)
             seal = self._seals[tenant] = PageSeal(key)
         return seal
 
@@ -154,12 +169,12 @@ def page_names(node: Any) -> tuple[str | None, int, list[str]]:
         return ns.extra_key, ns.token_width, list(node.hash_values or ())
     extra_key, width = token_namespace(ns.extra_key)
     data, step = node.key_bytes, ns.page_bytes
-    return extra_key, width, [data[i:i + DIGEST_BYTES].hex() for i in range(0, len(data), step)]
+    return extra_key, width, [data[i : i + DIGEST_BYTES].hex() for i in range(0, len(data), step)]
 
 
 def token_namespace(hidden: str) -> tuple[str | None, int]:
     """The token namespace ``(extra_key, width)`` whose hash pages live in ``hidden``
     (the inverse of ``page_index.hash_namespace``)."""
-    rest = hidden[len(HASH_NAMESPACE_PREFIX) + 2:]  # past "/w"
+    rest = hidden[len(HASH_NAMESPACE_PREFIX) + 2 :]  # past "/w"
     width, sep, extra_key = rest.partition("=")
     return (extra_key if sep else None), int(width)

@@ -32,8 +32,10 @@ class PageLayout:
 
     def regions(self) -> list[tuple[int, int]]:
         """``(pointer, bytes)`` of every buffer, to register with the store."""
-        return [(base, int(b.numel() * b.element_size()))
-                for base, b in zip(self.bases, self.buffers, strict=True)]
+        return [
+            (base, int(b.numel() * b.element_size()))
+            for base, b in zip(self.bases, self.buffers, strict=True)
+        ]
 
     def parts(self, slots: np.ndarray) -> tuple[Parts, Parts]:
         """The parts (pointers, sizes) of each page of ``slots`` (whole pages).

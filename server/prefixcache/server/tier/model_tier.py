@@ -60,8 +60,16 @@ log = logging.getLogger("prefixcache.server")
 MAX_JOB_PAGES = 256
 # Why a page was not written (prefixcache_*_dropped_pages_total{reason}, exported from
 # 0); a write a bug refused is counted under its exception's name too.
-DROP_REASONS = ("queue_full", "staging_full", "seal_slots", "pin_limit", "reset",
-                "unavailable", "breaker_open", "disk_full")
+DROP_REASONS = (
+    "queue_full",
+    "staging_full",
+    "seal_slots",
+    "pin_limit",
+    "reset",
+    "unavailable",
+    "breaker_open",
+    "disk_full",
+)
 # Bytes of one write-back job (at least a page): staged and queued in turn, so that the
 # write of one overlaps the copy of the next.
 WRITE_JOB_BYTES = 4 << 20
@@ -93,8 +101,15 @@ class _Listener:
 class ModelTier:
     """The tier's hooks into one radix model (``engine``) and its counters."""
 
-    def __init__(self, tier: Any, engine: Any, secret: bytes | None = None, *,
-                 backend: Any = None, staging_stride: int | None = None) -> None:
+    def __init__(
+        self,
+        tier: Any,
+        engine: Any,
+        secret: bytes | None = None,
+        *,
+        backend: Any = None,
+        staging_stride: int | None = None,
+    ) -> None:
         self.tier = tier
         self.engine = engine
         # The store this model's pages go to (Mooncake's client, set once connected; a
@@ -131,11 +146,16 @@ class ModelTier:
             self.staging = Staging.for_pool(self.layout, engine.pool_size, staging_stride)
             self._forward_free = cache.before_free
             cache.before_free = self._before_free
-        self.write_job_pages = max(1, min(MAX_JOB_PAGES,
-                                          WRITE_JOB_BYTES // max(self.layout.page_bytes, 1)))
-        self.seal_slots = SealSlots(seal_slot_count(
-            engine.pool_size // self.page_size, self.max_fetch_slots // self.page_size,
-            self.staging.pages if self.staging is not None else 0))
+        self.write_job_pages = max(
+            1, min(MAX_JOB_PAGES, WRITE_JOB_BYTES // max(self.layout.page_bytes, 1))
+        )
+        self.seal_slots = SealSlots(
+            seal_slot_count(
+                engine.pool_size // self.page_size,
+                self.max_fetch_slots // self.page_size,
+                self.staging.pages if self.staging is not None else 0,
+            )
+        )
         # Views of the memory objects are made of, for sealing and checking in place.
         self.memory = MemoryRegions(self.regions())
         # Counters (read by metrics.py at scrape time).
@@ -176,8 +196,16 @@ class ModelTier:
         staged = self.staging.regions() if self.staging is not None else []
         return [*self.layout.regions(), *staged, self.seal_slots.region()]
 
-    def sealed_job(self, keys: list[str], ptrs: Parts, sizes: Parts, ns: Any,
-                   hashes: list[str], seals: np.ndarray, generation: int | None) -> PutJob:
+    def sealed_job(
+        self,
+        keys: list[str],
+        ptrs: Parts,
+        sizes: Parts,
+        ns: Any,
+        hashes: list[str],
+        seals: np.ndarray,
+        generation: int | None,
+    ) -> PutJob:
         """A put job of pages ``hashes`` (of namespace ``ns``) with their seal slots
         ``seals``: each object the page's parts, then its seal, computed on the put
         thread; ``done`` is set by the caller (and must release ``seals``). With a
@@ -264,11 +292,14 @@ class ModelTier:
         generation = self.generation
         jobs = []
         for at in range(0, len(keys), MAX_JOB_PAGES):
-            part = slots[at * self.page_size:(at + MAX_JOB_PAGES) * self.page_size]
+            part = slots[at * self.page_size : (at + MAX_JOB_PAGES) * self.page_size]
             ptrs, sizes = self.layout.parts(np.ascontiguousarray(part))
             end = at + MAX_JOB_PAGES
-            jobs.append(self.sealed_job(keys[at:end], ptrs, sizes, ns, hashes[at:end],
-                                        seals[at:end], generation))
+            jobs.append(
+                self.sealed_job(
+                    keys[at:end], ptrs, sizes, ns, hashes[at:end], seals[at:end], generation
+                )
+            )
         left = [len(jobs)]
 
         def done(job: PutJob, mine: np.ndarray, codes: list[int]) -> None:
@@ -279,11 +310,11 @@ class ModelTier:
                 self._unlock(lock_id, generation, tokens)
 
         for i, job in enumerate(jobs):
-            mine = seals[i * MAX_JOB_PAGES:(i + 1) * MAX_JOB_PAGES]
+            mine = seals[i * MAX_JOB_PAGES : (i + 1) * MAX_JOB_PAGES]
             job.done = lambda codes, job=job, mine=mine: done(job, mine, codes)
             if tier.puts is None or not tier.puts.offer(job):
                 self.count(self.drops, "queue_full", sum(len(j.keys) for j in jobs[i:]))
-                self.seal_slots.release(seals[i * MAX_JOB_PAGES:])
+                self.seal_slots.release(seals[i * MAX_JOB_PAGES :])
                 left[0] -= len(jobs) - i  # those never queued; the others answer later
                 if left[0] == 0:
                     self._unlock(lock_id, generation, tokens)
@@ -312,7 +343,7 @@ class ModelTier:
             return
         extra_key, width, hashes = page_names(node)
         keys = self.keys.keys(extra_key, width, hashes[:pages])
-        rows = host_indices(slots)[:pages * ps]
+        rows = host_indices(slots)[: pages * ps]
         held = tier.held(self, keys)
         if held is not None:  # the store has some already: stage the others only
             wanted = [i for i, h in enumerate(held) if not h]
@@ -343,7 +374,7 @@ class ModelTier:
         # one while this copies the next.
         for at in range(0, pages, step):
             end = min(at + step, pages)
-            mine = staging.copy(rows[at * ps:end * ps])
+            mine = staging.copy(rows[at * ps : end * ps])
             if mine is None:  # cannot be (room checked), but never raise in an eviction
                 seal_slots.release(seals[at:])
                 self.count(self.drops, "staging_full", pages - at)
@@ -351,11 +382,14 @@ class ModelTier:
             my_seals = seals[at:end]
             ptrs, sizes = staging.parts(mine)
             # Staged bytes are private: no Reset changes them.
-            job = self.sealed_job(keys[at:end], ptrs, sizes, ns, hashes[at:end], my_seals,
-                                  None)
+            job = self.sealed_job(keys[at:end], ptrs, sizes, ns, hashes[at:end], my_seals, None)
 
-            def done(codes: list[int], job: PutJob = job, mine: list[int] = mine,
-                     my_seals: np.ndarray = my_seals) -> None:
+            def done(
+                codes: list[int],
+                job: PutJob = job,
+                mine: list[int] = mine,
+                my_seals: np.ndarray = my_seals,
+            ) -> None:
                 staging.release(mine)
                 seal_slots.release(my_seals)
                 # Staged bytes are the page's whatever a Reset did since: no generation.

@@ -70,17 +70,21 @@ class PartBudget:
                 self._cv.notify_all()
 
 
-def chunked(call: Callable[[list[str], Parts, Parts], Any], budget: PartBudget,
-            keys: list[str], ptrs: Parts, sizes: Parts,
-            stop_on: Callable[[int], bool]) -> list[int]:
+def chunked(
+    call: Callable[[list[str], Parts, Parts], Any],
+    budget: PartBudget,
+    keys: list[str],
+    ptrs: Parts,
+    sizes: Parts,
+    stop_on: Callable[[int], bool],
+) -> list[int]:
     """``call`` over ``keys`` in chunks of MAX_CALL_PARTS parts, each within ``budget``;
     one code per key. After a chunk with a code that ``stop_on`` names, the keys after
     it are not tried and answer that code (a dead master would hold each chunk's call
     for seconds; a read's leading run ends there anyway)."""
     codes: list[int] = []
     for start, end, parts in part_chunks(ptrs):
-        got = list(budget.run(parts, lambda s=start, e=end: call(
-            keys[s:e], ptrs[s:e], sizes[s:e])))
+        got = list(budget.run(parts, lambda s=start, e=end: call(keys[s:e], ptrs[s:e], sizes[s:e])))
         codes += got
         stop = next((c for c in got if stop_on(c)), None)
         if stop is not None:
@@ -121,16 +125,27 @@ class MooncakeBackend:
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as exc:  # the extra, or libibverbs1, is missing
-            raise TierUnavailable(f"the Mooncake Store client cannot be imported ({exc}); "
-                                  "install the tier extra (pip install "
-                                  "'prefixcache[tier]') and libibverbs1") from exc
+            raise TierUnavailable(
+                f"the Mooncake Store client cannot be imported ({exc}); "
+                "install the tier extra (pip install "
+                "'prefixcache[tier]') and libibverbs1"
+            ) from exc
         self.hostname = resolve_hostname(cfg)
         self._store: Any = MooncakeDistributedStore()
-        rc = self._store.setup(self.hostname, cfg.metadata, cfg.segment_bytes,
-                               _LOCAL_BUFFER_BYTES, cfg.protocol, "", cfg.master)
+        rc = self._store.setup(
+            self.hostname,
+            cfg.metadata,
+            cfg.segment_bytes,
+            _LOCAL_BUFFER_BYTES,
+            cfg.protocol,
+            "",
+            cfg.master,
+        )
         if rc != 0:
-            raise TierUnavailable(f"Mooncake setup against master {cfg.master} failed "
-                                  f"({rc}): is mooncake_master running there?")
+            raise TierUnavailable(
+                f"Mooncake setup against master {cfg.master} failed "
+                f"({rc}): is mooncake_master running there?"
+            )
         # Pages are written into this sidecar's own segment: a put is a local copy and
         # never crosses the network; readers on other nodes pull them from here.
         self._config = ReplicateConfig()
@@ -141,19 +156,30 @@ class MooncakeBackend:
     def exists(self, keys: list[str]) -> list[int]:
         return list(self._store.batch_is_exist(keys))
 
-    def get_into(self, keys: list[str], ptrs: Parts, sizes: Parts,
-                 deadline: float | None = None, check: Any = None) -> list[int]:
+    def get_into(
+        self,
+        keys: list[str],
+        ptrs: Parts,
+        sizes: Parts,
+        deadline: float | None = None,
+        check: Any = None,
+    ) -> list[int]:
         # The deadline is the caller's (a transfer in flight cannot be cut short), and
         # so are the checks, after the call.
-        return chunked(self._store.batch_get_into_multi_buffers, self._budget, keys, ptrs,
-                       sizes, stop_on=lambda code: code < 0)
+        return chunked(
+            self._store.batch_get_into_multi_buffers,
+            self._budget,
+            keys,
+            ptrs,
+            sizes,
+            stop_on=lambda code: code < 0,
+        )
 
     def put_from(self, keys: list[str], ptrs: Parts, sizes: Parts) -> list[int]:
         def put(k: list[str], p: Parts, z: Parts) -> Any:
             return self._store.batch_put_from_multi_buffers(k, p, z, self._config)
 
-        return chunked(put, self._budget, keys, ptrs, sizes,
-                       stop_on=lambda code: code == RPC_FAIL)
+        return chunked(put, self._budget, keys, ptrs, sizes, stop_on=lambda code: code == RPC_FAIL)
 
     def remove(self, keys: list[str]) -> list[int]:
         return list(self._store.batch_remove(keys, True))  # force: past read leases
@@ -164,8 +190,7 @@ class MooncakeBackend:
     def register(self, ptr: int, size: int) -> None:
         rc = self._store.register_buffer(ptr, size)
         if rc != 0:
-            raise TierUnavailable(f"Mooncake could not register {size} bytes of the pool "
-                                  f"({rc})")
+            raise TierUnavailable(f"Mooncake could not register {size} bytes of the pool ({rc})")
 
     def close(self) -> None:
         self._store.close()

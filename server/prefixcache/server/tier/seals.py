@@ -73,11 +73,11 @@ class SealSlots:
         if n > self._top:
             return None
         self._top -= n
-        return self._free[self._top:self._top + n][::-1].copy()
+        return self._free[self._top : self._top + n][::-1].copy()
 
     def release(self, taken: np.ndarray) -> None:
         n = len(taken)
-        self._free[self._top:self._top + n] = taken
+        self._free[self._top : self._top + n] = taken
         self._top += n
 
     def ptrs(self, taken: np.ndarray) -> list[int]:
@@ -90,17 +90,30 @@ class SealSlots:
         return self._buf[slot].tobytes()
 
 
-def seal_pages(seal: PageSeal, idents: Sequence[bytes], ptrs: Parts, sizes: Parts,
-               regions: MemoryRegions, slots: SealSlots, taken: np.ndarray) -> None:
+def seal_pages(
+    seal: PageSeal,
+    idents: Sequence[bytes],
+    ptrs: Parts,
+    sizes: Parts,
+    regions: MemoryRegions,
+    slots: SealSlots,
+    taken: np.ndarray,
+) -> None:
     """Seal each page ``i`` (its parts ``ptrs[i][:-1]``: the last is its seal slot) under
     ``idents[i]`` into seal slot ``taken[i]``. On a store thread."""
     for ident, p, z, slot in zip(idents, ptrs, sizes, taken, strict=True):
         slots.write(slot, seal.seal(ident, regions.views(p[:-1], z[:-1])))
 
 
-def checked_get(backend: TierBackend, keys: list[str], ptrs: Parts, sizes: Parts,
-                check: Callable[[int], str | None], object_bytes: int,
-                deadline: float | None = None) -> list[int]:
+def checked_get(
+    backend: TierBackend,
+    keys: list[str],
+    ptrs: Parts,
+    sizes: Parts,
+    check: Callable[[int], str | None],
+    object_bytes: int,
+    deadline: float | None = None,
+) -> list[int]:
     """``get_into``, then each page's seal checked (``check(i)``: None, or why page
     ``i`` is refused): the store's codes, each refused page's replaced by its
     ``INTEGRITY_CODES`` code. Every page read is checked, past a refused one too, so
@@ -140,14 +153,23 @@ def checked_get(backend: TierBackend, keys: list[str], ptrs: Parts, sizes: Parts
     return codes
 
 
-def page_checker(seal: PageSeal, idents: Sequence[bytes], ptrs: Parts, sizes: Parts,
-                 regions: MemoryRegions, slots: SealSlots, taken: np.ndarray
-                 ) -> Callable[[int], str | None]:
+def page_checker(
+    seal: PageSeal,
+    idents: Sequence[bytes],
+    ptrs: Parts,
+    sizes: Parts,
+    regions: MemoryRegions,
+    slots: SealSlots,
+    taken: np.ndarray,
+) -> Callable[[int], str | None]:
     """``check`` for ``checked_get``: page ``i``'s parts (the last its seal slot) against
     its identity."""
+
     def check(i: int) -> str | None:
-        return seal.verdict(idents[i], regions.views(ptrs[i][:-1], sizes[i][:-1]),
-                            slots.read(taken[i]))
+        return seal.verdict(
+            idents[i], regions.views(ptrs[i][:-1], sizes[i][:-1]), slots.read(taken[i])
+        )
+
     return check
 
 

@@ -89,6 +89,7 @@ def _guarded(step: Callable[..., Any]) -> Callable[..., Any]:
     """A lookup's tier step never fails the call: anything unexpected is logged and
     counted (``prefixcache_tier_errors_total{code="INTERNAL"}``), and the lookup is
     answered from the local pool."""
+
     @functools.wraps(step)
     async def run(self: Tier, request: Any) -> None:
         try:
@@ -96,6 +97,7 @@ def _guarded(step: Callable[..., Any]) -> Callable[..., Any]:
         except Exception:
             log.exception("tier lookup step failed")
             self.error("lookup", "INTERNAL")
+
     return run
 
 
@@ -110,13 +112,13 @@ class Tier:
         kind: Which tier (``MOONCAKE``, ``DISK``).
     """
 
-    def __init__(self, cfg: Any, service: Any, loop: asyncio.AbstractEventLoop,
-                 kind: TierKind = MOONCAKE) -> None:
+    def __init__(
+        self, cfg: Any, service: Any, loop: asyncio.AbstractEventLoop, kind: TierKind = MOONCAKE
+    ) -> None:
         self.cfg = cfg
         self.kind = kind
         self.loop = loop
-        self._pool = ThreadPoolExecutor(MAX_INFLIGHT,
-                                        thread_name_prefix=f"prefixcache-{kind.name}")
+        self._pool = ThreadPoolExecutor(MAX_INFLIGHT, thread_name_prefix=f"prefixcache-{kind.name}")
         self.inflight = 0
         self.cooldown = max(1.0, 4 * cfg.timeout)
         self._open_until = 0.0
@@ -138,9 +140,14 @@ class Tier:
         if not (getattr(engine.config, self.kind.flag) and engine.kind == "radix"):
             return False
         if engine.config.pool.device != "cpu":
-            log.warning("a tier serves CPU pools only: this model stays out of it", extra={
-                "tier": self.kind.name, "model": engine.name,
-                "device": engine.config.pool.device})
+            log.warning(
+                "a tier serves CPU pools only: this model stays out of it",
+                extra={
+                    "tier": self.kind.name,
+                    "model": engine.name,
+                    "device": engine.config.pool.device,
+                },
+            )
             return False
         return True
 
@@ -160,10 +167,13 @@ class Tier:
             return
         engine = mt.engine
         try:
-            key = decode_key(request.token_ids, request.token_width,
-                             request.extra_key if request.HasField("extra_key") else None,
-                             engine.config.vocab_size,
-                             request_tokens(self.service.limits, engine.config))
+            key = decode_key(
+                request.token_ids,
+                request.token_width,
+                request.extra_key if request.HasField("extra_key") else None,
+                engine.config.vocab_size,
+                request_tokens(self.service.limits, engine.config),
+            )
         except Exception:
             return
         await prefetch(self, mt, key)
@@ -198,9 +208,13 @@ class Tier:
             if time.monotonic() >= deadline.at or self.closed:
                 return
             try:
-                key = decode_key(item.token_ids, item.token_width,
-                                 item.extra_key if item.HasField("extra_key") else None,
-                                 engine.config.vocab_size, cap)
+                key = decode_key(
+                    item.token_ids,
+                    item.token_width,
+                    item.extra_key if item.HasField("extra_key") else None,
+                    engine.config.vocab_size,
+                    cap,
+                )
             except Exception:
                 continue  # the Step refuses it
             await prefetch(self, mt, key, deadline)
@@ -211,21 +225,28 @@ class Tier:
         local leading run, from the store, as hash pages (fetch_pages.py). Not for the
         check before a SetPages (``before_set``): the caller is about to store them."""
         mt = self.models.get(request.model)
-        if mt is None or self.closed or request.before_set \
-                or getattr(mt.engine, "page_index", None) is None:
+        if (
+            mt is None
+            or self.closed
+            or request.before_set
+            or getattr(mt.engine, "page_index", None) is None
+        ):
             return
         data = bytes(request.page_hashes)
         width = request.token_width or 1
-        if not data or len(data) % DIGEST_BYTES or width > MAX_TOKEN_WIDTH \
-                or len(data) // DIGEST_BYTES > max_pages(self.service.limits, mt.engine):
+        if (
+            not data
+            or len(data) % DIGEST_BYTES
+            or width > MAX_TOKEN_WIDTH
+            or len(data) // DIGEST_BYTES > max_pages(self.service.limits, mt.engine)
+        ):
             return  # the handler refuses it
         extra_key = request.extra_key if request.HasField("extra_key") else None
         await prefetch_pages(self, mt, (extra_key, width), data)
 
     # ------------------------------------------------------------ store calls
 
-    async def probe(self, mt: ModelTier, keys: list[str], deadline: Deadline
-                    ) -> list[int] | None:
+    async def probe(self, mt: ModelTier, keys: list[str], deadline: Deadline) -> list[int] | None:
         """Which of ``keys`` the store holds (``exists``'s codes), or None (counted)."""
         codes, _ = await self.call("exists", mt.backend.exists, keys, deadline=deadline.at)
         return codes
@@ -251,9 +272,9 @@ class Tier:
             return "busy"
         return None
 
-    async def call(self, op: str, fn: Callable[..., list[int]], *args: Any,
-                   deadline: float | None = None
-                   ) -> tuple[list[int] | None, asyncio.Future[Any] | None]:
+    async def call(
+        self, op: str, fn: Callable[..., list[int]], *args: Any, deadline: float | None = None
+    ) -> tuple[list[int] | None, asyncio.Future[Any] | None]:
         """Run a store call on the pool until ``deadline`` (monotonic seconds; default
         ``tier.timeout`` from now).
 
@@ -326,8 +347,13 @@ class MooncakeTier(Tier):
         open_backend: Makes the store client (blocking; raises TierUnavailable).
     """
 
-    def __init__(self, cfg: TierConfig, service: Any, loop: asyncio.AbstractEventLoop,
-                 open_backend: Callable[[TierConfig], TierBackend] = _open_backend) -> None:
+    def __init__(
+        self,
+        cfg: TierConfig,
+        service: Any,
+        loop: asyncio.AbstractEventLoop,
+        open_backend: Callable[[TierConfig], TierBackend] = _open_backend,
+    ) -> None:
         # The secret is read before the tier's session opens (a bad file opens none).
         secret = read_tier_secret(cfg.secret_file) if cfg.secret_file else None
         super().__init__(cfg, service, loop, MOONCAKE)
@@ -338,15 +364,18 @@ class MooncakeTier(Tier):
             if self.serves(engine):
                 self.models[name] = ModelTier(self, engine, secret)
         self._stop = threading.Event()
-        self._connector = threading.Thread(target=self._connect, name="prefixcache-tier-setup",
-                                           daemon=True)
+        self._connector = threading.Thread(
+            target=self._connect, name="prefixcache-tier-setup", daemon=True
+        )
 
     def start(self) -> None:
         if not self.keyed:
-            log.warning("tier pages are sealed with a digest only: it catches corruption, "
-                        "but the tier trusts every client of the master to write the "
-                        "pages it serves; set tier.secret_file (docs/security.md)",
-                        extra={"master": self.cfg.master})
+            log.warning(
+                "tier pages are sealed with a digest only: it catches corruption, "
+                "but the tier trusts every client of the master to write the "
+                "pages it serves; set tier.secret_file (docs/security.md)",
+                extra={"master": self.cfg.master},
+            )
         self._connector.start()
 
     def _connect(self) -> None:
@@ -359,8 +388,10 @@ class MooncakeTier(Tier):
             # answers.
             if not _reachable(self.cfg.master):
                 if not warned:
-                    log.warning("tier master unreachable, retrying", extra={
-                        "master": self.cfg.master, "retry_seconds": RECONNECT_SECONDS})
+                    log.warning(
+                        "tier master unreachable, retrying",
+                        extra={"master": self.cfg.master, "retry_seconds": RECONNECT_SECONDS},
+                    )
                     warned = True
                 self._stop.wait(RECONNECT_SECONDS)
                 continue
@@ -370,9 +401,10 @@ class MooncakeTier(Tier):
                     for ptr, size in mt.regions():
                         backend.register(ptr, size)
             except TierUnavailable as exc:
-                log.warning("tier unavailable, retrying", extra={"reason": str(exc),
-                                                                 "retry_seconds":
-                                                                 RECONNECT_SECONDS})
+                log.warning(
+                    "tier unavailable, retrying",
+                    extra={"reason": str(exc), "retry_seconds": RECONNECT_SECONDS},
+                )
                 self._stop.wait(RECONNECT_SECONDS)
                 continue
             except Exception:
@@ -394,8 +426,9 @@ class MooncakeTier(Tier):
             mt.backend = backend
         self.backend = backend
         self.connected = True
-        log.info("tier connected", extra={"master": self.cfg.master,
-                                          "models": ",".join(self.models)})
+        log.info(
+            "tier connected", extra={"master": self.cfg.master, "models": ",".join(self.models)}
+        )
 
     def close(self) -> None:
         self._stop.set()
@@ -437,8 +470,10 @@ def start_tier(cfg: TierConfig | None, service: Any) -> MooncakeTier | None:
     tier = MooncakeTier(cfg, service, asyncio.get_running_loop())
     if not tier.models:
         tier.close()
-        log.warning("server.tier is on but no model uses it (radix models only; "
-                    "models[].tier: false opts out)")
+        log.warning(
+            "server.tier is on but no model uses it (radix models only; "
+            "models[].tier: false opts out)"
+        )
         return None
     tier.start()
     return tier

@@ -40,8 +40,9 @@ class Staging:
     def __init__(self, layout: PageLayout, pages: int, stride: int | None = None) -> None:
         stride = layout.page_bytes if stride is None else stride
         if stride < layout.page_bytes:
-            raise ValueError(f"a staging stride of {stride} bytes is less than a page "
-                             f"({layout.page_bytes})")
+            raise ValueError(
+                f"a staging stride of {stride} bytes is less than a page ({layout.page_bytes})"
+            )
         self.layout = layout
         self.pages = pages
         self.stride = stride
@@ -50,16 +51,16 @@ class Staging:
         # take is a memcpy per row (torch's index_copy_ of bytes is 15x slower).
         self._src = [b.view(b.shape[0], -1).view(torch.uint8).numpy() for b in layout.buffers]
         self._map = mmap.mmap(-1, max(pages * stride, 1))
-        self._pages = np.frombuffer(self._map, dtype=np.uint8)[:pages * stride].reshape(
-            pages, stride)
+        self._pages = np.frombuffer(self._map, dtype=np.uint8)[: pages * stride].reshape(
+            pages, stride
+        )
         self.base = int(self._pages.ctypes.data) if pages else 0
         self.part_bytes = [ps * rb for rb in layout.row_bytes]
         self.offsets = np.cumsum([0, *self.part_bytes[:-1]]).tolist()
         self._free = list(range(pages - 1, -1, -1))
 
     @classmethod
-    def for_pool(cls, layout: PageLayout, pool_tokens: int, stride: int | None = None
-                 ) -> Staging:
+    def for_pool(cls, layout: PageLayout, pool_tokens: int, stride: int | None = None) -> Staging:
         stride = layout.page_bytes if stride is None else stride
         pages = min(pool_tokens // 4 // layout.page_size, MAX_STAGING_BYTES // max(stride, 1))
         return cls(layout, max(pages, 1), stride)
@@ -92,20 +93,21 @@ class Staging:
         # A page continues the run before it when both it and that page are whole,
         # its first slot follows that page's last, and its staging page follows too.
         joined = np.zeros(n, dtype=bool)
-        joined[1:] = whole[1:] & whole[:-1] & (firsts[1:] == firsts[:-1] + ps) & \
-            (dest[1:] == dest[:-1] + 1)
+        joined[1:] = (
+            whole[1:] & whole[:-1] & (firsts[1:] == firsts[:-1] + ps) & (dest[1:] == dest[:-1] + 1)
+        )
         starts = [*np.flatnonzero(~joined).tolist(), n]
         for a, b in itertools.pairwise(starts):
             if not whole[a]:  # a page alone, its slots scattered
-                for src, off, part in zip(self._src, self.offsets, self.part_bytes,
-                                          strict=True):
-                    self._pages[taken[a], off:off + part] = np.take(src, pages[a],
-                                                                    axis=0).reshape(-1)
+                for src, off, part in zip(self._src, self.offsets, self.part_bytes, strict=True):
+                    self._pages[taken[a], off : off + part] = np.take(
+                        src, pages[a], axis=0
+                    ).reshape(-1)
                 continue
             first, m = int(firsts[a]), b - a
-            dst = self._pages[taken[a]:taken[a] + m]
+            dst = self._pages[taken[a] : taken[a] + m]
             for src, off, part in zip(self._src, self.offsets, self.part_bytes, strict=True):
-                dst[:, off:off + part] = src[first:first + m * ps].reshape(m, part)
+                dst[:, off : off + part] = src[first : first + m * ps].reshape(m, part)
         return taken
 
     def parts(self, taken: list[int]) -> tuple[Parts, Parts]:

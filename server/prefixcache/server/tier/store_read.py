@@ -161,8 +161,9 @@ class StoreRead:
         safely(self.engine.unquarantine, self.slots)
         self._land()
 
-    async def read(self, ns: Namespace, hashes: list[str], keys: list[str],
-                   deadline: Deadline) -> int:
+    async def read(
+        self, ns: Namespace, hashes: list[str], keys: list[str], deadline: Deadline
+    ) -> int:
         """Read ``keys`` (the pages ``hashes`` of namespace ``ns``) into the slots, a
         page each, and check their seals; returns how many pages from the first were
         read whole and checked, their slots (all of them) the session's again. On 0 (a
@@ -176,11 +177,11 @@ class StoreRead:
         if backend is not None:  # else closed while we asked
             ptrs, sizes = sealed(*mt.layout.parts(slots), mt.seal_slots.ptrs(self.seals))
             idents = [ns.ident(h) for h in hashes]
-            check = page_checker(ns.seal, idents, ptrs, sizes, mt.memory,
-                                 mt.seal_slots, self.seals)
+            check = page_checker(ns.seal, idents, ptrs, sizes, mt.memory, mt.seal_slots, self.seals)
             until = deadline.grow(len(keys) * mt.object_bytes)
-            fetch = functools.partial(checked_get, backend, keys, ptrs, sizes, check,
-                                      mt.object_bytes, until)
+            fetch = functools.partial(
+                checked_get, backend, keys, ptrs, sizes, check, mt.object_bytes, until
+            )
             codes, fut = await tier.call("get", fetch, deadline=until)
         if codes is None:
             self.failed = True
@@ -203,8 +204,7 @@ class StoreRead:
             reason = INTEGRITY_CODES.get(codes[i])
             if reason is not None:
                 mt.refused += 1
-                tier.service.integrity.count(tier.kind.source, reason, model=mt.name,
-                                             key=keys[i])
+                tier.service.integrity.count(tier.kind.source, reason, model=mt.name, key=keys[i])
         if whole < len(codes):
             code = codes[whole]
             if code in INTEGRITY_CODES:

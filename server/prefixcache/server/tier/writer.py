@@ -54,9 +54,13 @@ class PutQueue:
         batch_jobs: Jobs stored by one batch call at most.
     """
 
-    def __init__(self, put: Callable[[list[str], Parts, Parts], list[int]] | None,
-                 call_soon: Callable[..., Any], max_jobs: int = MAX_JOBS,
-                 batch_jobs: int = BATCH_JOBS) -> None:
+    def __init__(
+        self,
+        put: Callable[[list[str], Parts, Parts], list[int]] | None,
+        call_soon: Callable[..., Any],
+        max_jobs: int = MAX_JOBS,
+        batch_jobs: int = BATCH_JOBS,
+    ) -> None:
         self._put = put
         self._call_soon = call_soon
         self.max_jobs = max_jobs
@@ -65,8 +69,7 @@ class PutQueue:
         self._cv = threading.Condition()
         self._closed = False
         self.busy = 0  # jobs taken by the thread, not yet answered
-        self._thread = threading.Thread(target=self._run, name="prefixcache-tier-put",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="prefixcache-tier-put", daemon=True)
         self._thread.start()
 
     @property
@@ -127,8 +130,9 @@ class PutQueue:
             with self._cv:
                 self.busy = 0
 
-    def _store(self, put: Callable[[list[str], Parts, Parts], list[int]] | None,
-               jobs: list[PutJob]) -> list[tuple[PutJob, list[int]]]:
+    def _store(
+        self, put: Callable[[list[str], Parts, Parts], list[int]] | None, jobs: list[PutJob]
+    ) -> list[tuple[PutJob, list[int]]]:
         """Store ``jobs`` with one call of ``put``; each job with its codes."""
         keys = [k for job in jobs for k in job.keys]
         ptrs = [p for job in jobs for p in job.ptrs]
@@ -141,6 +145,6 @@ class PutQueue:
         answers, at = [], 0
         for job in jobs:
             n = len(job.keys)
-            answers.append((job, codes[at:at + n] if len(codes) == len(keys) else []))
+            answers.append((job, codes[at : at + n] if len(codes) == len(keys) else []))
             at += n
         return answers

@@ -25,8 +25,11 @@ def test_pool_then_disk_then_mooncake(tmp_path: Path) -> None:
         cfg = tier_config(address, timeout=5.0)
         if not made:  # node a: the disk tier too
             (tmp_path / "disk-a").mkdir()
-            cfg["server"]["disk"] = {"path": str(tmp_path / "disk-a"), "bytes": 8 << 20,
-                                     "timeout": 5.0}
+            cfg["server"]["disk"] = {
+                "path": str(tmp_path / "disk-a"),
+                "bytes": 8 << 20,
+                "timeout": 5.0,
+            }
         made.append(address)
         return cfg
 

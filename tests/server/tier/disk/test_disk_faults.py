@@ -75,7 +75,8 @@ def _throttle(pid: int, path: Path, bps: int) -> Path | None:
     try:
         group.mkdir(exist_ok=True)
         (group / "blkio.throttle.read_bps_device").write_text(
-            f"{os.major(dev)}:{os.minor(dev)} {bps}\n")
+            f"{os.major(dev)}:{os.minor(dev)} {bps}\n"
+        )
         (group / "cgroup.procs").write_text(str(pid))
     except OSError:
         _unthrottle(group, pid)
@@ -95,9 +96,12 @@ def test_a_slow_disk_does_not_hold_a_lookup_past_its_deadline(tmp_path: Path) ->
     its deadline (0.3 s) and a margin for a loaded machine, with what was read by then."""
     path = tmp_path / "disk"
     path.mkdir()
-    config_model = {"name": "m", "kind": "radix", "page_size": 16,
-                    "pool": {"size": 1024, "layers": 2, "k_heads": 8, "k_head_dim": 128,
-                             "dtype": "float16"}}
+    config_model = {
+        "name": "m",
+        "kind": "radix",
+        "page_size": 16,
+        "pool": {"size": 1024, "layers": 2, "k_heads": 8, "k_head_dim": 128, "dtype": "float16"},
+    }
     from tier_harness import Node
 
     config = disk_config(path, nbytes=64 << 20, timeout=0.3)

@@ -43,26 +43,31 @@ def _kv(tokens: list[int]) -> list[torch.Tensor]:
     """K layer 0 and V layer 0 of every token, from the hash of its prefix."""
     rows = []
     for j in range(len(tokens)):
-        digest = hashlib.sha256(np.asarray(tokens[:j + 1], "<u4").tobytes()).digest()
-        rows.append(np.frombuffer(digest, dtype="<u2")[:2 * ROW[0] * ROW[1]])
+        digest = hashlib.sha256(np.asarray(tokens[: j + 1], "<u4").tobytes()).digest()
+        rows.append(np.frombuffer(digest, dtype="<u2")[: 2 * ROW[0] * ROW[1]])
     data = torch.from_numpy(np.stack(rows).astype(np.int16)).view(torch.float16)
     return [data[:, :8].reshape(-1, *ROW).clone(), data[:, 8:].reshape(-1, *ROW).clone()]
 
 
 def _server(tmp: Path) -> ServerThread:
-    model = ModelConfig(name=MODEL, page_size=PAGE, pool=PoolConfig(
-        size=POOL, layers=1, k_heads=ROW[0], k_head_dim=ROW[1]))
+    model = ModelConfig(
+        name=MODEL,
+        page_size=PAGE,
+        pool=PoolConfig(size=POOL, layers=1, k_heads=ROW[0], k_head_dim=ROW[1]),
+    )
     disk = DiskConfig(path=str(tmp / "disk"), bytes=1 << 20, timeout=5.0)
     return ServerThread(make_config(tmp, [model], disk=disk, shm_dir=""))
 
 
 PROMPT = st.tuples(st.integers(0, 1), st.integers(0, 2), st.sampled_from([4, 8, 16, 24]))
-OP = st.sampled_from(["insert", "read", "read", "read", "evict", "evict", "reset",
-                      "restart"])
+OP = st.sampled_from(["insert", "read", "read", "read", "evict", "evict", "reset", "restart"])
 
 
-@settings(max_examples=EXAMPLES, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_every_served_page_is_the_page_of_its_prefix(tmp_path_factory, data) -> None:
     """Reads draw mostly from the prompts inserted so far (so that pages the pool
@@ -89,25 +94,28 @@ def test_every_served_page_is_the_page_of_its_prefix(tmp_path_factory, data) -> 
         for op in ops:
             if op[0] in ("insert", "read"):
                 tokens = _prompt(*op[1])
-                with PrefixCacheClient(server.address, timeout=10) as client, \
-                        client.session() as s:
+                with PrefixCacheClient(server.address, timeout=10) as client, client.session() as s:
                     if op[0] == "insert":
                         kv = _kv(tokens)
-                        reply = client.match(MODEL, tokens, session=s, lock=True,
-                                             allocate=True)
+                        reply = client.match(MODEL, tokens, session=s, lock=True, allocate=True)
                         rest = reply.allocated
                         if len(rest):
                             n = reply.prefix_len
                             client.write_kv(MODEL, rest, [kv[0][n:]], [kv[1][n:]], session=s)
-                        slots = np.concatenate([np.asarray(reply.slots, dtype=np.int64),
-                                                np.asarray(rest, dtype=np.int64)])
-                        client.insert(MODEL, tokens, slots, session=s,
-                                      release_lock_id=reply.lock_id)
+                        slots = np.concatenate(
+                            [
+                                np.asarray(reply.slots, dtype=np.int64),
+                                np.asarray(rest, dtype=np.int64),
+                            ]
+                        )
+                        client.insert(
+                            MODEL, tokens, slots, session=s, release_lock_id=reply.lock_id
+                        )
                     else:
                         reply = client.match(MODEL, tokens, session=s, lock=True)
                         if reply.prefix_len:
                             got = client.read_kv(MODEL, reply.slots, session=s)
-                            want = _kv(tokens[:reply.prefix_len])
+                            want = _kv(tokens[: reply.prefix_len])
                             for g, w in zip([*got.k, *got.v], want, strict=True):
                                 assert g.view(torch.int16).equal(w.view(torch.int16)), op
                             served += reply.prefix_len

@@ -50,8 +50,9 @@ def test_pages_on_disk_survive_a_clean_stop_and_a_sigkill(tmp_path: Path) -> Non
         assert c.stop() == 0
 
 
-def _serve(tmp: Path, name: str, path: Path, timeout: float = 60, **disk: Any
-           ) -> subprocess.CompletedProcess[str]:
+def _serve(
+    tmp: Path, name: str, path: Path, timeout: float = 60, **disk: Any
+) -> subprocess.CompletedProcess[str]:
     """``prefixcache serve`` that is expected to fail at start."""
     import yaml
     from harness import SOURCE_PATH
@@ -61,10 +62,23 @@ def _serve(tmp: Path, name: str, path: Path, timeout: float = 60, **disk: Any
     (folder / "pc.yaml").write_text(yaml.safe_dump(disk_config(path, **disk)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
     env.update(PYTHONPATH=SOURCE_PATH, OMP_NUM_THREADS="1")
-    return subprocess.run([*CLI, "serve", "--config", str(folder / "pc.yaml"), "--listen",
-                           f"unix:{folder / 'pc.sock'}", "--metrics-port", "-1"],
-                          cwd=folder, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [
+            *CLI,
+            "serve",
+            "--config",
+            str(folder / "pc.yaml"),
+            "--listen",
+            f"unix:{folder / 'pc.sock'}",
+            "--metrics-port",
+            "-1",
+        ],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_a_second_sidecar_on_the_same_path_is_refused(tmp_path: Path) -> None:

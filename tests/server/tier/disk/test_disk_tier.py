@@ -46,21 +46,32 @@ DEMOTED = r'prefixcache_disk_demoted_pages_total\{model="m"\}'
 
 
 def _model(pool: int = POOL) -> ModelConfig:
-    return ModelConfig(name=MODEL, page_size=PAGE, pool=PoolConfig(
-        size=pool, layers=2, k_heads=ROW[0], k_head_dim=ROW[1]))
+    return ModelConfig(
+        name=MODEL,
+        page_size=PAGE,
+        pool=PoolConfig(size=pool, layers=2, k_heads=ROW[0], k_head_dim=ROW[1]),
+    )
 
 
 class Sidecar:
     """A server with the disk tier on, and its /metrics."""
 
-    def __init__(self, tmp: Path, disk: dict[str, Any] | None = None, pool: int = POOL,
-                 **server: Any) -> None:
+    def __init__(
+        self, tmp: Path, disk: dict[str, Any] | None = None, pool: int = POOL, **server: Any
+    ) -> None:
         (tmp / "disk").mkdir(exist_ok=True)
-        cfg = DiskConfig(path=str(tmp / "disk"), bytes=8 << 20, timeout=5.0,
-                         **(disk or {}))
-        self.thread = ServerThread(make_config(tmp, [_model(pool)], disk=cfg, shm_dir="",
-                                               metrics_port=0, metrics_host="127.0.0.1",
-                                               **server))
+        cfg = DiskConfig(path=str(tmp / "disk"), bytes=8 << 20, timeout=5.0, **(disk or {}))
+        self.thread = ServerThread(
+            make_config(
+                tmp,
+                [_model(pool)],
+                disk=cfg,
+                shm_dir="",
+                metrics_port=0,
+                metrics_host="127.0.0.1",
+                **server,
+            )
+        )
         self.address = self.thread.address
 
     def metrics(self) -> dict[str, float]:
@@ -126,8 +137,8 @@ def _read(car: Sidecar, tokens: list[int]) -> tuple[int, list[torch.Tensor]]:
 
 def _same(got: list[torch.Tensor], want: list[torch.Tensor], n: int) -> bool:
     return len(got) == len(want) and all(
-        g.view(torch.int16).equal(w[:n].view(torch.int16)) for g, w in zip(got, want,
-                                                                           strict=True))
+        g.view(torch.int16).equal(w[:n].view(torch.int16)) for g, w in zip(got, want, strict=True)
+    )
 
 
 def _demote(car: Sidecar, tokens: list[int], seed: int) -> list[torch.Tensor]:
@@ -157,8 +168,9 @@ def test_an_evicted_prompt_is_answered_from_disk_byte_for_byte(sidecar: Sidecar)
     assert sidecar.metric(r'prefixcache_integrity_failures_total\{.*source="disk".*\}') == 0
     # Held in the pool again: the next lookup is the pool's.
     assert _read(sidecar, tokens)[0] == len(tokens)
-    assert sidecar.metrics()['prefixcache_tier_hit_tokens_total{model="m",tier="local"}'] \
-        == len(tokens)
+    assert sidecar.metrics()['prefixcache_tier_hit_tokens_total{model="m",tier="local"}'] == len(
+        tokens
+    )
 
 
 def test_step_and_session_streams_see_disk_pages(sidecar: Sidecar) -> None:
@@ -174,8 +186,9 @@ def test_step_and_session_streams_see_disk_pages(sidecar: Sidecar) -> None:
     _demote(sidecar, other, seed=3)
     channel, stub = stub_for(sidecar.address)
     with channel:
-        request = pb.SessionRequest(seq=1, match=pb.MatchRequest(model=MODEL,
-                                                                 token_ids=toks(other)))
+        request = pb.SessionRequest(
+            seq=1, match=pb.MatchRequest(model=MODEL, token_ids=toks(other))
+        )
         replies = list(stub.Session(iter([request]), timeout=10))
     assert replies[0].match.prefix_len == len(other)
 
@@ -195,8 +208,7 @@ def test_a_lookup_takes_the_pool_then_the_disk(sidecar: Sidecar) -> None:
     assert after[local] - before[local] == 8
 
 
-def _engine_step(core: Any, workers: list[Any], finished: frozenset[str] = frozenset()
-                 ) -> Any:
+def _engine_step(core: Any, workers: list[Any], finished: frozenset[str] = frozenset()) -> Any:
     meta = core.build_meta()
     done, failed = None, set()
     for worker in workers:
@@ -213,10 +225,13 @@ def _engine_step(core: Any, workers: list[Any], finished: frozenset[str] = froze
 def test_vllm_connector_loads_a_request_the_pool_evicted(sidecar: Sidecar) -> None:
     """vLLM's connector cores: a request saved, evicted to disk, then loaded by another
     engine's cores into other blocks, byte for byte."""
-    cores = [make_scheduler(sidecar.address, model=MODEL, block=PAGE, transfer="remote")
-             for _ in range(2)]
-    workers = [make_worker(sidecar.address, model=MODEL, block=PAGE, transfer="remote")
-               for _ in range(2)]
+    cores = [
+        make_scheduler(sidecar.address, model=MODEL, block=PAGE, transfer="remote")
+        for _ in range(2)
+    ]
+    workers = [
+        make_worker(sidecar.address, model=MODEL, block=PAGE, transfer="remote") for _ in range(2)
+    ]
     a_blocks, b_blocks = [2, 5, 7, 9, 11], [1, 3, 4, 6, 8]
     prompt = _tokens(5, 18)
     try:
@@ -235,8 +250,9 @@ def test_vllm_connector_loads_a_request_the_pool_evicted(sidecar: Sidecar) -> No
         cores[1].allocated("B", b_blocks, 16)
         assert len(_engine_step(cores[1], workers[1:]).loads) == 1
         assert workers[1].take_load_errors() == set()
-        views = [[split_kv(name, t, "kv_first", ROW[1]) for name, t in cache.items()]
-                 for cache in caches]
+        views = [
+            [split_kv(name, t, "kv_first", ROW[1]) for name, t in cache.items()] for cache in caches
+        ]
         for va, vb in zip(*views, strict=True):
             assert torch.equal(token_rows(va, a_blocks, 16), token_rows(vb, b_blocks, 16))
         cores[1].finished(req, b_blocks, 17)
@@ -249,7 +265,7 @@ def test_vllm_connector_loads_a_request_the_pool_evicted(sidecar: Sidecar) -> No
 def _chain(tokens: list[int]) -> list[str]:
     keys: list[str] = []
     for i in range(0, len(tokens) - PAGE + 1, PAGE):
-        keys.append(hash_token_ids(tokens[i:i + PAGE], keys[-1] if keys else None))
+        keys.append(hash_token_ids(tokens[i : i + PAGE], keys[-1] if keys else None))
     return keys
 
 
@@ -283,11 +299,17 @@ def test_a_page_changed_on_disk_is_refused_counted_and_dropped(tmp_path: Path) -
         tokens = _tokens(8)
         kv = _demote(car, tokens, seed=8)
         engine_disk = car.thread.server.tier.tiers[0].models[MODEL].backend
-        slot = engine_disk.index.slot_of(engine_disk.digest(
-            car.thread.server.tier.tiers[0].models[MODEL].keys.keys(
-                None, 1, _hashes(tokens))[3]))
-        pages = tmp_path / "disk" / next(p.name for p in (tmp_path / "disk").iterdir()
-                                         if p.is_dir()) / "pages"
+        slot = engine_disk.index.slot_of(
+            engine_disk.digest(
+                car.thread.server.tier.tiers[0].models[MODEL].keys.keys(None, 1, _hashes(tokens))[3]
+            )
+        )
+        pages = (
+            tmp_path
+            / "disk"
+            / next(p.name for p in (tmp_path / "disk").iterdir() if p.is_dir())
+            / "pages"
+        )
         with open(pages, "r+b") as f:  # one byte of the fourth page
             f.seek(slot * engine_disk.slot_bytes + 5)
             byte = f.read(1)
@@ -295,8 +317,10 @@ def test_a_page_changed_on_disk_is_refused_counted_and_dropped(tmp_path: Path) -
             f.write(bytes([byte[0] ^ 0xFF]))
         hit, got = _read(car, tokens)
         assert hit == 3 * PAGE and _same(got, kv, hit)  # the pages before it
-        failures = r'prefixcache_integrity_failures_total\{reason="seal_mismatch",' \
+        failures = (
+            r'prefixcache_integrity_failures_total\{reason="seal_mismatch",'
             r'source="disk"\}'
+        )
         assert car.metric(failures) == 1
         keys = car.thread.server.tier.tiers[0].models[MODEL].keys
         assert engine_disk.exists(keys.keys(None, 1, _hashes(tokens))[3:4]) == [0]
@@ -347,7 +371,8 @@ def test_a_reset_keeps_the_disk_tier(sidecar: Sidecar) -> None:
 
 
 def test_with_the_tier_secret_disk_pages_carry_a_mac_and_a_new_secret_starts_empty(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """With ``server.tier.secret_file`` the disk tier seals with the keyed MAC (kind 2)
     and keys its object keys; a start under another secret finds none of the pages."""
     import os
@@ -359,8 +384,13 @@ def test_with_the_tier_secret_disk_pages_carry_a_mac_and_a_new_secret_starts_emp
 
     def start(key: bytes) -> Sidecar:
         secret.write_bytes(key)
-        return Sidecar(tmp_path, tier=TierConfig(master="127.0.0.1:1",  # no master
-                                                 secret_file=str(secret)))
+        return Sidecar(
+            tmp_path,
+            tier=TierConfig(
+                master="127.0.0.1:1",  # no master
+                secret_file=str(secret),
+            ),
+        )
 
     car = start(os.urandom(32))
     tokens = _tokens(13)

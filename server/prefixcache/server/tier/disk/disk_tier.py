@@ -58,8 +58,13 @@ class DiskTier(Tier):
         ConfigError: ``disk.path`` cannot be used, or cannot hold ``disk.bytes``.
     """
 
-    def __init__(self, cfg: DiskConfig, service: Any, loop: asyncio.AbstractEventLoop,
-                 secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DiskConfig,
+        service: Any,
+        loop: asyncio.AbstractEventLoop,
+        secret: bytes | None = None,
+    ) -> None:
         super().__init__(cfg, service, loop, DISK)
         self.place: Place | None = None
         try:
@@ -76,13 +81,17 @@ class DiskTier(Tier):
         if not engines:
             return
         layouts = {e.name: PageLayout(e.kv_pool, e.page_size) for e in engines}
-        pool_bytes = {e.name: layouts[e.name].page_bytes * (e.pool_size // e.page_size)
-                      for e in engines}
+        pool_bytes = {
+            e.name: layouts[e.name].page_bytes * (e.pool_size // e.page_size) for e in engines
+        }
         total = sum(pool_bytes.values()) or 1
         align = probe_direct(self.place.path)
         if not align:
-            log.warning("disk tier: the file system refuses O_DIRECT; pages are read and "
-                        "written through the page cache", extra={"path": str(self.place.path)})
+            log.warning(
+                "disk tier: the file system refuses O_DIRECT; pages are read and "
+                "written through the page cache",
+                extra={"path": str(self.place.path)},
+            )
         keys_id = _keys_id(secret)
         shares = {e.name: cfg.bytes * pool_bytes[e.name] // total for e in engines}
         plans = {}
@@ -91,39 +100,66 @@ class DiskTier(Tier):
             slot = -(-page // align) * align if align else page
             slots = slots_for(shares[e.name], slot)
             if slots < 1:
-                raise ConfigError(f"server.disk.bytes: model {e.name!r}'s share "
-                                  f"({shares[e.name]} bytes) holds no page of {slot} bytes")
+                raise ConfigError(
+                    f"server.disk.bytes: model {e.name!r}'s share "
+                    f"({shares[e.name]} bytes) holds no page of {slot} bytes"
+                )
             plans[e.name] = (model_folder(e.config), slots, slot)
         self.place.prepare({folder: shares[name] for name, (folder, _, _) in plans.items()})
         for e in engines:
             folder, slots, slot = plans[e.name]
-            identity = hashlib.blake2b(repr((
-                VERSION, model_fingerprint(e.config), layouts[e.name].page_bytes, slot,
-                keys_id)).encode(), digest_size=16).digest()
+            identity = hashlib.blake2b(
+                repr(
+                    (
+                        VERSION,
+                        model_fingerprint(e.config),
+                        layouts[e.name].page_bytes,
+                        slot,
+                        keys_id,
+                    )
+                ).encode(),
+                digest_size=16,
+            ).digest()
             try:
-                store = DiskStore(self.place.path / folder, layouts[e.name].page_bytes, slots,
-                                  slot, align, identity,
-                                  get_eviction_policy(e.config.eviction_policy), e.name)
+                store = DiskStore(
+                    self.place.path / folder,
+                    layouts[e.name].page_bytes,
+                    slots,
+                    slot,
+                    align,
+                    identity,
+                    get_eviction_policy(e.config.eviction_policy),
+                    e.name,
+                )
             except OSError as exc:
                 if exc.errno in FULL_ERRNOS:
-                    raise ConfigError(f"server.disk.bytes: the file system under "
-                                      f"{self.place.path} could not hold model {e.name!r}'s "
-                                      f"{slots * slot} bytes of pages") from exc
-                raise ConfigError(f"server.disk.path: cannot make model {e.name!r}'s files "
-                                  f"under {self.place.path}: {exc.strerror or exc}") from exc
+                    raise ConfigError(
+                        f"server.disk.bytes: the file system under "
+                        f"{self.place.path} could not hold model {e.name!r}'s "
+                        f"{slots * slot} bytes of pages"
+                    ) from exc
+                raise ConfigError(
+                    f"server.disk.path: cannot make model {e.name!r}'s files "
+                    f"under {self.place.path}: {exc.strerror or exc}"
+                ) from exc
             mt = ModelTier(self, e, secret, backend=store, staging_stride=slot)
             for ptr, size in mt.regions():
                 store.register(ptr, size)
             self.models[e.name] = mt
-        log.info("disk tier ready", extra={"path": str(self.place.path),
-                                          "models": ",".join(self.models),
-                                          "bytes": cfg.bytes, "direct_io": bool(align),
-                                          "keyed": secret is not None})
+        log.info(
+            "disk tier ready",
+            extra={
+                "path": str(self.place.path),
+                "models": ",".join(self.models),
+                "bytes": cfg.bytes,
+                "direct_io": bool(align),
+                "keyed": secret is not None,
+            },
+        )
 
     # ----------------------------------------------------------------- hooks
 
-    async def probe(self, mt: ModelTier, keys: list[str], deadline: Deadline
-                    ) -> list[int] | None:
+    async def probe(self, mt: ModelTier, keys: list[str], deadline: Deadline) -> list[int] | None:
         why = self.available()
         if why is not None:
             return None
@@ -163,12 +199,13 @@ def start_disk(cfg: DiskConfig | None, service: Any, tier: TierConfig | None) ->
     """
     if cfg is None:
         return None
-    secret = read_tier_secret(tier.secret_file) if tier is not None and tier.secret_file \
-        else None
+    secret = read_tier_secret(tier.secret_file) if tier is not None and tier.secret_file else None
     disk = DiskTier(cfg, service, asyncio.get_running_loop(), secret)
     if not disk.models:
         disk.close()
-        log.warning("server.disk is on but no model uses it (radix models with CPU pools; "
-                    "models[].disk: false opts out)")
+        log.warning(
+            "server.disk is on but no model uses it (radix models with CPU pools; "
+            "models[].disk: false opts out)"
+        )
         return None
     return disk

@@ -52,49 +52,60 @@ class Place:
     def __init__(self, path: str, where: str = "server.disk.path") -> None:
         self.path = Path(path).absolute()
         if not self.path.exists():
-            raise ConfigError(f"{where}: {self.path} does not exist; create it (a volume "
-                              "of this node's disk) or choose another path")
+            raise ConfigError(
+                f"{where}: {self.path} does not exist; create it (a volume "
+                "of this node's disk) or choose another path"
+            )
         if not self.path.is_dir():
             raise ConfigError(f"{where}: {self.path} is not a directory")
         try:
             self._fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise ConfigError(f"{where}: {self.path} is not writable here "
-                                  f"({exc.strerror}): the disk tier writes its pages "
-                                  "there") from exc
+                raise ConfigError(
+                    f"{where}: {self.path} is not writable here "
+                    f"({exc.strerror}): the disk tier writes its pages "
+                    "there"
+                ) from exc
             raise ConfigError(f"{where}: cannot use {self.path}: {exc.strerror}") from exc
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_pid(self._fd)
             os.close(self._fd)
-            raise ConfigError(f"{where}: {self.path} is in use by another prefixcache "
-                              f"serve{f' (pid {holder})' if holder else ''}: each needs "
-                              "its own disk.path") from None
+            raise ConfigError(
+                f"{where}: {self.path} is in use by another prefixcache "
+                f"serve{f' (pid {holder})' if holder else ''}: each needs "
+                "its own disk.path"
+            ) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
         if not os.access(self.path, os.W_OK):  # a read-only bind with a lock file in it
             self.close()
-            raise ConfigError(f"{where}: {self.path} is not writable here: the disk tier "
-                              "writes its pages there")
+            raise ConfigError(
+                f"{where}: {self.path} is not writable here: the disk tier writes its pages there"
+            )
 
     def prepare(self, folders: dict[str, int], where: str = "server.disk.bytes") -> None:
         """Remove the folders of models that no longer take part, then check that the
         file system holds ``folders`` (name: bytes) beside what they take now."""
         for entry in self.path.iterdir():
             if entry.is_dir() and _FOLDER.match(entry.name) and entry.name not in folders:
-                log.warning("disk tier: removing the pages of a model that no longer "
-                            "takes part", extra={"folder": str(entry)})
+                log.warning(
+                    "disk tier: removing the pages of a model that no longer takes part",
+                    extra={"folder": str(entry)},
+                )
                 shutil.rmtree(entry, ignore_errors=True)
         have = sum(stored_bytes(self.path / name) for name in folders)
         stats = os.statvfs(self.path)
         free = stats.f_bavail * stats.f_frsize
         need = sum(folders.values())
         if need > free + have:
-            raise ConfigError(f"{where}: {need} bytes do not fit under {self.path}: its "
-                              f"file system has {free} free, and the disk tier's files "
-                              f"there take {have}")
+            raise ConfigError(
+                f"{where}: {need} bytes do not fit under {self.path}: its "
+                f"file system has {free} free, and the disk tier's files "
+                f"there take {have}"
+            )
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -101,8 +101,8 @@ def probe_direct(folder: Path) -> int:
             os.posix_fallocate(fd, 0, 2 * 4096)
             for align in ALIGNMENTS:
                 try:
-                    os.pwritev(fd, [view[align:2 * align]], align)
-                    os.preadv(fd, [view[align:2 * align]], align)
+                    os.pwritev(fd, [view[align : 2 * align]], align)
+                    os.preadv(fd, [view[align : 2 * align]], align)
                     return align
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
@@ -170,23 +170,30 @@ class SlotFile:
 
     # -------------------------------------------------------------------- I/O
 
-    def read(self, runs: Sequence[Run], deadline: float | None = None,
-             landed: Callable[[int, int], None] | None = None) -> list[Done]:
+    def read(
+        self,
+        runs: Sequence[Run],
+        deadline: float | None = None,
+        landed: Callable[[int, int], None] | None = None,
+    ) -> list[Done]:
         """Read each run (all requests at once, over the pool); ``landed(first slot,
         bytes)`` after each request, on the thread that made it."""
+
         def one(run: Run, until: float | None) -> int:
             n = self._read_one(run, until)
             if landed is not None and n > 0:
                 landed(run.first, n)
             return n
+
         return self._each(runs, one, deadline)
 
     def write(self, runs: Sequence[Run]) -> list[Done]:
         """Write each run (all requests at once, over the pool)."""
         return self._each(runs, self._write_one, None)
 
-    def _each(self, runs: Sequence[Run], one: Callable[[Run, float | None], int],
-              deadline: float | None) -> list[Done]:
+    def _each(
+        self, runs: Sequence[Run], one: Callable[[Run, float | None], int], deadline: float | None
+    ) -> list[Done]:
         requests = [(i, part) for i, run in enumerate(runs) for part in self._cut(run)]
         with self._cv:
             self._busy += len(requests)
@@ -194,7 +201,8 @@ class SlotFile:
         # the pool meanwhile.
         futures: list[tuple[int, Run, Future[int] | None]] = [
             (i, part, self._pool.submit(self._counted, one, part, deadline) if k else None)
-            for k, (i, part) in enumerate(requests)]
+            for k, (i, part) in enumerate(requests)
+        ]
         done = [Done() for _ in runs]
         first: int | OSError = 0
         if futures:
@@ -234,11 +242,12 @@ class SlotFile:
         part = Run(run.first)
         at = 0
         for count in run.pages:
-            views, addresses = run.buffers[at:at + count], run.addresses[at:at + count]
+            views, addresses = run.buffers[at : at + count], run.addresses[at : at + count]
             at += count
             size = sum(len(v) for v in views)
-            if part.pages and (part.nbytes + size > CHUNK_BYTES
-                               or len(part.buffers) + count > IOV_MAX):
+            if part.pages and (
+                part.nbytes + size > CHUNK_BYTES or len(part.buffers) + count > IOV_MAX
+            ):
                 parts.append(part)
                 part = Run(part.first + len(part.pages))
             part.add_page(views, addresses)
@@ -246,8 +255,9 @@ class SlotFile:
             parts.append(part)
         return parts
 
-    def _counted(self, one: Callable[[Run, float | None], int], run: Run,
-                 deadline: float | None) -> int:
+    def _counted(
+        self, one: Callable[[Run, float | None], int], run: Run, deadline: float | None
+    ) -> int:
         try:
             return one(run, deadline)
         finally:
@@ -259,8 +269,10 @@ class SlotFile:
         align = self.align
         if not align:
             return True
-        return all(len(v) % align == 0 and a % align == 0
-                   for v, a in zip(run.buffers, run.addresses, strict=True))
+        return all(
+            len(v) % align == 0 and a % align == 0
+            for v, a in zip(run.buffers, run.addresses, strict=True)
+        )
 
     def _bounce(self, nbytes: int) -> memoryview:
         """This thread's aligned scratch buffer, at least ``nbytes`` long."""
@@ -285,7 +297,7 @@ class SlotFile:
                 if at >= n:
                     break
                 take = min(len(view), n - at)
-                view[:take] = scratch[at:at + take]
+                view[:take] = scratch[at : at + take]
                 at += take
         took = time.monotonic() - start
         self.request_seconds = 0.8 * self.request_seconds + 0.2 * took
@@ -298,13 +310,13 @@ class SlotFile:
             scratch = self._bounce(_round_up(run.nbytes, self.align))
             at = 0
             for view in run.buffers:
-                scratch[at:at + len(view)] = view
+                scratch[at : at + len(view)] = view
                 at += len(view)
-            buffers = [scratch[:_round_up(run.nbytes, self.align)]]
+            buffers = [scratch[: _round_up(run.nbytes, self.align)]]
         n = os.pwritev(self.fd, buffers, offset)
         if n < run.nbytes:
             # Short: write the rest, which says why it cannot (ENOSPC, mostly).
-            rest = memoryview(b"".join(bytes(b) for b in buffers))[n:run.nbytes]
+            rest = memoryview(b"".join(bytes(b) for b in buffers))[n : run.nbytes]
             n += os.pwrite(self.fd, rest, offset + n) if not self.align else 0
             if n < run.nbytes:
                 raise OSError(errno.ENOSPC, "short write")
@@ -325,8 +337,10 @@ class SlotFile:
             while self._busy and time.monotonic() < deadline:
                 self._cv.wait(max(deadline - time.monotonic(), 0.01))
             if self._busy:
-                log.warning("disk tier I/O still in flight at close: its file stays open",
-                            extra={"path": str(self.path)})
+                log.warning(
+                    "disk tier I/O still in flight at close: its file stays open",
+                    extra={"path": str(self.path)},
+                )
                 return False
         os.close(self.fd)
         return True

@@ -47,8 +47,9 @@ DEPTH_STEP = 1e-6
 class Entries:
     """Every slot's fields, as the eviction policy reads a node's (arrays)."""
 
-    def __init__(self, last_access_time: np.ndarray, hit_count: np.ndarray,
-                 ids: np.ndarray) -> None:
+    def __init__(
+        self, last_access_time: np.ndarray, hit_count: np.ndarray, ids: np.ndarray
+    ) -> None:
         self.last_access_time = last_access_time
         self.hit_count = hit_count
         self.id = ids
@@ -158,7 +159,7 @@ class SlotIndex:
         with self.lock:
             take = min(n, self._top)
             self._top -= take
-            slots = self._free[self._top:self._top + take][::-1].copy()
+            slots = self._free[self._top : self._top + take][::-1].copy()
             self.reserved[slots] = True
             return slots, slots[self.stale[slots]]
 
@@ -169,16 +170,22 @@ class SlotIndex:
 
     def _snapshot(self) -> tuple[np.ndarray, ...]:
         candidates = np.flatnonzero(self.used & (self.pins == 0))
-        return (candidates, self.last_access[candidates].copy(),
-                self.hits[candidates].copy(), self.ids[candidates].copy())
+        return (
+            candidates,
+            self.last_access[candidates].copy(),
+            self.hits[candidates].copy(),
+            self.ids[candidates].copy(),
+        )
 
-    def _rank(self, candidates: np.ndarray, last_access: np.ndarray, hits: np.ndarray,
-              ids: np.ndarray) -> np.ndarray:
+    def _rank(
+        self, candidates: np.ndarray, last_access: np.ndarray, hits: np.ndarray, ids: np.ndarray
+    ) -> np.ndarray:
         """``candidates`` in eviction order (the policy's lowest first)."""
         priority = self.policy(Entries(last_access, hits, ids))
         if isinstance(priority, tuple):
-            keys = [np.broadcast_to(np.asarray(p, dtype=np.float64), candidates.shape)
-                    for p in priority]
+            keys = [
+                np.broadcast_to(np.asarray(p, dtype=np.float64), candidates.shape) for p in priority
+            ]
             order = np.lexsort(keys[::-1])
         else:
             order = np.argsort(np.asarray(priority, dtype=np.float64), kind="stable")
@@ -189,7 +196,7 @@ class SlotIndex:
         gone: list[int] = []
         at = 0
         while len(gone) < want and at < len(order):
-            chunk = order[at:at + want + 64].tolist()  # Python ints outside the lock
+            chunk = order[at : at + want + 64].tolist()  # Python ints outside the lock
             at += len(chunk)
             with self.lock:
                 for slot in chunk:
@@ -202,8 +209,14 @@ class SlotIndex:
             self.evicted += len(gone)
             self._push_free(gone)
 
-    def commit(self, slots: Sequence[int], keys: Sequence[bytes], seals: np.ndarray,
-               now: float, ids: Sequence[int]) -> None:
+    def commit(
+        self,
+        slots: Sequence[int],
+        keys: Sequence[bytes],
+        seals: np.ndarray,
+        now: float,
+        ids: Sequence[int],
+    ) -> None:
         """Reserved ``slots`` now hold the pages ``keys`` (written, journaled)."""
         with self.lock:
             for slot, key, seq in zip(slots, keys, ids, strict=True):
@@ -253,9 +266,16 @@ class SlotIndex:
             self._forget(np.flatnonzero(self.used).tolist())
             self.stale[:] = False
 
-    def load(self, slots: np.ndarray, keys: np.ndarray, seals: np.ndarray,
-             last_access: np.ndarray, hits: np.ndarray, ids: np.ndarray,
-             where: dict[bytes, int] | None = None) -> None:
+    def load(
+        self,
+        slots: np.ndarray,
+        keys: np.ndarray,
+        seals: np.ndarray,
+        last_access: np.ndarray,
+        hits: np.ndarray,
+        ids: np.ndarray,
+        where: dict[bytes, int] | None = None,
+    ) -> None:
         """Set the pages a start found (journal.py), on an empty index (``where``: their
         keys' slots, if made already)."""
         with self.lock:
@@ -265,11 +285,14 @@ class SlotIndex:
             self.last_access[slots] = last_access
             self.hits[slots] = hits
             self.ids[slots] = ids
-            self.where = where if where is not None else dict(
-                zip(map(bytes, keys), slots.tolist(), strict=True))
+            self.where = (
+                where
+                if where is not None
+                else dict(zip(map(bytes, keys), slots.tolist(), strict=True))
+            )
             self.seq = int(ids.max()) if len(ids) else 0
             free = np.flatnonzero(~self.used)
-            self._free[:len(free)] = free[::-1]
+            self._free[: len(free)] = free[::-1]
             self._top = len(free)
 
     def entries(self) -> tuple[np.ndarray, ...]:
@@ -278,9 +301,15 @@ class SlotIndex:
         replaces the journal, no record names them: ``settled`` them)."""
         with self.lock:
             slots = np.flatnonzero(self.used)
-            return (slots, self.keys[slots].copy(), self.seals[slots].copy(),
-                    self.last_access[slots].copy(), self.hits[slots].copy(),
-                    self.ids[slots].copy(), np.flatnonzero(self.stale))
+            return (
+                slots,
+                self.keys[slots].copy(),
+                self.seals[slots].copy(),
+                self.last_access[slots].copy(),
+                self.hits[slots].copy(),
+                self.ids[slots].copy(),
+                np.flatnonzero(self.stale),
+            )
 
     # --------------------------------------------------------------- internal
 
@@ -308,5 +337,5 @@ class SlotIndex:
             return
         n = len(slots)
         mine = np.sort(np.asarray(slots, dtype=np.int64))[::-1]
-        self._free[self._top:self._top + n] = mine
+        self._free[self._top : self._top + n] = mine
         self._top += n

@@ -106,8 +106,17 @@ class DiskStore:
         OSError: the files cannot be made or preallocated.
     """
 
-    def __init__(self, folder: Path, page_bytes: int, slots: int, slot_bytes: int,
-                 align: int, identity: bytes, policy: Any, name: str = "") -> None:
+    def __init__(
+        self,
+        folder: Path,
+        page_bytes: int,
+        slots: int,
+        slot_bytes: int,
+        align: int,
+        identity: bytes,
+        policy: Any,
+        name: str = "",
+    ) -> None:
         folder.mkdir(exist_ok=True)
         self.folder = folder
         self.name = name
@@ -142,11 +151,20 @@ class DiskStore:
         self._pad = memoryview(self._pad_map)[:pad]
         self._pad_address = _address_of(self._pad_map)
         self.closed = False
-        log.info("disk tier store opened", extra={
-            "model": name, "path": str(folder), "slots": slots, "slot_bytes": slot_bytes,
-            "direct_io": bool(align), "pages": loaded.pages, "torn_journal": loaded.torn,
-            "started_empty": loaded.empty_because or "",
-            "seconds": round(time.monotonic() - start, 3)})
+        log.info(
+            "disk tier store opened",
+            extra={
+                "model": name,
+                "path": str(folder),
+                "slots": slots,
+                "slot_bytes": slot_bytes,
+                "direct_io": bool(align),
+                "pages": loaded.pages,
+                "torn_journal": loaded.torn,
+                "started_empty": loaded.empty_because or "",
+                "seconds": round(time.monotonic() - start, 3),
+            },
+        )
 
     # ----------------------------------------------------------- properties
 
@@ -201,9 +219,14 @@ class DiskStore:
         here = min(max(self.file.length() - slot * self.slot_bytes, 0), self.page_bytes)
         return here + SEAL_BYTES
 
-    def get_into(self, keys: list[str], ptrs: Parts, sizes: Parts,
-                 deadline: float | None = None,
-                 check: Callable[[int], None] | None = None) -> list[int]:
+    def get_into(
+        self,
+        keys: list[str],
+        ptrs: Parts,
+        sizes: Parts,
+        deadline: float | None = None,
+        check: Callable[[int], None] | None = None,
+    ) -> list[int]:
         """Read the leading run of ``keys`` held into their parts (the last part of each
         its seal): ``object_bytes`` per page read whole; then the code of the first page
         that was not (short, PAST_DEADLINE, IO_ERROR, OBJECT_NOT_FOUND) and of those
@@ -252,9 +275,13 @@ class DiskStore:
             while read < len(slots) and codes[read] == self.object_bytes:
                 read += 1
             if read < len(slots) and codes[read] == IO_ERROR:
-                log.warning("disk tier read failed", extra={
-                    "model": self.name, "errno": next(
-                        (g.errno for g in done if g.stop == "error"), 0)})
+                log.warning(
+                    "disk tier read failed",
+                    extra={
+                        "model": self.name,
+                        "errno": next((g.errno for g in done if g.stop == "error"), 0),
+                    },
+                )
             return codes
         finally:
             self.index.unpin(slots, read, time.time())
@@ -266,8 +293,9 @@ class DiskStore:
             if gone:
                 slots = np.asarray(gone, dtype=np.int64)
                 try:
-                    self.files.append(records(FREE, slots, self.index.next_ids(len(gone)),
-                                              time.time()))
+                    self.files.append(
+                        records(FREE, slots, self.index.next_ids(len(gone)), time.time())
+                    )
                     self.index.settled(slots)
                 except OSError:  # stale: freed in the journal before they are reused
                     log.debug("disk tier: could not journal removed pages", exc_info=True)
@@ -298,9 +326,9 @@ class DiskStore:
         if not new:
             return codes
         slots, stale = self.index.reserve(len(new))
-        for i in new[len(slots):]:
+        for i in new[len(slots) :]:
             codes[i] = NO_SLOT
-        new = new[:len(slots)]
+        new = new[: len(slots)]
         if not new:
             return codes
         ok = self._journal_frees(stale)
@@ -365,15 +393,22 @@ class DiskStore:
             return None
         with self.journal_lock:
             try:
-                self.files.append(records(FREE, stale, self.index.next_ids(len(stale)),
-                                          time.time()))
+                self.files.append(
+                    records(FREE, stale, self.index.next_ids(len(stale)), time.time())
+                )
             except OSError as exc:
                 return self._failed(exc.errno or 0)
         self.index.settled(stale)
         return None
 
-    def _commit(self, written: list[tuple[int, int]], digests: list[bytes], ptrs: Parts,
-                codes: list[int], epoch: int) -> None:
+    def _commit(
+        self,
+        written: list[tuple[int, int]],
+        digests: list[bytes],
+        ptrs: Parts,
+        codes: list[int],
+        epoch: int,
+    ) -> None:
         slots = np.asarray([s for s, _ in written], dtype=np.int64)
         keys = [digests[i] for _, i in written]
         seals = np.empty((len(written), SEAL_BYTES), dtype=np.uint8)
@@ -402,9 +437,14 @@ class DiskStore:
         writes."""
         if err in FULL_ERRNOS:
             if not self.full:
-                log.warning("disk tier: the file system is full, writes pause", extra={
-                    "model": self.name, "path": str(self.folder),
-                    "pause_seconds": FULL_PAUSE})
+                log.warning(
+                    "disk tier: the file system is full, writes pause",
+                    extra={
+                        "model": self.name,
+                        "path": str(self.folder),
+                        "pause_seconds": FULL_PAUSE,
+                    },
+                )
             self._full_until = time.monotonic() + FULL_PAUSE
             return DISK_FULL
         return IO_ERROR
@@ -417,8 +457,10 @@ class DiskStore:
                 self.files.compact(self.index)
             except OSError as exc:
                 self._failed(exc.errno or 0)
-                log.warning("disk tier: the index could not be written (the journal "
-                            "stays)", extra={"model": self.name, "errno": exc.errno})
+                log.warning(
+                    "disk tier: the index could not be written (the journal stays)",
+                    extra={"model": self.name, "errno": exc.errno},
+                )
 
     # ----------------------------------------------------- files under us
 
@@ -438,17 +480,22 @@ class DiskStore:
                     try:
                         self.folder.mkdir(exist_ok=True)
                         self.files.reset()
-                        self.file = SlotFile(self.folder / PAGES_FILE, self.slots,
-                                             self.slot_bytes, self.align)
+                        self.file = SlotFile(
+                            self.folder / PAGES_FILE, self.slots, self.slot_bytes, self.align
+                        )
                     except OSError as exc:
                         self._failed(exc.errno or 0)
-                        log.warning("disk tier: its files were removed and cannot be made "
-                                    "anew", extra={"model": self.name, "errno": exc.errno})
+                        log.warning(
+                            "disk tier: its files were removed and cannot be made anew",
+                            extra={"model": self.name, "errno": exc.errno},
+                        )
                         return
                 threading.Thread(target=old.close, args=(CLOSE_SECONDS,), daemon=True).start()
-                log.warning("disk tier: its pages file was removed; its pages are gone, "
-                            "the files are made anew", extra={"model": self.name,
-                                                              "pages": lost})
+                log.warning(
+                    "disk tier: its pages file was removed; its pages are gone, "
+                    "the files are made anew",
+                    extra={"model": self.name, "pages": lost},
+                )
             elif state == "truncated":
                 length = self.file.length()
                 lost = self.index.drop_from(length // self.slot_bytes)
@@ -456,9 +503,10 @@ class DiskStore:
                     self.file.reserve()
                 except OSError as exc:
                     self._failed(exc.errno or 0)
-                log.warning("disk tier: its pages file was cut short; the pages past the "
-                            "cut are gone", extra={"model": self.name, "pages": lost,
-                                                   "bytes": length})
+                log.warning(
+                    "disk tier: its pages file was cut short; the pages past the cut are gone",
+                    extra={"model": self.name, "pages": lost, "bytes": length},
+                )
 
     # ----------------------------------------------------------- lifetime
 
@@ -472,8 +520,10 @@ class DiskStore:
                 if self.file.state() is None:
                     self.files.compact(self.index)
             except OSError as exc:
-                log.warning("disk tier: the index could not be written at stop (the "
-                            "journal stays)", extra={"model": self.name, "errno": exc.errno})
+                log.warning(
+                    "disk tier: the index could not be written at stop (the journal stays)",
+                    extra={"model": self.name, "errno": exc.errno},
+                )
             self.files.close()
         self.file.close(CLOSE_SECONDS)
 
