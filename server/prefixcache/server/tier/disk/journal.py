@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from prefixcache.cache.distinct import distinct_first
+
 from .slot_index import KEY_BYTES, SEAL_BYTES, SlotIndex
 
 log = logging.getLogger("prefixcache.server")
@@ -52,10 +54,28 @@ _INDEX_HEAD = struct.Struct("<8sI16s16sQQQQ")
 _JOURNAL_HEAD = struct.Struct("<8sI16s16s")
 _CHECK = struct.Struct("<Q")
 _BLOCK = struct.Struct("<IIQ")  # magic, records, checksum of the records
-ENTRY = np.dtype([("slot", "<u4"), ("pad", "<u4"), ("hits", "<i8"), ("id", "<i8"),
-                  ("time", "<f8"), ("key", f"V{KEY_BYTES}"), ("seal", f"V{SEAL_BYTES}")])
-RECORD = np.dtype([("op", "u1"), ("pad", "V3"), ("slot", "<u4"), ("seq", "<i8"),
-                   ("time", "<f8"), ("key", f"V{KEY_BYTES}"), ("seal", f"V{SEAL_BYTES}")])
+ENTRY = np.dtype(
+    [
+        ("slot", "<u4"),
+        ("pad", "<u4"),
+        ("hits", "<i8"),
+        ("id", "<i8"),
+        ("time", "<f8"),
+        ("key", f"V{KEY_BYTES}"),
+        ("seal", f"V{SEAL_BYTES}"),
+    ]
+)
+RECORD = np.dtype(
+    [
+        ("op", "u1"),
+        ("pad", "V3"),
+        ("slot", "<u4"),
+        ("seq", "<i8"),
+        ("time", "<f8"),
+        ("key", f"V{KEY_BYTES}"),
+        ("seal", f"V{SEAL_BYTES}"),
+    ]
+)
 ADD, FREE = 1, 2
 INDEX_HEAD_BYTES = _INDEX_HEAD.size + _CHECK.size
 JOURNAL_HEAD_BYTES = _JOURNAL_HEAD.size + _CHECK.size
@@ -65,8 +85,13 @@ def metadata_bytes(slots: int) -> int:
     """Bytes the index and journal of ``slots`` slots take at most: the index twice (a
     new one is written beside the old) and the journal at its bound, one record per
     slot in blocks of one record at worst."""
-    return (2 * (INDEX_HEAD_BYTES + slots * ENTRY.itemsize) + JOURNAL_HEAD_BYTES
-            + journal_bound(slots) + _BLOCK.size + RECORD.itemsize)
+    return (
+        2 * (INDEX_HEAD_BYTES + slots * ENTRY.itemsize)
+        + JOURNAL_HEAD_BYTES
+        + journal_bound(slots)
+        + _BLOCK.size
+        + RECORD.itemsize
+    )
 
 
 def journal_bound(slots: int) -> int:
@@ -121,8 +146,10 @@ class IndexFiles:
             self.seed = os.urandom(16)
         loaded = Loaded(self.seed, why)
         used = np.zeros(index.slots, dtype=bool)
-        fields = {name: np.zeros(index.slots, dtype=ENTRY[name]) for name in
-                  ("hits", "id", "time", "key", "seal")}
+        fields = {
+            name: np.zeros(index.slots, dtype=ENTRY[name])
+            for name in ("hits", "id", "time", "key", "seal")
+        }
         if entries is not None:
             inside = entries[entries["slot"] < index.slots]
             slots = inside["slot"].astype(np.int64)
@@ -138,13 +165,20 @@ class IndexFiles:
         where = dict(zip(fields["key"][order].tolist(), order.tolist(), strict=True))
         keep = np.fromiter(where.values(), dtype=np.int64, count=len(where))
         keep.sort()
-        index.load(keep, np.frombuffer(fields["key"][keep].tobytes(), dtype=np.uint8).reshape(
-            -1, KEY_BYTES), np.frombuffer(fields["seal"][keep].tobytes(),
-                                          dtype=np.uint8).reshape(-1, SEAL_BYTES),
-                   fields["time"][keep], fields["hits"][keep], fields["id"][keep], where)
-        index.seq = max(index.seq, self.covered,
-                        int(records["seq"].max()) if records is not None and len(records)
-                        else 0)
+        index.load(
+            keep,
+            np.frombuffer(fields["key"][keep].tobytes(), dtype=np.uint8).reshape(-1, KEY_BYTES),
+            np.frombuffer(fields["seal"][keep].tobytes(), dtype=np.uint8).reshape(-1, SEAL_BYTES),
+            fields["time"][keep],
+            fields["hits"][keep],
+            fields["id"][keep],
+            where,
+        )
+        index.seq = max(
+            index.seq,
+            self.covered,
+            int(records["seq"].max()) if records is not None and len(records) else 0,
+        )
         loaded.pages = len(keep)
         self._open_journal(good if records is not None else None)
         return loaded
@@ -157,7 +191,7 @@ class IndexFiles:
             return "no index file"
         if len(data) < INDEX_HEAD_BYTES:
             return "the index file is cut short"
-        raw = data[:_INDEX_HEAD.size]
+        raw = data[: _INDEX_HEAD.size]
         (check,) = _CHECK.unpack_from(data, _INDEX_HEAD.size)
         if xxhash.xxh3_64_intdigest(raw) != check:
             return "the index file's header does not check"
@@ -180,7 +214,7 @@ class IndexFiles:
             return np.zeros(0, dtype=RECORD), 0, b"", None
         if len(data) < JOURNAL_HEAD_BYTES:
             return None, 0, b"", "the journal is cut short"
-        raw = data[:_JOURNAL_HEAD.size]
+        raw = data[: _JOURNAL_HEAD.size]
         (check,) = _CHECK.unpack_from(data, _JOURNAL_HEAD.size)
         if xxhash.xxh3_64_intdigest(raw) != check:
             return None, 0, b"", "the journal's header does not check"
@@ -194,7 +228,7 @@ class IndexFiles:
             end = at + _BLOCK.size + count * RECORD.itemsize
             if magic_n != BLOCK_MAGIC or not count or end > len(data):
                 break
-            body = view[at + _BLOCK.size:end]
+            body = view[at + _BLOCK.size : end]
             if xxhash.xxh3_64_intdigest(body, seed=count) != check:
                 break
             blocks.append(np.frombuffer(body, dtype=RECORD))
@@ -203,14 +237,15 @@ class IndexFiles:
         return records, at, seed, None
 
     @staticmethod
-    def _apply(records: np.ndarray, slots: int, used: np.ndarray,
-               fields: dict[str, np.ndarray]) -> None:
+    def _apply(
+        records: np.ndarray, slots: int, used: np.ndarray, fields: dict[str, np.ndarray]
+    ) -> None:
         """Each slot's last record, over what the index file had."""
         records = records[records["slot"] < slots]
         if not len(records):
             return
         slot_of = records["slot"].astype(np.int64)
-        _, first_from_end = np.unique(slot_of[::-1], return_index=True)
+        _, first_from_end = distinct_first(slot_of[::-1])
         last = records[len(records) - 1 - first_from_end]
         adds = last[last["op"] == ADD]
         frees = last[last["op"] != ADD]
@@ -254,8 +289,12 @@ class IndexFiles:
         if self._journal is None or not len(records):
             return
         body = records.tobytes()
-        block = _BLOCK.pack(BLOCK_MAGIC, len(records),
-                            xxhash.xxh3_64_intdigest(body, seed=len(records))) + body
+        block = (
+            _BLOCK.pack(
+                BLOCK_MAGIC, len(records), xxhash.xxh3_64_intdigest(body, seed=len(records))
+            )
+            + body
+        )
         at = self.journal_bytes
         try:
             _write_all(self._journal, block, at)
@@ -285,8 +324,16 @@ class IndexFiles:
         body["key"] = np.ascontiguousarray(keys).view(f"V{KEY_BYTES}").reshape(-1)
         body["seal"] = np.ascontiguousarray(seals).view(f"V{SEAL_BYTES}").reshape(-1)
         data = body.tobytes()
-        head = _INDEX_HEAD.pack(INDEX_MAGIC, VERSION, self.identity, self.seed, seq,
-                                len(body), index.slots, xxhash.xxh3_64_intdigest(data))
+        head = _INDEX_HEAD.pack(
+            INDEX_MAGIC,
+            VERSION,
+            self.identity,
+            self.seed,
+            seq,
+            len(body),
+            index.slots,
+            xxhash.xxh3_64_intdigest(data),
+        )
         tmp = self.index_path.with_name("index.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -318,8 +365,14 @@ class IndexFiles:
             self._journal = None
 
 
-def records(op: int, slots: np.ndarray, seqs: list[int], now: float,
-            keys: list[bytes] | None = None, seals: np.ndarray | None = None) -> np.ndarray:
+def records(
+    op: int,
+    slots: np.ndarray,
+    seqs: list[int],
+    now: float,
+    keys: list[bytes] | None = None,
+    seals: np.ndarray | None = None,
+) -> np.ndarray:
     """Journal records of ``op`` for ``slots`` (with their pages' keys and seals)."""
     out = np.zeros(len(slots), dtype=RECORD)
     out["op"] = op
