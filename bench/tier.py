@@ -22,7 +22,9 @@ Printed, from the same run:
 - the object split, Mooncake alone: the same bytes read as an object per page and as an
   object per page and K/V buffer, call by call, and a lookup's exists probe each way;
 - what the seal checks cost a fetch (tier_seal.py): the tier's checked read against the
-  same read unchecked, digest and MAC, and the checks' own GB/s (target: <= 1.10x).
+  same read unchecked, digest and MAC, and the checks' own GB/s (target: <= 1.10x); and
+  what sealing costs the tier's put: sealed against unsealed (target: <= 1.05x), and
+  the sidecar's save path with the tier (digest, MAC) against without it.
 
     python bench/tier.py --limit 200 --json tier.json
 
@@ -56,7 +58,7 @@ import numpy as np  # noqa: E402
 from bench.tier_fetch import fetch_phase  # noqa: E402
 from bench.tier_nodes import model_config, trace_keys, unique_pages  # noqa: E402
 from bench.tier_replay import hit_ratios  # noqa: E402
-from bench.tier_seal import seal_phase  # noqa: E402
+from bench.tier_seal import save_phase, seal_phase  # noqa: E402
 from bench.trace import DEFAULT_TRACE, load_expanded  # noqa: E402
 
 
@@ -108,6 +110,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="pages the seal measurement reads (at the --fetch-* geometry)",
     )
     parser.add_argument("--seal-batch", type=int, default=128, help="pages a call")
+    parser.add_argument(
+        "--save-requests", type=int, default=64, help="saves a round of the save measurement"
+    )
+    parser.add_argument("--save-pages", type=int, default=4, help="pages a save")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     path = None if args.synthetic or not args.trace.exists() else args.trace
@@ -139,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             seal_dir = tmp / "seal"
             seal_dir.mkdir()
             out.update(seal_phase(args, seal_dir))
+            save_dir = tmp / "save"
+            save_dir.mkdir()
+            out.update(save_phase(args, save_dir))
     single = out.get("single_hit_ratio")
     if single is not None:
         out["tier_vs_single"] = out["two_nodes_tier_hit_ratio"] / single if single else None
@@ -239,6 +248,37 @@ def _print(out: dict[str, Any]) -> None:
                 f"{out[f'seal_check_gbps_{kind}']:.1f} |"
             )
         print("target: checked / unchecked <= 1.10")
+    if "put_sealed_cost_digest" in out:
+        print("the tier's put of the same pages, sealed against unsealed, call by call:")
+        print(
+            "| seal | put GB/s unsealed | sealed | sealed / unsealed time: best over best "
+            "(rounds) | median of the call pairs |"
+        )
+        print("|---|---|---|---|---|")
+        for kind in ("digest", "mac"):
+            rounds = ", ".join(f"{r:.2f}" for r in out[f"put_sealed_cost_{kind}_rounds"])
+            print(
+                f"| {kind} | {out[f'put_gbps_{kind}_unsealed']:.3f} | "
+                f"{out[f'put_gbps_{kind}_sealed']:.3f} | "
+                f"{out[f'put_sealed_cost_{kind}']:.3f} ({rounds}) | "
+                f"{out[f'put_sealed_cost_{kind}_median']:.3f} |"
+            )
+        print("target: sealed / unsealed <= 1.05")
+    if "save_cost_digest" in out:
+        print(
+            f"the sidecar's save path (Match with allocation, then Insert), "
+            f"{out['save_requests']} saves of {out['save_bytes']} bytes a round:"
+        )
+        print("| tier | saves/s | no tier / this: best over best (rounds) |")
+        print("|---|---|---|")
+        print(f"| none | {out['saves_per_s_none']:.0f} | |")
+        for kind in ("digest", "mac"):
+            rounds = ", ".join(f"{r:.2f}" for r in out[f"save_cost_{kind}_rounds"])
+            print(
+                f"| {kind} | {out[f'saves_per_s_{kind}']:.0f} | "
+                f"{out[f'save_cost_{kind}']:.3f} ({rounds}) |"
+            )
+        print(f"mac / digest: {out['save_cost_mac_vs_digest']:.3f}; target <= 1.05")
 
 
 if __name__ == "__main__":

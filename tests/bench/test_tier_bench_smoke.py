@@ -1,7 +1,7 @@
 """Smoke tests of bench/tier.py. The default run: the fetch measurement alone (a master,
-two sidecars, Mooncake's own reader) and the seal checks' cost, about 15 s. The whole
-bench on a tiny synthetic trace (the three hit ratios too: seven sidecars, two masters,
-30 to 100 s here) runs only with PREFIXCACHE_SLOW=1, as CI runs every test:
+two sidecars, Mooncake's own reader) and the seals' cost (checks, puts, saves), about
+25 s. The whole bench on a tiny synthetic trace (the three hit ratios too: seven
+sidecars, two masters, 30 to 100 s here) runs only with PREFIXCACHE_SLOW=1, as CI runs every test:
 
     PREFIXCACHE_SLOW=1 python -m pytest tests/bench/test_tier_bench_smoke.py
 """
@@ -61,6 +61,14 @@ def test_tier_bench_fetch_only(tmp_path: Path, capsys: pytest.CaptureFixture[str
     for kind in ("digest", "mac"):
         assert out[f"fetch_gbps_{kind}_checked"] > 0 and out[f"seal_check_gbps_{kind}"] > 0
         assert len(out[f"fetch_checked_cost_{kind}_rounds"]) == 2
+        # And the put of the same pages, sealed against unsealed.
+        assert out[f"put_gbps_{kind}_sealed"] > 0 and out[f"put_gbps_{kind}_unsealed"] > 0
+        assert len(out[f"put_sealed_cost_{kind}_rounds"]) == 2
+    assert "sealed / unsealed" in printed
+    # The save path on sidecars with the tier sealing each way and without it.
+    for kind in ("none", "digest", "mac"):
+        assert out[f"saves_per_s_{kind}"] > 0
+    assert len(out["save_cost_mac_rounds"]) == 2
 
 
 @LONG

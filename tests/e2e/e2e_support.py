@@ -91,6 +91,7 @@ class Sidecar:
         head_dim: int = tiny_llama.HEAD_DIM,
         size: int = 16384,
         disk: Path | None = None,
+        tier: dict[str, Any] | None = None,
     ) -> None:
         self.tmp = tmp
         self.socket = tmp / "pc.sock"
@@ -109,17 +110,21 @@ class Sidecar:
             .replace("@POOL4@", pool(HYBRID_LAYERS))
         )
         self.metrics_port = 0
-        if disk is not None:  # the disk tier below the pool (docs/disk-tier.md)
+        if disk is not None or tier is not None:  # /metrics on, for ``metric``
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", 0))
                 self.metrics_port = probe.getsockname()[1]
             config = config.replace(
                 "metrics_port: -1", f"metrics_port: {self.metrics_port}\n  metrics_host: 127.0.0.1"
-            ).replace(
+            )
+        if disk is not None:  # the disk tier below the pool (docs/disk-tier.md)
+            config = config.replace(
                 "server:\n",
                 f"server:\n  disk: {{path: '{disk}', bytes: 268435456, timeout: 30}}\n",
                 1,
             )
+        if tier is not None:  # ``server.tier``: the Mooncake tier (docs/across-nodes.md)
+            config = config.replace("server:\n", f"server:\n  tier: {json.dumps(tier)}\n", 1)
         self.config.write_text(config)
         self.log = tmp / "pc.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -168,15 +173,16 @@ class Sidecar:
         self.kill(signal.SIGTERM)
         self.client.close()
 
-    def metric(self, name: str) -> float:
-        """The sum of the samples of metric ``name`` (needs ``disk``: /metrics is on)."""
+    def metric(self, name: str, labels: str = "") -> float:
+        """The sum of the samples of metric ``name`` whose line holds ``labels`` (needs
+        ``disk`` or ``tier``: /metrics is on)."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as reply:
             text = reply.read().decode()
         return sum(
             float(line.rpartition(" ")[2])
             for line in text.splitlines()
-            if line.startswith((name + " ", name + "{"))
+            if line.startswith((name + " ", name + "{")) and labels in line
         )
 
     def cached_len(self, model: str, tokens: Sequence[int]) -> int:

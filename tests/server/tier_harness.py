@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.request
@@ -32,9 +33,17 @@ REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-c", "from prefixcache.server.cli import main; raise SystemExit(main())"]
 
 
+def mooncake_master() -> str | None:
+    """The ``mooncake_master`` of this interpreter's environment (a venv's bin, which
+    need not be on PATH: CI's e2e stage runs its venv's python directly), else PATH's."""
+    return shutil.which("mooncake_master", path=sysconfig.get_path("scripts")) or shutil.which(
+        "mooncake_master"
+    )
+
+
 def mooncake_missing() -> str | None:
     """Why the Mooncake client cannot run here, or None."""
-    if shutil.which("mooncake_master") is None:
+    if mooncake_master() is None:
         return "mooncake_master is not installed (pip install '.[tier]')"
     probe = subprocess.run(
         [sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True, timeout=60
@@ -87,10 +96,13 @@ class Master:
 
     def start(self) -> None:
         env = {**os.environ, "GLOG_minloglevel": "1"}
+        binary = mooncake_master()
+        if binary is None:
+            raise RuntimeError("mooncake_master is not installed (pip install '.[tier]')")
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
                 [
-                    "mooncake_master",
+                    binary,
                     f"--rpc_port={self.port}",
                     "--rpc_address=127.0.0.1",
                     f"--metrics_port={self.metrics_port}",
