@@ -38,9 +38,9 @@ from prefixcache.client import InvalidArgument, Retention
 
 from .attn_backends import BackendInfo
 from .backend import RpcBackend
+from .config import kv_role, role_config
 from .keys import RequestInfo
 from .meta import StepMeta
-from .roles import kv_role, role_config
 from .scheduler import SchedulerCore
 from .worker import WorkerCore
 

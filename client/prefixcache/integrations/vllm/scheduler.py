@@ -40,7 +40,7 @@ request's blocks while it runs (``during_run_saves``: a sliding-window KV cache 
 the first probe answers "ask again" until the save's Match has landed, so that no step
 runs before its copies can be planned; a miss then waits a step too, as a lookup does.
 
-Prefill/decode (``roles.py``). A producer (``kv_producer``) never looks up and a
+Prefill/decode (``config.py``). A producer (``kv_producer``) never looks up and a
 consumer (``kv_consumer``) never saves: their settings say so (``load`` off, ``save``
 off). The producer also orders its saves (``ordered_saves``), because its proxy sends
 the request on to the consumer as soon as the producer's output is out: a request's

@@ -1,4 +1,4 @@
-"""vLLM's ``kv_role`` (roles.py) on the engine-free cores, in vLLM's order, against a
+"""vLLM's ``kv_role`` (``config.KVRole``) on the engine-free cores, in vLLM's order, against a
 real server: a producer never looks up and inserts a finished request's save before
 the step's outputs leave (the calls vLLM makes before it sends them return after the
 insert); a consumer loads and never saves; an unknown role, or a setting the role
@@ -18,9 +18,9 @@ from integrations.vllm.vllm_support import token_rows as _token_rows
 
 from prefixcache.client import PrefixCacheClient
 from prefixcache.integrations.vllm.backend import RpcBackend
+from prefixcache.integrations.vllm.config import ROLES, kv_role, role_config
 from prefixcache.integrations.vllm.keys import RequestInfo
 from prefixcache.integrations.vllm.layout import split_kv
-from prefixcache.integrations.vllm.roles import ROLES, kv_role, role_config
 from prefixcache.integrations.vllm.scheduler import SchedulerCore
 from prefixcache.integrations.vllm.worker import WorkerCore
 
