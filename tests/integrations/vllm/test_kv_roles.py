@@ -74,10 +74,10 @@ def test_settings_the_role_agrees_with_are_taken() -> None:
 # ----------------------------------------------------------- the cores, per role
 
 
-def scheduler(address: str, role: str) -> SchedulerCore:
+def scheduler(address: str, role: str, **settings: object) -> SchedulerCore:
     """A scheduler core as the connector makes it for ``role``."""
     kv = kv_role(role)
-    config = role_config(kv, {"model": "v", "target": address})
+    config = role_config(kv, {"model": "v", "target": address, **settings})
     backend = RpcBackend(config)
     if backend.shadow is not None and not backend.wait_fast_miss(10.0):
         raise TimeoutError("the connector's shadow index got no snapshot")
@@ -201,6 +201,39 @@ def test_a_producer_finishing_after_its_insert_went_out_waits_for_it(
         assert held(client, PROMPT)[0] == 16
         assert core.stats.inserts_unordered == 0
     finally:
+        core.close()
+        worker.close()
+
+
+@pytest.mark.usefixtures("quiet")
+def test_a_producer_waits_for_an_unanswered_insert_no_longer_than_its_deadline(
+    server: ServerThread, client: PrefixCacheClient
+) -> None:
+    """The service does not answer the insert (its loop held up): the output goes after
+    twice the call deadline, counted; the next calls do not wait for it again."""
+    core = scheduler(server.address, "kv_producer", timeout=0.2)
+    worker = make_worker(server.address)
+    go = threading.Event()
+    try:
+        worker.register(make_caches("kv_first"))
+        a = RequestInfo("A", PROMPT, len(PROMPT))
+        core.probe(a, 0)
+        core.build_meta()
+        settle(core)
+        core.probe(a, 0)
+        core.allocated("A", BLOCKS, 0)
+        copied = forward(core, worker, {"A": (18, BLOCKS)})
+        core.finished(a, BLOCKS, 18)
+        server.loop.call_soon_threadsafe(go.wait, 30.0)
+        core.saves_copied(copied)
+        assert core.stats.inserts_unordered == 1
+        core.sends_done(())
+        assert core.stats.inserts_unordered == 1  # not waited for twice
+    finally:
+        go.set()
+        settle(core)
+        core.build_meta()  # whatever the late answer queued (the slots given back)
+        settle(core)
         core.close()
         worker.close()
 

@@ -559,6 +559,8 @@ class SchedulerCore:
                 len(ops),
                 2 * self.config.timeout,
             )
+            # Their outputs go now: a later call need not wait for them again.
+            self._replying.difference_update(op.req_id for op in ops if isinstance(op, SaveCommit))
         self._absorb()
         # Requests whose save is through (or that saved nothing) are done with.
         self._replying = {r for r in self._replying if r in self._saves or r in self._inserting}
