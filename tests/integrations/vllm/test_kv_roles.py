@@ -34,12 +34,19 @@ def test_each_role_loads_and_saves_what_it_names() -> None:
     for name in ROLES:
         role = kv_role(name)
         config = role_config(role, extra)
-        got[name] = (role.loads, role.saves, role.orders_saves, config.load, config.save)
+        got[name] = (
+            role.loads,
+            role.saves,
+            role.orders_saves,
+            config.load,
+            config.save,
+            config.fast_miss,
+        )
         assert config.timeout == 1.5  # the other settings stay
     assert got == {
-        "kv_producer": (False, True, True, False, "prompt"),
-        "kv_consumer": (True, False, False, True, "off"),
-        "kv_both": (True, True, False, True, "prompt"),
+        "kv_producer": (False, True, True, False, "prompt", True),
+        "kv_consumer": (True, False, False, True, "off", False),  # looks every request up
+        "kv_both": (True, True, False, True, "prompt", True),
     }
 
 
@@ -67,6 +74,7 @@ def test_a_setting_the_role_rules_out_is_refused(
 def test_settings_the_role_agrees_with_are_taken() -> None:
     assert not role_config(kv_role("kv_producer"), {"model": "v", "load": False}).load
     assert role_config(kv_role("kv_consumer"), {"model": "v", "save": "off"}).save == "off"
+    assert role_config(kv_role("kv_consumer"), {"model": "v", "fast_miss": True}).fast_miss
     with pytest.raises(ValueError, match="unknown key"):  # the settings' own checks too
         role_config(kv_role("kv_consumer"), {"model": "v", "saev": "off"})
 
@@ -284,8 +292,11 @@ def test_a_consumer_loads_and_never_saves(server: ServerThread, client: PrefixCa
         assert not core.finished(a, BLOCKS, 19)
         other = list(range(2000, 2022))  # computed here, never seen by the service
         b = RequestInfo("B", other, len(other))
-        assert core.probe(b, 0) == (0, False)  # a miss, from the shadow index
+        assert core.probe(b, 0) == (None, False)  # its lookup, and no save's Match
         assert core.saving_during_run() == set()
+        core.build_meta()
+        settle(core)
+        assert core.probe(b, 0) == (0, False)
         core.allocated("B", [1, 3, 4, 6, 8, 10], 0)
         forward(core, worker, {"B": (22, [1, 3, 4, 6, 8, 10])})
         assert not core.finished(b, [1, 3, 4, 6, 8, 10], 23)

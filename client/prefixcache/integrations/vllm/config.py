@@ -207,7 +207,9 @@ def role_config(role: KVRole, extra: Mapping[str, Any] | None) -> ConnectorConfi
     """The connector's settings (``kv_connector_extra_config``) for ``role``: a producer
     does not load, a consumer does not save. A setting that asks for what the role rules
     out (a producer's ``load: true``, a consumer's ``save`` other than ``off``) is an
-    error, not silently overridden."""
+    error, not silently overridden. A consumer looks every request up (``fast_miss``
+    off unless set): its requests are the prompts a producer saved a moment ago, which
+    its shadow index may not show yet."""
     config = ConnectorConfig.from_extra(extra)
     given = dict(extra or {})
     if not role.loads:
@@ -224,4 +226,6 @@ def role_config(role: KVRole, extra: Mapping[str, Any] | None) -> ConnectorConfi
                 f"{role.name!r} never saves (use kv_both)"
             )
         config = dataclasses.replace(config, save="off")
+        if "fast_miss" not in given:
+            config = dataclasses.replace(config, fast_miss=False)
     return config
