@@ -49,13 +49,20 @@ def test_the_consumer_hits_what_the_producer_just_computed(
         tmp_path, "pd-consumer", model_dir, BLOCK, pd_sidecar, MODEL, kv_role="kv_consumer"
     )
     try:
+        # A prompt of each engine's own first: each opens its session with the sidecar
+        # (the producer's is saved, the consumer's must not be).
+        warm, alone = prompts(62, (100, 200))
+        producer.generate([warm], max_tokens=1)
+        assert consumer.generate([alone])[0]["cached"] == 0
+
         batch = prompts(61, LENGTHS)
         got = [proxy(producer, consumer, p) for p in batch]
         want = [expected_hit(len(p), BLOCK) for p in batch]
         assert [o["cached"] for o in got] == want, consumer.log_tail()
         assert consumer.metrics()[HITS] == sum(want)
         # Only the producer's saves are cached: each prompt's whole blocks.
-        saved = sum(len(p) // BLOCK * BLOCK for p in batch)
+        whole = [len(p) // BLOCK * BLOCK for p in batch]
+        saved = len(warm) // BLOCK * BLOCK + sum(whole)
         assert stats(MODEL)[MODEL].cached_tokens == saved
 
         own = producer.generate(batch)  # its own prefix-cache hit, on KV it computed
@@ -69,12 +76,10 @@ def test_the_consumer_hits_what_the_producer_just_computed(
         again = producer.generate(batch, max_tokens=1)
         assert [o["cached"] for o in again] == [0] * len(batch)
         assert producer.metrics().get(HITS, 0.0) == 0.0
-        assert stats(MODEL)[MODEL].match_tokens_total - matched == saved
+        assert stats(MODEL)[MODEL].match_tokens_total - matched == sum(whole)
 
-        # A prompt the consumer computes itself stays vLLM's own: nothing is saved,
+        # The prompt the consumer computed itself stays vLLM's own: nothing is saved,
         # also once it stopped (its connector sends what it has queued before it ends).
-        (alone,) = prompts(62, (200,))
-        assert consumer.generate([alone])[0]["cached"] == 0
         consumer.close()
         assert pd_sidecar.cached_len(MODEL, alone) == 0
         assert stats(MODEL)[MODEL].cached_tokens == saved
