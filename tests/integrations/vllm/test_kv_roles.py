@@ -120,15 +120,19 @@ def rows(caches: dict[str, torch.Tensor], n: int) -> list[torch.Tensor]:
     ]
 
 
-def after_the_insert(server: ServerThread, call: Callable[[], Any]) -> Any:
-    """Run ``call`` while the server's loop is held up (a sidecar slow to answer): it
-    must still be waiting half a second on, and return once the loop, let go, answered
-    the insert."""
+def after_the_insert(
+    server: ServerThread, call: Callable[[], Any], before: Callable[[], Any] | None = None
+) -> Any:
+    """Run ``before``, then ``call``, while the server's loop is held up (a sidecar slow
+    to answer): ``call`` must still be waiting half a second on, and return once the
+    loop, let go, answered the insert."""
     go = threading.Event()
     server.loop.call_soon_threadsafe(go.wait, 30.0)
     out: list[Any] = []
     thread = threading.Thread(target=lambda: out.append(call()))
     try:
+        if before is not None:
+            before()
         thread.start()
         thread.join(0.5)
         early = not thread.is_alive()
@@ -199,13 +203,12 @@ def test_a_producer_finishing_after_its_insert_went_out_waits_for_it(
         settle(core)
         core.probe(a, 0)
         core.allocated("A", BLOCKS, 0)
-        go = threading.Event()  # the insert leaves, and waits for the loop
-        server.loop.call_soon_threadsafe(go.wait, 30.0)
-        try:
-            core.saves_copied(forward(core, worker, {"A": (18, BLOCKS)}))  # A runs on
-        finally:
-            go.set()
-        assert not after_the_insert(server, lambda: core.finished(a, BLOCKS, 19))
+        copied = forward(core, worker, {"A": (18, BLOCKS)})
+        assert not after_the_insert(
+            server,
+            lambda: core.finished(a, BLOCKS, 19),
+            before=lambda: core.saves_copied(copied),  # the insert leaves; A runs on
+        )
         assert held(client, PROMPT)[0] == 16
         assert core.stats.inserts_unordered == 0
     finally:
