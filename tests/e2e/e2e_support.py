@@ -208,7 +208,8 @@ class Sidecar:
 
 
 class Engine:
-    """A ``vllm.LLM`` in ``engine_proc.py``; one process for all a module's checks."""
+    """A ``vllm.LLM`` in ``engine_proc.py``; one process for all a module's checks.
+    ``kv_role``: vLLM's, for the connector (prefill/decode)."""
 
     def __init__(
         self,
@@ -218,6 +219,8 @@ class Engine:
         block_size: int,
         sidecar: Sidecar | None,
         pc_model: str | None,
+        *,
+        kv_role: str = "kv_both",
         **opts: Any,
     ) -> None:
         self.name = name
@@ -228,6 +231,7 @@ class Engine:
             "block_size": block_size,
             "pc_model": pc_model,
             "target": sidecar.target if sidecar else None,
+            "kv_role": kv_role,
             **opts,
         }
         with self.log.open("wb") as log:

@@ -21,11 +21,11 @@ import time
 from typing import Any
 
 
-def connector_config(target: str, model: str) -> dict[str, Any]:
+def connector_config(target: str, model: str, kv_role: str = "kv_both") -> dict[str, Any]:
     return {
         "kv_connector": "PrefixCacheConnector",
         "kv_connector_module_path": "prefixcache.integrations.vllm.connector",
-        "kv_role": "kv_both",
+        "kv_role": kv_role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"target": target, "model": model},
     }
@@ -41,7 +41,9 @@ def main() -> None:
 
     kwargs: dict[str, Any] = {}
     if opts.get("pc_model"):
-        kwargs["kv_transfer_config"] = connector_config(opts["target"], opts["pc_model"])
+        kwargs["kv_transfer_config"] = connector_config(
+            opts["target"], opts["pc_model"], opts.get("kv_role", "kv_both")
+        )
         kwargs["kv_transfer_config"]["kv_connector_extra_config"].update(opts.get("pc_extra") or {})
     llm = LLM(
         opts["model_dir"],

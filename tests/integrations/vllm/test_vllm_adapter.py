@@ -66,13 +66,14 @@ def vllm_config(
     backend: type = FlashAttentionBackend,
     isa: str | None = None,
     head_size: int = DIM,
+    kv_role: str = "kv_both",
     **extra: Any,
 ) -> Any:
     """What the connector reads of a VllmConfig (a real one needs a model)."""
     transfer = KVTransferConfig(
         kv_connector="PrefixCacheConnector",
         kv_connector_module_path="prefixcache.integrations.vllm.connector",
-        kv_role="kv_both",
+        kv_role=kv_role,
         kv_connector_extra_config={"model": "v", "target": address, **extra},
     )
     layers = {
@@ -168,6 +169,48 @@ def test_a_request_round_trips_through_vllm_objects(
     finally:
         scheduler.shutdown()
         worker.shutdown()
+
+
+def test_kv_role_picks_loads_and_saves(server: ServerThread, client: PrefixCacheClient) -> None:
+    """vLLM's ``kv_role``: a producer computes a cached prompt (no hit) and saves what it
+    computes; a consumer loads the hit and keeps no block for a save at the finish."""
+    with client.session(10.0) as s:
+        reply = s.match("v", PROMPT[:16], allocate=True)
+        s.insert("v", PROMPT[:16], reply.all_slots())
+    got = {}
+    for kv_role in ("kv_producer", "kv_consumer", "kv_both"):
+        scheduler = KVConnectorFactory.create_connector(
+            vllm_config(server.address, kv_role=kv_role), Role.SCHEDULER, None
+        )
+        try:
+            b = request("B")
+            first = scheduler.get_num_new_matched_tokens(b, 0)
+            scheduler.build_connector_meta(SchedulerOutput.make_empty())
+            scheduler._sched.backend.wait_idle(10.0)
+            hit = scheduler.get_num_new_matched_tokens(b, 0)
+            scheduler.update_state_after_alloc(b, blocks(B_BLOCKS), 0)
+            a = request("A")  # finished unseen: a save at the finish holds its blocks
+            a.num_computed_tokens = 18
+            keep, _ = scheduler.request_finished(a, A_BLOCKS)
+            core = scheduler._sched
+            got[kv_role] = (first, hit, keep, core.config.load, core.ordered_saves)
+            scheduler.request_finished(b, B_BLOCKS)
+        finally:
+            scheduler.shutdown()
+    assert got == {
+        "kv_producer": ((None, False), (0, False), True, False, True),
+        "kv_consumer": ((None, False), (16, False), False, True, False),
+        "kv_both": ((None, False), (16, False), True, True, False),
+    }
+
+
+def test_an_unknown_kv_role_stops_the_connector_at_start(server: ServerThread) -> None:
+    """vLLM's own check refuses an unknown role; one that gets past it (another vLLM
+    release) is refused by the connector, not taken as kv_both."""
+    config = vllm_config(server.address)
+    object.__setattr__(config.kv_transfer_config, "kv_role", "kv_prefill")
+    with pytest.raises(ValueError, match="'kv_role' must be one of"):
+        KVConnectorFactory.create_connector(config, Role.SCHEDULER, None)
 
 
 def test_lora_and_salt_of_a_vllm_request_pick_the_namespace(

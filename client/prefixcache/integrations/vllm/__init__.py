@@ -13,7 +13,7 @@ leased reservations) with ``fast_miss`` (misses answered from a shadow index) an
 manager; the null block), ``worker`` with ``attn_backends`` (each
 attention backend's KV layout), ``layout`` and ``pool_access`` (per-token copies
 between the pool and vLLM's blocks), ``layerwise`` (loads issued layer by layer on a
-GPU stream), ``keys`` and ``config``.
+GPU stream), ``keys`` and ``config`` (with vLLM's ``kv_role``: prefill/decode).
 ``connector`` is the thin vLLM adapter and the only module that imports vLLM; importing
 this package does not.
 """

@@ -84,6 +84,7 @@ class SaveCommit:
     # are the tree's own, from the save's Match.
     owned_from: int = 0
     retain: Any = None  # the request's retention hint, for what the insert caches
+    req_id: str = ""  # the vLLM request saved
 
 
 @dataclass(slots=True)
@@ -132,6 +133,8 @@ class RpcBackend:
         self._down_until = 0.0
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._inflight = 0
+        # The operations dispatched and not finished, by id (``wait_done``).
+        self._out: set[int] = set()
         self._idle = threading.Condition(self._lock)
         self._pool = ThreadPoolExecutor(config.max_inflight, thread_name_prefix="prefixcache-vllm")
         self._closed = False
@@ -158,6 +161,7 @@ class RpcBackend:
             if self._closed:
                 return
             self._inflight += len(ops)
+            self._out.update(map(id, ops))
             self.batches += 1
         for op in ops:
             self._pool.submit(self._run, op)
@@ -175,6 +179,13 @@ class RpcBackend:
         """Whether a call is out, or done and not drained yet."""
         with self._lock:
             return self._inflight > 0 or not self._done.empty()
+
+    def wait_done(self, ops: list[Op], timeout: float) -> bool:
+        """Block until every one of ``ops`` (dispatched) has finished, its answer waiting
+        for ``drain``; False on timeout."""
+        keys = [id(op) for op in ops]
+        with self._idle:
+            return self._idle.wait_for(lambda: self._out.isdisjoint(keys), timeout)
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until no call is in flight (tests, shutdown); False on timeout."""
@@ -246,8 +257,8 @@ class RpcBackend:
         self._done.put(done)
         with self._idle:
             self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.notify_all()
+            self._out.discard(id(op))
+            self._idle.notify_all()  # wait_done waits for single calls
 
     def _open(self) -> ClientSession:
         with self._open_lock:

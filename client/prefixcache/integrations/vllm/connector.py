@@ -38,7 +38,7 @@ from prefixcache.client import InvalidArgument, Retention
 
 from .attn_backends import BackendInfo
 from .backend import RpcBackend
-from .config import ConnectorConfig
+from .config import kv_role, role_config
 from .keys import RequestInfo
 from .meta import StepMeta
 from .scheduler import SchedulerCore
@@ -192,7 +192,8 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 policy,
             )
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None)
-        config = ConnectorConfig.from_extra(extra)
+        kv = kv_role(getattr(self._kv_transfer_config, "kv_role", None))
+        config = role_config(kv, extra)
         block_size = int(vllm_config.cache_config.block_size)
         tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         self._scheduler: SchedulerCore | None = None
@@ -210,11 +211,18 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     tp_size,
                 )
                 config = dataclasses.replace(config, save="off")
+            if kv.orders_saves and config.save == "all":
+                log.warning(
+                    "prefixcache: kv_role 'kv_producer' with save 'all' saves at the "
+                    "finish, after the request's output: a consumer asked at once may "
+                    "miss (save 'prompt' is inserted before the output)"
+                )
             self._scheduler = SchedulerCore(
                 RpcBackend(config),
                 config,
                 block_size,
                 during_run_saves=frees_blocks_while_running(kv_cache_config),
+                ordered_saves=kv.orders_saves,
             )
             if self._group_problem is not None:  # the workers say why, once
                 self._scheduler.disable(self._group_problem)

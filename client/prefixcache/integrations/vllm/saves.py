@@ -348,6 +348,7 @@ class Saves:
                 save.epoch,
                 len(save.cached),
                 save.retain,
+                save.req_id,
             )
         )
         if len(spare):

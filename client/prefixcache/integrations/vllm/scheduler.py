@@ -40,6 +40,21 @@ request's blocks while it runs (``during_run_saves``: a sliding-window KV cache 
 the first probe answers "ask again" until the save's Match has landed, so that no step
 runs before its copies can be planned; a miss then waits a step too, as a lookup does.
 
+Prefill/decode (``config.py``). A producer (``kv_producer``) never looks up and a
+consumer (``kv_consumer``) never saves: their settings say so (``load`` off, ``save``
+off). The producer also orders its saves (``ordered_saves``), because its proxy sends
+the request on to the consumer as soon as the producer's output is out: a request's
+first probe answers "ask again" until its save's Match has landed, so that its copies
+run with the steps that compute its prompt; and the insert of a finished request's save
+is acknowledged before vLLM lets the request's output go. vLLM hands a step's finished
+requests to ``finished``, then the step's copies to ``saves_copied`` and
+``sends_done``, then sends the step's outputs; each of these calls waits (up to the
+calls' deadline) for the inserts of finished requests it has sent, or that were still
+out, so the output leaves after the insert. This costs the producer's scheduler one
+round trip to the service in a step that finishes requests. A save made at the finish
+(a copy that could not run with the prompt's steps, ``save: all``'s output) follows the
+output.
+
 Disabled. A worker that cannot copy (an unknown KV layout, a pool that does not fit)
 says so with a step's output (``disable``): from then on the core looks nothing up and
 saves nothing; the saves already under way finish or are given back as usual.
@@ -77,6 +92,7 @@ class Backend(Protocol):
 
     def dispatch(self, ops: list[Op]) -> None: ...
     def drain(self) -> list[Done]: ...
+    def wait_done(self, ops: list[Op], timeout: float) -> bool: ...
     def session_alive(self, session_id: str) -> bool: ...
     def shadow_hit(self, tokens: array, extra_key: str | None) -> int | None: ...
 
@@ -120,6 +136,8 @@ class SchedulerCore:
         during_run_saves: vLLM frees blocks of running requests (a sliding-window
             group): vLLM waits for each request's save before it runs (see the module
             docstring).
+        ordered_saves: a request's save is inserted before its output leaves (the
+            producer of prefill/decode, see the module docstring).
     """
 
     def __init__(
@@ -130,6 +148,7 @@ class SchedulerCore:
         clock: Callable[[], float] = time.monotonic,
         *,
         during_run_saves: bool = False,
+        ordered_saves: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -138,6 +157,7 @@ class SchedulerCore:
         self.block_size = block_size
         self.clock = clock
         self.during_run_saves = during_run_saves
+        self.ordered_saves = ordered_saves
         self.stats = SchedulerStats()
         self._res: dict[str, _Reservation] = {}
         self._saves = Saves(self.stats, self._queue, backend.session_alive, block_size)
@@ -151,6 +171,10 @@ class SchedulerCore:
         self._steps = 0
         self._later: list[tuple[int, int, Release]] = []
         self.disabled: str | None = None
+        # The inserts sent and not answered yet, by request (``ordered_saves``).
+        self._inserting: dict[str, SaveCommit] = {}
+        # Finished requests whose output must wait for their save's insert.
+        self._replying: set[str] = set()
 
     # ------------------------------------------------------------ vLLM's calls
 
@@ -189,7 +213,7 @@ class SchedulerCore:
                 during_run=True,
                 retain=info.retention,
             )
-        return self.during_run_saves and self._saves.waiting(info.req_id)
+        return (self.during_run_saves or self.ordered_saves) and self._saves.waiting(info.req_id)
 
     def _answer(self, info: RequestInfo, num_computed: int) -> tuple[int | None, bool]:
         """The lookup's answer to a probe (``probe``)."""
@@ -318,6 +342,9 @@ class SchedulerCore:
             if keep:
                 self._saves.finish(info.req_id, blocks, n)
         self._flush()
+        if self.ordered_saves:
+            self._replying.add(info.req_id)
+            self._await_inserts()
         return keep
 
     def sends_done(self, req_ids: Iterable[str]) -> None:
@@ -326,6 +353,7 @@ class SchedulerCore:
         self._absorb()
         self._saves.sends_done(req_ids)
         self._flush()
+        self._await_inserts()
 
     def loads_failed(self, refs: Iterable[int]) -> None:
         """The workers' loads that failed, by ``LoadOp.ref``, summed over the ranks:
@@ -351,6 +379,7 @@ class SchedulerCore:
         ranks of a step): a save whose copies are all made inserts."""
         self._saves.copied(reports)
         self._flush()
+        self._await_inserts()
 
     def saves_failed(self, refs: Iterable[int]) -> None:
         """The workers' saves whose copies failed, by ``SaveOp.ref``, summed over the
@@ -512,7 +541,29 @@ class SchedulerCore:
     def _queue(self, op: Op) -> None:
         if isinstance(op, SaveCommit):
             self._misses.inserting(op)
+            if self.ordered_saves:
+                self._inserting[op.req_id] = op
         self._queued.append(op)
+
+    def _await_inserts(self) -> None:
+        """``ordered_saves``: wait (up to the calls' deadline) for the inserts of the
+        finished requests whose output is about to leave (see the module docstring)."""
+        if not self._replying:
+            return
+        ops: list[Op] = [op for r, op in self._inserting.items() if r in self._replying]
+        if ops and not self.backend.wait_done(ops, 2 * self.config.timeout):
+            self.stats.inserts_unordered += len(ops)
+            log.warning(
+                "prefixcache: %d insert(s) of finished requests not answered in %.1f s; "
+                "their outputs leave before them",
+                len(ops),
+                2 * self.config.timeout,
+            )
+            # Their outputs go now: a later call need not wait for them again.
+            self._replying.difference_update(op.req_id for op in ops if isinstance(op, SaveCommit))
+        self._absorb()
+        # Requests whose save is through (or that saved nothing) are done with.
+        self._replying = {r for r in self._replying if r in self._saves or r in self._inserting}
 
     def _flush(self) -> None:
         ops, self._queued = self._queued, []
@@ -526,6 +577,8 @@ class SchedulerCore:
             elif isinstance(op, SaveAlloc):
                 self._saves.landed(op, done)
             elif isinstance(op, SaveCommit):
+                if self._inserting.get(op.req_id) is op:
+                    del self._inserting[op.req_id]
                 ok = done.error is None and not getattr(done.reply, "skipped", False)
                 self._misses.inserted(op, ok)
                 if done.error is not None:

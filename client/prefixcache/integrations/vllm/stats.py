@@ -30,3 +30,6 @@ class SchedulerStats:
     # Saves that stopped at a block vLLM had freed (the null block) before they could
     # copy it: they insert the tokens before it (saves.py, "Gaps").
     saves_cut: int = 0
+    # A producer's inserts (``ordered_saves``) whose request's output left before the
+    # service answered them: the call was slower than its deadline.
+    inserts_unordered: int = 0
