@@ -212,8 +212,10 @@ class Engine:
         block_size: int,
         sidecar: Sidecar | None,
         pc_model: str | None,
+        python: str = sys.executable,
         **opts: Any,
     ) -> None:
+        """``python``: the interpreter of another venv (a peer's connector)."""
         self.name = name
         self.block_size = block_size
         self.log = tmp / f"engine-{name}.log"
@@ -226,7 +228,7 @@ class Engine:
         }
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(HERE / "engine_proc.py"), json.dumps(options)],
+                [python, str(HERE / "engine_proc.py"), json.dumps(options)],
                 # vLLM's default: the engine core in a process of its own, its loop
                 # stepping while the connector has saves in flight after the replies.
                 env=engine_env(),
