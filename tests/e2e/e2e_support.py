@@ -221,8 +221,11 @@ class Engine:
         pc_model: str | None,
         *,
         kv_role: str = "kv_both",
+        python: str = sys.executable,
         **opts: Any,
     ) -> None:
+        """``python``: another venv's interpreter (a peer's connector, given as
+        ``kv_transfer_config`` in ``opts``)."""
         self.name = name
         self.block_size = block_size
         self.log = tmp / f"engine-{name}.log"
@@ -236,7 +239,7 @@ class Engine:
         }
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(HERE / "engine_proc.py"), json.dumps(options)],
+                [python, str(HERE / "engine_proc.py"), json.dumps(options)],
                 # vLLM's default: the engine core in a process of its own, its loop
                 # stepping while the connector has saves in flight after the replies.
                 env=engine_env(),

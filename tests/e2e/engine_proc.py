@@ -40,7 +40,9 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     kwargs: dict[str, Any] = {}
-    if opts.get("pc_model"):
+    if opts.get("kv_transfer_config"):  # another connector, as given (bench/peers_vllm.py)
+        kwargs["kv_transfer_config"] = opts["kv_transfer_config"]
+    elif opts.get("pc_model"):
         kwargs["kv_transfer_config"] = connector_config(
             opts["target"], opts["pc_model"], opts.get("kv_role", "kv_both")
         )
