@@ -212,10 +212,10 @@ def test_a_fail_open_worker_keeps_running_through_a_crash(tmp_path: Path) -> Non
         thread.start()
         try:
             for _ in range(2):
-                start = time.monotonic()
+                deadline = time.monotonic() + 60
                 epoch = epoch_of(starts[-1].address)
                 while served_in[epoch] < 30 and not errors:
-                    assert time.monotonic() - start < 60, "the worker made no progress"
+                    assert time.monotonic() < deadline, "the worker made no progress"
                     time.sleep(0.01)
                 if len(starts) == 1:
                     restart(starts, tmp_path)

@@ -215,10 +215,11 @@ def test_a_frozen_stream_client_loses_its_holdings_within_its_ttl(
             time.sleep(2 * ttl)  # a live client keeps its stream past the TTL
             assert _holdings(stub) == (4, 1)
             client.send_signal(signal.SIGSTOP)
-            start = time.monotonic()
-            while _holdings(stub) != (0, 0) and time.monotonic() - start < 10 * ttl:
+            # Released by the limit under test: the other one (60 s of keepalive_time,
+            # or a 300 s stream TTL) is past this deadline.
+            deadline = time.monotonic() + 30
+            while _holdings(stub) != (0, 0):
+                assert time.monotonic() < deadline, f"still held: {_holdings(stub)}"
                 time.sleep(0.05)
-            assert _holdings(stub) == (0, 0)
-            assert time.monotonic() - start < ttl + 1.0
             srv.check_integrity()
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
