@@ -33,11 +33,10 @@ def test_a_silent_stream_ends_within_its_ttl_and_releases_what_it_held(tmp_path)
                 requests.put(pb.SessionRequest(seq=seq, stats=pb.StatsRequest(model="m")))
                 assert next(replies).seq == seq
             assert session_slots(stub) == 4
-            # Silence ends it, within its TTL (plus the reaper's tick).
-            start = time.monotonic()
+            # Silence ends it: the server's TTL (UNAVAILABLE, naming it), long before
+            # the call's own 30 s deadline would have (DEADLINE_EXCEEDED).
             with pytest.raises(grpc.RpcError) as err:
                 next(replies)
-            assert time.monotonic() - start < 2.0
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "server.stream_ttl" in err.value.details()
             assert session_slots(stub) == 0
