@@ -83,7 +83,7 @@ def test_a_session_dropped_after_renewing_stops_renewing_and_lapses(
     it has renewed, dropping the session still ends the thread and the lease."""
     s = client.session(ttl=0.3)
     prefill(s, "m", [32, 33], keep_lock=True)
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 30
     while s.renewals < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert s.renewals >= 2
@@ -98,9 +98,9 @@ def _renewal_ends_and_lease_lapses(
     """After the test dropped its only reference to a session renewed by ``thread``."""
     gc.collect()
     assert thread is not None
-    thread.join(2)
+    thread.join(30)
     assert not thread.is_alive()
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 30
     while client.stats("m")["m"].locks and time.monotonic() < deadline:
         time.sleep(0.05)
     assert client.stats("m")["m"].locks == 0
@@ -109,7 +109,7 @@ def _renewal_ends_and_lease_lapses(
 def test_a_session_the_service_forgot_is_reported_lost(client: PrefixCacheClient) -> None:
     s = client.session(ttl=0.3)
     client.close_session(s.session_id)  # as if the lease had lapsed or the server restarted
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 30
     while s.lost is None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert isinstance(s.lost, NotFound)
