@@ -16,6 +16,7 @@ import sys
 import time
 
 import grpc
+import pytest
 from harness import SOURCE_PATH, pb, serve_process, stub_for, toks
 
 from prefixcache.server.sessions import keepalive
@@ -77,6 +78,7 @@ def test_unleased_keepalives_share_one_paced_bucket() -> None:
     assert keepalive.wait(session, 70.0, bucket) == 0.0
 
 
+@pytest.mark.slow
 def test_a_storm_of_unknown_ids_is_paced_and_the_victim_goes_on(tmp_path) -> None:
     with serve_process(tmp_path, CONFIG) as (_proc, address):
         channel, stub = stub_for(address)

@@ -99,6 +99,7 @@ def epoch_of(address: str) -> int:
         return stub.ListModels(pb.ListModelsRequest(), timeout=10, wait_for_ready=True).server_epoch
 
 
+@pytest.mark.slow
 def test_stale_handles_are_dropped_not_used(tmp_path: Path) -> None:
     with restarts(tmp_path) as starts:
         client = PrefixCacheClient(starts[0].address, fail_open=True, retries=0)
@@ -164,6 +165,7 @@ def test_stale_handles_are_dropped_not_used(tmp_path: Path) -> None:
         strict.close()
 
 
+@pytest.mark.slow
 def test_a_fail_open_worker_keeps_running_through_a_crash(tmp_path: Path) -> None:
     """A worker thread serves requests (match+lock+allocate, insert with the lock handed
     over, unlock) while the service is killed and started again. It never stops: calls

@@ -284,6 +284,7 @@ class Load:
             call.cancel()
 
 
+@pytest.mark.slow
 def test_sigterm_under_load_drains_cleanly(tmp_path: Path) -> None:
     (tmp_path / "pc.yaml").write_text(CONFIG)
     sock = tmp_path / "pc.sock"

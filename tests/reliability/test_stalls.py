@@ -48,6 +48,7 @@ def _health(channel: grpc.Channel) -> int:
     )
 
 
+@pytest.mark.slow
 def test_an_unread_stderr_pipe_does_not_stall_the_service(tmp_path: Path) -> None:
     (tmp_path / "pc.yaml").write_text(CONFIG)
     address = f"unix:{tmp_path / 'pc.sock'}"
@@ -98,6 +99,7 @@ def test_an_unread_stderr_pipe_does_not_stall_the_service(tmp_path: Path) -> Non
             proc.wait()
 
 
+@pytest.mark.slow
 def test_a_stopped_server_keeps_its_live_clients_sessions(tmp_path: Path) -> None:
     with serve_process(tmp_path, CONFIG) as (proc, address):
         channel, stub = stub_for(address)

@@ -236,6 +236,7 @@ def test_snapshots_are_rebuilt_at_most_once_a_second(tmp_path: Path, ctx: zmq.Co
         srv.stop()
 
 
+@pytest.mark.slow
 def test_snapshots_of_a_large_tree_are_built_in_slices_and_exact(
     tmp_path: Path, ctx: zmq.Context
 ) -> None:

@@ -92,6 +92,7 @@ def open_streams(srv) -> int:
     return srv.run(lambda: len(srv.server.servicer.subscriptions.streams))
 
 
+@pytest.mark.slow
 def test_a_subscribe_storm_leaves_other_clients_served(srv, stub) -> None:
     fill(stub, 0, 16384)  # 128 + 16384 nodes
     stop = threading.Event()
@@ -287,6 +288,7 @@ class Follower(threading.Thread):
         return pages
 
 
+@pytest.mark.slow
 def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
     # A model's first Subscribe walked its whole tree in one loop turn (100k nodes: over
     # half a second, with the garbage collection its records set off). Four first

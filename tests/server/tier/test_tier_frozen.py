@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from tier_harness import frozen_master_node
 
 from prefixcache.client import PrefixCacheClient
@@ -27,6 +28,7 @@ def _errors(node) -> dict[str, float]:
     return {k: v for k, v in node.metrics().items() if k.startswith("prefixcache_tier_errors")}
 
 
+@pytest.mark.slow
 def test_a_frozen_master_pins_no_more_than_a_share_of_the_pool(tmp_path: Path) -> None:
     model = {"name": "m", "page_size": 4, "pool": POOL}
     with frozen_master_node(tmp_path, model) as (_, node):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from tier_harness import Master, Node, needs_mooncake, tier_config
 
 from prefixcache.client import PrefixCacheClient
@@ -29,6 +30,7 @@ def _tier_metrics(node: Node) -> dict[str, float]:
     return {k: v for k, v in node.metrics().items() if k.startswith("prefixcache_tier")}
 
 
+@pytest.mark.slow
 def test_a_dead_peer_is_a_counted_local_miss(tmp_path: Path) -> None:
     needs_mooncake()
     master = Master(tmp_path, client_ttl=CLIENT_TTL)

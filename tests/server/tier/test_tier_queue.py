@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from tier_harness import frozen_master_node
 
 from prefixcache.client import PrefixCacheClient
@@ -31,6 +32,7 @@ def _locks(client: PrefixCacheClient) -> int:
     return int(model.locks)
 
 
+@pytest.mark.slow
 def test_a_full_put_queue_drops_and_counts_and_drains_once_the_store_answers(
     tmp_path: Path,
 ) -> None:

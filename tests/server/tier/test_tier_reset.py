@@ -41,6 +41,7 @@ def _model(client: PrefixCacheClient) -> object:
     return next(m for m in client.stats("m").models if m.model == "m")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["after_the_timeout", "before_the_timeout"])
 def test_a_fetch_still_writing_at_a_reset_writes_into_no_one_elses_slots(
     tmp_path: Path, when: str

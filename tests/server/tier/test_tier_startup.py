@@ -7,11 +7,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from tier_harness import Master, Node, needs_mooncake, tier_config
 
 from prefixcache.client import PrefixCacheClient
 
 
+@pytest.mark.slow
 def test_serves_before_the_master_is_up_and_connects_after(tmp_path: Path) -> None:
     needs_mooncake()
     master = Master(tmp_path)  # its ports chosen, nothing listening yet

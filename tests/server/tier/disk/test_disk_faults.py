@@ -31,6 +31,7 @@ DISK_FULL = r'prefixcache_disk_demote_dropped_pages_total\{.*reason="disk_full".
 FULL_ERRORS = r'prefixcache_disk_errors_total\{.*code="DISK_FULL".*\}'
 
 
+@pytest.mark.slow
 def test_a_full_file_system_stops_demotion_and_nothing_fails(tmp_path: Path) -> None:
     """A tmpfs of 6 MiB, 4 MiB of it the tier's: filled by someone else, the journal
     cannot grow; demotion stops (counted), lookups and the pages on disk go on."""
