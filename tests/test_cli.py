@@ -164,10 +164,10 @@ def test_health_fails_for_an_unknown_service(server: Server) -> None:
 
 
 def test_health_fails_fast_without_a_server(tmp_path: Path) -> None:
-    start = time.monotonic()
     result = _run("health", "--target", f"unix:{tmp_path / 'none.sock'}", cwd=tmp_path, env=_env())
     assert result.returncode == 1
-    assert time.monotonic() - start < 3  # the deadline is 3 s; a missing socket fails first
+    # UNAVAILABLE, not DEADLINE_EXCEEDED: the missing socket failed the call at once,
+    # rather than the call waiting for a server until its 3 s deadline ran out.
     (line,) = result.stderr.splitlines()
     assert "UNAVAILABLE" in line and "none.sock" in line, line
 

@@ -133,7 +133,7 @@ def test_a_session_dropped_after_renewing_stops_its_task_and_lapses(server: Serv
         s = await c.session(ttl=0.3)
         m = await s.match("m", [62, 63], allocate=True)
         assert (await s.insert("m", [62, 63], m.allocated, lock=True)).lock_id
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + 30
         while s.renewals < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         assert s.renewals >= 2
@@ -141,8 +141,8 @@ def test_a_session_dropped_after_renewing_stops_its_task_and_lapses(server: Serv
         del s
         gc.collect()
         assert task is not None
-        await asyncio.wait_for(asyncio.shield(task), 2)
-        deadline = time.monotonic() + 2
+        await asyncio.wait_for(asyncio.shield(task), 30)
+        deadline = time.monotonic() + 30
         while (await c.stats("m"))["m"].locks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert (await c.stats("m"))["m"].locks == 0

@@ -211,10 +211,10 @@ def test_the_sidecar_knows_every_variable_the_manifest_sets(pod: Pod) -> None:
 def test_probe_fails_fast_without_a_server(tmp_path: Path) -> None:
     probe = sidecar(docs_of(*CPU_FILES))["livenessProbe"]
     env = {**_base_env(), "PREFIXCACHE_LISTEN": f"unix:{tmp_path / 'none.sock'}"}
-    start = time.monotonic()
+    # Within the probe's timeoutSeconds (_exec raises past it), and UNAVAILABLE: the
+    # missing socket failed the call at once, no wait for a server until a deadline.
     result = _exec(probe["exec"]["command"], env, probe["timeoutSeconds"])
     assert result.returncode != 0
-    assert time.monotonic() - start < probe["timeoutSeconds"]
     # One line saying why, for the kubelet's event.
     (line,) = result.stderr.splitlines()
     assert "UNAVAILABLE" in line and "none.sock" in line, line

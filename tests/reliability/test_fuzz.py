@@ -13,8 +13,9 @@ every method (Step, the page RPCs and Subscribe included). For each case:
 * a refused call leaves every model's Stats exactly as they were, and the integrity
   check holds after every case (the server also runs it after every mutating call).
 
-The default run is a few hundred cases; the long run (>= 10,000 cases) is marked slow
-and needs PREFIXCACHE_SLOW=1 (PREFIXCACHE_FUZZ_CASES sets its size):
+The default run of messages is a few hundred cases, outside the fast subset (about
+20 s on a loaded 2-core machine); the long run (>= 10,000 cases) is marked slow too and
+needs PREFIXCACHE_SLOW=1 (PREFIXCACHE_FUZZ_CASES sets its size):
 
     PREFIXCACHE_SLOW=1 python -m pytest -m slow -s tests/reliability/test_fuzz.py
 
@@ -348,6 +349,7 @@ def _settings(examples: int) -> settings:
     )
 
 
+@pytest.mark.slow
 @settings(_settings(400))
 @given(data=st.data())
 def test_fuzz_messages(world: World, data: Any) -> None:

@@ -92,6 +92,7 @@ def test_off_a_corrupted_counter_goes_unnoticed(tmp_path: Path) -> None:
         srv.stop()
 
 
+@pytest.mark.slow
 def test_cli_flag_starts_the_server_in_invariant_mode(tmp_path: Path) -> None:
     sock = tmp_path / "pc.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}

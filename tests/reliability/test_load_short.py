@@ -20,12 +20,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "bench" / "traces" / "mooncake_conversation_trace.jsonl"
 DURATION = 10
 WORKERS = 3
 
 
+@pytest.mark.slow
 def test_short_load_has_no_errors_and_leaves_nothing_held(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}

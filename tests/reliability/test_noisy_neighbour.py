@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every attack run against a server process: 30 s at load 10
+
 _REPO = Path(__file__).resolve().parents[2]
 if str(_REPO) not in sys.path:  # bench/ is a script folder, not an installed package
     sys.path.insert(0, str(_REPO))

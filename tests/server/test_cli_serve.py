@@ -258,10 +258,8 @@ def test_sigterm_drains_and_exits_0_with_json_logs(tmp_path: Path) -> None:
         with channel:
             assert stub.ListModels(pb.ListModelsRequest(), timeout=10).models
     finally:
-        start = time.monotonic()
-        code = server.terminate(GRACE + 5)
+        code = server.terminate(GRACE + 5)  # fails the test if serve outlives that
     assert code == 0, server.stderr
-    assert time.monotonic() - start < GRACE + 5
     assert not server.socket.exists(), "serve left its socket file behind"
     lines = server.stderr.splitlines()
     assert lines

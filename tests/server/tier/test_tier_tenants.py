@@ -47,6 +47,7 @@ def test_tenants_never_read_each_others_pages(nodes: tuple[Node, Node]) -> None:
     assert b.metric(r'prefixcache_tier_hit_tokens_total\{.*tier="remote".*\}') == len(tokens)
 
 
+@pytest.mark.slow
 def test_a_sidecar_without_a_tenants_config_reads_none_of_its_pages(tmp_path: Path) -> None:
     """Node B lists no tenants (or another tenant on the same prefix): naming acme's
     namespace there finds nothing of what acme cached on node A, since tier keys carry

@@ -51,6 +51,7 @@ def nodes(tmp_path: Path) -> Iterator[tuple[Node, Node]]:
         yield a, b
 
 
+@pytest.mark.slow
 def test_a_fetch_of_more_parts_than_mooncake_queues_arrives_whole(nodes: tuple[Node, Node]) -> None:
     assert PAGES * 2 * LAYERS > 2 * MAX_QUEUED_PARTS  # past what one call could carry
     a, b = nodes

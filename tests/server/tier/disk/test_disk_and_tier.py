@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from disk_harness import DEMOTED, cache, read, same, tokens_of
 from tier_harness import tier_config, two_nodes
@@ -18,6 +19,7 @@ HITS = r'prefixcache_tier_hit_tokens_total\{model="m",tier="%s"\}'
 PUT = r'prefixcache_tier_put_pages_total\{model="m"\}'
 
 
+@pytest.mark.slow
 def test_pool_then_disk_then_mooncake(tmp_path: Path) -> None:
     made: list[str] = []
 

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from harness import ServerThread, make_config
 from hypothesis import HealthCheck, given, settings
@@ -63,6 +64,7 @@ PROMPT = st.tuples(st.integers(0, 1), st.integers(0, 2), st.sampled_from([4, 8, 
 OP = st.sampled_from(["insert", "read", "read", "read", "evict", "evict", "reset", "restart"])
 
 
+@pytest.mark.slow
 @settings(
     max_examples=EXAMPLES,
     deadline=None,

@@ -81,6 +81,7 @@ def _serve(
     )
 
 
+@pytest.mark.slow
 def test_a_second_sidecar_on_the_same_path_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "disk"
     path.mkdir()
