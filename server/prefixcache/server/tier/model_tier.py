@@ -34,7 +34,9 @@ to the store with no hook in those paths:
 
 Counters: a lookup's hit tokens by where they were found (``local``: the pool, counted
 by the first tier a model's lookups go through only; then this tier's ``found`` label),
-and its result by outcome (``Tier.kind``).
+and its result by outcome (``Tier.kind``). The results of the last ``RECENT`` lookups
+that asked the store are remembered by the key of the request's last page looked for
+(``recent``), for the Explain RPC: why that request did or did not hit here.
 
 Not thread-safe: the loop's, like the engine.
 """
@@ -44,6 +46,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -74,6 +77,8 @@ DROP_REASONS = (
     "breaker_open",
     "disk_full",
 )
+# Lookups whose results are remembered for Explain (about 200 bytes each).
+RECENT = 4096
 # Bytes of one write-back job (at least a page): staged and queued in turn, so that the
 # write of one overlaps the copy of the next.
 WRITE_JOB_BYTES = 4 << 20
@@ -175,6 +180,8 @@ class ModelTier:
         self.put_failed = 0
         self.drops: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self.refused = 0  # fetched pages whose seal did not check
+        # The last lookups' results and tokens found here, by their last page's key.
+        self.recent: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     def count(self, table: dict[str, int], label: str, n: int = 1) -> None:
         table[label] = table.get(label, 0) + n
@@ -186,6 +193,14 @@ class ModelTier:
             self.hit_tokens["local"] += local
         self.hit_tokens[self.found] += got
         self.count(self.lookups, self.found if got else why)
+
+    def remember(self, key: str, result: str, tokens: int = 0) -> None:
+        """The result of a lookup that asked the store, by its last page's ``key``."""
+        recent = self.recent
+        recent[key] = (result, tokens)
+        recent.move_to_end(key)
+        if len(recent) > RECENT:
+            recent.popitem(last=False)
 
     def close(self) -> None:
         """Give the cache its listener back."""

@@ -254,6 +254,11 @@ class Tier:
         codes, _ = await self.call("exists", mt.backend.exists, keys, deadline=deadline.at)
         return codes
 
+    def peek(self, mt: ModelTier, keys: list[str]) -> list[int] | None:
+        """``exists``'s codes for ``keys`` where they are known on the loop at no cost,
+        touching nothing (None: not known without a store call)."""
+        return None
+
     def held(
         self, mt: ModelTier, keys: list[str], retain: PageRetention | None = None
     ) -> list[bool] | None:

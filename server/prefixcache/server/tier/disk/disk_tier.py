@@ -7,6 +7,7 @@ It differs where a local index can:
 
 * ``probe`` asks the store's index on the loop (no thread hop: a dict lookup per page,
   stopping at the first page it lacks);
+* ``peek`` answers Explain from that index (explain.py), touching nothing;
 * ``held`` lets write-back skip pages the disk holds already (a page read from disk
   and evicted again is not written twice);
 * ``write_refusal`` adds ``disk_full`` while the file system is full;
@@ -177,6 +178,9 @@ class DiskTier(Tier):
         why = self.available()
         if why is not None:
             return None
+        return mt.backend.exists(keys)
+
+    def peek(self, mt: ModelTier, keys: list[str]) -> list[int] | None:
         return mt.backend.exists(keys)
 
     def held(
