@@ -409,10 +409,10 @@ def records(
         out["seal"] = np.ascontiguousarray(seals).view(f"V{SEAL_BYTES}").reshape(-1)
     for row, r in enumerate(retain or ()):
         if r is not None:
-            out[row]["priority"] = r.priority
-            out[row]["seconds"] = r.seconds
-            out[row]["until"] = r.until
-            out[row]["owner"] = owner_id(r.owner)
+            out["priority"][row] = r.priority
+            out["seconds"][row] = r.seconds
+            out["until"][row] = r.until
+            out["owner"][row] = owner_id(r.owner)
     return out
 
 
