@@ -1,7 +1,8 @@
 """Capacity: hit ratios with a pool far smaller than the working set, and what retention
 hints add for agents.
 
-``python bench/capacity.py --json FILE [--quick] [--server] [--disk-dir DIR]`` replays
+``python bench/capacity.py --json FILE [--quick] [--server] [--disk-dir DIR]
+[--trace NAME]`` replays
 
 (a) the Mooncake conversation trace (bench/traces/mooncake_conversation_trace.jsonl, one
     hour of Kimi chat; a hash id is one 512-token block), and
@@ -20,7 +21,10 @@ over prompt tokens, every request counted) and ``runner``:
   ``server.tenants``) and with half (its default with one tenant configured);
 * ``pool+disk`` and ``pool+disk+retention`` (agentic): the same pool over the local disk
   tier, ``--disk-dir`` with ``--disk-bytes`` (default: 1.5 times the working set's pages,
-  4 KiB each).
+  4 KiB each; each row's folder is removed after it) and ``--disk-timeout`` (the disk
+  reads' deadline, ``server.disk.timeout``); each such row has the server's
+  ``prefixcache_disk_lookups_total`` by result at its end (``disk_lookups``: ``disk``,
+  ``miss``, ``timeout``, ...).
 
 Runners: ``library`` rows replay in this process through ``RadixCache`` (the cache
 library the service runs), one trace block per cache token (page size 1), on the
@@ -65,6 +69,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -146,6 +151,8 @@ class Row:
     refused: int = 0
     seconds: float = 0.0
     skipped: str | None = None
+    # Disk rows: the server's prefixcache_disk_lookups_total by result at the end.
+    disk_lookups: dict[str, int] | None = None
 
 
 def mooncake_trace(limit: int | None) -> Trace:
@@ -335,6 +342,7 @@ def replay_server(
                     continue
                 tally.add(e, m.prefix_len)
                 s.insert("m", e.blocks, m.all_slots(), release_lock_id=m.lock_id, retain=turn_hint)
+        lookups = node.results("prefixcache_disk_lookups_total") if disk is not None else None
     finally:
         node.stop()
     return Row(
@@ -350,7 +358,12 @@ def replay_server(
         None,
         tally.refused,
         time.perf_counter() - t0,
+        disk_lookups=lookups,
     )
+
+
+def _is_record(line: str) -> bool:
+    return line.startswith("{")
 
 
 class _Server:
@@ -365,7 +378,10 @@ class _Server:
 
         (tmp / "pc.yaml").write_text(
             yaml.safe_dump(
-                {"server": {"shm_dir": "off", "metrics_port": -1, **server}, "models": [model]}
+                {
+                    "server": {"shm_dir": "off", "metrics_port": 0, "log_format": "json", **server},
+                    "models": [model],
+                }
             )
         )
         self.address = f"unix:{tmp / 'pc.sock'}"
@@ -405,6 +421,21 @@ class _Server:
                     raise RuntimeError(lines[-1] if lines else "no output") from None
                 time.sleep(0.1)
 
+    def results(self, metric: str) -> dict[str, int]:
+        """``metric``'s values by their ``result`` label, from the server's /metrics."""
+        import re
+        import urllib.request
+
+        port = next(
+            rec["metrics_port"]
+            for rec in map(json.loads, filter(_is_record, self.log.read_text().splitlines()))
+            if rec.get("event") == "serving"
+        )
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        pattern = rf'^{metric}\{{[^}}]*result="([^"]+)"[^}}]*\}} (\S+)$'
+        return {m[1]: int(float(m[2])) for m in re.finditer(pattern, text, re.M)}
+
     def stop(self) -> None:
         if self.client is not None:
             self.client.close()
@@ -423,7 +454,12 @@ class _Server:
 def rows(args: argparse.Namespace) -> list[Row]:
     quick = args.quick
     params = AgentParams(sessions=20, arrival_s=450.0) if quick else AgentParams()
-    traces = [mooncake_trace(2000 if quick else None), agent_trace(params)]
+    wanted = args.trace or ["mooncake_conversation", "agentic"]
+    traces = []
+    if "mooncake_conversation" in wanted:
+        traces.append(mooncake_trace(2000 if quick else None))
+    if "agentic" in wanted:
+        traces.append(agent_trace(params))
     out: list[Row] = []
     for trace in traces:
         agentic = trace.name == "agentic"
@@ -461,12 +497,24 @@ def server_rows(args: argparse.Namespace, trace: Trace, pool: int, n: int) -> li
                 "path": str(path),
                 "bytes": args.disk_bytes or 3 * PAGE_BYTES * trace.working_set // 2,
             }
-        with tempfile.TemporaryDirectory(prefix="capacity-") as tmp:
-            out.append(
-                replay_server(
-                    trace, pool, seconds, disk, args.time_scale, Path(tmp), share=TENANT_SHARES[0]
+            if args.disk_timeout:
+                disk["timeout"] = args.disk_timeout
+        try:
+            with tempfile.TemporaryDirectory(prefix="capacity-") as tmp:
+                out.append(
+                    replay_server(
+                        trace,
+                        pool,
+                        seconds,
+                        disk,
+                        args.time_scale,
+                        Path(tmp),
+                        share=TENANT_SHARES[0],
+                    )
                 )
-            )
+        finally:
+            if disk is not None:  # its preallocated slots: gigabytes a row
+                shutil.rmtree(disk["path"], ignore_errors=True)
     return out
 
 
@@ -511,6 +559,18 @@ def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> 
         type=int,
         default=0,
         help="server.disk.bytes (0: 1.5 times the working set's pages)",
+    )
+    parser.add_argument(
+        "--disk-timeout",
+        type=float,
+        default=0.0,
+        help="server.disk.timeout (0: its default, 0.5 s)",
+    )
+    parser.add_argument(
+        "--trace",
+        choices=("mooncake_conversation", "agentic"),
+        action="append",
+        help="replay only this trace; repeatable (default: both)",
     )
     parser.add_argument(
         "--time-scale",

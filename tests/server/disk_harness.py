@@ -23,6 +23,7 @@ from tier_harness import Node
 from prefixcache.cache.eviction import get_eviction_policy
 from prefixcache.cache.pools.kv_pool import KVPool
 from prefixcache.client import PrefixCacheClient
+from prefixcache.server.tier.backend import PageRetention
 from prefixcache.server.tier.disk.slot_file import probe_direct
 from prefixcache.server.tier.disk.store import DiskStore, slots_for
 from prefixcache.server.tier.layout import PageLayout
@@ -119,8 +120,10 @@ class StoreRig:
         identity: bytes = IDENTITY,
         heads: int = 2,
         dim: int = 8,
+        retain_limit: int | None = None,
     ) -> None:
         self.folder = folder
+        self.retain_limit = retain_limit
         self.pool = KVPool(pool, PS, torch.float16, 2, heads, dim)
         self.layout = PageLayout(self.pool, PS)
         self.align = probe_direct(folder.parent)
@@ -142,6 +145,7 @@ class StoreRig:
             self.align,
             self.identity,
             get_eviction_policy(self.policy),
+            retain_limit=self.retain_limit,
         )
         for ptr, size in [*self.layout.regions(), *self.staging.regions(), self.seals.region()]:
             store.register(ptr, size)
@@ -168,9 +172,11 @@ class StoreRig:
             for pp, zz in zip(ptrs, sizes, strict=True)
         ]
 
-    def put(self, keys: list[str], slots: np.ndarray) -> list[int]:
+    def put(
+        self, keys: list[str], slots: np.ndarray, retain: PageRetention | None = None
+    ) -> list[int]:
         """Stage the pages of pool rows ``slots`` and put them, each with a seal that
-        names its key; returns the codes."""
+        names its key (and the retention ``retain``); returns the codes."""
         taken = self.staging.copy(slots)
         assert taken is not None
         seals = self.seals.take(len(keys))
@@ -181,7 +187,9 @@ class StoreRig:
             ptrs, sizes = self.staging.parts(taken)
             ptrs = [[*p, s] for p, s in zip(ptrs, self.seals.ptrs(seals), strict=True)]
             sizes = [[*z, 32] for z in sizes]
-            return self.store.put_from(keys, ptrs, sizes)
+            if retain is None:
+                return self.store.put_from(keys, ptrs, sizes)
+            return self.store.put_from(keys, ptrs, sizes, [retain] * len(keys))
         finally:
             self.staging.release(taken)
             self.seals.release(seals)

@@ -25,6 +25,26 @@ HINTS = {
     "the request's extra_key (LoRA adapter, tenant, salt)",
     "below_page": "the tail shorter than a page: never cached",
 }
+# A tier's part (ExplainTier): what a lookup would do now, and what the last one did.
+TIER_STATES = {
+    "promote": "a lookup reads them into the pool and answers them as a hit",
+    "not_held": "the page after the hit is not there",
+    "capacity": "no room for reads now (max_fetch_slots taken)",
+    "breaker_open": "reads are skipped for a while: one overran its deadline or failed",
+    "unavailable": "the tier is not serving",
+    "hit": "every whole page hits in the pool",
+}
+TIER_RESULTS = {
+    "disk": "read {tokens} tokens from disk: a hit",
+    "remote": "read {tokens} tokens from the Mooncake store: a hit",
+    "miss": "not held there",
+    "timeout": "the read missed the lookup's deadline (a slow or busy disk: "
+    "timeout, min_fetch_bandwidth)",
+    "refused": "the first page failed its seal check (counted in "
+    "prefixcache_integrity_failures_total) and was removed",
+    "capacity": "no pool room for the read (a fuller pool, max_fetch_slots)",
+    "error": "the read failed (prefixcache_disk_errors_total)",
+}
 
 
 def outcome_names() -> list[str]:
@@ -136,6 +156,14 @@ def print_explained(args: argparse.Namespace, reply: Any) -> None:
             else "the default namespace (no extra_key)"
         )
         print(f"cached under namespace {where}")
+    for part in reply.tiers:
+        print(
+            f"{part.tier} tier: {part.tokens} tokens after the hit held there; "
+            f"{part.state}: {TIER_STATES.get(part.state, '')}"
+        )
+        if part.last:
+            meaning = TIER_RESULTS.get(part.last, "").format(tokens=part.last_tokens)
+            print(f"  its last lookup of this request: {part.last}: {meaning}")
 
 
 def print_outcomes(models: Any) -> None:

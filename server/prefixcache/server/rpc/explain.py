@@ -6,7 +6,10 @@ each range (``prefixcache.cache.radix.lookup_outcomes``), as ``prefixcache_looku
 would count a lookup of it, but nothing is counted and, for a radix model, nothing in
 the tree is touched. A tenant's token is answered about its own namespaces only: the
 other namespaces looked into are the tenant's, so it cannot learn what another tenant
-has cached.
+has cached. For a radix model's request named by its tokens, the tiers below the pool
+that can tell without a store call (the disk tier) add their part after the hit: what
+they hold, what a lookup would do with it now, and what the last lookup of the request
+there did (tier/explain.py).
 """
 
 from __future__ import annotations
@@ -96,22 +99,24 @@ def explain_hash(
 
 
 async def explain(
-    service: Any, limits: Limits, turns: Turns, req: pb.ExplainRequest
+    service: Any, limits: Limits, turns: Turns, req: pb.ExplainRequest, tiers: Any = None
 ) -> pb.ExplainResponse:
     """The RPC: decode, explain, encode, in one slice that takes its turn with the other
-    long calls (access/turns.py)."""
+    long calls (access/turns.py). ``tiers``: the tiers below the pools (tier/chain.py's
+    ``Tiers``), whose part is told for a radix model's request named by its tokens."""
     engine = service.engine(req.model)
     async with turns.admit(client_identity(CALLER.get(), PEER.get(), "")) as turn:
         await turn.next()
-        return _explain(service, engine, limits, req)
+        return _explain(service, engine, limits, req, tiers)
 
 
 def _explain(
-    service: Any, engine: Any, limits: Limits, req: pb.ExplainRequest
+    service: Any, engine: Any, limits: Limits, req: pb.ExplainRequest, tiers: Any = None
 ) -> pb.ExplainResponse:
     caller = CALLER.get()
     namespaces = caller.may_use if caller.bound else None
     extra_key = req.extra_key if req.HasField("extra_key") else None
+    key = None
     if req.prompt_hash:
         if req.token_ids:
             raise InvalidInputError("name the request by token_ids or by prompt_hash, not both")
@@ -144,4 +149,15 @@ def _explain(
     reply.stop = outcome_value(after[0] if after else HIT)
     if classified.namespace is not None:
         reply.other_extra_key = classified.namespace
+    if tiers is not None and key is not None and engine.kind == "radix":
+        for part in tiers.explain(engine.name, key, hit):
+            reply.tiers.append(
+                pb.ExplainTier(
+                    tier=part.tier,
+                    tokens=part.tokens,
+                    state=part.state,
+                    last=part.last,
+                    last_tokens=part.last_tokens,
+                )
+            )
     return reply

@@ -407,6 +407,6 @@ class PrefixCacheServicer(SessionStream, CacheOps, pb_grpc.PrefixCacheServicer):
         return await self._unary(
             "Explain",
             context,
-            lambda req: explain.explain(self.service, self.limits, self.turns, req),
+            lambda req: explain.explain(self.service, self.limits, self.turns, req, self.tier),
             request,
         )

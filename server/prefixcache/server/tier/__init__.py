@@ -19,7 +19,8 @@ bytes in the pool), seals.py (seal slots, sealing and checking), writer.py (the 
 queue), staging.py (write-back's copies of evicted pages), model_tier.py (one model's
 hooks: new pages in, reset), fetch.py and fetch_pages.py (the read paths), store_read.py
 (a read's slots and deadline), service.py (a tier of one server, and the Mooncake one),
-chain.py (the tiers in lookup order), metrics.py (their Prometheus collector); disk/
+chain.py (the tiers in lookup order), explain.py (a tier's part of the Explain RPC),
+metrics.py (their Prometheus collector); disk/
 (the disk tier's store). May import the service's lower layers (config, access,
 engine, memory, rpc's request checks), never app.py or cli.py.
 """

@@ -8,6 +8,7 @@ error codes (Mooncake's, which errors are named after), never exceptions.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 # Mooncake Store's codes (mooncake-store/include/types.h) as seen on this machine type.
@@ -44,6 +45,20 @@ class TierUnavailable(Exception):
 
 
 Parts = list[list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class PageRetention:
+    """A page's retention (prefixcache.cache.retention) as it leaves the pool for a store
+    that keeps one (the disk tier): its priority (1 to 99), the seconds each hit renews
+    it for, when it lapses (``time.time()`` seconds: a store outlives the pool's
+    monotonic clock) and the owner it counts against (the tenant; None: the callers
+    without a tenant's token)."""
+
+    priority: int
+    seconds: float
+    until: float
+    owner: str | None
 
 
 class TierBackend(Protocol):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .explain import TierPart, explain_part
 from .service import Tier, start_tier
 
 
@@ -44,6 +45,18 @@ class Tiers:
     async def before_exists_pages(self, request: Any) -> None:
         for tier in self.tiers:
             await tier.before_exists_pages(request)
+
+    def explain(self, model: str, key: Any, hit: int) -> list[TierPart]:
+        """Each tier's part of ``key`` (explain.py), which hits ``model``'s pool for
+        ``hit`` tokens: the tiers that can tell without a store call."""
+        parts = []
+        for tier in self.tiers:
+            mt = tier.models.get(model)
+            if mt is not None and not tier.closed:
+                part = explain_part(tier, mt, key, hit)
+                if part is not None:
+                    parts.append(part)
+        return parts
 
     def close(self) -> None:
         """Close the lowest first: a tier's hooks were set over the ones above it."""

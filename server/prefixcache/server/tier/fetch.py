@@ -23,12 +23,14 @@ pages as part of the local hit and fetches only what follows them.
 
 The lookup's store calls together are bounded by its deadline (``timeout``, grown
 by each fetch's bytes: store_read.Deadline); a failure, a timeout or anything short
-counts as a miss and leaves the tree as it was; a page refused for its seal is counted
-and ends the hit before it. No room for a fetch (the pool, ``tier.max_fetch_slots``) is
-the lookup result ``capacity``. The store call cannot be cancelled, so its slots stay
-quarantined until its thread has returned, whatever happens meanwhile (a timeout, a
-Reset: which voids the fetch): store_read.py, shared with the hash-page fetch
-(fetch_pages.py).
+counts as a miss and leaves the tree as it was (the lookup's result: ``timeout`` when
+the read missed the deadline, ``error`` when it failed); a page refused for its seal is
+counted and ends the hit before it. Each result is remembered by the request's last
+page's key (``ModelTier.remember``) for the Explain RPC. No room for a fetch (the
+pool, ``tier.max_fetch_slots``) is the lookup result ``capacity``. The store call
+cannot be cancelled, so its slots stay quarantined until its thread has returned,
+whatever happens meanwhile (a timeout, a Reset: which voids the fetch): store_read.py,
+shared with the hash-page fetch (fetch_pages.py).
 """
 
 from __future__ import annotations
@@ -80,10 +82,14 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: Deadline | None
         mt.looked_up(local, 0, why)
         return 0
     want = min((aligned - local) // ps, fetch_limit(mt))
+    node = hit.last_node if local else None
     if want <= 0:
+        reach = min((aligned - local) // ps, MAX_FETCH_PAGES)
+        last = _hashes_after(cache, node, local, reach, packed, width, ps)[-1:]
+        mt.remember(mt.keys.keys(key.extra_key, width, last)[0], "capacity")
         mt.looked_up(local, 0, "capacity")
         return 0
-    hashes = _hashes_after(cache, hit.last_node if local else None, local, want, packed, width, ps)
+    hashes = _hashes_after(cache, node, local, want, packed, width, ps)
     keys = mt.keys.keys(key.extra_key, width, hashes)
     # One deadline for the whole lookup, grown by what it fetches.
     if deadline is None:
@@ -94,7 +100,9 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: Deadline | None
     if failed and codes is not None:
         tier.error("exists", code_name(codes[found]))
     if found == 0:
-        mt.looked_up(local, 0, "error" if failed else "miss")
+        why = "error" if failed else "miss"
+        mt.remember(keys[-1], why)
+        mt.looked_up(local, 0, why)
         return 0
     got, why = await _fetch(
         tier,
@@ -106,6 +114,7 @@ async def prefetch(tier: Any, mt: ModelTier, key: Any, deadline: Deadline | None
         keys[:found],
         deadline,
     )
+    mt.remember(keys[-1], mt.found if got else why, got)
     mt.looked_up(local, got, why)
     return got
 

@@ -75,8 +75,9 @@ def _tier_metrics(tier: Any) -> Iterator[Metric]:
     lookups = CounterMetricFamily(
         names["lookups"],
         f"Lookups that consulted {store}, by outcome (local: all in the "
-        f"pool or a tier above; {tier.kind.found}: pages read from it; miss; error; "
-        "refused: the first page's seal did not check; capacity: no room for the read; "
+        f"pool or a tier above; {tier.kind.found}: pages read from it; miss; timeout: "
+        "the read missed the lookup's deadline; error; refused: the first page's seal "
+        "did not check; capacity: no room for the read; "
         "unavailable; breaker_open; busy).",
         labels=["model", "result"],
     )

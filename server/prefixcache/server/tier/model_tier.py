@@ -23,6 +23,9 @@ to the store with no hook in those paths:
   already (the disk tier's index: ``Tier.held``) are not staged again. A Reset frees no
   node through eviction, so writes nothing back. Each tier's hook calls the one set
   before it (the disk tier's and Mooncake's both see every eviction).
+* A tier that keeps retentions (``Tier.keeps_retention``: the disk tier) is given the
+  node's retention with its pages, while it is in force (``page_retention``): the put
+  job carries it, and a page the store holds already takes it too.
 * Every page put carries its seal (seals.py), computed on the put thread into a seal
   slot the job holds until it is answered; no free seal slot is a counted drop
   (``seal_slots``). A write-through job sealed after a Reset is not put (the rows it
@@ -31,7 +34,9 @@ to the store with no hook in those paths:
 
 Counters: a lookup's hit tokens by where they were found (``local``: the pool, counted
 by the first tier a model's lookups go through only; then this tier's ``found`` label),
-and its result by outcome (``Tier.kind``).
+and its result by outcome (``Tier.kind``). The results of the last ``RECENT`` lookups
+that asked the store are remembered by the key of the request's last page looked for
+(``recent``), for the Explain RPC: why that request did or did not hit here.
 
 Not thread-safe: the loop's, like the engine.
 """
@@ -39,7 +44,9 @@ Not thread-safe: the loop's, like the engine.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -47,7 +54,7 @@ import numpy as np
 from prefixcache.cache.pools.allocator import host_indices
 
 from ..memory.page_seal import SEAL_BYTES, MemoryRegions
-from .backend import OBJECT_ALREADY_EXISTS, RPC_FAIL, Parts, code_name
+from .backend import OBJECT_ALREADY_EXISTS, RPC_FAIL, PageRetention, Parts, code_name
 from .keys import KeyMaker, page_names
 from .layout import PageLayout
 from .seals import SealSlots, seal_pages, sealed
@@ -70,6 +77,8 @@ DROP_REASONS = (
     "breaker_open",
     "disk_full",
 )
+# Lookups whose results are remembered for Explain (about 200 bytes each).
+RECENT = 4096
 # Bytes of one write-back job (at least a page): staged and queued in turn, so that the
 # write of one overlaps the copy of the next.
 WRITE_JOB_BYTES = 4 << 20
@@ -171,6 +180,8 @@ class ModelTier:
         self.put_failed = 0
         self.drops: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self.refused = 0  # fetched pages whose seal did not check
+        # The last lookups' results and tokens found here, by their last page's key.
+        self.recent: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     def count(self, table: dict[str, int], label: str, n: int = 1) -> None:
         table[label] = table.get(label, 0) + n
@@ -182,6 +193,14 @@ class ModelTier:
             self.hit_tokens["local"] += local
         self.hit_tokens[self.found] += got
         self.count(self.lookups, self.found if got else why)
+
+    def remember(self, key: str, result: str, tokens: int = 0) -> None:
+        """The result of a lookup that asked the store, by its last page's ``key``."""
+        recent = self.recent
+        recent[key] = (result, tokens)
+        recent.move_to_end(key)
+        if len(recent) > RECENT:
+            recent.popitem(last=False)
 
     def close(self) -> None:
         """Give the cache its listener back."""
@@ -344,7 +363,8 @@ class ModelTier:
         extra_key, width, hashes = page_names(node)
         keys = self.keys.keys(extra_key, width, hashes[:pages])
         rows = host_indices(slots)[: pages * ps]
-        held = tier.held(self, keys)
+        retain = page_retention(node, self.engine.cache) if tier.keeps_retention else None
+        held = tier.held(self, keys, retain)
         if held is not None:  # the store has some already: stage the others only
             wanted = [i for i, h in enumerate(held) if not h]
             if len(wanted) < pages:
@@ -383,6 +403,7 @@ class ModelTier:
             ptrs, sizes = staging.parts(mine)
             # Staged bytes are private: no Reset changes them.
             job = self.sealed_job(keys[at:end], ptrs, sizes, ns, hashes[at:end], my_seals, None)
+            job.retain = retain
 
             def done(
                 codes: list[int],
@@ -429,6 +450,19 @@ class ModelTier:
             self.engine.unlock(self.tier.session, lock_id)
         except Exception:  # released by a Reset in between: nothing to do
             log.debug("tier lock already released", exc_info=True)
+
+
+def page_retention(node: Any, cache: Any) -> PageRetention | None:
+    """``node``'s retention while it is in force, on the wall clock (None: none)."""
+    book = getattr(cache, "retention", None)
+    if book is None or not node.retain_priority:
+        return None
+    left = node.retain_until - book.clock()
+    if left <= 0:
+        return None
+    return PageRetention(
+        int(node.retain_priority), float(node.retain_seconds), time.time() + left, node.retain_owner
+    )
 
 
 def seal_slot_count(pool_pages: int, fetch_pages: int, staging_pages: int) -> int:

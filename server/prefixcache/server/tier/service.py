@@ -43,7 +43,7 @@ from ..codec import MAX_TOKEN_WIDTH, decode_key
 from ..config.tier import TierConfig, read_tier_secret
 from ..rpc.page_rpcs import max_pages
 from ..rpc.servicer_ops import CALLER
-from .backend import RPC_FAIL, TierBackend, TierUnavailable
+from .backend import RPC_FAIL, PageRetention, TierBackend, TierUnavailable
 from .fetch import prefetch
 from .fetch_pages import prefetch_pages
 from .model_tier import ModelTier
@@ -111,6 +111,9 @@ class Tier:
         loop: The service's event loop.
         kind: Which tier (``MOONCAKE``, ``DISK``).
     """
+
+    # Whether its store keeps the retention of the pages it is given (model_tier.py).
+    keeps_retention = False
 
     def __init__(
         self, cfg: Any, service: Any, loop: asyncio.AbstractEventLoop, kind: TierKind = MOONCAKE
@@ -251,9 +254,17 @@ class Tier:
         codes, _ = await self.call("exists", mt.backend.exists, keys, deadline=deadline.at)
         return codes
 
-    def held(self, mt: ModelTier, keys: list[str]) -> list[bool] | None:
+    def peek(self, mt: ModelTier, keys: list[str]) -> list[int] | None:
+        """``exists``'s codes for ``keys`` where they are known on the loop at no cost,
+        touching nothing (None: not known without a store call)."""
+        return None
+
+    def held(
+        self, mt: ModelTier, keys: list[str], retain: PageRetention | None = None
+    ) -> list[bool] | None:
         """Whether the store holds each of ``keys``, where that is known on the loop at
-        no cost (None: not known); each held one counts as used now."""
+        no cost (None: not known); each held one counts as used now (and takes
+        ``retain``, in a tier that keeps retentions)."""
         return None
 
     def write_refusal(self, mt: ModelTier) -> str | None:

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..config.tier import MAX_TIER_TIMEOUT, TierConfig
 from ..errors import LimitError, PoolExhaustedError
-from .backend import code_name
+from .backend import PAST_DEADLINE, code_name
 from .keys import Namespace
 from .model_tier import ModelTier
 from .seals import INTEGRITY_CODES, checked_get, page_checker, sealed
@@ -103,6 +103,9 @@ class StoreRead:
         self.failed = False
         # Why the first page was refused (its seal did not check), or None.
         self.refused: str | None = None
+        # The read missed the lookup's deadline (not made, timed out, or the first
+        # page not read by then).
+        self.late = False
 
     @property
     def void(self) -> bool:
@@ -113,8 +116,13 @@ class StoreRead:
     @property
     def outcome(self) -> str:
         """The lookup's result when the read brought nothing: ``refused`` (the first
-        page's seal did not check), ``error`` (the read failed) or ``miss``."""
-        return "refused" if self.refused else ("error" if self.failed else "miss")
+        page's seal did not check), ``timeout`` (the read missed the lookup's
+        deadline), ``error`` (the read failed) or ``miss``."""
+        if self.refused:
+            return "refused"
+        if self.late:
+            return "timeout"
+        return "error" if self.failed else "miss"
 
     def take(self, pages: int, node: Any = None) -> str | None:
         """Lock ``node`` (the local hit the pages follow; None for none) for the session,
@@ -185,6 +193,10 @@ class StoreRead:
             codes, fut = await tier.call("get", fetch, deadline=until)
         if codes is None:
             self.failed = True
+            # Not made for lack of time, or made and not back in time.
+            self.late = (fut is None and time.monotonic() >= deadline.at) or (
+                fut is not None and not fut.done()
+            )
             safely(self.release)  # the lock; the slots are not the session's
             if fut is not None and not fut.done():
                 # Timed out: the thread may still write into the slots; free them after.
@@ -210,6 +222,7 @@ class StoreRead:
             if code in INTEGRITY_CODES:
                 self.refused = INTEGRITY_CODES[code]
             else:
+                self.late = code == PAST_DEADLINE
                 tier.error("get", code_name(code) if code < 0 else "SIZE_MISMATCH")
         if whole == 0:
             self.failed = bool(codes) and self.refused is None

@@ -4,9 +4,10 @@ Nothing waits on a write: the event loop hands a job over (``offer``) and goes o
 full queue refuses the job, and the caller counts the drop. The thread takes up to
 ``batch_jobs`` jobs at once, seals their pages (each job's ``seal``: the pages' seals
 into their seal slots, seals.py) and stores them in one batch call per store (a job's
-``put``: Mooncake's one client, or each model's disk store), then hands each job's
-answer back to the loop (``done``, called there), which releases the pages and seal
-slots the job pinned.
+``put``: Mooncake's one client, or each model's disk store; a batch of which some job
+carries a retention, ``PutJob.retain``, is put with each page's as a fourth argument),
+then hands each job's answer back to the loop (``done``, called there), which releases
+the pages and seal slots the job pinned.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .backend import Parts
+from .backend import PageRetention, Parts
 
 log = logging.getLogger("prefixcache.server")
 
@@ -41,7 +42,9 @@ class PutJob:
     # Seals the pages; False: they are not to be stored (answered with no codes).
     seal: Callable[[], bool] | None = None
     # The store's batch put (None: the queue's); jobs with equal ones share a call.
-    put: Callable[[list[str], Parts, Parts], list[int]] | None = None
+    put: Callable[..., list[int]] | None = None
+    # The retention of every page of the job, for a store that keeps it (None: none).
+    retain: PageRetention | None = None
 
 
 class PutQueue:
@@ -131,14 +134,20 @@ class PutQueue:
                 self.busy = 0
 
     def _store(
-        self, put: Callable[[list[str], Parts, Parts], list[int]] | None, jobs: list[PutJob]
+        self, put: Callable[..., list[int]] | None, jobs: list[PutJob]
     ) -> list[tuple[PutJob, list[int]]]:
         """Store ``jobs`` with one call of ``put``; each job with its codes."""
         keys = [k for job in jobs for k in job.keys]
         ptrs = [p for job in jobs for p in job.ptrs]
         sizes = [s for job in jobs for s in job.sizes]
+        retain = [job.retain for job in jobs for _ in job.keys]
         try:
-            codes = put(keys, ptrs, sizes) if keys and put is not None else []
+            if not keys or put is None:
+                codes = []
+            elif any(r is not None for r in retain):
+                codes = put(keys, ptrs, sizes, retain)
+            else:
+                codes = put(keys, ptrs, sizes)
         except Exception:  # a backend bug must not end the thread
             log.exception("tier put failed")
             codes = []

@@ -7,9 +7,13 @@ It differs where a local index can:
 
 * ``probe`` asks the store's index on the loop (no thread hop: a dict lookup per page,
   stopping at the first page it lacks);
+* ``peek`` answers Explain from that index (explain.py), touching nothing;
 * ``held`` lets write-back skip pages the disk holds already (a page read from disk
   and evicted again is not written twice);
-* ``write_refusal`` adds ``disk_full`` while the file system is full.
+* ``write_refusal`` adds ``disk_full`` while the file system is full;
+* it keeps retentions (``keeps_retention``): a retained page the pool evicts keeps its
+  priority on disk, and one tenant retains at most its share of the slots
+  (``server.retention.tenant_share``, as of the pool; none with retention off).
 
 Trust: pages are sealed like the tier's objects: with ``server.tier.secret_file`` set
 (the secret is read from there), a MAC under a key per tenant and keyed object keys,
@@ -28,9 +32,11 @@ from typing import Any
 from prefixcache.cache.eviction import get_eviction_policy
 
 from ...config.disk import DiskConfig
+from ...config.retention import retention_share
 from ...config.tier import TierConfig, read_tier_secret
 from ...config.values import ConfigError
 from ...memory.page_seal import derive_key
+from ..backend import PageRetention
 from ..keys import model_fingerprint
 from ..layout import PageLayout
 from ..model_tier import ModelTier
@@ -57,6 +63,8 @@ class DiskTier(Tier):
     Raises:
         ConfigError: ``disk.path`` cannot be used, or cannot hold ``disk.bytes``.
     """
+
+    keeps_retention = True
 
     def __init__(
         self,
@@ -93,6 +101,12 @@ class DiskTier(Tier):
                 extra={"path": str(self.place.path)},
             )
         keys_id = _keys_id(secret)
+        limits = service.limits
+        share = (
+            retention_share(limits.retention, len(limits.tenants))
+            if limits.retention.enabled
+            else 0.0
+        )
         shares = {e.name: cfg.bytes * pool_bytes[e.name] // total for e in engines}
         plans = {}
         for e in engines:
@@ -130,6 +144,7 @@ class DiskTier(Tier):
                     identity,
                     get_eviction_policy(e.config.eviction_policy),
                     e.name,
+                    int(share * slots),
                 )
             except OSError as exc:
                 if exc.errno in FULL_ERRNOS:
@@ -165,8 +180,13 @@ class DiskTier(Tier):
             return None
         return mt.backend.exists(keys)
 
-    def held(self, mt: ModelTier, keys: list[str]) -> list[bool] | None:
-        return mt.backend.holds(keys)
+    def peek(self, mt: ModelTier, keys: list[str]) -> list[int] | None:
+        return mt.backend.exists(keys)
+
+    def held(
+        self, mt: ModelTier, keys: list[str], retain: PageRetention | None = None
+    ) -> list[bool] | None:
+        return mt.backend.holds(keys, retain)
 
     def write_refusal(self, mt: ModelTier) -> str | None:
         if mt.backend.full:

@@ -3,15 +3,17 @@ since it was written; a start reads both (never a page) to know every slot's pag
 
 * ``index``: a header (the store's identity, the key seed, the sequence number it
   covers, a checksum of itself and of the body) and one entry per held page (its slot,
-  key, seal, last use, hits and write sequence number). Written whole, to a temporary
+  key, seal, last use, hits, write sequence number and retention: priority, seconds,
+  expiry and owner). Written whole, to a temporary
   file that is synced and then renamed over the old one: it is either the old index or
   the new one, never half of either.
 * ``journal``: a header, then blocks appended as pages are written (and slots freed
   before they are written over): a block header (a magic number, its record count, an
   XXH3 checksum of its records) and its records (the operation, slot, sequence number,
-  time, key and seal). A block is appended by one ``write``; one that a crash cut short,
-  or any byte of which changed, fails its checksum, and it and everything after it are
-  dropped (the journal is cut back to the last whole block).
+  time, key, seal and the retention the page came with). A block is appended by one
+  ``write``; one that a crash cut short, or any byte of which changed, fails its
+  checksum, and it and everything after it are dropped (the journal is cut back to the
+  last whole block).
 
 A record names a page only once the page's bytes are written (the write returned), so
 a page whose write failed is in no record, and after a crash the journal holds at most
@@ -20,7 +22,9 @@ reached the disk, pages whose bytes fail their seal when read (counted, a miss).
 journal is not synced per block: a killed process loses nothing the kernel took.
 
 When the journal outgrows its bound, and at a clean stop, the index is written anew
-from memory and the journal cut back to its header (``compact``). Records at or below
+from memory and the journal cut back to its header (``compact``); so a retention's
+renewals by hits since (never journaled) last across a clean stop, and after a crash
+a page has the retention it was written with. Records at or below
 the index's sequence number are skipped, so a crash between the two loses nothing.
 
 The **identity** names what the slots hold: the format, the model's fingerprint, the
@@ -33,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,11 +46,13 @@ import xxhash
 
 from prefixcache.cache.distinct import distinct_first
 
-from .slot_index import KEY_BYTES, SEAL_BYTES, SlotIndex
+from ..backend import PageRetention
+from .slot_index import KEY_BYTES, SEAL_BYTES, SlotIndex, owner_id
 
 log = logging.getLogger("prefixcache.server")
 
-VERSION = 1
+# 2: entries and records carry a retention.
+VERSION = 2
 INDEX_MAGIC = b"PCDISKIX"
 JOURNAL_MAGIC = b"PCDISKJR"
 BLOCK_MAGIC = 0x4B4C4250  # "PBLK"
@@ -57,25 +64,35 @@ _BLOCK = struct.Struct("<IIQ")  # magic, records, checksum of the records
 ENTRY = np.dtype(
     [
         ("slot", "<u4"),
-        ("pad", "<u4"),
+        ("priority", "<i2"),
+        ("pad", "V2"),
         ("hits", "<i8"),
         ("id", "<i8"),
         ("time", "<f8"),
         ("key", f"V{KEY_BYTES}"),
         ("seal", f"V{SEAL_BYTES}"),
+        ("seconds", "<f8"),
+        ("until", "<f8"),
+        ("owner", "<i8"),
     ]
 )
 RECORD = np.dtype(
     [
         ("op", "u1"),
-        ("pad", "V3"),
+        ("pad", "V1"),
+        ("priority", "<i2"),
         ("slot", "<u4"),
         ("seq", "<i8"),
         ("time", "<f8"),
         ("key", f"V{KEY_BYTES}"),
         ("seal", f"V{SEAL_BYTES}"),
+        ("seconds", "<f8"),
+        ("until", "<f8"),
+        ("owner", "<i8"),
     ]
 )
+# The fields of a page's retention, in entries and records alike.
+RETENTION = ("priority", "seconds", "until", "owner")
 ADD, FREE = 1, 2
 INDEX_HEAD_BYTES = _INDEX_HEAD.size + _CHECK.size
 JOURNAL_HEAD_BYTES = _JOURNAL_HEAD.size + _CHECK.size
@@ -148,7 +165,7 @@ class IndexFiles:
         used = np.zeros(index.slots, dtype=bool)
         fields = {
             name: np.zeros(index.slots, dtype=ENTRY[name])
-            for name in ("hits", "id", "time", "key", "seal")
+            for name in ("hits", "id", "time", "key", "seal", *RETENTION)
         }
         if entries is not None:
             inside = entries[entries["slot"] < index.slots]
@@ -173,6 +190,7 @@ class IndexFiles:
             fields["hits"][keep],
             fields["id"][keep],
             where,
+            tuple(fields[name][keep] for name in RETENTION),  # type: ignore[arg-type]
         )
         index.seq = max(
             index.seq,
@@ -257,6 +275,8 @@ class IndexFiles:
         fields["time"][at] = adds["time"]
         fields["key"][at] = adds["key"]
         fields["seal"][at] = adds["seal"]
+        for name in RETENTION:
+            fields[name][at] = adds[name]
 
     def journal_size(self) -> int:
         try:
@@ -314,10 +334,12 @@ class IndexFiles:
         meanwhile (they would be cut)."""
         if self._journal is None:
             return
-        slots, keys, seals, last_access, hits, ids, stale = index.entries()
+        (slots, keys, seals, last_access, hits, ids, *retention, stale) = index.entries()
         seq = index.seq
         body = np.zeros(len(slots), dtype=ENTRY)
         body["slot"] = slots
+        for name, values in zip(RETENTION, retention, strict=True):
+            body[name] = values
         body["hits"] = hits
         body["id"] = ids
         body["time"] = last_access
@@ -372,8 +394,10 @@ def records(
     now: float,
     keys: list[bytes] | None = None,
     seals: np.ndarray | None = None,
+    retain: Sequence[PageRetention | None] | None = None,
 ) -> np.ndarray:
-    """Journal records of ``op`` for ``slots`` (with their pages' keys and seals)."""
+    """Journal records of ``op`` for ``slots`` (with their pages' keys, seals and
+    retentions)."""
     out = np.zeros(len(slots), dtype=RECORD)
     out["op"] = op
     out["slot"] = slots
@@ -383,6 +407,12 @@ def records(
         out["key"] = np.frombuffer(b"".join(keys), dtype=f"V{KEY_BYTES}")
     if seals is not None:
         out["seal"] = np.ascontiguousarray(seals).view(f"V{SEAL_BYTES}").reshape(-1)
+    for row, r in enumerate(retain or ()):
+        if r is not None:
+            out["priority"][row] = r.priority
+            out["seconds"][row] = r.seconds
+            out["until"][row] = r.until
+            out["owner"][row] = owner_id(r.owner)
     return out
 
 

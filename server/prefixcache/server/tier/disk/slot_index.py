@@ -17,6 +17,16 @@ ties evict the tail of a prefix first (the pages after a missing one are never f
 A batch of at least ``EVICT_FRACTION`` of the slots goes at once, ranked on a copy of
 the fields and sorted outside the lock.
 
+Retention (prefixcache.cache.retention) comes with a page from the pool
+(``PageRetention``: priority, seconds, expiry on the wall clock, owner) and is kept per
+slot: the ranking is the pool's (``eviction.Retaining``: a page whose retention is in
+force is evicted after every page without one, the lower priority first), so a lapsed
+retention counts as none. Each read of the page renews one in force for its seconds; a
+page the pool evicts again while the slot holds it (``holds``) takes the larger of both,
+as a second owner's hint does in the pool. Each owner (a tenant) may retain at most
+``retain_limit`` slots: past it a page is kept unretained, until lapses (found when the
+owner is at its bound) or evictions make room.
+
 A slot whose page is forgotten (evicted, dropped) is **stale** until the journal says
 so: its page's record is still there, and would bring the page back after a crash.
 That is harmless while the slot's bytes are the page's, so the record that frees it is
@@ -30,11 +40,18 @@ threads, the write thread).
 
 from __future__ import annotations
 
+import hashlib
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from prefixcache.cache.distinct import distinct_counts
+from prefixcache.cache.eviction import Retaining, held_priority
+
+from ..backend import PageRetention
 
 KEY_BYTES = 16
 SEAL_BYTES = 32
@@ -48,19 +65,43 @@ class Entries:
     """Every slot's fields, as the eviction policy reads a node's (arrays)."""
 
     def __init__(
-        self, last_access_time: np.ndarray, hit_count: np.ndarray, ids: np.ndarray
+        self,
+        last_access_time: np.ndarray,
+        hit_count: np.ndarray,
+        ids: np.ndarray,
+        retain_priority: np.ndarray | None = None,
+        retain_until: np.ndarray | None = None,
     ) -> None:
         self.last_access_time = last_access_time
         self.hit_count = hit_count
         self.id = ids
+        self.retain_priority = retain_priority
+        self.retain_until = retain_until
+
+
+def owner_id(owner: str | None) -> int:
+    """A retention owner as the index keeps it: a nonzero int64 (0: no owner)."""
+    name = b"\x00" if owner is None else b"t" + owner.encode()
+    value = int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little", signed=True)
+    return value or 1
 
 
 class SlotIndex:
-    """The pages of ``slots`` slots, evicted by ``policy`` (a priority function)."""
+    """The pages of ``slots`` slots, evicted by ``policy`` (a priority function), with
+    retention on top; an owner retains at most ``retain_limit`` slots (None: any)."""
 
-    def __init__(self, slots: int, policy: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        slots: int,
+        policy: Callable[[Any], Any],
+        retain_limit: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.slots = slots
         self.policy = policy
+        self.ranking = Retaining(policy, clock)
+        self.clock = clock
+        self.retain_limit = slots if retain_limit is None else retain_limit
         self.used = np.zeros(slots, dtype=bool)
         self.keys = np.zeros((slots, KEY_BYTES), dtype=np.uint8)
         self.seals = np.zeros((slots, SEAL_BYTES), dtype=np.uint8)
@@ -71,6 +112,15 @@ class SlotIndex:
         self.reserved = np.zeros(slots, dtype=bool)
         self.stale = np.zeros(slots, dtype=bool)
         self._orphans = np.zeros(slots, dtype=bool)  # forgotten while pinned
+        # Retention per slot (priority 0: none); expiries on ``clock``.
+        self.retain_priority = np.zeros(slots, dtype=np.int16)
+        self.retain_seconds = np.zeros(slots, dtype=np.float64)
+        self.retain_until = np.zeros(slots, dtype=np.float64)
+        self.retain_owner = np.zeros(slots, dtype=np.int64)
+        # Slots each owner retains (lapses not yet found count), and until when a
+        # search for lapses of an owner at its bound would find none.
+        self.retained: dict[int, int] = {}
+        self._no_lapse_before: dict[int, float] = {}
         self.where: dict[bytes, int] = {}
         # Free slots, a stack popped from the end (the smallest on top at first).
         self._free = np.arange(slots - 1, -1, -1, dtype=np.int64)
@@ -94,8 +144,11 @@ class SlotIndex:
                     return i
         return len(keys)
 
-    def holds(self, keys: Sequence[bytes], now: float) -> list[bool]:
-        """Whether each key is held; each held one counts as used at ``now``."""
+    def holds(
+        self, keys: Sequence[bytes], now: float, retain: PageRetention | None = None
+    ) -> list[bool]:
+        """Whether each key is held; each held one counts as used at ``now`` (and takes
+        ``retain``)."""
         out = []
         with self.lock:
             for key in keys:
@@ -103,6 +156,8 @@ class SlotIndex:
                 out.append(slot is not None)
                 if slot is not None:
                     self.last_access[slot] = max(self.last_access[slot], now)
+                    if retain is not None:
+                        self._retain(slot, retain, now)
         return out
 
     def slot_of(self, key: bytes) -> int:
@@ -142,6 +197,12 @@ class SlotIndex:
                 when = now - DEPTH_STEP * np.flatnonzero(live)
                 self.last_access[mine] = when
                 self.hits[mine] += 1
+                # A hit renews a retention in force; a lapsed one stays out.
+                held = mine[(self.retain_priority[mine] > 0) & (self.retain_until[mine] > now)]
+                if len(held):
+                    self.retain_until[held] = np.maximum(
+                        self.retain_until[held], now + self.retain_seconds[held]
+                    )
 
     # ----------------------------------------------------------------- writes
 
@@ -175,13 +236,27 @@ class SlotIndex:
             self.last_access[candidates].copy(),
             self.hits[candidates].copy(),
             self.ids[candidates].copy(),
+            self.retain_priority[candidates].copy(),
+            self.retain_until[candidates].copy(),
         )
 
     def _rank(
-        self, candidates: np.ndarray, last_access: np.ndarray, hits: np.ndarray, ids: np.ndarray
+        self,
+        candidates: np.ndarray,
+        last_access: np.ndarray,
+        hits: np.ndarray,
+        ids: np.ndarray,
+        retain_priority: np.ndarray,
+        retain_until: np.ndarray,
     ) -> np.ndarray:
-        """``candidates`` in eviction order (the policy's lowest first)."""
-        priority = self.policy(Entries(last_access, hits, ids))
+        """``candidates`` in eviction order (the policy's lowest first, retention on
+        top: the pool's ranking)."""
+        now = self.clock()
+        entries = Entries(last_access, hits, ids, retain_priority, retain_until)
+        if held_priority(retain_priority, retain_until, now).any():
+            priority = self.ranking.rank(entries, now)
+        else:  # no retention in force: the policy alone orders them the same
+            priority = self.policy(entries)
         if isinstance(priority, tuple):
             keys = [
                 np.broadcast_to(np.asarray(p, dtype=np.float64), candidates.shape) for p in priority
@@ -216,8 +291,10 @@ class SlotIndex:
         seals: np.ndarray,
         now: float,
         ids: Sequence[int],
+        retain: Sequence[PageRetention | None] | None = None,
     ) -> None:
-        """Reserved ``slots`` now hold the pages ``keys`` (written, journaled)."""
+        """Reserved ``slots`` now hold the pages ``keys`` (written, journaled), each
+        with its retention in ``retain`` (None: none)."""
         with self.lock:
             for slot, key, seq in zip(slots, keys, ids, strict=True):
                 old = self.where.get(key)
@@ -229,6 +306,9 @@ class SlotIndex:
                 self.last_access[slot] = now
                 self.hits[slot] = 0
                 self.ids[slot] = seq
+            for slot, r in zip(slots, retain or (), strict=False):
+                if r is not None:
+                    self._retain(int(slot), r, now)
             if len(slots):
                 self.seals[list(slots)] = seals
                 self.reserved[list(slots)] = False
@@ -275,10 +355,14 @@ class SlotIndex:
         hits: np.ndarray,
         ids: np.ndarray,
         where: dict[bytes, int] | None = None,
+        retention: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """Set the pages a start found (journal.py), on an empty index (``where``: their
-        keys' slots, if made already)."""
+        keys' slots, if made already; ``retention``: their priorities, seconds, expiries
+        and owners; those lapsed by now are dropped)."""
         with self.lock:
+            if retention is not None:
+                self._load_retention(slots, ids, *retention)
             self.used[slots] = True
             self.keys[slots] = keys
             self.seals[slots] = seals
@@ -295,10 +379,38 @@ class SlotIndex:
             self._free[: len(free)] = free[::-1]
             self._top = len(free)
 
+    def _load_retention(
+        self,
+        slots: np.ndarray,
+        ids: np.ndarray,
+        priority: np.ndarray,
+        seconds: np.ndarray,
+        until: np.ndarray,
+        owner: np.ndarray,
+    ) -> None:
+        """Set the retentions in force of loaded ``slots``, each owner's first written
+        ones within its bound (the bound may be smaller than when they were written)."""
+        live = np.flatnonzero((priority > 0) & (until > self.clock()))
+        order = live[np.lexsort((ids[live], owner[live]))]
+        owners = owner[order]
+        heads = np.flatnonzero(np.concatenate(([True], owners[1:] != owners[:-1])))
+        if len(order):
+            runs = np.diff(heads, append=len(order))
+            rank = np.arange(len(order)) - np.repeat(heads, runs)
+            order = order[rank < self.retain_limit]
+        on = slots[order]
+        self.retain_priority[on] = priority[order]
+        self.retain_seconds[on] = seconds[order]
+        self.retain_until[on] = until[order]
+        self.retain_owner[on] = owner[order]
+        held, counts = distinct_counts(owner[order])
+        self.retained = dict(zip(held.tolist(), counts.tolist(), strict=True))
+
     def entries(self) -> tuple[np.ndarray, ...]:
         """A copy of every held page's fields: slots, keys, seals, last access, hits,
-        ids (for the index file), and which slots are stale now (once that file
-        replaces the journal, no record names them: ``settled`` them)."""
+        ids, retention priorities, seconds, expiries and owners (for the index file),
+        and which slots are stale now (once that file replaces the journal, no record
+        names them: ``settled`` them)."""
         with self.lock:
             slots = np.flatnonzero(self.used)
             return (
@@ -308,12 +420,80 @@ class SlotIndex:
                 self.last_access[slots].copy(),
                 self.hits[slots].copy(),
                 self.ids[slots].copy(),
+                self.retain_priority[slots].copy(),
+                self.retain_seconds[slots].copy(),
+                self.retain_until[slots].copy(),
+                self.retain_owner[slots].copy(),
                 np.flatnonzero(self.stale),
+            )
+
+    def retained_slots(self, owner: str | None = None) -> int:
+        """Slots ``owner`` retains now (lapsed ones not counted)."""
+        mine = owner_id(owner)
+        with self.lock:
+            return int(
+                np.count_nonzero(
+                    (self.retain_owner == mine)
+                    & (self.retain_priority > 0)
+                    & (self.retain_until > self.clock())
+                )
             )
 
     # --------------------------------------------------------------- internal
 
+    def _retain(self, slot: int, r: PageRetention, now: float) -> None:
+        """Give ``slot`` the retention ``r`` (under the lock): the larger of both where
+        one is in force (it stays counted against its first owner), else ``r`` if its
+        owner is within its bound."""
+        if r.until <= now or r.priority <= 0:
+            return
+        if self.retain_priority[slot] and self.retain_until[slot] > now:
+            self.retain_priority[slot] = max(int(self.retain_priority[slot]), r.priority)
+            self.retain_seconds[slot] = max(float(self.retain_seconds[slot]), r.seconds)
+            self.retain_until[slot] = max(float(self.retain_until[slot]), r.until)
+            return
+        if self.retain_priority[slot]:  # lapsed: its owner's count goes
+            self._unretain(slot)
+        owner = owner_id(r.owner)
+        if self.retained.get(owner, 0) >= self.retain_limit:
+            self._find_lapses(owner, now)
+            if self.retained.get(owner, 0) >= self.retain_limit:
+                return  # past its owner's bound: an ordinary page
+        self.retain_priority[slot] = min(r.priority, np.iinfo(np.int16).max)
+        self.retain_seconds[slot] = r.seconds
+        self.retain_until[slot] = r.until
+        self.retain_owner[slot] = owner
+        self.retained[owner] = self.retained.get(owner, 0) + 1
+        if owner in self._no_lapse_before:
+            self._no_lapse_before[owner] = min(self._no_lapse_before[owner], r.until)
+
+    def _unretain(self, slot: int) -> None:
+        owner = int(self.retain_owner[slot])
+        left = self.retained.get(owner, 0) - 1
+        if left > 0:
+            self.retained[owner] = left
+        else:
+            self.retained.pop(owner, None)
+        self.retain_priority[slot] = 0
+        self.retain_seconds[slot] = 0.0
+        self.retain_until[slot] = 0.0
+        self.retain_owner[slot] = 0
+
+    def _find_lapses(self, owner: int, now: float) -> None:
+        """Uncount ``owner``'s lapsed retentions (a pass over every slot, so at most
+        once until its earliest retention in force lapses)."""
+        if now < self._no_lapse_before.get(owner, 0.0):
+            return
+        mine = (self.retain_owner == owner) & (self.retain_priority > 0)
+        lapsed = np.flatnonzero(mine & (self.retain_until <= now))
+        for slot in lapsed.tolist():
+            self._unretain(slot)
+        live = self.retain_until[mine & (self.retain_until > now)]
+        self._no_lapse_before[owner] = float(live.min()) if len(live) else 0.0
+
     def _clear(self, slot: int) -> None:
+        if self.retain_priority[slot]:
+            self._unretain(slot)
         self.used[slot] = False
         self.stale[slot] = True
         key = self.keys[slot].tobytes()

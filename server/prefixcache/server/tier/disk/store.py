@@ -51,6 +51,7 @@ from ..backend import (
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     PAST_DEADLINE,
+    PageRetention,
     Parts,
 )
 from .journal import ADD, FREE, IndexFiles, journal_bound, metadata_bytes, records
@@ -101,6 +102,7 @@ class DiskStore:
         identity: What its slots hold (journal.py): files of another are not read.
         policy: The model's eviction policy (prefixcache.cache.eviction).
         name: The model's name, for logs.
+        retain_limit: Slots one owner (tenant) may retain (slot_index.py; None: any).
 
     Raises:
         OSError: the files cannot be made or preallocated.
@@ -116,6 +118,7 @@ class DiskStore:
         identity: bytes,
         policy: Any,
         name: str = "",
+        retain_limit: int | None = None,
     ) -> None:
         folder.mkdir(exist_ok=True)
         self.folder = folder
@@ -125,7 +128,7 @@ class DiskStore:
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.align = align
-        self.index = SlotIndex(slots, policy)
+        self.index = SlotIndex(slots, policy, retain_limit)
         self.files = IndexFiles(folder, identity)
         pages_path = folder / PAGES_FILE
         had = pages_path.stat().st_size if pages_path.exists() else -1
@@ -206,9 +209,9 @@ class DiskStore:
             found += 1
         return [1] * found + [0] * (len(keys) - found)
 
-    def holds(self, keys: list[str]) -> list[bool]:
-        """Whether each key is held (each held one is used now)."""
-        return self.index.holds([self.digest(k) for k in keys], time.time())
+    def holds(self, keys: list[str], retain: PageRetention | None = None) -> list[bool]:
+        """Whether each key is held (each held one is used now, and takes ``retain``)."""
+        return self.index.holds([self.digest(k) for k in keys], time.time(), retain)
 
     def object_size(self, key: str) -> int:
         """The object's bytes as the file holds them now (a page cut short by the end
@@ -303,17 +306,28 @@ class DiskStore:
 
     # ------------------------------------------------------------- writes
 
-    def put_from(self, keys: list[str], ptrs: Parts, sizes: Parts) -> list[int]:
-        """Write each page not held yet (its parts, then its seal) into a free slot: 0,
-        OBJECT_ALREADY_EXISTS (held: it counts as used now), or DISK_FULL, IO_ERROR,
-        NO_SLOT for a page not written."""
+    def put_from(
+        self,
+        keys: list[str],
+        ptrs: Parts,
+        sizes: Parts,
+        retain: list[PageRetention | None] | None = None,
+    ) -> list[int]:
+        """Write each page not held yet (its parts, then its seal) into a free slot,
+        with its retention in ``retain``: 0, OBJECT_ALREADY_EXISTS (held: it counts as
+        used now, and takes the retention), or DISK_FULL, IO_ERROR, NO_SLOT for a page
+        not written."""
         n = len(keys)
         if self.full or self.closed:
             return [DISK_FULL] * n
         self._repair()
         epoch = self._epoch
         digests = [self.digest(k) for k in keys]
-        held = self.index.holds(digests, time.time())
+        now = time.time()
+        if retain is None:
+            held = self.index.holds(digests, now)
+        else:
+            held = [self.index.holds([d], now, r)[0] for d, r in zip(digests, retain, strict=True)]
         codes = [OBJECT_ALREADY_EXISTS if h else 0 for h in held]
         seen: set[bytes] = set()
         new = []
@@ -366,7 +380,7 @@ class DiskStore:
         if failed:
             self.index.release(failed)
         if written:
-            self._commit(written, digests, ptrs, codes, epoch)
+            self._commit(written, digests, ptrs, codes, epoch, retain)
         self._maybe_compact()
         return codes
 
@@ -408,9 +422,11 @@ class DiskStore:
         ptrs: Parts,
         codes: list[int],
         epoch: int,
+        retain: list[PageRetention | None] | None = None,
     ) -> None:
         slots = np.asarray([s for s, _ in written], dtype=np.int64)
         keys = [digests[i] for _, i in written]
+        kept = [retain[i] for _, i in written] if retain is not None else None
         seals = np.empty((len(written), SEAL_BYTES), dtype=np.uint8)
         for row, (_, i) in enumerate(written):
             ctypes.memmove(seals[row].ctypes.data, ptrs[i][-1], SEAL_BYTES)
@@ -421,7 +437,7 @@ class DiskStore:
                 error: int | None = IO_ERROR
             else:
                 try:
-                    self.files.append(records(ADD, slots, ids, now, keys, seals))
+                    self.files.append(records(ADD, slots, ids, now, keys, seals, kept))
                     error = None
                 except OSError as exc:
                     error = self._failed(exc.errno or 0)
@@ -430,7 +446,7 @@ class DiskStore:
                 for _, i in written:
                     codes[i] = error
                 return
-            self.index.commit(slots, keys, seals, now, ids)
+            self.index.commit(slots, keys, seals, now, ids, kept)
 
     def _failed(self, err: int) -> int:
         """The code of a write that failed with ``err``; a full file system pauses
