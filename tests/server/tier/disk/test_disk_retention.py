@@ -17,13 +17,16 @@ import xxhash
 from disk_harness import (
     DEMOTED,
     MODEL,
+    PAGE,
     POOL,
     READY,
     StoreRig,
+    cache,
     disk_config,
     pages,
     read,
     same,
+    start,
     tokens_of,
 )
 from tier_harness import Node
@@ -249,5 +252,87 @@ def test_a_prompt_retained_in_the_pool_keeps_its_retention_on_disk(tmp_path: Pat
         assert hit == len(kept) and same(got, kv, hit)
         with PrefixCacheClient(node.address, timeout=10) as client:
             assert client.match(MODEL, plain).prefix_len == 0
+    finally:
+        assert node.stop() == 0
+
+
+LOOKUPS = r'prefixcache_disk_lookups_total\{model="m",result="%s"\}'
+
+
+def _promote_then_flood(tmp_path: Path, seconds: float, wait: float) -> tuple[bool, bool]:
+    """A prompt retained for ``seconds`` goes to disk; after ``wait`` seconds a lookup
+    promotes it, then a flood of unretained prompts (half again the pool) fills the
+    pool. Whether the retained prompt and the flood's first prompt were each then
+    answered from the pool (not from disk)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    node = start(tmp_path, "a", path)
+    try:
+        kept = tokens_of(1)
+        kv = cache(node, kept, seed=1)
+        with PrefixCacheClient(node.address, timeout=10) as client:
+            reply = client.retain(MODEL, kept, {"retain_seconds": seconds, "priority": "high"})
+            assert reply.retained is not None and reply.retained.outcome == "accepted"
+        _evict_all(node, len(kept) // PAGE)
+        time.sleep(wait)
+        promoted = node.metric(LOOKUPS % "disk")
+        hit, got = read(node, kept)
+        assert hit == len(kept) and same(got, kv, hit)
+        assert node.metric(LOOKUPS % "disk") == promoted + 1  # read from disk
+        flood = [tokens_of(seed) for seed in range(100, 100 + 3 * POOL // 2 // len(kept))]
+        for seed, tokens in enumerate(flood, 100):
+            cache(node, tokens, seed=seed)
+        outcomes = []
+        for tokens in (kept, flood[0]):
+            local = node.metric(LOOKUPS % "local")
+            with PrefixCacheClient(node.address, timeout=10) as client:
+                reply = client.match(MODEL, tokens)
+            outcomes.append(
+                reply.prefix_len == len(tokens) and node.metric(LOOKUPS % "local") == local + 1
+            )
+        return outcomes[0], outcomes[1]
+    finally:
+        assert node.stop() == 0
+
+
+def test_a_retained_page_promoted_from_disk_keeps_its_retention_in_the_pool(
+    tmp_path: Path,
+) -> None:
+    kept, first = _promote_then_flood(tmp_path, seconds=600, wait=0)
+    assert kept  # a hit from the pool: the flood evicted around it
+    assert not first  # the flood's own first prompt went
+
+
+def test_a_page_promoted_after_its_retention_lapsed_is_an_ordinary_page(
+    tmp_path: Path,
+) -> None:
+    kept, first = _promote_then_flood(tmp_path, seconds=1, wait=1.5)
+    assert not kept and not first
+
+
+def test_a_promotion_retains_only_up_to_its_deepest_retained_page(tmp_path: Path) -> None:
+    path = tmp_path / "disk"
+    path.mkdir()
+    node = start(tmp_path, "a", path)
+    try:
+        head, tail = tokens_of(1), tokens_of(2)
+        cache(node, head, seed=1)
+        with PrefixCacheClient(node.address, timeout=10) as client:
+            reply = client.retain(MODEL, head, {"retain_seconds": 600, "priority": "high"})
+            assert reply.retained is not None and reply.retained.outcome == "accepted"
+        cache(node, head + tail, seed=2)  # its tail unretained
+        _evict_all(node, len(head + tail) // PAGE)
+        with PrefixCacheClient(node.address, timeout=10) as client:
+            disk = node.metric(LOOKUPS % "disk")
+            assert client.match(MODEL, head + tail).prefix_len == len(head + tail)
+            assert node.metric(LOOKUPS % "disk") == disk + 1  # both parts in one read
+            for seed in range(100, 100 + 3 * POOL // 2 // len(head)):
+                cache(node, tokens_of(seed), seed=seed)
+            local = node.metric(LOOKUPS % "local")
+            assert client.match(MODEL, head).prefix_len == len(head)
+            assert node.metric(LOOKUPS % "local") == local + 1  # the head stayed
+            disk = node.metric(LOOKUPS % "disk")
+            assert client.match(MODEL, head + tail).prefix_len == len(head + tail)
+            assert node.metric(LOOKUPS % "disk") == disk + 1  # the tail went
     finally:
         assert node.stop() == 0
