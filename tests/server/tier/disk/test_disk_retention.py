@@ -3,7 +3,9 @@ pages before retained ones; a lapsed retention is an ordinary page; a read renew
 in force; one owner retains at most its bound; retentions survive a clean stop and a
 crash; index and journal files of the format before retention are refused and made
 anew; and through real ``prefixcache serve`` processes, a prompt retained in the pool
-keeps its retention on disk."""
+keeps its retention on disk, and a page promoted from disk while its retention is in
+force is retained in the pool again (up to its deepest retained page, within its
+tenant's share; none once lapsed)."""
 
 from __future__ import annotations
 
@@ -334,5 +336,44 @@ def test_a_promotion_retains_only_up_to_its_deepest_retained_page(tmp_path: Path
             disk = node.metric(LOOKUPS % "disk")
             assert client.match(MODEL, head + tail).prefix_len == len(head + tail)
             assert node.metric(LOOKUPS % "disk") == disk + 1  # the tail went
+    finally:
+        assert node.stop() == 0
+
+
+RETAINED = r'prefixcache_retained_tokens\{model="m"\}'
+
+
+def test_a_promotion_retains_within_its_tenants_share_of_the_pool(tmp_path: Path) -> None:
+    """A tenant's promoted retention counts against that tenant, and past its share of
+    the pool it is clipped as that tenant's hint would be."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    config = disk_config(path)
+    config["server"]["tenants"] = [{"name": "acme", "token": "tok-acme", "namespaces": ["acme/"]}]
+    config["server"]["retention"] = {"tenant_share": 0.125}  # 32 of the pool's 256 tokens
+    node = Node(tmp_path, "a", config)
+    try:
+        node.wait(READY, 1)
+        first, second = tokens_of(1), tokens_of(2)
+        with PrefixCacheClient(node.address, token="tok-acme", timeout=10) as acme:
+            for tokens, ns in ((first, "acme/a"), (second, "acme/b")):
+                with acme.session() as s:
+                    slots = acme.alloc(MODEL, len(tokens), session=s).slots
+                    acme.insert(MODEL, tokens, slots, session=s, extra_key=ns)
+                if ns == "acme/b":
+                    continue
+                reply = acme.retain(MODEL, tokens, {"retain_seconds": 600}, extra_key=ns)
+                assert (reply.retained.outcome, reply.retained.tokens) == ("accepted", 24)
+                before = node.metric(DEMOTED)
+                acme.evict(MODEL, POOL)
+                node.wait(DEMOTED, before + len(tokens) // PAGE)
+            assert node.metric(RETAINED) == 0
+            reply = acme.retain(MODEL, second, {"retain_seconds": 600}, extra_key="acme/b")
+            assert (reply.retained.outcome, reply.retained.tokens) == ("accepted", 24)
+            disk = node.metric(LOOKUPS % "disk")
+            assert acme.match(MODEL, first, extra_key="acme/a").prefix_len == len(first)
+            assert node.metric(LOOKUPS % "disk") == disk + 1
+        # The promotion took acme's last 8 tokens (2 pages), not all 24 of its prompt.
+        assert node.metric(RETAINED) == 32
     finally:
         assert node.stop() == 0
