@@ -15,8 +15,9 @@
    rest is a miss.
 5. On the loop, once that thread has returned: the slots go back to the session, the
    leading run read whole and checked (every byte of every page) is inserted after the
-   local hit, and the rest freed. The lookup that follows finds it in the tree, so it
-   is answered as a hit like any local one.
+   local hit, and the rest freed; a tier that keeps retentions gives the inserted
+   pages theirs (``Tier.promoted``). The lookup that follows finds it in the tree, so
+   it is answered as a hit like any local one.
 
 Tiers stack (chain.py): the disk tier's prefetch runs first, so Mooncake's sees its
 pages as part of the local hit and fetches only what follows them.
@@ -184,5 +185,11 @@ async def _fetch(
         got = 0
     finally:
         mt.suppressed = False
+    if inserted:
+        try:
+            tier.promoted(mt, key, now, keys[:whole])
+        except Exception:
+            log.exception("tier fetch could not retain what it promoted")
+            tier.error("fetch", "RETAIN")
     safely(read.release, inserted)
     return got, "miss"

@@ -267,6 +267,11 @@ class Tier:
         ``retain``, in a tier that keeps retentions)."""
         return None
 
+    def promoted(self, mt: ModelTier, key: Any, start: int, keys: list[str]) -> None:
+        """The pages of ``keys`` were read from the store and inserted after the first
+        ``start`` tokens of ``key``; a tier that keeps retentions gives them theirs in
+        the pool."""
+
     def write_refusal(self, mt: ModelTier) -> str | None:
         """Why a write-back of ``mt``'s pages would be dropped now (a drop reason), or
         None. Lookups in flight (``busy``) are no reason."""

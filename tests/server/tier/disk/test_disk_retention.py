@@ -3,7 +3,9 @@ pages before retained ones; a lapsed retention is an ordinary page; a read renew
 in force; one owner retains at most its bound; retentions survive a clean stop and a
 crash; index and journal files of the format before retention are refused and made
 anew; and through real ``prefixcache serve`` processes, a prompt retained in the pool
-keeps its retention on disk."""
+keeps its retention on disk, and a page promoted from disk while its retention is in
+force is retained in the pool again (up to its deepest retained page, within its
+tenant's share; none once lapsed)."""
 
 from __future__ import annotations
 
@@ -17,13 +19,16 @@ import xxhash
 from disk_harness import (
     DEMOTED,
     MODEL,
+    PAGE,
     POOL,
     READY,
     StoreRig,
+    cache,
     disk_config,
     pages,
     read,
     same,
+    start,
     tokens_of,
 )
 from tier_harness import Node
@@ -249,5 +254,126 @@ def test_a_prompt_retained_in_the_pool_keeps_its_retention_on_disk(tmp_path: Pat
         assert hit == len(kept) and same(got, kv, hit)
         with PrefixCacheClient(node.address, timeout=10) as client:
             assert client.match(MODEL, plain).prefix_len == 0
+    finally:
+        assert node.stop() == 0
+
+
+LOOKUPS = r'prefixcache_disk_lookups_total\{model="m",result="%s"\}'
+
+
+def _promote_then_flood(tmp_path: Path, seconds: float, wait: float) -> tuple[bool, bool]:
+    """A prompt retained for ``seconds`` goes to disk; after ``wait`` seconds a lookup
+    promotes it, then a flood of unretained prompts (half again the pool) fills the
+    pool. Whether the retained prompt and the flood's first prompt were each then
+    answered from the pool (not from disk)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    node = start(tmp_path, "a", path)
+    try:
+        kept = tokens_of(1)
+        kv = cache(node, kept, seed=1)
+        with PrefixCacheClient(node.address, timeout=10) as client:
+            reply = client.retain(MODEL, kept, {"retain_seconds": seconds, "priority": "high"})
+            assert reply.retained is not None and reply.retained.outcome == "accepted"
+        _evict_all(node, len(kept) // PAGE)
+        time.sleep(wait)
+        promoted = node.metric(LOOKUPS % "disk")
+        hit, got = read(node, kept)
+        assert hit == len(kept) and same(got, kv, hit)
+        assert node.metric(LOOKUPS % "disk") == promoted + 1  # read from disk
+        flood = [tokens_of(seed) for seed in range(100, 100 + 3 * POOL // 2 // len(kept))]
+        for seed, tokens in enumerate(flood, 100):
+            cache(node, tokens, seed=seed)
+        outcomes = []
+        for tokens in (kept, flood[0]):
+            local = node.metric(LOOKUPS % "local")
+            with PrefixCacheClient(node.address, timeout=10) as client:
+                reply = client.match(MODEL, tokens)
+            outcomes.append(
+                reply.prefix_len == len(tokens) and node.metric(LOOKUPS % "local") == local + 1
+            )
+        return outcomes[0], outcomes[1]
+    finally:
+        assert node.stop() == 0
+
+
+def test_a_retained_page_promoted_from_disk_keeps_its_retention_in_the_pool(
+    tmp_path: Path,
+) -> None:
+    kept, first = _promote_then_flood(tmp_path, seconds=600, wait=0)
+    assert kept  # a hit from the pool: the flood evicted around it
+    assert not first  # the flood's own first prompt went
+
+
+def test_a_page_promoted_after_its_retention_lapsed_is_an_ordinary_page(
+    tmp_path: Path,
+) -> None:
+    kept, first = _promote_then_flood(tmp_path, seconds=1, wait=1.5)
+    assert not kept and not first
+
+
+def test_a_promotion_retains_only_up_to_its_deepest_retained_page(tmp_path: Path) -> None:
+    path = tmp_path / "disk"
+    path.mkdir()
+    node = start(tmp_path, "a", path)
+    try:
+        head, tail = tokens_of(1), tokens_of(2)
+        cache(node, head, seed=1)
+        with PrefixCacheClient(node.address, timeout=10) as client:
+            reply = client.retain(MODEL, head, {"retain_seconds": 600, "priority": "high"})
+            assert reply.retained is not None and reply.retained.outcome == "accepted"
+        cache(node, head + tail, seed=2)  # its tail unretained
+        _evict_all(node, len(head + tail) // PAGE)
+        with PrefixCacheClient(node.address, timeout=10) as client:
+            disk = node.metric(LOOKUPS % "disk")
+            assert client.match(MODEL, head + tail).prefix_len == len(head + tail)
+            assert node.metric(LOOKUPS % "disk") == disk + 1  # both parts in one read
+            for seed in range(100, 100 + 3 * POOL // 2 // len(head)):
+                cache(node, tokens_of(seed), seed=seed)
+            local = node.metric(LOOKUPS % "local")
+            assert client.match(MODEL, head).prefix_len == len(head)
+            assert node.metric(LOOKUPS % "local") == local + 1  # the head stayed
+            disk = node.metric(LOOKUPS % "disk")
+            assert client.match(MODEL, head + tail).prefix_len == len(head + tail)
+            assert node.metric(LOOKUPS % "disk") == disk + 1  # the tail went
+    finally:
+        assert node.stop() == 0
+
+
+RETAINED = r'prefixcache_retained_tokens\{model="m"\}'
+
+
+def test_a_promotion_retains_within_its_tenants_share_of_the_pool(tmp_path: Path) -> None:
+    """A tenant's promoted retention counts against that tenant, and past its share of
+    the pool it is clipped as that tenant's hint would be."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    config = disk_config(path)
+    config["server"]["tenants"] = [{"name": "acme", "token": "tok-acme", "namespaces": ["acme/"]}]
+    config["server"]["retention"] = {"tenant_share": 0.125}  # 32 of the pool's 256 tokens
+    node = Node(tmp_path, "a", config)
+    try:
+        node.wait(READY, 1)
+        first, second = tokens_of(1), tokens_of(2)
+        with PrefixCacheClient(node.address, token="tok-acme", timeout=10) as acme:
+            for tokens, ns in ((first, "acme/a"), (second, "acme/b")):
+                with acme.session() as s:
+                    slots = acme.alloc(MODEL, len(tokens), session=s).slots
+                    acme.insert(MODEL, tokens, slots, session=s, extra_key=ns)
+                if ns == "acme/b":
+                    continue
+                reply = acme.retain(MODEL, tokens, {"retain_seconds": 600}, extra_key=ns)
+                assert (reply.retained.outcome, reply.retained.tokens) == ("accepted", 24)
+                before = node.metric(DEMOTED)
+                acme.evict(MODEL, POOL)
+                node.wait(DEMOTED, before + len(tokens) // PAGE)
+            assert node.metric(RETAINED) == 0
+            reply = acme.retain(MODEL, second, {"retain_seconds": 600}, extra_key="acme/b")
+            assert (reply.retained.outcome, reply.retained.tokens) == ("accepted", 24)
+            disk = node.metric(LOOKUPS % "disk")
+            assert acme.match(MODEL, first, extra_key="acme/a").prefix_len == len(first)
+            assert node.metric(LOOKUPS % "disk") == disk + 1
+        # The promotion took acme's last 8 tokens (2 pages), not all 24 of its prompt.
+        assert node.metric(RETAINED) == 32
     finally:
         assert node.stop() == 0

@@ -13,7 +13,9 @@ It differs where a local index can:
 * ``write_refusal`` adds ``disk_full`` while the file system is full;
 * it keeps retentions (``keeps_retention``): a retained page the pool evicts keeps its
   priority on disk, and one tenant retains at most its share of the slots
-  (``server.retention.tenant_share``, as of the pool; none with retention off).
+  (``server.retention.tenant_share``, as of the pool; none with retention off); a
+  page promoted while its retention is in force is retained in the pool again
+  (``promoted``), as its tenant's hint would be.
 
 Trust: pages are sealed like the tier's objects: with ``server.tier.secret_file`` set
 (the secret is read from there), a MAC under a key per tenant and keyed object keys,
@@ -36,6 +38,7 @@ from ...config.retention import retention_share
 from ...config.tier import TierConfig, read_tier_secret
 from ...config.values import ConfigError
 from ...memory.page_seal import derive_key
+from ...sessions.retention import granted
 from ..backend import PageRetention
 from ..keys import model_fingerprint
 from ..layout import PageLayout
@@ -46,6 +49,7 @@ from ..writer import PutQueue
 from .journal import VERSION
 from .place import Place, model_folder
 from .slot_file import FULL_ERRNOS, probe_direct
+from .slot_index import owner_id
 from .store import DiskStore, slots_for
 
 log = logging.getLogger("prefixcache.server")
@@ -187,6 +191,39 @@ class DiskTier(Tier):
         self, mt: ModelTier, keys: list[str], retain: PageRetention | None = None
     ) -> list[bool] | None:
         return mt.backend.holds(keys, retain)
+
+    def promoted(self, mt: ModelTier, key: Any, start: int, keys: list[str]) -> None:
+        """Retain in the pool the promoted prefix up to its deepest page whose disk
+        retention is in force, with that page's priority, seconds (renewed from now, as
+        a hit in the pool renews) and tenant, as a hint of that tenant would be: within
+        the server's bounds and the tenant's share of the pool. A lapsed retention, or
+        one whose tenant is no longer configured, gives none."""
+        retentions = mt.engine.retentions
+        if not retentions.on:
+            return
+        found = mt.backend.retentions(keys)
+        deepest = len(found) - 1
+        while deepest >= 0 and found[deepest] is None:
+            deepest -= 1
+        held = found[deepest] if deepest >= 0 else None
+        if held is None:
+            return
+        priority, seconds, owner = held
+        tenants = {owner_id(None): None} | {
+            owner_id(t.name): t.name for t in self.service.limits.tenants
+        }
+        if owner not in tenants:
+            return
+        hint = granted(seconds, priority, retentions.config)
+        end = start + (deepest + 1) * mt.page_size
+        cache = mt.engine.cache
+        node, length = cache.peek_node(key[:end])
+        if length != end:  # the prefix ends inside a node: split it there
+            match = cache.match_prefix(key[:end])
+            node, length = match.last_node, match.prefix_len
+            if length != end:
+                return
+        cache.retain(node, hint.seconds, hint.priority, tenants[owner], retentions.limit)
 
     def write_refusal(self, mt: ModelTier) -> str | None:
         if mt.backend.full:

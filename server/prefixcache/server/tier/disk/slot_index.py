@@ -160,6 +160,25 @@ class SlotIndex:
                         self._retain(slot, retain, now)
         return out
 
+    def retentions(self, keys: Sequence[bytes], now: float) -> list[tuple[int, float, int] | None]:
+        """Each key's retention in force at ``now`` as (priority, seconds, owner id), or
+        None (not held, none, or lapsed); touches nothing."""
+        out: list[tuple[int, float, int] | None] = []
+        with self.lock:
+            for key in keys:
+                slot = self.where.get(key)
+                if slot is None or not self.retain_priority[slot] or self.retain_until[slot] <= now:
+                    out.append(None)
+                else:
+                    out.append(
+                        (
+                            int(self.retain_priority[slot]),
+                            float(self.retain_seconds[slot]),
+                            int(self.retain_owner[slot]),
+                        )
+                    )
+        return out
+
     def slot_of(self, key: bytes) -> int:
         with self.lock:
             return self.where.get(key, -1)

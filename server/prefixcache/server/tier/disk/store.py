@@ -213,6 +213,10 @@ class DiskStore:
         """Whether each key is held (each held one is used now, and takes ``retain``)."""
         return self.index.holds([self.digest(k) for k in keys], time.time(), retain)
 
+    def retentions(self, keys: list[str]) -> list[tuple[int, float, int] | None]:
+        """Each key's retention in force now: (priority, seconds, owner id) or None."""
+        return self.index.retentions([self.digest(k) for k in keys], time.time())
+
     def object_size(self, key: str) -> int:
         """The object's bytes as the file holds them now (a page cut short by the end
         of a cut file is shorter), or OBJECT_NOT_FOUND."""
