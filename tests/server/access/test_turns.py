@@ -130,12 +130,16 @@ def test_other_calls_are_answered_while_a_long_call_waits_and_runs(tmp_path) -> 
                 for _ in range(3):  # answered while it waits
                     stub.Stats(pb.StatsRequest(model="m"), timeout=10)
                 assert srv.run(turns.waiting) == 1
+                # The other client's next slice asks while its first still holds the
+                # turn; the turn then goes round: one slice of the flood, then the other
+                # client's, while the flood's next slice waits. (Asked after the flood
+                # ran a few, it could come after the flood's last one.)
+                queued = asyncio.run_coroutine_threadsafe(_hold(turns, "another"), srv.loop)
+                until(lambda: turns.waiting() == 2, "the other client's next slice to ask")
                 granted = srv.run(lambda: turns.granted)
                 srv.call(_let_go(holder))
-                # It runs a few of its 128 slices; then the other client's next slice
-                # comes between two of them, and calls are answered meanwhile.
-                until(lambda: turns.granted >= granted + 3, "the flood's slices to run")
-                holder = srv.call(_hold(turns, "another"))
+                holder = queued.result(timeout=60)
+                assert srv.run(lambda: turns.granted) == granted + 2
                 assert srv.run(turns.waiting) == 1  # the flood's next slice
                 for _ in range(3):
                     stub.Stats(pb.StatsRequest(model="m"), timeout=10)
