@@ -9,10 +9,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A path that leaves the checkout for a sibling folder: "../shared", "../traces",
-# or Python that climbs above the repository root and names a folder there.
+# A path that leaves the checkout for a sibling folder (two dots, a slash and one of
+# these names), or Python that climbs above the repository root and names a folder.
+SIBLINGS = ("shared", "traces", "research", "spec")
 OUTSIDE = re.compile(
-    r"\.\./(shared|traces|research|spec)\b"
+    r"\.\./(" + "|".join(SIBLINGS) + r")\b"
     r"|(REPO|ROOT|_REPO|REPO_ROOT)\.parent\s*/"
     r"|parents\[\d\]\.parent\s*/"
 )

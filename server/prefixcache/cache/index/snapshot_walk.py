@@ -1,7 +1,7 @@
 """SnapshotWalk: a change log's tree walked a slice at a time, exact once finished.
 
 ``ChangeLog.snapshot`` walks the tree in one pass; on the server's event loop a 100k-
-node tree held every other call up for a third of a second or more (issue 21). This
+node tree holds every other call up for a third of a second or more. This
 walk goes a few milliseconds at a time, and the cache may change between its slices.
 Single-threaded like the caches: call it from the thread that drives the cache.
 """
